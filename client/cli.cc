@@ -1,0 +1,203 @@
+#include "client/cli.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/checkpoint.h"
+#include "core/checkpoint_writer.h"
+#include "core/status_macros.h"
+
+namespace weightstore::cli {
+namespace {
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenForCli(const std::string& path,
+                                                            const std::string& top_level_key) {
+  OpenOptions options;
+  options.top_level_key = top_level_key;
+  return Checkpoint::Open(path, options);
+}
+
+std::string FormatLabel(const Checkpoint& c) {
+  return c.detail().empty() ? std::string(FormatName(c.format()))
+                            : absl::StrCat(FormatName(c.format()), " (", c.detail(), ")");
+}
+
+// A one-line progress bar on stderr, redrawn at most 10 times a second.
+class ProgressBar {
+ public:
+  explicit ProgressBar(bool enabled) : enabled_(enabled) {}
+  ~ProgressBar() {
+    if (drawn_) std::fputc('\n', stderr);
+  }
+  void Update(uint64_t done, uint64_t total) {
+    if (!enabled_ || total == 0) return;
+    auto now = std::chrono::steady_clock::now();
+    if (drawn_ && done < total && now - last_ < std::chrono::milliseconds(100)) return;
+    last_ = now;
+    drawn_ = true;
+    const int width = 30;
+    int filled = static_cast<int>(width * static_cast<double>(done) / static_cast<double>(total));
+    double seconds = std::chrono::duration<double>(now - start_).count();
+    double rate = seconds > 0 ? static_cast<double>(done) / seconds : 0;
+    std::fprintf(stderr, "\r[%s%s] %5.1f%%  %s / %s  %s/s   ", std::string(filled, '#').c_str(),
+                 std::string(width - filled, ' ').c_str(), 100.0 * static_cast<double>(done) / static_cast<double>(total),
+                 HumanBytes(done).c_str(), HumanBytes(total).c_str(), HumanBytes(static_cast<uint64_t>(rate)).c_str());
+    std::fflush(stderr);
+  }
+
+ private:
+  bool enabled_;
+  bool drawn_ = false;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_;
+};
+
+constexpr uint64_t kProgressThreshold = uint64_t{64} << 20;
+
+}  // namespace
+
+std::string HumanBytes(uint64_t bytes) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int unit = 0;
+  while (v >= 1024 && unit < 4) {
+    v /= 1024;
+    ++unit;
+  }
+  if (unit == 0) return absl::StrCat(bytes, " B");
+  return absl::StrFormat("%.*f %s", v < 10 ? 2 : 1, v, kUnits[unit]);
+}
+
+absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> c, OpenForCli(args.path, args.top_level_key));
+  if (args.json) {
+    nlohmann::ordered_json doc;
+    doc["format"] = std::string(FormatName(c->format()));
+    if (!c->detail().empty()) doc["container"] = c->detail();
+    doc["metadata"] = nlohmann::json::object();
+    for (const auto& [k, v] : c->metadata()) doc["metadata"][k] = v;
+    doc["tensors"] = nlohmann::json::array();
+    for (const CheckpointEntry& e : c->entries()) {
+      nlohmann::ordered_json t;
+      t["name"] = e.spec.name;
+      t["dtype"] = std::string(DTypeName(e.spec.dtype));
+      t["shape"] = e.spec.shape;
+      t["bytes"] = e.spec.byte_size();
+      doc["tensors"].push_back(std::move(t));
+    }
+    std::string text = doc.dump(1, ' ', false, nlohmann::json::error_handler_t::replace);
+    std::fprintf(out, "%s\n", text.c_str());
+    return absl::OkStatus();
+  }
+  std::fprintf(out, "%s\n  format:   %s\n  tensors:  %zu\n  data:     %s (%llu bytes)\n", c->path().c_str(),
+               FormatLabel(*c).c_str(), c->size(), HumanBytes(c->total_bytes()).c_str(),
+               static_cast<unsigned long long>(c->total_bytes()));
+  if (!c->metadata().empty()) {
+    std::fprintf(out, "  metadata:\n");
+    for (const auto& [k, v] : c->metadata()) std::fprintf(out, "    %s: %s\n", k.c_str(), v.c_str());
+  }
+  size_t name_width = 4, shape_width = 5;
+  for (const CheckpointEntry& e : c->entries()) {
+    name_width = std::max(name_width, e.spec.name.size());
+    shape_width = std::max(shape_width, ShapeToString(e.spec.shape).size());
+  }
+  name_width = std::min<size_t>(name_width, 80);
+  std::fprintf(out, "\n%-*s  %-7s  %-*s  %12s\n", static_cast<int>(name_width), "NAME", "DTYPE",
+               static_cast<int>(shape_width), "SHAPE", "BYTES");
+  for (const CheckpointEntry& e : c->entries()) {
+    std::fprintf(out, "%-*s  %-7s  %-*s  %12llu\n", static_cast<int>(name_width), e.spec.name.c_str(),
+                 std::string(DTypeName(e.spec.dtype)).c_str(), static_cast<int>(shape_width),
+                 ShapeToString(e.spec.shape).c_str(), static_cast<unsigned long long>(e.spec.byte_size()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunConvert(const ConvertArgs& args, std::FILE* out) {
+  Format format;
+  if (!args.format.empty()) {
+    std::optional<Format> f = ParseFormat(args.format);
+    if (!f) return absl::InvalidArgumentError(absl::StrCat("unknown --format '", args.format, "'"));
+    format = *f;
+  } else {
+    std::optional<Format> f = FormatFromExtension(args.output);
+    if (!f) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot tell the output format from '", args.output,
+                                                     "'; name it *.safetensors or *.bpk, or pass --format"));
+    }
+    format = *f;
+  }
+  if (format == Format::kPyTorch) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot write '", args.output,
+                                                   "': PyTorch files are read-only here; write .safetensors or .bpk"));
+  }
+  Metadata extra;
+  for (const std::string& kv : args.metadata) {
+    size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--metadata '", kv, "' is not KEY=VALUE"));
+    }
+    extra[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> c, OpenForCli(args.input, args.top_level_key));
+  Metadata metadata = c->metadata();
+  for (auto& [k, v] : extra) metadata[k] = v;
+
+  ProgressBar bar(args.progress && ::isatty(STDERR_FILENO) && c->total_bytes() >= kProgressThreshold);
+  WriteOptions options;
+  options.overwrite = args.overwrite;
+  options.progress = [&bar](uint64_t done, uint64_t total) { bar.Update(done, total); };
+  WEIGHTSTORE_RETURN_IF_ERROR(WriteCheckpoint(*c, args.output, format, metadata, options));
+  return absl::OkStatus();
+}
+
+absl::Status RunDiff(const DiffArgs& args, std::FILE* out) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> a, OpenForCli(args.a, ""));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> b, OpenForCli(args.b, ""));
+  std::vector<std::string> only_a, only_b, dtype_diff, shape_diff, byte_diff;
+  size_t same = 0;
+  for (const CheckpointEntry& ea : a->entries()) {
+    const CheckpointEntry* eb = b->Find(ea.spec.name);
+    if (eb == nullptr) {
+      only_a.push_back(ea.spec.name);
+    } else if (ea.spec.dtype != eb->spec.dtype) {
+      dtype_diff.push_back(absl::StrCat(ea.spec.name, " (", DTypeName(ea.spec.dtype), " vs ", DTypeName(eb->spec.dtype), ")"));
+    } else if (ea.spec.shape != eb->spec.shape) {
+      shape_diff.push_back(absl::StrCat(ea.spec.name, " (", ShapeToString(ea.spec.shape), " vs ",
+                                        ShapeToString(eb->spec.shape), ")"));
+    } else {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor ta, a->Read(ea));
+      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor tb, b->Read(*eb));
+      if (ta.bytes.view() != tb.bytes.view()) {
+        byte_diff.push_back(ea.spec.name);
+      } else {
+        ++same;
+      }
+    }
+  }
+  for (const CheckpointEntry& eb : b->entries()) {
+    if (a->Find(eb.spec.name) == nullptr) only_b.push_back(eb.spec.name);
+  }
+  auto section = [&](const char* title, const std::vector<std::string>& names) {
+    if (names.empty()) return;
+    std::fprintf(out, "%s (%zu):\n", title, names.size());
+    for (const std::string& n : names) std::fprintf(out, "  %s\n", n.c_str());
+  };
+  section(absl::StrCat("only in ", args.a).c_str(), only_a);
+  section(absl::StrCat("only in ", args.b).c_str(), only_b);
+  section("dtype differs", dtype_diff);
+  section("shape differs", shape_diff);
+  section("bytes differ", byte_diff);
+  const size_t differences = only_a.size() + only_b.size() + dtype_diff.size() + shape_diff.size() + byte_diff.size();
+  std::fprintf(out, "%zu identical, %zu different\n", same, differences);
+  if (differences > 0 && args.exit_code) return absl::FailedPreconditionError("checkpoints differ");
+  return absl::OkStatus();
+}
+
+}  // namespace weightstore::cli

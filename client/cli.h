@@ -1,0 +1,49 @@
+// The `weightstore` command line: subcommands over core (and, later, servers).
+//
+// Each Run* function prints its report to `out`, returns absl::OkStatus() on
+// success, and an error whose message names the file, tensor or field on bad
+// input. main() maps errors to exit status 1 and usage errors to 2.
+#ifndef WEIGHTSTORE_CLIENT_CLI_H_
+#define WEIGHTSTORE_CLIENT_CLI_H_
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace weightstore::cli {
+
+struct InspectArgs {
+  std::string path;
+  bool json = false;
+  std::string top_level_key;
+};
+
+struct ConvertArgs {
+  std::string input;
+  std::string output;
+  std::string format;  // "", "safetensors" or "burnpack"
+  std::string top_level_key;
+  bool overwrite = false;
+  std::vector<std::string> metadata;  // KEY=VALUE
+  bool progress = true;               // shown only when stderr is a terminal
+};
+
+struct DiffArgs {
+  std::string a;
+  std::string b;
+  bool exit_code = false;  // return DiffersError() when they differ
+};
+
+absl::Status RunInspect(const InspectArgs& args, std::FILE* out);
+absl::Status RunConvert(const ConvertArgs& args, std::FILE* out);
+// Returns FailedPrecondition("differ") when args.exit_code is set and A != B.
+absl::Status RunDiff(const DiffArgs& args, std::FILE* out);
+
+// Formats a byte count for people: "512 B", "1.5 KiB", "2.00 GiB".
+std::string HumanBytes(uint64_t bytes);
+
+}  // namespace weightstore::cli
+
+#endif  // WEIGHTSTORE_CLIENT_CLI_H_

@@ -1,0 +1,273 @@
+#include "core/checkpoint.h"
+
+#include <sys/stat.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/burnpack.h"
+#include "core/checked_math.h"
+#include "core/pytorch.h"
+#include "core/safetensors.h"
+#include "core/status_macros.h"
+#include "core/utf8.h"
+#include "absl/strings/escaping.h"
+
+namespace weightstore {
+
+absl::string_view FormatName(Format format) {
+  switch (format) {
+    case Format::kSafeTensors:
+      return "safetensors";
+    case Format::kPyTorch:
+      return "pytorch";
+    case Format::kBurnpack:
+      return "burnpack";
+  }
+  return "unknown";
+}
+
+std::optional<Format> ParseFormat(absl::string_view name) {
+  for (Format f : {Format::kSafeTensors, Format::kPyTorch, Format::kBurnpack}) {
+    if (name == FormatName(f)) return f;
+  }
+  return std::nullopt;
+}
+
+std::shared_ptr<const LazyStorage> LazyStorage::Ready(SharedBytes bytes) {
+  std::shared_ptr<LazyStorage> storage(new LazyStorage());
+  storage->size_ = bytes.size();
+  absl::MutexLock lock(&storage->mu_);
+  storage->bytes_ = std::move(bytes);
+  return storage;
+}
+
+std::shared_ptr<const LazyStorage> LazyStorage::Deferred(uint64_t size, Producer producer) {
+  std::shared_ptr<LazyStorage> storage(new LazyStorage());
+  storage->size_ = size;
+  storage->producer_ = std::move(producer);
+  return storage;
+}
+
+absl::StatusOr<SharedBytes> LazyStorage::Get() const {
+  absl::MutexLock lock(&mu_);
+  if (bytes_.has_value()) return *bytes_;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes, producer_());
+  if (bytes.size() != size_) {
+    return absl::DataLossError(
+        absl::StrCat("storage produced ", bytes.size(), " bytes, expected ", size_));
+  }
+  bytes_ = bytes;
+  return bytes;
+}
+
+namespace {
+
+bool IsContiguous(std::span<const uint64_t> shape, std::span<const uint64_t> strides) {
+  uint64_t expected = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    if (shape[i] == 1) continue;  // a size-1 dim's stride is irrelevant
+    if (strides[i] != expected) return false;
+    expected *= shape[i];
+  }
+  return true;
+}
+
+absl::Status ValidateEntry(CheckpointEntry& entry, absl::string_view path) {
+  const TensorSpec& spec = entry.spec;
+  auto fault = [&](absl::string_view what) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", spec.name, "' in '", path, "': ", what));
+  };
+  if (spec.name.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "' has a tensor with an empty name"));
+  }
+  if (!IsValidUtf8(spec.name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", path, "' has a tensor name that is not UTF-8: '", absl::CHexEscape(spec.name), "'"));
+  }
+  if (entry.layout.storage == nullptr) return fault("has no storage");
+  const uint64_t element_size = DTypeSize(spec.dtype);
+  auto numel = CheckedNumElements(spec.shape);
+  auto nbytes = numel ? CheckedMul(*numel, element_size) : std::nullopt;
+  if (!nbytes) return fault(absl::StrCat("shape ", ShapeToString(spec.shape), " overflows"));
+  const uint64_t storage_size = entry.layout.storage->size();
+  if (!entry.layout.strides.empty()) {
+    if (entry.layout.strides.size() != spec.shape.size()) {
+      return fault(absl::StrCat("has ", entry.layout.strides.size(), " strides for rank ",
+                                spec.shape.size()));
+    }
+    if (IsContiguous(spec.shape, entry.layout.strides)) entry.layout.strides.clear();
+  }
+  if (entry.layout.strides.empty() || *numel == 0) {
+    entry.layout.strides.clear();
+    auto end = CheckedAdd(entry.layout.offset, *nbytes);
+    if (!end || *end > storage_size) {
+      return fault(absl::StrCat("bytes [", entry.layout.offset, ", +", *nbytes,
+                                ") lie outside its storage of ", storage_size, " bytes"));
+    }
+    return absl::OkStatus();
+  }
+  // Strided: the last element reached is offset + sum((dim - 1) * stride).
+  uint64_t last = 0;
+  for (size_t i = 0; i < spec.shape.size(); ++i) {
+    auto term = CheckedMul(spec.shape[i] - 1, entry.layout.strides[i]);
+    auto sum = term ? CheckedAdd(last, *term) : std::nullopt;
+    if (!sum) return fault("strides overflow");
+    last = *sum;
+  }
+  auto last_byte = CheckedMul(last, element_size);
+  auto end = last_byte ? CheckedAdd(entry.layout.offset, *last_byte) : std::nullopt;
+  end = end ? CheckedAdd(*end, element_size) : std::nullopt;
+  if (!end || *end > storage_size) {
+    return fault(absl::StrCat("strided view reaches past its storage of ", storage_size, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+bool LooksLikeSafeTensorsIndex(const std::string& path) {
+  return absl::EndsWith(path, ".index.json");
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Create(
+    Format format, std::string path, Metadata metadata, std::vector<CheckpointEntry> entries,
+    std::string detail) {
+  std::shared_ptr<Checkpoint> checkpoint(new Checkpoint());
+  checkpoint->detail_ = std::move(detail);
+  checkpoint->format_ = format;
+  checkpoint->path_ = std::move(path);
+  checkpoint->metadata_ = std::move(metadata);
+  checkpoint->by_name_.reserve(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    WEIGHTSTORE_RETURN_IF_ERROR(ValidateEntry(entries[i], checkpoint->path_));
+    auto [it, inserted] = checkpoint->by_name_.emplace(entries[i].spec.name, i);
+    if (!inserted) {
+      return absl::InvalidArgumentError(absl::StrCat("'", checkpoint->path_, "' has two tensors named '",
+                                                     entries[i].spec.name, "'"));
+    }
+    checkpoint->total_bytes_ += entries[i].spec.byte_size();
+  }
+  checkpoint->entries_ = std::move(entries);
+  return std::shared_ptr<const Checkpoint>(std::move(checkpoint));
+}
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& path,
+                                                                   const OpenOptions& options) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    std::vector<std::string> indexes;
+    for (const auto& item : std::filesystem::directory_iterator(path, ec)) {
+      if (LooksLikeSafeTensorsIndex(item.path().string())) indexes.push_back(item.path().string());
+    }
+    if (indexes.size() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "folder '", path, "' must hold exactly one *.safetensors.index.json, found ", indexes.size()));
+    }
+    return OpenShardedSafeTensors(indexes[0], options);
+  }
+  if (LooksLikeSafeTensorsIndex(path)) return OpenShardedSafeTensors(path, options);
+
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file,
+                               MappedFile::Open(path, options.mapped_file));
+  absl::string_view head = file->bytes().view().substr(0, 16);
+  if (IsBurnpack(head)) return ReadBurnpack(file, options);
+  if (IsSafeTensors(file->bytes().view())) return ReadSafeTensors(file, options);
+  return ReadPyTorch(file, options);
+}
+
+const CheckpointEntry* Checkpoint::Find(absl::string_view name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &entries_[it->second];
+}
+
+absl::StatusOr<SharedTensor> Checkpoint::Read(absl::string_view name) const {
+  const CheckpointEntry* entry = Find(name);
+  if (entry == nullptr) {
+    return absl::NotFoundError(absl::StrCat("tensor '", name, "' not in '", path_, "'"));
+  }
+  return Read(*entry);
+}
+
+bool Checkpoint::IsZeroCopy(const CheckpointEntry& entry) {
+  return entry.layout.strides.empty() && !entry.layout.normalize_bool;
+}
+
+absl::StatusOr<SharedTensor> Checkpoint::Read(const CheckpointEntry& entry) const {
+  absl::StatusOr<SharedBytes> storage = entry.layout.storage->Get();
+  if (!storage.ok()) {
+    return absl::Status(storage.status().code(),
+                        absl::StrCat("tensor '", entry.spec.name, "': ", storage.status().message()));
+  }
+  const uint64_t nbytes = entry.spec.byte_size();
+  SharedTensor tensor{entry.spec, {}};
+  if (entry.layout.strides.empty()) {
+    tensor.bytes = storage->Subspan(entry.layout.offset, nbytes);
+  } else {
+    std::vector<std::byte> out(nbytes);
+    GatherStrided(storage->data() + entry.layout.offset, DTypeSize(entry.spec.dtype),
+                  entry.spec.shape, entry.layout.strides, out.data());
+    tensor.bytes = SharedBytes::FromVector(std::move(out));
+  }
+  if (entry.layout.normalize_bool && entry.spec.dtype == DType::kBool) {
+    const std::byte* p = tensor.bytes.data();
+    bool clean = true;
+    for (size_t i = 0; i < tensor.bytes.size() && clean; ++i) clean = static_cast<uint8_t>(p[i]) <= 1;
+    if (!clean) {
+      std::vector<std::byte> out(tensor.bytes.size());
+      for (size_t i = 0; i < out.size(); ++i) out[i] = std::byte{p[i] != std::byte{0}};
+      tensor.bytes = SharedBytes::FromVector(std::move(out));
+    }
+  }
+  return tensor;
+}
+
+namespace {
+
+template <size_t kSize>
+void GatherTyped(const std::byte* storage, std::span<const uint64_t> shape,
+                 std::span<const uint64_t> strides, std::byte* out) {
+  const size_t rank = shape.size();
+  const uint64_t inner = shape[rank - 1], inner_stride = strides[rank - 1] * kSize;
+  std::vector<uint64_t> index(rank, 0);
+  uint64_t outer_count = 1;
+  for (size_t i = 0; i + 1 < rank; ++i) outer_count *= shape[i];
+  for (uint64_t o = 0; o < outer_count; ++o) {
+    uint64_t base = 0;
+    for (size_t i = 0; i + 1 < rank; ++i) base += index[i] * strides[i];
+    const std::byte* src = storage + base * kSize;
+    for (uint64_t j = 0; j < inner; ++j, src += inner_stride, out += kSize) {
+      std::memcpy(out, src, kSize);
+    }
+    for (size_t i = rank - 1; i-- > 0;) {  // odometer over the outer dims
+      if (++index[i] < shape[i]) break;
+      index[i] = 0;
+    }
+  }
+}
+
+}  // namespace
+
+void GatherStrided(const std::byte* storage, uint64_t element_size, std::span<const uint64_t> shape,
+                   std::span<const uint64_t> strides, std::byte* out) {
+  if (shape.empty()) {
+    std::memcpy(out, storage, element_size);
+    return;
+  }
+  switch (element_size) {
+    case 1:
+      return GatherTyped<1>(storage, shape, strides, out);
+    case 2:
+      return GatherTyped<2>(storage, shape, strides, out);
+    case 4:
+      return GatherTyped<4>(storage, shape, strides, out);
+    default:
+      return GatherTyped<8>(storage, shape, strides, out);
+  }
+}
+
+}  // namespace weightstore

@@ -1,0 +1,149 @@
+// Checkpoint: an immutable, ordered index of tensors plus string metadata, opened
+// from a SafeTensors, PyTorch or Burnpack file (or a sharded SafeTensors folder).
+//
+// Opening reads only headers and indices; tensor bytes are touched when Read() is
+// called. Read() is zero-copy when the tensor is stored contiguously in the file:
+// the returned bytes point into the mapping and keep it alive. Strided PyTorch
+// tensors are gathered into a new buffer. Thread-safe: immutable after Open().
+#ifndef WEIGHTSTORE_CORE_CHECKPOINT_H_
+#define WEIGHTSTORE_CORE_CHECKPOINT_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "core/mapped_file.h"
+#include "core/shared_bytes.h"
+#include "core/tensor.h"
+
+namespace weightstore {
+
+enum class Format { kSafeTensors, kPyTorch, kBurnpack };
+
+// "safetensors", "pytorch", "burnpack".
+absl::string_view FormatName(Format format);
+// Parses a FormatName(). Returns nullopt if unknown.
+std::optional<Format> ParseFormat(absl::string_view name);
+
+using Metadata = std::map<std::string, std::string>;
+
+// The bytes behind one or more tensors: a range of a mapped file, or something
+// produced on first use (an inflated zip entry). Thread-safe.
+class LazyStorage {
+ public:
+  using Producer = std::function<absl::StatusOr<SharedBytes>()>;
+
+  static std::shared_ptr<const LazyStorage> Ready(SharedBytes bytes);
+  // `producer` runs at most once successfully; it must return exactly `size` bytes.
+  static std::shared_ptr<const LazyStorage> Deferred(uint64_t size, Producer producer);
+
+  uint64_t size() const { return size_; }
+  // Returns the bytes, producing them on first use.
+  absl::StatusOr<SharedBytes> Get() const;
+
+ private:
+  LazyStorage() = default;
+  uint64_t size_ = 0;
+  Producer producer_;
+  mutable absl::Mutex mu_;
+  mutable std::optional<SharedBytes> bytes_ ABSL_GUARDED_BY(mu_);
+};
+
+// Where one tensor's elements are inside its storage.
+struct TensorLayout {
+  std::shared_ptr<const LazyStorage> storage;
+  uint64_t offset = 0;            // bytes from the start of the storage to element 0
+  std::vector<uint64_t> strides;  // in elements; empty means contiguous row-major
+  bool normalize_bool = false;    // map every nonzero byte of a BOOL tensor to 1
+};
+
+struct CheckpointEntry {
+  TensorSpec spec;
+  TensorLayout layout;
+};
+
+struct OpenOptions {
+  // PyTorch: select this root key (whose value must be a dict) before flattening.
+  // Default: none, flatten the whole root dict.
+  std::string top_level_key;
+  // PyTorch zip: verify the CRC-32 of tensor storages too (the pickle and small
+  // records are always verified). Default: false (costs a pass over the data).
+  bool verify_crc = false;
+  // Largest SafeTensors JSON header accepted. Default: 100,000,000 bytes, as the
+  // reference implementation.
+  uint64_t max_header_bytes = 100000000;
+  // Largest number of tensors in one checkpoint. Default: 100,000 (as Burnpack).
+  uint64_t max_tensors = 100000;
+  MappedFileOptions mapped_file;
+};
+
+class Checkpoint {
+ public:
+  // Opens `path`, detecting the format from its content: a SafeTensors, Burnpack
+  // or PyTorch (.pt/.pth) file, a `*.safetensors.index.json` sharded index, or a
+  // folder holding exactly one such index. Returns NotFound if missing and
+  // InvalidArgument, naming the file and the fault, if malformed.
+  static absl::StatusOr<std::shared_ptr<const Checkpoint>> Open(const std::string& path,
+                                                                const OpenOptions& options = {});
+
+  // Builds a checkpoint from parts (used by the format readers and by tests).
+  // Returns InvalidArgument if two entries share a name or a layout does not fit
+  // its storage.
+  // `detail` describes the container ("zip", "legacy", ...) for inspection.
+  static absl::StatusOr<std::shared_ptr<const Checkpoint>> Create(
+      Format format, std::string path, Metadata metadata, std::vector<CheckpointEntry> entries,
+      std::string detail = "");
+
+  Format format() const { return format_; }
+  const std::string& path() const { return path_; }
+  // How the format was stored, e.g. "zip" or "legacy" for PyTorch; may be empty.
+  const std::string& detail() const { return detail_; }
+  const Metadata& metadata() const { return metadata_; }
+  size_t size() const { return entries_.size(); }
+  // Tensors in file order.
+  const std::vector<CheckpointEntry>& entries() const { return entries_; }
+  // Sum of every tensor's byte_size().
+  uint64_t total_bytes() const { return total_bytes_; }
+
+  // Returns the entry named `name`, or nullptr.
+  const CheckpointEntry* Find(absl::string_view name) const;
+
+  // Returns the tensor's bytes (row-major, little-endian). Zero-copy when the
+  // tensor is contiguous in its storage. Returns NotFound for an unknown name and
+  // DataLoss if its storage cannot be read.
+  absl::StatusOr<SharedTensor> Read(absl::string_view name) const;
+  absl::StatusOr<SharedTensor> Read(const CheckpointEntry& entry) const;
+
+  // True when Read() of this entry returns a view rather than a new buffer.
+  static bool IsZeroCopy(const CheckpointEntry& entry);
+
+ private:
+  Checkpoint() = default;
+
+  Format format_ = Format::kSafeTensors;
+  std::string path_;
+  std::string detail_;
+  Metadata metadata_;
+  std::vector<CheckpointEntry> entries_;
+  absl::flat_hash_map<std::string, size_t> by_name_;
+  uint64_t total_bytes_ = 0;
+};
+
+// Copies the elements of a strided tensor into row-major order.
+// REQUIRES: the layout was validated (every element lies inside `storage`).
+void GatherStrided(const std::byte* storage, uint64_t element_size,
+                   std::span<const uint64_t> shape, std::span<const uint64_t> strides,
+                   std::byte* out);
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_CHECKPOINT_H_

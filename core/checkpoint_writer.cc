@@ -1,0 +1,141 @@
+#include "core/checkpoint_writer.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/atomic_file.h"
+#include "core/burnpack.h"
+#include "core/safetensors.h"
+#include "core/status_macros.h"
+
+namespace weightstore {
+namespace {
+
+absl::StatusOr<WritePlan> PlanFor(Format format, const std::vector<TensorSpec>& specs, const Metadata& metadata) {
+  switch (format) {
+    case Format::kSafeTensors:
+      return PlanSafeTensors(specs, metadata);
+    case Format::kBurnpack:
+      return PlanBurnpack(specs, metadata);
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("cannot write ", FormatName(format), " files"));
+  }
+}
+
+// Streams the plan to `sink`, producing each tensor's bytes once, in file order.
+template <typename Sink>
+absl::Status WritePlanned(const WritePlan& plan, const std::vector<TensorSpec>& specs,
+                          const std::vector<BytesProducer>& producers, const WriteOptions& options, Sink& sink) {
+  WEIGHTSTORE_RETURN_IF_ERROR(sink.Append(plan.header));
+  uint64_t pos = plan.header.size();
+  for (size_t k = 0; k < plan.order.size(); ++k) {
+    const size_t i = plan.order[k];
+    const TensorSpec& spec = specs[i];
+    WEIGHTSTORE_RETURN_IF_ERROR(sink.AppendZeros(plan.offsets[k] - pos));
+    absl::StatusOr<SharedBytes> bytes = producers[i]();
+    if (!bytes.ok()) {
+      return absl::Status(bytes.status().code(),
+                          absl::StrCat("tensor '", spec.name, "': ", bytes.status().message()));
+    }
+    if (bytes->size() != spec.byte_size()) {
+      return absl::InternalError(absl::StrCat("tensor '", spec.name, "' produced ", bytes->size(),
+                                              " bytes, expected ", spec.byte_size()));
+    }
+    // Write in 8 MiB windows so progress moves and the kernel can stream.
+    constexpr size_t kWindow = 8 << 20;
+    absl::string_view view = bytes->view();
+    for (size_t off = 0; off < view.size(); off += kWindow) {
+      WEIGHTSTORE_RETURN_IF_ERROR(sink.Append(view.substr(off, kWindow)));
+    }
+    pos = plan.offsets[k] + spec.byte_size();
+    if (options.progress) options.progress(pos, plan.file_size);
+  }
+  return sink.AppendZeros(plan.file_size - pos);
+}
+
+struct StringSink {
+  std::string out;
+  absl::Status Append(absl::string_view data) {
+    out.append(data.data(), data.size());
+    return absl::OkStatus();
+  }
+  absl::Status AppendZeros(uint64_t n) {
+    out.append(n, '\0');
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(std::string path, Format format,
+                                                                           WriteOptions options) {
+  if (format != Format::kSafeTensors && format != Format::kBurnpack) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot write ", FormatName(format),
+                                                   " files (writable: safetensors, burnpack)"));
+  }
+  std::unique_ptr<CheckpointWriter> writer(new CheckpointWriter());
+  writer->path_ = std::move(path);
+  writer->format_ = format;
+  writer->options_ = std::move(options);
+  return writer;
+}
+
+absl::Status CheckpointWriter::Add(TensorSpec spec, BytesProducer bytes) {
+  if (spec.name.empty()) return absl::InvalidArgumentError("a tensor has an empty name");
+  if (!names_.insert(spec.name).second) {
+    return absl::InvalidArgumentError(absl::StrCat("duplicate tensor name '", spec.name, "'"));
+  }
+  specs_.push_back(std::move(spec));
+  producers_.push_back(std::move(bytes));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<WritePlan> CheckpointWriter::Plan() const { return PlanFor(format_, specs_, metadata_); }
+
+absl::Status CheckpointWriter::Finish() {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, Plan());
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file, AtomicFile::Create(path_, options_.overwrite));
+  WEIGHTSTORE_RETURN_IF_ERROR(WritePlanned(plan, specs_, producers_, options_, *file));
+  return file->Commit();
+}
+
+std::optional<Format> FormatFromExtension(absl::string_view path) {
+  std::string lower = absl::AsciiStrToLower(path);
+  if (absl::EndsWith(lower, ".safetensors")) return Format::kSafeTensors;
+  if (absl::EndsWith(lower, ".bpk")) return Format::kBurnpack;
+  if (absl::EndsWith(lower, ".pt") || absl::EndsWith(lower, ".pth") || absl::EndsWith(lower, ".bin")) {
+    return Format::kPyTorch;
+  }
+  return std::nullopt;
+}
+
+absl::Status WriteCheckpoint(const Checkpoint& checkpoint, const std::string& path, Format format,
+                             const Metadata& metadata, const WriteOptions& options) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                               CheckpointWriter::Create(path, format, options));
+  writer->SetMetadata(metadata);
+  for (const CheckpointEntry& entry : checkpoint.entries()) {
+    WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(entry.spec, [&checkpoint, &entry]() -> absl::StatusOr<SharedBytes> {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor tensor, checkpoint.Read(entry));
+      return tensor.bytes;
+    }));
+  }
+  return writer->Finish();
+}
+
+absl::StatusOr<std::string> SerializeCheckpoint(Format format, const std::vector<SharedTensor>& tensors,
+                                                const Metadata& metadata) {
+  std::vector<TensorSpec> specs;
+  std::vector<BytesProducer> producers;
+  for (const SharedTensor& t : tensors) {
+    specs.push_back(t.spec);
+    producers.push_back([bytes = t.bytes]() -> absl::StatusOr<SharedBytes> { return bytes; });
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, PlanFor(format, specs, metadata));
+  StringSink sink;
+  WEIGHTSTORE_RETURN_IF_ERROR(WritePlanned(plan, specs, producers, WriteOptions{}, sink));
+  return std::move(sink.out);
+}
+
+}  // namespace weightstore

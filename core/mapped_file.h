@@ -1,0 +1,80 @@
+// MappedFile: a read-only view of a whole file, memory-mapped with
+// Boost.Interprocess, or read with pread when the file is small.
+//
+// Move-only owner of the mapping; share it through std::shared_ptr so that byte
+// ranges (SharedBytes) handed out by bytes() keep it alive. Thread-safe: immutable
+// after Open(). The file must not be truncated while mapped (readers would get
+// SIGBUS); weightstore only ever replaces files by rename.
+#ifndef WEIGHTSTORE_CORE_MAPPED_FILE_H_
+#define WEIGHTSTORE_CORE_MAPPED_FILE_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/shared_bytes.h"
+
+namespace weightstore {
+
+struct MappedFileOptions {
+  // Files smaller than this are read into memory with pread instead of mapped.
+  // Default: 256 KiB (tensorstore's kMMapThreshold).
+  uint64_t mmap_threshold = 256 * 1024;
+};
+
+class MappedFile : public std::enable_shared_from_this<MappedFile> {
+ public:
+  // Opens and maps `path` read-only. Returns NotFound if it does not exist,
+  // FailedPrecondition if it is not a regular file, Internal on I/O failure.
+  static absl::StatusOr<std::shared_ptr<const MappedFile>> Open(
+      const std::string& path, const MappedFileOptions& options = {});
+
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  ~MappedFile();
+
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return size_; }
+  bool is_mapped() const { return mapped_; }
+  // The open file descriptor (valid while this object lives).
+  int fd() const { return fd_; }
+  // Device and inode of the opened file: identify a version across renames.
+  dev_t device() const { return device_; }
+  ino_t inode() const { return inode_; }
+  int64_t mtime_ns() const { return mtime_ns_; }
+
+  // Returns the whole file; subspans share ownership of this MappedFile.
+  SharedBytes bytes() const;
+
+  // Hints that [offset, offset + length) will be read soon (madvise WILLNEED).
+  void WillNeed(uint64_t offset, uint64_t length) const;
+
+ private:
+  MappedFile() = default;
+
+  std::string path_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+  bool mapped_ = false;
+  dev_t device_ = 0;
+  ino_t inode_ = 0;
+  int64_t mtime_ns_ = 0;
+  const std::byte* data_ = nullptr;
+  std::vector<std::byte> buffer_;  // small files
+  struct Mapping;
+  std::unique_ptr<Mapping> mapping_;  // large files
+};
+
+// Reads `length` bytes at `offset` of an open file descriptor, retrying short reads.
+// Returns DataLoss if the file ends early.
+absl::Status PreadFully(int fd, uint64_t offset, std::byte* out, uint64_t length,
+                        absl::string_view path_for_errors);
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_MAPPED_FILE_H_

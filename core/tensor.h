@@ -1,0 +1,52 @@
+// Tensor descriptions and tensors with bytes.
+//
+// TensorSpec describes a tensor without its data. SharedTensor owns (shares) its
+// bytes; TensorView borrows them and is valid only while the owner lives.
+#ifndef WEIGHTSTORE_CORE_TENSOR_H_
+#define WEIGHTSTORE_CORE_TENSOR_H_
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "core/dtype.h"
+#include "core/shared_bytes.h"
+
+namespace weightstore {
+
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<uint64_t> shape;  // empty for a scalar
+  // Burn's ParamId, carried through Burnpack files; absent for other formats.
+  std::optional<uint64_t> param_id;
+
+  // Returns the element count (1 for a scalar). REQUIRES: validated shape (no overflow).
+  uint64_t num_elements() const;
+  // Returns num_elements() * DTypeSize(dtype).
+  uint64_t byte_size() const;
+
+  friend bool operator==(const TensorSpec&, const TensorSpec&) = default;
+};
+
+// Returns "[2, 3]" for shape {2, 3} and "[]" for a scalar.
+std::string ShapeToString(std::span<const uint64_t> shape);
+
+// A tensor and its row-major, little-endian bytes, shared with their owner.
+struct SharedTensor {
+  TensorSpec spec;
+  SharedBytes bytes;
+};
+
+// A borrowed tensor: passed by value, valid only while its owner lives.
+struct TensorView {
+  const TensorSpec* spec = nullptr;
+  std::span<const std::byte> bytes;
+};
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_TENSOR_H_

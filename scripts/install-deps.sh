@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs everything weightstore needs to build, test and run, from Debian 12's
+# repository only. Safe to run more than once.
+set -euo pipefail
+
+packages=(
+  # toolchain
+  build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev
+  # service stack
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libre2-dev libboost-dev
+  # formats: JSON (SafeTensors headers), CBOR (Burnpack), zlib (zip CRC-32)
+  nlohmann-json3-dev libcbor-dev zlib1g-dev libcli11-dev
+  # tests and benchmarks
+  libgtest-dev libgmock-dev libbenchmark-dev libssl-dev
+  python3 python3-torch python3-numpy
+)
+
+sudo=""
+if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  $sudo apt-get update -q
+  $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
