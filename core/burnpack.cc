@@ -36,17 +36,25 @@ struct ScanState {
   uint64_t items = 0;
   std::string error;
 
+  // A scalar item: counts against its container; finished containers close.
   void Item() {
-    if (++items > kMaxCborItems) Fail("too many CBOR items");
-    if (!remaining.empty() && --remaining.back() == 0) {
-      while (!remaining.empty() && remaining.back() == 0) remaining.pop_back();
-    }
+    Consume();
+    CloseFinished();
   }
+  // A container of `count` items. Its parent is not closed before it, so the
+  // stack depth is the true nesting depth.
   void Open(uint64_t count) {
-    Item();
-    if (count == 0) return;
+    Consume();
+    if (count == 0) return CloseFinished();
     if (remaining.size() >= kMaxCborDepth) return Fail("CBOR nesting deeper than 128");
     remaining.push_back(count);
+  }
+  void Consume() {
+    if (++items > kMaxCborItems) Fail("too many CBOR items");
+    if (!remaining.empty()) --remaining.back();
+  }
+  void CloseFinished() {
+    while (!remaining.empty() && remaining.back() == 0) remaining.pop_back();
   }
   void Fail(const std::string& message) {
     if (error.empty()) error = message;

@@ -1,0 +1,143 @@
+#include "core/pytorch.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "tests/util/pickle_builder.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/zip_builder.h"
+
+namespace weightstore {
+namespace {
+
+using ::testing::HasSubstr;
+using ::weightstore::testing::BuildZip;
+using ::weightstore::testing::PickleBuilder;
+using ::weightstore::testing::StatusIs;
+using ::weightstore::testing::ZipBuildEntry;
+
+std::string Floats(std::initializer_list<float> values) {
+  std::string out(values.size() * 4, '\0');
+  std::memcpy(out.data(), values.begin(), out.size());
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> Parse(const std::string& bytes, OpenOptions options = {}) {
+  return ParsePyTorch(SharedBytes::Copy(bytes), "m.pt", options);
+}
+
+std::string TorchZip(const std::string& pickle, std::vector<ZipBuildEntry> records) {
+  std::vector<ZipBuildEntry> entries = {{"m/data.pkl", pickle}, {"m/byteorder", "little"}};
+  for (auto& r : records) entries.push_back({"m/data/" + r.name, r.data});
+  entries.push_back({"m/version", "3\n"});
+  return BuildZip(entries);
+}
+
+TEST(PyTorchTest, GathersATransposedTensorInRowMajorOrder) {
+  // storage = [0 1 2 3 4 5] viewed as shape (3, 2) with strides (1, 3): x.t() of a (2, 3).
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark().Str("t").Tensor("FloatStorage", "0", 6, 0, {3, 2}, {1, 3}).SetItems().Stop();
+  ASSERT_OK_AND_ASSIGN(auto c, Parse(TorchZip(p.str(), {{"0", Floats({0, 1, 2, 3, 4, 5})}})));
+  ASSERT_OK_AND_ASSIGN(SharedTensor t, c->Read("t"));
+  EXPECT_EQ(t.bytes.view(), Floats({0, 3, 1, 4, 2, 5}));
+  EXPECT_FALSE(Checkpoint::IsZeroCopy(*c->Find("t")));
+}
+
+TEST(PyTorchTest, SharesOneStorageBetweenViewsWithOffsets) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark();
+  p.Str("a").Tensor("FloatStorage", "0", 6, 1, {2}, {1});
+  p.Str("b").Tensor("FloatStorage", "0", 6, 4, {2}, {1});
+  p.SetItems().Stop();
+  ASSERT_OK_AND_ASSIGN(auto c, Parse(TorchZip(p.str(), {{"0", Floats({0, 1, 2, 3, 4, 5})}})));
+  ASSERT_OK_AND_ASSIGN(SharedTensor a, c->Read("a"));
+  ASSERT_OK_AND_ASSIGN(SharedTensor b, c->Read("b"));
+  EXPECT_EQ(a.bytes.view(), Floats({1, 2}));
+  EXPECT_EQ(b.bytes.view(), Floats({4, 5}));
+  EXPECT_EQ(c->Find("a")->layout.storage, c->Find("b")->layout.storage);
+}
+
+TEST(PyTorchTest, ExpandsZeroStrideViews) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark().Str("e").Tensor("FloatStorage", "0", 3, 0, {2, 3}, {0, 1}).SetItems().Stop();
+  ASSERT_OK_AND_ASSIGN(auto c, Parse(TorchZip(p.str(), {{"0", Floats({1, 2, 3})}})));
+  ASSERT_OK_AND_ASSIGN(SharedTensor e, c->Read("e"));
+  EXPECT_EQ(e.bytes.view(), Floats({1, 2, 3, 1, 2, 3}));
+}
+
+TEST(PyTorchTest, RejectsAViewReachingPastItsStorage) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark().Str("w").Tensor("FloatStorage", "0", 4, 3, {2}, {1}).SetItems().Stop();
+  EXPECT_THAT(Parse(TorchZip(p.str(), {{"0", Floats({1, 2, 3, 4})}})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tensor 'w'")));
+}
+
+TEST(PyTorchTest, RejectsAStorageRecordOfTheWrongSize) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark().Str("w").Tensor("FloatStorage", "0", 100, 0, {100}, {1}).SetItems().Stop();
+  EXPECT_THAT(Parse(TorchZip(p.str(), {{"0", Floats({1, 2})}})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("holds 8 bytes, but its storage declares 400")));
+}
+
+TEST(PyTorchTest, RejectsAMissingStorageRecordInsteadOfZeroFilling) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark().Str("w").Tensor("FloatStorage", "7", 1, 0, {1}, {1}).SetItems().Stop();
+  EXPECT_THAT(Parse(TorchZip(p.str(), {})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'m/data/7' is missing")));
+}
+
+TEST(PyTorchTest, RefusesTorchScriptArchives) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Stop();
+  std::string zip = BuildZip({{"m/data.pkl", p.str()}, {"m/constants.pkl", p.str()}, {"m/code/m.py", "x"}});
+  EXPECT_THAT(Parse(zip), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("TorchScript")));
+}
+
+TEST(PyTorchTest, RefusesBigEndianArchives) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Stop();
+  EXPECT_THAT(Parse(BuildZip({{"m/data.pkl", p.str()}, {"m/byteorder", "big"}})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("byte order 'big'")));
+}
+
+TEST(PyTorchTest, SelectsATopLevelKeyAndListsTheAlternatives) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark();
+  p.Str("model").EmptyDict().Mark().Str("w").Tensor("FloatStorage", "0", 1, 0, {1}, {1}).SetItems();
+  p.Str("optim").EmptyDict();
+  p.Str("epoch").Int(3);
+  p.SetItems().Stop();
+  std::string zip = TorchZip(p.str(), {{"0", Floats({5})}});
+  ASSERT_OK_AND_ASSIGN(auto all, Parse(zip));
+  EXPECT_NE(all->Find("model.w"), nullptr);
+  OpenOptions options;
+  options.top_level_key = "model";
+  ASSERT_OK_AND_ASSIGN(auto model, Parse(zip, options));
+  EXPECT_NE(model->Find("w"), nullptr);
+  options.top_level_key = "missing";
+  EXPECT_THAT(Parse(zip, options), StatusIs(absl::StatusCode::kNotFound, HasSubstr("dict-valued keys: model, optim")));
+}
+
+TEST(PyTorchTest, RefusesARootThatIsNotADict) {
+  PickleBuilder p;
+  p.Proto(2).EmptyList().Stop();
+  EXPECT_THAT(Parse(TorchZip(p.str(), {})), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("root is not a dict")));
+}
+
+TEST(PyTorchTest, NamesUnrecognizedBytesAndEmptyFiles) {
+  EXPECT_THAT(Parse("abc"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("starts with 61 62 63")));
+  EXPECT_THAT(Parse(""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty")));
+}
+
+TEST(PyTorchTest, NormalizesBoolBytesToZeroOrOne) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark().Str("b").Tensor("BoolStorage", "0", 3, 0, {3}, {1}).SetItems().Stop();
+  ASSERT_OK_AND_ASSIGN(auto c, Parse(TorchZip(p.str(), {{"0", std::string("\0\x07\x01", 3)}})));
+  ASSERT_OK_AND_ASSIGN(SharedTensor b, c->Read("b"));
+  EXPECT_EQ(b.bytes.view(), std::string("\0\x01\x01", 3));
+}
+
+}  // namespace
+}  // namespace weightstore

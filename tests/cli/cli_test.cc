@@ -1,0 +1,142 @@
+// Runs the real `weightstore` binary as a user would.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "core/checkpoint.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
+
+namespace weightstore {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::ShellQuote;
+
+std::string Burn(const std::string& rel) { return testing::FixturesDir() + "/burn/" + rel; }
+
+int Cli(const std::string& args, std::string* output, bool merge_stderr = true) {
+  return testing::RunCommand(absl::StrCat(ShellQuote(testing::CliPath()), " ", args), output, merge_stderr);
+}
+
+size_t CountFiles(const std::string& dir) {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir)) ++n;
+  return n;
+}
+
+TEST(CliTest, InspectPrintsATableOfEveryTensor) {
+  std::string out;
+  ASSERT_EQ(Cli("inspect " + ShellQuote(Burn("pytorch-models/batch_norm2d.pt")), &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("pytorch (zip"));
+  EXPECT_THAT(out, HasSubstr("norm1.running_var"));
+  EXPECT_THAT(out, HasSubstr("I64"));
+}
+
+TEST(CliTest, InspectJsonHasFormatMetadataAndTensors) {
+  std::string out;
+  ASSERT_EQ(Cli("inspect --json " + ShellQuote(Burn("burnpack/mnist.bpk")), &out, false), 0) << out;
+  nlohmann::json doc = nlohmann::json::parse(out);
+  EXPECT_EQ(doc["format"], "burnpack");
+  EXPECT_TRUE(doc["metadata"].is_object());
+  ASSERT_EQ(doc["tensors"].size(), 18u);
+  EXPECT_EQ(doc["tensors"][0]["name"], "conv1.conv.weight");
+  EXPECT_EQ(doc["tensors"][0]["shape"], nlohmann::json({64, 1, 3, 3}));
+  EXPECT_EQ(doc["tensors"][0]["bytes"], 2304);
+  EXPECT_EQ(doc["tensors"][0]["dtype"], "F32");
+}
+
+TEST(CliTest, InspectWithTopLevelKeyShowsTheSelectedDict) {
+  std::string out;
+  ASSERT_EQ(Cli("inspect --json --top-level-key my_state_dict " + ShellQuote(Burn("pytorch-models/top_level_key.pt")),
+                &out, false),
+            0);
+  EXPECT_THAT(out, HasSubstr("\"conv1.weight\""));
+  EXPECT_EQ(Cli("inspect --top-level-key nope " + ShellQuote(Burn("pytorch-models/top_level_key.pt")), &out), 1);
+  EXPECT_THAT(out, HasSubstr("my_state_dict"));
+}
+
+TEST(CliTest, ConvertFollowsTheExtensionAndAddsMetadata) {
+  const std::string dir = testing::MakeScratchDir("cli");
+  std::string out;
+  ASSERT_EQ(Cli(absl::StrCat("convert ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir,
+                             "/linear.bpk --metadata producer=test --metadata a=b=c"),
+                &out),
+            0)
+      << out;
+  EXPECT_EQ(out, "") << "quiet when stderr is not a terminal";
+  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Open(dir + "/linear.bpk"));
+  EXPECT_EQ(c->format(), Format::kBurnpack);
+  EXPECT_EQ(c->metadata().at("producer"), "test");
+  EXPECT_EQ(c->metadata().at("a"), "b=c");
+  ASSERT_EQ(Cli(absl::StrCat("convert --format safetensors ", dir, "/linear.bpk ", dir, "/linear.weights"), &out), 0) << out;
+  ASSERT_OK_AND_ASSIGN(auto st, Checkpoint::Open(dir + "/linear.weights"));
+  EXPECT_EQ(st->format(), Format::kSafeTensors);
+  ASSERT_EQ(Cli(absl::StrCat("diff --exit-code ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir, "/linear.weights"), &out), 0)
+      << out;
+}
+
+TEST(CliTest, ConvertNeverReplacesAnExistingFileUnlessAsked) {
+  const std::string dir = testing::MakeScratchDir("cli");
+  testing::WriteFileOrDie(dir + "/out.safetensors", "precious");
+  std::string out;
+  EXPECT_EQ(Cli(absl::StrCat("convert ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir, "/out.safetensors"), &out), 1);
+  EXPECT_THAT(out, HasSubstr("already exists"));
+  EXPECT_EQ(testing::ReadFileOrEmpty(dir + "/out.safetensors"), "precious");
+  EXPECT_EQ(Cli(absl::StrCat("convert --overwrite ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir, "/out.safetensors"), &out), 0);
+  EXPECT_OK(Checkpoint::Open(dir + "/out.safetensors"));
+}
+
+TEST(CliTest, FailedConversionLeavesNoFileBehind) {
+  const std::string dir = testing::MakeScratchDir("cli");
+  std::string out;
+  EXPECT_EQ(Cli(absl::StrCat("convert ", ShellQuote(Burn("pytorch-reader/broken.pt")), " ", dir, "/out.safetensors"), &out), 1);
+  EXPECT_THAT(out, HasSubstr("broken.pt"));
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << "one message: " << out;
+  EXPECT_EQ(CountFiles(dir), 0u);
+  EXPECT_EQ(Cli(absl::StrCat("convert ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir, "/out.pt"), &out), 1);
+  EXPECT_THAT(out, HasSubstr("read-only"));
+  EXPECT_EQ(CountFiles(dir), 0u);
+}
+
+TEST(CliTest, UsageErrorsExitWithStatus2) {
+  std::string out;
+  EXPECT_EQ(Cli("", &out), 2);
+  EXPECT_EQ(Cli("inspect", &out), 2);
+  EXPECT_EQ(Cli("convert a.pt", &out), 2);
+  EXPECT_EQ(Cli("inspect --no-such-flag x", &out), 2);
+  EXPECT_EQ(Cli("convert --format onnx a b", &out), 2);
+  EXPECT_EQ(Cli("--help", &out), 0);
+  EXPECT_THAT(out, HasSubstr("convert"));
+}
+
+TEST(CliTest, MissingFilesExitWithStatus1AndNameTheFile) {
+  std::string out;
+  EXPECT_EQ(Cli("inspect /nonexistent/model.pt", &out), 1);
+  EXPECT_THAT(out, HasSubstr("/nonexistent/model.pt"));
+}
+
+TEST(CliTest, DiffListsEachKindOfDifference) {
+  std::string out;
+  EXPECT_EQ(Cli(absl::StrCat("diff ", ShellQuote(Burn("pytorch-models/linear.pt")), " ",
+                             ShellQuote(Burn("pytorch-models/linear_with_bias.pt"))),
+                &out),
+            0);
+  EXPECT_THAT(out, HasSubstr("different"));
+  EXPECT_EQ(Cli(absl::StrCat("diff --exit-code ", ShellQuote(Burn("pytorch-models/conv2d.pt")), " ",
+                             ShellQuote(Burn("pytorch-models/key_remap.pt"))),
+                &out),
+            1);
+  EXPECT_THAT(out, HasSubstr("only in"));
+  EXPECT_EQ(Cli(absl::StrCat("diff --exit-code ", ShellQuote(Burn("pytorch-models/conv2d.pt")), " ",
+                             ShellQuote(Burn("pytorch-models/conv2d.pt"))),
+                &out),
+            0);
+  EXPECT_THAT(out, HasSubstr("3 identical, 0 different"));
+}
+
+}  // namespace
+}  // namespace weightstore
