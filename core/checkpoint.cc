@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/burnpack.h"
 #include "core/checked_math.h"
+#include "core/host_buffer.h"
 #include "core/pytorch.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
@@ -193,37 +194,62 @@ absl::StatusOr<SharedTensor> Checkpoint::Read(absl::string_view name) const {
   return Read(*entry);
 }
 
-bool Checkpoint::IsZeroCopy(const CheckpointEntry& entry) {
-  return entry.layout.strides.empty() && !entry.layout.normalize_bool;
-}
+bool Checkpoint::IsZeroCopy(const CheckpointEntry& entry) { return entry.layout.strides.empty(); }
 
-absl::StatusOr<SharedTensor> Checkpoint::Read(const CheckpointEntry& entry) const {
+namespace {
+
+absl::StatusOr<SharedBytes> StorageOf(const CheckpointEntry& entry) {
   absl::StatusOr<SharedBytes> storage = entry.layout.storage->Get();
   if (!storage.ok()) {
     return absl::Status(storage.status().code(),
                         absl::StrCat("tensor '", entry.spec.name, "': ", storage.status().message()));
   }
-  const uint64_t nbytes = entry.spec.byte_size();
-  SharedTensor tensor{entry.spec, {}};
-  if (entry.layout.strides.empty()) {
-    tensor.bytes = storage->Subspan(entry.layout.offset, nbytes);
-  } else {
-    std::vector<std::byte> out(nbytes);
-    GatherStrided(storage->data() + entry.layout.offset, DTypeSize(entry.spec.dtype),
-                  entry.spec.shape, entry.layout.strides, out.data());
-    tensor.bytes = SharedBytes::FromVector(std::move(out));
+  return storage;
+}
+
+bool NeedsBoolFix(const CheckpointEntry& entry, std::span<const std::byte> bytes) {
+  if (!entry.layout.normalize_bool || entry.spec.dtype != DType::kBool) return false;
+  for (std::byte b : bytes) {
+    if (static_cast<uint8_t>(b) > 1) return true;
   }
-  if (entry.layout.normalize_bool && entry.spec.dtype == DType::kBool) {
-    const std::byte* p = tensor.bytes.data();
-    bool clean = true;
-    for (size_t i = 0; i < tensor.bytes.size() && clean; ++i) clean = static_cast<uint8_t>(p[i]) <= 1;
-    if (!clean) {
-      std::vector<std::byte> out(tensor.bytes.size());
-      for (size_t i = 0; i < out.size(); ++i) out[i] = std::byte{p[i] != std::byte{0}};
-      tensor.bytes = SharedBytes::FromVector(std::move(out));
-    }
-  }
+  return false;
+}
+
+void FixBools(std::span<std::byte> bytes) {
+  for (std::byte& b : bytes) b = std::byte{b != std::byte{0}};
+}
+
+}  // namespace
+
+absl::StatusOr<SharedTensor> Checkpoint::Read(const CheckpointEntry& entry) const {
+  if (!entry.layout.strides.empty()) return ReadCopy(entry);
+  WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes storage, StorageOf(entry));
+  SharedTensor tensor{entry.spec, storage.Subspan(entry.layout.offset, entry.spec.byte_size())};
+  if (NeedsBoolFix(entry, tensor.bytes.span())) return ReadCopy(entry);
   return tensor;
+}
+
+absl::Status Checkpoint::ReadInto(const CheckpointEntry& entry, std::span<std::byte> out) const {
+  const uint64_t nbytes = entry.spec.byte_size();
+  if (out.size() != nbytes) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", entry.spec.name, "' has ", nbytes,
+                                                   " bytes; the destination holds ", out.size()));
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes storage, StorageOf(entry));
+  if (entry.layout.strides.empty()) {
+    if (nbytes > 0) std::memcpy(out.data(), storage.data() + entry.layout.offset, nbytes);
+  } else {
+    GatherStrided(storage.data() + entry.layout.offset, DTypeSize(entry.spec.dtype), entry.spec.shape,
+                  entry.layout.strides, out.data());
+  }
+  if (NeedsBoolFix(entry, out)) FixBools(out);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SharedTensor> Checkpoint::ReadCopy(const CheckpointEntry& entry) const {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(entry.spec.byte_size()));
+  WEIGHTSTORE_RETURN_IF_ERROR(ReadInto(entry, buffer.span()));
+  return SharedTensor{entry.spec, std::move(buffer).Freeze()};
 }
 
 namespace {

@@ -123,7 +123,17 @@ class Checkpoint {
   absl::StatusOr<SharedTensor> Read(absl::string_view name) const;
   absl::StatusOr<SharedTensor> Read(const CheckpointEntry& entry) const;
 
-  // True when Read() of this entry returns a view rather than a new buffer.
+  // Copies the tensor's bytes (row-major, little-endian) into `out`, gathering
+  // strided tensors. Returns InvalidArgument unless out.size() == byte_size(),
+  // DataLoss if its storage cannot be read.
+  absl::Status ReadInto(const CheckpointEntry& entry, std::span<std::byte> out) const;
+
+  // Reads the tensor into a new HostBuffer-backed SharedTensor: always a copy,
+  // into memory owned by the result (not the file).
+  absl::StatusOr<SharedTensor> ReadCopy(const CheckpointEntry& entry) const;
+
+  // True when Read() of this entry returns a view rather than a new buffer (a
+  // PyTorch BOOL tensor holding bytes other than 0 and 1 is copied regardless).
   static bool IsZeroCopy(const CheckpointEntry& entry);
 
  private:

@@ -3,8 +3,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <numeric>
 
+#include "core/host_buffer.h"
 #include "tests/util/status_matchers.h"
 
 namespace weightstore {
@@ -57,6 +59,38 @@ TEST(CheckpointTest, ReadReportsTheTensorWhoseStorageFails) {
   ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(Format::kPyTorch, "f", {}, {Entry("w", {1}, storage)}));
   EXPECT_THAT(c->Read("w"), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 'w'")));
   EXPECT_THAT(c->Read("nope"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("tensor 'nope'")));
+}
+
+TEST(CheckpointTest, ReadIntoAndReadCopyFillOwnedMemory) {
+  std::string data(12 * 4, '\0');
+  for (int i = 0; i < 12; ++i) data[i * 4] = static_cast<char>(i);
+  SharedBytes bytes = SharedBytes::Copy(data);
+  auto storage = LazyStorage::Ready(bytes);
+  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(Format::kPyTorch, "mem", {},
+                                                  {Entry("flat", {12}, storage), Entry("t", {4, 3}, storage, 0, {1, 4})}));
+  std::vector<std::byte> out(48);
+  ASSERT_OK(c->ReadInto(*c->Find("flat"), out));
+  EXPECT_EQ(std::memcmp(out.data(), data.data(), 48), 0);
+  ASSERT_OK(c->ReadInto(*c->Find("t"), out));
+  EXPECT_EQ(static_cast<int>(out[4]), 4);  // t[0][1] = storage[4]
+  EXPECT_THAT(c->ReadInto(*c->Find("t"), std::span<std::byte>(out).first(8)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("destination holds 8")));
+  ASSERT_OK_AND_ASSIGN(SharedTensor copy, c->ReadCopy(*c->Find("flat")));
+  EXPECT_NE(copy.bytes.data(), bytes.data());
+  EXPECT_EQ(copy.bytes.view(), data);
+}
+
+TEST(HostBufferTest, LargeBuffersAreHugePageAlignedAndFreezeWithoutCopying) {
+  ASSERT_OK_AND_ASSIGN(HostBuffer big, HostBuffer::Allocate((size_t{5} << 20) + 3));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(big.data()) % (2 << 20), 0u);
+  big.data()[big.size() - 1] = std::byte{42};
+  std::byte* p = big.data();
+  SharedBytes frozen = std::move(big).Freeze();
+  EXPECT_EQ(frozen.data(), p);
+  EXPECT_EQ(frozen.size(), (size_t{5} << 20) + 3);
+  EXPECT_EQ(static_cast<int>(frozen.data()[frozen.size() - 1]), 42);
+  ASSERT_OK_AND_ASSIGN(HostBuffer small, HostBuffer::Allocate(10));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data()) % 64, 0u);
 }
 
 TEST(GatherStridedTest, PermutesAThreeDimensionalTensor) {

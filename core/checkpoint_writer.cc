@@ -1,5 +1,8 @@
 #include "core/checkpoint_writer.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -23,6 +26,21 @@ absl::StatusOr<WritePlan> PlanFor(Format format, const std::vector<TensorSpec>& 
   }
 }
 
+// Maps in the pages behind `bytes` with one madvise call (Linux 5.14+; a no-op
+// elsewhere, where write() faults them in as before).
+void PopulateForRead(absl::string_view bytes) {
+#ifdef MADV_POPULATE_READ
+  constexpr int kPopulateRead = MADV_POPULATE_READ;
+#else
+  constexpr int kPopulateRead = 22;
+#endif
+  if (bytes.size() < (64 << 10)) return;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(page - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, kPopulateRead);
+}
+
 // Streams the plan to `sink`, producing each tensor's bytes once, in file order.
 template <typename Sink>
 absl::Status WritePlanned(const WritePlan& plan, const std::vector<TensorSpec>& specs,
@@ -42,11 +60,14 @@ absl::Status WritePlanned(const WritePlan& plan, const std::vector<TensorSpec>& 
       return absl::InternalError(absl::StrCat("tensor '", spec.name, "' produced ", bytes->size(),
                                               " bytes, expected ", spec.byte_size()));
     }
-    // Write in 8 MiB windows so progress moves and the kernel can stream.
+    // Write in 8 MiB windows, each populated in one call first: faulting a
+    // mapping in page by page inside write() is the slow part of a copy.
     constexpr size_t kWindow = 8 << 20;
     absl::string_view view = bytes->view();
     for (size_t off = 0; off < view.size(); off += kWindow) {
-      WEIGHTSTORE_RETURN_IF_ERROR(sink.Append(view.substr(off, kWindow)));
+      absl::string_view window = view.substr(off, kWindow);
+      PopulateForRead(window);
+      WEIGHTSTORE_RETURN_IF_ERROR(sink.Append(window));
     }
     pos = plan.offsets[k] + spec.byte_size();
     if (options.progress) options.progress(pos, plan.file_size);

@@ -20,7 +20,6 @@ constexpr uint32_t kCentralHeaderSig = 0x02014b50;
 constexpr uint32_t kEocdSig = 0x06054b50;
 constexpr uint32_t kZip64EocdSig = 0x06064b50;
 constexpr uint32_t kZip64LocatorSig = 0x07064b50;
-constexpr uint32_t kDataDescriptorSig = 0x08074b50;
 constexpr size_t kEocdSize = 22;
 constexpr size_t kZip64LocatorSize = 20;
 constexpr size_t kZip64EocdSize = 56;
@@ -227,11 +226,11 @@ absl::StatusOr<ZipArchive> ZipArchive::Open(SharedBytes archive, absl::string_vi
       return faults.Bad(absl::StrCat("data of '", entry.name, "' runs past the central directory"));
     }
     uint64_t span_end = header_end + entry.compressed_size;
-    if (flags & 0x8) {  // data descriptor: optional signature, CRC, two sizes
-      uint64_t size_bytes = (entry.compressed_size >= 0xFFFFFFFF ||
-                             entry.uncompressed_size >= 0xFFFFFFFF) ? 16 : 8;
-      uint64_t len = 4 + size_bytes;
-      if (cd_offset - span_end >= 4 && LoadU32(data.data() + span_end) == kDataDescriptorSig) len += 4;
+    if (flags & 0x8) {
+      // A data descriptor follows: CRC and two sizes, optionally signed. Count its
+      // unsigned length without reading it, so opening touches no page past each
+      // local header.
+      const uint64_t len = (entry.compressed_size >= 0xFFFFFFFF || entry.uncompressed_size >= 0xFFFFFFFF) ? 20 : 12;
       if (len > cd_offset - span_end) {
         return faults.Bad(absl::StrCat("data descriptor of '", entry.name, "' is out of range"));
       }

@@ -1,0 +1,60 @@
+#include "core/host_buffer.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_util.h"
+
+namespace weightstore {
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+struct Mapping {
+  void* base = nullptr;
+  size_t length = 0;
+  ~Mapping() {
+    if (base != nullptr) ::munmap(base, length);
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<HostBuffer> HostBuffer::Allocate(size_t size) {
+  HostBuffer buffer;
+  if (size < kHugePage) {
+    void* p = std::aligned_alloc(64, (size + 63) / 64 * 64 + 64);
+    if (p == nullptr) return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", size, " bytes"));
+    buffer.owner_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+    buffer.span_ = std::span<std::byte>(static_cast<std::byte*>(p), size);
+    return buffer;
+  }
+  // Over-allocate by one huge page and trim, so the buffer starts 2 MiB-aligned.
+  const size_t rounded = (size + kHugePage - 1) / kHugePage * kHugePage;
+  const size_t length = rounded + kHugePage;
+  void* raw = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return StatusFromErrno(errno, absl::StrCat("cannot allocate ", size, " bytes"));
+  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
+  if (aligned > start) ::munmap(raw, aligned - start);
+  const uintptr_t end = start + length, used_end = aligned + rounded;
+  if (end > used_end) ::munmap(reinterpret_cast<void*>(used_end), end - used_end);
+  ::madvise(reinterpret_cast<void*>(aligned), rounded, MADV_HUGEPAGE);
+  auto mapping = std::make_shared<Mapping>();
+  mapping->base = reinterpret_cast<void*>(aligned);
+  mapping->length = rounded;
+  buffer.span_ = std::span<std::byte>(static_cast<std::byte*>(mapping->base), size);
+  buffer.owner_ = std::move(mapping);
+  return buffer;
+}
+
+SharedBytes HostBuffer::Freeze() && {
+  SharedBytes bytes(std::move(owner_), span_);
+  span_ = {};
+  return bytes;
+}
+
+}  // namespace weightstore

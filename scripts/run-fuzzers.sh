@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets with clang 14 (ASan + UBSan) and runs each for a
+# short time, seeded from ../shared/fixtures (copied into the build folder, never
+# into the project). Usage: scripts/run-fuzzers.sh [SECONDS_PER_TARGET]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds="${1:-20}"
+build=build-fuzz
+fixtures="${WEIGHTSTORE_FIXTURES_DIR:-$(pwd)/../shared/fixtures}"
+
+CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DWEIGHTSTORE_BUILD_FUZZERS=ON -DWEIGHTSTORE_BUILD_TESTS=OFF -DWEIGHTSTORE_BUILD_BENCHMARKS=OFF >/dev/null
+ninja -C "$build" safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz
+
+seed() {  # seed TARGET FILES...
+  local dir="$build/corpus/$1"; shift
+  mkdir -p "$dir"
+  for f in "$@"; do cp -f "$f" "$dir/" 2>/dev/null || true; done
+}
+seed safetensors_fuzz "$fixtures"/burn/safetensors/*
+seed burnpack_fuzz "$fixtures"/burn/burnpack/*
+seed zip_fuzz "$fixtures"/burn/pytorch-reader/float32.pt "$fixtures"/burn/pytorch-models/*.pt
+seed pytorch_fuzz "$fixtures"/burn/pytorch-reader/*.pt
+mkdir -p "$build/corpus/pickle_fuzz"
+python3 - "$fixtures" "$build/corpus/pickle_fuzz" <<'PY'
+import sys, zipfile, glob, os
+src, out = sys.argv[1], sys.argv[2]
+for p in glob.glob(os.path.join(src, "burn", "pytorch-*", "*.pt")):
+    if zipfile.is_zipfile(p):
+        with zipfile.ZipFile(p) as z:
+            for n in z.namelist():
+                if n.endswith("data.pkl"):
+                    open(os.path.join(out, os.path.basename(p) + ".pkl"), "wb").write(z.read(n))
+PY
+
+status=0
+for target in safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz; do
+  echo "== $target (${seconds}s)"
+  if ! "$build/tests/fuzz/$target" -max_total_time="$seconds" -rss_limit_mb=2048 -max_len=65536 \
+       -print_final_stats=1 "$build/corpus/$target" 2>"$build/$target.log"; then
+    echo "$target FAILED; last lines of $build/$target.log:"; tail -40 "$build/$target.log"; status=1
+  else
+    grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "$build/$target.log" | tr '\n' ' '; echo
+  fi
+done
+exit $status

@@ -1,0 +1,204 @@
+// core_bench: inspect, convert and read throughput of weightstore's core, with
+// baselines measured in the same run (dd conv=fsync, torch.load).
+//
+// Usage: core_bench [--dir DIR] [--large-gb N]
+// Writes its checkpoints under DIR (default: a folder in /tmp), removed at exit.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/checkpoint.h"
+#include "core/checkpoint_writer.h"
+
+namespace weightstore {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(const std::function<void()>& fn) {
+  auto start = Clock::now();
+  fn();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double MedianOf(int repeats, const std::function<void()>& fn) {
+  std::vector<double> t;
+  for (int i = 0; i < repeats; ++i) t.push_back(Seconds(fn));
+  return Median(t);
+}
+
+void Check(const absl::Status& status, const char* what) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "core_bench: %s: %s\n", what, std::string(status.message()).c_str());
+    std::exit(1);
+  }
+}
+
+std::string Run(const std::string& command) {
+  FILE* pipe = ::popen(command.c_str(), "r");
+  std::string out;
+  char buf[256];
+  while (pipe && std::fgets(buf, sizeof buf, pipe)) out += buf;
+  if (pipe == nullptr || ::pclose(pipe) != 0) {
+    std::fprintf(stderr, "core_bench: command failed: %s\n", command.c_str());
+    std::exit(1);
+  }
+  return out;
+}
+
+// Every checkpoint has kTensors F32 tensors, so inspect cost compares across sizes.
+constexpr uint64_t kTensors = 64;
+
+// Writes a SafeTensors file of `megabytes` in kTensors equal F32 tensors.
+void WriteSafeTensors(const std::string& path, uint64_t megabytes) {
+  const uint64_t tensor_bytes = (megabytes << 20) / kTensors;
+  const uint64_t count = kTensors;
+  std::vector<std::byte> block(tensor_bytes);
+  std::mt19937 rng(1);
+  for (auto& b : block) b = static_cast<std::byte>(rng());
+  SharedBytes bytes = SharedBytes::FromVector(std::move(block));
+  auto writer = CheckpointWriter::Create(path, Format::kSafeTensors, {.overwrite = true});
+  Check(writer.status(), "create writer");
+  for (uint64_t i = 0; i < count; ++i) {
+    TensorSpec spec{absl::StrCat("layers.", i, ".weight"), DType::kF32, {tensor_bytes / 4}};
+    Check((*writer)->Add(spec, [bytes] { return absl::StatusOr<SharedBytes>(bytes); }), "add");
+  }
+  Check((*writer)->Finish(), "write safetensors");
+}
+
+double InspectSeconds(const std::string& path) {
+  return MedianOf(9, [&] {
+    auto c = Checkpoint::Open(path);
+    Check(c.status(), "open");
+  });
+}
+
+// Every tensor copied into memory the caller owns (ReadCopy: huge-page buffers).
+double ReadAllCopySeconds(const std::string& path) {
+  return MedianOf(3, [&] {
+    auto c = Checkpoint::Open(path);
+    Check(c.status(), "open");
+    std::vector<SharedTensor> owned;
+    for (const CheckpointEntry& e : (*c)->entries()) {
+      auto t = (*c)->ReadCopy(e);
+      Check(t.status(), "read");
+      owned.push_back(*std::move(t));
+    }
+  });
+}
+
+// Every tensor as a zero-copy view, with every page touched so the bytes are
+// really in memory, not just mapped.
+double ReadAllViewSeconds(const std::string& path) {
+  return MedianOf(3, [&] {
+    auto c = Checkpoint::Open(path);
+    Check(c.status(), "open");
+    volatile uint8_t sink = 0;
+    for (const CheckpointEntry& e : (*c)->entries()) {
+      auto t = (*c)->Read(e);
+      Check(t.status(), "read");
+      for (size_t i = 0; i < t->bytes.size(); i += 4096) sink = sink + static_cast<uint8_t>(t->bytes.data()[i]);
+    }
+  });
+}
+
+double ConvertSeconds(const std::string& in, const std::string& out, Format format) {
+  return MedianOf(3, [&] {
+    auto c = Checkpoint::Open(in);
+    Check(c.status(), "open");
+    Check(WriteCheckpoint(**c, out, format, (*c)->metadata(), {.overwrite = true}), "convert");
+  });
+}
+
+double DdSeconds(const std::string& in, const std::string& out) {
+  std::string cmd = absl::StrCat("dd if='", in, "' of='", out, "' bs=8M conv=fsync status=none");
+  return MedianOf(3, [&] { Run(cmd); });
+}
+
+uint64_t FileSize(const std::string& path) { return std::filesystem::file_size(path); }
+
+double GBps(uint64_t bytes, double seconds) { return static_cast<double>(bytes) / seconds / 1e9; }
+
+}  // namespace
+}  // namespace weightstore
+
+int main(int argc, char** argv) {
+  using namespace weightstore;
+  std::string dir;
+  int large_gb = 2;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--dir") && i + 1 < argc) dir = argv[++i];
+    if (!std::strcmp(argv[i], "--large-gb") && i + 1 < argc) large_gb = std::atoi(argv[++i]);
+  }
+  bool own_dir = dir.empty();
+  if (own_dir) {
+    char tmpl[] = "/tmp/weightstore-bench-XXXXXX";
+    dir = ::mkdtemp(tmpl);
+  }
+  const std::string python = WEIGHTSTORE_TORCH_PYTHON, helper = WEIGHTSTORE_BENCH_HELPER;
+  std::printf("weightstore core_bench (files in %s)\n\n", dir.c_str());
+
+  // 1. Inspect time must stay flat as the checkpoint grows.
+  std::printf("%-32s %12s %14s\n", "inspect (open, headers only)", "file size", "median time");
+  const std::vector<std::pair<std::string, uint64_t>> sizes = {
+      {"1 MB", 1}, {"256 MB", 256}, {absl::StrCat(large_gb, " GB"), static_cast<uint64_t>(large_gb) << 10}};
+  for (const auto& [label, mb] : sizes) {
+    std::string st = absl::StrCat(dir, "/m", mb, ".safetensors"), pt = absl::StrCat(dir, "/m", mb, ".pt");
+    WriteSafeTensors(st, mb);
+    Run(absl::StrCat(python, " ", helper, " write ", pt, " ", mb, " 2>/dev/null"));
+    std::printf("  %-30s %12s %11.3f ms\n", absl::StrCat("safetensors ", label).c_str(),
+                absl::StrCat(FileSize(st) >> 20, " MiB").c_str(), InspectSeconds(st) * 1e3);
+    std::printf("  %-30s %12s %11.3f ms\n", absl::StrCat("pytorch .pt ", label).c_str(),
+                absl::StrCat(FileSize(pt) >> 20, " MiB").c_str(), InspectSeconds(pt) * 1e3);
+    if (mb > 256) {  // keep the disk footprint small
+      std::filesystem::remove(st);
+      std::filesystem::remove(pt);
+    }
+  }
+
+  // 2. Convert throughput beside copying the same file with dd conv=fsync.
+  const std::string pt = dir + "/m256.pt", st = dir + "/m256.safetensors";
+  const uint64_t pt_bytes = FileSize(pt), st_bytes = FileSize(st);
+  double dd_pt = DdSeconds(pt, dir + "/dd.out");
+  double dd_st = DdSeconds(st, dir + "/dd.out");
+  double pt_to_st = ConvertSeconds(pt, dir + "/conv.safetensors", Format::kSafeTensors);
+  double st_to_bpk = ConvertSeconds(st, dir + "/conv.bpk", Format::kBurnpack);
+  std::printf("\n%-40s %10s %10s %8s\n", "convert (256 MB, page cache warm)", "GB/s", "dd GB/s", "ratio");
+  std::printf("  %-38s %10.2f %10.2f %7.0f%%\n", ".pt -> SafeTensors", GBps(pt_bytes, pt_to_st), GBps(pt_bytes, dd_pt),
+              100 * dd_pt / pt_to_st);
+  std::printf("  %-38s %10.2f %10.2f %7.0f%%\n", "SafeTensors -> Burnpack", GBps(st_bytes, st_to_bpk),
+              GBps(st_bytes, dd_st), 100 * dd_st / st_to_bpk);
+
+  // 3. Reading every tensor of a 256 MB .pt into memory, beside torch.load.
+  double copy = ReadAllCopySeconds(pt);
+  double view = ReadAllViewSeconds(pt);
+  double torch_load = std::stod(Run(absl::StrCat(python, " ", helper, " load ", pt, " 3 2>/dev/null")));
+  std::printf("\n%-44s %9s %8s %9s\n", "read all tensors of 256 MB .pt (warm)", "seconds", "GB/s", "vs torch");
+  std::printf("  %-42s %9.4f %8.2f %8.1fx\n", "torch.load (baseline)", torch_load, GBps(pt_bytes, torch_load), 1.0);
+  std::printf("  %-42s %9.4f %8.2f %8.1fx\n", "weightstore ReadCopy (owned memory)", copy, GBps(pt_bytes, copy),
+              torch_load / copy);
+  std::printf("  %-42s %9.4f %8.2f %8.1fx\n", "weightstore Read (zero-copy, pages touched)", view,
+              GBps(pt_bytes, view), torch_load / view);
+
+  struct rusage usage;
+  ::getrusage(RUSAGE_SELF, &usage);
+  std::printf("\npeak RSS of core_bench: %.1f MiB\n", static_cast<double>(usage.ru_maxrss) / 1024);
+  if (own_dir) std::filesystem::remove_all(dir);
+  return 0;
+}
