@@ -8,10 +8,14 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/checkpoint.h"
+#include "core/apply.h"
 #include "core/checkpoint_writer.h"
+#include "core/selection.h"
+#include "core/snapshot.h"
 #include "core/status_macros.h"
 
 namespace weightstore::cli {
@@ -22,6 +26,66 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenForCli(const std::string& 
   OpenOptions options;
   options.top_level_key = top_level_key;
   return Checkpoint::Open(path, options);
+}
+
+absl::StatusOr<SelectionOptions> ParseSelection(const SelectionArgs& args) {
+  SelectionOptions options;
+  options.include = args.include;
+  options.paths = args.paths;
+  options.exclude = args.exclude;
+  for (const std::string& rule : args.renames) {
+    size_t eq = rule.find('=');
+    if (eq == std::string::npos) return absl::InvalidArgumentError(absl::StrCat("--rename '", rule, "' is not FROM=TO"));
+    options.renames.push_back({rule.substr(0, eq), rule.substr(eq + 1)});
+  }
+  if (args.contiguous_indices && args.no_contiguous_indices) {
+    return absl::InvalidArgumentError("--contiguous-indices and --no-contiguous-indices contradict each other");
+  }
+  if (args.contiguous_indices) options.contiguous_indices = true;
+  if (args.no_contiguous_indices) options.contiguous_indices = false;
+  if (!args.adapter.empty()) {
+    std::optional<Adapter> adapter = ParseAdapter(args.adapter);
+    if (!adapter) return absl::InvalidArgumentError(absl::StrCat("unknown --adapter '", args.adapter, "'"));
+    options.adapter = *adapter;
+    if (args.target.empty() && *adapter != Adapter::kNone) {
+      return absl::InvalidArgumentError(
+          "--adapter needs --target SCHEMA.json: a checkpoint alone does not say which tensors belong to which "
+          "module type");
+    }
+  }
+  if (!args.dtype.empty()) {
+    std::optional<DType> dtype = ParseDType(absl::AsciiStrToUpper(args.dtype));
+    if (!dtype || !IsFloatingPoint(*dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("--dtype '", args.dtype, "' is not one of f16, bf16, f32, f64"));
+    }
+    options.dtype = dtype;
+  }
+  return options;
+}
+
+// A checkpoint with the selection (and target, if any) applied.
+struct Loaded {
+  std::shared_ptr<const Checkpoint> checkpoint;
+  std::shared_ptr<const Snapshot> snapshot;
+  std::optional<Applied> applied;  // set when --target was given
+};
+
+absl::StatusOr<Loaded> LoadForCli(const std::string& path, const SelectionArgs& args) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(SelectionOptions options, ParseSelection(args));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Selection> selection, Selection::Compile(options));
+  Loaded loaded;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(loaded.checkpoint, OpenForCli(path, args.top_level_key));
+  if (args.target.empty()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(loaded.snapshot, Snapshot::Select(loaded.checkpoint, *selection));
+    return loaded;
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(TargetSchema schema, TargetSchema::Load(args.target));
+  ApplyOptions apply_options;
+  apply_options.allow_partial = args.allow_partial;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(Applied applied, Apply(loaded.checkpoint, *selection, schema, apply_options));
+  loaded.snapshot = applied.snapshot;
+  loaded.applied = std::move(applied);
+  return loaded;
 }
 
 std::string FormatLabel(const Checkpoint& c) {
@@ -76,47 +140,79 @@ std::string HumanBytes(uint64_t bytes) {
 }
 
 absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> c, OpenForCli(args.path, args.top_level_key));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(Loaded loaded, LoadForCli(args.path, args.selection));
+  const Checkpoint& c = *loaded.checkpoint;
+  const Snapshot& s = *loaded.snapshot;
   if (args.json) {
     nlohmann::ordered_json doc;
-    doc["format"] = std::string(FormatName(c->format()));
-    if (!c->detail().empty()) doc["container"] = c->detail();
+    doc["format"] = std::string(FormatName(c.format()));
+    if (!c.detail().empty()) doc["container"] = c.detail();
     doc["metadata"] = nlohmann::json::object();
-    for (const auto& [k, v] : c->metadata()) doc["metadata"][k] = v;
+    for (const auto& [k, v] : c.metadata()) doc["metadata"][k] = v;
     doc["tensors"] = nlohmann::json::array();
-    for (const CheckpointEntry& e : c->entries()) {
-      nlohmann::ordered_json t;
-      t["name"] = e.spec.name;
-      t["dtype"] = std::string(DTypeName(e.spec.dtype));
-      t["shape"] = e.spec.shape;
-      t["bytes"] = e.spec.byte_size();
-      doc["tensors"].push_back(std::move(t));
+    for (const SnapshotTensor& t : s.tensors()) {
+      nlohmann::ordered_json j;
+      j["name"] = t.spec.name;
+      j["dtype"] = std::string(DTypeName(t.spec.dtype));
+      j["shape"] = t.spec.shape;
+      j["bytes"] = t.spec.byte_size();
+      if (t.spec.name != t.source->spec.name) j["source"] = t.source->spec.name;
+      doc["tensors"].push_back(std::move(j));
     }
     std::string text = doc.dump(1, ' ', false, nlohmann::json::error_handler_t::replace);
     std::fprintf(out, "%s\n", text.c_str());
     return absl::OkStatus();
   }
-  std::fprintf(out, "%s\n  format:   %s\n  tensors:  %zu\n  data:     %s (%llu bytes)\n", c->path().c_str(),
-               FormatLabel(*c).c_str(), c->size(), HumanBytes(c->total_bytes()).c_str(),
-               static_cast<unsigned long long>(c->total_bytes()));
-  if (!c->metadata().empty()) {
+  std::fprintf(out, "%s\n  format:   %s\n  tensors:  %zu", c.path().c_str(), FormatLabel(c).c_str(), s.size());
+  if (s.size() != c.size()) std::fprintf(out, " selected of %zu", c.size());
+  std::fprintf(out, "\n  data:     %s (%llu bytes)\n", HumanBytes(s.total_bytes()).c_str(),
+               static_cast<unsigned long long>(s.total_bytes()));
+  if (!c.metadata().empty()) {
     std::fprintf(out, "  metadata:\n");
-    for (const auto& [k, v] : c->metadata()) std::fprintf(out, "    %s: %s\n", k.c_str(), v.c_str());
+    for (const auto& [k, v] : c.metadata()) std::fprintf(out, "    %s: %s\n", k.c_str(), v.c_str());
   }
   size_t name_width = 4, shape_width = 5;
-  for (const CheckpointEntry& e : c->entries()) {
-    name_width = std::max(name_width, e.spec.name.size());
-    shape_width = std::max(shape_width, ShapeToString(e.spec.shape).size());
+  for (const SnapshotTensor& t : s.tensors()) {
+    name_width = std::max(name_width, t.spec.name.size());
+    shape_width = std::max(shape_width, ShapeToString(t.spec.shape).size());
   }
   name_width = std::min<size_t>(name_width, 80);
   std::fprintf(out, "\n%-*s  %-7s  %-*s  %12s\n", static_cast<int>(name_width), "NAME", "DTYPE",
                static_cast<int>(shape_width), "SHAPE", "BYTES");
-  for (const CheckpointEntry& e : c->entries()) {
-    std::fprintf(out, "%-*s  %-7s  %-*s  %12llu\n", static_cast<int>(name_width), e.spec.name.c_str(),
-                 std::string(DTypeName(e.spec.dtype)).c_str(), static_cast<int>(shape_width),
-                 ShapeToString(e.spec.shape).c_str(), static_cast<unsigned long long>(e.spec.byte_size()));
+  for (const SnapshotTensor& t : s.tensors()) {
+    std::fprintf(out, "%-*s  %-7s  %-*s  %12llu", static_cast<int>(name_width), t.spec.name.c_str(),
+                 std::string(DTypeName(t.spec.dtype)).c_str(), static_cast<int>(shape_width),
+                 ShapeToString(t.spec.shape).c_str(), static_cast<unsigned long long>(t.spec.byte_size()));
+    if (t.spec.name != t.source->spec.name) std::fprintf(out, "  <- %s", t.source->spec.name.c_str());
+    std::fprintf(out, "\n");
   }
+  if (loaded.applied) std::fprintf(out, "\n%s", loaded.applied->result.Summary().c_str());
   return absl::OkStatus();
+}
+
+absl::Status RunApply(const ApplyArgs& args, std::FILE* out) {
+  if (args.selection.target.empty()) return absl::InvalidArgumentError("apply needs --target SCHEMA.json");
+  WEIGHTSTORE_ASSIGN_OR_RETURN(Loaded loaded, LoadForCli(args.path, args.selection));
+  const ApplyResult& r = loaded.applied->result;
+  if (args.json) {
+    nlohmann::ordered_json doc;
+    doc["applied"] = r.applied;
+    doc["skipped"] = r.skipped;
+    doc["missing"] = r.missing;
+    doc["unused"] = r.unused;
+    doc["errors"] = nlohmann::json::array();
+    for (const ApplyError& e : r.errors) {
+      doc["errors"].push_back({{"path", e.path},
+                               {"kind", e.kind == ApplyError::Kind::kShapeMismatch ? "shape_mismatch" : "dtype_mismatch"},
+                               {"message", e.message}});
+    }
+    doc["suggestions"] = r.suggestions;
+    doc["ok"] = loaded.applied->status.ok();
+    std::fprintf(out, "%s\n", doc.dump(1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+  } else {
+    std::fprintf(out, "%s", r.Summary().c_str());
+  }
+  return loaded.applied->status;
 }
 
 absl::Status RunConvert(const ConvertArgs& args, std::FILE* out) {
@@ -145,16 +241,19 @@ absl::Status RunConvert(const ConvertArgs& args, std::FILE* out) {
     }
     extra[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> c, OpenForCli(args.input, args.top_level_key));
-  Metadata metadata = c->metadata();
+  WEIGHTSTORE_ASSIGN_OR_RETURN(Loaded loaded, LoadForCli(args.input, args.selection));
+  if (loaded.applied && !loaded.applied->status.ok()) {
+    std::fprintf(stderr, "%s", loaded.applied->result.Summary().c_str());
+    return loaded.applied->status;
+  }
+  Metadata metadata = loaded.checkpoint->metadata();
   for (auto& [k, v] : extra) metadata[k] = v;
 
-  ProgressBar bar(args.progress && ::isatty(STDERR_FILENO) && c->total_bytes() >= kProgressThreshold);
+  ProgressBar bar(args.progress && ::isatty(STDERR_FILENO) && loaded.snapshot->total_bytes() >= kProgressThreshold);
   WriteOptions options;
   options.overwrite = args.overwrite;
   options.progress = [&bar](uint64_t done, uint64_t total) { bar.Update(done, total); };
-  WEIGHTSTORE_RETURN_IF_ERROR(WriteCheckpoint(*c, args.output, format, metadata, options));
-  return absl::OkStatus();
+  return WriteSnapshot(*loaded.snapshot, args.output, format, metadata, options);
 }
 
 absl::Status RunDiff(const DiffArgs& args, std::FILE* out) {

@@ -14,17 +14,35 @@
 
 namespace weightstore::cli {
 
+// The selection flags shared by inspect, convert and apply.
+struct SelectionArgs {
+  std::string top_level_key;
+  std::vector<std::string> include, paths, exclude;
+  std::vector<std::string> renames;  // FROM=TO, in order
+  bool contiguous_indices = false, no_contiguous_indices = false;
+  std::string adapter;  // "", "pytorch-to-burn", "burn-to-pytorch"
+  std::string dtype;    // "", "f16", "bf16", "f32", "f64"
+  std::string target;   // target schema JSON
+  bool allow_partial = false;
+};
+
 struct InspectArgs {
   std::string path;
   bool json = false;
-  std::string top_level_key;
+  SelectionArgs selection;
+};
+
+struct ApplyArgs {
+  std::string path;
+  bool json = false;
+  SelectionArgs selection;
 };
 
 struct ConvertArgs {
   std::string input;
   std::string output;
   std::string format;  // "", "safetensors" or "burnpack"
-  std::string top_level_key;
+  SelectionArgs selection;
   bool overwrite = false;
   std::vector<std::string> metadata;  // KEY=VALUE
   bool progress = true;               // shown only when stderr is a terminal
@@ -38,6 +56,8 @@ struct DiffArgs {
 
 absl::Status RunInspect(const InspectArgs& args, std::FILE* out);
 absl::Status RunConvert(const ConvertArgs& args, std::FILE* out);
+// Prints the load result; returns FailedPrecondition when it fails the load.
+absl::Status RunApply(const ApplyArgs& args, std::FILE* out);
 // Returns FailedPrecondition("differ") when args.exit_code is set and A != B.
 absl::Status RunDiff(const DiffArgs& args, std::FILE* out);
 

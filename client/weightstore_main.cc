@@ -9,6 +9,29 @@
 
 namespace {
 
+// Adds the selection flags (shared by inspect, convert and apply) to `cmd`.
+void AddSelectionFlags(CLI::App* cmd, weightstore::cli::SelectionArgs* s) {
+  cmd->add_option("--top-level-key", s->top_level_key,
+                  "PyTorch: read the state dict under this root key (e.g. model_state_dict)");
+  cmd->add_option("--include", s->include, "Keep tensors whose name matches this regex (RE2, unanchored; repeatable)");
+  cmd->add_option("--path", s->paths, "Keep the tensor with exactly this name (repeatable)");
+  cmd->add_option("--exclude", s->exclude, "Drop tensors whose name matches this regex (repeatable)");
+  cmd->add_option("--rename", s->renames,
+                  "Rename with a regex: FROM=TO, replace-all, $1/${name} captures; repeatable, applied in order "
+                  "before the filter");
+  cmd->add_flag("--contiguous-indices", s->contiguous_indices,
+                "Renumber numeric path segments 0, 1, 2... per prefix (default for PyTorch sources)");
+  cmd->add_flag("--no-contiguous-indices", s->no_contiguous_indices, "Keep numeric path segments as they are");
+  cmd->add_option("--adapter", s->adapter, "Adapt between frameworks (needs --target)")
+      ->check(CLI::IsMember({"pytorch-to-burn", "burn-to-pytorch", "none"}));
+  cmd->add_option("--dtype", s->dtype, "Cast floating-point tensors (round to nearest even)")
+      ->check(CLI::IsMember({"f16", "bf16", "f32", "f64"}));
+  cmd->add_option("--target", s->target,
+                  "Target schema JSON ({\"parameters\": [{\"path\", \"shape\", \"dtype\", \"module\"}]}): "
+                  "load into it and report applied/missing/unused");
+  cmd->add_flag("--allow-partial", s->allow_partial, "With --target: missing tensors are not an error");
+}
+
 constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
 
@@ -32,8 +55,7 @@ int main(int argc, char** argv) {
       "inspect", "Show format, metadata and every tensor's name, dtype, shape and size, without reading tensor data");
   inspect_cmd->add_option("FILE", inspect.path, "Checkpoint file, sharded index, or folder")->required();
   inspect_cmd->add_flag("--json", inspect.json, "Print JSON: {format, metadata, tensors: [{name, dtype, shape, bytes}]}");
-  inspect_cmd->add_option("--top-level-key", inspect.top_level_key,
-                          "PyTorch: read the state dict under this root key (e.g. model_state_dict)");
+  AddSelectionFlags(inspect_cmd, &inspect.selection);
 
   cli::ConvertArgs convert;
   CLI::App* convert_cmd = app.add_subcommand(
@@ -43,10 +65,17 @@ int main(int argc, char** argv) {
       ->required();
   convert_cmd->add_option("--format", convert.format, "Output format, overriding OUT's extension")
       ->check(CLI::IsMember({"safetensors", "burnpack"}));
-  convert_cmd->add_option("--top-level-key", convert.top_level_key, "PyTorch: convert the state dict under this root key");
+  AddSelectionFlags(convert_cmd, &convert.selection);
   convert_cmd->add_flag("--overwrite", convert.overwrite, "Replace OUT if it exists");
   convert_cmd->add_option("--metadata", convert.metadata, "Add or replace a metadata entry (KEY=VALUE, repeatable)");
   convert_cmd->add_flag("!--no-progress", convert.progress, "Never draw a progress bar");
+
+  cli::ApplyArgs apply;
+  CLI::App* apply_cmd = app.add_subcommand(
+      "apply", "Load a checkpoint into a target schema and print the result: applied, skipped, missing, unused, errors");
+  apply_cmd->add_option("FILE", apply.path, "Checkpoint")->required();
+  apply_cmd->add_flag("--json", apply.json, "Print the result as JSON");
+  AddSelectionFlags(apply_cmd, &apply.selection);
 
   cli::DiffArgs diff;
   CLI::App* diff_cmd = app.add_subcommand(
@@ -64,6 +93,14 @@ int main(int argc, char** argv) {
   }
   if (*inspect_cmd) return Report(cli::RunInspect(inspect, stdout));
   if (*convert_cmd) return Report(cli::RunConvert(convert, stdout));
+  if (*apply_cmd) {
+    absl::Status status = cli::RunApply(apply, stdout);
+    if (absl::IsFailedPrecondition(status)) {
+      std::fprintf(stderr, "weightstore: %s\n", std::string(status.message()).c_str());
+      return kExitFailure;
+    }
+    return Report(status);
+  }
   if (*diff_cmd) {
     absl::Status status = cli::RunDiff(diff, stdout);
     if (absl::IsFailedPrecondition(status)) return kExitFailure;  // --exit-code: they differ

@@ -145,6 +145,20 @@ absl::Status WriteCheckpoint(const Checkpoint& checkpoint, const std::string& pa
   return writer->Finish();
 }
 
+absl::Status WriteSnapshot(const Snapshot& snapshot, const std::string& path, Format format,
+                           const Metadata& metadata, const WriteOptions& options) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                               CheckpointWriter::Create(path, format, options));
+  writer->SetMetadata(metadata);
+  for (const SnapshotTensor& tensor : snapshot.tensors()) {
+    WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(tensor.spec, [&snapshot, &tensor]() -> absl::StatusOr<SharedBytes> {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, snapshot.Read(tensor));
+      return t.bytes;
+    }));
+  }
+  return writer->Finish();
+}
+
 absl::StatusOr<std::string> SerializeCheckpoint(Format format, const std::vector<SharedTensor>& tensors,
                                                 const Metadata& metadata) {
   std::vector<TensorSpec> specs;

@@ -16,6 +16,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "core/checkpoint.h"
+#include "core/snapshot.h"
 #include "core/write_plan.h"
 
 namespace weightstore {
@@ -65,6 +66,10 @@ std::optional<Format> FormatFromExtension(absl::string_view path);
 // with `metadata`.
 absl::Status WriteCheckpoint(const Checkpoint& checkpoint, const std::string& path, Format format,
                              const Metadata& metadata, const WriteOptions& options);
+
+// Writes every tensor of `snapshot` (names, dtypes and transforms as served).
+absl::Status WriteSnapshot(const Snapshot& snapshot, const std::string& path, Format format,
+                           const Metadata& metadata, const WriteOptions& options);
 
 // Serializes tensors to memory (tests, fuzzing and small payloads).
 absl::StatusOr<std::string> SerializeCheckpoint(Format format, const std::vector<SharedTensor>& tensors,

@@ -138,5 +138,96 @@ TEST(CliTest, DiffListsEachKindOfDifference) {
   EXPECT_THAT(out, HasSubstr("3 identical, 0 different"));
 }
 
+std::string Schema(const std::string& name) { return testing::TestDataDir() + "/schemas/" + name + ".json"; }
+
+TEST(CliSelectionTest, InspectShowsNamesAfterRenameAndFilter) {
+  std::string out;
+  ASSERT_EQ(Cli("inspect --json --rename 'conv\\.(.*)=$1' --include '^conv1\\.' " +
+                    ShellQuote(Burn("pytorch-models/key_remap.pt")),
+                &out, false),
+            0)
+      << out;
+  nlohmann::json doc = nlohmann::json::parse(out);
+  ASSERT_EQ(doc["tensors"].size(), 2u);
+  EXPECT_EQ(doc["tensors"][0]["name"], "conv1.weight");
+  EXPECT_EQ(doc["tensors"][0]["source"], "conv.conv1.weight");
+}
+
+TEST(CliSelectionTest, ConvertAppliesRenameExcludeAndDTypeOnEveryFormat) {
+  const std::string dir = testing::MakeScratchDir("cli-select");
+  std::string out;
+  for (const char* in : {"pytorch-models/batch_norm2d.pt", "safetensors/multi_layer.safetensors", "burnpack/mnist.bpk"}) {
+    SCOPED_TRACE(in);
+    std::string dst = dir + "/" + std::filesystem::path(in).stem().string() + ".safetensors";
+    ASSERT_EQ(Cli(absl::StrCat("convert --dtype bf16 --exclude 'running_' --rename '^=m.' ", ShellQuote(Burn(in)), " ",
+                               dst),
+                  &out),
+              0)
+        << out;
+    ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Open(dst));
+    ASSERT_OK_AND_ASSIGN(auto src, Checkpoint::Open(Burn(in)));
+    for (const auto& e : c->entries()) {
+      EXPECT_EQ(e.spec.name.rfind("m.", 0), 0u) << e.spec.name;
+      EXPECT_EQ(e.spec.name.find("running_"), std::string::npos);
+      if (IsFloatingPoint(src->Find(e.spec.name.substr(2))->spec.dtype)) {
+        EXPECT_EQ(e.spec.dtype, DType::kBF16);
+      }
+    }
+  }
+}
+
+TEST(CliSelectionTest, ConvertWithATargetWritesTheTargetsNames) {
+  const std::string dir = testing::MakeScratchDir("cli-select");
+  std::string out;
+  ASSERT_EQ(Cli(absl::StrCat("convert --adapter pytorch-to-burn --target ", Schema("batch_norm"), " ",
+                             ShellQuote(Burn("pytorch-models/batch_norm2d.pt")), " ", dir, "/bn.bpk"),
+                &out),
+            0)
+      << out;
+  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Open(dir + "/bn.bpk"));
+  EXPECT_NE(c->Find("norm1.gamma"), nullptr);
+  EXPECT_EQ(c->Find("norm1.num_batches_tracked"), nullptr);
+  // A failing load writes nothing and prints the summary.
+  EXPECT_EQ(Cli(absl::StrCat("convert --target ", Schema("batch_norm"), " ",
+                             ShellQuote(Burn("pytorch-models/batch_norm2d.pt")), " ", dir, "/bad.bpk"),
+                &out),
+            1);
+  EXPECT_THAT(out, HasSubstr("missing"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/bad.bpk"));
+}
+
+TEST(CliSelectionTest, ApplyPrintsTheResultAndFailsWhenTensorsAreMissing) {
+  std::string out;
+  EXPECT_EQ(Cli(absl::StrCat("apply --json --target ", Schema("conv2d"), " ", ShellQuote(Burn("pytorch-models/key_remap.pt"))),
+                &out, false),
+            1);
+  nlohmann::json doc = nlohmann::json::parse(out);
+  EXPECT_EQ(doc["missing"].size(), 3u);
+  EXPECT_EQ(doc["unused"].size(), 3u);
+  EXPECT_EQ(doc["ok"], false);
+  EXPECT_EQ(Cli(absl::StrCat("apply --allow-partial --target ", Schema("conv2d"), " ",
+                             ShellQuote(Burn("pytorch-models/key_remap.pt"))),
+                &out),
+            0);
+  EXPECT_THAT(out, HasSubstr("did you mean 'conv.conv1.weight'"));
+}
+
+TEST(CliSelectionTest, BadSelectionsAreClearErrors) {
+  std::string out;
+  EXPECT_EQ(Cli("inspect --include 'fc.(' " + ShellQuote(Burn("pytorch-models/linear.pt")), &out), 1);
+  EXPECT_THAT(out, HasSubstr("'fc.('"));
+  EXPECT_EQ(Cli("inspect --adapter pytorch-to-burn " + ShellQuote(Burn("pytorch-models/linear.pt")), &out), 1);
+  EXPECT_THAT(out, HasSubstr("--target"));
+  EXPECT_EQ(Cli("inspect --rename nope " + ShellQuote(Burn("pytorch-models/linear.pt")), &out), 1);
+  EXPECT_THAT(out, HasSubstr("FROM=TO"));
+  EXPECT_EQ(Cli("inspect --dtype int8 " + ShellQuote(Burn("pytorch-models/linear.pt")), &out), 2);
+  EXPECT_EQ(Cli("apply " + ShellQuote(Burn("pytorch-models/linear.pt")), &out), 1);
+  EXPECT_EQ(Cli(absl::StrCat("apply --target ", Schema("linear"), " --rename '^(.*)=x' ",
+                             ShellQuote(Burn("pytorch-models/linear.pt"))),
+                &out),
+            1);
+  EXPECT_THAT(out, HasSubstr("both renamed to 'x'"));
+}
+
 }  // namespace
 }  // namespace weightstore

@@ -1,0 +1,116 @@
+// Selection: which tensors of a checkpoint to serve, under which names, and in
+// which dtype. burn-store's semantics, implemented once here and used by the CLI,
+// the daemon and every client.
+//
+// The pipeline, in order (burn-store's load order; the top-level key is applied
+// when the checkpoint is opened):
+//   1. rename: each rule is a regex replace-all on the previous rule's output,
+//      with $1 / ${1} / $name / ${name} / $$ in the replacement, as Rust's regex;
+//   2. contiguous indices: numeric path segments renumbered 0, 1, 2... per prefix;
+//   3. filter: kept if it matches any include regex (unanchored) or exact path,
+//      or if there are none; then dropped if it matches any exclude regex;
+//   4. dtype: floating-point tensors cast to `dtype` (integers are left alone).
+// Adapters need to know module types, so they run when a selection is applied
+// to a target schema (core/apply.h).
+#ifndef WEIGHTSTORE_CORE_SELECTION_H_
+#define WEIGHTSTORE_CORE_SELECTION_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/checkpoint.h"
+#include "core/dtype.h"
+
+namespace re2 {
+class RE2;
+}
+
+namespace weightstore {
+
+struct RenameRule {
+  std::string pattern;      // RE2 syntax, unanchored
+  std::string replacement;  // $1, ${1}, $name, ${name}, $$
+};
+
+enum class Adapter { kNone, kPyTorchToBurn, kBurnToPyTorch };
+
+// "pytorch-to-burn", "burn-to-pytorch", "none".
+absl::string_view AdapterName(Adapter adapter);
+std::optional<Adapter> ParseAdapter(absl::string_view name);
+
+struct SelectionOptions {
+  std::vector<std::string> include;  // regexes; a tensor matching any is kept
+  std::vector<std::string> paths;    // exact names (after renaming), also kept
+  std::vector<std::string> exclude;  // regexes; a tensor matching any is dropped
+  std::vector<RenameRule> renames;   // applied in order
+  // Renumber numeric path segments per prefix. Default: on for PyTorch sources,
+  // off for others (burn-store's defaults).
+  std::optional<bool> contiguous_indices;
+  // Used by Apply() with a target schema. Default: none.
+  Adapter adapter = Adapter::kNone;
+  // Cast floating-point tensors to this dtype. Default: keep the file's dtype.
+  std::optional<DType> dtype;
+
+  bool empty() const {
+    return include.empty() && paths.empty() && exclude.empty() && renames.empty() &&
+           !contiguous_indices.has_value() && adapter == Adapter::kNone && !dtype.has_value();
+  }
+};
+
+struct SelectionLimits {
+  // Largest compiled program of one pattern (RE2 instructions), so a hostile
+  // pattern cannot eat the daemon. Default: 10,000.
+  int max_program_size = 10000;
+  // Memory RE2 may use for one pattern. Default: 2 MiB.
+  int64_t max_regex_memory = 2 << 20;
+  // Most patterns (include + exclude + renames). Default: 1,000.
+  size_t max_patterns = 1000;
+};
+
+// A validated, compiled selection. Thread-safe: immutable, shareable.
+class Selection {
+ public:
+  // Compiles every pattern. Returns InvalidArgument naming the first pattern
+  // that does not compile or is too large.
+  static absl::StatusOr<std::shared_ptr<const Selection>> Compile(const SelectionOptions& options,
+                                                                  const SelectionLimits& limits = {});
+  ~Selection();
+
+  const SelectionOptions& options() const { return options_; }
+
+  // Applies the rename rules in order.
+  std::string Rename(absl::string_view name) const;
+  // True if `name` (already renamed) passes the filter.
+  bool Matches(absl::string_view name) const;
+  // Whether contiguous indices apply to a checkpoint of `format`.
+  bool UsesContiguousIndices(Format format) const;
+
+ private:
+  Selection() = default;
+  SelectionOptions options_;
+  // Each list of patterns joined into one alternation, so a name is scanned
+  // once per list rather than once per pattern (null when the list is empty).
+  std::unique_ptr<re2::RE2> include_any_, exclude_any_;
+  std::vector<std::unique_ptr<re2::RE2>> rename_;
+};
+
+// Renumbers every numeric path segment, per original prefix, to 0, 1, 2...
+// in ascending order (burn-store's map_indices_contiguous): fc.0, fc.2, fc.4
+// become fc.0, fc.1, fc.2, and layers.2.block.3 is numbered within
+// "layers.2.block.". Returns the new names in input order.
+std::vector<std::string> MapIndicesContiguous(const std::vector<std::string>& names);
+
+// Replaces every non-overlapping match of `re` in `text` with `replacement`,
+// expanding $1, ${1}, $name, ${name} and $$ (Rust regex rules: "$1a" names the
+// group "1a"; an unknown group expands to nothing).
+std::string ReplaceAll(const re2::RE2& re, absl::string_view text, absl::string_view replacement);
+// As ReplaceAll, in place; returns false, without allocating, when nothing matches.
+bool ReplaceAllInPlace(const re2::RE2& re, std::string* text, absl::string_view replacement);
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_SELECTION_H_

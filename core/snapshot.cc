@@ -1,0 +1,112 @@
+#include "core/snapshot.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/dtype_cast.h"
+#include "core/host_buffer.h"
+#include "core/status_macros.h"
+
+namespace weightstore {
+
+absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr<const Checkpoint> checkpoint,
+                                                                 const Selection& selection) {
+  const std::vector<CheckpointEntry>& entries = checkpoint->entries();
+  std::vector<std::string> names;
+  names.reserve(entries.size());
+  for (const CheckpointEntry& e : entries) names.push_back(selection.Rename(e.spec.name));
+  if (selection.UsesContiguousIndices(checkpoint->format())) names = MapIndicesContiguous(names);
+
+  std::vector<SnapshotTensor> tensors;
+  tensors.reserve(entries.size());
+  absl::flat_hash_map<absl::string_view, size_t> source_of;  // new name -> entry index
+  source_of.reserve(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    auto [it, inserted] = source_of.emplace(names[i], i);
+    if (!inserted) {
+      return absl::InvalidArgumentError(absl::StrCat("tensors '", entries[it->second].spec.name, "' and '",
+                                                     entries[i].spec.name, "' of '", checkpoint->path(),
+                                                     "' are both renamed to '", names[i], "'"));
+    }
+    if (!selection.Matches(names[i])) continue;
+    SnapshotTensor t;
+    t.source = &entries[i];
+    t.spec = entries[i].spec;
+    t.spec.name = names[i];
+    if (selection.options().dtype && IsFloatingPoint(t.spec.dtype)) {
+      WEIGHTSTORE_RETURN_IF_ERROR(CheckCast(t.spec.dtype, *selection.options().dtype));
+      t.spec.dtype = *selection.options().dtype;
+    }
+    tensors.push_back(std::move(t));
+  }
+  return Create(std::move(checkpoint), std::move(tensors));
+}
+
+absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Create(std::shared_ptr<const Checkpoint> checkpoint,
+                                                                 std::vector<SnapshotTensor> tensors) {
+  std::shared_ptr<Snapshot> snapshot(new Snapshot());
+  snapshot->tensors_ = std::move(tensors);  // by_name_ views point into these names
+  snapshot->by_name_.reserve(snapshot->tensors_.size());
+  for (size_t i = 0; i < snapshot->tensors_.size(); ++i) {
+    const SnapshotTensor& t = snapshot->tensors_[i];
+    if (t.transpose && (t.source->spec.shape.size() != 2 ||
+                        t.spec.shape != std::vector<uint64_t>{t.source->spec.shape[1], t.source->spec.shape[0]})) {
+      return absl::InternalError(absl::StrCat("tensor '", t.spec.name, "': transpose needs a rank-2 source"));
+    }
+    WEIGHTSTORE_RETURN_IF_ERROR(CheckCast(t.source->spec.dtype, t.spec.dtype));
+    if (!snapshot->by_name_.emplace(t.spec.name, i).second) {
+      return absl::InvalidArgumentError(absl::StrCat("two tensors are served as '", t.spec.name, "'"));
+    }
+  }
+  snapshot->checkpoint_ = std::move(checkpoint);
+  return std::shared_ptr<const Snapshot>(std::move(snapshot));
+}
+
+uint64_t Snapshot::total_bytes() const {
+  uint64_t total = 0;
+  for (const SnapshotTensor& t : tensors_) total += t.spec.byte_size();
+  return total;
+}
+
+const SnapshotTensor* Snapshot::Find(absl::string_view name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &tensors_[it->second];
+}
+
+absl::StatusOr<SharedTensor> Snapshot::Read(absl::string_view name) const {
+  const SnapshotTensor* t = Find(name);
+  if (t == nullptr) {
+    return absl::NotFoundError(absl::StrCat("tensor '", name, "' not in this selection of '", checkpoint_->path(), "'"));
+  }
+  return Read(*t);
+}
+
+absl::StatusOr<SharedTensor> Snapshot::Read(const SnapshotTensor& tensor) const {
+  if (tensor.is_identity()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, checkpoint_->Read(*tensor.source));
+    t.spec = tensor.spec;
+    return t;
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(tensor.spec.byte_size()));
+  WEIGHTSTORE_RETURN_IF_ERROR(ReadInto(tensor, buffer.span()));
+  return SharedTensor{tensor.spec, std::move(buffer).Freeze()};
+}
+
+absl::Status Snapshot::ReadInto(const SnapshotTensor& tensor, std::span<std::byte> out) const {
+  if (tensor.is_identity()) return checkpoint_->ReadInto(*tensor.source, out);
+  if (out.size() != tensor.spec.byte_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor.spec.name, "' has ", tensor.spec.byte_size(),
+                                                   " bytes; the destination holds ", out.size()));
+  }
+  // Source bytes (a view when contiguous), then one pass of transpose and cast.
+  WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor source, checkpoint_->Read(*tensor.source));
+  const DType from = tensor.source->spec.dtype, to = tensor.spec.dtype;
+  if (tensor.transpose) {
+    TransposeCast(from, source.bytes.data(), to, out.data(), tensor.source->spec.shape[0],
+                  tensor.source->spec.shape[1]);
+  } else {
+    CastElements(from, source.bytes.data(), to, out.data(), tensor.source->spec.num_elements());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace weightstore

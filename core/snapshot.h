@@ -1,0 +1,64 @@
+// Snapshot: the tensors a selection yields from one checkpoint, under their new
+// names, with any transformation (dtype cast, transpose) applied lazily, in one
+// pass, when the bytes are read.
+//
+// Holds its checkpoint alive. Untransformed tensors read zero-copy, exactly as
+// Checkpoint::Read. Thread-safe: immutable after construction.
+#ifndef WEIGHTSTORE_CORE_SNAPSHOT_H_
+#define WEIGHTSTORE_CORE_SNAPSHOT_H_
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "core/checkpoint.h"
+#include "core/selection.h"
+
+namespace weightstore {
+
+struct SnapshotTensor {
+  TensorSpec spec;                         // name, dtype and shape as served
+  const CheckpointEntry* source = nullptr; // in the snapshot's checkpoint
+  bool transpose = false;                  // rank-2 [r, c] source served as [c, r]
+
+  bool is_identity() const { return !transpose && spec.dtype == source->spec.dtype; }
+};
+
+class Snapshot {
+ public:
+  // Applies `selection` (rename, contiguous indices, filter, dtype) to every
+  // tensor of `checkpoint`. Returns InvalidArgument naming both tensors when two
+  // are renamed to the same name.
+  static absl::StatusOr<std::shared_ptr<const Snapshot>> Select(std::shared_ptr<const Checkpoint> checkpoint,
+                                                                const Selection& selection);
+  // Builds a snapshot from chosen tensors (used by Apply). Names must be unique.
+  static absl::StatusOr<std::shared_ptr<const Snapshot>> Create(std::shared_ptr<const Checkpoint> checkpoint,
+                                                                std::vector<SnapshotTensor> tensors);
+
+  const Checkpoint& checkpoint() const { return *checkpoint_; }
+  const std::shared_ptr<const Checkpoint>& shared_checkpoint() const { return checkpoint_; }
+  const std::vector<SnapshotTensor>& tensors() const { return tensors_; }
+  size_t size() const { return tensors_.size(); }
+  uint64_t total_bytes() const;
+  // Returns the tensor served as `name`, or nullptr.
+  const SnapshotTensor* Find(absl::string_view name) const;
+
+  // Returns the tensor's bytes as served. Zero-copy for untransformed tensors.
+  absl::StatusOr<SharedTensor> Read(const SnapshotTensor& tensor) const;
+  absl::StatusOr<SharedTensor> Read(absl::string_view name) const;
+  // Writes the served bytes into `out` (out.size() must be spec.byte_size()).
+  absl::Status ReadInto(const SnapshotTensor& tensor, std::span<std::byte> out) const;
+
+ private:
+  Snapshot() = default;
+  std::shared_ptr<const Checkpoint> checkpoint_;
+  std::vector<SnapshotTensor> tensors_;
+  absl::flat_hash_map<absl::string_view, size_t> by_name_;  // views into tensors_[i].spec.name
+};
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_SNAPSHOT_H_
