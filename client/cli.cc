@@ -21,15 +21,9 @@
 namespace weightstore::cli {
 namespace {
 
-absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenForCli(const std::string& path,
-                                                            const std::string& top_level_key) {
-  OpenOptions options;
-  options.top_level_key = top_level_key;
-  return Checkpoint::Open(path, options);
-}
-
 absl::StatusOr<SelectionOptions> ParseSelection(const SelectionArgs& args) {
   SelectionOptions options;
+  options.top_level_key = args.top_level_key;
   options.include = args.include;
   options.paths = args.paths;
   options.exclude = args.exclude;
@@ -74,7 +68,7 @@ absl::StatusOr<Loaded> LoadForCli(const std::string& path, const SelectionArgs& 
   WEIGHTSTORE_ASSIGN_OR_RETURN(SelectionOptions options, ParseSelection(args));
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Selection> selection, Selection::Compile(options));
   Loaded loaded;
-  WEIGHTSTORE_ASSIGN_OR_RETURN(loaded.checkpoint, OpenForCli(path, args.top_level_key));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(loaded.checkpoint, Checkpoint::Open(path));
   if (args.target.empty()) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(loaded.snapshot, Snapshot::Select(loaded.checkpoint, *selection));
     return loaded;
@@ -257,8 +251,8 @@ absl::Status RunConvert(const ConvertArgs& args, std::FILE* out) {
 }
 
 absl::Status RunDiff(const DiffArgs& args, std::FILE* out) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> a, OpenForCli(args.a, ""));
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> b, OpenForCli(args.b, ""));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> a, Checkpoint::Open(args.a));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> b, Checkpoint::Open(args.b));
   std::vector<std::string> only_a, only_b, dtype_diff, shape_diff, byte_diff;
   size_t same = 0;
   for (const CheckpointEntry& ea : a->entries()) {

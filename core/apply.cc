@@ -162,21 +162,12 @@ absl::StatusOr<TargetSchema> TargetSchema::Load(const std::string& path) {
 
 absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, const Selection& selection,
                               const TargetSchema& target, const ApplyOptions& options) {
-  // Names after rename and contiguous indices, before the filter.
+  // Names after the top-level key, rename and contiguous indices, before the filter.
   const std::vector<CheckpointEntry>& entries = checkpoint->entries();
-  std::vector<std::string> names;
-  names.reserve(entries.size());
-  for (const CheckpointEntry& e : entries) names.push_back(selection.Rename(e.spec.name));
-  if (selection.UsesContiguousIndices(checkpoint->format())) names = MapIndicesContiguous(names);
-  absl::flat_hash_map<std::string, size_t> source;
-  for (size_t i = 0; i < names.size(); ++i) {
-    auto [it, inserted] = source.emplace(names[i], i);
-    if (!inserted) {
-      return absl::InvalidArgumentError(absl::StrCat("tensors '", entries[it->second].spec.name, "' and '",
-                                                     entries[i].spec.name, "' of '", checkpoint->path(),
-                                                     "' are both renamed to '", names[i], "'"));
-    }
-  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named, ResolveNames(*checkpoint, selection));
+  absl::flat_hash_map<std::string, size_t> source;  // name -> entry index
+  source.reserve(named.size());
+  for (const NamedEntry& n : named) source.emplace(n.name, n.entry);
   const Adapter adapter = selection.options().adapter;
   Applied out;
   ApplyResult& result = out.result;
@@ -233,8 +224,8 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
     tensors.push_back(std::move(t));
   }
   absl::flat_hash_set<std::string> skipped(result.skipped.begin(), result.skipped.end());
-  for (size_t i = 0; i < entries.size(); ++i) {
-    if (!used[i] && !skipped.contains(names[i])) result.unused.push_back(names[i]);
+  for (const NamedEntry& n : named) {
+    if (!used[n.entry] && !skipped.contains(n.name)) result.unused.push_back(n.name);
   }
   std::sort(result.skipped.begin(), result.skipped.end());
   std::sort(result.missing.begin(), result.missing.end());

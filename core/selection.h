@@ -2,8 +2,8 @@
 // which dtype. burn-store's semantics, implemented once here and used by the CLI,
 // the daemon and every client.
 //
-// The pipeline, in order (burn-store's load order; the top-level key is applied
-// when the checkpoint is opened):
+// The pipeline, in order (burn-store's load order):
+//   0. top-level key: keep names under "<key>." and strip that prefix;
 //   1. rename: each rule is a regex replace-all on the previous rule's output,
 //      with $1 / ${1} / $name / ${name} / $$ in the replacement, as Rust's regex;
 //   2. contiguous indices: numeric path segments renumbered 0, 1, 2... per prefix;
@@ -43,6 +43,9 @@ absl::string_view AdapterName(Adapter adapter);
 std::optional<Adapter> ParseAdapter(absl::string_view name);
 
 struct SelectionOptions {
+  // Serve only tensors under this first path segment, without the segment
+  // (PyTorch's "model_state_dict.fc.weight" -> "fc.weight"). Default: all.
+  std::string top_level_key;
   std::vector<std::string> include;  // regexes; a tensor matching any is kept
   std::vector<std::string> paths;    // exact names (after renaming), also kept
   std::vector<std::string> exclude;  // regexes; a tensor matching any is dropped
@@ -56,7 +59,7 @@ struct SelectionOptions {
   std::optional<DType> dtype;
 
   bool empty() const {
-    return include.empty() && paths.empty() && exclude.empty() && renames.empty() &&
+    return top_level_key.empty() && include.empty() && paths.empty() && exclude.empty() && renames.empty() &&
            !contiguous_indices.has_value() && adapter == Adapter::kNone && !dtype.has_value();
   }
 };

@@ -135,6 +135,18 @@ TEST(SnapshotSelectTest, ContiguousIndicesDefaultOnlyForPyTorch) {
   EXPECT_THAT(Selected(*pt_off), ElementsAre("fc.2.w"));
 }
 
+TEST(SnapshotSelectTest, TopLevelKeyKeepsOnlyThatSubtreeWithoutItsPrefix) {
+  SelectionOptions options;
+  options.top_level_key = "model";
+  options.contiguous_indices = false;
+  ASSERT_OK_AND_ASSIGN(auto s, Snapshot::Select(Names({"model.fc.w", "optim.state.0", "model.b", "modelx.c"}),
+                                                *Compile(options)));
+  EXPECT_THAT(Selected(*s), ElementsAre("fc.w", "b"));
+  options.top_level_key = "nope";
+  EXPECT_THAT(Snapshot::Select(Names({"model.fc.w", "optim.state.0"}), *Compile(options)),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("keys with tensors: model, optim")));
+}
+
 TEST(SnapshotSelectTest, TwoTensorsRenamedToOneNameIsAnErrorNamingBoth) {
   SelectionOptions options;
   options.renames = {{R"(^(enc|encoder)\.)", "e."}};

@@ -1,6 +1,11 @@
 #include "core/snapshot.h"
 
+#include <set>
+
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "core/dtype_cast.h"
 #include "core/host_buffer.h"
@@ -8,30 +13,60 @@
 
 namespace weightstore {
 
-absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr<const Checkpoint> checkpoint,
-                                                                 const Selection& selection) {
-  const std::vector<CheckpointEntry>& entries = checkpoint->entries();
-  std::vector<std::string> names;
-  names.reserve(entries.size());
-  for (const CheckpointEntry& e : entries) names.push_back(selection.Rename(e.spec.name));
-  if (selection.UsesContiguousIndices(checkpoint->format())) names = MapIndicesContiguous(names);
-
-  std::vector<SnapshotTensor> tensors;
-  tensors.reserve(entries.size());
-  absl::flat_hash_map<absl::string_view, size_t> source_of;  // new name -> entry index
-  source_of.reserve(entries.size());
-  for (size_t i = 0; i < entries.size(); ++i) {
-    auto [it, inserted] = source_of.emplace(names[i], i);
+absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection) {
+  const std::vector<CheckpointEntry>& entries = checkpoint.entries();
+  const std::string& key = selection.options().top_level_key;
+  std::vector<NamedEntry> named;
+  named.reserve(entries.size());
+  if (key.empty()) {
+    for (size_t i = 0; i < entries.size(); ++i) named.push_back({selection.Rename(entries[i].spec.name), i});
+  } else {
+    const std::string prefix = absl::StrCat(key, ".");
+    std::set<std::string> keys;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      absl::string_view name = entries[i].spec.name;
+      if (absl::ConsumePrefix(&name, prefix)) {
+        named.push_back({selection.Rename(name), i});
+      } else if (size_t dot = name.find('.'); dot != absl::string_view::npos) {
+        keys.insert(std::string(name.substr(0, dot)));
+      }
+    }
+    if (named.empty()) {
+      return absl::NotFoundError(absl::StrCat("'", checkpoint.path(), "' has no tensors under top-level key '", key,
+                                              "'; keys with tensors: ", keys.empty() ? "(none)" : absl::StrJoin(keys, ", ")));
+    }
+  }
+  if (selection.UsesContiguousIndices(checkpoint.format())) {
+    std::vector<std::string> names;
+    names.reserve(named.size());
+    for (const NamedEntry& n : named) names.push_back(n.name);
+    names = MapIndicesContiguous(names);
+    for (size_t i = 0; i < named.size(); ++i) named[i].name = std::move(names[i]);
+  }
+  absl::flat_hash_map<absl::string_view, size_t> first;  // name -> entry index
+  first.reserve(named.size());
+  for (const NamedEntry& n : named) {
+    auto [it, inserted] = first.emplace(n.name, n.entry);
     if (!inserted) {
       return absl::InvalidArgumentError(absl::StrCat("tensors '", entries[it->second].spec.name, "' and '",
-                                                     entries[i].spec.name, "' of '", checkpoint->path(),
-                                                     "' are both renamed to '", names[i], "'"));
+                                                     entries[n.entry].spec.name, "' of '", checkpoint.path(),
+                                                     "' are both renamed to '", n.name, "'"));
     }
-    if (!selection.Matches(names[i])) continue;
+  }
+  return named;
+}
+
+absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr<const Checkpoint> checkpoint,
+                                                                 const Selection& selection) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named, ResolveNames(*checkpoint, selection));
+  std::vector<SnapshotTensor> tensors;
+  tensors.reserve(named.size());
+  for (NamedEntry& n : named) {
+    if (!selection.Matches(n.name)) continue;
     SnapshotTensor t;
-    t.source = &entries[i];
-    t.spec = entries[i].spec;
-    t.spec.name = names[i];
+    t.source = &checkpoint->entries()[n.entry];
+    t.spec = t.source->spec;
+    t.spec.name = std::move(n.name);
     if (selection.options().dtype && IsFloatingPoint(t.spec.dtype)) {
       WEIGHTSTORE_RETURN_IF_ERROR(CheckCast(t.spec.dtype, *selection.options().dtype));
       t.spec.dtype = *selection.options().dtype;

@@ -27,6 +27,18 @@ struct SnapshotTensor {
   bool is_identity() const { return !transpose && spec.dtype == source->spec.dtype; }
 };
 
+// A checkpoint entry under its selected name.
+struct NamedEntry {
+  std::string name;  // after top-level key, rename and contiguous indices
+  size_t entry;      // index into checkpoint.entries()
+};
+
+// Steps 0-2 of the pipeline (top-level key, rename, contiguous indices), before
+// the filter. Returns NotFound listing the available keys when no tensor is under
+// the top-level key, and InvalidArgument naming both tensors when two get the
+// same name.
+absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection);
+
 class Snapshot {
  public:
   // Applies `selection` (rename, contiguous indices, filter, dtype) to every

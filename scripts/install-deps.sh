@@ -8,12 +8,12 @@ packages=(
   build-essential cmake ninja-build pkg-config clang libclang-rt-14-dev
   # service stack
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libre2-dev libboost-dev
+  libabsl-dev libre2-dev libboost-dev grpc-proto
   # formats: JSON (SafeTensors headers), CBOR (Burnpack), zlib (zip CRC-32)
   nlohmann-json3-dev libcbor-dev zlib1g-dev libcli11-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev
-  python3 python3-torch python3-numpy
+  python3 python3-torch python3-numpy python3-grpcio
 )
 
 sudo=""
