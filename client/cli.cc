@@ -16,6 +16,8 @@
 #include "core/checkpoint_writer.h"
 #include "core/selection.h"
 #include "core/snapshot.h"
+#include "client/file_sink.h"
+#include "client/store.h"
 #include "core/status_macros.h"
 
 namespace weightstore::cli {
@@ -82,10 +84,6 @@ absl::StatusOr<Loaded> LoadForCli(const std::string& path, const SelectionArgs& 
   return loaded;
 }
 
-std::string FormatLabel(const Checkpoint& c) {
-  return c.detail().empty() ? std::string(FormatName(c.format()))
-                            : absl::StrCat(FormatName(c.format()), " (", c.detail(), ")");
-}
 
 // A one-line progress bar on stderr, redrawn at most 10 times a second.
 class ProgressBar {
@@ -133,55 +131,168 @@ std::string HumanBytes(uint64_t bytes) {
   return absl::StrFormat("%.*f %s", v < 10 ? 2 : 1, v, kUnits[unit]);
 }
 
-absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(Loaded loaded, LoadForCli(args.path, args.selection));
-  const Checkpoint& c = *loaded.checkpoint;
-  const Snapshot& s = *loaded.snapshot;
-  if (args.json) {
+// What inspect prints, from a local snapshot or a remote listing.
+struct InspectView {
+  std::string path, format, container;
+  Metadata metadata;
+  size_t total_tensors = 0;
+  std::vector<client::TensorDescription> tensors;
+  std::optional<ApplyResult> apply_result;
+};
+
+void PrintInspect(const InspectView& v, bool json, std::FILE* out) {
+  uint64_t total_bytes = 0;
+  for (const auto& t : v.tensors) total_bytes += t.spec.byte_size();
+  if (json) {
     nlohmann::ordered_json doc;
-    doc["format"] = std::string(FormatName(c.format()));
-    if (!c.detail().empty()) doc["container"] = c.detail();
+    doc["format"] = v.format;
+    if (!v.container.empty()) doc["container"] = v.container;
     doc["metadata"] = nlohmann::json::object();
-    for (const auto& [k, v] : c.metadata()) doc["metadata"][k] = v;
+    for (const auto& [k, val] : v.metadata) doc["metadata"][k] = val;
     doc["tensors"] = nlohmann::json::array();
-    for (const SnapshotTensor& t : s.tensors()) {
+    for (const auto& t : v.tensors) {
       nlohmann::ordered_json j;
       j["name"] = t.spec.name;
       j["dtype"] = std::string(DTypeName(t.spec.dtype));
       j["shape"] = t.spec.shape;
       j["bytes"] = t.spec.byte_size();
-      if (t.spec.name != t.source->spec.name) j["source"] = t.source->spec.name;
+      if (t.source_name != t.spec.name) j["source"] = t.source_name;
       doc["tensors"].push_back(std::move(j));
     }
-    std::string text = doc.dump(1, ' ', false, nlohmann::json::error_handler_t::replace);
-    std::fprintf(out, "%s\n", text.c_str());
-    return absl::OkStatus();
+    std::fprintf(out, "%s\n", doc.dump(1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+    return;
   }
-  std::fprintf(out, "%s\n  format:   %s\n  tensors:  %zu", c.path().c_str(), FormatLabel(c).c_str(), s.size());
-  if (s.size() != c.size()) std::fprintf(out, " selected of %zu", c.size());
-  std::fprintf(out, "\n  data:     %s (%llu bytes)\n", HumanBytes(s.total_bytes()).c_str(),
-               static_cast<unsigned long long>(s.total_bytes()));
-  if (!c.metadata().empty()) {
+  std::string format = v.container.empty() ? v.format : absl::StrCat(v.format, " (", v.container, ")");
+  std::fprintf(out, "%s\n  format:   %s\n  tensors:  %zu", v.path.c_str(), format.c_str(), v.tensors.size());
+  if (v.tensors.size() != v.total_tensors) std::fprintf(out, " selected of %zu", v.total_tensors);
+  std::fprintf(out, "\n  data:     %s (%llu bytes)\n", HumanBytes(total_bytes).c_str(),
+               static_cast<unsigned long long>(total_bytes));
+  if (!v.metadata.empty()) {
     std::fprintf(out, "  metadata:\n");
-    for (const auto& [k, v] : c.metadata()) std::fprintf(out, "    %s: %s\n", k.c_str(), v.c_str());
+    for (const auto& [k, val] : v.metadata) std::fprintf(out, "    %s: %s\n", k.c_str(), val.c_str());
   }
   size_t name_width = 4, shape_width = 5;
-  for (const SnapshotTensor& t : s.tensors()) {
+  for (const auto& t : v.tensors) {
     name_width = std::max(name_width, t.spec.name.size());
     shape_width = std::max(shape_width, ShapeToString(t.spec.shape).size());
   }
   name_width = std::min<size_t>(name_width, 80);
   std::fprintf(out, "\n%-*s  %-7s  %-*s  %12s\n", static_cast<int>(name_width), "NAME", "DTYPE",
                static_cast<int>(shape_width), "SHAPE", "BYTES");
-  for (const SnapshotTensor& t : s.tensors()) {
+  for (const auto& t : v.tensors) {
     std::fprintf(out, "%-*s  %-7s  %-*s  %12llu", static_cast<int>(name_width), t.spec.name.c_str(),
                  std::string(DTypeName(t.spec.dtype)).c_str(), static_cast<int>(shape_width),
                  ShapeToString(t.spec.shape).c_str(), static_cast<unsigned long long>(t.spec.byte_size()));
-    if (t.spec.name != t.source->spec.name) std::fprintf(out, "  <- %s", t.source->spec.name.c_str());
+    if (t.source_name != t.spec.name) std::fprintf(out, "  <- %s", t.source_name.c_str());
     std::fprintf(out, "\n");
   }
-  if (loaded.applied) std::fprintf(out, "\n%s", loaded.applied->result.Summary().c_str());
+  if (v.apply_result) std::fprintf(out, "\n%s", v.apply_result->Summary().c_str());
+}
+
+absl::StatusOr<client::Query> QueryFor(const SelectionArgs& args) {
+  client::Query query;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(query.selection, ParseSelection(args));
+  if (!args.target.empty()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(query.target, TargetSchema::Load(args.target));
+  }
+  query.allow_partial = args.allow_partial;
+  return query;
+}
+
+absl::StatusOr<std::unique_ptr<client::Store>> Connect(const std::string& server) {
+  return client::ConnectRemoteStore(server);
+}
+
+absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
+  InspectView view;
+  if (!args.server.empty()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(client::Query query, QueryFor(args.selection));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, store->GetCheckpoint(args.path));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing listing, store->ListTensors(args.path, query));
+    view = InspectView{absl::StrCat(args.server, "/", summary.name), summary.format, summary.container,
+                       summary.metadata, summary.tensor_count, std::move(listing.tensors),
+                       std::move(listing.apply_result)};
+  } else {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Loaded loaded, LoadForCli(args.path, args.selection));
+    const Checkpoint& c = *loaded.checkpoint;
+    view = InspectView{c.path(), std::string(FormatName(c.format())), c.detail(), c.metadata(), c.size(), {}, {}};
+    for (const SnapshotTensor& t : loaded.snapshot->tensors()) {
+      view.tensors.push_back({t.spec, t.source->spec.name, std::nullopt});
+    }
+    if (loaded.applied) view.apply_result = loaded.applied->result;
+  }
+  PrintInspect(view, args.json, out);
   return absl::OkStatus();
+}
+
+absl::Status RunLs(const LsArgs& args, std::FILE* out) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<client::CheckpointSummary> list, store->ListCheckpoints());
+  if (args.json) {
+    nlohmann::ordered_json doc = nlohmann::json::array();
+    for (const auto& c : list) {
+      doc.push_back({{"name", c.name}, {"format", c.format}, {"tensors", c.tensor_count}, {"bytes", c.total_bytes},
+                     {"version", c.version}, {"path", c.path}});
+    }
+    std::fprintf(out, "%s\n", doc.dump(1).c_str());
+    return absl::OkStatus();
+  }
+  size_t width = 4;
+  for (const auto& c : list) width = std::max(width, c.name.size());
+  std::fprintf(out, "%-*s  %-11s  %8s  %12s  %s\n", static_cast<int>(width), "NAME", "FORMAT", "TENSORS", "SIZE", "VERSION");
+  for (const auto& c : list) {
+    std::fprintf(out, "%-*s  %-11s  %8llu  %12s  %s\n", static_cast<int>(width), c.name.c_str(), c.format.c_str(),
+                 static_cast<unsigned long long>(c.tensor_count), HumanBytes(c.total_bytes).c_str(), c.version.c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Format> OutputFormat(const std::string& flag, const std::string& output) {
+  std::optional<Format> f = flag.empty() ? FormatFromExtension(output) : ParseFormat(flag);
+  if (!f) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot tell the output format from '", output,
+                                                   "'; name it *.safetensors or *.bpk, or pass --format"));
+  }
+  if (*f == Format::kPyTorch) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot write '", output,
+                                                   "': PyTorch files are read-only here; write .safetensors or .bpk"));
+  }
+  return *f;
+}
+
+absl::StatusOr<Metadata> ParseMetadataFlags(const std::vector<std::string>& flags) {
+  Metadata extra;
+  for (const std::string& kv : flags) {
+    size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--metadata '", kv, "' is not KEY=VALUE"));
+    }
+    extra[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return extra;
+}
+
+absl::Status RunFetch(const FetchArgs& args, std::FILE* out) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(Format format, OutputFormat(args.format, args.output));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(Metadata extra, ParseMetadataFlags(args.metadata));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::Query query, QueryFor(args.selection));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, store->GetCheckpoint(args.name));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing listing, store->ListTensors(args.name, query));
+  Metadata metadata = summary.metadata;
+  for (auto& [k, v] : extra) metadata[k] = v;
+  std::vector<TensorSpec> specs;
+  uint64_t total = 0;
+  for (const auto& t : listing.tensors) {
+    specs.push_back(t.spec);
+    total += t.spec.byte_size();
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto sink, client::FileSink::Create(args.output, format, specs, metadata, args.overwrite));
+  ProgressBar bar(args.progress && ::isatty(STDERR_FILENO) && total >= kProgressThreshold);
+  sink->set_progress([&bar](uint64_t done, uint64_t all) { bar.Update(done, all); });
+  WEIGHTSTORE_RETURN_IF_ERROR(store->FetchTensors(args.name, query, sink.get()));
+  return sink->Finish();
 }
 
 absl::Status RunApply(const ApplyArgs& args, std::FILE* out) {
@@ -210,31 +321,8 @@ absl::Status RunApply(const ApplyArgs& args, std::FILE* out) {
 }
 
 absl::Status RunConvert(const ConvertArgs& args, std::FILE* out) {
-  Format format;
-  if (!args.format.empty()) {
-    std::optional<Format> f = ParseFormat(args.format);
-    if (!f) return absl::InvalidArgumentError(absl::StrCat("unknown --format '", args.format, "'"));
-    format = *f;
-  } else {
-    std::optional<Format> f = FormatFromExtension(args.output);
-    if (!f) {
-      return absl::InvalidArgumentError(absl::StrCat("cannot tell the output format from '", args.output,
-                                                     "'; name it *.safetensors or *.bpk, or pass --format"));
-    }
-    format = *f;
-  }
-  if (format == Format::kPyTorch) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot write '", args.output,
-                                                   "': PyTorch files are read-only here; write .safetensors or .bpk"));
-  }
-  Metadata extra;
-  for (const std::string& kv : args.metadata) {
-    size_t eq = kv.find('=');
-    if (eq == std::string::npos || eq == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--metadata '", kv, "' is not KEY=VALUE"));
-    }
-    extra[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(Format format, OutputFormat(args.format, args.output));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(Metadata extra, ParseMetadataFlags(args.metadata));
   WEIGHTSTORE_ASSIGN_OR_RETURN(Loaded loaded, LoadForCli(args.input, args.selection));
   if (loaded.applied && !loaded.applied->status.ok()) {
     std::fprintf(stderr, "%s", loaded.applied->result.Summary().c_str());

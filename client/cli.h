@@ -27,7 +27,8 @@ struct SelectionArgs {
 };
 
 struct InspectArgs {
-  std::string path;
+  std::string path;    // a file, or a checkpoint name with --server
+  std::string server;  // host:port of weightstored
   bool json = false;
   SelectionArgs selection;
 };
@@ -48,6 +49,22 @@ struct ConvertArgs {
   bool progress = true;               // shown only when stderr is a terminal
 };
 
+struct LsArgs {
+  std::string server;
+  bool json = false;
+};
+
+struct FetchArgs {
+  std::string server;
+  std::string name;
+  std::string output;
+  std::string format;  // "", "safetensors" or "burnpack"
+  bool overwrite = false;
+  std::vector<std::string> metadata;  // KEY=VALUE
+  bool progress = true;
+  SelectionArgs selection;
+};
+
 struct DiffArgs {
   std::string a;
   std::string b;
@@ -56,6 +73,8 @@ struct DiffArgs {
 
 absl::Status RunInspect(const InspectArgs& args, std::FILE* out);
 absl::Status RunConvert(const ConvertArgs& args, std::FILE* out);
+absl::Status RunLs(const LsArgs& args, std::FILE* out);
+absl::Status RunFetch(const FetchArgs& args, std::FILE* out);
 // Prints the load result; returns FailedPrecondition when it fails the load.
 absl::Status RunApply(const ApplyArgs& args, std::FILE* out);
 // Returns FailedPrecondition("differ") when args.exit_code is set and A != B.

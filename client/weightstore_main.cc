@@ -20,7 +20,7 @@ void AddSelectionFlags(CLI::App* cmd, weightstore::cli::SelectionArgs* s) {
                   "Rename with a regex: FROM=TO, replace-all, $1/${name} captures; repeatable, applied in order "
                   "before the filter");
   cmd->add_flag("--contiguous-indices", s->contiguous_indices,
-                "Renumber numeric path segments 0, 1, 2... per prefix (default for PyTorch sources)");
+                "Renumber numeric path segments 0, 1, 2... per prefix (default when loading a PyTorch source into --target)");
   cmd->add_flag("--no-contiguous-indices", s->no_contiguous_indices, "Keep numeric path segments as they are");
   cmd->add_option("--adapter", s->adapter, "Adapt between frameworks (needs --target)")
       ->check(CLI::IsMember({"pytorch-to-burn", "burn-to-pytorch", "none"}));
@@ -53,7 +53,9 @@ int main(int argc, char** argv) {
   cli::InspectArgs inspect;
   CLI::App* inspect_cmd = app.add_subcommand(
       "inspect", "Show format, metadata and every tensor's name, dtype, shape and size, without reading tensor data");
-  inspect_cmd->add_option("FILE", inspect.path, "Checkpoint file, sharded index, or folder")->required();
+  inspect_cmd->add_option("FILE", inspect.path, "Checkpoint file, sharded index or folder; with --server, a checkpoint name")
+      ->required();
+  inspect_cmd->add_option("--server", inspect.server, "Ask weightstored at host:port instead of reading a file");
   inspect_cmd->add_flag("--json", inspect.json, "Print JSON: {format, metadata, tensors: [{name, dtype, shape, bytes}]}");
   AddSelectionFlags(inspect_cmd, &inspect.selection);
 
@@ -77,6 +79,25 @@ int main(int argc, char** argv) {
   apply_cmd->add_flag("--json", apply.json, "Print the result as JSON");
   AddSelectionFlags(apply_cmd, &apply.selection);
 
+  cli::LsArgs ls;
+  CLI::App* ls_cmd = app.add_subcommand("ls", "List the checkpoints a weightstored serves");
+  ls_cmd->add_option("--server", ls.server, "weightstored address, host:port")->required();
+  ls_cmd->add_flag("--json", ls.json, "Print JSON");
+
+  cli::FetchArgs fetch;
+  CLI::App* fetch_cmd = app.add_subcommand(
+      "fetch", "Download a checkpoint (or a selection of it) from weightstored into a file, atomically");
+  fetch_cmd->add_option("--server", fetch.server, "weightstored address, host:port")->required();
+  fetch_cmd->add_option("NAME", fetch.name, "Checkpoint name (see 'weightstore ls')")->required();
+  fetch_cmd->add_option("OUT", fetch.output, "Output file; its extension (.safetensors, .bpk) picks the format")
+      ->required();
+  fetch_cmd->add_option("--format", fetch.format, "Output format, overriding OUT's extension")
+      ->check(CLI::IsMember({"safetensors", "burnpack"}));
+  fetch_cmd->add_flag("--overwrite", fetch.overwrite, "Replace OUT if it exists");
+  fetch_cmd->add_option("--metadata", fetch.metadata, "Add or replace a metadata entry (KEY=VALUE, repeatable)");
+  fetch_cmd->add_flag("!--no-progress", fetch.progress, "Never draw a progress bar");
+  AddSelectionFlags(fetch_cmd, &fetch.selection);
+
   cli::DiffArgs diff;
   CLI::App* diff_cmd = app.add_subcommand(
       "diff", "Compare two checkpoints of any formats: tensors only in one, and those whose dtype, shape or bytes differ");
@@ -93,6 +114,8 @@ int main(int argc, char** argv) {
   }
   if (*inspect_cmd) return Report(cli::RunInspect(inspect, stdout));
   if (*convert_cmd) return Report(cli::RunConvert(convert, stdout));
+  if (*ls_cmd) return Report(cli::RunLs(ls, stdout));
+  if (*fetch_cmd) return Report(cli::RunFetch(fetch, stdout));
   if (*apply_cmd) {
     absl::Status status = cli::RunApply(apply, stdout);
     if (absl::IsFailedPrecondition(status)) {

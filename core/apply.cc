@@ -164,7 +164,7 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
                               const TargetSchema& target, const ApplyOptions& options) {
   // Names after the top-level key, rename and contiguous indices, before the filter.
   const std::vector<CheckpointEntry>& entries = checkpoint->entries();
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named, ResolveNames(*checkpoint, selection));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named, ResolveNames(*checkpoint, selection, /*applying_to_target=*/true));
   absl::flat_hash_map<std::string, size_t> source;  // name -> entry index
   source.reserve(named.size());
   for (const NamedEntry& n : named) source.emplace(n.name, n.entry);

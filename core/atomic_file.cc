@@ -46,7 +46,7 @@ absl::StatusOr<std::unique_ptr<AtomicFile>> AtomicFile::Create(const std::string
   file->temp_path_ = (folder / absl::StrCat(".", target.filename().string(), ".", ::getpid(), "-",
                                             temp_counter.fetch_add(1), ".tmp"))
                          .string();
-  file->fd_ = ::open(file->temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  file->fd_ = ::open(file->temp_path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (file->fd_ < 0) {
     return StatusFromErrno(errno, absl::StrCat("cannot create a temporary file beside '", path, "'"));
   }
@@ -79,6 +79,20 @@ absl::Status AtomicFile::AppendZeros(uint64_t n) {
     if (!status.ok()) return status;
     n -= chunk;
   }
+  return absl::OkStatus();
+}
+
+absl::Status AtomicFile::Resize(uint64_t size) {
+  if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) {
+    return StatusFromErrno(errno, absl::StrCat("cannot size '", path_, "' to ", size, " bytes"));
+  }
+  written_ = size;
+  return absl::OkStatus();
+}
+
+absl::Status AtomicFile::Flush() {
+  if (fd_ < 0) return absl::FailedPreconditionError("already committed");
+  if (::fsync(fd_) != 0) return StatusFromErrno(errno, absl::StrCat("cannot sync '", path_, "'"));
   return absl::OkStatus();
 }
 

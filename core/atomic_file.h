@@ -27,12 +27,20 @@ class AtomicFile {
   ~AtomicFile();
 
   const std::string& path() const { return path_; }
+  // The temporary file being written (valid until Commit or destruction).
+  const std::string& temp_path() const { return temp_path_; }
   uint64_t bytes_written() const { return written_; }
 
   // Appends `data`. Returns ResourceExhausted when the disk is full.
   absl::Status Append(absl::string_view data);
+  // Sets the file's size (new bytes are zero); for writers that fill a planned
+  // layout through fd() instead of appending.
+  absl::Status Resize(uint64_t size);
+  int fd() const { return fd_; }
   // Appends `n` zero bytes.
   absl::Status AppendZeros(uint64_t n);
+  // Makes what was appended durable in the temporary file (fsync).
+  absl::Status Flush();
   // Makes the file durable and visible at path().
   absl::Status Commit();
 

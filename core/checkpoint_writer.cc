@@ -15,7 +15,10 @@
 namespace weightstore {
 namespace {
 
-absl::StatusOr<WritePlan> PlanFor(Format format, const std::vector<TensorSpec>& specs, const Metadata& metadata) {
+}  // namespace
+
+absl::StatusOr<WritePlan> PlanCheckpoint(Format format, const std::vector<TensorSpec>& specs,
+                                         const Metadata& metadata) {
   switch (format) {
     case Format::kSafeTensors:
       return PlanSafeTensors(specs, metadata);
@@ -25,6 +28,8 @@ absl::StatusOr<WritePlan> PlanFor(Format format, const std::vector<TensorSpec>& 
       return absl::InvalidArgumentError(absl::StrCat("cannot write ", FormatName(format), " files"));
   }
 }
+
+namespace {
 
 // Maps in the pages behind `bytes` with one madvise call (Linux 5.14+; a no-op
 // elsewhere, where write() faults them in as before).
@@ -112,7 +117,7 @@ absl::Status CheckpointWriter::Add(TensorSpec spec, BytesProducer bytes) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<WritePlan> CheckpointWriter::Plan() const { return PlanFor(format_, specs_, metadata_); }
+absl::StatusOr<WritePlan> CheckpointWriter::Plan() const { return PlanCheckpoint(format_, specs_, metadata_); }
 
 absl::Status CheckpointWriter::Finish() {
   WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, Plan());
@@ -167,7 +172,7 @@ absl::StatusOr<std::string> SerializeCheckpoint(Format format, const std::vector
     specs.push_back(t.spec);
     producers.push_back([bytes = t.bytes]() -> absl::StatusOr<SharedBytes> { return bytes; });
   }
-  WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, PlanFor(format, specs, metadata));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, PlanCheckpoint(format, specs, metadata));
   StringSink sink;
   WEIGHTSTORE_RETURN_IF_ERROR(WritePlanned(plan, specs, producers, WriteOptions{}, sink));
   return std::move(sink.out);

@@ -58,6 +58,10 @@ class CheckpointWriter {
   absl::flat_hash_set<std::string> names_;
 };
 
+// Lays out a file of `format` (kSafeTensors or kBurnpack) holding `tensors`.
+absl::StatusOr<WritePlan> PlanCheckpoint(Format format, const std::vector<TensorSpec>& tensors,
+                                         const Metadata& metadata);
+
 // Returns the file extension's format: ".safetensors" -> kSafeTensors,
 // ".bpk" -> kBurnpack, ".pt"/".pth"/".bin" -> kPyTorch; nullopt otherwise.
 std::optional<Format> FormatFromExtension(absl::string_view path);

@@ -217,8 +217,8 @@ bool Selection::Matches(absl::string_view name) const {
   return exclude_any_ == nullptr || !re2::RE2::PartialMatch(piece, *exclude_any_);
 }
 
-bool Selection::UsesContiguousIndices(Format format) const {
-  return options_.contiguous_indices.value_or(format == Format::kPyTorch);
+bool Selection::UsesContiguousIndices(Format format, bool applying_to_target) const {
+  return options_.contiguous_indices.value_or(applying_to_target && format == Format::kPyTorch);
 }
 
 namespace {

@@ -6,7 +6,8 @@
 //   0. top-level key: keep names under "<key>." and strip that prefix;
 //   1. rename: each rule is a regex replace-all on the previous rule's output,
 //      with $1 / ${1} / $name / ${name} / $$ in the replacement, as Rust's regex;
-//   2. contiguous indices: numeric path segments renumbered 0, 1, 2... per prefix;
+//   2. contiguous indices: numeric path segments renumbered 0, 1, 2... per prefix
+//      (by default only when a PyTorch source is applied to a target);
 //   3. filter: kept if it matches any include regex (unanchored) or exact path,
 //      or if there are none; then dropped if it matches any exclude regex;
 //   4. dtype: floating-point tensors cast to `dtype` (integers are left alone).
@@ -50,8 +51,9 @@ struct SelectionOptions {
   std::vector<std::string> paths;    // exact names (after renaming), also kept
   std::vector<std::string> exclude;  // regexes; a tensor matching any is dropped
   std::vector<RenameRule> renames;   // applied in order
-  // Renumber numeric path segments per prefix. Default: on for PyTorch sources,
-  // off for others (burn-store's defaults).
+  // Renumber numeric path segments per prefix. Default: on when a PyTorch source
+  // is applied to a target (burn-store's PytorchStore load), off otherwise, so
+  // plain reads and conversions keep the file's names.
   std::optional<bool> contiguous_indices;
   // Used by Apply() with a target schema. Default: none.
   Adapter adapter = Adapter::kNone;
@@ -89,8 +91,9 @@ class Selection {
   std::string Rename(absl::string_view name) const;
   // True if `name` (already renamed) passes the filter.
   bool Matches(absl::string_view name) const;
-  // Whether contiguous indices apply to a checkpoint of `format`.
-  bool UsesContiguousIndices(Format format) const;
+  // Whether contiguous indices apply to a checkpoint of `format`, read on its
+  // own or applied to a target.
+  bool UsesContiguousIndices(Format format, bool applying_to_target) const;
 
  private:
   Selection() = default;

@@ -116,6 +116,7 @@ std::vector<std::string> Selected(const Snapshot& s) {
 
 TEST(SnapshotSelectTest, FilterSeesNamesAfterRenameAndContiguousIndices) {
   SelectionOptions options;
+  options.contiguous_indices = true;
   options.renames = {{R"(^model\.)", ""}};
   options.include = {R"(^fc\.1\.)"};
   ASSERT_OK_AND_ASSIGN(auto s, Snapshot::Select(Names({"model.fc.0.w", "model.fc.4.w", "other"}), *Compile(options)));
@@ -123,16 +124,17 @@ TEST(SnapshotSelectTest, FilterSeesNamesAfterRenameAndContiguousIndices) {
   EXPECT_EQ(s->tensors()[0].source->spec.name, "model.fc.4.w");
 }
 
-TEST(SnapshotSelectTest, ContiguousIndicesDefaultOnlyForPyTorch) {
+TEST(SnapshotSelectTest, PlainReadsKeepNamesUnlessContiguousIndicesAreAskedFor) {
   auto s = Compile({});
+  EXPECT_FALSE(s->UsesContiguousIndices(Format::kPyTorch, /*applying_to_target=*/false));
+  EXPECT_TRUE(s->UsesContiguousIndices(Format::kPyTorch, /*applying_to_target=*/true));
+  EXPECT_FALSE(s->UsesContiguousIndices(Format::kSafeTensors, /*applying_to_target=*/true));
   ASSERT_OK_AND_ASSIGN(auto pt, Snapshot::Select(Names({"fc.2.w"}, Format::kPyTorch), *s));
-  ASSERT_OK_AND_ASSIGN(auto st, Snapshot::Select(Names({"fc.2.w"}, Format::kSafeTensors), *s));
-  EXPECT_THAT(Selected(*pt), ElementsAre("fc.0.w"));
-  EXPECT_THAT(Selected(*st), ElementsAre("fc.2.w"));
-  SelectionOptions off;
-  off.contiguous_indices = false;
-  ASSERT_OK_AND_ASSIGN(auto pt_off, Snapshot::Select(Names({"fc.2.w"}), *Compile(off)));
-  EXPECT_THAT(Selected(*pt_off), ElementsAre("fc.2.w"));
+  EXPECT_THAT(Selected(*pt), ElementsAre("fc.2.w"));
+  SelectionOptions on;
+  on.contiguous_indices = true;
+  ASSERT_OK_AND_ASSIGN(auto st_on, Snapshot::Select(Names({"fc.2.w"}, Format::kSafeTensors), *Compile(on)));
+  EXPECT_THAT(Selected(*st_on), ElementsAre("fc.0.w"));
 }
 
 TEST(SnapshotSelectTest, TopLevelKeyKeepsOnlyThatSubtreeWithoutItsPrefix) {

@@ -13,7 +13,8 @@
 
 namespace weightstore {
 
-absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection) {
+absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection,
+                                                    bool applying_to_target) {
   const std::vector<CheckpointEntry>& entries = checkpoint.entries();
   const std::string& key = selection.options().top_level_key;
   std::vector<NamedEntry> named;
@@ -36,7 +37,7 @@ absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoin
                                               "'; keys with tensors: ", keys.empty() ? "(none)" : absl::StrJoin(keys, ", ")));
     }
   }
-  if (selection.UsesContiguousIndices(checkpoint.format())) {
+  if (selection.UsesContiguousIndices(checkpoint.format(), applying_to_target)) {
     std::vector<std::string> names;
     names.reserve(named.size());
     for (const NamedEntry& n : named) names.push_back(n.name);
@@ -58,7 +59,7 @@ absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoin
 
 absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr<const Checkpoint> checkpoint,
                                                                  const Selection& selection) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named, ResolveNames(*checkpoint, selection));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named, ResolveNames(*checkpoint, selection, /*applying_to_target=*/false));
   std::vector<SnapshotTensor> tensors;
   tensors.reserve(named.size());
   for (NamedEntry& n : named) {

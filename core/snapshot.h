@@ -37,7 +37,8 @@ struct NamedEntry {
 // the filter. Returns NotFound listing the available keys when no tensor is under
 // the top-level key, and InvalidArgument naming both tensors when two get the
 // same name.
-absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection);
+absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection,
+                                                    bool applying_to_target);
 
 class Snapshot {
  public:

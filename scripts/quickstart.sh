@@ -10,7 +10,7 @@ ws=build/client/weightstore
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 set -x
-"$ws" inspect --top-level-key model_state_dict deploy/models/tiny-mlp.pt
-"$ws" inspect deploy/models/tiny-mlp.bpk
-"$ws" convert --top-level-key model_state_dict deploy/models/tiny-mlp.pt "$out/tiny-mlp.safetensors"
-"$ws" diff --exit-code "$out/tiny-mlp.safetensors" deploy/models/tiny-mlp.bpk
+"$ws" inspect --top-level-key model_state_dict deploy/models/tiny-mlp-torch.pt
+"$ws" inspect deploy/models/tiny-mlp-burn.bpk
+"$ws" convert --top-level-key model_state_dict deploy/models/tiny-mlp-torch.pt "$out/tiny-mlp.safetensors"
+"$ws" diff --exit-code "$out/tiny-mlp.safetensors" deploy/models/tiny-mlp-burn.bpk

@@ -1,0 +1,122 @@
+// LocalStore: a Store over files read in this process, through the same registry
+// and selection code the daemon uses.
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "client/store.h"
+#include "core/crc32c.h"
+#include "core/registry.h"
+#include "core/snapshot.h"
+#include "core/status_macros.h"
+
+namespace weightstore::client {
+namespace {
+
+CheckpointSummary Summarize(const CheckpointVersion& v) {
+  const Checkpoint& c = *v.checkpoint();
+  return CheckpointSummary{v.name(), std::string(FormatName(c.format())), c.detail(), v.path(), c.total_bytes(),
+                           c.size(), c.metadata(), v.version(), v.loaded_at_unix_seconds()};
+}
+
+class LocalStore final : public Store {
+ public:
+  explicit LocalStore(RegistryOptions options) : registry_(std::move(options)) {}
+  CheckpointRegistry& registry() { return registry_; }
+
+  absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints() override {
+    std::vector<CheckpointSummary> out;
+    for (const auto& v : registry_.List()) out.push_back(Summarize(*v));
+    return out;
+  }
+
+  absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name) override {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, Get(name));
+    return Summarize(*v);
+  }
+
+  absl::StatusOr<TensorListing> ListTensors(const std::string& name, const Query& query) override {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, Get(name));
+    TensorListing listing;
+    listing.version = v->version();
+    std::shared_ptr<const Snapshot> snapshot;
+    WEIGHTSTORE_RETURN_IF_ERROR(Resolve(*v, query, &snapshot, &listing.apply_result));
+    for (const SnapshotTensor& t : snapshot->tensors()) {
+      TensorDescription d{t.spec, t.source->spec.name, std::nullopt};
+      if (query.with_checksums) {
+        WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor bytes, snapshot->Read(t));
+        d.crc32c = Crc32c(bytes.bytes.view());
+      }
+      listing.tensors.push_back(std::move(d));
+    }
+    return listing;
+  }
+
+  absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, Get(name));
+    std::shared_ptr<const Snapshot> snapshot;
+    std::optional<ApplyResult> result;
+    WEIGHTSTORE_RETURN_IF_ERROR(Resolve(*v, query, &snapshot, &result));
+    for (const SnapshotTensor& t : snapshot->tensors()) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
+      WEIGHTSTORE_RETURN_IF_ERROR(snapshot->ReadInto(t, out));
+      WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> Get(const std::string& name) {
+    auto v = registry_.Get(name);
+    if (v == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' not found"));
+    return v;
+  }
+
+  static absl::Status Resolve(const CheckpointVersion& v, const Query& query, std::shared_ptr<const Snapshot>* out,
+                              std::optional<ApplyResult>* result) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto selection, Selection::Compile(query.selection));
+    if (!query.target) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(*out, Snapshot::Select(v.checkpoint(), *selection));
+      return absl::OkStatus();
+    }
+    ApplyOptions options;
+    options.allow_partial = query.allow_partial;
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Applied applied, Apply(v.checkpoint(), *selection, *query.target, options));
+    *result = applied.result;
+    if (!applied.status.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(applied.status.message(), "\n", applied.result.Summary()));
+    }
+    *out = applied.snapshot;
+    return absl::OkStatus();
+  }
+
+  CheckpointRegistry registry_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const bool folder = fs::is_directory(path, ec);
+  // A folder holding a sharded index is one checkpoint; any other folder is a models folder.
+  bool sharded = false;
+  if (folder) {
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      if (e.path().string().ends_with(".safetensors.index.json")) sharded = true;
+    }
+  }
+  if (folder && !sharded) {
+    auto store = std::make_unique<LocalStore>(RegistryOptions{.models_dir = path});
+    ScanReport report = store->registry().Rescan();
+    if (!report.errors.empty() && store->registry().List().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("no checkpoint could be read under '", path, "': ", report.errors[0]));
+    }
+    return std::unique_ptr<Store>(std::move(store));
+  }
+  fs::path p(path);
+  auto store = std::make_unique<LocalStore>(RegistryOptions{.models_dir = p.parent_path().string()});
+  WEIGHTSTORE_RETURN_IF_ERROR(store->registry().Load(path, "").status());
+  return std::unique_ptr<Store>(std::move(store));
+}
+
+}  // namespace weightstore::client

@@ -1,0 +1,74 @@
+#include "client/proto_convert.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace weightstore::client {
+
+void ToProto(const Query& in, pb::Selection* out) {
+  const SelectionOptions& s = in.selection;
+  out->set_top_level_key(s.top_level_key);
+  for (const auto& p : s.include) out->add_include(p);
+  for (const auto& p : s.paths) out->add_paths(p);
+  for (const auto& p : s.exclude) out->add_exclude(p);
+  for (const RenameRule& r : s.renames) {
+    pb::RenameRule* rule = out->add_renames();
+    rule->set_pattern(r.pattern);
+    rule->set_replacement(r.replacement);
+  }
+  if (s.contiguous_indices) out->set_contiguous_indices(*s.contiguous_indices);
+  if (s.adapter != Adapter::kNone) out->set_adapter(std::string(AdapterName(s.adapter)));
+  if (s.dtype) out->set_dtype(std::string(DTypeName(*s.dtype)));
+  out->set_allow_partial(in.allow_partial);
+  if (in.target) {
+    pb::TargetSchema* target = out->mutable_target();
+    for (const TargetParameter& p : in.target->parameters) {
+      pb::TargetParameter* param = target->add_parameters();
+      param->set_path(p.path);
+      for (uint64_t d : p.shape) param->add_shape(d);
+      if (p.dtype) param->set_dtype(std::string(DTypeName(*p.dtype)));
+      param->set_module(p.module);
+    }
+  }
+}
+
+absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out) {
+  std::optional<DType> dtype = ParseDType(in.dtype());
+  if (!dtype) return absl::InvalidArgumentError(absl::StrCat("tensor '", in.name(), "' has unknown dtype '", in.dtype(), "'"));
+  out->spec.name = in.name();
+  out->spec.dtype = *dtype;
+  out->spec.shape.assign(in.shape().begin(), in.shape().end());
+  if (out->spec.byte_size() != in.byte_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", in.name(), "' declares ", in.byte_size(),
+                                                   " bytes, but its shape and dtype make ", out->spec.byte_size()));
+  }
+  out->source_name = in.source_name().empty() ? in.name() : in.source_name();
+  if (in.has_crc32c()) out->crc32c = in.crc32c();
+  return absl::OkStatus();
+}
+
+void FromProto(const pb::ApplyResult& in, ApplyResult* out) {
+  out->applied.assign(in.applied().begin(), in.applied().end());
+  out->skipped.assign(in.skipped().begin(), in.skipped().end());
+  out->missing.assign(in.missing().begin(), in.missing().end());
+  out->unused.assign(in.unused().begin(), in.unused().end());
+  for (const auto& e : in.errors()) {
+    size_t colon = e.find(": ");
+    out->errors.push_back({ApplyError::Kind::kShapeMismatch, e.substr(0, colon),
+                           colon == std::string::npos ? e : e.substr(colon + 2)});
+  }
+  out->suggestions.assign(in.suggestions().begin(), in.suggestions().end());
+}
+
+void FromProto(const pb::CheckpointInfo& in, CheckpointSummary* out) {
+  out->name = in.name();
+  out->format = in.format();
+  out->container = in.container();
+  out->path = in.path();
+  out->total_bytes = in.total_bytes();
+  out->tensor_count = in.tensor_count();
+  out->metadata = Metadata(in.metadata().begin(), in.metadata().end());
+  out->version = in.version();
+  out->loaded_at_unix_seconds = in.loaded_at_unix_seconds();
+}
+
+}  // namespace weightstore::client

@@ -1,0 +1,22 @@
+// The client's conversions between wire messages and its types: requests out,
+// results in. server/proto_convert.h holds the other direction.
+#ifndef WEIGHTSTORE_CLIENT_PROTO_CONVERT_H_
+#define WEIGHTSTORE_CLIENT_PROTO_CONVERT_H_
+
+#include "absl/status/status.h"
+#include "client/store.h"
+#include "weightstore/v1/weight_store.pb.h"
+
+namespace weightstore::client {
+
+namespace pb = ::weightstore::v1;
+
+void ToProto(const Query& in, pb::Selection* out);
+// Returns InvalidArgument for an unknown dtype or a size that disagrees with the shape.
+absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out);
+void FromProto(const pb::ApplyResult& in, ApplyResult* out);
+void FromProto(const pb::CheckpointInfo& in, CheckpointSummary* out);
+
+}  // namespace weightstore::client
+
+#endif  // WEIGHTSTORE_CLIENT_PROTO_CONVERT_H_

@@ -1,0 +1,37 @@
+#include "client/store.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace weightstore::client {
+
+absl::StatusOr<std::span<std::byte>> CollectingSink::Begin(const TensorSpec& spec) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(spec.byte_size()));
+  current_ = std::move(buffer);
+  return current_->span();
+}
+
+absl::Status CollectingSink::End(const TensorSpec& spec) {
+  if (!current_) return absl::FailedPreconditionError("End without Begin");
+  tensors_.push_back(SharedTensor{spec, std::move(*current_).Freeze()});
+  current_.reset();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<SharedTensor>> Store::FetchAll(const std::string& name, const Query& query) {
+  CollectingSink sink;
+  WEIGHTSTORE_RETURN_IF_ERROR(FetchTensors(name, query, &sink));
+  return std::move(sink.tensors());
+}
+
+absl::StatusOr<SharedTensor> Store::FetchTensor(const std::string& name, const std::string& tensor, Query query) {
+  query.selection.paths = {tensor};
+  query.selection.include.clear();
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<SharedTensor> tensors, FetchAll(name, query));
+  if (tensors.size() != 1) {
+    return absl::NotFoundError(absl::StrCat("tensor '", tensor, "' is not in checkpoint '", name, "'"));
+  }
+  return std::move(tensors[0]);
+}
+
+}  // namespace weightstore::client

@@ -1,0 +1,119 @@
+// Store: one interface to checkpoints wherever they are. LocalStore reads files
+// in this process through core; RemoteStore talks to weightstored over gRPC.
+// Both take the same Query (selection, optional target), so code written against
+// one works against the other.
+//
+// Fetched bytes are written straight into the buffer a TensorSink hands out, so
+// no whole-tensor copy sits between the source and the caller's memory.
+#ifndef WEIGHTSTORE_CLIENT_STORE_H_
+#define WEIGHTSTORE_CLIENT_STORE_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/apply.h"
+#include "core/checkpoint.h"
+#include "core/host_buffer.h"
+#include "core/selection.h"
+#include "core/tensor.h"
+
+namespace weightstore::client {
+
+struct CheckpointSummary {
+  std::string name;
+  std::string format;     // "safetensors", "pytorch", "burnpack"
+  std::string container;  // "zip", "legacy", ... (may be empty)
+  std::string path;
+  uint64_t total_bytes = 0;
+  uint64_t tensor_count = 0;
+  Metadata metadata;
+  std::string version;
+  int64_t loaded_at_unix_seconds = 0;
+};
+
+// What to read: burn-store's selection and, optionally, a target to load into.
+struct Query {
+  SelectionOptions selection;
+  std::optional<TargetSchema> target;
+  bool allow_partial = false;
+  // Compute (or fetch) each tensor's CRC32C in listings. Default: false.
+  bool with_checksums = false;
+};
+
+struct TensorDescription {
+  TensorSpec spec;          // as served (after renaming and casting)
+  std::string source_name;  // name in the file
+  std::optional<uint32_t> crc32c;
+};
+
+struct TensorListing {
+  std::string version;
+  std::vector<TensorDescription> tensors;
+  std::optional<ApplyResult> apply_result;  // with a target
+};
+
+// Where fetched tensors go. Begin() may be called again for a tensor whose
+// transfer restarted; the previous buffer is then abandoned.
+class TensorSink {
+ public:
+  virtual ~TensorSink() = default;
+  // Returns the destination for `spec`'s bytes (exactly spec.byte_size() long).
+  virtual absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) = 0;
+  // Called once the tensor's bytes are complete and verified.
+  virtual absl::Status End(const TensorSpec& spec) = 0;
+};
+
+// Collects tensors into HostBuffers (2 MiB-aligned, huge-page backed).
+class CollectingSink : public TensorSink {
+ public:
+  absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override;
+  absl::Status End(const TensorSpec& spec) override;
+  std::vector<SharedTensor>& tensors() { return tensors_; }
+
+ private:
+  std::optional<HostBuffer> current_;
+  std::vector<SharedTensor> tensors_;
+};
+
+class Store {
+ public:
+  virtual ~Store() = default;
+
+  virtual absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints() = 0;
+  virtual absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name) = 0;
+  // The tensors `query` selects, without their data. With a target, the apply
+  // result too; a failing load is FailedPrecondition with the summary.
+  virtual absl::StatusOr<TensorListing> ListTensors(const std::string& name, const Query& query) = 0;
+  // Streams every selected tensor into `sink`, in listing order, verifying
+  // CRC32C end to end (DataLoss on a mismatch).
+  virtual absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) = 0;
+
+  // Every selected tensor, in owned memory.
+  absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query);
+  // One tensor by its served name (after the query's renaming).
+  absl::StatusOr<SharedTensor> FetchTensor(const std::string& name, const std::string& tensor, Query query = {});
+};
+
+// Reads the checkpoints under `models_dir` (or the single file or sharded
+// folder `path`) in this process.
+absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path);
+
+struct RemoteOptions {
+  // Per-call deadline. Default: 10 minutes.
+  std::chrono::milliseconds deadline{10 * 60 * 1000};
+  // Reconnects after a broken stream, resuming from the last complete tensor.
+  // Default: 3.
+  int max_resumes = 3;
+};
+
+// Connects to weightstored at `address` ("host:port"), without TLS.
+absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& address, RemoteOptions options = {});
+
+}  // namespace weightstore::client
+
+#endif  // WEIGHTSTORE_CLIENT_STORE_H_

@@ -1,0 +1,305 @@
+#include "core/registry.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "core/mapped_file.h"
+#include "core/status_macros.h"
+#include "core/status_util.h"
+
+namespace weightstore {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr absl::string_view kIndexSuffix = ".safetensors.index.json";
+
+int64_t NowUnixSeconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+uint64_t Mix(uint64_t h, uint64_t v) {  // FNV-1a over the value's bytes
+  for (int i = 0; i < 8; ++i) {
+    h ^= (v >> (8 * i)) & 0xFF;
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+absl::StatusOr<uint64_t> HashFile(const std::string& path, uint64_t h) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return StatusFromErrno(errno, absl::StrCat("cannot stat '", path, "'"));
+  h = Mix(h, st.st_dev);
+  h = Mix(h, st.st_ino);
+  h = Mix(h, static_cast<uint64_t>(st.st_size));
+  h = Mix(h, static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000ULL + st.st_mtim.tv_nsec);
+  return h;
+}
+
+bool IsHiddenOrTemporary(const fs::path& p) {
+  const std::string name = p.filename().string();
+  return absl::StartsWith(name, ".") || absl::EndsWith(name, ".tmp");
+}
+
+// Names of the shard files a sharded index refers to.
+std::set<std::string> ShardsOf(const std::string& index_path) {
+  std::set<std::string> shards;
+  auto file = MappedFile::Open(index_path);
+  if (!file.ok()) return shards;
+  nlohmann::json doc = nlohmann::json::parse((*file)->bytes().view().begin(), (*file)->bytes().view().end(), nullptr,
+                                             /*allow_exceptions=*/false);
+  if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) return shards;
+  for (const auto& [tensor, shard] : doc["weight_map"].items()) {
+    if (shard.is_string()) shards.insert((fs::path(index_path).parent_path() / shard.get<std::string>()).string());
+  }
+  return shards;
+}
+
+bool ValidName(absl::string_view name) {
+  if (name.empty() || name.size() > 512 || name.front() == '/') return false;
+  for (absl::string_view part : absl::StrSplit(name, '/')) {
+    if (part.empty() || part == "." || part == ".." || part.front() == '.') return false;
+  }
+  for (char c : name) {
+    if (!(absl::ascii_isalnum(c) || c == '/' || c == '-' || c == '_' || c == '.')) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::optional<uint32_t> CheckpointVersion::CachedCrc(size_t entry) const {
+  absl::MutexLock lock(&mu_);
+  auto it = crc_.find(entry);
+  if (it == crc_.end()) return std::nullopt;
+  return it->second;
+}
+
+void CheckpointVersion::StoreCrc(size_t entry, uint32_t crc) const {
+  absl::MutexLock lock(&mu_);
+  crc_[entry] = crc;
+}
+
+std::optional<std::string> NameForPath(const std::string& relative_path) {
+  std::string lower = absl::AsciiStrToLower(relative_path);
+  if (absl::EndsWith(lower, kIndexSuffix)) return relative_path.substr(0, relative_path.size() - kIndexSuffix.size());
+  for (absl::string_view ext : {".safetensors", ".bpk", ".pt", ".pth"}) {
+    if (absl::EndsWith(lower, ext)) return relative_path.substr(0, relative_path.size() - ext.size());
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<std::string> FileVersion(const std::string& path) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(h, HashFile(path, h));
+  if (absl::EndsWith(path, kIndexSuffix)) {
+    for (const std::string& shard : ShardsOf(path)) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(h, HashFile(shard, h));
+    }
+  }
+  return absl::StrFormat("%016x", h);
+}
+
+CheckpointRegistry::CheckpointRegistry(RegistryOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersion(const std::string& name,
+                                                                                       const std::string& path) const {
+  // Hash before and after opening: a file replaced meanwhile is opened again.
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::string before, FileVersion(path));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> checkpoint, Checkpoint::Open(path, options_.open));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::string after, FileVersion(path));
+    if (before == after) {
+      return std::make_shared<const CheckpointVersion>(name, path, std::move(checkpoint), after, NowUnixSeconds());
+    }
+  }
+  return absl::UnavailableError(absl::StrCat("'", path, "' keeps changing while it is opened"));
+}
+
+ScanReport CheckpointRegistry::Rescan() {
+  absl::MutexLock scan_lock(&scan_mu_);
+  ScanReport report;
+  // Find candidates: (name, path), indexes first so their shards are excluded.
+  std::map<std::string, std::string> found;
+  std::vector<fs::path> files;
+  std::error_code ec;
+  fs::recursive_directory_iterator it(options_.models_dir, fs::directory_options::skip_permission_denied, ec), end;
+  if (ec) {
+    report.errors.push_back(absl::StrCat(options_.models_dir, ": ", ec.message()));
+  }
+  for (; !ec && it != end; it.increment(ec)) {
+    if (IsHiddenOrTemporary(it->path())) {
+      if (it->is_directory()) it.disable_recursion_pending();
+      continue;
+    }
+    if (it->is_regular_file()) files.push_back(it->path());
+  }
+  std::sort(files.begin(), files.end());
+  std::set<std::string> shards;
+  for (const fs::path& f : files) {
+    if (absl::EndsWith(f.string(), kIndexSuffix)) {
+      std::set<std::string> s = ShardsOf(f.string());
+      shards.insert(s.begin(), s.end());
+    }
+  }
+  for (const fs::path& f : files) {
+    if (shards.contains(f.string())) continue;
+    std::optional<std::string> name = NameForPath(fs::relative(f, options_.models_dir).string());
+    if (!name) continue;
+    if (!found.emplace(*name, f.string()).second) {
+      report.errors.push_back(absl::StrCat(f.string(), ": another file is already served as '", *name, "'"));
+    }
+  }
+
+  // Open what is new or changed, outside the lock.
+  std::map<std::string, std::shared_ptr<const CheckpointVersion>> opened;
+  {
+    std::map<std::string, std::string> to_open;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [name, path] : found) {
+        auto cur = served_.find(name);
+        absl::StatusOr<std::string> version = FileVersion(path);
+        if (cur != served_.end() && cur->second.current->path() == path && version.ok() &&
+            *version == cur->second.current->version()) {
+          continue;
+        }
+        to_open[name] = path;
+      }
+    }
+    for (const auto& [name, path] : to_open) {
+      auto version = OpenVersion(name, path);
+      if (version.ok()) {
+        opened[name] = *version;
+      } else {
+        report.errors.push_back(absl::StrCat(path, ": ", version.status().message()));
+      }
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  for (auto& [name, version] : opened) {
+    auto [cur, inserted] = served_.try_emplace(name);
+    (inserted ? report.added : report.replaced).push_back(name);
+    cur->second.current = std::move(version);
+    cur->second.pinned = false;
+  }
+  for (auto cur = served_.begin(); cur != served_.end();) {
+    if (!cur->second.pinned && !found.contains(cur->first)) {
+      report.removed.push_back(cur->first);
+      cur = served_.erase(cur);
+    } else {
+      ++cur;
+    }
+  }
+  return report;
+}
+
+std::shared_ptr<const CheckpointVersion> CheckpointRegistry::Get(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = served_.find(name);
+  return it == served_.end() ? nullptr : it->second.current;
+}
+
+std::vector<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<const CheckpointVersion>> out;
+  for (const auto& [name, entry] : served_) out.push_back(entry.current);
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Load(const std::string& path,
+                                                                                const std::string& name) {
+  fs::path p(path);
+  if (p.is_relative()) p = fs::path(options_.models_dir) / p;
+  std::error_code ec;
+  fs::path canonical = fs::weakly_canonical(p, ec);
+  if (ec) return absl::InvalidArgumentError(absl::StrCat("cannot resolve '", path, "'"));
+  std::string served_name = name;
+  if (served_name.empty()) {
+    std::optional<std::string> derived =
+        NameForPath(fs::is_directory(canonical) ? canonical.filename().string() : canonical.filename().string());
+    served_name = derived.value_or(canonical.filename().string());
+  }
+  if (!ValidName(served_name)) return absl::InvalidArgumentError(absl::StrCat("invalid checkpoint name '", served_name, "'"));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, OpenVersion(served_name, canonical.string()));
+  const std::string models = fs::weakly_canonical(options_.models_dir, ec).string();
+  absl::MutexLock lock(&mu_);
+  Entry& entry = served_[served_name];
+  entry.current = version;
+  entry.pinned = !absl::StartsWith(canonical.string(), models + "/");
+  return version;
+}
+
+absl::Status CheckpointRegistry::Unload(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  if (served_.erase(name) == 0) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
+  return absl::OkStatus();
+}
+
+absl::Status PutSession::Append(absl::string_view data) {
+  if (bytes_ + data.size() > max_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat("upload of '", name_, "' exceeds ", max_bytes_, " bytes"));
+  }
+  if (expected_size_ != 0 && bytes_ + data.size() > expected_size_) {
+    return absl::InvalidArgumentError(absl::StrCat("upload of '", name_, "' is larger than its declared ", expected_size_,
+                                                   " bytes"));
+  }
+  bytes_ += data.size();
+  return file_->Append(data);
+}
+
+absl::StatusOr<std::unique_ptr<PutSession>> CheckpointRegistry::BeginPut(const std::string& name,
+                                                                         const std::string& extension, bool overwrite,
+                                                                         uint64_t expected_size) {
+  if (!ValidName(name)) {
+    return absl::InvalidArgumentError(absl::StrCat("invalid checkpoint name '", name,
+                                                   "' (a relative path of letters, digits, '-', '_', '.' and '/')"));
+  }
+  if (extension != "safetensors" && extension != "pt" && extension != "pth" && extension != "bpk") {
+    return absl::InvalidArgumentError(absl::StrCat("extension '", extension, "' is not safetensors, pt, pth or bpk"));
+  }
+  if (expected_size > options_.max_put_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("upload of ", expected_size, " bytes exceeds the limit of ",
+                                                     options_.max_put_bytes));
+  }
+  auto session = std::make_unique<PutSession>();
+  session->name_ = name;
+  session->path_ = (fs::path(options_.models_dir) / absl::StrCat(name, ".", extension)).string();
+  session->expected_size_ = expected_size;
+  session->max_bytes_ = options_.max_put_bytes;
+  std::error_code ec;
+  fs::create_directories(fs::path(session->path_).parent_path(), ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create the folder for '", session->path_, "': ", ec.message()));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(session->file_, AtomicFile::Create(session->path_, overwrite));
+  return session;
+}
+
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::FinishPut(
+    std::unique_ptr<PutSession> session) {
+  if (session->expected_size_ != 0 && session->bytes_ != session->expected_size_) {
+    return absl::InvalidArgumentError(absl::StrCat("upload of '", session->name_, "' ended after ", session->bytes_,
+                                                   " of ", session->expected_size_, " bytes"));
+  }
+  // Validate before it becomes visible: a bad upload leaves nothing behind.
+  WEIGHTSTORE_RETURN_IF_ERROR(session->file_->Flush());
+  absl::StatusOr<std::shared_ptr<const Checkpoint>> check =
+      Checkpoint::Open(session->file_->temp_path(), options_.open);
+  if (!check.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("upload of '", session->name_, "' is not a valid checkpoint: ",
+                                                   check.status().message()));
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(session->file_->Commit());
+  return Load(session->path_, session->name_);
+}
+
+}  // namespace weightstore

@@ -1,0 +1,143 @@
+// CheckpointRegistry: the checkpoints under a models folder, by name (what
+// weightstored serves and what a LocalStore reads).
+//
+// Every checkpoint under the models folder is served under its relative path
+// without extension ("llama/7b" for llama/7b.safetensors); a sharded SafeTensors
+// index ("x/model.safetensors.index.json") is one checkpoint ("x/model") and its
+// shards are not served on their own. Rescan() picks up new, replaced and removed
+// files; a replaced file becomes a new version, and holders of the old version
+// (streams in flight) keep it, mapped and immutable, until they drop it.
+// Thread-safe.
+#ifndef WEIGHTSTORE_CORE_REGISTRY_H_
+#define WEIGHTSTORE_CORE_REGISTRY_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/atomic_file.h"
+#include "core/checkpoint.h"
+
+namespace weightstore {
+
+// One version of one served checkpoint. Immutable, except for the CRC cache.
+class CheckpointVersion {
+ public:
+  CheckpointVersion(std::string name, std::string path, std::shared_ptr<const Checkpoint> checkpoint,
+                    std::string version, int64_t loaded_at_unix_seconds)
+      : name_(std::move(name)),
+        path_(std::move(path)),
+        checkpoint_(std::move(checkpoint)),
+        version_(std::move(version)),
+        loaded_at_(loaded_at_unix_seconds) {}
+
+  const std::string& name() const { return name_; }
+  const std::string& path() const { return path_; }
+  const std::shared_ptr<const Checkpoint>& checkpoint() const { return checkpoint_; }
+  // Changes whenever the file is replaced: a hash of device, inode, size, mtime.
+  const std::string& version() const { return version_; }
+  int64_t loaded_at_unix_seconds() const { return loaded_at_; }
+
+  // CRC32C of an entry's bytes as stored, once computed.
+  std::optional<uint32_t> CachedCrc(size_t entry) const;
+  void StoreCrc(size_t entry, uint32_t crc) const;
+
+ private:
+  std::string name_, path_;
+  std::shared_ptr<const Checkpoint> checkpoint_;
+  std::string version_;
+  int64_t loaded_at_;
+  mutable absl::Mutex mu_;
+  mutable absl::flat_hash_map<size_t, uint32_t> crc_ ABSL_GUARDED_BY(mu_);
+};
+
+struct RegistryOptions {
+  // Folder scanned for checkpoints. Required.
+  std::string models_dir;
+  OpenOptions open;
+  // Largest upload accepted by Put. Default: 64 GiB.
+  uint64_t max_put_bytes = uint64_t{64} << 30;
+};
+
+struct ScanReport {
+  std::vector<std::string> added, replaced, removed;
+  // Files that could not be served, with the reason ("path: message").
+  std::vector<std::string> errors;
+};
+
+// An upload in progress: bytes go to a temporary sibling of the final file.
+class PutSession {
+ public:
+  absl::Status Append(absl::string_view data);
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  friend class CheckpointRegistry;
+  std::string name_, path_;
+  uint64_t expected_size_ = 0, max_bytes_ = 0, bytes_ = 0;
+  std::unique_ptr<AtomicFile> file_;
+};
+
+class CheckpointRegistry {
+ public:
+  explicit CheckpointRegistry(RegistryOptions options);
+
+  // Scans the models folder and updates what is served.
+  ScanReport Rescan();
+
+  // Returns the current version of `name`, or nullptr.
+  std::shared_ptr<const CheckpointVersion> Get(const std::string& name) const;
+  // Every served checkpoint, sorted by name.
+  std::vector<std::shared_ptr<const CheckpointVersion>> List() const;
+
+  // Serves the file or folder at `path` (relative paths resolve against the
+  // models folder) as `name` (derived from the path when empty). Checkpoints
+  // loaded this way outside the models folder survive rescans.
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> Load(const std::string& path, const std::string& name);
+  // Stops serving `name`. Returns NotFound if it is not served. A checkpoint in
+  // the models folder comes back at the next rescan unless its file is removed.
+  absl::Status Unload(const std::string& name);
+
+  // Starts an upload of <models>/<name>.<extension>. Returns InvalidArgument for a
+  // name that is not a relative path inside the folder or an unknown extension,
+  // AlreadyExists unless `overwrite`.
+  absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(const std::string& name, const std::string& extension,
+                                                       bool overwrite, uint64_t expected_size);
+  // Checks the upload is a valid checkpoint, then commits and serves it. On error
+  // nothing is left behind.
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> FinishPut(std::unique_ptr<PutSession> session);
+
+  const RegistryOptions& options() const { return options_; }
+
+ private:
+  struct Entry {
+    std::shared_ptr<const CheckpointVersion> current;
+    bool pinned = false;  // loaded by path from outside the models folder
+  };
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersion(const std::string& name,
+                                                                       const std::string& path) const;
+
+  RegistryOptions options_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Entry> served_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex scan_mu_;  // one scan at a time
+};
+
+// Returns the version string of the file(s) behind `path`: a hash of device,
+// inode, size and mtime (for an index, of the index and every file in its folder).
+absl::StatusOr<std::string> FileVersion(const std::string& path);
+
+// Returns the served name of a checkpoint file relative to the models folder, or
+// nullopt if the file is not a checkpoint by its extension.
+std::optional<std::string> NameForPath(const std::string& relative_path);
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_REGISTRY_H_

@@ -1,0 +1,32 @@
+#include "server/grpc_status.h"
+
+namespace weightstore {
+
+// The conversion is a cast: both enums use gRPC's numbering.
+static_assert(static_cast<int>(grpc::StatusCode::CANCELLED) == static_cast<int>(absl::StatusCode::kCancelled));
+static_assert(static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT) == static_cast<int>(absl::StatusCode::kInvalidArgument));
+static_assert(static_cast<int>(grpc::StatusCode::DEADLINE_EXCEEDED) == static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+static_assert(static_cast<int>(grpc::StatusCode::NOT_FOUND) == static_cast<int>(absl::StatusCode::kNotFound));
+static_assert(static_cast<int>(grpc::StatusCode::ALREADY_EXISTS) == static_cast<int>(absl::StatusCode::kAlreadyExists));
+static_assert(static_cast<int>(grpc::StatusCode::PERMISSION_DENIED) == static_cast<int>(absl::StatusCode::kPermissionDenied));
+static_assert(static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED) == static_cast<int>(absl::StatusCode::kResourceExhausted));
+static_assert(static_cast<int>(grpc::StatusCode::FAILED_PRECONDITION) == static_cast<int>(absl::StatusCode::kFailedPrecondition));
+static_assert(static_cast<int>(grpc::StatusCode::ABORTED) == static_cast<int>(absl::StatusCode::kAborted));
+static_assert(static_cast<int>(grpc::StatusCode::OUT_OF_RANGE) == static_cast<int>(absl::StatusCode::kOutOfRange));
+static_assert(static_cast<int>(grpc::StatusCode::UNIMPLEMENTED) == static_cast<int>(absl::StatusCode::kUnimplemented));
+static_assert(static_cast<int>(grpc::StatusCode::INTERNAL) == static_cast<int>(absl::StatusCode::kInternal));
+static_assert(static_cast<int>(grpc::StatusCode::UNAVAILABLE) == static_cast<int>(absl::StatusCode::kUnavailable));
+static_assert(static_cast<int>(grpc::StatusCode::DATA_LOSS) == static_cast<int>(absl::StatusCode::kDataLoss));
+static_assert(static_cast<int>(grpc::StatusCode::UNAUTHENTICATED) == static_cast<int>(absl::StatusCode::kUnauthenticated));
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+}  // namespace weightstore

@@ -1,0 +1,70 @@
+// WeightStoreServer: the gRPC server of weightstored, with server reflection and
+// the standard health service (grpc.health.v1.Health, described by reflection).
+//
+// Lifecycle (tensorstore's KvStoreServer shape): Start() binds and serves;
+// port() gives the bound port (listen on port 0 in tests); Shutdown() reports
+// NOT_SERVING, waits `drain`, then stops accepting and lets streams in flight
+// finish until the grace deadline, after which they are cancelled. Thread-safe.
+#ifndef WEIGHTSTORE_SERVER_SERVER_H_
+#define WEIGHTSTORE_SERVER_SERVER_H_
+
+#include <grpcpp/server.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/registry.h"
+#include "server/service.h"
+
+namespace weightstore::server {
+
+using ::weightstore::CheckpointRegistry;
+using ::weightstore::CheckpointVersion;
+using ::weightstore::PutSession;
+using ::weightstore::RegistryOptions;
+using ::weightstore::ScanReport;
+
+struct ServerOptions {
+  // Address to listen on, "host:port". Default: 127.0.0.1:50051.
+  std::string listen = "127.0.0.1:50051";
+  RegistryOptions registry;
+  ServiceOptions service;
+  // Largest request message. Default: 4 MiB (PutCheckpoint data comes in chunks).
+  int max_receive_message_bytes = 4 << 20;
+  // Largest response message: a chunk plus headroom. Default: 8 MiB.
+  int max_send_message_bytes = 8 << 20;
+  // HTTP/2 streams per connection. Default: 100.
+  int max_concurrent_streams_per_connection = 100;
+};
+
+class WeightStoreServer {
+ public:
+  // Scans the models folder, then binds and starts serving. Returns
+  // Unavailable if the address cannot be bound (e.g. already in use: port reuse
+  // is off, so a second daemon on the same port fails instead of sharing it).
+  static absl::StatusOr<std::unique_ptr<WeightStoreServer>> Start(ServerOptions options);
+  ~WeightStoreServer();
+
+  int port() const { return port_; }
+  CheckpointRegistry& registry() { return *registry_; }
+  const WeightStoreService& service() const { return *service_; }
+
+  // Marks the server NOT_SERVING, waits `drain` (so load balancers stop sending),
+  // then stops; streams in flight get until `grace` to finish.
+  void Shutdown(std::chrono::milliseconds drain, std::chrono::milliseconds grace);
+  // Blocks until Shutdown() has finished.
+  void Wait();
+
+ private:
+  WeightStoreServer() = default;
+  std::unique_ptr<CheckpointRegistry> registry_;
+  std::unique_ptr<WeightStoreService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+}  // namespace weightstore::server
+
+#endif  // WEIGHTSTORE_SERVER_SERVER_H_

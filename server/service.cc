@@ -1,0 +1,356 @@
+#include "server/service.h"
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
+#include <cassert>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
+#include "core/snapshot.h"
+#include "server/grpc_status.h"
+#include "server/proto_convert.h"
+
+namespace weightstore::server {
+namespace {
+
+// Resolves a request's checkpoint, selection and (optional) target into the
+// snapshot to serve.
+struct Resolved {
+  std::shared_ptr<const CheckpointVersion> version;
+  std::shared_ptr<const Snapshot> snapshot;
+  std::optional<ApplyResult> apply_result;
+};
+
+absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,
+                                 const v1::Selection& selection, const std::string& pinned_version = "") {
+  Resolved r;
+  r.version = registry.Get(name);
+  if (r.version == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
+  if (!pinned_version.empty() && pinned_version != r.version->version()) {
+    return absl::AbortedError(absl::StrCat("checkpoint '", name, "' was replaced: version ", pinned_version,
+                                           " is gone, ", r.version->version(), " is current"));
+  }
+  SelectionRequest request;
+  absl::Status status = FromProto(selection, &request);
+  if (!status.ok()) return status;
+  auto compiled = Selection::Compile(request.options);
+  if (!compiled.ok()) return compiled.status();
+  if (!request.target) {
+    auto snapshot = Snapshot::Select(r.version->checkpoint(), **compiled);
+    if (!snapshot.ok()) return snapshot.status();
+    r.snapshot = *std::move(snapshot);
+    return r;
+  }
+  ApplyOptions options;
+  options.allow_partial = request.allow_partial;
+  auto applied = Apply(r.version->checkpoint(), **compiled, *request.target, options);
+  if (!applied.ok()) return applied.status();
+  if (!applied->status.ok()) return applied->status;
+  r.snapshot = applied->snapshot;
+  r.apply_result = std::move(applied->result);
+  return r;
+}
+
+// The entry index of an untransformed tensor, whose CRC can be cached per version.
+std::optional<size_t> CacheKey(const Snapshot& snapshot, const SnapshotTensor& t) {
+  if (!t.is_identity()) return std::nullopt;
+  return static_cast<size_t>(t.source - snapshot.checkpoint().entries().data());
+}
+
+grpc::ServerUnaryReactor* Respond(grpc::CallbackServerContext* ctx, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+void ReleaseOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
+
+// A slice over `bytes` that keeps their owner alive, without copying.
+grpc::Slice SliceOf(const SharedBytes& bytes) {
+  auto* owner = new std::shared_ptr<const void>(bytes.owner());
+  grpc::Slice slice(const_cast<std::byte*>(bytes.data()), bytes.size(), &ReleaseOwner, owner);
+  assert(slice.begin() == reinterpret_cast<const uint8_t*>(bytes.data()));  // some constructors copy
+  return slice;
+}
+
+}  // namespace
+
+void ToProto(const CheckpointVersion& version, v1::CheckpointInfo* out) {
+  const Checkpoint& c = *version.checkpoint();
+  out->set_name(version.name());
+  out->set_format(std::string(FormatName(c.format())));
+  out->set_container(c.detail());
+  out->set_path(version.path());
+  out->set_total_bytes(c.total_bytes());
+  out->set_tensor_count(c.size());
+  for (const auto& [k, v] : c.metadata()) (*out->mutable_metadata())[k] = v;
+  out->set_version(version.version());
+  out->set_loaded_at_unix_seconds(version.loaded_at_unix_seconds());
+}
+
+// Streams one FetchTensors response, one chunk in flight at a time: gRPC's flow
+// control paces it, so a client that stops reading holds at most one chunk.
+class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  FetchReactor(WeightStoreService* service, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request)
+      : service_(service) {
+    absl::Status status = Start(ctx, request);
+    if (!status.ok()) {
+      Finish(ToGrpcStatus(status));
+      return;
+    }
+    Next();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      return;
+    }
+    Next();
+  }
+  void OnCancel() override { cancelled_ = true; }
+  void OnDone() override {
+    if (counted_) --service_->active_fetches_;
+    delete this;
+  }
+
+ private:
+  absl::Status Start(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
+    if (++service_->active_fetches_ > service_->options_.max_concurrent_fetches) {
+      --service_->active_fetches_;
+      return absl::ResourceExhaustedError(absl::StrCat("more than ", service_->options_.max_concurrent_fetches,
+                                                       " FetchTensors streams at once; retry later"));
+    }
+    counted_ = true;
+    std::vector<grpc::Slice> slices;
+    if (!raw->Dump(&slices).ok()) return absl::InvalidArgumentError("unreadable request");
+    std::string bytes;
+    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    if (!request_.ParseFromString(bytes)) return absl::InvalidArgumentError("request is not a FetchTensorsRequest");
+    auto resolved = Resolve(*service_->registry_, request_.name(), request_.selection(), request_.version());
+    if (!resolved.ok()) return resolved.status();
+    resolved_ = *std::move(resolved);
+    chunk_bytes_ = request_.chunk_bytes() == 0 ? service_->options_.chunk_bytes
+                                               : std::min<uint32_t>(request_.chunk_bytes(), 4 << 20);
+    chunk_bytes_ = std::max<uint32_t>(chunk_bytes_, 4096);
+    index_ = request_.start_index();
+    if (index_ > resolved_.snapshot->size()) {
+      return absl::OutOfRangeError(absl::StrCat("start_index ", index_, " is past the ", resolved_.snapshot->size(),
+                                                " selected tensors"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Writes the next chunk, or finishes.
+  void Next() {
+    if (cancelled_) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      return;
+    }
+    const Snapshot& snapshot = *resolved_.snapshot;
+    if (index_ >= snapshot.size()) {
+      if (!sent_any_) {  // an empty selection still tells the client its version
+        v1::TensorChunk chunk;
+        chunk.set_version(resolved_.version->version());
+        chunk.set_last(true);
+        std::string header = chunk.SerializeAsString();
+        grpc::Slice slice(header);
+        buffer_ = grpc::ByteBuffer(&slice, 1);
+        sent_any_ = true;
+        StartWrite(&buffer_);
+        return;
+      }
+      Finish(grpc::Status::OK);
+      return;
+    }
+    const SnapshotTensor& tensor = snapshot.tensors()[index_];
+    v1::TensorChunk chunk;
+    if (offset_ == 0) {
+      absl::StatusOr<SharedTensor> read = snapshot.Read(tensor);
+      if (!read.ok()) {
+        Finish(ToGrpcStatus(read.status()));
+        return;
+      }
+      bytes_ = read->bytes;
+      cached_crc_ = std::nullopt;
+      if (auto key = CacheKey(snapshot, tensor)) cached_crc_ = resolved_.version->CachedCrc(*key);
+      crc_ = 0;
+      ToProto(tensor.spec, tensor.source->spec.name, chunk.mutable_info());
+      if (!sent_any_) chunk.set_version(resolved_.version->version());
+    }
+    const uint64_t n = std::min<uint64_t>(chunk_bytes_, bytes_.size() - offset_);
+    SharedBytes payload = bytes_.Subspan(offset_, n);
+    if (!cached_crc_) crc_ = Crc32cExtend(crc_, payload.view());
+    const bool last = offset_ + n == bytes_.size();
+    chunk.set_tensor_index(index_);
+    chunk.set_offset(offset_);
+    if (last) {
+      const uint32_t crc = cached_crc_.value_or(crc_);
+      chunk.set_last(true);
+      chunk.set_crc32c(crc);
+      if (auto key = CacheKey(snapshot, tensor); key && !cached_crc_) resolved_.version->StoreCrc(*key, crc);
+    }
+    // Header: every field but data, then data's tag and length; the payload
+    // slice follows. Field order does not matter to protobuf parsers.
+    std::string header = chunk.SerializeAsString();
+    {
+      google::protobuf::io::StringOutputStream stream(&header);
+      google::protobuf::io::CodedOutputStream coded(&stream);
+      coded.WriteTag((v1::TensorChunk::kDataFieldNumber << 3) | 2);
+      coded.WriteVarint64(n);
+    }
+    grpc::Slice slices[2] = {grpc::Slice(header), SliceOf(payload)};
+    buffer_ = grpc::ByteBuffer(slices, n > 0 ? 2 : 1);
+    sent_any_ = true;
+    if (last) {
+      ++index_;
+      offset_ = 0;
+      bytes_ = SharedBytes();
+    } else {
+      offset_ += n;
+    }
+    StartWrite(&buffer_);
+  }
+
+  WeightStoreService* service_;
+  bool counted_ = false;
+  std::atomic<bool> cancelled_{false};
+  v1::FetchTensorsRequest request_;
+  Resolved resolved_;
+  uint32_t chunk_bytes_ = 1 << 20;
+  uint64_t index_ = 0, offset_ = 0;
+  SharedBytes bytes_;
+  uint32_t crc_ = 0;
+  std::optional<uint32_t> cached_crc_;
+  bool sent_any_ = false;
+  grpc::ByteBuffer buffer_;
+};
+
+WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOptions options)
+    : registry_(registry), options_(options) {}
+
+grpc::ServerUnaryReactor* WeightStoreService::ListCheckpoints(grpc::CallbackServerContext* ctx,
+                                                              const v1::ListCheckpointsRequest*,
+                                                              v1::ListCheckpointsResponse* resp) {
+  for (const auto& version : registry_->List()) ToProto(*version, resp->add_checkpoints());
+  return Respond(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServerContext* ctx,
+                                                            const v1::GetCheckpointRequest* req,
+                                                            v1::CheckpointInfo* resp) {
+  auto version = registry_->Get(req->name());
+  if (version == nullptr) return Respond(ctx, absl::NotFoundError(absl::StrCat("checkpoint '", req->name(), "' is not served")));
+  ToProto(*version, resp);
+  return Respond(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerContext* ctx,
+                                                          const v1::ListTensorsRequest* req,
+                                                          v1::ListTensorsResponse* resp) {
+  auto resolved = Resolve(*registry_, req->name(), req->selection());
+  if (!resolved.ok()) return Respond(ctx, resolved.status());
+  const Snapshot& snapshot = *resolved->snapshot;
+  resp->set_name(req->name());
+  resp->set_version(resolved->version->version());
+  for (const SnapshotTensor& t : snapshot.tensors()) {
+    v1::TensorInfo* info = resp->add_tensors();
+    ToProto(t.spec, t.source->spec.name, info);
+    if (!req->with_checksums()) continue;
+    std::optional<size_t> key = CacheKey(snapshot, t);
+    std::optional<uint32_t> crc = key ? resolved->version->CachedCrc(*key) : std::nullopt;
+    if (!crc) {
+      absl::StatusOr<SharedTensor> bytes = snapshot.Read(t);
+      if (!bytes.ok()) return Respond(ctx, bytes.status());
+      crc = Crc32c(bytes->bytes.view());
+      if (key) resolved->version->StoreCrc(*key, *crc);
+    }
+    info->set_crc32c(*crc);
+  }
+  if (resolved->apply_result) ToProto(*resolved->apply_result, resp->mutable_apply_result());
+  return Respond(ctx, absl::OkStatus());
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::FetchTensors(grpc::CallbackServerContext* ctx,
+                                                                            const grpc::ByteBuffer* req) {
+  return new FetchReactor(this, ctx, req);
+}
+
+grpc::ServerUnaryReactor* WeightStoreService::LoadCheckpoint(grpc::CallbackServerContext* ctx,
+                                                             const v1::LoadCheckpointRequest* req,
+                                                             v1::CheckpointInfo* resp) {
+  if (req->path().empty()) return Respond(ctx, absl::InvalidArgumentError("path is empty"));
+  auto version = registry_->Load(req->path(), req->name());
+  if (!version.ok()) return Respond(ctx, version.status());
+  ToProto(**version, resp);
+  return Respond(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* WeightStoreService::UnloadCheckpoint(grpc::CallbackServerContext* ctx,
+                                                               const v1::UnloadCheckpointRequest* req,
+                                                               v1::UnloadCheckpointResponse*) {
+  return Respond(ctx, registry_->Unload(req->name()));
+}
+
+grpc::ServerUnaryReactor* WeightStoreService::Rescan(grpc::CallbackServerContext* ctx, const v1::RescanRequest*,
+                                                     v1::RescanResponse* resp) {
+  ScanReport report = registry_->Rescan();
+  for (const auto& s : report.added) resp->add_added(s);
+  for (const auto& s : report.replaced) resp->add_replaced(s);
+  for (const auto& s : report.removed) resp->add_removed(s);
+  return Respond(ctx, absl::OkStatus());
+}
+
+// Receives an upload into a temporary file; validates and commits it at the end.
+class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
+ public:
+  PutReactor(CheckpointRegistry* registry, v1::CheckpointInfo* response) : registry_(registry), response_(response) {
+    StartRead(&request_);
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client finished sending
+      if (session_ == nullptr) return Fail(absl::InvalidArgumentError("upload without a header"));
+      auto version = registry_->FinishPut(std::move(session_));
+      if (!version.ok()) return Fail(version.status());
+      ToProto(**version, response_);
+      Finish(grpc::Status::OK);
+      return;
+    }
+    absl::Status status;
+    if (request_.has_header()) {
+      if (session_ != nullptr) return Fail(absl::InvalidArgumentError("a second header"));
+      const v1::PutHeader& h = request_.header();
+      auto session = registry_->BeginPut(h.name(), h.extension(), h.overwrite(), h.size());
+      if (!session.ok()) return Fail(session.status());
+      session_ = *std::move(session);
+    } else {
+      if (session_ == nullptr) return Fail(absl::InvalidArgumentError("data before the header"));
+      status = session_->Append(request_.data());
+      if (!status.ok()) return Fail(status);
+    }
+    StartRead(&request_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void Fail(const absl::Status& status) {
+    session_.reset();  // removes the temporary file
+    Finish(ToGrpcStatus(status));
+  }
+  CheckpointRegistry* registry_;
+  v1::CheckpointInfo* response_;
+  v1::PutCheckpointRequest request_;
+  std::unique_ptr<PutSession> session_;
+};
+
+grpc::ServerReadReactor<v1::PutCheckpointRequest>* WeightStoreService::PutCheckpoint(grpc::CallbackServerContext*,
+                                                                                   v1::CheckpointInfo* resp) {
+  return new PutReactor(registry_, resp);
+}
+
+}  // namespace weightstore::server

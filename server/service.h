@@ -1,0 +1,72 @@
+// WeightStoreService: the gRPC handlers. Each validates, converts, makes one call
+// into core or the registry, and converts the result back; no format logic here.
+//
+// FetchTensors is implemented on raw ByteBuffers: each chunk is a small
+// serialized header followed by a payload slice that points into the checkpoint's
+// mapping (or the transformed tensor) and holds it alive, so tensor bytes are
+// never copied into a protobuf message. The bytes on the wire are an ordinary
+// TensorChunk. Thread-safe.
+#ifndef WEIGHTSTORE_SERVER_SERVICE_H_
+#define WEIGHTSTORE_SERVER_SERVICE_H_
+
+#include <atomic>
+#include <cstdint>
+
+#include "core/registry.h"
+#include "weightstore/v1/weight_store.grpc.pb.h"
+
+namespace weightstore::server {
+
+using ::weightstore::CheckpointRegistry;
+using ::weightstore::CheckpointVersion;
+using ::weightstore::PutSession;
+using ::weightstore::RegistryOptions;
+using ::weightstore::ScanReport;
+
+struct ServiceOptions {
+  // Largest tensor chunk payload. Default: 1 MiB (tensorstore's read chunk).
+  uint32_t chunk_bytes = 1 << 20;
+  // Most FetchTensors streams served at once; more get RESOURCE_EXHAUSTED.
+  // Default: 64.
+  int max_concurrent_fetches = 64;
+};
+
+using ServiceBase = v1::WeightStore::WithRawCallbackMethod_FetchTensors<v1::WeightStore::CallbackService>;
+
+class WeightStoreService final : public ServiceBase {
+ public:
+  WeightStoreService(CheckpointRegistry* registry, ServiceOptions options);
+
+  grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* ctx, const v1::ListCheckpointsRequest* req,
+                                            v1::ListCheckpointsResponse* resp) override;
+  grpc::ServerUnaryReactor* GetCheckpoint(grpc::CallbackServerContext* ctx, const v1::GetCheckpointRequest* req,
+                                          v1::CheckpointInfo* resp) override;
+  grpc::ServerUnaryReactor* ListTensors(grpc::CallbackServerContext* ctx, const v1::ListTensorsRequest* req,
+                                        v1::ListTensorsResponse* resp) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchTensors(grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* req) override;
+  grpc::ServerUnaryReactor* LoadCheckpoint(grpc::CallbackServerContext* ctx, const v1::LoadCheckpointRequest* req,
+                                           v1::CheckpointInfo* resp) override;
+  grpc::ServerUnaryReactor* UnloadCheckpoint(grpc::CallbackServerContext* ctx, const v1::UnloadCheckpointRequest* req,
+                                             v1::UnloadCheckpointResponse* resp) override;
+  grpc::ServerReadReactor<v1::PutCheckpointRequest>* PutCheckpoint(grpc::CallbackServerContext* ctx,
+                                                                   v1::CheckpointInfo* resp) override;
+  grpc::ServerUnaryReactor* Rescan(grpc::CallbackServerContext* ctx, const v1::RescanRequest* req,
+                                   v1::RescanResponse* resp) override;
+
+  // Streams being served now.
+  int active_fetches() const { return active_fetches_.load(); }
+
+ private:
+  friend class FetchReactor;
+  CheckpointRegistry* registry_;
+  ServiceOptions options_;
+  std::atomic<int> active_fetches_{0};
+};
+
+// Fills `out` from a served version.
+void ToProto(const CheckpointVersion& version, v1::CheckpointInfo* out);
+
+}  // namespace weightstore::server
+
+#endif  // WEIGHTSTORE_SERVER_SERVICE_H_

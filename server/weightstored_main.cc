@@ -1,0 +1,85 @@
+// weightstored: serves the checkpoints of a models folder over gRPC.
+//
+// Signals: SIGHUP rescans the models folder; SIGTERM and SIGINT shut down
+// gracefully (health NOT_SERVING, drain, then streams in flight get the grace
+// period to finish).
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_join.h"
+#include "server/server.h"
+
+int main(int argc, char** argv) {
+  using namespace weightstore::server;
+  ServerOptions options;
+  options.registry.models_dir = "deploy/models";
+  std::string port_file;
+  double drain_seconds = 0, grace_seconds = 10;
+
+  CLI::App app{"weightstored: serves model checkpoints (SafeTensors, PyTorch, Burnpack) over gRPC"};
+  app.add_option("--models", options.registry.models_dir, "Folder of checkpoints to serve")->capture_default_str();
+  app.add_option("--listen", options.listen, "Address to listen on (host:port; port 0 picks one)")
+      ->capture_default_str();
+  app.add_option("--port-file", port_file, "Write the bound port to this file once serving");
+  app.add_option("--drain-seconds", drain_seconds,
+                 "On SIGTERM, report NOT_SERVING this long before closing the listener")
+      ->capture_default_str();
+  app.add_option("--grace-seconds", grace_seconds, "On SIGTERM, let streams in flight finish for this long")
+      ->capture_default_str();
+  app.add_option("--chunk-bytes", options.service.chunk_bytes, "Largest tensor chunk sent")->capture_default_str();
+  app.add_option("--max-concurrent-fetches", options.service.max_concurrent_fetches,
+                 "FetchTensors streams served at once; more get RESOURCE_EXHAUSTED")
+      ->capture_default_str();
+  app.add_option("--max-streams-per-connection", options.max_concurrent_streams_per_connection,
+                 "HTTP/2 streams per client connection")
+      ->capture_default_str();
+  app.add_option("--max-request-bytes", options.max_receive_message_bytes, "Largest request message")
+      ->capture_default_str();
+  app.add_option("--max-put-bytes", options.registry.max_put_bytes, "Largest PutCheckpoint upload")
+      ->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  // Signals are taken by one thread with sigwait; block them everywhere first.
+  sigset_t signals;
+  sigemptyset(&signals);
+  for (int s : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&signals, s);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto server = WeightStoreServer::Start(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "weightstored: %s\n", std::string(server.status().message()).c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "weightstored: serving %zu checkpoints from %s on port %d\n",
+               (*server)->registry().List().size(), options.registry.models_dir.c_str(), (*server)->port());
+  if (!port_file.empty()) {
+    std::string tmp = port_file + ".tmp";
+    std::ofstream(tmp) << (*server)->port() << "\n";
+    std::rename(tmp.c_str(), port_file.c_str());
+  }
+  while (true) {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    if (sig == SIGHUP) {
+      ScanReport r = (*server)->registry().Rescan();
+      std::fprintf(stderr, "weightstored: rescan: added [%s] replaced [%s] removed [%s]\n",
+                   absl::StrJoin(r.added, ", ").c_str(), absl::StrJoin(r.replaced, ", ").c_str(),
+                   absl::StrJoin(r.removed, ", ").c_str());
+      for (const std::string& e : r.errors) std::fprintf(stderr, "weightstored: not serving %s\n", e.c_str());
+      continue;
+    }
+    std::fprintf(stderr, "weightstored: shutting down (drain %.1fs, grace %.1fs)\n", drain_seconds, grace_seconds);
+    (*server)->Shutdown(std::chrono::milliseconds(static_cast<int64_t>(drain_seconds * 1000)),
+                        std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000)));
+    std::fprintf(stderr, "weightstored: stopped\n");
+    return 0;
+  }
+}
