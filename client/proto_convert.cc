@@ -43,6 +43,7 @@ absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out) {
   }
   out->source_name = in.source_name().empty() ? in.name() : in.source_name();
   if (in.has_crc32c()) out->crc32c = in.crc32c();
+  if (in.has_param_id()) out->spec.param_id = in.param_id();
   return absl::OkStatus();
 }
 

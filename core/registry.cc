@@ -154,7 +154,8 @@ ScanReport CheckpointRegistry::Rescan() {
   }
   for (const fs::path& f : files) {
     if (shards.contains(f.string())) continue;
-    std::optional<std::string> name = NameForPath(fs::relative(f, options_.models_dir).string());
+    // Lexically: a symlinked file is named by where it sits, not where it points.
+    std::optional<std::string> name = NameForPath(f.lexically_relative(options_.models_dir).string());
     if (!name) continue;
     if (!found.emplace(*name, f.string()).second) {
       report.errors.push_back(absl::StrCat(f.string(), ": another file is already served as '", *name, "'"));

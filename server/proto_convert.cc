@@ -55,6 +55,7 @@ void ToProto(const TensorSpec& spec, const std::string& source_name, pb::TensorI
   for (uint64_t d : spec.shape) out->add_shape(d);
   out->set_byte_size(spec.byte_size());
   if (source_name != spec.name) out->set_source_name(source_name);
+  if (spec.param_id) out->set_param_id(*spec.param_id);
 }
 
 void ToProto(const ApplyResult& in, pb::ApplyResult* out) {

@@ -15,6 +15,8 @@ std::string FixturesDir();
 std::string TestDataDir();
 // The `weightstore` CLI binary.
 std::string CliPath();
+// Folder of test tools (tests/tools: the reflection client).
+std::string ToolsDir();
 // Python interpreter with torch (Debian's /usr/bin/python3 by default).
 std::string TorchPython();
 

@@ -1,0 +1,407 @@
+// A real weightstored on 127.0.0.1 port 0, serving the shared fixtures (through
+// symlinks, never copies), with real clients: the C++ Store, raw stubs, the CLI
+// and a reflection-only Python client.
+#include <gmock/gmock.h>
+#include <grpcpp/create_channel.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/store.h"
+#include "core/checkpoint.h"
+#include "core/checkpoint_writer.h"
+#include "core/crc32c.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "tests/util/daemon.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
+#include "weightstore/v1/weight_store.grpc.pb.h"
+
+namespace weightstore {
+namespace {
+
+namespace fs = std::filesystem;
+namespace pb = ::weightstore::v1;
+using ::testing::HasSubstr;
+using testing::Daemon;
+using ::weightstore::testing::StatusIs;
+
+// A models folder of symlinks to every fixture: <dir>/<subfolder>/<file>.
+std::string FixtureModels() {
+  const std::string dir = testing::MakeScratchDir("models");
+  for (const char* sub : {"pytorch-models", "pytorch-reader", "safetensors", "burnpack"}) {
+    fs::create_directories(fs::path(dir) / sub);
+    for (const auto& e : fs::directory_iterator(fs::path(testing::FixturesDir()) / "burn" / sub)) {
+      fs::create_symlink(e.path(), fs::path(dir) / sub / e.path().filename());
+    }
+  }
+  return dir;
+}
+
+// Writes a SafeTensors file of `count` F32 tensors of `floats` elements.
+void WriteBig(const std::string& path, int count, size_t floats, float seed) {
+  std::vector<SharedTensor> tensors;
+  for (int i = 0; i < count; ++i) {
+    std::vector<std::byte> data(floats * 4);
+    for (size_t k = 0; k < floats; ++k) {
+      float v = seed + static_cast<float>(i * 1000 + k % 1000);
+      std::memcpy(data.data() + 4 * k, &v, 4);
+    }
+    tensors.push_back({{absl::StrCat("layer.", i), DType::kF32, {floats}}, SharedBytes::FromVector(std::move(data))});
+  }
+  testing::WriteFileOrDie(path, *SerializeCheckpoint(Format::kSafeTensors, tensors, {{"seed", std::to_string(seed)}}));
+}
+
+std::unique_ptr<client::Store> Connect(const Daemon& d) { return *client::ConnectRemoteStore(d.address()); }
+
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    models_ = new std::string(FixtureModels());
+    daemon_ = new Daemon(*models_);
+  }
+  static void TearDownTestSuite() {
+    delete daemon_;
+    daemon_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(daemon_->port(), 0) << daemon_->log(); }
+
+  static std::string* models_;
+  static Daemon* daemon_;
+};
+std::string* ServerTest::models_ = nullptr;
+Daemon* ServerTest::daemon_ = nullptr;
+
+TEST_F(ServerTest, ListsEveryFixtureAndReportsTheBrokenOneWithoutStopping) {
+  auto store = Connect(*daemon_);
+  ASSERT_OK_AND_ASSIGN(auto list, store->ListCheckpoints());
+  std::set<std::string> names;
+  for (const auto& c : list) names.insert(c.name);
+  EXPECT_TRUE(names.contains("burnpack/mnist"));
+  EXPECT_TRUE(names.contains("safetensors/multi_layer"));
+  EXPECT_TRUE(names.contains("pytorch-models/linear"));
+  EXPECT_TRUE(names.contains("pytorch-reader/legacy_with_offsets"));
+  EXPECT_FALSE(names.contains("pytorch-reader/broken"));
+  EXPECT_THAT(daemon_->log(), HasSubstr("broken.pt"));
+  EXPECT_EQ(list.size(), 1u + 1u + 13u + 29u);
+}
+
+TEST_F(ServerTest, GetCheckpointDescribesOneAndUnknownNamesAreNotFound) {
+  auto store = Connect(*daemon_);
+  ASSERT_OK_AND_ASSIGN(auto c, store->GetCheckpoint("burnpack/mnist"));
+  EXPECT_EQ(c.format, "burnpack");
+  EXPECT_EQ(c.tensor_count, 18u);
+  EXPECT_EQ(c.total_bytes, 1043240u);
+  EXPECT_EQ(c.version.size(), 16u);
+  EXPECT_THAT(store->GetCheckpoint("nope"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("'nope'")));
+  EXPECT_THAT(store->ListTensors("nope", {}), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(ServerTest, FetchesEveryFixtureByteForByte) {
+  auto store = Connect(*daemon_);
+  ASSERT_OK_AND_ASSIGN(auto list, store->ListCheckpoints());
+  for (const auto& c : list) {
+    SCOPED_TRACE(c.name);
+    ASSERT_OK_AND_ASSIGN(auto local, Checkpoint::Open(c.path));
+    ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> fetched, store->FetchAll(c.name, {}));
+    ASSERT_EQ(fetched.size(), local->size());
+    for (size_t i = 0; i < fetched.size(); ++i) {
+      ASSERT_OK_AND_ASSIGN(SharedTensor want, local->Read(local->entries()[i]));
+      EXPECT_EQ(fetched[i].spec, want.spec);
+      EXPECT_TRUE(fetched[i].bytes.view() == want.bytes.view()) << want.spec.name;
+    }
+  }
+}
+
+TEST_F(ServerTest, SelectionRunsOnTheServer) {
+  auto store = Connect(*daemon_);
+  client::Query query;
+  query.selection.renames = {{R"(conv\.(.*))", "$1"}};
+  query.selection.include = {R"(^conv1\.)"};
+  query.selection.dtype = DType::kF16;
+  query.with_checksums = true;
+  ASSERT_OK_AND_ASSIGN(auto listing, store->ListTensors("pytorch-models/key_remap", query));
+  ASSERT_EQ(listing.tensors.size(), 2u);  // file order: weight, then bias
+  EXPECT_EQ(listing.tensors[1].spec.name, "conv1.bias");
+  EXPECT_EQ(listing.tensors[1].source_name, "conv.conv1.bias");
+  EXPECT_EQ(listing.tensors[1].spec.dtype, DType::kF16);
+  ASSERT_OK_AND_ASSIGN(auto fetched, store->FetchAll("pytorch-models/key_remap", query));
+  ASSERT_EQ(fetched.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(Crc32c(fetched[i].bytes.view()), listing.tensors[i].crc32c.value());
+  EXPECT_EQ(fetched[0].spec.shape, (std::vector<uint64_t>{2, 2, 2, 2}));
+}
+
+TEST_F(ServerTest, TargetsAreAppliedOnTheServerWithTheLoadResult) {
+  auto store = Connect(*daemon_);
+  client::Query query;
+  ASSERT_OK_AND_ASSIGN(query.target, TargetSchema::Load(testing::TestDataDir() + "/schemas/batch_norm.json"));
+  query.selection.adapter = Adapter::kPyTorchToBurn;
+  ASSERT_OK_AND_ASSIGN(auto listing, store->ListTensors("pytorch-models/batch_norm2d", query));
+  ASSERT_TRUE(listing.apply_result.has_value());
+  EXPECT_THAT(listing.apply_result->unused, ::testing::ElementsAre("norm1.num_batches_tracked"));
+  ASSERT_OK_AND_ASSIGN(SharedTensor gamma, store->FetchTensor("pytorch-models/batch_norm2d", "norm1.gamma", query));
+  EXPECT_EQ(gamma.spec.shape, std::vector<uint64_t>{5});
+  query.selection.adapter = Adapter::kNone;
+  EXPECT_THAT(store->ListTensors("pytorch-models/batch_norm2d", query),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("missing")));
+}
+
+TEST_F(ServerTest, BadRequestsGetClearCodesAndOthersKeepBeingServed) {
+  auto store = Connect(*daemon_);
+  client::Query bad;
+  bad.selection.include = {"fc.("};
+  EXPECT_THAT(store->ListTensors("pytorch-models/linear", bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'fc.('")));
+  EXPECT_THAT(store->FetchAll("pytorch-models/linear", bad), StatusIs(absl::StatusCode::kInvalidArgument));
+  client::Query huge;
+  huge.selection.paths = {std::string(5 << 20, 'x')};  // over the 4 MiB request limit
+  EXPECT_THAT(store->ListTensors("pytorch-models/linear", huge), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_OK(store->FetchAll("pytorch-models/linear", {}));
+}
+
+TEST_F(ServerTest, AClientThatStopsReadingDoesNotStopOthers) {
+  auto channel = grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials());
+  auto stub = pb::WeightStore::NewStub(channel);
+  grpc::ClientContext stalled;
+  pb::FetchTensorsRequest req;
+  req.set_name("burnpack/mnist");
+  req.set_chunk_bytes(4096);
+  auto reader = stub->FetchTensors(&stalled, req);  // never read
+  auto store = Connect(*daemon_);
+  for (int i = 0; i < 5; ++i) EXPECT_OK(store->FetchAll("safetensors/multi_layer", {}));
+  stalled.TryCancel();
+  pb::TensorChunk chunk;
+  while (reader->Read(&chunk)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+}
+
+TEST_F(ServerTest, StreamsResumeFromAGivenTensorAndPinTheirVersion) {
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  pb::FetchTensorsRequest req;
+  req.set_name("burnpack/mnist");
+  req.set_start_index(16);
+  auto reader = stub->FetchTensors(&ctx, req);
+  pb::TensorChunk chunk;
+  std::vector<uint64_t> indices;
+  while (reader->Read(&chunk)) {
+    if (chunk.has_info()) indices.push_back(chunk.tensor_index());
+  }
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_THAT(indices, ::testing::ElementsAre(16, 17));
+  grpc::ClientContext ctx2;
+  req.set_version("0000000000000000");
+  auto stale = stub->FetchTensors(&ctx2, req);
+  while (stale->Read(&chunk)) {
+  }
+  EXPECT_EQ(stale->Finish().error_code(), grpc::StatusCode::ABORTED);
+}
+
+TEST_F(ServerTest, OperatorsUseReflectionWithoutProtoFiles) {
+  const std::string tool = absl::StrCat(testing::ShellQuote(testing::TorchPython()), " ",
+                                        testing::ShellQuote(testing::ToolsDir() + "/grpc_reflect.py"), " ",
+                                        daemon_->address());
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(tool + " list", &out, false), 0) << out;
+  EXPECT_THAT(out, HasSubstr("weightstore.v1.WeightStore"));
+  EXPECT_THAT(out, HasSubstr("grpc.health.v1.Health"));
+  EXPECT_THAT(out, HasSubstr("grpc.reflection.v1alpha.ServerReflection"));
+  ASSERT_EQ(testing::RunCommand(tool + " describe weightstore.v1.WeightStore", &out, false), 0) << out;
+  EXPECT_THAT(out, HasSubstr("FetchTensors"));
+  ASSERT_EQ(testing::RunCommand(tool + " describe grpc.health.v1.Health", &out, false), 0) << out;
+  EXPECT_THAT(out, HasSubstr("Check"));
+  ASSERT_EQ(testing::RunCommand(tool + " call grpc.health.v1.Health/Check '{\"service\": \"\"}'", &out, false), 0) << out;
+  EXPECT_THAT(out, HasSubstr("SERVING"));
+  ASSERT_EQ(testing::RunCommand(tool + " call weightstore.v1.WeightStore/ListTensors "
+                                       "'{\"name\": \"pytorch-models/linear\", \"selection\": {\"include\": [\"^fc1\"]}}'",
+                                &out, false),
+            0)
+      << out;
+  nlohmann::json doc = nlohmann::json::parse(out);
+  ASSERT_EQ(doc["tensors"].size(), 2u);
+  EXPECT_EQ(doc["tensors"][1]["name"], "fc1.bias");
+  ASSERT_EQ(testing::RunCommand(tool + " call weightstore.v1.WeightStore/GetCheckpoint '{\"name\": \"nope\"}'", &out, false), 3);
+  EXPECT_THAT(out, HasSubstr("NOT_FOUND"));
+}
+
+TEST_F(ServerTest, TheCliTalksToTheServer) {
+  const std::string cli = testing::ShellQuote(testing::CliPath());
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(cli, " ls --server ", daemon_->address()), &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("burnpack/mnist"));
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(cli, " inspect --server ", daemon_->address(),
+                                             " pytorch-models/key_remap --rename 'conv\\.=' --json"),
+                                &out, false),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("\"conv1.weight\""));
+  const std::string dir = testing::MakeScratchDir("fetch");
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(cli, " fetch --server ", daemon_->address(), " burnpack/mnist ", dir,
+                                             "/mnist.safetensors"),
+                                &out),
+            0)
+      << out;
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(cli, " diff --exit-code ", dir, "/mnist.safetensors ",
+                                             testing::ShellQuote(testing::FixturesDir() + "/burn/burnpack/mnist.bpk")),
+                                &out),
+            0)
+      << out;
+  EXPECT_NE(testing::RunCommand(absl::StrCat(cli, " fetch --server ", daemon_->address(), " nope ", dir, "/x.bpk"), &out), 0);
+  EXPECT_FALSE(fs::exists(dir + "/x.bpk"));
+}
+
+// Daemons of their own: lifecycle, rescans, uploads.
+
+TEST(ServerLifecycleTest, ASecondDaemonOnTheSamePortFailsLoudly) {
+  const std::string models = testing::MakeScratchDir("models");
+  Daemon first(models);
+  ASSERT_NE(first.port(), 0) << first.log();
+  std::string out;
+  int rc = testing::RunCommand(absl::StrCat(testing::ShellQuote(testing::DaemonPath()), " --models ", models,
+                                            " --listen ", first.address()),
+                               &out);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_THAT(out, HasSubstr("cannot listen"));
+}
+
+TEST(ServerLifecycleTest, SigtermReportsNotServingAndLetsStreamsInFlightFinish) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteBig(models + "/big.safetensors", 16, 1 << 20, 1.0f);  // 64 MiB
+  Daemon daemon(models, {"--drain-seconds", "1", "--grace-seconds", "20"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto channel = grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  auto check = [&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    grpc::health::v1::HealthCheckRequest req;
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::Status s = health->Check(&ctx, req, &resp);
+    return s.ok() ? static_cast<int>(resp.status()) : -1;
+  };
+  EXPECT_EQ(check(), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  // A slow consumer: 150 ms per tensor, so the stream outlives the drain.
+  struct SlowSink : client::CollectingSink {
+    std::atomic<int>* ended;
+    absl::Status End(const TensorSpec& spec) override {
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      ++*ended;
+      return CollectingSink::End(spec);
+    }
+  };
+  std::atomic<int> ended{0};
+  absl::Status fetch_status;
+  std::thread fetch([&] {
+    auto store = *client::ConnectRemoteStore(daemon.address());
+    SlowSink sink;
+    sink.ended = &ended;
+    fetch_status = store->FetchTensors("big", {}, &sink);
+  });
+  while (ended.load() < 1) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  daemon.Signal(SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(check(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  fetch.join();
+  EXPECT_OK(fetch_status);
+  EXPECT_EQ(ended.load(), 16);
+  EXPECT_EQ(daemon.WaitExit(20000), 0) << daemon.log();
+}
+
+TEST(ServerLifecycleTest, SighupPicksUpNewAndReplacedFilesAsNewVersions) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteBig(models + "/a.safetensors", 1, 16, 1.0f);
+  Daemon daemon(models);
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto store = Connect(daemon);
+  ASSERT_OK_AND_ASSIGN(auto before, store->GetCheckpoint("a"));
+  // Replace by rename, as every weightstore writer does; add another.
+  WriteBig(models + "/.a.tmp", 1, 16, 2.0f);
+  fs::rename(models + "/.a.tmp", models + "/a.safetensors");
+  fs::create_directories(models + "/sub");
+  WriteBig(models + "/sub/b.safetensors", 2, 8, 3.0f);
+  daemon.Signal(SIGHUP);
+  for (int i = 0; i < 100 && !store->GetCheckpoint("sub/b").ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_OK_AND_ASSIGN(auto after, store->GetCheckpoint("a"));
+  EXPECT_NE(after.version, before.version);
+  EXPECT_EQ(after.metadata.at("seed"), "2.000000");
+  EXPECT_OK(store->GetCheckpoint("sub/b"));
+  fs::remove(models + "/sub/b.safetensors");
+  daemon.Signal(SIGHUP);
+  for (int i = 0; i < 100 && store->GetCheckpoint("sub/b").ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_THAT(store->GetCheckpoint("sub/b"), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST(ServerLifecycleTest, AdminCallsLoadUnloadUploadAndRescan) {
+  const std::string models = testing::MakeScratchDir("models");
+  Daemon daemon(models);
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext ctx;
+    pb::LoadCheckpointRequest req;
+    req.set_path(testing::FixturesDir() + "/burn/burnpack/mnist.bpk");
+    req.set_name("digits");
+    pb::CheckpointInfo info;
+    ASSERT_TRUE(stub->LoadCheckpoint(&ctx, req, &info).ok());
+    EXPECT_EQ(info.tensor_count(), 18u);
+  }
+  {
+    grpc::ClientContext ctx;
+    pb::UnloadCheckpointRequest req;
+    req.set_name("digits");
+    pb::UnloadCheckpointResponse resp;
+    EXPECT_TRUE(stub->UnloadCheckpoint(&ctx, req, &resp).ok());
+    grpc::ClientContext again;
+    EXPECT_EQ(stub->UnloadCheckpoint(&again, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  auto upload = [&](const std::string& name, const std::string& bytes) {
+    grpc::ClientContext ctx;
+    pb::CheckpointInfo info;
+    auto writer = stub->PutCheckpoint(&ctx, &info);
+    pb::PutCheckpointRequest header;
+    header.mutable_header()->set_name(name);
+    header.mutable_header()->set_extension("safetensors");
+    header.mutable_header()->set_size(bytes.size());
+    writer->Write(header);
+    for (size_t off = 0; off < bytes.size(); off += 1 << 20) {
+      pb::PutCheckpointRequest part;
+      part.set_data(bytes.substr(off, 1 << 20));
+      writer->Write(part);
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  const std::string good = testing::ReadFileOrEmpty(testing::FixturesDir() + "/burn/safetensors/multi_layer.safetensors");
+  grpc::Status ok = upload("uploads/multi", good);
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  EXPECT_EQ(testing::ReadFileOrEmpty(models + "/uploads/multi.safetensors"), good);
+  grpc::Status bad = upload("uploads/broken", good.substr(0, good.size() - 10));  // truncated
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad.error_message();
+  EXPECT_FALSE(fs::exists(models + "/uploads/broken.safetensors"));
+  EXPECT_EQ(upload("../escape", good).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(upload("uploads/multi", good).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  size_t files = 0;
+  for ([[maybe_unused]] const auto& e : fs::recursive_directory_iterator(models)) ++files;
+  EXPECT_EQ(files, 2u) << "only uploads/ and uploads/multi.safetensors, no temporaries";
+  {
+    grpc::ClientContext ctx;
+    pb::RescanResponse resp;
+    ASSERT_TRUE(stub->Rescan(&ctx, pb::RescanRequest(), &resp).ok());
+  }
+  auto store = Connect(daemon);
+  EXPECT_OK(store->GetCheckpoint("uploads/multi"));
+}
+
+}  // namespace
+}  // namespace weightstore

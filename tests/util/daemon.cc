@@ -1,0 +1,79 @@
+#include "tests/util/daemon.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fcntl.h>
+#include <thread>
+
+#include "tests/util/test_env.h"
+
+namespace weightstore::testing {
+
+std::string DaemonPath() {
+  const char* env = std::getenv("WEIGHTSTORED");
+  return env != nullptr ? env : WEIGHTSTORED_PATH;
+}
+
+Daemon::Daemon(const std::string& models_dir, std::vector<std::string> extra_args) {
+  dir_ = MakeScratchDir("daemon");
+  log_path_ = dir_ + "/stderr.log";
+  const std::string port_file = dir_ + "/port";
+  std::vector<std::string> args = {DaemonPath(), "--models", models_dir, "--listen", "127.0.0.1:0",
+                                   "--port-file", port_file};
+  args.insert(args.end(), extra_args.begin(), extra_args.end());
+  pid_ = ::fork();
+  if (pid_ == 0) {
+    int fd = ::open(log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 2);
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  for (int i = 0; i < 200; ++i) {  // up to 10 s
+    std::string port = ReadFileOrEmpty(port_file);
+    if (!port.empty()) {
+      port_ = std::atoi(port.c_str());
+      return;
+    }
+    int status;
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      exited_ = true;
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+Daemon::~Daemon() {
+  if (!exited_ && pid_ > 0) {
+    ::kill(pid_, SIGTERM);
+    if (WaitExit(10000) == -1) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+}
+
+void Daemon::Signal(int signal) { ::kill(pid_, signal); }
+
+int Daemon::WaitExit(int timeout_ms) {
+  for (int waited = 0; waited <= timeout_ms; waited += 20) {
+    int status;
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      exited_ = true;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return -1;
+}
+
+std::string Daemon::log() const { return ReadFileOrEmpty(log_path_); }
+
+}  // namespace weightstore::testing

@@ -1,0 +1,42 @@
+// Runs a real weightstored process for a test: 127.0.0.1, port 0, its own models
+// folder; stopped with SIGTERM when the Daemon is destroyed.
+#ifndef WEIGHTSTORE_TESTS_UTIL_DAEMON_H_
+#define WEIGHTSTORE_TESTS_UTIL_DAEMON_H_
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+namespace weightstore::testing {
+
+class Daemon {
+ public:
+  // Starts weightstored on `models_dir` with `extra_args`; waits until it serves.
+  // port() is 0 if it did not start (see log()).
+  Daemon(const std::string& models_dir, std::vector<std::string> extra_args = {});
+  ~Daemon();
+
+  int port() const { return port_; }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  pid_t pid() const { return pid_; }
+  // Sends `signal`.
+  void Signal(int signal);
+  // Waits for the process to exit; returns its exit status (-1 on timeout).
+  int WaitExit(int timeout_ms);
+  // What the daemon printed to stderr so far.
+  std::string log() const;
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::string dir_, log_path_;
+  bool exited_ = false;
+};
+
+// Path of the weightstored binary.
+std::string DaemonPath();
+
+}  // namespace weightstore::testing
+
+#endif  // WEIGHTSTORE_TESTS_UTIL_DAEMON_H_
