@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Quick start, command 1: installs the dependencies, builds, and runs weightstore
-# on the bundled example models (deploy/models). Until the daemon lands, this
-# inspects, converts and compares them with the CLI.
+# Quick start, command 1: installs the dependencies, builds, and runs weightstored
+# in the foreground on the bundled example models (deploy/models), listening on
+# 127.0.0.1:50051 (set WEIGHTSTORE_LISTEN to change it). Ctrl-C stops it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/build.sh
-ws=build/client/weightstore
-out="$(mktemp -d)"
-trap 'rm -rf "$out"' EXIT
-set -x
-"$ws" inspect --top-level-key model_state_dict deploy/models/tiny-mlp-torch.pt
-"$ws" inspect deploy/models/tiny-mlp-burn.bpk
-"$ws" convert --top-level-key model_state_dict deploy/models/tiny-mlp-torch.pt "$out/tiny-mlp.safetensors"
-"$ws" diff --exit-code "$out/tiny-mlp.safetensors" deploy/models/tiny-mlp-burn.bpk
+listen="${WEIGHTSTORE_LISTEN:-127.0.0.1:50051}"
+cat <<MSG
+
+weightstored is starting on ${listen}, serving deploy/models. In another terminal:
+  build/client/weightstore ls --server ${listen}
+  build/client/weightstore inspect --server ${listen} tiny-mlp-torch --top-level-key model_state_dict
+  build/client/weightstore fetch --server ${listen} tiny-mlp /tmp/tiny-mlp.bpk
+  /usr/bin/python3 tests/tools/grpc_reflect.py ${listen} list
+
+MSG
+exec build/server/weightstored --listen "${listen}"

@@ -16,7 +16,7 @@
 int main(int argc, char** argv) {
   using namespace weightstore::server;
   ServerOptions options;
-  options.registry.models_dir = "deploy/models";
+  options.registry.models_dir = WEIGHTSTORE_DEFAULT_MODELS_DIR;
   std::string port_file;
   double drain_seconds = 0, grace_seconds = 10;
 
