@@ -1,8 +1,15 @@
 // RemoteStore: a Store over weightstored's gRPC API.
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/create_channel.h>
+#include <grpcpp/impl/codegen/client_context.h>
+#include <grpcpp/impl/codegen/sync_stream.h>
+#include <grpcpp/impl/codegen/proto_buffer_reader.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/security/credentials.h>
 
 #include <cstring>
+
 
 #include "absl/strings/str_cat.h"
 #include "client/proto_convert.h"
@@ -28,7 +35,10 @@ bool Resumable(const grpc::Status& status) {
 class RemoteStore final : public Store {
  public:
   RemoteStore(std::shared_ptr<grpc::Channel> channel, RemoteOptions options)
-      : stub_(pb::WeightStore::NewStub(channel)), options_(options) {}
+      : channel_(channel),
+        stub_(pb::WeightStore::NewStub(channel)),
+        fetch_method_("/weightstore.v1.WeightStore/FetchTensors", grpc::internal::RpcMethod::SERVER_STREAMING, channel),
+        options_(options) {}
 
   absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints() override {
     grpc::ClientContext ctx;
@@ -81,15 +91,19 @@ class RemoteStore final : public Store {
   absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
     pb::FetchTensorsRequest req;
     req.set_name(name);
+    if (options_.chunk_bytes > 0) req.set_chunk_bytes(options_.chunk_bytes);
     ToProto(query, req.mutable_selection());
     int resumes = 0;
     while (true) {
       grpc::ClientContext ctx;
       SetDeadline(&ctx);
-      std::unique_ptr<grpc::ClientReader<pb::TensorChunk>> reader = stub_->FetchTensors(&ctx, req);
-      pb::TensorChunk chunk;
+      // The generated stub's reader, but over raw ByteBuffers: chunks are parsed
+      // from gRPC's own slices while the next one is being received.
+      std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+          grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel_.get(), fetch_method_, &ctx, req));
+      grpc::ByteBuffer chunk;
       absl::Status local = absl::OkStatus();
-      while (local.ok() && reader->Read(&chunk)) local = Consume(chunk, &req, sink);
+      while (local.ok() && reader->Read(&chunk)) local = Consume(&chunk, &req, sink);
       if (!local.ok()) {
         ctx.TryCancel();
         reader->Finish();
@@ -98,8 +112,7 @@ class RemoteStore final : public Store {
       grpc::Status status = reader->Finish();
       if (status.ok()) return absl::OkStatus();
       if (!Resumable(status) || ++resumes > options_.max_resumes || req.version().empty()) return FromGrpc(status);
-      // Resume: tensors before start_index are complete; the current one restarts.
-      current_.reset();
+      current_.reset();  // tensors before start_index are complete; the current one restarts
     }
   }
 
@@ -111,48 +124,114 @@ class RemoteStore final : public Store {
     uint32_t crc = 0;
   };
 
-  absl::Status Consume(const pb::TensorChunk& chunk, pb::FetchTensorsRequest* req, TensorSink* sink) {
-    if (!chunk.version().empty()) req->set_version(chunk.version());  // pin what we started on
-    if (chunk.has_info()) {
-      TensorDescription d;
-      WEIGHTSTORE_RETURN_IF_ERROR(FromProto(chunk.info(), &d));
-      WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(d.spec));
-      if (out.size() != d.spec.byte_size()) {
-        return absl::InternalError(absl::StrCat("sink gave ", out.size(), " bytes for tensor '", d.spec.name, "'"));
+  // Parses one TensorChunk from `buffer`. The payload is copied once, from
+  // gRPC's slices into the sink's buffer; the small fields are parsed as usual.
+  absl::Status Consume(grpc::ByteBuffer* buffer, pb::FetchTensorsRequest* req, TensorSink* sink) {
+    using google::protobuf::internal::WireFormatLite;
+    grpc::ProtoBufferReader reader(buffer);
+    google::protobuf::io::CodedInputStream in(&reader);
+    uint64_t index = 0, offset = 0;
+    bool last = false, have_offset = false;
+    uint32_t crc = 0;
+    std::string early_data;  // only if data came before offset (not how we send it)
+    bool early = false;
+    uint64_t data_size = 0;
+    auto bad = [] { return absl::DataLossError("malformed TensorChunk"); };
+    while (uint32_t tag = in.ReadTag()) {
+      const int field = WireFormatLite::GetTagFieldNumber(tag);
+      switch (field) {
+        case pb::TensorChunk::kInfoFieldNumber: {
+          uint32_t length;
+          if (!in.ReadVarint32(&length)) return bad();
+          auto limit = in.PushLimit(static_cast<int>(length));
+          pb::TensorInfo info;
+          if (!info.MergePartialFromCodedStream(&in) || !in.ConsumedEntireMessage()) return bad();
+          in.PopLimit(limit);
+          TensorDescription d;
+          WEIGHTSTORE_RETURN_IF_ERROR(FromProto(info, &d));
+          WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(d.spec));
+          if (out.size() != d.spec.byte_size()) {
+            return absl::InternalError(absl::StrCat("sink gave ", out.size(), " bytes for tensor '", d.spec.name, "'"));
+          }
+          current_ = InProgress{d.spec, out, 0, 0};
+          break;
+        }
+        case pb::TensorChunk::kTensorIndexFieldNumber:
+          if (!in.ReadVarint64(&index)) return bad();
+          break;
+        case pb::TensorChunk::kOffsetFieldNumber:
+          if (!in.ReadVarint64(&offset)) return bad();
+          have_offset = true;
+          break;
+        case pb::TensorChunk::kDataFieldNumber: {
+          uint32_t length;
+          if (!in.ReadVarint32(&length)) return bad();
+          data_size = length;
+          if (!current_ || !have_offset) {  // unusual field order: keep it aside
+            early = true;
+            if (!in.ReadString(&early_data, static_cast<int>(length))) return bad();
+            break;
+          }
+          InProgress& t = *current_;
+          if (offset != t.received || length > t.out.size() - t.received) {
+            return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "': chunk at offset ", offset,
+                                                    " does not follow byte ", t.received));
+          }
+          if (!in.ReadRaw(t.out.data() + t.received, static_cast<int>(length))) return bad();
+          break;
+        }
+        case pb::TensorChunk::kLastFieldNumber: {
+          uint64_t v;
+          if (!in.ReadVarint64(&v)) return bad();
+          last = v != 0;
+          break;
+        }
+        case pb::TensorChunk::kCrc32CFieldNumber:
+          if (!in.ReadLittleEndian32(&crc)) return bad();
+          break;
+        case pb::TensorChunk::kVersionFieldNumber: {
+          std::string version;
+          if (!WireFormatLite::ReadString(&in, &version)) return bad();
+          req->set_version(version);  // pin what we started on
+          break;
+        }
+        default:
+          if (!WireFormatLite::SkipField(&in, tag)) return bad();
       }
-      current_ = InProgress{d.spec, out, 0, 0};
     }
     if (!current_) {
-      if (chunk.data().empty() && chunk.last()) return absl::OkStatus();  // an empty selection
+      if (data_size == 0 && last) return absl::OkStatus();  // an empty selection
       return absl::DataLossError("stream sent data before a tensor's description");
     }
     InProgress& t = *current_;
-    const std::string& data = chunk.data();
-    if (chunk.offset() != t.received || data.size() > t.out.size() - t.received) {
-      return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "': chunk at offset ", chunk.offset(),
-                                              " does not follow byte ", t.received));
+    if (early) {
+      if (offset != t.received || early_data.size() > t.out.size() - t.received) {
+        return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "': chunk does not follow byte ", t.received));
+      }
+      std::memcpy(t.out.data() + t.received, early_data.data(), early_data.size());
     }
-    if (!data.empty()) std::memcpy(t.out.data() + t.received, data.data(), data.size());
-    t.crc = Crc32cExtend(t.crc, data);
-    t.received += data.size();
-    if (!chunk.last()) return absl::OkStatus();
+    t.crc = Crc32cExtend(t.crc, absl::string_view(reinterpret_cast<const char*>(t.out.data() + t.received), data_size));
+    t.received += data_size;
+    if (!last) return absl::OkStatus();
     if (t.received != t.out.size()) {
       return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' ended after ", t.received, " of ",
                                               t.out.size(), " bytes"));
     }
-    if (t.crc != chunk.crc32c()) {
+    if (t.crc != crc) {
       return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' failed its CRC32C check (got ", t.crc,
-                                              ", the server sent ", chunk.crc32c(), ")"));
+                                              ", the server sent ", crc, ")"));
     }
     WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
-    req->set_start_index(chunk.tensor_index() + 1);
+    req->set_start_index(index + 1);
     current_.reset();
     return absl::OkStatus();
   }
 
   void SetDeadline(grpc::ClientContext* ctx) { ctx->set_deadline(std::chrono::system_clock::now() + options_.deadline); }
 
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<pb::WeightStore::Stub> stub_;
+  grpc::internal::RpcMethod fetch_method_;
   RemoteOptions options_;
   std::optional<InProgress> current_;
 };
@@ -163,6 +242,10 @@ absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& add
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(16 << 20);
   args.SetMaxSendMessageSize(4 << 20);
+  // A connection of its own: channels with equal arguments would otherwise share
+  // one connection (and its flow-control window) through gRPC's global pool.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  if (options.stream_window_bytes > 0) args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, options.stream_window_bytes);
   auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   if (channel == nullptr) return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to '", address, "'"));
   return std::unique_ptr<Store>(new RemoteStore(std::move(channel), options));

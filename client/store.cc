@@ -1,5 +1,7 @@
 #include "client/store.h"
 
+#include <malloc.h>
+
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 
@@ -16,6 +18,12 @@ absl::Status CollectingSink::End(const TensorSpec& spec) {
   tensors_.push_back(SharedTensor{spec, std::move(*current_).Freeze()});
   current_.reset();
   return absl::OkStatus();
+}
+
+void TuneAllocatorForStreaming() {
+  ::mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  ::mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  ::mallopt(M_TOP_PAD, 64 << 20);
 }
 
 absl::StatusOr<std::vector<SharedTensor>> Store::FetchAll(const std::string& name, const Query& query) {

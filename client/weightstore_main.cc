@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "client/cli.h"
+#include "client/store.h"
 
 namespace {
 
@@ -45,6 +46,7 @@ int Report(const absl::Status& status) {
 
 int main(int argc, char** argv) {
   namespace cli = weightstore::cli;
+  weightstore::client::TuneAllocatorForStreaming();
   CLI::App app{"weightstore: inspect, convert and compare model checkpoints "
                "(SafeTensors, PyTorch .pt/.pth, Burnpack .bpk)"};
   app.require_subcommand(1);

@@ -2,6 +2,7 @@
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
 
@@ -194,6 +195,22 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       chunk.set_last(true);
       chunk.set_crc32c(crc);
       if (auto key = CacheKey(snapshot, tensor); key && !cached_crc_) resolved_.version->StoreCrc(*key, crc);
+    }
+    if (!service_->options_.zero_copy) {  // the baseline: copy into the message, serialize
+      chunk.set_data(payload.data(), n);
+      bool own = false;
+      buffer_.Clear();  // Serialize requires an empty buffer
+      grpc::SerializationTraits<v1::TensorChunk>::Serialize(chunk, &buffer_, &own);
+      sent_any_ = true;
+      if (last) {
+        ++index_;
+        offset_ = 0;
+        bytes_ = SharedBytes();
+      } else {
+        offset_ += n;
+      }
+      StartWrite(&buffer_);
+      return;
     }
     // Header: every field but data, then data's tag and length; the payload
     // slice follows. Field order does not matter to protobuf parsers.

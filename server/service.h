@@ -29,6 +29,10 @@ struct ServiceOptions {
   // Most FetchTensors streams served at once; more get RESOURCE_EXHAUSTED.
   // Default: 64.
   int max_concurrent_fetches = 64;
+  // Payload slices point into the mapping. False copies each chunk into a
+  // protobuf message and serializes it, as a typed handler would: only for
+  // measuring what zero-copy saves. Default: true.
+  bool zero_copy = true;
 };
 
 using ServiceBase = v1::WeightStore::WithRawCallbackMethod_FetchTensors<v1::WeightStore::CallbackService>;

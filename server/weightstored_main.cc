@@ -41,11 +41,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-put-bytes", options.registry.max_put_bytes, "Largest PutCheckpoint upload")
       ->capture_default_str();
+  bool copy_payloads = false;
+  app.add_flag("--copy-payloads", copy_payloads,
+               "Copy tensor bytes into protobuf messages instead of zero-copy slices (benchmark baseline only)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+
+  options.service.zero_copy = !copy_payloads;
 
   // Signals are taken by one thread with sigwait; block them everywhere first.
   sigset_t signals;

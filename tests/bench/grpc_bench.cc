@@ -1,0 +1,212 @@
+// grpc_bench: fetching a 1 GB checkpoint from weightstored over loopback, with
+// 1 and 4 clients, beside raw TCP loopback throughput and a daemon that copies
+// payloads into protobuf messages, all measured in one run. Prints server CPU
+// seconds per GB and the client's peak RSS.
+//
+// Usage: grpc_bench [--gb N]
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/store.h"
+#include "core/checkpoint_writer.h"
+
+namespace weightstore {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kTensorBytes = 4 << 20;
+
+double Since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// Bytes land in one reused buffer per client: measures transport, not allocation.
+class ReusedBufferSink : public client::TensorSink {
+ public:
+  absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override {
+    if (buffer_.size() < spec.byte_size()) buffer_.resize(spec.byte_size());
+    return std::span<std::byte>(buffer_.data(), spec.byte_size());
+  }
+  absl::Status End(const TensorSpec& spec) override {
+    bytes_ += spec.byte_size();
+    return absl::OkStatus();
+  }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  std::vector<std::byte> buffer_;
+  uint64_t bytes_ = 0;
+};
+
+// A daemon process, so its CPU time can be read from /proc.
+struct Daemon {
+  pid_t pid = -1;
+  int port = 0;
+  Daemon(const std::string& models, bool copy_payloads) {
+    const std::string port_file = models + "/../port";
+    std::filesystem::remove(port_file);
+    pid = ::fork();
+    if (pid == 0) {
+      std::vector<std::string> args = {WEIGHTSTORED_PATH, "--models", models, "--listen", "127.0.0.1:0",
+                                       "--port-file", port_file};
+      if (copy_payloads) args.push_back("--copy-payloads");
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::freopen("/dev/null", "w", stderr);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    for (int i = 0; i < 400 && port == 0; ++i) {
+      std::ifstream in(port_file);
+      in >> port;
+      if (port == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  ~Daemon() {
+    ::kill(pid, SIGTERM);
+    ::waitpid(pid, nullptr, 0);
+  }
+  double CpuSeconds() const {
+    std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+    std::string field;
+    std::vector<std::string> fields;
+    while (in >> field) fields.push_back(field);
+    const double ticks = static_cast<double>(::sysconf(_SC_CLK_TCK));
+    return (std::stod(fields[13]) + std::stod(fields[14])) / ticks;  // utime + stime
+  }
+};
+
+// RemoteOptions, overridable for experiments: WS_CHUNK_BYTES, WS_WINDOW_BYTES.
+client::RemoteOptions Options() {
+  client::RemoteOptions o;
+  if (const char* v = std::getenv("WS_CHUNK_BYTES")) o.chunk_bytes = static_cast<uint32_t>(std::atol(v));
+  if (const char* v = std::getenv("WS_WINDOW_BYTES")) o.stream_window_bytes = std::atoi(v);
+  return o;
+}
+
+struct Run {
+  double seconds, gbps, server_cpu_per_gb;
+};
+
+Run Fetch(const Daemon& daemon, const std::string& name, int clients, uint64_t total_bytes) {
+  const double cpu_before = daemon.CpuSeconds();
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients; ++c) {
+    threads.emplace_back([&, c] {
+      // Each client gets its own connection (a distinct channel argument).
+      auto store = client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon.port), Options());
+      ReusedBufferSink sink;
+      absl::Status s = (*store)->FetchTensors(name, {}, &sink);
+      if (!s.ok() || sink.bytes() != total_bytes) {
+        std::fprintf(stderr, "grpc_bench: client %d: %s\n", c, std::string(s.message()).c_str());
+        std::exit(1);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double seconds = Since(start);
+  const double gb = static_cast<double>(total_bytes) * clients / 1e9;
+  return {seconds, gb / seconds, (daemon.CpuSeconds() - cpu_before) / gb};
+}
+
+// Raw TCP over loopback: one writer and one reader thread, the same byte count.
+double RawTcpGBps(uint64_t total_bytes) {
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  ::listen(listener, 1);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  std::thread writer([&] {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    std::vector<char> buf(1 << 20, 'x');
+    for (uint64_t sent = 0; sent < total_bytes;) {
+      ssize_t n = ::write(fd, buf.data(), std::min<uint64_t>(buf.size(), total_bytes - sent));
+      if (n <= 0) break;
+      sent += static_cast<uint64_t>(n);
+    }
+    ::close(fd);
+  });
+  int fd = ::accept(listener, nullptr, nullptr);
+  std::vector<char> buf(1 << 20);
+  const auto start = Clock::now();
+  uint64_t got = 0;
+  for (ssize_t n; (n = ::read(fd, buf.data(), buf.size())) > 0;) got += static_cast<uint64_t>(n);
+  const double seconds = Since(start);
+  writer.join();
+  ::close(fd);
+  ::close(listener);
+  return static_cast<double>(got) / seconds / 1e9;
+}
+
+}  // namespace
+}  // namespace weightstore
+
+int main(int argc, char** argv) {
+  using namespace weightstore;
+  client::TuneAllocatorForStreaming();  // this process is the client; the daemons keep glibc's defaults
+  int gb = 1;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (!std::strcmp(argv[i], "--gb")) gb = std::atoi(argv[i + 1]);
+  }
+  char tmpl[] = "/tmp/weightstore-grpc-bench-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  const std::string models = dir + "/models";
+  std::filesystem::create_directories(models);
+  const uint64_t count = (static_cast<uint64_t>(gb) << 30) / kTensorBytes;
+  {
+    SharedBytes block = SharedBytes::FromVector(std::vector<std::byte>(kTensorBytes, std::byte{7}));
+    auto writer = CheckpointWriter::Create(models + "/big.safetensors", Format::kSafeTensors);
+    for (uint64_t i = 0; i < count; ++i) {
+      (void)(*writer)->Add({absl::StrCat("w.", i), DType::kF32, {kTensorBytes / 4}},
+                           [block] { return absl::StatusOr<SharedBytes>(block); });
+    }
+    if (!(*writer)->Finish().ok()) return 1;
+  }
+  const uint64_t total = count * kTensorBytes;
+  std::printf("grpc_bench: %llu MiB checkpoint (%llu tensors of 4 MiB), loopback, page cache warm\n\n",
+              static_cast<unsigned long long>(total >> 20), static_cast<unsigned long long>(count));
+
+  const double tcp = RawTcpGBps(total);
+  std::printf("%-40s %8s %8s %12s\n", "path", "GB/s", "vs TCP", "server s/GB");
+  std::printf("  %-38s %8.2f %7.0f%% %12s\n", "raw TCP loopback (1 stream)", tcp, 100.0, "-");
+  {
+    Daemon zero_copy(models, /*copy_payloads=*/false);
+    Fetch(zero_copy, "big", 1, total);  // warm the page cache and the CRC cache
+    Run one = Fetch(zero_copy, "big", 1, total);
+    Run four = Fetch(zero_copy, "big", 4, total);
+    std::printf("  %-38s %8.2f %7.0f%% %12.3f\n", "weightstored zero-copy, 1 client", one.gbps, 100 * one.gbps / tcp,
+                one.server_cpu_per_gb);
+    std::printf("  %-38s %8.2f %7.0f%% %12.3f\n", "weightstored zero-copy, 4 clients", four.gbps, 100 * four.gbps / tcp,
+                four.server_cpu_per_gb);
+    Daemon naive(models, /*copy_payloads=*/true);
+    Fetch(naive, "big", 1, total);
+    Run copy = Fetch(naive, "big", 1, total);
+    std::printf("  %-38s %8.2f %7.0f%% %12.3f\n", "copy into protobuf bytes, 1 client", copy.gbps,
+                100 * copy.gbps / tcp, copy.server_cpu_per_gb);
+    std::printf("\nzero-copy / copying path, 1 client: %.2fx\n", one.gbps / copy.gbps);
+  }
+  struct rusage usage;
+  ::getrusage(RUSAGE_SELF, &usage);
+  std::printf("client peak RSS (this process, all runs): %.1f MiB\n", static_cast<double>(usage.ru_maxrss) / 1024);
+  std::filesystem::remove_all(dir);
+  return 0;
+}
