@@ -9,6 +9,7 @@
 #include <grpcpp/security/credentials.h>
 
 #include <cstring>
+#include <thread>
 
 
 #include "absl/strings/str_cat.h"
@@ -113,6 +114,7 @@ class RemoteStore final : public Store {
       if (status.ok()) return absl::OkStatus();
       if (!Resumable(status) || ++resumes > options_.max_resumes || req.version().empty()) return FromGrpc(status);
       current_.reset();  // tensors before start_index are complete; the current one restarts
+      std::this_thread::sleep_for(options_.resume_backoff * resumes);
     }
   }
 

@@ -8,6 +8,7 @@
 #ifndef WEIGHTSTORE_CLIENT_STORE_H_
 #define WEIGHTSTORE_CLIENT_STORE_H_
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -109,6 +110,8 @@ struct RemoteOptions {
   // Reconnects after a broken stream, resuming from the last complete tensor.
   // Default: 3.
   int max_resumes = 3;
+  // Wait before resume n: n times this. Default: 500 ms.
+  std::chrono::milliseconds resume_backoff{500};
   // Chunk size asked of the server (it caps it at 4 MiB). Default: 0, the
   // server's (1 MiB). Measured on loopback: no gain from larger chunks.
   uint32_t chunk_bytes = 0;

@@ -314,6 +314,56 @@ TEST(ServerLifecycleTest, SigtermReportsNotServingAndLetsStreamsInFlightFinish) 
   EXPECT_EQ(daemon.WaitExit(20000), 0) << daemon.log();
 }
 
+TEST(ServerLifecycleTest, ABrokenStreamResumesFromTheLastCompleteTensor) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteBig(models + "/big.safetensors", 12, 1 << 18, 5.0f);  // 12 MiB in 1 MiB tensors
+  std::string address;
+  {
+    Daemon first(models);
+    ASSERT_NE(first.port(), 0) << first.log();
+    address = first.address();
+    first.Signal(SIGKILL);
+    first.WaitExit(5000);
+  }
+  // The same port again, so the client can reconnect to "the daemon".
+  const std::string port = address.substr(address.rfind(':') + 1);
+  auto daemon = std::make_unique<Daemon>(models, std::vector<std::string>{}, address);
+  ASSERT_EQ(daemon->address(), address) << daemon->log();
+  struct KillingSink : client::CollectingSink {
+    std::function<void()> after_third;
+    int begun = 0, ended = 0;
+    absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override {
+      ++begun;
+      return CollectingSink::Begin(spec);
+    }
+    absl::Status End(const TensorSpec& spec) override {
+      if (++ended == 3 && after_third) after_third();
+      return CollectingSink::End(spec);
+    }
+  };
+  KillingSink sink;
+  bool killed = false;
+  sink.after_third = [&] {  // kill -9 mid-stream, then come back on the same port
+    killed = true;
+    daemon->Signal(SIGKILL);
+    daemon->WaitExit(5000);
+    daemon = std::make_unique<Daemon>(models, std::vector<std::string>{}, address);
+  };
+  client::RemoteOptions options;
+  options.resume_backoff = std::chrono::milliseconds(200);
+  auto store = *client::ConnectRemoteStore(address, options);
+  ASSERT_OK(store->FetchTensors("big", {}, &sink));
+  ASSERT_OK_AND_ASSIGN(auto local, Checkpoint::Open(models + "/big.safetensors"));
+  ASSERT_EQ(sink.tensors().size(), local->size());
+  for (size_t i = 0; i < local->size(); ++i) {  // each exactly once, in file order, byte for byte
+    ASSERT_OK_AND_ASSIGN(SharedTensor want, local->Read(local->entries()[i]));
+    EXPECT_EQ(sink.tensors()[i].spec.name, want.spec.name);
+    EXPECT_TRUE(sink.tensors()[i].bytes.view() == want.bytes.view()) << want.spec.name;
+  }
+  EXPECT_TRUE(killed) << "the stream had to survive a kill -9 of its daemon";
+  EXPECT_GE(sink.begun, 12);
+}
+
 TEST(ServerLifecycleTest, SighupPicksUpNewAndReplacedFilesAsNewVersions) {
   const std::string models = testing::MakeScratchDir("models");
   WriteBig(models + "/a.safetensors", 1, 16, 1.0f);

@@ -18,11 +18,11 @@ std::string DaemonPath() {
   return env != nullptr ? env : WEIGHTSTORED_PATH;
 }
 
-Daemon::Daemon(const std::string& models_dir, std::vector<std::string> extra_args) {
+Daemon::Daemon(const std::string& models_dir, std::vector<std::string> extra_args, const std::string& listen) {
   dir_ = MakeScratchDir("daemon");
   log_path_ = dir_ + "/stderr.log";
   const std::string port_file = dir_ + "/port";
-  std::vector<std::string> args = {DaemonPath(), "--models", models_dir, "--listen", "127.0.0.1:0",
+  std::vector<std::string> args = {DaemonPath(), "--models", models_dir, "--listen", listen,
                                    "--port-file", port_file};
   args.insert(args.end(), extra_args.begin(), extra_args.end());
   pid_ = ::fork();
