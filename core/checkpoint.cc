@@ -231,10 +231,7 @@ absl::StatusOr<SharedTensor> Checkpoint::Read(const CheckpointEntry& entry) cons
 
 absl::Status Checkpoint::ReadInto(const CheckpointEntry& entry, std::span<std::byte> out) const {
   const uint64_t nbytes = entry.spec.byte_size();
-  if (out.size() != nbytes) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", entry.spec.name, "' has ", nbytes,
-                                                   " bytes; the destination holds ", out.size()));
-  }
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(entry.spec, out.size()));
   WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes storage, StorageOf(entry));
   if (entry.layout.strides.empty()) {
     if (nbytes > 0) std::memcpy(out.data(), storage.data() + entry.layout.offset, nbytes);

@@ -136,32 +136,36 @@ std::optional<Format> FormatFromExtension(absl::string_view path) {
   return std::nullopt;
 }
 
-absl::Status WriteCheckpoint(const Checkpoint& checkpoint, const std::string& path, Format format,
-                             const Metadata& metadata, const WriteOptions& options) {
+namespace {
+
+// Adds every item's spec with a producer that reads it through `read`, then writes.
+template <typename Items, typename Read>
+absl::Status WriteAll(const Items& items, Read read, const std::string& path, Format format, const Metadata& metadata,
+                      const WriteOptions& options) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
                                CheckpointWriter::Create(path, format, options));
   writer->SetMetadata(metadata);
-  for (const CheckpointEntry& entry : checkpoint.entries()) {
-    WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(entry.spec, [&checkpoint, &entry]() -> absl::StatusOr<SharedBytes> {
-      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor tensor, checkpoint.Read(entry));
-      return tensor.bytes;
+  for (const auto& item : items) {
+    WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(item.spec, [&read, &item]() -> absl::StatusOr<SharedBytes> {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, read(item));
+      return t.bytes;
     }));
   }
   return writer->Finish();
 }
 
+}  // namespace
+
+absl::Status WriteCheckpoint(const Checkpoint& checkpoint, const std::string& path, Format format,
+                             const Metadata& metadata, const WriteOptions& options) {
+  return WriteAll(checkpoint.entries(), [&](const CheckpointEntry& e) { return checkpoint.Read(e); }, path, format,
+                  metadata, options);
+}
+
 absl::Status WriteSnapshot(const Snapshot& snapshot, const std::string& path, Format format,
                            const Metadata& metadata, const WriteOptions& options) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
-                               CheckpointWriter::Create(path, format, options));
-  writer->SetMetadata(metadata);
-  for (const SnapshotTensor& tensor : snapshot.tensors()) {
-    WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(tensor.spec, [&snapshot, &tensor]() -> absl::StatusOr<SharedBytes> {
-      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, snapshot.Read(tensor));
-      return t.bytes;
-    }));
-  }
-  return writer->Finish();
+  return WriteAll(snapshot.tensors(), [&](const SnapshotTensor& t) { return snapshot.Read(t); }, path, format,
+                  metadata, options);
 }
 
 absl::StatusOr<std::string> SerializeCheckpoint(Format format, const std::vector<SharedTensor>& tensors,

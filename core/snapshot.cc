@@ -129,10 +129,7 @@ absl::StatusOr<SharedTensor> Snapshot::Read(const SnapshotTensor& tensor) const 
 
 absl::Status Snapshot::ReadInto(const SnapshotTensor& tensor, std::span<std::byte> out) const {
   if (tensor.is_identity()) return checkpoint_->ReadInto(*tensor.source, out);
-  if (out.size() != tensor.spec.byte_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor.spec.name, "' has ", tensor.spec.byte_size(),
-                                                   " bytes; the destination holds ", out.size()));
-  }
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(tensor.spec, out.size()));
   // Source bytes (a view when contiguous), then one pass of transpose and cast.
   WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor source, checkpoint_->Read(*tensor.source));
   const DType from = tensor.source->spec.dtype, to = tensor.spec.dtype;

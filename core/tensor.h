@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "core/dtype.h"
 #include "core/shared_bytes.h"
@@ -31,6 +32,10 @@ struct TensorSpec {
 
   friend bool operator==(const TensorSpec&, const TensorSpec&) = default;
 };
+
+// Returns OK if `destination_bytes` can hold exactly `spec`'s bytes, else
+// InvalidArgument naming the tensor.
+absl::Status CheckDestination(const TensorSpec& spec, size_t destination_bytes);
 
 // Returns "[2, 3]" for shape {2, 3} and "[]" for a scalar.
 std::string ShapeToString(std::span<const uint64_t> shape);

@@ -20,12 +20,6 @@
 
 namespace weightstore::server {
 
-using ::weightstore::CheckpointRegistry;
-using ::weightstore::CheckpointVersion;
-using ::weightstore::PutSession;
-using ::weightstore::RegistryOptions;
-using ::weightstore::ScanReport;
-
 struct ServerOptions {
   // Address to listen on, "host:port". Default: 127.0.0.1:50051.
   std::string listen = "127.0.0.1:50051";

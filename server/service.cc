@@ -196,33 +196,24 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       chunk.set_crc32c(crc);
       if (auto key = CacheKey(snapshot, tensor); key && !cached_crc_) resolved_.version->StoreCrc(*key, crc);
     }
-    if (!service_->options_.zero_copy) {  // the baseline: copy into the message, serialize
+    if (service_->options_.zero_copy) {
+      // Header: every field but data, then data's tag and length; the payload
+      // slice follows. Field order does not matter to protobuf parsers.
+      std::string header = chunk.SerializeAsString();
+      {
+        google::protobuf::io::StringOutputStream stream(&header);
+        google::protobuf::io::CodedOutputStream coded(&stream);
+        coded.WriteTag((v1::TensorChunk::kDataFieldNumber << 3) | 2);
+        coded.WriteVarint64(n);
+      }
+      grpc::Slice slices[2] = {grpc::Slice(header), SliceOf(payload)};
+      buffer_ = grpc::ByteBuffer(slices, n > 0 ? 2 : 1);
+    } else {  // the baseline: copy into the message, serialize as a typed handler would
       chunk.set_data(payload.data(), n);
       bool own = false;
       buffer_.Clear();  // Serialize requires an empty buffer
       grpc::SerializationTraits<v1::TensorChunk>::Serialize(chunk, &buffer_, &own);
-      sent_any_ = true;
-      if (last) {
-        ++index_;
-        offset_ = 0;
-        bytes_ = SharedBytes();
-      } else {
-        offset_ += n;
-      }
-      StartWrite(&buffer_);
-      return;
     }
-    // Header: every field but data, then data's tag and length; the payload
-    // slice follows. Field order does not matter to protobuf parsers.
-    std::string header = chunk.SerializeAsString();
-    {
-      google::protobuf::io::StringOutputStream stream(&header);
-      google::protobuf::io::CodedOutputStream coded(&stream);
-      coded.WriteTag((v1::TensorChunk::kDataFieldNumber << 3) | 2);
-      coded.WriteVarint64(n);
-    }
-    grpc::Slice slices[2] = {grpc::Slice(header), SliceOf(payload)};
-    buffer_ = grpc::ByteBuffer(slices, n > 0 ? 2 : 1);
     sent_any_ = true;
     if (last) {
       ++index_;
