@@ -1,0 +1,223 @@
+#include "client/cuda_materializer.h"
+
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <optional>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "core/host_buffer.h"
+#include "core/status_macros.h"
+
+namespace weightstore::client {
+namespace {
+
+absl::Status Cuda(cudaError_t error, absl::string_view what) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(error), " (", cudaGetErrorString(error), ")"));
+}
+
+absl::StatusOr<DeviceTensor> AllocateDevice(const TensorSpec& spec, int device) {
+  void* ptr = nullptr;
+  if (spec.byte_size() > 0) {
+    absl::Status s = Cuda(cudaMalloc(&ptr, spec.byte_size()), absl::StrCat("cudaMalloc for tensor '", spec.name, "'"));
+    if (!s.ok()) return absl::ResourceExhaustedError(s.message());
+  }
+  return DeviceTensor{spec, device, std::shared_ptr<void>(ptr, [](void* p) {
+                        if (p != nullptr) cudaFree(p);
+                      })};
+}
+
+}  // namespace
+
+bool CudaAvailable() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+struct CudaSink::Slot {
+  void* pinned = nullptr;
+  size_t capacity = 0;
+  cudaEvent_t done = nullptr;
+  bool in_flight = false;
+  ~Slot() {
+    if (pinned != nullptr) cudaFreeHost(pinned);
+    if (done != nullptr) cudaEventDestroy(done);
+  }
+};
+
+absl::StatusOr<std::unique_ptr<CudaSink>> CudaSink::Create(const CudaSinkOptions& options) {
+  if (!CudaAvailable()) return absl::UnavailableError("no CUDA device is available");
+  std::unique_ptr<CudaSink> sink(new CudaSink());
+  sink->options_ = options;
+  WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaSetDevice(options.device), "cudaSetDevice"));
+  cudaStream_t stream;
+  WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  sink->stream_ = stream;
+  for (int i = 0; i < std::max(1, options.slots); ++i) {
+    auto slot = std::make_unique<Slot>();
+    WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaHostAlloc(&slot->pinned, options.slot_bytes, cudaHostAllocDefault), "cudaHostAlloc"));
+    slot->capacity = options.slot_bytes;
+    WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&slot->done, cudaEventDisableTiming), "cudaEventCreate"));
+    sink->slots_.push_back(std::move(slot));
+  }
+  return sink;
+}
+
+CudaSink::~CudaSink() {
+  if (stream_ != nullptr) {
+    cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+    slots_.clear();
+    cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  }
+}
+
+absl::StatusOr<std::span<std::byte>> CudaSink::Begin(const TensorSpec& spec) {
+  // The next slot; wait until its previous copy has left it.
+  Slot* slot = slots_[next_].get();
+  if (slot->in_flight) {
+    WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(slot->done), "waiting for a staging buffer"));
+    slot->in_flight = false;
+  }
+  if (spec.byte_size() > slot->capacity) {
+    cudaFreeHost(slot->pinned);
+    slot->pinned = nullptr;
+    WEIGHTSTORE_RETURN_IF_ERROR(
+        Cuda(cudaHostAlloc(&slot->pinned, spec.byte_size(), cudaHostAllocDefault), "growing a staging buffer"));
+    slot->capacity = spec.byte_size();
+  }
+  current_ = slot;
+  return std::span<std::byte>(static_cast<std::byte*>(slot->pinned), spec.byte_size());
+}
+
+absl::Status CudaSink::End(const TensorSpec& spec) {
+  if (current_ == nullptr) return absl::FailedPreconditionError("End without Begin");
+  WEIGHTSTORE_ASSIGN_OR_RETURN(DeviceTensor tensor, AllocateDevice(spec, options_.device));
+  auto stream = static_cast<cudaStream_t>(stream_);
+  if (spec.byte_size() > 0) {
+    WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(tensor.data(), current_->pinned, spec.byte_size(),
+                                                     cudaMemcpyHostToDevice, stream),
+                                     absl::StrCat("copying tensor '", spec.name, "' to the device")));
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaEventRecord(current_->done, stream), "cudaEventRecord"));
+  current_->in_flight = true;
+  current_ = nullptr;
+  next_ = (next_ + 1) % slots_.size();
+  tensors_.push_back(std::move(tensor));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<DeviceTensor>> CudaSink::Finish() {
+  WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "cudaStreamSynchronize"));
+  std::vector<DeviceTensor> out = std::move(tensors_);
+  tensors_.clear();
+  return out;
+}
+
+absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot, const CopyToDeviceOptions& options) {
+  if (!CudaAvailable()) return absl::UnavailableError("no CUDA device is available");
+  WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaSetDevice(options.device), "cudaSetDevice"));
+  cudaStream_t stream;
+  WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  struct Registered {
+    const std::byte* base;
+    size_t length;
+  };
+  std::vector<Registered> registered;
+  auto cleanup = [&] {
+    cudaStreamSynchronize(stream);
+    cudaStreamDestroy(stream);
+    for (const Registered& r : registered) cudaHostUnregister(const_cast<std::byte*>(r.base));
+  };
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  // Tensors in registered memory are copied asynchronously straight from it;
+  // the rest go through a CudaSink's pinned ring. Output keeps snapshot order.
+  std::vector<std::optional<DeviceTensor>> out(snapshot.size());
+  std::vector<size_t> staged;
+  std::unique_ptr<CudaSink> sink;
+  std::vector<SharedTensor> keep;  // host bytes stay alive until the copies finish
+  absl::Status status;
+  for (size_t i = 0; i < snapshot.size() && status.ok(); ++i) {
+    const SnapshotTensor& t = snapshot.tensors()[i];
+    absl::StatusOr<SharedTensor> host = snapshot.Read(t);
+    if (!host.ok()) {
+      status = host.status();
+      break;
+    }
+    bool direct = false;
+    if (options.register_mapping && t.is_identity() && host->bytes.size() > 0) {
+      absl::StatusOr<SharedBytes> storage = t.source->layout.storage->Get();
+      if (storage.ok()) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(storage->data()) & ~(page - 1);
+        const uintptr_t hi = (reinterpret_cast<uintptr_t>(storage->data()) + storage->size() + page - 1) & ~(page - 1);
+        const auto* base = reinterpret_cast<const std::byte*>(lo);
+        direct = std::any_of(registered.begin(), registered.end(), [&](const Registered& r) { return r.base == base; });
+        if (!direct && cudaHostRegister(const_cast<std::byte*>(base), hi - lo,
+                                        cudaHostRegisterReadOnly | cudaHostRegisterPortable) == cudaSuccess) {
+          registered.push_back({base, hi - lo});
+          direct = true;
+        }
+        cudaGetLastError();  // a refused registration is not an error: we fall back
+      }
+    }
+    if (direct) {
+      absl::StatusOr<DeviceTensor> d = AllocateDevice(t.spec, options.device);
+      if (!d.ok()) {
+        status = d.status();
+        break;
+      }
+      status = Cuda(cudaMemcpyAsync(d->data(), host->bytes.data(), host->bytes.size(), cudaMemcpyHostToDevice, stream),
+                    absl::StrCat("copying tensor '", t.spec.name, "' to the device"));
+      out[i] = *std::move(d);
+      keep.push_back(*std::move(host));
+      continue;
+    }
+    if (sink == nullptr) {
+      CudaSinkOptions sink_options;
+      sink_options.device = options.device;
+      absl::StatusOr<std::unique_ptr<CudaSink>> created = CudaSink::Create(sink_options);
+      if (!created.ok()) {
+        status = created.status();
+        break;
+      }
+      sink = *std::move(created);
+    }
+    absl::StatusOr<std::span<std::byte>> staging = sink->Begin(t.spec);
+    if (!staging.ok()) {
+      status = staging.status();
+      break;
+    }
+    if (!staging->empty()) std::memcpy(staging->data(), host->bytes.data(), staging->size());
+    status = sink->End(t.spec);
+    staged.push_back(i);
+  }
+  if (status.ok() && sink != nullptr) {
+    absl::StatusOr<std::vector<DeviceTensor>> done = sink->Finish();
+    if (done.ok()) {
+      for (size_t k = 0; k < staged.size(); ++k) out[staged[k]] = std::move((*done)[k]);
+    } else {
+      status = done.status();
+    }
+  }
+  if (status.ok()) status = Cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  cleanup();
+  if (!status.ok()) return status;
+  std::vector<DeviceTensor> result;
+  result.reserve(out.size());
+  for (auto& d : out) result.push_back(*std::move(d));
+  return result;
+}
+
+absl::StatusOr<SharedBytes> CopyToHost(const DeviceTensor& tensor) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(tensor.spec.byte_size()));
+  if (buffer.size() > 0) {
+    WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaSetDevice(tensor.device), "cudaSetDevice"));
+    WEIGHTSTORE_RETURN_IF_ERROR(
+        Cuda(cudaMemcpy(buffer.data(), tensor.data(), buffer.size(), cudaMemcpyDeviceToHost), "copying to the host"));
+  }
+  return std::move(buffer).Freeze();
+}
+
+}  // namespace weightstore::client
