@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <optional>
 #include <cstring>
 
@@ -132,12 +133,19 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
     for (const Registered& r : registered) cudaHostUnregister(const_cast<std::byte*>(r.base));
   };
   const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  // Tensors in registered memory are copied asynchronously straight from it;
-  // the rest go through a CudaSink's pinned ring. Output keeps snapshot order.
+  // Tensors in registered memory are copied straight from it: those of one
+  // storage share one device allocation and one DMA over their extent (when they
+  // cover most of it), and each DeviceTensor aliases its piece. The rest go
+  // through a CudaSink's pinned ring. Output keeps snapshot order.
   std::vector<std::optional<DeviceTensor>> out(snapshot.size());
   std::vector<size_t> staged;
   std::unique_ptr<CudaSink> sink;
   std::vector<SharedTensor> keep;  // host bytes stay alive until the copies finish
+  struct Direct {
+    size_t index;
+    const std::byte* host;
+  };
+  std::map<const std::byte*, std::vector<Direct>> by_region;  // registered base -> tensors
   absl::Status status;
   for (size_t i = 0; i < snapshot.size() && status.ok(); ++i) {
     const SnapshotTensor& t = snapshot.tensors()[i];
@@ -146,31 +154,25 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
       status = host.status();
       break;
     }
-    bool direct = false;
+    const std::byte* region = nullptr;
     if (options.register_mapping && t.is_identity() && host->bytes.size() > 0) {
       absl::StatusOr<SharedBytes> storage = t.source->layout.storage->Get();
       if (storage.ok()) {
         const uintptr_t lo = reinterpret_cast<uintptr_t>(storage->data()) & ~(page - 1);
         const uintptr_t hi = (reinterpret_cast<uintptr_t>(storage->data()) + storage->size() + page - 1) & ~(page - 1);
         const auto* base = reinterpret_cast<const std::byte*>(lo);
-        direct = std::any_of(registered.begin(), registered.end(), [&](const Registered& r) { return r.base == base; });
-        if (!direct && cudaHostRegister(const_cast<std::byte*>(base), hi - lo,
-                                        cudaHostRegisterReadOnly | cudaHostRegisterPortable) == cudaSuccess) {
+        bool known = std::any_of(registered.begin(), registered.end(), [&](const Registered& r) { return r.base == base; });
+        if (!known && cudaHostRegister(const_cast<std::byte*>(base), hi - lo,
+                                       cudaHostRegisterReadOnly | cudaHostRegisterPortable) == cudaSuccess) {
           registered.push_back({base, hi - lo});
-          direct = true;
+          known = true;
         }
         cudaGetLastError();  // a refused registration is not an error: we fall back
+        if (known) region = base;
       }
     }
-    if (direct) {
-      absl::StatusOr<DeviceTensor> d = AllocateDevice(t.spec, options.device);
-      if (!d.ok()) {
-        status = d.status();
-        break;
-      }
-      status = Cuda(cudaMemcpyAsync(d->data(), host->bytes.data(), host->bytes.size(), cudaMemcpyHostToDevice, stream),
-                    absl::StrCat("copying tensor '", t.spec.name, "' to the device"));
-      out[i] = *std::move(d);
+    if (region != nullptr) {
+      by_region[region].push_back({i, host->bytes.data()});
       keep.push_back(*std::move(host));
       continue;
     }
@@ -192,6 +194,46 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
     if (!staging->empty()) std::memcpy(staging->data(), host->bytes.data(), staging->size());
     status = sink->End(t.spec);
     staged.push_back(i);
+  }
+  for (auto& [region, tensors] : by_region) {
+    if (!status.ok()) break;
+    const std::byte* lo = tensors.front().host;
+    const std::byte* hi = lo;
+    uint64_t selected = 0;
+    for (const Direct& d : tensors) {
+      const uint64_t n = snapshot.tensors()[d.index].spec.byte_size();
+      lo = std::min(lo, d.host);
+      hi = std::max(hi, d.host + n);
+      selected += n;
+    }
+    const uint64_t extent = static_cast<uint64_t>(hi - lo);
+    if (selected * 2 >= extent) {  // dense enough: one allocation, one DMA
+      TensorSpec whole{"(extent)", DType::kU8, {extent}};
+      absl::StatusOr<DeviceTensor> block = AllocateDevice(whole, options.device);
+      if (!block.ok()) {
+        status = block.status();
+        break;
+      }
+      status = Cuda(cudaMemcpyAsync(block->data(), lo, extent, cudaMemcpyHostToDevice, stream), "copying to the device");
+      for (const Direct& d : tensors) {
+        const SnapshotTensor& t = snapshot.tensors()[d.index];
+        void* piece = static_cast<std::byte*>(block->data()) + (d.host - lo);
+        out[d.index] = DeviceTensor{t.spec, options.device, std::shared_ptr<void>(block->memory, piece)};
+      }
+      continue;
+    }
+    for (const Direct& d : tensors) {  // sparse: a copy per tensor
+      const SnapshotTensor& t = snapshot.tensors()[d.index];
+      absl::StatusOr<DeviceTensor> dev = AllocateDevice(t.spec, options.device);
+      if (!dev.ok()) {
+        status = dev.status();
+        break;
+      }
+      status = Cuda(cudaMemcpyAsync(dev->data(), d.host, t.spec.byte_size(), cudaMemcpyHostToDevice, stream),
+                    absl::StrCat("copying tensor '", t.spec.name, "' to the device"));
+      out[d.index] = *std::move(dev);
+      if (!status.ok()) break;
+    }
   }
   if (status.ok() && sink != nullptr) {
     absl::StatusOr<std::vector<DeviceTensor>> done = sink->Finish();

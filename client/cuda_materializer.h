@@ -65,8 +65,10 @@ struct CopyToDeviceOptions {
   bool register_mapping = true;
 };
 
-// Copies every tensor of `snapshot` to the device. Transformed tensors (casts,
-// transposes) are produced on the host first.
+// Copies every tensor of `snapshot` to the device. Tensors of one mapped file
+// that cover most of their extent share one device allocation filled by one DMA
+// (each DeviceTensor aliases its piece); transformed tensors (casts, transposes)
+// are produced on the host first and staged.
 absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot, const CopyToDeviceOptions& options = {});
 
 // Copies a device tensor back to host memory (tests and checks).

@@ -87,6 +87,16 @@ TEST_F(CudaTest, CopyToDeviceCopiesStraightFromTheMapping) {
   staged.register_mapping = false;
   ASSERT_OK_AND_ASSIGN(auto got_staged, CopyToDevice(*snapshot, staged));
   ExpectSameOnDevice(want, got_staged);
+
+  // A sparse selection (281 KiB of a 2.3 MiB extent) copies tensor by tensor.
+  SelectionOptions sparse;
+  sparse.include = {"^t5$", "^t2$"};
+  ASSERT_OK_AND_ASSIGN(auto sparse_selection, Selection::Compile(sparse));
+  ASSERT_OK_AND_ASSIGN(auto sparse_snapshot, Snapshot::Select(checkpoint, *sparse_selection));
+  std::vector<SharedTensor> sparse_want;
+  for (const auto& t : sparse_snapshot->tensors()) sparse_want.push_back(*sparse_snapshot->Read(t));
+  ASSERT_OK_AND_ASSIGN(auto sparse_got, CopyToDevice(*sparse_snapshot));
+  ExpectSameOnDevice(sparse_want, sparse_got);
 }
 
 TEST(CudaAvailabilityTest, CreatingASinkWithoutAGpuIsAClearError) {
