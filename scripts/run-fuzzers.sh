@@ -10,7 +10,7 @@ fixtures="${WEIGHTSTORE_FIXTURES_DIR:-$(pwd)/../shared/fixtures}"
 
 CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DWEIGHTSTORE_BUILD_FUZZERS=ON -DWEIGHTSTORE_BUILD_TESTS=OFF -DWEIGHTSTORE_BUILD_BENCHMARKS=OFF >/dev/null
-ninja -C "$build" safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz
+ninja -C "$build" safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz chunk_fuzz
 
 seed() {  # seed TARGET FILES...
   local dir="$build/corpus/$1"; shift
@@ -21,6 +21,10 @@ seed safetensors_fuzz "$fixtures"/burn/safetensors/*
 seed burnpack_fuzz "$fixtures"/burn/burnpack/*
 seed zip_fuzz "$fixtures"/burn/pytorch-reader/float32.pt "$fixtures"/burn/pytorch-models/*.pt
 seed pytorch_fuzz "$fixtures"/burn/pytorch-reader/*.pt
+mkdir -p "$build/corpus/chunk_fuzz"
+# A seed chunk stream: one tensor "w" (F32 [2]) in one chunk, with its CRC32C.
+printf '\x2b\x00\x0a\x0f\x0a\x01w\x12\x03F32\x1a\x01\x02\x20\x08\x10\x00\x18\x00\x28\x01\x35\x00\x00\x00\x00\x3a\x02v1\x22\x08\x00\x00\x80\x3f\x00\x00\x00\x40' \
+  > "$build/corpus/chunk_fuzz/one_tensor"
 mkdir -p "$build/corpus/pickle_fuzz"
 python3 - "$fixtures" "$build/corpus/pickle_fuzz" <<'PY'
 import sys, zipfile, glob, os
@@ -34,7 +38,7 @@ for p in glob.glob(os.path.join(src, "burn", "pytorch-*", "*.pt")):
 PY
 
 status=0
-for target in safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz; do
+for target in safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz chunk_fuzz; do
   echo "== $target (${seconds}s)"
   if ! "$build/tests/fuzz/$target" -max_total_time="$seconds" -rss_limit_mb=2048 -max_len=65536 \
        -print_final_stats=1 "$build/corpus/$target" 2>"$build/$target.log"; then

@@ -1,0 +1,46 @@
+// ChunkAssembler: turns FetchTensors chunks, as raw ByteBuffers, into tensors in a
+// TensorSink. Each payload is copied once, from gRPC's slices straight into the
+// sink's buffer; each tensor's CRC32C is checked when its last chunk arrives.
+// Chunks are untrusted input: every offset and size is checked (and fuzzed, see
+// tests/fuzz/chunk_fuzz.cc). Thread-compatible.
+#ifndef WEIGHTSTORE_CLIENT_CHUNK_ASSEMBLER_H_
+#define WEIGHTSTORE_CLIENT_CHUNK_ASSEMBLER_H_
+
+#include <grpcpp/support/byte_buffer.h>
+
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "client/store.h"
+
+namespace weightstore::client {
+
+class ChunkAssembler {
+ public:
+  // Parses one TensorChunk. Returns DataLoss for a malformed chunk, a chunk out
+  // of order, a short tensor or a CRC mismatch, and the sink's own errors.
+  absl::Status Consume(grpc::ByteBuffer* chunk, TensorSink* sink);
+  // Forgets a tensor in progress (its stream broke); it will start again.
+  void Restart() { current_.reset(); }
+
+  // The version the stream announced (empty until its first chunk).
+  const std::string& version() const { return version_; }
+  // The selection index after the last complete tensor: where to resume.
+  uint64_t next_index() const { return next_index_; }
+
+ private:
+  struct InProgress {
+    TensorSpec spec;
+    std::span<std::byte> out;
+    uint64_t received = 0;
+    uint32_t crc = 0;
+  };
+  std::optional<InProgress> current_;
+  std::string version_;
+  uint64_t next_index_ = 0;
+};
+
+}  // namespace weightstore::client
+
+#endif  // WEIGHTSTORE_CLIENT_CHUNK_ASSEMBLER_H_

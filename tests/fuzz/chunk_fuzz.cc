@@ -1,0 +1,42 @@
+// Fuzzes the client's chunk parser: a sequence of FetchTensors chunks, each
+// split over two slices, as a hostile or broken server could send them.
+// Input: records of [u16 little-endian length][that many bytes].
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "client/chunk_assembler.h"
+
+namespace {
+
+// Hands out bounded buffers, so a chunk that declares a huge tensor is refused.
+class BoundedSink : public weightstore::client::TensorSink {
+ public:
+  absl::StatusOr<std::span<std::byte>> Begin(const weightstore::TensorSpec& spec) override {
+    if (spec.byte_size() > (1 << 20)) return absl::ResourceExhaustedError("too large for the fuzzer");
+    buffer_.assign(spec.byte_size(), std::byte{0});
+    return std::span<std::byte>(buffer_);
+  }
+  absl::Status End(const weightstore::TensorSpec&) override { return absl::OkStatus(); }
+
+ private:
+  std::vector<std::byte> buffer_;
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  weightstore::client::ChunkAssembler assembler;
+  BoundedSink sink;
+  size_t pos = 0;
+  while (pos + 2 <= size) {
+    const size_t n = std::min<size_t>(data[pos] | (data[pos + 1] << 8), size - pos - 2);
+    pos += 2;
+    const size_t half = n / 2;
+    grpc::Slice slices[2] = {grpc::Slice(data + pos, half), grpc::Slice(data + pos + half, n - half)};
+    grpc::ByteBuffer buffer(slices, 2);
+    pos += n;
+    if (!assembler.Consume(&buffer, &sink).ok()) break;
+  }
+  return 0;
+}
