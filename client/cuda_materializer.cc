@@ -117,22 +117,56 @@ absl::StatusOr<std::vector<DeviceTensor>> CudaSink::Finish() {
   return out;
 }
 
+namespace {
+
+// The page-aligned range covering `storage`.
+std::pair<void*, size_t> PageRange(const SharedBytes& storage) {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(storage.data()) & ~(page - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(storage.data()) + storage.size() + page - 1) & ~(page - 1);
+  return {reinterpret_cast<void*>(lo), hi - lo};
+}
+
+}  // namespace
+
+PinnedMappings::~PinnedMappings() { Clear(); }
+
+absl::Status PinnedMappings::Pin(const SharedBytes& storage) {
+  auto [base, length] = PageRange(storage);
+  absl::MutexLock lock(&mu_);
+  for (const Entry& e : entries_) {
+    if (e.base == base) return absl::OkStatus();
+  }
+  if (cudaHostRegister(base, length, cudaHostRegisterReadOnly | cudaHostRegisterPortable) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::UnavailableError("cudaHostRegister refused the mapping");
+  }
+  entries_.push_back({storage.owner(), base, length});
+  return absl::OkStatus();
+}
+
+void PinnedMappings::Clear() {
+  absl::MutexLock lock(&mu_);
+  for (const Entry& e : entries_) cudaHostUnregister(e.base);
+  entries_.clear();
+}
+
+size_t PinnedMappings::size() const {
+  absl::MutexLock lock(&mu_);
+  return entries_.size();
+}
+
 absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot, const CopyToDeviceOptions& options) {
   if (!CudaAvailable()) return absl::UnavailableError("no CUDA device is available");
   WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaSetDevice(options.device), "cudaSetDevice"));
   cudaStream_t stream;
   WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
-  struct Registered {
-    const std::byte* base;
-    size_t length;
-  };
-  std::vector<Registered> registered;
+  PinnedMappings local;  // released at the end unless the caller keeps registrations
+  PinnedMappings& pinned = options.pinned != nullptr ? *options.pinned : local;
   auto cleanup = [&] {
     cudaStreamSynchronize(stream);
     cudaStreamDestroy(stream);
-    for (const Registered& r : registered) cudaHostUnregister(const_cast<std::byte*>(r.base));
   };
-  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   // Tensors in registered memory are copied straight from it: those of one
   // storage share one device allocation and one DMA over their extent (when they
   // cover most of it), and each DeviceTensor aliases its piece. The rest go
@@ -157,18 +191,8 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
     const std::byte* region = nullptr;
     if (options.register_mapping && t.is_identity() && host->bytes.size() > 0) {
       absl::StatusOr<SharedBytes> storage = t.source->layout.storage->Get();
-      if (storage.ok()) {
-        const uintptr_t lo = reinterpret_cast<uintptr_t>(storage->data()) & ~(page - 1);
-        const uintptr_t hi = (reinterpret_cast<uintptr_t>(storage->data()) + storage->size() + page - 1) & ~(page - 1);
-        const auto* base = reinterpret_cast<const std::byte*>(lo);
-        bool known = std::any_of(registered.begin(), registered.end(), [&](const Registered& r) { return r.base == base; });
-        if (!known && cudaHostRegister(const_cast<std::byte*>(base), hi - lo,
-                                       cudaHostRegisterReadOnly | cudaHostRegisterPortable) == cudaSuccess) {
-          registered.push_back({base, hi - lo});
-          known = true;
-        }
-        cudaGetLastError();  // a refused registration is not an error: we fall back
-        if (known) region = base;
+      if (storage.ok() && pinned.Pin(*storage).ok()) {
+        region = static_cast<const std::byte*>(PageRange(*storage).first);
       }
     }
     if (region != nullptr) {

@@ -88,6 +88,18 @@ TEST_F(CudaTest, CopyToDeviceCopiesStraightFromTheMapping) {
   ASSERT_OK_AND_ASSIGN(auto got_staged, CopyToDevice(*snapshot, staged));
   ExpectSameOnDevice(want, got_staged);
 
+  // Registrations kept in a PinnedMappings are reused by the next call.
+  PinnedMappings pinned;
+  CopyToDeviceOptions keep;
+  keep.pinned = &pinned;
+  ASSERT_OK_AND_ASSIGN(auto first, CopyToDevice(*snapshot, keep));
+  EXPECT_EQ(pinned.size(), 1u);
+  ASSERT_OK_AND_ASSIGN(auto again, CopyToDevice(*snapshot, keep));
+  EXPECT_EQ(pinned.size(), 1u);
+  ExpectSameOnDevice(want, again);
+  pinned.Clear();
+  EXPECT_EQ(pinned.size(), 0u);
+
   // A sparse selection (281 KiB of a 2.3 MiB extent) copies tensor by tensor.
   SelectionOptions sparse;
   sparse.include = {"^t5$", "^t2$"};
