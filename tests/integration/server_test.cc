@@ -364,6 +364,21 @@ TEST(ServerLifecycleTest, ABrokenStreamResumesFromTheLastCompleteTensor) {
   EXPECT_GE(sink.begun, 12);
 }
 
+TEST(ServerLifecycleTest, TheCopyingBaselineServesTheSameBytes) {
+  // --copy-payloads exists for benchmarks; it must still be correct.
+  const std::string models = testing::MakeScratchDir("models");
+  WriteBig(models + "/big.safetensors", 5, 300000, 9.0f);  // tensors over several chunks
+  Daemon daemon(models, {"--copy-payloads"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  ASSERT_OK_AND_ASSIGN(auto local, Checkpoint::Open(models + "/big.safetensors"));
+  ASSERT_OK_AND_ASSIGN(auto fetched, Connect(daemon)->FetchAll("big", {}));
+  ASSERT_EQ(fetched.size(), local->size());
+  for (size_t i = 0; i < fetched.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(SharedTensor want, local->Read(local->entries()[i]));
+    EXPECT_TRUE(fetched[i].bytes.view() == want.bytes.view()) << want.spec.name;
+  }
+}
+
 TEST(ServerLifecycleTest, SighupPicksUpNewAndReplacedFilesAsNewVersions) {
   const std::string models = testing::MakeScratchDir("models");
   WriteBig(models + "/a.safetensors", 1, 16, 1.0f);
