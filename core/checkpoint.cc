@@ -137,9 +137,10 @@ bool LooksLikeSafeTensorsIndex(const std::string& path) {
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Create(
     Format format, std::string path, Metadata metadata, std::vector<CheckpointEntry> entries,
-    std::string detail) {
+    std::string detail, std::vector<std::shared_ptr<const MappedFile>> files) {
   std::shared_ptr<Checkpoint> checkpoint(new Checkpoint());
   checkpoint->detail_ = std::move(detail);
+  checkpoint->files_ = std::move(files);
   checkpoint->format_ = format;
   checkpoint->path_ = std::move(path);
   checkpoint->metadata_ = std::move(metadata);
@@ -173,12 +174,31 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::st
   }
   if (LooksLikeSafeTensorsIndex(path)) return OpenShardedSafeTensors(path, options);
 
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file,
-                               MappedFile::Open(path, options.mapped_file));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, OpenCheckpointFile(path, options));
   absl::string_view head = file->bytes().view().substr(0, 16);
-  if (IsBurnpack(head)) return ReadBurnpack(file, options);
-  if (IsSafeTensors(file->bytes().view())) return ReadSafeTensors(file, options);
-  return ReadPyTorch(file, options);
+  absl::StatusOr<std::shared_ptr<const Checkpoint>> opened =
+      IsBurnpack(head) ? ReadBurnpack(file, options)
+      : IsSafeTensors(file->bytes().view()) ? ReadSafeTensors(file, options)
+                                            : ReadPyTorch(file, options);
+  if (!opened.ok()) return opened;
+  // The readers build the checkpoint from byte ranges; record the file they came
+  // from. Nobody else holds the new checkpoint yet.
+  const_cast<Checkpoint&>(**opened).files_ = {std::move(file)};
+  return opened;
+}
+
+absl::StatusOr<std::shared_ptr<const MappedFile>> OpenCheckpointFile(const std::string& path,
+                                                                     const OpenOptions& options) {
+  if (options.open_file) return options.open_file(path);
+  return MappedFile::Open(path, options.mapped_file);
+}
+
+std::optional<FileExtent> Checkpoint::Locate(const SharedBytes& bytes) const {
+  for (size_t i = 0; i < files_.size(); ++i) {
+    uint64_t offset = 0;
+    if (files_[i]->Contains(bytes, &offset)) return FileExtent{i, offset};
+  }
+  return std::nullopt;
 }
 
 const CheckpointEntry* Checkpoint::Find(absl::string_view name) const {

@@ -84,6 +84,16 @@ struct OpenOptions {
   // Largest number of tensors in one checkpoint. Default: 100,000 (as Burnpack).
   uint64_t max_tensors = 100000;
   MappedFileOptions mapped_file;
+  // Opens each file of the checkpoint (the file itself, or an index and its
+  // shards). Default (empty): MappedFile::Open with `mapped_file`. PreloadFile
+  // (core/sealed_memfd.h) reads files into sealed memory instead.
+  std::function<absl::StatusOr<std::shared_ptr<const MappedFile>>(const std::string& path)> open_file;
+};
+
+// Where a tensor's bytes lie in one of a checkpoint's files.
+struct FileExtent {
+  size_t file = 0;      // index into Checkpoint::files()
+  uint64_t offset = 0;  // from the start of the file
 };
 
 class Checkpoint {
@@ -99,9 +109,10 @@ class Checkpoint {
   // Returns InvalidArgument if two entries share a name or a layout does not fit
   // its storage.
   // `detail` describes the container ("zip", "legacy", ...) for inspection.
+  // `files` are the files the storages point into (see Locate()).
   static absl::StatusOr<std::shared_ptr<const Checkpoint>> Create(
       Format format, std::string path, Metadata metadata, std::vector<CheckpointEntry> entries,
-      std::string detail = "");
+      std::string detail = "", std::vector<std::shared_ptr<const MappedFile>> files = {});
 
   Format format() const { return format_; }
   const std::string& path() const { return path_; }
@@ -113,6 +124,12 @@ class Checkpoint {
   const std::vector<CheckpointEntry>& entries() const { return entries_; }
   // Sum of every tensor's byte_size().
   uint64_t total_bytes() const { return total_bytes_; }
+  // The files this checkpoint was opened from (for an index: its shards). Empty
+  // for checkpoints built from parts.
+  const std::vector<std::shared_ptr<const MappedFile>>& files() const { return files_; }
+  // Returns where `bytes` (from Read()) lie in one of files(), or nullopt when
+  // they are not file bytes (gathered, inflated or fixed up).
+  std::optional<FileExtent> Locate(const SharedBytes& bytes) const;
 
   // Returns the entry named `name`, or nullptr.
   const CheckpointEntry* Find(absl::string_view name) const;
@@ -146,7 +163,12 @@ class Checkpoint {
   std::vector<CheckpointEntry> entries_;
   absl::flat_hash_map<std::string, size_t> by_name_;
   uint64_t total_bytes_ = 0;
+  std::vector<std::shared_ptr<const MappedFile>> files_;
 };
+
+// Opens `path` with options.open_file, or MappedFile::Open when it is unset.
+absl::StatusOr<std::shared_ptr<const MappedFile>> OpenCheckpointFile(const std::string& path,
+                                                                     const OpenOptions& options);
 
 // Copies the elements of a strided tensor into row-major order.
 // REQUIRES: the layout was validated (every element lies inside `storage`).

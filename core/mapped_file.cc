@@ -19,13 +19,62 @@ namespace weightstore {
 namespace bip = boost::interprocess;
 
 struct MappedFile::Mapping {
-  bip::file_mapping file;
+  bip::file_mapping file;  // empty for FromDescriptor()
   bip::mapped_region region;
 };
 
+namespace {
+
+// Lets bip::mapped_region map a descriptor it did not open (a memfd).
+class DescriptorMappable {
+ public:
+  explicit DescriptorMappable(int fd) : fd_(fd) {}
+  bip::mapping_handle_t get_mapping_handle() const { return bip::ipcdetail::mapping_handle_from_file_handle(fd_); }
+  bip::mode_t get_mode() const { return bip::read_only; }
+
+ private:
+  int fd_;
+};
+
+}  // namespace
+
 MappedFile::~MappedFile() {
-  // With a mapping, the fd belongs to bip::file_mapping; otherwise to us.
-  if (mapping_ == nullptr && fd_ >= 0) ::close(fd_);
+  // With a file_mapping, the fd belongs to it; otherwise to us.
+  const bool owned_by_boost = mapping_ != nullptr && mapping_->file.get_mapping_handle().handle >= 0;
+  if (!owned_by_boost && fd_ >= 0) ::close(fd_);
+}
+
+absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::FromDescriptor(int fd, std::string path) {
+  std::shared_ptr<MappedFile> file(new MappedFile());
+  file->path_ = std::move(path);
+  file->fd_ = fd;  // closed by ~MappedFile from here on
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return StatusFromErrno(errno, absl::StrCat("cannot stat '", file->path_, "'"));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat("'", file->path_, "' is not a regular file or memfd"));
+  }
+  file->size_ = static_cast<uint64_t>(st.st_size);
+  file->device_ = st.st_dev;
+  file->inode_ = st.st_ino;
+  file->mtime_ns_ = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  if (file->size_ == 0) return std::shared_ptr<const MappedFile>(std::move(file));
+  try {
+    auto mapping = std::make_unique<Mapping>();
+    mapping->region = bip::mapped_region(DescriptorMappable(fd), bip::read_only, 0, file->size_);
+    file->data_ = static_cast<const std::byte*>(mapping->region.get_address());
+    file->mapping_ = std::move(mapping);
+    file->mapped_ = true;
+  } catch (const bip::interprocess_exception& e) {
+    return InterprocessErrorToStatus(e, absl::StrCat("cannot map '", file->path_, "'"));
+  }
+  return std::shared_ptr<const MappedFile>(std::move(file));
+}
+
+bool MappedFile::Contains(const SharedBytes& bytes, uint64_t* offset) const {
+  auto begin = reinterpret_cast<uintptr_t>(data_), at = reinterpret_cast<uintptr_t>(bytes.data());
+  if (data_ == nullptr || at < begin || at + bytes.size() > begin + size_) return false;
+  *offset = at - begin;
+  return true;
 }
 
 absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::Open(

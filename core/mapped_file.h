@@ -33,6 +33,10 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
   // FailedPrecondition if it is not a regular file, Internal on I/O failure.
   static absl::StatusOr<std::shared_ptr<const MappedFile>> Open(
       const std::string& path, const MappedFileOptions& options = {});
+  // Maps the open descriptor `fd` read-only and shared (always mapped, whatever
+  // its size), taking ownership of it; `path` names it in errors. Used for sealed
+  // memfds and for descriptors received over a socket. Closes `fd` on error.
+  static absl::StatusOr<std::shared_ptr<const MappedFile>> FromDescriptor(int fd, std::string path);
 
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
@@ -50,6 +54,9 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
 
   // Returns the whole file; subspans share ownership of this MappedFile.
   SharedBytes bytes() const;
+  // True when `bytes` lie inside this file's bytes(); `offset` then receives
+  // where they start.
+  bool Contains(const SharedBytes& bytes, uint64_t* offset) const;
 
   // Hints that [offset, offset + length) will be read soon (madvise WILLNEED).
   void WillNeed(uint64_t offset, uint64_t length) const;

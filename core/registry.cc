@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "core/mapped_file.h"
+#include "core/sealed_memfd.h"
 #include "core/status_macros.h"
 #include "core/status_util.h"
 
@@ -44,6 +45,26 @@ absl::StatusOr<uint64_t> HashFile(const std::string& path, uint64_t h) {
   h = Mix(h, static_cast<uint64_t>(st.st_size));
   h = Mix(h, static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000ULL + st.st_mtim.tv_nsec);
   return h;
+}
+
+// Size of the file at `path`, or of every file in the folder of an index (an
+// upper bound on what a sharded checkpoint reads).
+absl::StatusOr<uint64_t> BytesOnDisk(const std::string& path) {
+  std::error_code ec;
+  fs::path folder = fs::is_directory(path, ec) ? fs::path(path)
+                    : absl::EndsWith(path, ".index.json") ? fs::path(path).parent_path()
+                                                         : fs::path();
+  if (folder.empty()) {
+    uint64_t size = fs::file_size(path, ec);
+    if (ec) return absl::NotFoundError(absl::StrCat("cannot stat '", path, "': ", ec.message()));
+    return size;
+  }
+  uint64_t total = 0;
+  for (const auto& item : fs::directory_iterator(folder, ec)) {
+    if (item.is_regular_file(ec)) total += item.file_size(ec);
+  }
+  if (ec) return absl::NotFoundError(absl::StrCat("cannot list '", folder.string(), "': ", ec.message()));
+  return total;
 }
 
 bool IsHiddenOrTemporary(const fs::path& p) {
@@ -114,14 +135,27 @@ CheckpointRegistry::CheckpointRegistry(RegistryOptions options) : options_(std::
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersion(const std::string& name,
                                                                                        const std::string& path) const {
+  const bool preload = options_.preload_all || options_.preload.contains(name);
+  OpenOptions open = options_.open;
+  SegmentCache::Reservation reservation;
+  if (preload) {
+    if (options_.shm == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat("cannot preload '", name, "': no shared-memory budget"));
+    }
+    // Reserve before copying, so an oversized checkpoint is refused up front.
+    WEIGHTSTORE_ASSIGN_OR_RETURN(uint64_t bytes, BytesOnDisk(path));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(reservation, options_.shm->Reserve(bytes, absl::StrCat("preloading '", name, "'")));
+    open.open_file = PreloadFile;
+  }
   // Hash before and after opening: a file replaced meanwhile is opened again.
   for (int attempt = 0; attempt < 3; ++attempt) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::string before, FileVersion(path));
-    WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> checkpoint, Checkpoint::Open(path, options_.open));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> checkpoint, Checkpoint::Open(path, open));
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::string after, FileVersion(path));
-    if (before == after) {
-      return std::make_shared<const CheckpointVersion>(name, path, std::move(checkpoint), after, NowUnixSeconds());
-    }
+    if (before != after) continue;
+    auto version = std::make_shared<CheckpointVersion>(name, path, std::move(checkpoint), after, NowUnixSeconds());
+    if (preload) version->HoldReservation(std::move(reservation));
+    return std::shared_ptr<const CheckpointVersion>(std::move(version));
   }
   return absl::UnavailableError(absl::StrCat("'", path, "' keeps changing while it is opened"));
 }

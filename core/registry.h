@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/atomic_file.h"
 #include "core/checkpoint.h"
+#include "core/segment_cache.h"
 
 namespace weightstore {
 
@@ -44,6 +46,12 @@ class CheckpointVersion {
   // Changes whenever the file is replaced: a hash of device, inode, size, mtime.
   const std::string& version() const { return version_; }
   int64_t loaded_at_unix_seconds() const { return loaded_at_; }
+  // Bytes of this version held in sealed memory (preloaded); 0 when mapped from
+  // its files.
+  uint64_t preloaded_bytes() const { return preload_.bytes(); }
+  // Keeps `reservation` (the preload's share of the memory budget) for as long
+  // as this version lives. Called once, before the version is published.
+  void HoldReservation(SegmentCache::Reservation reservation) { preload_ = std::move(reservation); }
 
   // CRC32C of an entry's bytes as stored, once computed.
   std::optional<uint32_t> CachedCrc(size_t entry) const;
@@ -54,6 +62,7 @@ class CheckpointVersion {
   std::shared_ptr<const Checkpoint> checkpoint_;
   std::string version_;
   int64_t loaded_at_;
+  SegmentCache::Reservation preload_;
   mutable absl::Mutex mu_;
   mutable absl::flat_hash_map<size_t, uint32_t> crc_ ABSL_GUARDED_BY(mu_);
 };
@@ -64,6 +73,13 @@ struct RegistryOptions {
   OpenOptions open;
   // Largest upload accepted by Put. Default: 64 GiB.
   uint64_t max_put_bytes = uint64_t{64} << 30;
+  // Read every checkpoint (preload_all) or the named ones into sealed memory
+  // when loaded, instead of mapping their files: for models on network storage.
+  // The memory is reserved from `shm`, which must then be set; a checkpoint that
+  // does not fit is not served (the scan reports it). Default: off.
+  bool preload_all = false;
+  std::set<std::string> preload;
+  SegmentCache* shm = nullptr;
 };
 
 struct ScanReport {

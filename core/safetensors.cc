@@ -280,7 +280,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadSafeTensors(std::shared_pt
 absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenShardedSafeTensors(const std::string& index_path,
                                                                          const OpenOptions& options) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> index_file,
-                               MappedFile::Open(index_path, options.mapped_file));
+                               OpenCheckpointFile(index_path, options));
   auto bad = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("'", index_path, "' is not a valid SafeTensors index: ", what));
   };
@@ -327,10 +327,12 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenShardedSafeTensors(const s
   }
   const std::filesystem::path folder = std::filesystem::path(index_path).parent_path();
   std::vector<CheckpointEntry> entries;
+  std::vector<std::shared_ptr<const MappedFile>> files;
   for (const std::string& shard_name : shard_names) {
     std::string shard_path = (folder / shard_name).string();
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> shard_file,
-                                 MappedFile::Open(shard_path, options.mapped_file));
+                                 OpenCheckpointFile(shard_path, options));
+    files.push_back(shard_file);
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> shard,
                                  ParseSafeTensors(shard_file->bytes(), shard_path, options));
     for (const CheckpointEntry& entry : shard->entries()) {
@@ -352,7 +354,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenShardedSafeTensors(const s
                             shard_of.begin()->second, "')"));
   }
   if (entries.size() > options.max_tensors) return bad(absl::StrCat("more than ", options.max_tensors, " tensors"));
-  return Checkpoint::Create(Format::kSafeTensors, index_path, std::move(metadata), std::move(entries));
+  return Checkpoint::Create(Format::kSafeTensors, index_path, std::move(metadata), std::move(entries), "",
+                            std::move(files));
 }
 
 absl::StatusOr<WritePlan> PlanSafeTensors(const std::vector<TensorSpec>& tensors, const Metadata& metadata) {
