@@ -14,6 +14,8 @@ namespace weightstore::server {
 
 absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(ServerOptions options) {
   std::unique_ptr<WeightStoreServer> s(new WeightStoreServer());
+  s->segments_ = std::make_unique<SegmentCache>(options.shm_budget_bytes);
+  options.registry.shm = s->segments_.get();
   s->registry_ = std::make_unique<CheckpointRegistry>(options.registry);
   ScanReport report = s->registry_->Rescan();
   for (const std::string& e : report.errors) std::fprintf(stderr, "weightstored: not serving %s\n", e.c_str());
@@ -40,6 +42,11 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen, " (address in use or invalid)"));
   }
+  if (!options.socket.path.empty()) {
+    auto shm = ShmServer::Start(s->registry_.get(), s->segments_.get(), options.socket);
+    if (!shm.ok()) return shm.status();
+    s->shm_server_ = *std::move(shm);
+  }
   grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService();
   health->SetServingStatus("", true);
   health->SetServingStatus(v1::WeightStore::service_full_name(), true);
@@ -56,6 +63,7 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
     health->Shutdown();  // every service NOT_SERVING, and it stays so
   }
   if (drain.count() > 0) std::this_thread::sleep_for(drain);
+  if (shm_server_ != nullptr) shm_server_->Stop();  // mappings handed out stay valid
   server_->Shutdown(std::chrono::system_clock::now() + grace);
   server_->Wait();
   server_.reset();

@@ -1,6 +1,9 @@
 // WeightStoreServer: the gRPC server of weightstored, with server reflection and
 // the standard health service (grpc.health.v1.Health, described by reflection).
 //
+// With options.socket.path set, it also serves the same-host socket
+// (ShmServer), from the same registry.
+//
 // Lifecycle (tensorstore's KvStoreServer shape): Start() binds and serves;
 // port() gives the bound port (listen on port 0 in tests); Shutdown() reports
 // NOT_SERVING, waits `drain`, then stops accepting and lets streams in flight
@@ -17,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "core/registry.h"
 #include "server/service.h"
+#include "server/shm_server.h"
 
 namespace weightstore::server {
 
@@ -31,6 +35,10 @@ struct ServerOptions {
   int max_send_message_bytes = 8 << 20;
   // HTTP/2 streams per connection. Default: 100.
   int max_concurrent_streams_per_connection = 100;
+  // Same-host socket (ShmServer). Off while socket.path is empty.
+  ShmServerOptions socket;
+  // Shared memory for derived segments and preloads. Default: 4 GiB.
+  uint64_t shm_budget_bytes = uint64_t{4} << 30;
 };
 
 class WeightStoreServer {
@@ -44,6 +52,9 @@ class WeightStoreServer {
   int port() const { return port_; }
   CheckpointRegistry& registry() { return *registry_; }
   const WeightStoreService& service() const { return *service_; }
+  SegmentCache& segments() { return *segments_; }
+  // The same-host socket, or nullptr when it is off.
+  const ShmServer* shm_server() const { return shm_server_.get(); }
 
   // Marks the server NOT_SERVING, waits `drain` (so load balancers stop sending),
   // then stops; streams in flight get until `grace` to finish.
@@ -53,9 +64,11 @@ class WeightStoreServer {
 
  private:
   WeightStoreServer() = default;
+  std::unique_ptr<SegmentCache> segments_;
   std::unique_ptr<CheckpointRegistry> registry_;
   std::unique_ptr<WeightStoreService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<ShmServer> shm_server_;
   int port_ = 0;
 };
 

@@ -14,53 +14,10 @@
 #include "core/snapshot.h"
 #include "server/grpc_status.h"
 #include "server/proto_convert.h"
+#include "server/resolve.h"
 
 namespace weightstore::server {
 namespace {
-
-// Resolves a request's checkpoint, selection and (optional) target into the
-// snapshot to serve.
-struct Resolved {
-  std::shared_ptr<const CheckpointVersion> version;
-  std::shared_ptr<const Snapshot> snapshot;
-  std::optional<ApplyResult> apply_result;
-};
-
-absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,
-                                 const v1::Selection& selection, const std::string& pinned_version = "") {
-  Resolved r;
-  r.version = registry.Get(name);
-  if (r.version == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
-  if (!pinned_version.empty() && pinned_version != r.version->version()) {
-    return absl::AbortedError(absl::StrCat("checkpoint '", name, "' was replaced: version ", pinned_version,
-                                           " is gone, ", r.version->version(), " is current"));
-  }
-  SelectionRequest request;
-  absl::Status status = FromProto(selection, &request);
-  if (!status.ok()) return status;
-  auto compiled = Selection::Compile(request.options);
-  if (!compiled.ok()) return compiled.status();
-  if (!request.target) {
-    auto snapshot = Snapshot::Select(r.version->checkpoint(), **compiled);
-    if (!snapshot.ok()) return snapshot.status();
-    r.snapshot = *std::move(snapshot);
-    return r;
-  }
-  ApplyOptions options;
-  options.allow_partial = request.allow_partial;
-  auto applied = Apply(r.version->checkpoint(), **compiled, *request.target, options);
-  if (!applied.ok()) return applied.status();
-  if (!applied->status.ok()) return applied->status;
-  r.snapshot = applied->snapshot;
-  r.apply_result = std::move(applied->result);
-  return r;
-}
-
-// The entry index of an untransformed tensor, whose CRC can be cached per version.
-std::optional<size_t> CacheKey(const Snapshot& snapshot, const SnapshotTensor& t) {
-  if (!t.is_identity()) return std::nullopt;
-  return static_cast<size_t>(t.source - snapshot.checkpoint().entries().data());
-}
 
 grpc::ServerUnaryReactor* Respond(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
@@ -179,7 +136,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       }
       bytes_ = read->bytes;
       cached_crc_ = std::nullopt;
-      if (auto key = CacheKey(snapshot, tensor)) cached_crc_ = resolved_.version->CachedCrc(*key);
+      if (auto key = ChecksumCacheKey(snapshot, tensor)) cached_crc_ = resolved_.version->CachedCrc(*key);
       crc_ = 0;
       ToProto(tensor.spec, tensor.source->spec.name, chunk.mutable_info());
       if (!sent_any_) chunk.set_version(resolved_.version->version());
@@ -194,7 +151,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       const uint32_t crc = cached_crc_.value_or(crc_);
       chunk.set_last(true);
       chunk.set_crc32c(crc);
-      if (auto key = CacheKey(snapshot, tensor); key && !cached_crc_) resolved_.version->StoreCrc(*key, crc);
+      if (auto key = ChecksumCacheKey(snapshot, tensor); key && !cached_crc_) resolved_.version->StoreCrc(*key, crc);
     }
     if (service_->options_.zero_copy) {
       // Header: every field but data, then data's tag and length; the payload
@@ -270,14 +227,8 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
     v1::TensorInfo* info = resp->add_tensors();
     ToProto(t.spec, t.source->spec.name, info);
     if (!req->with_checksums()) continue;
-    std::optional<size_t> key = CacheKey(snapshot, t);
-    std::optional<uint32_t> crc = key ? resolved->version->CachedCrc(*key) : std::nullopt;
-    if (!crc) {
-      absl::StatusOr<SharedTensor> bytes = snapshot.Read(t);
-      if (!bytes.ok()) return Respond(ctx, bytes.status());
-      crc = Crc32c(bytes->bytes.view());
-      if (key) resolved->version->StoreCrc(*key, *crc);
-    }
+    absl::StatusOr<uint32_t> crc = ChecksumOf(*resolved, t);
+    if (!crc.ok()) return Respond(ctx, crc.status());
     info->set_crc32c(*crc);
   }
   if (resolved->apply_result) ToProto(*resolved->apply_result, resp->mutable_apply_result());

@@ -1,5 +1,8 @@
 // weightstored: serves the checkpoints of a models folder over gRPC.
 //
+// With --socket, processes on the same host map tensors through a Unix socket
+// (server/shm_server.h).
+//
 // Signals: SIGHUP rescans the models folder; SIGTERM and SIGINT shut down
 // gracefully (health NOT_SERVING, drain, then streams in flight get the grace
 // period to finish).
@@ -41,6 +44,22 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-put-bytes", options.registry.max_put_bytes, "Largest PutCheckpoint upload")
       ->capture_default_str();
+  app.add_option("--socket", options.socket.path,
+                 "Same-host Unix socket: local processes map tensors through it (off when empty)");
+  std::vector<uid_t> allow_uids;
+  std::vector<gid_t> allow_gids;
+  app.add_option("--socket-allow-uid", allow_uids,
+                 "Uid allowed on --socket (repeatable; with no uid or gid given, only the daemon's own uid)");
+  app.add_option("--socket-allow-gid", allow_gids, "Primary gid allowed on --socket (repeatable)");
+  app.add_option("--shm-budget", options.shm_budget_bytes,
+                 "Shared memory for materialized segments and preloads (bytes, or with a unit: 8GiB)")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  bool preload_all = false;
+  app.add_flag("--preload", preload_all,
+               "Read every checkpoint into sealed shared memory when loaded (models on network storage)");
+  std::vector<std::string> preload;
+  app.add_option("--preload-checkpoint", preload, "Preload this checkpoint only (repeatable)");
   bool copy_payloads = false;
   app.add_flag("--copy-payloads", copy_payloads,
                "Copy tensor bytes into protobuf messages instead of zero-copy slices (benchmark baseline only)");
@@ -51,6 +70,10 @@ int main(int argc, char** argv) {
   }
 
   options.service.zero_copy = !copy_payloads;
+  options.socket.allowed_uids.insert(allow_uids.begin(), allow_uids.end());
+  options.socket.allowed_gids.insert(allow_gids.begin(), allow_gids.end());
+  options.registry.preload_all = preload_all;
+  options.registry.preload.insert(preload.begin(), preload.end());
 
   // Signals are taken by one thread with sigwait; block them everywhere first.
   sigset_t signals;
@@ -63,8 +86,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "weightstored: %s\n", std::string(server.status().message()).c_str());
     return 1;
   }
-  std::fprintf(stderr, "weightstored: serving %zu checkpoints from %s on port %d\n",
-               (*server)->registry().List().size(), options.registry.models_dir.c_str(), (*server)->port());
+  std::fprintf(stderr, "weightstored: serving %zu checkpoints from %s on port %d%s%s\n",
+               (*server)->registry().List().size(), options.registry.models_dir.c_str(), (*server)->port(),
+               options.socket.path.empty() ? "" : " and socket ", options.socket.path.c_str());
   if (!port_file.empty()) {
     std::string tmp = port_file + ".tmp";
     std::ofstream(tmp) << (*server)->port() << "\n";

@@ -1,0 +1,42 @@
+// Resolve: what every read request does first, whatever its transport (gRPC or
+// the same-host socket): find the checkpoint, check the pinned version, compile
+// the selection and select (or apply to the target).
+#ifndef WEIGHTSTORE_SERVER_RESOLVE_H_
+#define WEIGHTSTORE_SERVER_RESOLVE_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/apply.h"
+#include "core/registry.h"
+#include "core/snapshot.h"
+#include "weightstore/v1/weight_store.pb.h"
+
+namespace weightstore::server {
+
+struct Resolved {
+  std::shared_ptr<const CheckpointVersion> version;
+  std::shared_ptr<const Snapshot> snapshot;
+  std::optional<ApplyResult> apply_result;  // with a target
+};
+
+// Returns NotFound for an unknown checkpoint, Aborted when `pinned_version` is
+// set and no longer current, InvalidArgument for a bad selection (naming the
+// field or pattern), FailedPrecondition with the load summary when applying to
+// a target fails.
+absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,
+                                 const v1::Selection& selection, const std::string& pinned_version = "");
+
+// Returns the CRC32C of `tensor`'s bytes as served. Untransformed tensors'
+// checksums are cached per checkpoint version, so each is computed once.
+absl::StatusOr<uint32_t> ChecksumOf(const Resolved& resolved, const SnapshotTensor& tensor);
+
+// The index of an untransformed tensor's entry in its checkpoint (the key of
+// the per-version checksum cache), or nullopt for a transformed one.
+std::optional<size_t> ChecksumCacheKey(const Snapshot& snapshot, const SnapshotTensor& tensor);
+
+}  // namespace weightstore::server
+
+#endif  // WEIGHTSTORE_SERVER_RESOLVE_H_

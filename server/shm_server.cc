@@ -1,0 +1,357 @@
+#include "server/shm_server.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
+#include "core/sealed_memfd.h"
+#include "core/status_util.h"
+#include "server/proto_convert.h"
+#include "server/resolve.h"
+#include "server/service.h"
+
+namespace weightstore::server {
+namespace {
+
+// Derived tensors start on this boundary inside their segment.
+constexpr uint64_t kAlignment = 64;
+
+void SetStatus(const absl::Status& status, v1::ShmResponse* response) {
+  response->Clear();
+  response->set_code(static_cast<int>(status.code()));
+  response->set_message(std::string(status.message()));
+}
+
+// Removes a socket file no daemon listens on; refuses to touch anything else.
+absl::Status ClearStaleSocket(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return StatusFromErrno(errno, absl::StrCat("cannot stat '", path, "'"));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat("'", path, "' exists and is not a socket; not replacing it"));
+  }
+  absl::StatusOr<UniqueFd> probe = ConnectUnixSocket(path);
+  if (probe.ok()) return absl::AlreadyExistsError(absl::StrCat("another daemon is listening on '", path, "'"));
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return StatusFromErrno(errno, absl::StrCat("cannot remove the stale socket '", path, "'"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const CheckpointRegistry* registry, SegmentCache* cache,
+                                                            ShmServerOptions options) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (options.path.empty() || options.path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("socket path '", options.path, "' must be 1 to ",
+                                                   sizeof(addr.sun_path) - 1, " bytes"));
+  }
+  absl::Status cleared = ClearStaleSocket(options.path);
+  if (!cleared.ok()) return cleared;
+  std::memcpy(addr.sun_path, options.path.data(), options.path.size());
+  std::unique_ptr<ShmServer> server(new ShmServer(registry, cache, std::move(options)));
+  const std::string& path = server->options_.path;
+  server->listener_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!server->listener_.valid()) return StatusFromErrno(errno, "socket(AF_UNIX)");
+  if (::bind(server->listener_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return StatusFromErrno(errno, absl::StrCat("cannot bind '", path, "'"));
+  }
+  // Peer credentials are checked on every connection too, so the moment between
+  // bind and chmod grants nothing.
+  if (::chmod(path.c_str(), server->options_.mode) != 0 || ::listen(server->listener_.get(), 128) != 0) {
+    absl::Status status = StatusFromErrno(errno, absl::StrCat("cannot listen on '", path, "'"));
+    ::unlink(path.c_str());
+    return status;
+  }
+  server->acceptor_ = std::thread([s = server.get()] { s->AcceptLoop(); });
+  return server;
+}
+
+ShmServer::~ShmServer() { Stop(); }
+
+void ShmServer::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  stopping_ = true;
+  ::shutdown(listener_.get(), SHUT_RDWR);  // wakes accept()
+  if (acceptor_.joinable()) acceptor_.join();
+  ::unlink(options_.path.c_str());
+  std::list<Connection> connections;
+  {
+    absl::MutexLock lock(&mu_);
+    for (Connection& c : connections_) ::shutdown(c.fd, SHUT_RDWR);
+    connections.swap(connections_);
+  }
+  for (Connection& c : connections) c.thread.join();
+}
+
+ShmServer::Stats ShmServer::stats() const {
+  Stats s;
+  s.requests = requests_.load();
+  s.refused_connections = refused_.load();
+  s.bytes_mapped = bytes_mapped_.load();
+  absl::MutexLock lock(&mu_);
+  for (const Connection& c : connections_) s.active_connections += c.done ? 0 : 1;
+  return s;
+}
+
+bool ShmServer::Allowed(uid_t uid, gid_t gid) const {
+  if (options_.allowed_uids.empty() && options_.allowed_gids.empty()) return uid == ::geteuid();
+  return options_.allowed_uids.contains(uid) || options_.allowed_gids.contains(gid);
+}
+
+void ShmServer::Reap() {
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    if (!it->done) {
+      ++it;
+      continue;
+    }
+    it->thread.join();
+    it = connections_.erase(it);
+  }
+}
+
+void ShmServer::AcceptLoop() {
+  while (!stopping_) {
+    int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (stopping_) return;
+      if (errno == EMFILE || errno == ENFILE || errno == ENOMEM) {  // back off, keep serving
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        continue;
+      }
+      return;
+    }
+    UniqueFd connection(fd);
+    (void)SetSocketTimeouts(fd, options_.io_timeout);
+    auto refuse = [&](const absl::Status& status) {
+      ++refused_;
+      v1::ShmResponse response;
+      SetStatus(status, &response);
+      (void)SendFrame(fd, response.SerializeAsString());
+    };
+    ucred peer{};
+    socklen_t len = sizeof(peer);
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0) {
+      refuse(absl::PermissionDeniedError("cannot read the peer's credentials"));
+      continue;
+    }
+    if (!Allowed(peer.uid, peer.gid)) {
+      refuse(absl::PermissionDeniedError(absl::StrCat("uid ", peer.uid, " gid ", peer.gid, " (pid ", peer.pid,
+                                                      ") may not use '", options_.path, "'")));
+      continue;
+    }
+    absl::MutexLock lock(&mu_);
+    Reap();
+    if (stopped_) return;
+    if (static_cast<int>(connections_.size()) >= options_.max_connections) {
+      refuse(absl::ResourceExhaustedError(
+          absl::StrCat(options_.max_connections, " connections are open on '", options_.path, "'; retry later")));
+      continue;
+    }
+    Connection& c = connections_.emplace_back();
+    c.fd = connection.release();
+    c.thread = std::thread([this, &c] {
+      Serve(c.fd);
+      ::close(c.fd);
+      absl::MutexLock lock(&mu_);
+      c.done = true;
+    });
+  }
+}
+
+void ShmServer::Serve(int connection) {
+  while (!stopping_) {
+    std::string frame;
+    std::vector<UniqueFd> received;
+    absl::Status status = RecvFrame(connection, options_.max_request_bytes, &frame, &received);
+    v1::ShmResponse response;
+    if (absl::IsOutOfRange(status) || absl::IsDataLoss(status) || absl::IsDeadlineExceeded(status) ||
+        absl::IsUnavailable(status)) {
+      return;  // the client left, cut a frame short, or stalled
+    }
+    if (!status.ok()) {  // an absurd length: the stream cannot be followed any further
+      SetStatus(status, &response);
+      (void)SendFrame(connection, response.SerializeAsString());
+      return;
+    }
+    ++requests_;
+    v1::ShmRequest request;
+    std::vector<int> fds;
+    std::vector<std::shared_ptr<const MappedFile>> keep;
+    if (!received.empty()) {
+      SetStatus(absl::InvalidArgumentError("requests must not carry file descriptors"), &response);
+    } else if (!request.ParseFromString(frame)) {
+      SetStatus(absl::InvalidArgumentError(absl::StrCat("a ", frame.size(), "-byte frame that is not a ShmRequest")),
+                &response);
+    } else {
+      Handle(request, &response, &fds, &keep);
+    }
+    if (!SendFrame(connection, response.SerializeAsString(), fds).ok()) return;
+  }
+}
+
+void ShmServer::Handle(const v1::ShmRequest& request, v1::ShmResponse* response, std::vector<int>* fds,
+                       std::vector<std::shared_ptr<const MappedFile>>* keep) {
+  absl::Status status;
+  switch (request.request_case()) {
+    case v1::ShmRequest::kListCheckpoints:
+      for (const auto& version : registry_->List()) {
+        ToProto(*version, response->mutable_list_checkpoints()->add_checkpoints());
+      }
+      break;
+    case v1::ShmRequest::kGetCheckpoint: {
+      auto version = registry_->Get(request.get_checkpoint().name());
+      if (version == nullptr) {
+        status = absl::NotFoundError(absl::StrCat("checkpoint '", request.get_checkpoint().name(), "' is not served"));
+      } else {
+        ToProto(*version, response->mutable_checkpoint());
+      }
+      break;
+    }
+    case v1::ShmRequest::kMapTensors:
+      status = MapTensors(request.map_tensors(), response->mutable_map_tensors(), keep);
+      if (status.ok()) {
+        for (const auto& segment : *keep) fds->push_back(segment->fd());
+      }
+      break;
+    default:
+      status = absl::InvalidArgumentError("empty or unknown request");
+  }
+  if (!status.ok()) {
+    fds->clear();
+    keep->clear();
+    SetStatus(status, response);
+  }
+}
+
+absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, v1::MapTensorsResponse* response,
+                                   std::vector<std::shared_ptr<const MappedFile>>* segments) {
+  absl::StatusOr<Resolved> resolved = Resolve(*registry_, request.name(), request.selection(), request.version());
+  if (!resolved.ok()) return resolved.status();
+  const Snapshot& snapshot = *resolved->snapshot;
+  const Checkpoint& checkpoint = snapshot.checkpoint();
+  response->set_name(request.name());
+  response->set_version(resolved->version->version());
+  if (resolved->apply_result) ToProto(*resolved->apply_result, response->mutable_apply_result());
+
+  absl::flat_hash_map<const MappedFile*, uint32_t> segment_of;
+  std::vector<size_t> derived;  // tensors to materialize
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < snapshot.size(); ++i) {
+    const SnapshotTensor& t = snapshot.tensors()[i];
+    v1::MappedTensor* out = response->add_tensors();
+    ToProto(t.spec, t.source->spec.name, out->mutable_info());
+    bytes += t.spec.byte_size();
+    if (request.table_only()) {
+      if (!request.skip_checksums()) {
+        absl::StatusOr<uint32_t> crc = ChecksumOf(*resolved, t);
+        if (!crc.ok()) return crc.status();
+        out->mutable_info()->set_crc32c(*crc);
+      }
+      continue;
+    }
+    std::optional<FileExtent> extent;
+    if (t.is_identity() && Checkpoint::IsZeroCopy(*t.source)) {
+      absl::StatusOr<SharedTensor> view = snapshot.Read(t);
+      if (!view.ok()) return view.status();
+      extent = checkpoint.Locate(view->bytes);
+    }
+    if (!extent) {
+      derived.push_back(i);
+      continue;
+    }
+    const std::shared_ptr<const MappedFile>& file = checkpoint.files()[extent->file];
+    auto [it, added] = segment_of.try_emplace(file.get(), static_cast<uint32_t>(segments->size()));
+    if (added) segments->push_back(file);
+    out->set_segment(it->second);
+    out->set_offset(extent->offset);
+    if (!request.skip_checksums()) {
+      absl::StatusOr<uint32_t> crc = ChecksumOf(*resolved, t);
+      if (!crc.ok()) return crc.status();
+      out->mutable_info()->set_crc32c(*crc);
+    }
+  }
+  if (!derived.empty()) {
+    // One segment for everything materialized, keyed by version and transformation.
+    std::string key = resolved->version->version();
+    std::vector<uint64_t> offsets;
+    uint64_t size = 0;
+    for (size_t i : derived) {
+      const SnapshotTensor& t = snapshot.tensors()[i];
+      absl::StrAppend(&key, "|", t.source - checkpoint.entries().data(), ":", DTypeName(t.spec.dtype),
+                      t.transpose ? ":T" : "");
+      size = (size + kAlignment - 1) / kAlignment * kAlignment;
+      offsets.push_back(size);
+      size += t.spec.byte_size();
+    }
+    std::vector<uint32_t> crcs(derived.size());
+    bool filled = false;
+    auto fill = [&](std::span<std::byte> memory) -> absl::Status {
+      for (size_t k = 0; k < derived.size(); ++k) {
+        const SnapshotTensor& t = snapshot.tensors()[derived[k]];
+        std::span<std::byte> out = memory.subspan(offsets[k], t.spec.byte_size());
+        absl::Status status = snapshot.ReadInto(t, out);
+        if (!status.ok()) return status;
+        crcs[k] = Crc32c(absl::string_view(reinterpret_cast<const char*>(out.data()), out.size()));
+      }
+      filled = true;
+      return absl::OkStatus();
+    };
+    absl::StatusOr<std::shared_ptr<const MappedFile>> segment = cache_->GetOrCreate(
+        key, size, absl::StrCat(request.name(), ": ", derived.size(), " materialized tensors"), fill);
+    if (!segment.ok()) return segment.status();
+    {
+      absl::MutexLock lock(&crc_mu_);
+      if (filled) {
+        if (derived_crcs_.size() > 4096) derived_crcs_.clear();  // a bound, not a cache policy
+        derived_crcs_[key] = crcs;
+      } else if (auto it = derived_crcs_.find(key); it != derived_crcs_.end()) {
+        crcs = it->second;
+        filled = true;
+      }
+    }
+    if (!filled) {  // built by another request whose checksums were dropped: recompute
+      for (size_t k = 0; k < derived.size(); ++k) {
+        crcs[k] = Crc32c((*segment)->bytes().Subspan(offsets[k], snapshot.tensors()[derived[k]].spec.byte_size()).view());
+      }
+    }
+    const uint32_t index = static_cast<uint32_t>(segments->size());
+    segments->push_back(*segment);
+    for (size_t k = 0; k < derived.size(); ++k) {
+      v1::MappedTensor* out = response->mutable_tensors(static_cast<int>(derived[k]));
+      out->set_segment(index);
+      out->set_offset(offsets[k]);
+      if (!request.skip_checksums()) out->mutable_info()->set_crc32c(crcs[k]);
+    }
+  }
+  if (segments->size() > kMaxFdsPerFrame) {
+    return absl::FailedPreconditionError(absl::StrCat("'", request.name(), "' spans ", segments->size(),
+                                                      " files; at most ", kMaxFdsPerFrame, " can be passed at once"));
+  }
+  for (const auto& segment : *segments) {
+    v1::Segment* s = response->add_segments();
+    const bool sealed = CheckSealed(segment->fd(), segment->path()).ok();
+    s->set_kind(sealed ? v1::Segment::SEALED_MEMFD : v1::Segment::FILE);
+    s->set_size(segment->size());
+    s->set_description(segment->path());
+  }
+  if (!request.table_only()) bytes_mapped_ += bytes;
+  return absl::OkStatus();
+}
+
+}  // namespace weightstore::server

@@ -1,0 +1,121 @@
+// ShmServer: weightstored's same-host socket. Processes on the host connect to a
+// Unix domain socket, send a checkpoint name and a selection, and receive the
+// tensor table plus descriptors (SCM_RIGHTS) to map read-only: the checkpoint
+// files themselves where their bytes can be used as stored, and sealed memfds
+// holding what had to be materialized (strided tensors, casts, transposes).
+// The protocol is in proto/weightstore/v1/shm.proto.
+//
+// Access: the socket file has mode 0660 and every connection's peer
+// credentials (SO_PEERCRED) are checked against the allowed uids and gids.
+// Derived segments are built once per (checkpoint version, transformation) and
+// shared by every client; they live in the SegmentCache under its budget. A
+// client's mapping stays valid after eviction, unload or a daemon crash.
+//
+// One thread per connection (at most max_connections); a client that stalls
+// mid-frame or stops reading is dropped after io_timeout. Thread-safe.
+#ifndef WEIGHTSTORE_SERVER_SHM_SERVER_H_
+#define WEIGHTSTORE_SERVER_SHM_SERVER_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/registry.h"
+#include "core/segment_cache.h"
+#include "core/unix_socket.h"
+#include "weightstore/v1/shm.pb.h"
+
+namespace weightstore::server {
+
+struct ShmServerOptions {
+  // Socket path. Required. A stale socket left by a crashed daemon is replaced;
+  // one a live daemon listens on is an error.
+  std::string path;
+  // Mode of the socket file. Default: 0660.
+  mode_t mode = 0660;
+  // Peers allowed to connect, by uid or primary gid. Both empty: only the
+  // daemon's own effective uid.
+  std::set<uid_t> allowed_uids;
+  std::set<gid_t> allowed_gids;
+  // Connections served at once; more are answered RESOURCE_EXHAUSTED. Default: 256.
+  int max_connections = 256;
+  // Largest request frame. Default: 1 MiB.
+  uint32_t max_request_bytes = 1 << 20;
+  // A connection idle or stalled this long is closed. Default: 60 s.
+  std::chrono::milliseconds io_timeout{60 * 1000};
+};
+
+class ShmServer {
+ public:
+  struct Stats {
+    uint64_t requests = 0;
+    uint64_t refused_connections = 0;  // peer credentials or connection limit
+    uint64_t bytes_mapped = 0;         // tensor bytes described by MapTensors answers
+    int active_connections = 0;
+  };
+
+  // Binds `options.path` and starts accepting. `registry` and `cache` must
+  // outlive the server. AlreadyExists if a live daemon listens on the path,
+  // FailedPrecondition if something other than a socket is there.
+  static absl::StatusOr<std::unique_ptr<ShmServer>> Start(const CheckpointRegistry* registry, SegmentCache* cache,
+                                                          ShmServerOptions options);
+  ~ShmServer();  // Stop()s
+
+  // Stops accepting, closes every connection, removes the socket file. Mappings
+  // already handed out stay valid. Idempotent.
+  void Stop();
+
+  const std::string& path() const { return options_.path; }
+  Stats stats() const;
+
+  // Answers one request (exposed for tests and fuzzing): fills `response` and
+  // the descriptors to send with it (owned by the segments `keep` holds alive).
+  void Handle(const v1::ShmRequest& request, v1::ShmResponse* response, std::vector<int>* fds,
+              std::vector<std::shared_ptr<const MappedFile>>* keep);
+
+ private:
+  ShmServer(const CheckpointRegistry* registry, SegmentCache* cache, ShmServerOptions options)
+      : registry_(registry), cache_(cache), options_(std::move(options)) {}
+  void AcceptLoop();
+  void Serve(int connection);
+  bool Allowed(uid_t uid, gid_t gid) const;
+  absl::Status MapTensors(const v1::MapTensorsRequest& request, v1::MapTensorsResponse* response,
+                          std::vector<std::shared_ptr<const MappedFile>>* segments);
+  void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const CheckpointRegistry* registry_;
+  SegmentCache* cache_;
+  const ShmServerOptions options_;
+  UniqueFd listener_;
+  std::thread acceptor_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> requests_{0}, refused_{0}, bytes_mapped_{0};
+
+  struct Connection {
+    int fd;
+    std::thread thread;
+    bool done = false;
+  };
+  mutable absl::Mutex mu_;
+  std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+
+  // CRC32C of each derived segment's tensors, by segment key.
+  absl::Mutex crc_mu_;
+  absl::flat_hash_map<std::string, std::vector<uint32_t>> derived_crcs_ ABSL_GUARDED_BY(crc_mu_);
+};
+
+}  // namespace weightstore::server
+
+#endif  // WEIGHTSTORE_SERVER_SHM_SERVER_H_
