@@ -199,18 +199,24 @@ absl::StatusOr<client::Query> QueryFor(const SelectionArgs& args) {
   return query;
 }
 
-absl::StatusOr<std::unique_ptr<client::Store>> Connect(const std::string& server) {
+// The store behind --server (gRPC) or --socket (same host); exactly one is set.
+absl::StatusOr<std::unique_ptr<client::Store>> Connect(const std::string& server, const std::string& socket) {
+  if (server.empty() == socket.empty()) return absl::InvalidArgumentError("give either --server or --socket");
+  if (!socket.empty()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, client::ConnectSharedMemoryStore(socket));
+    return std::unique_ptr<client::Store>(std::move(store));
+  }
   return client::ConnectRemoteStore(server);
 }
 
 absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
   InspectView view;
-  if (!args.server.empty()) {
+  if (!args.server.empty() || !args.socket.empty()) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(client::Query query, QueryFor(args.selection));
-    WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket));
     WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, store->GetCheckpoint(args.path));
     WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing listing, store->ListTensors(args.path, query));
-    view = InspectView{absl::StrCat(args.server, "/", summary.name), summary.format, summary.container,
+    view = InspectView{absl::StrCat(args.server.empty() ? args.socket : args.server, "/", summary.name), summary.format, summary.container,
                        summary.metadata, summary.tensor_count, std::move(listing.tensors),
                        std::move(listing.apply_result)};
   } else {
@@ -227,7 +233,7 @@ absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
 }
 
 absl::Status RunLs(const LsArgs& args, std::FILE* out) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket));
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<client::CheckpointSummary> list, store->ListCheckpoints());
   if (args.json) {
     nlohmann::ordered_json doc = nlohmann::json::array();
@@ -277,7 +283,7 @@ absl::Status RunFetch(const FetchArgs& args, std::FILE* out) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(Format format, OutputFormat(args.format, args.output));
   WEIGHTSTORE_ASSIGN_OR_RETURN(Metadata extra, ParseMetadataFlags(args.metadata));
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::Query query, QueryFor(args.selection));
-  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket));
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, store->GetCheckpoint(args.name));
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing listing, store->ListTensors(args.name, query));
   Metadata metadata = summary.metadata;

@@ -27,8 +27,9 @@ struct SelectionArgs {
 };
 
 struct InspectArgs {
-  std::string path;    // a file, or a checkpoint name with --server
+  std::string path;    // a file, or a checkpoint name with --server/--socket
   std::string server;  // host:port of weightstored
+  std::string socket;  // weightstored's same-host socket
   bool json = false;
   SelectionArgs selection;
 };
@@ -51,11 +52,13 @@ struct ConvertArgs {
 
 struct LsArgs {
   std::string server;
+  std::string socket;
   bool json = false;
 };
 
 struct FetchArgs {
   std::string server;
+  std::string socket;
   std::string name;
   std::string output;
   std::string format;  // "", "safetensors" or "burnpack"

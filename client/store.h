@@ -1,5 +1,6 @@
 // Store: one interface to checkpoints wherever they are. LocalStore reads files
-// in this process through core; RemoteStore talks to weightstored over gRPC.
+// in this process through core; RemoteStore talks to weightstored over gRPC;
+// SharedMemoryStore maps the daemon's segments through its same-host socket.
 // Both take the same Query (selection, optional target), so code written against
 // one works against the other.
 //
@@ -20,6 +21,7 @@
 #include "core/apply.h"
 #include "core/checkpoint.h"
 #include "core/host_buffer.h"
+#include "core/mapped_file.h"
 #include "core/selection.h"
 #include "core/tensor.h"
 
@@ -129,6 +131,44 @@ void TuneAllocatorForStreaming();
 // Connects to weightstored at `address` ("host:port"), without TLS. Each Store
 // has a connection of its own.
 absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& address, RemoteOptions options = {});
+
+// Tensors mapped from weightstored's same-host socket. Each tensor's bytes point
+// into a read-only shared mapping (the checkpoint file, or a sealed memfd the
+// daemon filled) and keep it alive; nothing was copied. Mappings stay valid
+// after the daemon unloads the checkpoint, evicts the segment or dies.
+struct MappedTensors {
+  std::string version;
+  std::vector<SharedTensor> tensors;                // in listing order
+  std::vector<TensorDescription> descriptions;      // the same order: source names, CRC32C
+  std::optional<ApplyResult> apply_result;          // with a target
+  std::vector<std::shared_ptr<const MappedFile>> segments;
+
+  // Reads every byte once and checks each tensor's CRC32C (DataLoss naming the
+  // tensor on a mismatch). Mapping does not verify, to stay free of reads.
+  absl::Status Verify() const;
+};
+
+struct SharedMemoryOptions {
+  // Socket send/receive timeout. Default: 60 s.
+  std::chrono::milliseconds timeout{60 * 1000};
+  // Largest response accepted (tensor tables of huge checkpoints). Default: 256 MiB.
+  uint32_t max_response_bytes = 256u << 20;
+};
+
+// A Store over weightstored's same-host socket (--socket). FetchTensors copies
+// out of the mappings into the sink (verifying checksums); MapTensors is the
+// zero-copy way. Reconnects once per call if the daemon restarted.
+class SharedMemoryStore : public Store {
+ public:
+  // Maps every selected tensor without copying it. Segments are checked before
+  // mapping: sizes against fstat, and memfds for all four seals.
+  virtual absl::StatusOr<MappedTensors> MapTensors(const std::string& name, const Query& query) = 0;
+};
+
+// Connects to weightstored's socket at `socket_path`. PermissionDenied if the
+// daemon refuses this process's uid/gid.
+absl::StatusOr<std::unique_ptr<SharedMemoryStore>> ConnectSharedMemoryStore(const std::string& socket_path,
+                                                                            SharedMemoryOptions options = {});
 
 }  // namespace weightstore::client
 

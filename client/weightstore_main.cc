@@ -57,7 +57,10 @@ int main(int argc, char** argv) {
       "inspect", "Show format, metadata and every tensor's name, dtype, shape and size, without reading tensor data");
   inspect_cmd->add_option("FILE", inspect.path, "Checkpoint file, sharded index or folder; with --server, a checkpoint name")
       ->required();
-  inspect_cmd->add_option("--server", inspect.server, "Ask weightstored at host:port instead of reading a file");
+  auto* inspect_server =
+      inspect_cmd->add_option("--server", inspect.server, "Ask weightstored at host:port instead of reading a file");
+  inspect_cmd->add_option("--socket", inspect.socket, "Ask weightstored through its same-host socket")
+      ->excludes(inspect_server);
   inspect_cmd->add_flag("--json", inspect.json, "Print JSON: {format, metadata, tensors: [{name, dtype, shape, bytes}]}");
   AddSelectionFlags(inspect_cmd, &inspect.selection);
 
@@ -83,13 +86,17 @@ int main(int argc, char** argv) {
 
   cli::LsArgs ls;
   CLI::App* ls_cmd = app.add_subcommand("ls", "List the checkpoints a weightstored serves");
-  ls_cmd->add_option("--server", ls.server, "weightstored address, host:port")->required();
+  auto* ls_server = ls_cmd->add_option("--server", ls.server, "weightstored address, host:port");
+  auto* ls_socket = ls_cmd->add_option("--socket", ls.socket, "weightstored's same-host socket");
+  ls_server->excludes(ls_socket);
   ls_cmd->add_flag("--json", ls.json, "Print JSON");
 
   cli::FetchArgs fetch;
   CLI::App* fetch_cmd = app.add_subcommand(
       "fetch", "Download a checkpoint (or a selection of it) from weightstored into a file, atomically");
-  fetch_cmd->add_option("--server", fetch.server, "weightstored address, host:port")->required();
+  auto* fetch_server = fetch_cmd->add_option("--server", fetch.server, "weightstored address, host:port");
+  fetch_cmd->add_option("--socket", fetch.socket, "weightstored's same-host socket: copies out of shared mappings")
+      ->excludes(fetch_server);
   fetch_cmd->add_option("NAME", fetch.name, "Checkpoint name (see 'weightstore ls')")->required();
   fetch_cmd->add_option("OUT", fetch.output, "Output file; its extension (.safetensors, .bpk) picks the format")
       ->required();

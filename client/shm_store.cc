@@ -1,0 +1,200 @@
+// SharedMemoryStore: a Store over weightstored's same-host socket.
+#include <sys/stat.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "client/proto_convert.h"
+#include "client/store.h"
+#include "core/crc32c.h"
+#include "core/sealed_memfd.h"
+#include "core/status_macros.h"
+#include "core/unix_socket.h"
+#include "weightstore/v1/shm.pb.h"
+
+namespace weightstore::client {
+namespace {
+
+absl::Status FromResponse(const pb::ShmResponse& response) {
+  if (response.code() == 0) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(response.code()), response.message());
+}
+
+// Checks a received descriptor against its declared segment and maps it.
+absl::StatusOr<std::shared_ptr<const MappedFile>> MapSegment(UniqueFd fd, const pb::Segment& segment, size_t index) {
+  const std::string what = absl::StrCat("segment ", index, " ('", segment.description(), "')");
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::DataLossError(absl::StrCat(what, " is not a regular file or memfd"));
+  }
+  if (static_cast<uint64_t>(st.st_size) != segment.size()) {
+    return absl::DataLossError(absl::StrCat(what, " has ", st.st_size, " bytes; the daemon declared ", segment.size()));
+  }
+  if (segment.kind() == pb::Segment::SEALED_MEMFD) WEIGHTSTORE_RETURN_IF_ERROR(CheckSealed(fd.get(), what));
+  return MappedFile::FromDescriptor(fd.release(), segment.description());
+}
+
+class ShmStore final : public SharedMemoryStore {
+ public:
+  ShmStore(std::string path, SharedMemoryOptions options) : path_(std::move(path)), options_(options) {}
+
+  absl::Status Connect() {
+    absl::MutexLock lock(&mu_);
+    return ConnectLocked();
+  }
+
+  absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints() override {
+    pb::ShmRequest request;
+    request.mutable_list_checkpoints();
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request));
+    const auto& list = reply.response.list_checkpoints().checkpoints();
+    std::vector<CheckpointSummary> out(list.size());
+    for (int i = 0; i < list.size(); ++i) FromProto(list[i], &out[i]);
+    return out;
+  }
+
+  absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name) override {
+    pb::ShmRequest request;
+    request.mutable_get_checkpoint()->set_name(name);
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request));
+    CheckpointSummary out;
+    FromProto(reply.response.checkpoint(), &out);
+    return out;
+  }
+
+  absl::StatusOr<TensorListing> ListTensors(const std::string& name, const Query& query) override {
+    pb::ShmRequest request;
+    Fill(name, query, request.mutable_map_tensors());
+    request.mutable_map_tensors()->set_table_only(true);
+    request.mutable_map_tensors()->set_skip_checksums(!query.with_checksums);
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request));
+    const pb::MapTensorsResponse& map = reply.response.map_tensors();
+    TensorListing listing;
+    listing.version = map.version();
+    listing.tensors.resize(map.tensors_size());
+    for (int i = 0; i < map.tensors_size(); ++i) {
+      WEIGHTSTORE_RETURN_IF_ERROR(FromProto(map.tensors(i).info(), &listing.tensors[i]));
+    }
+    if (map.has_apply_result()) FromProto(map.apply_result(), &listing.apply_result.emplace());
+    return listing;
+  }
+
+  absl::StatusOr<MappedTensors> MapTensors(const std::string& name, const Query& query) override {
+    pb::ShmRequest request;
+    Fill(name, query, request.mutable_map_tensors());
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request));
+    const pb::MapTensorsResponse& map = reply.response.map_tensors();
+    if (reply.fds.size() != static_cast<size_t>(map.segments_size())) {
+      return absl::DataLossError(absl::StrCat("the daemon sent ", reply.fds.size(), " descriptors for ",
+                                              map.segments_size(), " segments"));
+    }
+    MappedTensors out;
+    out.version = map.version();
+    for (int i = 0; i < map.segments_size(); ++i) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> segment,
+                                   MapSegment(std::move(reply.fds[i]), map.segments(i), i));
+      out.segments.push_back(std::move(segment));
+    }
+    out.tensors.reserve(map.tensors_size());
+    out.descriptions.resize(map.tensors_size());
+    for (int i = 0; i < map.tensors_size(); ++i) {
+      const pb::MappedTensor& t = map.tensors(i);
+      TensorDescription& d = out.descriptions[i];
+      WEIGHTSTORE_RETURN_IF_ERROR(FromProto(t.info(), &d));
+      const uint64_t size = d.spec.byte_size();
+      if (t.segment() >= out.segments.size() || t.offset() > out.segments[t.segment()]->size() ||
+          size > out.segments[t.segment()]->size() - t.offset()) {
+        return absl::DataLossError(absl::StrCat("tensor '", d.spec.name, "' lies outside segment ", t.segment()));
+      }
+      out.tensors.push_back({d.spec, out.segments[t.segment()]->bytes().Subspan(t.offset(), size)});
+    }
+    if (map.has_apply_result()) FromProto(map.apply_result(), &out.apply_result.emplace());
+    return out;
+  }
+
+  absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, MapTensors(name, query));
+    for (size_t i = 0; i < mapped.tensors.size(); ++i) {
+      const SharedTensor& t = mapped.tensors[i];
+      WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
+      WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
+      std::memcpy(out.data(), t.bytes.data(), t.bytes.size());
+      if (const auto& crc = mapped.descriptions[i].crc32c) {
+        if (Crc32c(absl::string_view(reinterpret_cast<const char*>(out.data()), out.size())) != *crc) {
+          return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' does not match its CRC32C"));
+        }
+      }
+      WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Reply {
+    pb::ShmResponse response;
+    std::vector<UniqueFd> fds;
+  };
+
+  static void Fill(const std::string& name, const Query& query, pb::MapTensorsRequest* out) {
+    out->set_name(name);
+    ToProto(query, out->mutable_selection());
+  }
+
+  absl::Status ConnectLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(socket_, ConnectUnixSocket(path_));
+    return SetSocketTimeouts(socket_.get(), options_.timeout);
+  }
+
+  // Sends `request` and returns the answer. A connection the daemon closed
+  // (a restart) is replaced once; requests have no side effects, so resending
+  // is safe.
+  absl::StatusOr<Reply> Call(const pb::ShmRequest& request) {
+    const std::string bytes = request.SerializeAsString();
+    absl::MutexLock lock(&mu_);
+    absl::Status status;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      if (!socket_.valid()) WEIGHTSTORE_RETURN_IF_ERROR(ConnectLocked());
+      Reply reply;
+      std::string frame;
+      status = SendFrame(socket_.get(), bytes);
+      // Even when sending failed, the daemon may have answered first and closed
+      // (a refusal on connect): read what is queued.
+      absl::Status received = RecvFrame(socket_.get(), options_.max_response_bytes, &frame, &reply.fds);
+      if (status.ok() || received.ok()) status = received;
+      if (status.ok()) {
+        if (!reply.response.ParseFromString(frame)) return absl::DataLossError("the daemon's answer is not a ShmResponse");
+        WEIGHTSTORE_RETURN_IF_ERROR(FromResponse(reply.response));
+        return reply;
+      }
+      socket_.reset();
+      if (!absl::IsUnavailable(status) && !absl::IsOutOfRange(status)) break;
+    }
+    return absl::Status(status.code(), absl::StrCat("weightstored socket '", path_, "': ", status.message()));
+  }
+
+  const std::string path_;
+  const SharedMemoryOptions options_;
+  absl::Mutex mu_;
+  UniqueFd socket_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::Status MappedTensors::Verify() const {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (i < descriptions.size() && descriptions[i].crc32c && Crc32c(tensors[i].bytes.view()) != *descriptions[i].crc32c) {
+      return absl::DataLossError(absl::StrCat("tensor '", tensors[i].spec.name, "' does not match its CRC32C"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<SharedMemoryStore>> ConnectSharedMemoryStore(const std::string& socket_path,
+                                                                            SharedMemoryOptions options) {
+  auto store = std::make_unique<ShmStore>(socket_path, options);
+  WEIGHTSTORE_RETURN_IF_ERROR(store->Connect());
+  return std::unique_ptr<SharedMemoryStore>(std::move(store));
+}
+
+}  // namespace weightstore::client
