@@ -31,18 +31,6 @@ using ::testing::HasSubstr;
 using testing::Daemon;
 using ::weightstore::testing::StatusIs;
 
-// A models folder of symlinks to every fixture: <dir>/<subfolder>/<file>.
-std::string FixtureModels() {
-  const std::string dir = testing::MakeScratchDir("models");
-  for (const char* sub : {"pytorch-models", "pytorch-reader", "safetensors", "burnpack"}) {
-    fs::create_directories(fs::path(dir) / sub);
-    for (const auto& e : fs::directory_iterator(fs::path(testing::FixturesDir()) / "burn" / sub)) {
-      fs::create_symlink(e.path(), fs::path(dir) / sub / e.path().filename());
-    }
-  }
-  return dir;
-}
-
 // Writes a SafeTensors file of `count` F32 tensors of `floats` elements.
 void WriteBig(const std::string& path, int count, size_t floats, float seed) {
   std::vector<SharedTensor> tensors;
@@ -62,7 +50,7 @@ std::unique_ptr<client::Store> Connect(const Daemon& d) { return *client::Connec
 class ServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    models_ = new std::string(FixtureModels());
+    models_ = new std::string(testing::MakeFixtureModelsDir());
     daemon_ = new Daemon(*models_);
   }
   static void TearDownTestSuite() {

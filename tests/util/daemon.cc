@@ -1,12 +1,13 @@
 #include "tests/util/daemon.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
-#include <fcntl.h>
+#include <filesystem>
 #include <thread>
 
 #include "tests/util/test_env.h"
@@ -16,6 +17,18 @@ namespace weightstore::testing {
 std::string DaemonPath() {
   const char* env = std::getenv("WEIGHTSTORED");
   return env != nullptr ? env : WEIGHTSTORED_PATH;
+}
+
+std::string MakeFixtureModelsDir() {
+  namespace fs = std::filesystem;
+  const std::string dir = MakeScratchDir("models");
+  for (const char* sub : {"pytorch-models", "pytorch-reader", "safetensors", "burnpack"}) {
+    fs::create_directories(fs::path(dir) / sub);
+    for (const auto& e : fs::directory_iterator(fs::path(FixturesDir()) / "burn" / sub)) {
+      fs::create_symlink(e.path(), fs::path(dir) / sub / e.path().filename());
+    }
+  }
+  return dir;
 }
 
 Daemon::Daemon(const std::string& models_dir, std::vector<std::string> extra_args, const std::string& listen) {

@@ -34,6 +34,10 @@ class Daemon {
   bool exited_ = false;
 };
 
+// Returns a new models folder of symlinks to every fixture (never copies):
+// <dir>/{pytorch-models,pytorch-reader,safetensors,burnpack}/<file>.
+std::string MakeFixtureModelsDir();
+
 // Path of the weightstored binary.
 std::string DaemonPath();
 

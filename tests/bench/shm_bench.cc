@@ -1,0 +1,252 @@
+// shm_bench: mapping a 1 GB checkpoint through weightstored's same-host socket,
+// beside fetching it over gRPC loopback and reading the file into memory, all
+// in one run with the page cache warm. Then 4 processes map it at once and
+// their memory is read from /proc: RSS counts shared pages in every process,
+// PSS divides them among the processes that share them.
+//
+// Usage: shm_bench [--gb N] [--repeat N]
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/store.h"
+#include "core/checkpoint_writer.h"
+#include "core/host_buffer.h"
+#include "core/mapped_file.h"
+#include "tests/util/daemon.h"
+
+namespace weightstore {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kTensorBytes = 4 << 20;
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+// Field `key` (kB) of /proc/<pid>/smaps_rollup.
+long SmapsKb(pid_t pid, const std::string& key) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/smaps_rollup"));
+  std::string k, unit;
+  long v;
+  while (in >> k) {
+    if (k == key + ":" && in >> v >> unit) return v;
+  }
+  return -1;
+}
+
+struct Timing {
+  double first_ms = 0, all_ms = 0;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Records when the first tensor completed.
+class FirstTensorSink : public client::TensorSink {
+ public:
+  explicit FirstTensorSink(Clock::time_point start) : start_(start) {}
+  absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override {
+    if (buffer_.size() < spec.byte_size()) buffer_ = std::vector<std::byte>(spec.byte_size());
+    return std::span<std::byte>(buffer_.data(), spec.byte_size());
+  }
+  absl::Status End(const TensorSpec&) override {
+    if (first_ms_ < 0) first_ms_ = Ms(Clock::now() - start_);
+    return absl::OkStatus();
+  }
+  double first_ms() const { return first_ms_; }
+
+ private:
+  Clock::time_point start_;
+  std::vector<std::byte> buffer_;
+  double first_ms_ = -1;
+};
+
+}  // namespace
+}  // namespace weightstore
+
+int main(int argc, char** argv) {
+  using namespace weightstore;
+  int gb = 1, repeat = 5;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (!std::strcmp(argv[i], "--gb")) gb = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--repeat")) repeat = std::atoi(argv[i + 1]);
+  }
+  client::TuneAllocatorForStreaming();
+  char tmpl[] = "/tmp/weightstore-shm-bench-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  const std::string models = dir + "/models", socket = dir + "/ws.sock";
+  std::filesystem::create_directories(models);
+  const uint64_t count = (static_cast<uint64_t>(gb) << 30) / kTensorBytes;
+  {
+    SharedBytes block = SharedBytes::FromVector(std::vector<std::byte>(kTensorBytes, std::byte{7}));
+    auto writer = CheckpointWriter::Create(models + "/big.safetensors", Format::kSafeTensors);
+    for (uint64_t i = 0; i < count; ++i) {
+      (void)(*writer)->Add({absl::StrCat("w.", i), DType::kF32, {kTensorBytes / 4}},
+                           [block] { return absl::StatusOr<SharedBytes>(block); });
+    }
+    if (!(*writer)->Finish().ok()) return 1;
+  }
+  const std::string file = models + "/big.safetensors";
+  const uint64_t total = count * kTensorBytes;
+  testing::Daemon daemon(models, {"--socket", socket});
+  if (daemon.port() == 0) {
+    std::fprintf(stderr, "shm_bench: the daemon did not start:\n%s\n", daemon.log().c_str());
+    return 1;
+  }
+  std::printf("shm_bench: %llu MiB checkpoint (%llu tensors of 4 MiB), page cache warm, median of %d\n\n",
+              static_cast<unsigned long long>(total >> 20), static_cast<unsigned long long>(count), repeat);
+
+  // The first socket request of a version computes every tensor's CRC32C once.
+  double first_request_ms;
+  {
+    const auto start = Clock::now();
+    auto store = client::ConnectSharedMemoryStore(socket);
+    auto mapped = (*store)->MapTensors("big", {});
+    if (!mapped.ok()) {
+      std::fprintf(stderr, "shm_bench: %s\n", mapped.status().ToString().c_str());
+      return 1;
+    }
+    first_request_ms = Ms(Clock::now() - start);
+  }
+
+  std::vector<double> shm_first, shm_all, shm_touch, grpc_first, grpc_all, read_first, read_all;
+  long rss_growth_kb = 0;
+  for (int r = 0; r < repeat; ++r) {
+    {  // socket: connect, map every tensor, read the first tensor's first byte
+      const long rss_before = SmapsKb(::getpid(), "Rss");
+      const auto start = Clock::now();
+      auto store = client::ConnectSharedMemoryStore(socket);
+      auto mapped = (*store)->MapTensors("big", {});
+      volatile std::byte b = mapped->tensors[0].bytes.data()[0];
+      (void)b;
+      shm_first.push_back(Ms(Clock::now() - start));
+      shm_all.push_back(shm_first.back());  // every tensor is usable once mapped
+      rss_growth_kb = SmapsKb(::getpid(), "Rss") - rss_before;
+      // For reference: reading every mapped byte once (page-table population).
+      const auto touch = Clock::now();
+      uint64_t sum = 0;
+      for (const auto& t : mapped->tensors) {
+        for (size_t i = 0; i < t.bytes.size(); i += 4096) sum += static_cast<uint8_t>(t.bytes.data()[i]);
+      }
+      if (sum == 1) std::printf(" ");
+      shm_touch.push_back(Ms(Clock::now() - touch));
+    }
+    {  // gRPC loopback into one reused buffer
+      auto store = client::ConnectRemoteStore(daemon.address());
+      const auto start = Clock::now();
+      FirstTensorSink sink(start);
+      if (!(*store)->FetchTensors("big", {}, &sink).ok()) return 1;
+      grpc_all.push_back(Ms(Clock::now() - start));
+      grpc_first.push_back(sink.first_ms());
+    }
+    {  // read the file into memory: pread into a huge-page buffer (the fastest fill here)
+      const auto start = Clock::now();
+      int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+      const uint64_t size = std::filesystem::file_size(file);
+      auto buffer = HostBuffer::Allocate(size);
+      if (fd < 0 || !buffer.ok()) return 1;
+      // The first tensor is usable once the header and its bytes are in.
+      const uint64_t first = std::min<uint64_t>(size, kTensorBytes + 64 * 1024);
+      if (!PreadFully(fd, 0, buffer->data(), first, file).ok()) return 1;
+      read_first.push_back(Ms(Clock::now() - start));
+      if (!PreadFully(fd, first, buffer->data() + first, size - first, file).ok()) return 1;
+      read_all.push_back(Ms(Clock::now() - start));
+      ::close(fd);
+    }
+  }
+  auto gbps = [&](double ms) { return static_cast<double>(total) / (ms / 1e3) / 1e9; };
+  std::printf("%-46s %14s %14s %10s\n", "path", "first tensor", "all tensors", "GB/s");
+  std::printf("  %-44s %11.2f ms %11.2f ms %10.1f\n", "socket: connect + map (no copy)", Median(shm_first),
+              Median(shm_all), gbps(Median(shm_all)));
+  std::printf("  %-44s %11s %11.2f ms %10.1f\n", "  then touching every page once", "", Median(shm_touch),
+              gbps(Median(shm_touch)));
+  std::printf("  %-44s %11.2f ms %11.2f ms %10.1f\n", "gRPC loopback fetch (1 client)", Median(grpc_first),
+              Median(grpc_all), gbps(Median(grpc_all)));
+  std::printf("  %-44s %11.2f ms %11.2f ms %10.1f\n", "read the file into memory (pread)", Median(read_first),
+              Median(read_all), gbps(Median(read_all)));
+  std::printf("\nfirst socket request of this version (daemon computes CRC32C once): %.1f ms\n", first_request_ms);
+  {  // a cast: materialized once into a sealed memfd, then shared
+    client::Query f16;
+    f16.selection.dtype = DType::kF16;
+    auto store = client::ConnectSharedMemoryStore(socket);
+    auto start = Clock::now();
+    auto built = (*store)->MapTensors("big", f16);
+    const double build_ms = Ms(Clock::now() - start);
+    start = Clock::now();
+    auto shared = (*store)->MapTensors("big", f16);
+    const double hit_ms = Ms(Clock::now() - start);
+    if (!built.ok() || !shared.ok()) return 1;
+    std::printf("cast to F16: first request builds the sealed segment in %.1f ms; later requests map it in %.2f ms\n",
+                build_ms, hit_ms);
+  }
+  std::printf("client RSS growth from mapping alone: %ld KiB (tensor bytes are not copied)\n", rss_growth_kb);
+  std::printf("socket map vs gRPC: %.0fx faster; vs reading the file: %.0fx faster\n",
+              Median(grpc_all) / Median(shm_all), Median(read_all) / Median(shm_all));
+
+  // 4 processes map the checkpoint and touch every byte, then hold it.
+  const int kProcs = 4;
+  std::vector<pid_t> pids;
+  std::vector<int> pipes;
+  for (int p = 0; p < kProcs; ++p) {
+    int fds[2];
+    if (::pipe(fds) != 0) return 1;
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::dup2(fds[1], STDOUT_FILENO);
+      ::close(fds[0]);
+      std::string probe = WEIGHTSTORE_SHM_PROBE_PATH;
+      std::string hold = "--hold-ms", ms = "4000", name = "big";
+      char* args[] = {probe.data(), const_cast<char*>(socket.c_str()), name.data(), hold.data(), ms.data(), nullptr};
+      ::execv(args[0], args);
+      ::_exit(127);
+    }
+    ::close(fds[1]);
+    pids.push_back(pid);
+    pipes.push_back(fds[0]);
+  }
+  for (int fd : pipes) {  // each probe prints its memory line once it has touched everything
+    std::string out;
+    char buf[4096];
+    while (out.find("memory") == std::string::npos) {
+      ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n <= 0) break;
+      out.append(buf, static_cast<size_t>(n));
+    }
+  }
+  long rss = 0, pss = 0;
+  for (pid_t pid : pids) {
+    rss += SmapsKb(pid, "Rss");
+    pss += SmapsKb(pid, "Pss");
+  }
+  const long daemon_pss = SmapsKb(daemon.pid(), "Pss");
+  for (size_t i = 0; i < pids.size(); ++i) {
+    ::kill(pids[i], SIGTERM);
+    ::waitpid(pids[i], nullptr, 0);
+    ::close(pipes[i]);
+  }
+  std::printf("\n%d processes mapping all %llu MiB at once (every byte touched):\n", kProcs,
+              static_cast<unsigned long long>(total >> 20));
+  std::printf("  sum of RSS: %8.1f MiB   (shared pages counted in every process)\n", rss / 1024.0);
+  std::printf("  sum of PSS: %8.1f MiB   (each shared page split among its mappers) = %.2fx the checkpoint\n",
+              pss / 1024.0, pss * 1024.0 / static_cast<double>(total));
+  std::printf("  the daemon's PSS: %.1f MiB (it maps the same pages: its share of them, plus its own heap)\n",
+              daemon_pss / 1024.0);
+  std::printf("  processes + daemon: %.2fx the checkpoint, against %dx for %d private copies\n",
+              (pss + daemon_pss) * 1024.0 / static_cast<double>(total), kProcs, kProcs);
+  std::filesystem::remove_all(dir);
+  return 0;
+}

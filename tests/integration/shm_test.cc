@@ -1,0 +1,461 @@
+// The same-host socket of a real weightstored: processes map its segments
+// read-only, see identical bytes, cannot write them, keep them after unload,
+// eviction and a daemon crash; bad peers and bad frames are refused while
+// everyone else is served.
+#include <fcntl.h>
+#include <gmock/gmock.h>
+#include <grpcpp/create_channel.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/store.h"
+#include "core/checkpoint.h"
+#include "core/checkpoint_writer.h"
+#include "core/crc32c.h"
+#include "core/sealed_memfd.h"
+#include "core/unix_socket.h"
+#include "tests/util/daemon.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
+#include "weightstore/v1/shm.pb.h"
+#include "weightstore/v1/weight_store.grpc.pb.h"
+
+namespace weightstore {
+namespace {
+
+namespace fs = std::filesystem;
+namespace pb = ::weightstore::v1;
+using ::testing::HasSubstr;
+using testing::Daemon;
+using ::weightstore::testing::StatusIs;
+
+std::string ProbePath() { return WEIGHTSTORE_SHM_PROBE_PATH; }
+
+// Writes a SafeTensors file of `count` F32 tensors of `floats` elements each.
+void WriteFloats(const std::string& path, int count, size_t floats, float seed) {
+  std::vector<SharedTensor> tensors;
+  for (int i = 0; i < count; ++i) {
+    std::vector<std::byte> data(floats * 4);
+    for (size_t k = 0; k < floats; ++k) {
+      float v = seed + static_cast<float>(i) + static_cast<float>(k) / 8;
+      std::memcpy(data.data() + 4 * k, &v, 4);
+    }
+    tensors.push_back({{absl::StrCat("w.", i), DType::kF32, {floats}}, SharedBytes::FromVector(std::move(data))});
+  }
+  testing::WriteFileOrDie(path, *SerializeCheckpoint(Format::kSafeTensors, tensors, {}));
+}
+
+// Runs weightstored with a socket in a scratch folder.
+struct SocketDaemon {
+  explicit SocketDaemon(const std::string& models, std::vector<std::string> extra = {})
+      : socket(testing::MakeScratchDir("sock") + "/ws.sock") {
+    extra.push_back("--socket");
+    extra.push_back(socket);
+    daemon = std::make_unique<Daemon>(models, extra);
+  }
+  std::string socket;
+  std::unique_ptr<Daemon> daemon;
+};
+
+std::unique_ptr<client::SharedMemoryStore> ConnectShm(const std::string& socket) {
+  auto store = client::ConnectSharedMemoryStore(socket);
+  EXPECT_OK(store.status());
+  return store.ok() ? *std::move(store) : nullptr;
+}
+
+client::Query CastTo(DType dtype) {
+  client::Query q;
+  q.selection.dtype = dtype;
+  return q;
+}
+
+// Memfds weightstored holds open, by /proc/PID/fd.
+int MemfdsHeldBy(pid_t pid) {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(absl::StrCat("/proc/", pid, "/fd"), ec)) {
+    std::string target = fs::read_symlink(e.path(), ec).string();
+    if (target.find("memfd:weightstore:") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+class ShmTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    models_ = new std::string(testing::MakeFixtureModelsDir());
+    server_ = new SocketDaemon(*models_);
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(server_->daemon->port(), 0) << server_->daemon->log(); }
+
+  static std::string* models_;
+  static SocketDaemon* server_;
+};
+std::string* ShmTest::models_ = nullptr;
+SocketDaemon* ShmTest::server_ = nullptr;
+
+TEST_F(ShmTest, SocketFileIsGroupOnly) {
+  struct stat st;
+  ASSERT_EQ(::stat(server_->socket.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+}
+
+TEST_F(ShmTest, MapsEveryFixtureByteForByteWithoutCopying) {
+  auto store = ConnectShm(server_->socket);
+  ASSERT_OK_AND_ASSIGN(auto list, store->ListCheckpoints());
+  ASSERT_GT(list.size(), 40u);
+  for (const auto& c : list) {
+    SCOPED_TRACE(c.name);
+    ASSERT_OK_AND_ASSIGN(auto local, Checkpoint::Open(c.path));
+    ASSERT_OK_AND_ASSIGN(client::MappedTensors mapped, store->MapTensors(c.name, {}));
+    ASSERT_EQ(mapped.tensors.size(), local->size());
+    EXPECT_OK(mapped.Verify());
+    for (size_t i = 0; i < mapped.tensors.size(); ++i) {
+      ASSERT_OK_AND_ASSIGN(SharedTensor want, local->Read(local->entries()[i]));
+      EXPECT_EQ(mapped.tensors[i].spec, want.spec);
+      EXPECT_TRUE(mapped.tensors[i].bytes.view() == want.bytes.view()) << want.spec.name;
+    }
+  }
+}
+
+TEST_F(ShmTest, SafeTensorsArePassedAsTheFileItselfAndCastsAsOneSealedMemfd) {
+  auto store = ConnectShm(server_->socket);
+  ASSERT_OK_AND_ASSIGN(auto summary, store->GetCheckpoint("safetensors/multi_layer"));
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors plain, store->MapTensors("safetensors/multi_layer", {}));
+  ASSERT_EQ(plain.segments.size(), 1u);
+  struct stat file_st, seg_st;
+  ASSERT_EQ(::stat(summary.path.c_str(), &file_st), 0);
+  ASSERT_EQ(::fstat(plain.segments[0]->fd(), &seg_st), 0);
+  EXPECT_EQ(seg_st.st_ino, file_st.st_ino);  // the checkpoint file itself
+  EXPECT_FALSE(CheckSealed(plain.segments[0]->fd(), "file").ok());
+
+  // Cast: floating-point tensors are materialized into one sealed memfd; the
+  // integer ones (num_batches_tracked) still come from the file.
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors cast, store->MapTensors("safetensors/multi_layer", CastTo(DType::kF16)));
+  ASSERT_EQ(cast.segments.size(), 2u);
+  const int sealed = CheckSealed(cast.segments[0]->fd(), "0").ok() ? 0 : 1;
+  EXPECT_OK(CheckSealed(cast.segments[sealed]->fd(), "segment"));
+  EXPECT_FALSE(CheckSealed(cast.segments[1 - sealed]->fd(), "file").ok());
+  EXPECT_OK(cast.Verify());
+  for (const SharedTensor& t : cast.tensors) {
+    EXPECT_EQ(t.spec.dtype, IsFloatingPoint(t.spec.dtype) ? DType::kF16 : DType::kI64) << t.spec.name;
+  }
+  // The same transformation again is the same segment, not a new one.
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors again, store->MapTensors("safetensors/multi_layer", CastTo(DType::kF16)));
+  ASSERT_EQ(again.segments.size(), 2u);
+  ASSERT_EQ(::fstat(cast.segments[sealed]->fd(), &file_st), 0);
+  ASSERT_EQ(::fstat(again.segments[sealed]->fd(), &seg_st), 0);
+  EXPECT_EQ(seg_st.st_ino, file_st.st_ino);
+}
+
+TEST_F(ShmTest, TwoProcessesMapTheSameSegmentsAndSeeIdenticalBytes) {
+  const std::string name = "pytorch-models/linear";
+  auto store = ConnectShm(server_->socket);
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors mine, store->MapTensors(name, CastTo(DType::kF64)));
+  std::map<std::string, uint32_t> want;
+  for (const auto& t : mine.tensors) want[t.spec.name] = Crc32c(t.bytes.view());
+  std::set<std::string> my_segments;
+  for (const auto& s : mine.segments) {
+    struct stat st;
+    ::fstat(s->fd(), &st);
+    my_segments.insert(absl::StrCat(st.st_dev, ":", st.st_ino));
+  }
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(ProbePath(), " ", server_->socket, " ", name, " --dtype f64"), &out, false),
+            0) << out;
+  std::map<std::string, uint32_t> theirs;
+  std::set<std::string> their_segments;
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    std::vector<std::string> f = absl::StrSplit(line, ' ');
+    if (f.size() == 3 && f[0] == "tensor") theirs[f[1]] = static_cast<uint32_t>(std::stoul(f[2]));
+    if (f.size() == 4 && f[0] == "segment") their_segments.insert(f[2]);
+  }
+  EXPECT_EQ(theirs, want);
+  EXPECT_EQ(their_segments, my_segments);  // the same inodes: one copy in memory
+}
+
+TEST_F(ShmTest, TableOnlyListingMaterializesNothing) {
+  auto store = ConnectShm(server_->socket);
+  client::Query q = CastTo(DType::kF64);
+  q.with_checksums = true;
+  q.selection.include = {"fc1"};
+  const int before = MemfdsHeldBy(server_->daemon->pid());
+  ASSERT_OK_AND_ASSIGN(client::TensorListing listing, store->ListTensors("burnpack/mnist", q));
+  EXPECT_EQ(MemfdsHeldBy(server_->daemon->pid()), before);
+  ASSERT_FALSE(listing.tensors.empty());
+  for (const auto& t : listing.tensors) {
+    EXPECT_THAT(t.spec.name, HasSubstr("fc1"));
+    EXPECT_EQ(t.spec.dtype, DType::kF64);
+    EXPECT_TRUE(t.crc32c.has_value());
+  }
+  // The checksums listed are those of the bytes mapped later.
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors mapped, store->MapTensors("burnpack/mnist", q));
+  ASSERT_EQ(mapped.tensors.size(), listing.tensors.size());
+  for (size_t i = 0; i < mapped.tensors.size(); ++i) {
+    EXPECT_EQ(Crc32c(mapped.tensors[i].bytes.view()), *listing.tensors[i].crc32c);
+  }
+}
+
+TEST_F(ShmTest, ApplyingToATargetReturnsTheLoadResult) {
+  auto store = ConnectShm(server_->socket);
+  client::Query q;
+  q.target = TargetSchema{};
+  q.target->parameters.push_back({"fc1.weight", DType::kF32, {1600, 128}, ""});
+  q.target->parameters.push_back({"absent.weight", DType::kF32, {3}, ""});
+  q.allow_partial = true;
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors mapped, store->MapTensors("burnpack/mnist", q));
+  ASSERT_TRUE(mapped.apply_result.has_value());
+  EXPECT_THAT(mapped.apply_result->applied, ::testing::ElementsAre("fc1.weight"));
+  EXPECT_THAT(mapped.apply_result->missing, ::testing::ElementsAre("absent.weight"));
+  ASSERT_EQ(mapped.tensors.size(), 1u);
+}
+
+TEST_F(ShmTest, UnknownCheckpointAndBadPatternAreClearErrors) {
+  auto store = ConnectShm(server_->socket);
+  EXPECT_THAT(store->MapTensors("nope", {}), StatusIs(absl::StatusCode::kNotFound, HasSubstr("'nope'")));
+  client::Query bad;
+  bad.selection.include = {"(unclosed"};
+  EXPECT_THAT(store->MapTensors("burnpack/mnist", bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(unclosed")));
+  // The connection is still good.
+  EXPECT_OK(store->GetCheckpoint("burnpack/mnist").status());
+}
+
+// Sends raw bytes on a fresh connection and returns the daemon's answer, if any.
+absl::StatusOr<pb::ShmResponse> RawExchange(const std::string& socket, const std::string& bytes) {
+  absl::StatusOr<UniqueFd> fd = ConnectUnixSocket(socket);
+  if (!fd.ok()) return fd.status();
+  (void)SetSocketTimeouts(fd->get(), std::chrono::seconds(10));
+  if (::send(fd->get(), bytes.data(), bytes.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(bytes.size())) {
+    return absl::UnavailableError("send");
+  }
+  std::string frame;
+  std::vector<UniqueFd> fds;
+  absl::Status status = RecvFrame(fd->get(), 1 << 20, &frame, &fds);
+  if (!status.ok()) return status;
+  pb::ShmResponse response;
+  if (!response.ParseFromString(frame)) return absl::DataLossError("not a ShmResponse");
+  return response;
+}
+
+std::string Framed(const std::string& payload) {
+  const uint32_t n = static_cast<uint32_t>(payload.size());
+  std::string out(4, '\0');
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<char>(n >> (8 * i));
+  return out + payload;
+}
+
+TEST_F(ShmTest, GarbageTruncatedFramesAndAbsurdLengthsGetErrorsAndOthersKeepBeingServed) {
+  auto bystander = ConnectShm(server_->socket);
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors before, bystander->MapTensors("burnpack/mnist", {}));
+
+  ASSERT_OK_AND_ASSIGN(pb::ShmResponse garbage, RawExchange(server_->socket, Framed("\xff\xfe garbage \x01")));
+  EXPECT_EQ(garbage.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(garbage.message(), HasSubstr("not a ShmRequest"));
+
+  ASSERT_OK_AND_ASSIGN(pb::ShmResponse absurd, RawExchange(server_->socket, std::string("\xff\xff\xff\xff", 4)));
+  EXPECT_EQ(absurd.code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(absurd.message(), HasSubstr("4294967295"));
+
+  pb::ShmRequest empty;
+  ASSERT_OK_AND_ASSIGN(pb::ShmResponse no_request, RawExchange(server_->socket, Framed(empty.SerializeAsString())));
+  EXPECT_EQ(no_request.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+
+  {  // a frame cut short, then the client leaves
+    ASSERT_OK_AND_ASSIGN(UniqueFd fd, ConnectUnixSocket(server_->socket));
+    std::string partial = Framed(std::string(100, 'x')).substr(0, 50);
+    ASSERT_EQ(::send(fd.get(), partial.data(), partial.size(), MSG_NOSIGNAL), 50);
+  }
+  {  // a request carrying descriptors
+    ASSERT_OK_AND_ASSIGN(UniqueFd fd, ConnectUnixSocket(server_->socket));
+    pb::ShmRequest list;
+    list.mutable_list_checkpoints();
+    int pass = ::open("/dev/null", O_RDONLY);
+    ASSERT_OK(SendFrame(fd.get(), list.SerializeAsString(), std::span<const int>(&pass, 1)));
+    ::close(pass);
+    std::string frame;
+    std::vector<UniqueFd> fds;
+    ASSERT_OK(RecvFrame(fd.get(), 1 << 20, &frame, &fds));
+    pb::ShmResponse response;
+    ASSERT_TRUE(response.ParseFromString(frame));
+    EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(response.message(), HasSubstr("descriptors"));
+  }
+  // A client that connects and says nothing does not hold anyone up.
+  ASSERT_OK_AND_ASSIGN(UniqueFd silent, ConnectUnixSocket(server_->socket));
+
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors after, bystander->MapTensors("burnpack/mnist", {}));
+  EXPECT_OK(after.Verify());
+  EXPECT_OK(before.Verify());
+  EXPECT_NE(server_->daemon->port(), 0);
+}
+
+TEST(ShmAccessTest, DisallowedUidIsRefusedByPeerCredentials) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteFloats(models + "/m.safetensors", 2, 64, 1);
+  // Only uid 65534 may connect; this test runs as another uid.
+  ASSERT_NE(::geteuid(), 65534u);
+  SocketDaemon server(models, {"--socket-allow-uid", "65534"});
+  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+  ASSERT_OK_AND_ASSIGN(auto store, client::ConnectSharedMemoryStore(server.socket));
+  EXPECT_THAT(store->ListCheckpoints(),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr(absl::StrCat("uid ", ::geteuid()))));
+  // Our gid on the list lets us in.
+  SocketDaemon by_gid(models, {"--socket-allow-uid", "65534", "--socket-allow-gid", std::to_string(::getegid())});
+  ASSERT_NE(by_gid.daemon->port(), 0) << by_gid.daemon->log();
+  ASSERT_OK_AND_ASSIGN(auto allowed, client::ConnectSharedMemoryStore(by_gid.socket));
+  EXPECT_OK(allowed->ListCheckpoints().status());
+}
+
+// Runs on checkpoints written by the test: the checks below try to write, and a
+// root test process could otherwise damage a shared fixture if one ever passed.
+TEST(ShmSealTest, ClientCannotWriteThroughItsMappingOrReopenASegmentWritable) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteFloats(models + "/m.safetensors", 2, 4096, 3);
+  SocketDaemon server(models);
+  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+  auto store = ConnectShm(server.socket);
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors file, store->MapTensors("m", {}));
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors memfd, store->MapTensors("m", CastTo(DType::kBF16)));
+  ASSERT_EQ(file.segments.size(), 1u);
+  ASSERT_EQ(memfd.segments.size(), 1u);
+  ASSERT_FALSE(CheckSealed(file.segments[0]->fd(), "file").ok());
+  ASSERT_OK(CheckSealed(memfd.segments[0]->fd(), "memfd"));
+  for (const auto* mapped : {&file, &memfd}) {
+    const MappedFile& segment = *mapped->segments[0];
+    SCOPED_TRACE(segment.path());
+    EXPECT_EQ(::fcntl(segment.fd(), F_GETFL) & O_ACCMODE, O_RDONLY);
+    const long page = ::sysconf(_SC_PAGESIZE);
+    void* page_start = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(segment.bytes().data()) & ~(page - 1));
+    EXPECT_NE(::mprotect(page_start, page, PROT_READ | PROT_WRITE), 0);
+    EXPECT_EQ(::mmap(nullptr, segment.size(), PROT_READ | PROT_WRITE, MAP_SHARED, segment.fd(), 0), MAP_FAILED);
+    EXPECT_LT(::write(segment.fd(), "x", 1), 0);
+    EXPECT_NE(::ftruncate(segment.fd(), 0), 0);
+  }
+  // The memfd reopened for writing through /proc still refuses every change.
+  int rw = ::open(absl::StrCat("/proc/self/fd/", memfd.segments[0]->fd()).c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(rw, 0);
+  EXPECT_LT(::write(rw, "x", 1), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(::mmap(nullptr, memfd.segments[0]->size(), PROT_READ | PROT_WRITE, MAP_SHARED, rw, 0), MAP_FAILED);
+  EXPECT_NE(::ftruncate(rw, 1), 0);
+  EXPECT_NE(::fcntl(rw, F_ADD_SEALS, F_SEAL_FUTURE_WRITE), 0);  // F_SEAL_SEAL: no seal can change
+  ::close(rw);
+  EXPECT_OK(memfd.Verify());
+  EXPECT_OK(file.Verify());
+}
+
+TEST(ShmLifetimeTest, MappingsStayReadableAfterUnloadAndEviction) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteFloats(models + "/a.safetensors", 4, 64 * 1024, 1);  // 1 MiB of F32; 2 MiB as F64
+  WriteFloats(models + "/b.safetensors", 4, 64 * 1024, 2);
+  // Room for one F64 copy (2 MiB) at a time.
+  SocketDaemon server(models, {"--shm-budget", "3MiB"});
+  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+  auto store = ConnectShm(server.socket);
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors a, store->MapTensors("a", CastTo(DType::kF64)));
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors a_file, store->MapTensors("a", {}));
+  EXPECT_EQ(MemfdsHeldBy(server.daemon->pid()), 1);
+
+  // b's segment evicts a's.
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors b, store->MapTensors("b", CastTo(DType::kF64)));
+  EXPECT_EQ(MemfdsHeldBy(server.daemon->pid()), 1);
+
+  // Unload a, then remove its file: our mappings still read the same bytes.
+  auto channel = grpc::CreateChannel(server.daemon->address(), grpc::InsecureChannelCredentials());
+  auto stub = pb::WeightStore::NewStub(channel);
+  grpc::ClientContext ctx;
+  pb::UnloadCheckpointRequest req;
+  req.set_name("a");
+  pb::UnloadCheckpointResponse resp;
+  ASSERT_TRUE(stub->UnloadCheckpoint(&ctx, req, &resp).ok());
+  fs::remove(models + "/a.safetensors");
+  EXPECT_THAT(store->MapTensors("a", {}), StatusIs(absl::StatusCode::kNotFound));
+
+  EXPECT_OK(a.Verify());
+  EXPECT_OK(a_file.Verify());
+  EXPECT_OK(b.Verify());
+  double first;
+  std::memcpy(&first, a.tensors[1].bytes.data() + 8, 8);
+  EXPECT_EQ(first, 1.0 + 1 + 1.0 / 8);  // w.1[1] of seed 1, as F64
+}
+
+TEST(ShmLifetimeTest, BudgetHoldsForSegmentsAndPreloads) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteFloats(models + "/small.safetensors", 1, 1024, 1);      // 4 KiB
+  WriteFloats(models + "/big.safetensors", 2, 256 * 1024, 2);  // 2 MiB
+  SocketDaemon server(models, {"--shm-budget", "1MiB", "--preload-checkpoint", "small",
+                               "--preload-checkpoint", "big"});
+  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+  // big does not fit the budget: not served, and the log says why.
+  EXPECT_THAT(server.daemon->log(), HasSubstr("preloading 'big'"));
+  auto store = ConnectShm(server.socket);
+  EXPECT_THAT(store->GetCheckpoint("big"), StatusIs(absl::StatusCode::kNotFound));
+  // small is served from a sealed memfd.
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors small, store->MapTensors("small", {}));
+  ASSERT_EQ(small.segments.size(), 1u);
+  EXPECT_OK(CheckSealed(small.segments[0]->fd(), "preload"));
+  EXPECT_OK(small.Verify());
+  // A cast larger than what is left of the budget is refused, naming it.
+  WriteFloats(models + "/mid.safetensors", 1, 200 * 1024, 3);  // 800 KiB; 1.6 MiB as F64
+  auto channel = grpc::CreateChannel(server.daemon->address(), grpc::InsecureChannelCredentials());
+  auto stub = pb::WeightStore::NewStub(channel);
+  grpc::ClientContext ctx;
+  pb::RescanResponse rescan;
+  ASSERT_TRUE(stub->Rescan(&ctx, pb::RescanRequest(), &rescan).ok());
+  EXPECT_THAT(store->MapTensors("mid", CastTo(DType::kF64)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("budget is 1048576 bytes")));
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors half, store->MapTensors("mid", CastTo(DType::kF16)));
+  EXPECT_OK(half.Verify());
+}
+
+TEST(ShmCrashTest, MappingsSurviveKill9AndARestartedDaemonServesOnTheSamePath) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteFloats(models + "/m.safetensors", 3, 4096, 5);
+  auto server = std::make_unique<SocketDaemon>(models);
+  ASSERT_NE(server->daemon->port(), 0) << server->daemon->log();
+  const std::string socket = server->socket;
+  auto store = ConnectShm(socket);
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors cast, store->MapTensors("m", CastTo(DType::kF16)));
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors file, store->MapTensors("m", {}));
+
+  server->daemon->Signal(SIGKILL);
+  server->daemon->WaitExit(10000);
+  EXPECT_OK(cast.Verify());
+  EXPECT_OK(file.Verify());
+  EXPECT_TRUE(fs::exists(socket));  // left by the crash, replaced by the next daemon
+
+  // A second daemon on a live socket refuses to start; after a crash it takes over.
+  Daemon restarted(models, {"--socket", socket});
+  ASSERT_NE(restarted.port(), 0) << restarted.log();
+  Daemon second(models, {"--socket", socket});
+  EXPECT_EQ(second.port(), 0);
+  EXPECT_THAT(second.log(), HasSubstr("another daemon is listening"));
+
+  // The old store reconnects by itself.
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors fresh, store->MapTensors("m", CastTo(DType::kF16)));
+  ASSERT_EQ(fresh.tensors.size(), cast.tensors.size());
+  for (size_t i = 0; i < fresh.tensors.size(); ++i) {
+    EXPECT_TRUE(fresh.tensors[i].bytes.view() == cast.tensors[i].bytes.view());
+  }
+  restarted.Signal(SIGTERM);
+  EXPECT_EQ(restarted.WaitExit(10000), 0);
+  EXPECT_FALSE(fs::exists(socket));  // a clean stop removes it
+}
+
+}  // namespace
+}  // namespace weightstore

@@ -1,0 +1,79 @@
+// shm_probe: a second process for same-host tests and benchmarks. Maps a
+// checkpoint through weightstored's socket, reads every byte, and prints what it
+// saw, one fact per line:
+//   segment <index> <device>:<inode> <size>
+//   tensor <name> <crc32c of the mapped bytes>
+//   memory rss_kb=<n> pss_kb=<n>        (after touching every byte)
+// then waits --hold-ms before exiting (so several probes map at once).
+//
+// Usage: shm_probe SOCKET NAME [--dtype DTYPE] [--hold-ms N]
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "absl/strings/ascii.h"
+#include "client/store.h"
+#include "core/crc32c.h"
+#include "core/dtype.h"
+
+namespace {
+
+// Reads "Rss:" and "Pss:" (kB) from /proc/self/smaps_rollup.
+void PrintMemory() {
+  std::ifstream in("/proc/self/smaps_rollup");
+  std::string key;
+  long rss = -1, pss = -1, value;
+  std::string unit;
+  while (in >> key) {
+    if (key == "Rss:" && in >> value >> unit) rss = value;
+    else if (key == "Pss:" && in >> value >> unit) pss = value;
+  }
+  std::printf("memory rss_kb=%ld pss_kb=%ld\n", rss, pss);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: shm_probe SOCKET NAME [--dtype DTYPE] [--hold-ms N]\n");
+    return 2;
+  }
+  weightstore::client::Query query;
+  int hold_ms = 0;
+  for (int i = 3; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--dtype") == 0) {
+      query.selection.dtype = weightstore::ParseDType(absl::AsciiStrToUpper(argv[i + 1]));
+    } else if (std::strcmp(argv[i], "--hold-ms") == 0) {
+      hold_ms = std::atoi(argv[i + 1]);
+    }
+  }
+  auto store = weightstore::client::ConnectSharedMemoryStore(argv[1]);
+  if (!store.ok()) {
+    std::fprintf(stderr, "shm_probe: %s\n", store.status().ToString().c_str());
+    return 1;
+  }
+  auto mapped = (*store)->MapTensors(argv[2], query);
+  if (!mapped.ok()) {
+    std::fprintf(stderr, "shm_probe: %s\n", mapped.status().ToString().c_str());
+    return 1;
+  }
+  for (size_t i = 0; i < mapped->segments.size(); ++i) {
+    struct stat st;
+    ::fstat(mapped->segments[i]->fd(), &st);
+    std::printf("segment %zu %lu:%lu %llu\n", i, static_cast<unsigned long>(st.st_dev),
+                static_cast<unsigned long>(st.st_ino), static_cast<unsigned long long>(st.st_size));
+  }
+  for (const auto& t : mapped->tensors) {
+    std::printf("tensor %s %u\n", t.spec.name.c_str(), weightstore::Crc32c(t.bytes.view()));
+  }
+  PrintMemory();
+  std::fflush(stdout);
+  if (hold_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
+  return 0;
+}
