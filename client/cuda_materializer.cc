@@ -156,7 +156,17 @@ size_t PinnedMappings::size() const {
   return entries_.size();
 }
 
-absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot, const CopyToDeviceOptions& options) {
+namespace {
+
+// A tensor on the host and, when its bytes lie in a mapping that may be
+// registered with CUDA, that mapping's whole range.
+struct HostTensor {
+  SharedTensor host;
+  std::optional<SharedBytes> storage;
+};
+
+absl::StatusOr<std::vector<DeviceTensor>> CopyHostTensors(std::vector<HostTensor> items,
+                                                          const CopyToDeviceOptions& options) {
   if (!CudaAvailable()) return absl::UnavailableError("no CUDA device is available");
   WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaSetDevice(options.device), "cudaSetDevice"));
   cudaStream_t stream;
@@ -171,7 +181,7 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
   // storage share one device allocation and one DMA over their extent (when they
   // cover most of it), and each DeviceTensor aliases its piece. The rest go
   // through a CudaSink's pinned ring. Output keeps snapshot order.
-  std::vector<std::optional<DeviceTensor>> out(snapshot.size());
+  std::vector<std::optional<DeviceTensor>> out(items.size());
   std::vector<size_t> staged;
   std::unique_ptr<CudaSink> sink;
   std::vector<SharedTensor> keep;  // host bytes stay alive until the copies finish
@@ -181,19 +191,12 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
   };
   std::map<const std::byte*, std::vector<Direct>> by_region;  // registered base -> tensors
   absl::Status status;
-  for (size_t i = 0; i < snapshot.size() && status.ok(); ++i) {
-    const SnapshotTensor& t = snapshot.tensors()[i];
-    absl::StatusOr<SharedTensor> host = snapshot.Read(t);
-    if (!host.ok()) {
-      status = host.status();
-      break;
-    }
+  for (size_t i = 0; i < items.size() && status.ok(); ++i) {
+    const TensorSpec& spec = items[i].host.spec;
+    std::optional<SharedTensor> host = items[i].host;
     const std::byte* region = nullptr;
-    if (options.register_mapping && t.is_identity() && host->bytes.size() > 0) {
-      absl::StatusOr<SharedBytes> storage = t.source->layout.storage->Get();
-      if (storage.ok() && pinned.Pin(*storage).ok()) {
-        region = static_cast<const std::byte*>(PageRange(*storage).first);
-      }
+    if (options.register_mapping && items[i].storage && host->bytes.size() > 0 && pinned.Pin(*items[i].storage).ok()) {
+      region = static_cast<const std::byte*>(PageRange(*items[i].storage).first);
     }
     if (region != nullptr) {
       by_region[region].push_back({i, host->bytes.data()});
@@ -210,13 +213,13 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
       }
       sink = *std::move(created);
     }
-    absl::StatusOr<std::span<std::byte>> staging = sink->Begin(t.spec);
+    absl::StatusOr<std::span<std::byte>> staging = sink->Begin(spec);
     if (!staging.ok()) {
       status = staging.status();
       break;
     }
     if (!staging->empty()) std::memcpy(staging->data(), host->bytes.data(), staging->size());
-    status = sink->End(t.spec);
+    status = sink->End(spec);
     staged.push_back(i);
   }
   for (auto& [region, tensors] : by_region) {
@@ -225,7 +228,7 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
     const std::byte* hi = lo;
     uint64_t selected = 0;
     for (const Direct& d : tensors) {
-      const uint64_t n = snapshot.tensors()[d.index].spec.byte_size();
+      const uint64_t n = items[d.index].host.spec.byte_size();
       lo = std::min(lo, d.host);
       hi = std::max(hi, d.host + n);
       selected += n;
@@ -240,21 +243,21 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
       }
       status = Cuda(cudaMemcpyAsync(block->data(), lo, extent, cudaMemcpyHostToDevice, stream), "copying to the device");
       for (const Direct& d : tensors) {
-        const SnapshotTensor& t = snapshot.tensors()[d.index];
+        const TensorSpec& spec = items[d.index].host.spec;
         void* piece = static_cast<std::byte*>(block->data()) + (d.host - lo);
-        out[d.index] = DeviceTensor{t.spec, options.device, std::shared_ptr<void>(block->memory, piece)};
+        out[d.index] = DeviceTensor{spec, options.device, std::shared_ptr<void>(block->memory, piece)};
       }
       continue;
     }
     for (const Direct& d : tensors) {  // sparse: a copy per tensor
-      const SnapshotTensor& t = snapshot.tensors()[d.index];
-      absl::StatusOr<DeviceTensor> dev = AllocateDevice(t.spec, options.device);
+      const TensorSpec& spec = items[d.index].host.spec;
+      absl::StatusOr<DeviceTensor> dev = AllocateDevice(spec, options.device);
       if (!dev.ok()) {
         status = dev.status();
         break;
       }
-      status = Cuda(cudaMemcpyAsync(dev->data(), d.host, t.spec.byte_size(), cudaMemcpyHostToDevice, stream),
-                    absl::StrCat("copying tensor '", t.spec.name, "' to the device"));
+      status = Cuda(cudaMemcpyAsync(dev->data(), d.host, spec.byte_size(), cudaMemcpyHostToDevice, stream),
+                    absl::StrCat("copying tensor '", spec.name, "' to the device"));
       out[d.index] = *std::move(dev);
       if (!status.ok()) break;
     }
@@ -274,6 +277,37 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
   result.reserve(out.size());
   for (auto& d : out) result.push_back(*std::move(d));
   return result;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot, const CopyToDeviceOptions& options) {
+  std::vector<HostTensor> items;
+  items.reserve(snapshot.size());
+  for (const SnapshotTensor& t : snapshot.tensors()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor host, snapshot.Read(t));
+    std::optional<SharedBytes> storage;
+    if (t.is_identity()) {
+      absl::StatusOr<SharedBytes> s = t.source->layout.storage->Get();
+      if (s.ok()) storage = *std::move(s);
+    }
+    items.push_back({std::move(host), std::move(storage)});
+  }
+  return CopyHostTensors(std::move(items), options);
+}
+
+absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const MappedTensors& mapped, const CopyToDeviceOptions& options) {
+  std::vector<HostTensor> items;
+  items.reserve(mapped.tensors.size());
+  for (const SharedTensor& t : mapped.tensors) {
+    std::optional<SharedBytes> storage;
+    for (const auto& segment : mapped.segments) {
+      uint64_t offset;
+      if (segment->Contains(t.bytes, &offset)) storage = segment->bytes();
+    }
+    items.push_back({t, std::move(storage)});
+  }
+  return CopyHostTensors(std::move(items), options);
 }
 
 absl::StatusOr<SharedBytes> CopyToHost(const DeviceTensor& tensor) {

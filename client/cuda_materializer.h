@@ -104,6 +104,12 @@ struct CopyToDeviceOptions {
 // are produced on the host first and staged.
 absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot, const CopyToDeviceOptions& options = {});
 
+// Copies tensors mapped from weightstored's same-host socket to the device,
+// straight from the shared mappings (registered with cudaHostRegister, kept in
+// options.pinned when given), with no staging copy.
+absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const MappedTensors& mapped,
+                                                       const CopyToDeviceOptions& options = {});
+
 // Copies a device tensor back to host memory (tests and checks).
 absl::StatusOr<SharedBytes> CopyToHost(const DeviceTensor& tensor);
 

@@ -140,7 +140,9 @@ int main(int argc, char** argv) {
   server::ServerOptions options;
   options.listen = "127.0.0.1:0";
   options.registry.models_dir = dir;
+  options.socket.path = dir + "/ws.sock";
   auto server = server::WeightStoreServer::Start(options);
+  Check(server.status(), "starting the server");
   auto remote = client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", (*server)->port()));
   double sink_remote = Best(3, [&] {
     auto sink = client::CudaSink::Create();
@@ -148,6 +150,24 @@ int main(int argc, char** argv) {
     Check((*sink)->Finish().status(), "finish");
   });
   std::printf("  %-50s %8.2f\n", "RemoteStore (gRPC loopback) -> CudaSink", gb / sink_remote);
+
+  // Same host: map through the socket, then DMA straight from the shared mapping.
+  auto shm = client::ConnectSharedMemoryStore(options.socket.path);
+  Check(shm.status(), "connecting to the socket");
+  double socket_each = Best(3, [&] {  // map and register on every call
+    auto mapped = (*shm)->MapTensors("w", {});
+    Check(mapped.status(), "map");
+    Check(client::CopyToDevice(*mapped).status(), "socket copy");
+  });
+  auto mapped = (*shm)->MapTensors("w", {});  // a serving process maps once and keeps it
+  Check(mapped.status(), "map");
+  client::PinnedMappings shm_registrations;
+  client::CopyToDeviceOptions shm_keep;
+  shm_keep.pinned = &shm_registrations;
+  Check(client::CopyToDevice(*mapped, shm_keep).status(), "first socket copy");  // registers once
+  double socket_kept = Best(3, [&] { Check(client::CopyToDevice(*mapped, shm_keep).status(), "socket copy"); });
+  std::printf("  %-50s %8.2f\n", "socket: map + register + CopyToDevice, each call", gb / socket_each);
+  std::printf("  %-50s %8.2f\n", "socket: CopyToDevice from the kept mapping", gb / socket_kept);
   std::filesystem::remove_all(dir);
   return 0;
 }

@@ -111,6 +111,26 @@ TEST_F(CudaTest, CopyToDeviceCopiesStraightFromTheMapping) {
   ExpectSameOnDevice(sparse_want, sparse_got);
 }
 
+TEST_F(CudaTest, CopyToDeviceCopiesStraightFromTheSocketsSharedMappings) {
+  server::ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.registry.models_dir = Models();
+  options.socket.path = testing::MakeScratchDir("sock") + "/ws.sock";
+  ASSERT_OK_AND_ASSIGN(auto server, server::WeightStoreServer::Start(options));
+  ASSERT_OK_AND_ASSIGN(auto store, ConnectSharedMemoryStore(options.socket.path));
+  for (std::optional<DType> dtype : {std::optional<DType>(), std::optional<DType>(DType::kF16)}) {
+    Query query;
+    query.selection.dtype = dtype;  // F16: the floats come from a sealed memfd, the rest from the file
+    ASSERT_OK_AND_ASSIGN(MappedTensors mapped, store->MapTensors("mixed", query));
+    PinnedMappings pinned;
+    CopyToDeviceOptions keep;
+    keep.pinned = &pinned;
+    ASSERT_OK_AND_ASSIGN(auto got, CopyToDevice(mapped, keep));
+    EXPECT_EQ(pinned.size(), mapped.segments.size());
+    ExpectSameOnDevice(mapped.tensors, got);
+  }
+}
+
 TEST(CudaAvailabilityTest, CreatingASinkWithoutAGpuIsAClearError) {
   if (CudaAvailable()) GTEST_SKIP() << "a GPU is present";
   EXPECT_THAT(CudaSink::Create(), testing::StatusIs(absl::StatusCode::kUnavailable));
