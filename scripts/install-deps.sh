@@ -13,7 +13,7 @@ packages=(
   nlohmann-json3-dev libcbor-dev zlib1g-dev libcli11-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev
-  python3 python3-torch python3-numpy python3-grpcio
+  python3 python3-torch python3-numpy python3-grpcio python3-crc32c libtorch-dev
 )
 
 sudo=""
