@@ -4,9 +4,12 @@
 //   segment <index> <device>:<inode> <size>
 //   tensor <name> <crc32c of the mapped bytes>
 //   memory rss_kb=<n> pss_kb=<n>        (after touching every byte)
+//   loaded_ms=<n>                        (connect + map, or with --remote, connect + fetch)
 // then waits --hold-ms before exiting (so several probes map at once).
 //
-// Usage: shm_probe SOCKET NAME [--dtype DTYPE] [--hold-ms N]
+// Usage: shm_probe SOCKET NAME [--dtype DTYPE] [--hold-ms N] [--remote HOST:PORT]
+// With --remote, the tensors are fetched over gRPC into owned memory instead
+// (a C++ process loading CPU tensors, for benchmarks).
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -46,12 +49,30 @@ int main(int argc, char** argv) {
   }
   weightstore::client::Query query;
   int hold_ms = 0;
+  std::string remote;
   for (int i = 3; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--dtype") == 0) {
       query.selection.dtype = weightstore::ParseDType(absl::AsciiStrToUpper(argv[i + 1]));
     } else if (std::strcmp(argv[i], "--hold-ms") == 0) {
       hold_ms = std::atoi(argv[i + 1]);
+    } else if (std::strcmp(argv[i], "--remote") == 0) {
+      remote = argv[i + 1];
     }
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto elapsed_ms = [&] {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  };
+  if (!remote.empty()) {
+    weightstore::client::TuneAllocatorForStreaming();
+    auto store = weightstore::client::ConnectRemoteStore(remote);
+    auto tensors = store.ok() ? (*store)->FetchAll(argv[2], query) : store.status();
+    if (!tensors.ok()) {
+      std::fprintf(stderr, "shm_probe: %s\n", tensors.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("loaded_ms=%.3f tensors=%zu\n", elapsed_ms(), tensors->size());
+    return 0;
   }
   auto store = weightstore::client::ConnectSharedMemoryStore(argv[1]);
   if (!store.ok()) {
@@ -63,6 +84,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "shm_probe: %s\n", mapped.status().ToString().c_str());
     return 1;
   }
+  const double loaded_ms = elapsed_ms();
   for (size_t i = 0; i < mapped->segments.size(); ++i) {
     struct stat st;
     ::fstat(mapped->segments[i]->fd(), &st);
@@ -73,6 +95,7 @@ int main(int argc, char** argv) {
     std::printf("tensor %s %u\n", t.spec.name.c_str(), weightstore::Crc32c(t.bytes.view()));
   }
   PrintMemory();
+  std::printf("loaded_ms=%.3f tensors=%zu\n", loaded_ms, mapped->tensors.size());
   std::fflush(stdout);
   if (hold_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
   return 0;
