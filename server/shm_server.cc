@@ -92,7 +92,9 @@ void ShmServer::Stop() {
   std::list<Connection> connections;
   {
     absl::MutexLock lock(&mu_);
-    for (Connection& c : connections_) ::shutdown(c.fd, SHUT_RDWR);
+    for (Connection& c : connections_) {
+      if (c.fd >= 0) ::shutdown(c.fd, SHUT_RDWR);
+    }
     connections.swap(connections_);
   }
   for (Connection& c : connections) c.thread.join();
@@ -165,10 +167,11 @@ void ShmServer::AcceptLoop() {
     }
     Connection& c = connections_.emplace_back();
     c.fd = connection.release();
-    c.thread = std::thread([this, &c] {
-      Serve(c.fd);
-      ::close(c.fd);
-      absl::MutexLock lock(&mu_);
+    c.thread = std::thread([this, &c, fd = c.fd] {
+      Serve(fd);
+      absl::MutexLock lock(&mu_);  // closed under the lock: Stop() never shuts down a reused number
+      ::close(fd);
+      c.fd = -1;
       c.done = true;
     });
   }

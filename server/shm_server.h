@@ -50,8 +50,9 @@ struct ShmServerOptions {
   std::set<gid_t> allowed_gids;
   // Connections served at once; more are answered RESOURCE_EXHAUSTED. Default: 256.
   int max_connections = 256;
-  // Largest request frame. Default: 1 MiB.
-  uint32_t max_request_bytes = 1 << 20;
+  // Largest request frame (a target schema can be large). Default: 4 MiB, as
+  // the gRPC port's request limit.
+  uint32_t max_request_bytes = 4 << 20;
   // A connection idle or stalled this long is closed. Default: 60 s.
   std::chrono::milliseconds io_timeout{60 * 1000};
 };
@@ -103,7 +104,7 @@ class ShmServer {
   std::atomic<uint64_t> requests_{0}, refused_{0}, bytes_mapped_{0};
 
   struct Connection {
-    int fd;
+    int fd;  // -1 once its thread closed it
     std::thread thread;
     bool done = false;
   };
