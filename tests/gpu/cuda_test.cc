@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cuda_materializer.h"
+#include "client/materialize.h"
 #include "core/checkpoint_writer.h"
 #include "server/server.h"
 #include "tests/util/status_matchers.h"
@@ -131,9 +132,39 @@ TEST_F(CudaTest, CopyToDeviceCopiesStraightFromTheSocketsSharedMappings) {
   }
 }
 
+TEST_F(CudaTest, MaterializeOntoTheGpuFromEveryStore) {
+  server::ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.registry.models_dir = Models();
+  options.socket.path = testing::MakeScratchDir("sock") + "/ws.sock";
+  ASSERT_OK_AND_ASSIGN(auto server, server::WeightStoreServer::Start(options));
+  ASSERT_OK_AND_ASSIGN(auto local, OpenLocalStore(options.registry.models_dir));
+  ASSERT_OK_AND_ASSIGN(auto want, local->FetchAll("mixed", {}));
+  std::vector<std::unique_ptr<Store>> stores;
+  stores.push_back(std::move(local));
+  stores.push_back(*ConnectSharedMemoryStore(options.socket.path));
+  stores.push_back(*ConnectRemoteStore(absl::StrCat("127.0.0.1:", server->port())));
+  MaterializeOptions on_gpu;
+  on_gpu.device = Device::Cuda(0);
+  for (auto& store : stores) {
+    ASSERT_OK_AND_ASSIGN(auto got, Materialize(*store, "mixed", {}, on_gpu));
+    std::vector<DeviceTensor> device;
+    for (auto& t : got) {
+      EXPECT_EQ(t.device.ToString(), "cuda:0");
+      device.push_back({t.spec, t.device.index, t.memory});
+    }
+    ExpectSameOnDevice(want, device);
+  }
+}
+
 TEST(CudaAvailabilityTest, CreatingASinkWithoutAGpuIsAClearError) {
   if (CudaAvailable()) GTEST_SKIP() << "a GPU is present";
   EXPECT_THAT(CudaSink::Create(), testing::StatusIs(absl::StatusCode::kUnavailable));
+  ASSERT_OK_AND_ASSIGN(auto store, OpenLocalStore(Models()));
+  MaterializeOptions on_gpu;
+  on_gpu.device = Device::Cuda(0);
+  EXPECT_THAT(Materialize(*store, "mixed", {}, on_gpu),
+              testing::StatusIs(absl::StatusCode::kUnavailable, ::testing::HasSubstr("cuda:0")));
 }
 
 }  // namespace

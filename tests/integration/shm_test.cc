@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "client/materialize.h"
 #include "client/store.h"
 #include "core/checkpoint.h"
 #include "core/checkpoint_writer.h"
@@ -302,6 +303,37 @@ TEST_F(ShmTest, GarbageTruncatedFramesAndAbsurdLengthsGetErrorsAndOthersKeepBein
   EXPECT_OK(after.Verify());
   EXPECT_OK(before.Verify());
   EXPECT_NE(server_->daemon->port(), 0);
+}
+
+TEST_F(ShmTest, MaterializeOnTheCpuFromEveryStoreIsByteExact) {
+  const std::string name = "pytorch-models/linear";
+  ASSERT_OK_AND_ASSIGN(auto local, client::OpenLocalStore(*models_));
+  ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> want, local->FetchAll(name, CastTo(DType::kF16)));
+  std::vector<std::pair<std::string, std::unique_ptr<client::Store>>> stores;
+  stores.emplace_back("local", std::move(local));
+  stores.emplace_back("socket", ConnectShm(server_->socket));
+  stores.emplace_back("grpc", *client::ConnectRemoteStore(server_->daemon->address()));
+  for (auto& [label, store] : stores) {
+    SCOPED_TRACE(label);
+    ASSERT_OK_AND_ASSIGN(auto got, client::Materialize(*store, name, CastTo(DType::kF16)));
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].spec, want[i].spec);
+      EXPECT_EQ(got[i].device.ToString(), "cpu");
+      EXPECT_EQ(absl::string_view(static_cast<const char*>(got[i].data()), got[i].spec.byte_size()),
+                want[i].bytes.view());
+    }
+  }
+}
+
+TEST(DeviceTest, ParsesCpuAndCudaNamesAndRefusesOthers) {
+  ASSERT_OK_AND_ASSIGN(client::Device cuda, client::Device::Parse("cuda:2"));
+  EXPECT_EQ(cuda.kind, client::Device::Kind::kCuda);
+  EXPECT_EQ(cuda.index, 2);
+  EXPECT_EQ(client::Device::Parse("cpu")->ToString(), "cpu");
+  EXPECT_EQ(client::Device::Parse("cuda")->ToString(), "cuda:0");
+  EXPECT_THAT(client::Device::Parse("tpu"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'tpu'")));
+  EXPECT_THAT(client::Device::Parse("cuda:-1"), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(ShmAccessTest, DisallowedUidIsRefusedByPeerCredentials) {
