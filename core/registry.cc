@@ -135,6 +135,17 @@ CheckpointRegistry::CheckpointRegistry(RegistryOptions options) : options_(std::
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersion(const std::string& name,
                                                                                        const std::string& path) const {
+  const auto start = std::chrono::steady_clock::now();
+  auto version = OpenVersionUntimed(name, path);
+  if (options_.on_load) {
+    options_.on_load(name, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                     version.status());
+  }
+  return version;
+}
+
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersionUntimed(
+    const std::string& name, const std::string& path) const {
   const bool preload = options_.preload_all || options_.preload.contains(name);
   OpenOptions open = options_.open;
   SegmentCache::Reservation reservation;

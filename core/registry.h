@@ -12,6 +12,7 @@
 #define WEIGHTSTORE_CORE_REGISTRY_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -80,6 +81,8 @@ struct RegistryOptions {
   bool preload_all = false;
   std::set<std::string> preload;
   SegmentCache* shm = nullptr;
+  // Called after every attempt to open a checkpoint version (metrics).
+  std::function<void(const std::string& name, double seconds, const absl::Status& status)> on_load;
 };
 
 struct ScanReport {
@@ -139,6 +142,8 @@ class CheckpointRegistry {
   };
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersion(const std::string& name,
                                                                        const std::string& path) const;
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersionUntimed(const std::string& name,
+                                                                              const std::string& path) const;
 
   RegistryOptions options_;
   mutable absl::Mutex mu_;

@@ -9,11 +9,14 @@ packages=(
   # service stack
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libre2-dev libboost-dev grpc-proto
+  # metrics endpoint (HTTP)
+  libcivetweb-dev
   # formats: JSON (SafeTensors headers), CBOR (Burnpack), zlib (zip CRC-32)
   nlohmann-json3-dev libcbor-dev zlib1g-dev libcli11-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev
-  python3 python3-torch python3-numpy python3-grpcio python3-crc32c libtorch-dev
+  python3 python3-torch python3-numpy python3-grpcio python3-crc32c libtorch-dev \
+  prometheus openssl
 )
 
 sudo=""

@@ -5,21 +5,79 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.pb.h"
+#include "server/log.h"
 
 namespace weightstore::server {
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view what) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read the ", what, " '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("the ", what, " '", path, "' is not a PEM file"));
+  }
+  return text.str();
+}
+
+// Plaintext, TLS, or mutual TLS, from the options' PEM files.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const ServerOptions::Tls& tls) {
+  if (tls.cert_file.empty()) {
+    if (!tls.key_file.empty() || !tls.client_ca_file.empty()) {
+      return absl::InvalidArgumentError("tls: a key or client CA was given without a certificate (tls-cert)");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  if (tls.key_file.empty()) return absl::InvalidArgumentError("tls: a certificate was given without its key (tls-key)");
+  grpc::SslServerCredentialsOptions options;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  absl::StatusOr<std::string> cert = ReadPem(tls.cert_file, "TLS certificate");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPem(tls.key_file, "TLS key");
+  if (!key.ok()) return key.status();
+  pair.cert_chain = *cert;
+  pair.private_key = *key;
+  options.pem_key_cert_pairs.push_back(pair);
+  if (!tls.client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadPem(tls.client_ca_file, "client CA");
+    if (!ca.ok()) return ca.status();
+    options.pem_root_certs = *ca;
+    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(options);
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(ServerOptions options) {
   std::unique_ptr<WeightStoreServer> s(new WeightStoreServer());
+  s->metrics_ = std::make_unique<ServerMetrics>();
+  s->auth_ = std::make_unique<Authenticator>();
+  if (!options.tokens_file.empty()) {
+    absl::StatusOr<Authenticator> auth = Authenticator::FromFile(options.tokens_file);
+    if (!auth.ok()) return auth.status();
+    *s->auth_ = *std::move(auth);
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials(options.tls);
+  if (!credentials.ok()) return credentials.status();
+
   s->segments_ = std::make_unique<SegmentCache>(options.shm_budget_bytes);
   options.registry.shm = s->segments_.get();
+  ServerMetrics* metrics = s->metrics_.get();
+  options.registry.on_load = [metrics](const std::string& name, double seconds, const absl::Status& status) {
+    metrics->ObserveLoad(seconds, status.ok());
+  };
   s->registry_ = std::make_unique<CheckpointRegistry>(options.registry);
   ScanReport report = s->registry_->Rescan();
   for (const std::string& e : report.errors) std::fprintf(stderr, "weightstored: not serving %s\n", e.c_str());
-  s->service_ = std::make_unique<WeightStoreService>(s->registry_.get(), options.service);
+  s->service_ = std::make_unique<WeightStoreService>(s->registry_.get(), options.service, s->auth_.get());
 
   // The default health service is implemented without protobuf; touching the
   // generated descriptor registers grpc.health.v1 so reflection can describe it.
@@ -28,7 +86,7 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(options.listen, *credentials, &s->port_);
   builder.RegisterService(s->service_.get());
   builder.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
   builder.SetMaxSendMessageSize(options.max_send_message_bytes);
@@ -38,18 +96,39 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, 20000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(s->metrics_->InterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen, " (address in use or invalid)"));
+  }
+  if (!options.health_listen.empty()) {
+    grpc::ServerBuilder health;
+    health.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(), &s->health_port_);
+    health.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    s->health_server_ = health.BuildAndStart();
+    if (s->health_server_ == nullptr || s->health_port_ == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen for health checks on ", options.health_listen));
+    }
   }
   if (!options.socket.path.empty()) {
     auto shm = ShmServer::Start(s->registry_.get(), s->segments_.get(), options.socket);
     if (!shm.ok()) return shm.status();
     s->shm_server_ = *std::move(shm);
   }
-  grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService();
-  health->SetServingStatus("", true);
-  health->SetServingStatus(v1::WeightStore::service_full_name(), true);
+  s->metrics_->Watch(s->registry_.get(), s->segments_.get(), s->shm_server_.get(), s->service_.get());
+  if (!options.metrics_listen.empty()) {
+    auto http = MetricsHttpServer::Start(options.metrics_listen, &s->metrics_->registry());
+    if (!http.ok()) return http.status();
+    s->metrics_http_ = *std::move(http);
+  }
+  for (grpc::Server* server : {s->server_.get(), s->health_server_.get()}) {
+    if (server == nullptr) continue;
+    grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+    health->SetServingStatus("", true);
+    health->SetServingStatus(v1::WeightStore::service_full_name(), true);
+  }
   return s;
 }
 
@@ -59,14 +138,22 @@ WeightStoreServer::~WeightStoreServer() {
 
 void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::milliseconds grace) {
   if (server_ == nullptr) return;
-  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
-    health->Shutdown();  // every service NOT_SERVING, and it stays so
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server == nullptr) continue;
+    if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService()) {
+      health->Shutdown();  // every service NOT_SERVING, and it stays so
+    }
   }
   if (drain.count() > 0) std::this_thread::sleep_for(drain);
   if (shm_server_ != nullptr) shm_server_->Stop();  // mappings handed out stay valid
   server_->Shutdown(std::chrono::system_clock::now() + grace);
   server_->Wait();
   server_.reset();
+  if (health_server_ != nullptr) {
+    health_server_->Shutdown(std::chrono::system_clock::now());
+    health_server_.reset();
+  }
+  metrics_http_.reset();
 }
 
 void WeightStoreServer::Wait() {

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "core/registry.h"
 #include "server/service.h"
+#include "server/observability.h"
 #include "server/shm_server.h"
 
 namespace weightstore::server {
@@ -39,6 +40,18 @@ struct ServerOptions {
   ShmServerOptions socket;
   // Shared memory for derived segments and preloads. Default: 4 GiB.
   uint64_t shm_budget_bytes = uint64_t{4} << 30;
+  // Prometheus text on http://<metrics_listen>/metrics. Off when empty.
+  std::string metrics_listen;
+  // A second gRPC port serving only grpc.health.v1.Health, plaintext and never
+  // authenticated, for probes. Off when empty.
+  std::string health_listen;
+  // TLS on the main port when cert_file is set (PEM files); mutual TLS, requiring
+  // and verifying a client certificate, when client_ca_file is set too.
+  struct Tls {
+    std::string cert_file, key_file, client_ca_file;
+  } tls;
+  // Bearer tokens (server/auth.h). Off when empty: keep the port private.
+  std::string tokens_file;
 };
 
 class WeightStoreServer {
@@ -55,6 +68,10 @@ class WeightStoreServer {
   SegmentCache& segments() { return *segments_; }
   // The same-host socket, or nullptr when it is off.
   const ShmServer* shm_server() const { return shm_server_.get(); }
+  ServerMetrics& metrics() { return *metrics_; }
+  // Bound ports of the metrics endpoint and the health port (0 when off).
+  int metrics_port() const { return metrics_http_ != nullptr ? metrics_http_->port() : 0; }
+  int health_port() const { return health_port_; }
 
   // Marks the server NOT_SERVING, waits `drain` (so load balancers stop sending),
   // then stops; streams in flight get until `grace` to finish.
@@ -64,12 +81,16 @@ class WeightStoreServer {
 
  private:
   WeightStoreServer() = default;
+  std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<SegmentCache> segments_;
   std::unique_ptr<CheckpointRegistry> registry_;
   std::unique_ptr<WeightStoreService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<ShmServer> shm_server_;
-  int port_ = 0;
+  std::unique_ptr<grpc::Server> health_server_;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
+  int port_ = 0, health_port_ = 0;
 };
 
 }  // namespace weightstore::server

@@ -14,6 +14,7 @@
 #include "core/snapshot.h"
 #include "server/grpc_status.h"
 #include "server/proto_convert.h"
+#include "server/observability.h"
 #include "server/resolve.h"
 
 namespace weightstore::server {
@@ -23,6 +24,11 @@ grpc::ServerUnaryReactor* Respond(grpc::CallbackServerContext* ctx, const absl::
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
+}
+
+// Names the checkpoint of a call for the request log (server/observability.h).
+void Annotate(grpc::CallbackServerContext* ctx, const std::string& checkpoint) {
+  if (!checkpoint.empty()) ctx->AddTrailingMetadata(kCheckpointTrailer, checkpoint);
 }
 
 void ReleaseOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
@@ -58,7 +64,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       : service_(service) {
     absl::Status status = Start(ctx, request);
     if (!status.ok()) {
-      Finish(ToGrpcStatus(status));
+      Done(ToGrpcStatus(status));
       return;
     }
     Next();
@@ -66,7 +72,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      Done(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       return;
     }
     Next();
@@ -79,6 +85,8 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
  private:
   absl::Status Start(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
+    ctx_ = ctx;
+    if (absl::Status s = service_->auth_->Check(*ctx, Scope::kRead); !s.ok()) return s;
     if (++service_->active_fetches_ > service_->options_.max_concurrent_fetches) {
       --service_->active_fetches_;
       return absl::ResourceExhaustedError(absl::StrCat("more than ", service_->options_.max_concurrent_fetches,
@@ -90,6 +98,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     std::string bytes;
     for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
     if (!request_.ParseFromString(bytes)) return absl::InvalidArgumentError("request is not a FetchTensorsRequest");
+    Annotate(ctx, request_.name());
     auto resolved = Resolve(*service_->registry_, request_.name(), request_.selection(), request_.version());
     if (!resolved.ok()) return resolved.status();
     resolved_ = *std::move(resolved);
@@ -107,7 +116,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   // Writes the next chunk, or finishes.
   void Next() {
     if (cancelled_) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      Done(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
       return;
     }
     const Snapshot& snapshot = *resolved_.snapshot;
@@ -123,7 +132,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         StartWrite(&buffer_);
         return;
       }
-      Finish(grpc::Status::OK);
+      Done(grpc::Status::OK);
       return;
     }
     const SnapshotTensor& tensor = snapshot.tensors()[index_];
@@ -131,7 +140,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (offset_ == 0) {
       absl::StatusOr<SharedTensor> read = snapshot.Read(tensor);
       if (!read.ok()) {
-        Finish(ToGrpcStatus(read.status()));
+        Done(ToGrpcStatus(read.status()));
         return;
       }
       bytes_ = read->bytes;
@@ -172,6 +181,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       grpc::SerializationTraits<v1::TensorChunk>::Serialize(chunk, &buffer_, &own);
     }
     sent_any_ = true;
+    sent_bytes_ += n;
     if (last) {
       ++index_;
       offset_ = 0;
@@ -182,7 +192,15 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     StartWrite(&buffer_);
   }
 
+  // Finishes, telling the request log how many tensor bytes were sent.
+  void Done(const grpc::Status& status) {
+    if (ctx_ != nullptr) ctx_->AddTrailingMetadata(kBytesTrailer, std::to_string(sent_bytes_));
+    Finish(status);
+  }
+
   WeightStoreService* service_;
+  grpc::CallbackServerContext* ctx_ = nullptr;
+  uint64_t sent_bytes_ = 0;
   bool counted_ = false;
   std::atomic<bool> cancelled_{false};
   v1::FetchTensorsRequest request_;
@@ -196,12 +214,13 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   grpc::ByteBuffer buffer_;
 };
 
-WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOptions options)
-    : registry_(registry), options_(options) {}
+WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOptions options, const Authenticator* auth)
+    : registry_(registry), options_(options), auth_(auth != nullptr ? auth : &no_auth_) {}
 
 grpc::ServerUnaryReactor* WeightStoreService::ListCheckpoints(grpc::CallbackServerContext* ctx,
                                                               const v1::ListCheckpointsRequest*,
                                                               v1::ListCheckpointsResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Respond(ctx, s);
   for (const auto& version : registry_->List()) ToProto(*version, resp->add_checkpoints());
   return Respond(ctx, absl::OkStatus());
 }
@@ -209,6 +228,8 @@ grpc::ServerUnaryReactor* WeightStoreService::ListCheckpoints(grpc::CallbackServ
 grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::GetCheckpointRequest* req,
                                                             v1::CheckpointInfo* resp) {
+  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Respond(ctx, s);
+  Annotate(ctx, req->name());
   auto version = registry_->Get(req->name());
   if (version == nullptr) return Respond(ctx, absl::NotFoundError(absl::StrCat("checkpoint '", req->name(), "' is not served")));
   ToProto(*version, resp);
@@ -218,6 +239,8 @@ grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServer
 grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerContext* ctx,
                                                           const v1::ListTensorsRequest* req,
                                                           v1::ListTensorsResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Respond(ctx, s);
+  Annotate(ctx, req->name());
   auto resolved = Resolve(*registry_, req->name(), req->selection());
   if (!resolved.ok()) return Respond(ctx, resolved.status());
   const Snapshot& snapshot = *resolved->snapshot;
@@ -243,6 +266,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::FetchTensors(grp
 grpc::ServerUnaryReactor* WeightStoreService::LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                                              const v1::LoadCheckpointRequest* req,
                                                              v1::CheckpointInfo* resp) {
+  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Respond(ctx, s);
+  Annotate(ctx, req->name().empty() ? req->path() : req->name());
   if (req->path().empty()) return Respond(ctx, absl::InvalidArgumentError("path is empty"));
   auto version = registry_->Load(req->path(), req->name());
   if (!version.ok()) return Respond(ctx, version.status());
@@ -253,11 +278,14 @@ grpc::ServerUnaryReactor* WeightStoreService::LoadCheckpoint(grpc::CallbackServe
 grpc::ServerUnaryReactor* WeightStoreService::UnloadCheckpoint(grpc::CallbackServerContext* ctx,
                                                                const v1::UnloadCheckpointRequest* req,
                                                                v1::UnloadCheckpointResponse*) {
+  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Respond(ctx, s);
+  Annotate(ctx, req->name());
   return Respond(ctx, registry_->Unload(req->name()));
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::Rescan(grpc::CallbackServerContext* ctx, const v1::RescanRequest*,
                                                      v1::RescanResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Respond(ctx, s);
   ScanReport report = registry_->Rescan();
   for (const auto& s : report.added) resp->add_added(s);
   for (const auto& s : report.replaced) resp->add_replaced(s);
@@ -268,7 +296,13 @@ grpc::ServerUnaryReactor* WeightStoreService::Rescan(grpc::CallbackServerContext
 // Receives an upload into a temporary file; validates and commits it at the end.
 class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
  public:
-  PutReactor(CheckpointRegistry* registry, v1::CheckpointInfo* response) : registry_(registry), response_(response) {
+  PutReactor(CheckpointRegistry* registry, v1::CheckpointInfo* response, grpc::CallbackServerContext* ctx,
+             absl::Status authorized)
+      : registry_(registry), response_(response), ctx_(ctx) {
+    if (!authorized.ok()) {
+      Finish(ToGrpcStatus(authorized));
+      return;
+    }
     StartRead(&request_);
   }
   void OnReadDone(bool ok) override {
@@ -284,6 +318,7 @@ class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
     if (request_.has_header()) {
       if (session_ != nullptr) return Fail(absl::InvalidArgumentError("a second header"));
       const v1::PutHeader& h = request_.header();
+      Annotate(ctx_, h.name());
       auto session = registry_->BeginPut(h.name(), h.extension(), h.overwrite(), h.size());
       if (!session.ok()) return Fail(session.status());
       session_ = *std::move(session);
@@ -303,13 +338,14 @@ class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
   }
   CheckpointRegistry* registry_;
   v1::CheckpointInfo* response_;
+  grpc::CallbackServerContext* ctx_;
   v1::PutCheckpointRequest request_;
   std::unique_ptr<PutSession> session_;
 };
 
-grpc::ServerReadReactor<v1::PutCheckpointRequest>* WeightStoreService::PutCheckpoint(grpc::CallbackServerContext*,
+grpc::ServerReadReactor<v1::PutCheckpointRequest>* WeightStoreService::PutCheckpoint(grpc::CallbackServerContext* ctx,
                                                                                    v1::CheckpointInfo* resp) {
-  return new PutReactor(registry_, resp);
+  return new PutReactor(registry_, resp, ctx, auth_->Check(*ctx, Scope::kAdmin));
 }
 
 }  // namespace weightstore::server

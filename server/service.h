@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "core/registry.h"
+#include "server/auth.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore::server {
@@ -39,7 +40,8 @@ using ServiceBase = v1::WeightStore::WithRawCallbackMethod_FetchTensors<v1::Weig
 
 class WeightStoreService final : public ServiceBase {
  public:
-  WeightStoreService(CheckpointRegistry* registry, ServiceOptions options);
+  // `auth` (may be null: no tokens) must outlive the service.
+  WeightStoreService(CheckpointRegistry* registry, ServiceOptions options, const Authenticator* auth = nullptr);
 
   grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* ctx, const v1::ListCheckpointsRequest* req,
                                             v1::ListCheckpointsResponse* resp) override;
@@ -65,6 +67,8 @@ class WeightStoreService final : public ServiceBase {
   friend class FetchReactor;
   CheckpointRegistry* registry_;
   ServiceOptions options_;
+  Authenticator no_auth_;
+  const Authenticator* auth_;
   std::atomic<int> active_fetches_{0};
 };
 

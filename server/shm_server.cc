@@ -6,12 +6,15 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
 #include "core/sealed_memfd.h"
 #include "core/status_util.h"
+#include "server/log.h"
+#include "server/observability.h"
 #include "server/proto_convert.h"
 #include "server/resolve.h"
 #include "server/service.h"
@@ -167,8 +170,9 @@ void ShmServer::AcceptLoop() {
     }
     Connection& c = connections_.emplace_back();
     c.fd = connection.release();
-    c.thread = std::thread([this, &c, fd = c.fd] {
-      Serve(fd);
+    std::string peer_name = absl::StrCat("unix:pid=", peer.pid, ",uid=", peer.uid, ",gid=", peer.gid);
+    c.thread = std::thread([this, &c, fd = c.fd, peer_name] {
+      Serve(fd, peer_name);
       absl::MutexLock lock(&mu_);  // closed under the lock: Stop() never shuts down a reused number
       ::close(fd);
       c.fd = -1;
@@ -177,7 +181,7 @@ void ShmServer::AcceptLoop() {
   }
 }
 
-void ShmServer::Serve(int connection) {
+void ShmServer::Serve(int connection, const std::string& peer) {
   while (!stopping_) {
     std::string frame;
     std::vector<UniqueFd> received;
@@ -193,6 +197,7 @@ void ShmServer::Serve(int connection) {
       return;
     }
     ++requests_;
+    const auto start = std::chrono::steady_clock::now();
     v1::ShmRequest request;
     std::vector<int> fds;
     std::vector<std::shared_ptr<const MappedFile>> keep;
@@ -204,8 +209,40 @@ void ShmServer::Serve(int connection) {
     } else {
       Handle(request, &response, &fds, &keep);
     }
+    LogRequest(request, response, peer, std::chrono::steady_clock::now() - start);
     if (!SendFrame(connection, response.SerializeAsString(), fds).ok()) return;
   }
+}
+
+void ShmServer::LogRequest(const v1::ShmRequest& request, const v1::ShmResponse& response, const std::string& peer,
+                           std::chrono::steady_clock::duration elapsed) {
+  const LogLevel level = response.code() == 0 ? LogLevel::kInfo : LogLevel::kWarning;
+  if (!LogEnabled(level)) return;
+  nlohmann::ordered_json fields;
+  std::string checkpoint;
+  uint64_t bytes = 0;
+  switch (request.request_case()) {
+    case v1::ShmRequest::kListCheckpoints: fields["method"] = "shm/ListCheckpoints"; break;
+    case v1::ShmRequest::kGetCheckpoint:
+      fields["method"] = "shm/GetCheckpoint";
+      checkpoint = request.get_checkpoint().name();
+      break;
+    case v1::ShmRequest::kMapTensors:
+      fields["method"] = request.map_tensors().table_only() ? "shm/ListTensors" : "shm/MapTensors";
+      checkpoint = request.map_tensors().name();
+      if (!request.map_tensors().table_only()) {
+        for (const auto& t : response.map_tensors().tensors()) bytes += t.info().byte_size();
+      }
+      break;
+    default: fields["method"] = "shm/invalid";
+  }
+  if (!checkpoint.empty()) fields["checkpoint"] = checkpoint;
+  fields["bytes"] = bytes;
+  fields["duration_ms"] = std::round(std::chrono::duration<double, std::micro>(elapsed).count()) / 1e3;
+  fields["status"] = GrpcCodeName(response.code());
+  if (response.code() != 0) fields["error"] = response.message();
+  fields["peer"] = peer;
+  Log(level, "request", std::move(fields));
 }
 
 void ShmServer::Handle(const v1::ShmRequest& request, v1::ShmResponse* response, std::vector<int>* fds,

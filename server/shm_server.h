@@ -89,7 +89,10 @@ class ShmServer {
   ShmServer(const CheckpointRegistry* registry, SegmentCache* cache, ShmServerOptions options)
       : registry_(registry), cache_(cache), options_(std::move(options)) {}
   void AcceptLoop();
-  void Serve(int connection);
+  void Serve(int connection, const std::string& peer);
+  // One structured log line per request (server/log.h).
+  static void LogRequest(const v1::ShmRequest& request, const v1::ShmResponse& response, const std::string& peer,
+                         std::chrono::steady_clock::duration elapsed);
   bool Allowed(uid_t uid, gid_t gid) const;
   absl::Status MapTensors(const v1::MapTensorsRequest& request, v1::MapTensorsResponse* response,
                           std::vector<std::shared_ptr<const MappedFile>>* segments);

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_join.h"
+#include "server/log.h"
 #include "server/server.h"
 
 int main(int argc, char** argv) {
@@ -60,9 +61,27 @@ int main(int argc, char** argv) {
                "Read every checkpoint into sealed shared memory when loaded (models on network storage)");
   std::vector<std::string> preload;
   app.add_option("--preload-checkpoint", preload, "Preload this checkpoint only (repeatable)");
+  app.add_option("--metrics-listen", options.metrics_listen,
+                 "Serve Prometheus metrics on http://HOST:PORT/metrics (off when empty)");
+  app.add_option("--health-listen", options.health_listen,
+                 "A second, plaintext gRPC port with only grpc.health.v1.Health, never authenticated (off when empty)");
+  app.add_option("--tls-cert", options.tls.cert_file, "TLS certificate chain (PEM) for the gRPC port");
+  app.add_option("--tls-key", options.tls.key_file, "TLS private key (PEM)");
+  app.add_option("--tls-client-ca", options.tls.client_ca_file,
+                 "Require client certificates signed by this CA (PEM): mutual TLS");
+  app.add_option("--tokens-file", options.tokens_file,
+                 "Bearer tokens, one '<read|admin> <token>' per line; without it every call is allowed");
+  std::string log_level = "info";
+  app.add_option("--log-level", log_level, "debug, info, warning or error")
+      ->check(CLI::IsMember({"debug", "info", "warning", "warn", "error"}))
+      ->capture_default_str();
   bool copy_payloads = false;
   app.add_flag("--copy-payloads", copy_payloads,
                "Copy tensor bytes into protobuf messages instead of zero-copy slices (benchmark baseline only)");
+  // Every option can also come from a TOML file: the same names without the
+  // leading dashes ("listen = \"0.0.0.0:50051\""); flags override the file.
+  app.set_config("--config", "", "Read options from this TOML file (keys: the long option names)");
+  app.allow_config_extras(CLI::config_extras_mode::error);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -70,6 +89,7 @@ int main(int argc, char** argv) {
   }
 
   options.service.zero_copy = !copy_payloads;
+  SetLogLevel(*ParseLogLevel(log_level));
   options.socket.allowed_uids.insert(allow_uids.begin(), allow_uids.end());
   options.socket.allowed_gids.insert(allow_gids.begin(), allow_gids.end());
   options.registry.preload_all = preload_all;
@@ -86,9 +106,18 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "weightstored: %s\n", std::string(server.status().message()).c_str());
     return 1;
   }
-  std::fprintf(stderr, "weightstored: serving %zu checkpoints from %s on port %d%s%s\n",
+  std::fprintf(stderr, "weightstored: serving %zu checkpoints from %s on port %d%s%s%s%s\n",
                (*server)->registry().List().size(), options.registry.models_dir.c_str(), (*server)->port(),
-               options.socket.path.empty() ? "" : " and socket ", options.socket.path.c_str());
+               options.tls.cert_file.empty() ? "" : (options.tls.client_ca_file.empty() ? " (TLS)" : " (mutual TLS)"),
+               options.socket.path.empty() ? "" : (", socket " + options.socket.path).c_str(),
+               (*server)->metrics_port() == 0 ? "" : (", metrics on port " + std::to_string((*server)->metrics_port())).c_str(),
+               (*server)->health_port() == 0 ? "" : (", health on port " + std::to_string((*server)->health_port())).c_str());
+  if (!port_file.empty() && (*server)->metrics_port() != 0) {
+    std::ofstream(port_file + ".metrics") << (*server)->metrics_port() << "\n";
+  }
+  if (!port_file.empty() && (*server)->health_port() != 0) {
+    std::ofstream(port_file + ".health") << (*server)->health_port() << "\n";
+  }
   if (!port_file.empty()) {
     std::string tmp = port_file + ".tmp";
     std::ofstream(tmp) << (*server)->port() << "\n";
