@@ -200,20 +200,29 @@ absl::StatusOr<client::Query> QueryFor(const SelectionArgs& args) {
 }
 
 // The store behind --server (gRPC) or --socket (same host); exactly one is set.
-absl::StatusOr<std::unique_ptr<client::Store>> Connect(const std::string& server, const std::string& socket) {
+absl::StatusOr<std::unique_ptr<client::Store>> Connect(const std::string& server, const std::string& socket,
+                                                       const RemoteArgs& remote) {
   if (server.empty() == socket.empty()) return absl::InvalidArgumentError("give either --server or --socket");
   if (!socket.empty()) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, client::ConnectSharedMemoryStore(socket));
     return std::unique_ptr<client::Store>(std::move(store));
   }
-  return client::ConnectRemoteStore(server);
+  client::RemoteOptions options;
+  options.tls_ca_file = remote.tls_ca;
+  options.tls_cert_file = remote.tls_cert;
+  options.tls_key_file = remote.tls_key;
+  options.token = remote.token;
+  if (options.token.empty()) {
+    if (const char* env = std::getenv("WEIGHTSTORE_TOKEN")) options.token = env;
+  }
+  return client::ConnectRemoteStore(server, options);
 }
 
 absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
   InspectView view;
   if (!args.server.empty() || !args.socket.empty()) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(client::Query query, QueryFor(args.selection));
-    WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket, args.remote));
     WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, store->GetCheckpoint(args.path));
     WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing listing, store->ListTensors(args.path, query));
     view = InspectView{absl::StrCat(args.server.empty() ? args.socket : args.server, "/", summary.name), summary.format, summary.container,
@@ -233,7 +242,7 @@ absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
 }
 
 absl::Status RunLs(const LsArgs& args, std::FILE* out) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket, args.remote));
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<client::CheckpointSummary> list, store->ListCheckpoints());
   if (args.json) {
     nlohmann::ordered_json doc = nlohmann::json::array();
@@ -283,7 +292,7 @@ absl::Status RunFetch(const FetchArgs& args, std::FILE* out) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(Format format, OutputFormat(args.format, args.output));
   WEIGHTSTORE_ASSIGN_OR_RETURN(Metadata extra, ParseMetadataFlags(args.metadata));
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::Query query, QueryFor(args.selection));
-  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket, args.remote));
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, store->GetCheckpoint(args.name));
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing listing, store->ListTensors(args.name, query));
   Metadata metadata = summary.metadata;

@@ -26,10 +26,17 @@ struct SelectionArgs {
   bool allow_partial = false;
 };
 
+// How to reach a remote weightstored (--server): TLS files and a bearer token
+// (--token, or the WEIGHTSTORE_TOKEN environment variable).
+struct RemoteArgs {
+  std::string tls_ca, tls_cert, tls_key, token;
+};
+
 struct InspectArgs {
   std::string path;    // a file, or a checkpoint name with --server/--socket
   std::string server;  // host:port of weightstored
   std::string socket;  // weightstored's same-host socket
+  RemoteArgs remote;
   bool json = false;
   SelectionArgs selection;
 };
@@ -53,12 +60,14 @@ struct ConvertArgs {
 struct LsArgs {
   std::string server;
   std::string socket;
+  RemoteArgs remote;
   bool json = false;
 };
 
 struct FetchArgs {
   std::string server;
   std::string socket;
+  RemoteArgs remote;
   std::string name;
   std::string output;
   std::string format;  // "", "safetensors" or "burnpack"

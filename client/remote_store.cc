@@ -6,6 +6,8 @@
 #include <grpcpp/security/credentials.h>
 
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 
@@ -121,7 +123,11 @@ class RemoteStore final : public Store {
   }
 
  private:
-  void SetDeadline(grpc::ClientContext* ctx) { ctx->set_deadline(std::chrono::system_clock::now() + options_.deadline); }
+  // Every call: the deadline and, when configured, the bearer token.
+  void SetDeadline(grpc::ClientContext* ctx) {
+    ctx->set_deadline(std::chrono::system_clock::now() + options_.deadline);
+    if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
+  }
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<pb::WeightStore::Stub> stub_;
@@ -131,7 +137,37 @@ class RemoteStore final : public Store {
 
 }  // namespace
 
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view what) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read the ", what, " '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("the ", what, " '", path, "' is not a PEM file"));
+  }
+  return text.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(const RemoteOptions& options) {
+  if (options.tls_ca_file.empty()) {
+    if (!options.tls_cert_file.empty()) return absl::InvalidArgumentError("a client certificate needs --tls-ca too");
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions ssl;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(options.tls_ca_file, "CA certificate"));
+  if (!options.tls_cert_file.empty()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem(options.tls_cert_file, "client certificate"));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem(options.tls_key_file, "client key"));
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& address, RemoteOptions options) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, Credentials(options));
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(16 << 20);
   args.SetMaxSendMessageSize(4 << 20);
@@ -139,7 +175,7 @@ absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& add
   // one connection (and its flow-control window) through gRPC's global pool.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (options.stream_window_bytes > 0) args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, options.stream_window_bytes);
-  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  auto channel = grpc::CreateCustomChannel(address, credentials, args);
   if (channel == nullptr) return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to '", address, "'"));
   return std::unique_ptr<Store>(new RemoteStore(std::move(channel), options));
 }

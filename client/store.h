@@ -119,6 +119,12 @@ struct RemoteOptions {
   uint32_t chunk_bytes = 0;
   // HTTP/2 receive window per stream. Default: 0, gRPC's own (BDP-probed).
   int stream_window_bytes = 0;
+  // TLS: the CA that signed the server's certificate (PEM file). Empty: plaintext.
+  std::string tls_ca_file;
+  // Mutual TLS: this client's certificate chain and key (PEM files).
+  std::string tls_cert_file, tls_key_file;
+  // Sent as "authorization: Bearer <token>" on every call. Empty: none.
+  std::string token;
 };
 
 // Opt-in, process-wide: keeps freed large blocks in the heap instead of returning
@@ -128,8 +134,9 @@ struct RemoteOptions {
 // without, 1.8-2.2 GB/s with). Call once, early, in processes that fetch a lot.
 void TuneAllocatorForStreaming();
 
-// Connects to weightstored at `address` ("host:port"), without TLS. Each Store
-// has a connection of its own.
+// Connects to weightstored at `address` ("host:port"), with TLS when
+// options.tls_ca_file is set. Each Store has a connection of its own. NotFound or
+// InvalidArgument naming the file for unreadable PEM files.
 absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& address, RemoteOptions options = {});
 
 // Tensors mapped from weightstored's same-host socket. Each tensor's bytes point

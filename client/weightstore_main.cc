@@ -11,6 +11,13 @@
 namespace {
 
 // Adds the selection flags (shared by inspect, convert and apply) to `cmd`.
+void AddRemoteFlags(CLI::App* cmd, weightstore::cli::RemoteArgs* args) {
+  cmd->add_option("--tls-ca", args->tls_ca, "With --server: verify the server with this CA (PEM); enables TLS");
+  cmd->add_option("--tls-cert", args->tls_cert, "With --server: client certificate for mutual TLS (PEM)");
+  cmd->add_option("--tls-key", args->tls_key, "With --server: the client certificate's key (PEM)");
+  cmd->add_option("--token", args->token, "With --server: bearer token (default: $WEIGHTSTORE_TOKEN)");
+}
+
 void AddSelectionFlags(CLI::App* cmd, weightstore::cli::SelectionArgs* s) {
   cmd->add_option("--top-level-key", s->top_level_key,
                   "PyTorch: read the state dict under this root key (e.g. model_state_dict)");
@@ -61,6 +68,7 @@ int main(int argc, char** argv) {
       inspect_cmd->add_option("--server", inspect.server, "Ask weightstored at host:port instead of reading a file");
   inspect_cmd->add_option("--socket", inspect.socket, "Ask weightstored through its same-host socket")
       ->excludes(inspect_server);
+  AddRemoteFlags(inspect_cmd, &inspect.remote);
   inspect_cmd->add_flag("--json", inspect.json, "Print JSON: {format, metadata, tensors: [{name, dtype, shape, bytes}]}");
   AddSelectionFlags(inspect_cmd, &inspect.selection);
 
@@ -90,6 +98,7 @@ int main(int argc, char** argv) {
   auto* ls_socket = ls_cmd->add_option("--socket", ls.socket, "weightstored's same-host socket");
   ls_server->excludes(ls_socket);
   ls_cmd->add_flag("--json", ls.json, "Print JSON");
+  AddRemoteFlags(ls_cmd, &ls.remote);
 
   cli::FetchArgs fetch;
   CLI::App* fetch_cmd = app.add_subcommand(
@@ -103,6 +112,7 @@ int main(int argc, char** argv) {
   fetch_cmd->add_option("--format", fetch.format, "Output format, overriding OUT's extension")
       ->check(CLI::IsMember({"safetensors", "burnpack"}));
   fetch_cmd->add_flag("--overwrite", fetch.overwrite, "Replace OUT if it exists");
+  AddRemoteFlags(fetch_cmd, &fetch.remote);
   fetch_cmd->add_option("--metadata", fetch.metadata, "Add or replace a metadata entry (KEY=VALUE, repeatable)");
   fetch_cmd->add_flag("!--no-progress", fetch.progress, "Never draw a progress bar");
   AddSelectionFlags(fetch_cmd, &fetch.selection);
