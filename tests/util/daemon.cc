@@ -52,6 +52,8 @@ Daemon::Daemon(const std::string& models_dir, std::vector<std::string> extra_arg
     std::string port = ReadFileOrEmpty(port_file);
     if (!port.empty()) {
       port_ = std::atoi(port.c_str());
+      metrics_port_ = std::atoi(ReadFileOrEmpty(port_file + ".metrics").c_str());
+      health_port_ = std::atoi(ReadFileOrEmpty(port_file + ".health").c_str());
       return;
     }
     int status;
