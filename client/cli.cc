@@ -1,5 +1,12 @@
 #include "client/cli.h"
 
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include <fstream>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -238,6 +245,34 @@ absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
     if (loaded.applied) view.apply_result = loaded.applied->result;
   }
   PrintInspect(view, args.json, out);
+  return absl::OkStatus();
+}
+
+absl::Status RunHealth(const HealthArgs& args, std::FILE* out) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!args.remote.tls_ca.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    std::ifstream in(args.remote.tls_ca);
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", args.remote.tls_ca, "'"));
+    ssl.pem_root_certs.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    credentials = grpc::SslCredentials(ssl);
+  }
+  auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(args.server, credentials));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(args.timeout_seconds * 1000)));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(args.service);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status status = stub->Check(&ctx, request, &response);
+  if (!status.ok()) {
+    return absl::UnavailableError(absl::StrCat(args.server, ": ", status.error_message()));
+  }
+  const std::string name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
+  std::fprintf(out, "%s\n", name.c_str());
+  if (response.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat(args.server, " is ", name));
+  }
   return absl::OkStatus();
 }
 

@@ -86,6 +86,16 @@ struct DiffArgs {
 absl::Status RunInspect(const InspectArgs& args, std::FILE* out);
 absl::Status RunConvert(const ConvertArgs& args, std::FILE* out);
 absl::Status RunLs(const LsArgs& args, std::FILE* out);
+
+struct HealthArgs {
+  std::string server;
+  std::string service;  // "" for the whole server
+  RemoteArgs remote;
+  double timeout_seconds = 5;
+};
+// Asks grpc.health.v1.Health/Check; OK only when SERVING, Unavailable otherwise
+// (for container health checks and scripts).
+absl::Status RunHealth(const HealthArgs& args, std::FILE* out);
 absl::Status RunFetch(const FetchArgs& args, std::FILE* out);
 // Prints the load result; returns FailedPrecondition when it fails the load.
 absl::Status RunApply(const ApplyArgs& args, std::FILE* out);

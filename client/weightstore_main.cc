@@ -100,6 +100,15 @@ int main(int argc, char** argv) {
   ls_cmd->add_flag("--json", ls.json, "Print JSON");
   AddRemoteFlags(ls_cmd, &ls.remote);
 
+  cli::HealthArgs health;
+  CLI::App* health_cmd = app.add_subcommand(
+      "health", "Ask a weightstored whether it is serving (grpc.health.v1); exit 0 only when SERVING");
+  health_cmd->add_option("--server", health.server, "weightstored address (its --health-listen port, or the main one)")
+      ->required();
+  health_cmd->add_option("--service", health.service, "A service name (default: the whole server)");
+  health_cmd->add_option("--timeout", health.timeout_seconds, "Seconds to wait")->capture_default_str();
+  health_cmd->add_option("--tls-ca", health.remote.tls_ca, "Verify the server with this CA (PEM); enables TLS");
+
   cli::FetchArgs fetch;
   CLI::App* fetch_cmd = app.add_subcommand(
       "fetch", "Download a checkpoint (or a selection of it) from weightstored into a file, atomically");
@@ -134,6 +143,7 @@ int main(int argc, char** argv) {
   if (*inspect_cmd) return Report(cli::RunInspect(inspect, stdout));
   if (*convert_cmd) return Report(cli::RunConvert(convert, stdout));
   if (*ls_cmd) return Report(cli::RunLs(ls, stdout));
+  if (*health_cmd) return Report(cli::RunHealth(health, stdout));
   if (*fetch_cmd) return Report(cli::RunFetch(fetch, stdout));
   if (*apply_cmd) {
     absl::Status status = cli::RunApply(apply, stdout);

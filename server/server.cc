@@ -5,6 +5,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -55,6 +56,26 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Serve
 }
 
 }  // namespace
+
+absl::Status CheckOptions(const ServerOptions& options) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(options.registry.models_dir, ec)) {
+    return absl::NotFoundError(absl::StrCat("models: '", options.registry.models_dir, "' is not a folder"));
+  }
+  if (!options.tokens_file.empty()) {
+    absl::StatusOr<Authenticator> auth = Authenticator::FromFile(options.tokens_file);
+    if (!auth.ok()) return auth.status();
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials(options.tls);
+  if (!credentials.ok()) return credentials.status();
+  if (!options.socket.path.empty()) {
+    std::filesystem::path parent = std::filesystem::path(options.socket.path).parent_path();
+    if (!parent.empty() && !std::filesystem::is_directory(parent, ec)) {
+      return absl::NotFoundError(absl::StrCat("socket: the folder '", parent.string(), "' does not exist"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(ServerOptions options) {
   std::unique_ptr<WeightStoreServer> s(new WeightStoreServer());

@@ -54,6 +54,10 @@ struct ServerOptions {
   std::string tokens_file;
 };
 
+// Checks what Start() would refuse, without binding anything: the models
+// folder, the tokens file, the TLS files, the socket path. For --check-config.
+absl::Status CheckOptions(const ServerOptions& options);
+
 class WeightStoreServer {
  public:
   // Scans the models folder, then binds and starts serving. Returns

@@ -75,6 +75,9 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level, "debug, info, warning or error")
       ->check(CLI::IsMember({"debug", "info", "warning", "warn", "error"}))
       ->capture_default_str();
+  bool check_config = false;
+  app.add_flag("--check-config", check_config,
+               "Check the options (models folder, tokens and TLS files, socket folder), print them, and exit");
   bool copy_payloads = false;
   app.add_flag("--copy-payloads", copy_payloads,
                "Copy tensor bytes into protobuf messages instead of zero-copy slices (benchmark baseline only)");
@@ -90,6 +93,15 @@ int main(int argc, char** argv) {
 
   options.service.zero_copy = !copy_payloads;
   SetLogLevel(*ParseLogLevel(log_level));
+  if (check_config) {
+    absl::Status status = CheckOptions(options);
+    if (!status.ok()) {
+      std::fprintf(stderr, "weightstored: %s\n", std::string(status.message()).c_str());
+      return 1;
+    }
+    std::printf("%s", app.config_to_str(/*default_also=*/true, /*write_description=*/false).c_str());
+    return 0;
+  }
   options.socket.allowed_uids.insert(allow_uids.begin(), allow_uids.end());
   options.socket.allowed_gids.insert(allow_gids.begin(), allow_gids.end());
   options.registry.preload_all = preload_all;
@@ -112,16 +124,25 @@ int main(int argc, char** argv) {
                options.socket.path.empty() ? "" : (", socket " + options.socket.path).c_str(),
                (*server)->metrics_port() == 0 ? "" : (", metrics on port " + std::to_string((*server)->metrics_port())).c_str(),
                (*server)->health_port() == 0 ? "" : (", health on port " + std::to_string((*server)->health_port())).c_str());
-  if (!port_file.empty() && (*server)->metrics_port() != 0) {
-    std::ofstream(port_file + ".metrics") << (*server)->metrics_port() << "\n";
-  }
-  if (!port_file.empty() && (*server)->health_port() != 0) {
-    std::ofstream(port_file + ".health") << (*server)->health_port() << "\n";
-  }
+  // Port files for scripts and tests: <file>.metrics and <file>.health first,
+  // then <file> itself (renamed into place), so that its presence means all are there.
+  auto write_port = [](const std::string& path, int port) {
+    std::ofstream out(path);
+    out << port << "\n";
+    out.close();
+    return static_cast<bool>(out);
+  };
+  bool written = true;
   if (!port_file.empty()) {
-    std::string tmp = port_file + ".tmp";
-    std::ofstream(tmp) << (*server)->port() << "\n";
-    std::rename(tmp.c_str(), port_file.c_str());
+    if ((*server)->metrics_port() != 0) written &= write_port(port_file + ".metrics", (*server)->metrics_port());
+    if ((*server)->health_port() != 0) written &= write_port(port_file + ".health", (*server)->health_port());
+    written &= write_port(port_file + ".tmp", (*server)->port()) &&
+               std::rename((port_file + ".tmp").c_str(), port_file.c_str()) == 0;
+  }
+  if (!written) {
+    std::fprintf(stderr, "weightstored: cannot write the port file '%s'\n", port_file.c_str());
+    (*server)->Shutdown(std::chrono::milliseconds(0), std::chrono::milliseconds(0));
+    return 1;
   }
   while (true) {
     int sig = 0;

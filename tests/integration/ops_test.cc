@@ -227,6 +227,16 @@ TEST_F(TokenTest, HealthPortAnswersProbesWithoutAToken) {
     ASSERT_TRUE(health->Check(&ctx, req, &resp).ok()) << service;
     EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
   }
+  // The CLI's health command (the container's HEALTHCHECK) says the same.
+  std::string out;
+  EXPECT_EQ(testing::RunCommand(absl::StrCat(testing::CliPath(), " health --server 127.0.0.1:", daemon_->health_port()),
+                                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("SERVING"));
+  EXPECT_NE(testing::RunCommand(absl::StrCat(testing::CliPath(), " health --timeout 1 --server 127.0.0.1:", FreePort()),
+                                &out),
+            0);
   // The health port serves nothing else.
   auto stub = pb::WeightStore::NewStub(channel);
   grpc::ClientContext ctx;
@@ -262,6 +272,21 @@ TEST(ConfigTest, ConfigFileSetsOptionsAndErrorsNameTheKey) {
   Daemon bad_value(Models(), {"--config", dir + "/badvalue.toml"});
   EXPECT_EQ(bad_value.port(), 0);
   EXPECT_THAT(bad_value.log(), HasSubstr("chunk-bytes"));
+
+  // --check-config reads the file and the files it names, and serves nothing.
+  const std::string models = Models();
+  std::string checked;
+  EXPECT_EQ(testing::RunCommand(absl::StrCat(testing::DaemonPath(), " --models ", models, " --config ",
+                                             dir + "/good.toml --check-config"),
+                                &checked),
+            0)
+      << checked;
+  EXPECT_THAT(checked, HasSubstr("shm-budget=67108864"));
+  EXPECT_NE(testing::RunCommand(absl::StrCat(testing::DaemonPath(), " --models ", models,
+                                             " --tokens-file /nonexistent/tokens --check-config"),
+                                &checked),
+            0);
+  EXPECT_THAT(checked, HasSubstr("/nonexistent/tokens"));
 
   std::string help;
   testing::RunCommand(testing::DaemonPath() + " --help", &help);
