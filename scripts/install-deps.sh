@@ -17,7 +17,12 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev
   python3 python3-torch python3-numpy python3-grpcio python3-crc32c libtorch-dev \
   prometheus openssl
+  # deployment checks (deploy/validate, docker/check.sh)
+  systemd util-linux
 )
+# npm comes from Debian unless a node.js with its own npm is already installed
+# (Debian's npm package would conflict with it).
+command -v npm > /dev/null || packages+=(npm)
 
 sudo=""
 if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
