@@ -163,11 +163,20 @@ def _copy_into(module, tensors):
 class RemoteClient:
     """weightstored over gRPC. Fetched tensors are owned arrays (one copy, from the wire)."""
 
-    def __init__(self, address, timeout=600.0, max_resumes=3):
-        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 16 << 20)])
+    def __init__(self, address, timeout=600.0, max_resumes=3, token=None, tls_ca=None, tls_cert=None, tls_key=None):
+        """tls_ca (a PEM file) turns TLS on; tls_cert and tls_key add a client
+        certificate (mutual TLS). token is sent as "authorization: Bearer ..."."""
+        options = [("grpc.max_receive_message_length", 16 << 20)]
+        if tls_ca:
+            read = lambda path: open(path, "rb").read() if path else None
+            credentials = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.WeightStoreStub(self._channel)
         self._timeout = timeout
         self._max_resumes = max_resumes
+        self._metadata = [("authorization", f"Bearer {token}")] if token else None
 
     def close(self):
         self._channel.close()
@@ -180,7 +189,7 @@ class RemoteClient:
 
     def _call(self, method, request):
         try:
-            return method(request, timeout=self._timeout)
+            return method(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise WeightStoreError(e.code().name, e.details()) from None
 
@@ -203,7 +212,7 @@ class RemoteClient:
             info = buffer = None
             crc = 0
             try:
-                for chunk in self._stub.FetchTensors(request, timeout=self._timeout):
+                for chunk in self._stub.FetchTensors(request, timeout=self._timeout, metadata=self._metadata):
                     if chunk.version:
                         version = chunk.version
                     if chunk.HasField("info") and chunk.offset == 0:
