@@ -5,6 +5,7 @@
 
 #include <fstream>
 
+#include "core/pem.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 #include <unistd.h>
@@ -252,9 +253,7 @@ absl::Status RunHealth(const HealthArgs& args, std::FILE* out) {
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (!args.remote.tls_ca.empty()) {
     grpc::SslCredentialsOptions ssl;
-    std::ifstream in(args.remote.tls_ca);
-    if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", args.remote.tls_ca, "'"));
-    ssl.pem_root_certs.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPemFile(args.remote.tls_ca, "CA certificate"));
     credentials = grpc::SslCredentials(ssl);
   }
   auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(args.server, credentials));

@@ -6,12 +6,11 @@
 #include <grpcpp/security/credentials.h>
 
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <thread>
 
 
 #include "absl/strings/str_cat.h"
+#include "core/pem.h"
 #include "client/chunk_assembler.h"
 #include "client/proto_convert.h"
 #include "client/store.h"
@@ -139,27 +138,16 @@ class RemoteStore final : public Store {
 
 namespace {
 
-absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view what) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read the ", what, " '", path, "'"));
-  std::stringstream text;
-  text << in.rdbuf();
-  if (text.str().find("-----BEGIN") == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("the ", what, " '", path, "' is not a PEM file"));
-  }
-  return text.str();
-}
-
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(const RemoteOptions& options) {
   if (options.tls_ca_file.empty()) {
     if (!options.tls_cert_file.empty()) return absl::InvalidArgumentError("a client certificate needs --tls-ca too");
     return grpc::InsecureChannelCredentials();
   }
   grpc::SslCredentialsOptions ssl;
-  WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(options.tls_ca_file, "CA certificate"));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPemFile(options.tls_ca_file, "CA certificate"));
   if (!options.tls_cert_file.empty()) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem(options.tls_cert_file, "client certificate"));
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem(options.tls_key_file, "client key"));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPemFile(options.tls_cert_file, "client certificate"));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPemFile(options.tls_key_file, "client key"));
   }
   return grpc::SslCredentials(ssl);
 }

@@ -6,27 +6,15 @@
 #include <grpcpp/server_builder.h>
 
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "core/pem.h"
 #include "grpc/health/v1/health.pb.h"
 #include "server/log.h"
 
 namespace weightstore::server {
 namespace {
-
-absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view what) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read the ", what, " '", path, "'"));
-  std::stringstream text;
-  text << in.rdbuf();
-  if (text.str().find("-----BEGIN") == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("the ", what, " '", path, "' is not a PEM file"));
-  }
-  return text.str();
-}
 
 // Plaintext, TLS, or mutual TLS, from the options' PEM files.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const ServerOptions::Tls& tls) {
@@ -39,15 +27,15 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Serve
   if (tls.key_file.empty()) return absl::InvalidArgumentError("tls: a certificate was given without its key (tls-key)");
   grpc::SslServerCredentialsOptions options;
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  absl::StatusOr<std::string> cert = ReadPem(tls.cert_file, "TLS certificate");
+  absl::StatusOr<std::string> cert = ReadPemFile(tls.cert_file, "TLS certificate");
   if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPem(tls.key_file, "TLS key");
+  absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS key");
   if (!key.ok()) return key.status();
   pair.cert_chain = *cert;
   pair.private_key = *key;
   options.pem_key_cert_pairs.push_back(pair);
   if (!tls.client_ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadPem(tls.client_ca_file, "client CA");
+    absl::StatusOr<std::string> ca = ReadPemFile(tls.client_ca_file, "client CA");
     if (!ca.ok()) return ca.status();
     options.pem_root_certs = *ca;
     options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;

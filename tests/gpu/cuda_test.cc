@@ -112,11 +112,17 @@ TEST_F(CudaTest, CopyToDeviceCopiesStraightFromTheMapping) {
   ExpectSameOnDevice(sparse_want, sparse_got);
 }
 
-TEST_F(CudaTest, CopyToDeviceCopiesStraightFromTheSocketsSharedMappings) {
+// An in-process server with a same-host socket, on Models().
+server::ServerOptions SocketServerOptions() {
   server::ServerOptions options;
   options.listen = "127.0.0.1:0";
   options.registry.models_dir = Models();
   options.socket.path = testing::MakeScratchDir("sock") + "/ws.sock";
+  return options;
+}
+
+TEST_F(CudaTest, CopyToDeviceCopiesStraightFromTheSocketsSharedMappings) {
+  server::ServerOptions options = SocketServerOptions();
   ASSERT_OK_AND_ASSIGN(auto server, server::WeightStoreServer::Start(options));
   ASSERT_OK_AND_ASSIGN(auto store, ConnectSharedMemoryStore(options.socket.path));
   for (std::optional<DType> dtype : {std::optional<DType>(), std::optional<DType>(DType::kF16)}) {
@@ -133,10 +139,7 @@ TEST_F(CudaTest, CopyToDeviceCopiesStraightFromTheSocketsSharedMappings) {
 }
 
 TEST_F(CudaTest, MaterializeOntoTheGpuFromEveryStore) {
-  server::ServerOptions options;
-  options.listen = "127.0.0.1:0";
-  options.registry.models_dir = Models();
-  options.socket.path = testing::MakeScratchDir("sock") + "/ws.sock";
+  server::ServerOptions options = SocketServerOptions();
   ASSERT_OK_AND_ASSIGN(auto server, server::WeightStoreServer::Start(options));
   ASSERT_OK_AND_ASSIGN(auto local, OpenLocalStore(options.registry.models_dir));
   ASSERT_OK_AND_ASSIGN(auto want, local->FetchAll("mixed", {}));
