@@ -18,6 +18,9 @@ namespace weightstore::client {
 
 class ChunkAssembler {
  public:
+  // `first_index`: the selection index the stream starts at (start_index).
+  explicit ChunkAssembler(uint64_t first_index = 0) : next_index_(first_index) {}
+
   // Parses one TensorChunk. Returns DataLoss for a malformed chunk, a chunk out
   // of order, a short tensor or a CRC mismatch, and the sink's own errors.
   absl::Status Consume(grpc::ByteBuffer* chunk, TensorSink* sink);

@@ -6,10 +6,12 @@
 #include <grpcpp/security/credentials.h>
 
 #include <cstring>
+#include <functional>
 #include <thread>
 
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "core/pem.h"
 #include "client/chunk_assembler.h"
 #include "client/proto_convert.h"
@@ -33,10 +35,12 @@ bool Resumable(const grpc::Status& status) {
 
 class RemoteStore final : public Store {
  public:
-  RemoteStore(std::shared_ptr<grpc::Channel> channel, RemoteOptions options)
-      : channel_(channel),
-        stub_(pb::WeightStore::NewStub(channel)),
-        fetch_method_("/weightstore.v1.WeightStore/FetchTensors", grpc::internal::RpcMethod::SERVER_STREAMING, channel),
+  // `make_channel` opens a new connection each time it is called.
+  RemoteStore(std::function<std::shared_ptr<grpc::Channel>()> make_channel, RemoteOptions options)
+      : make_channel_(std::move(make_channel)),
+        channel_(make_channel_()),
+        stub_(pb::WeightStore::NewStub(channel_)),
+        fetch_method_("/weightstore.v1.WeightStore/FetchTensors", grpc::internal::RpcMethod::SERVER_STREAMING, channel_),
         options_(options) {}
 
   absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints() override {
@@ -90,17 +94,68 @@ class RemoteStore final : public Store {
   absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
     pb::FetchTensorsRequest req;
     req.set_name(name);
-    if (options_.chunk_bytes > 0) req.set_chunk_bytes(options_.chunk_bytes);
     ToProto(query, req.mutable_selection());
+    return FetchRange(channel_.get(), std::move(req), sink);
+  }
+
+  // With parallel_streams > 1: contiguous ranges of about equal bytes, each on a
+  // connection of its own, pinned to the version the listing saw.
+  absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query) override {
+    if (options_.parallel_streams <= 1) return Store::FetchAll(name, query);
+    Query listing_query = query;
+    listing_query.with_checksums = false;
+    WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, ListTensors(name, listing_query));
+    const size_t n = listing.tensors.size();
+    const size_t streams = std::min<size_t>(static_cast<size_t>(options_.parallel_streams), std::max<size_t>(n, 1));
+    if (streams <= 1) return Store::FetchAll(name, query);
+    uint64_t total = 0;
+    for (const auto& t : listing.tensors) total += t.spec.byte_size();
+    std::vector<size_t> bounds = {0};  // range r is [bounds[r], bounds[r + 1])
+    uint64_t running = 0;
+    for (size_t i = 0; i < n && bounds.size() < streams; ++i) {
+      running += listing.tensors[i].spec.byte_size();
+      if (running * streams >= total * bounds.size() && i + 1 < n) bounds.push_back(i + 1);
+    }
+    bounds.push_back(n);
+    std::vector<grpc::Channel*> channels = Channels(bounds.size() - 1);
+    std::vector<CollectingSink> sinks(bounds.size() - 1);
+    std::vector<absl::Status> results(bounds.size() - 1);
+    std::vector<std::thread> workers;
+    for (size_t r = 0; r + 1 < bounds.size(); ++r) {
+      workers.emplace_back([&, r] {
+        pb::FetchTensorsRequest req;
+        req.set_name(name);
+        req.set_version(listing.version);
+        req.set_start_index(bounds[r]);
+        req.set_end_index(bounds[r + 1]);
+        ToProto(query, req.mutable_selection());
+        results[r] = FetchRange(channels[r], std::move(req), &sinks[r]);
+      });
+    }
+    for (auto& w : workers) w.join();
+    std::vector<SharedTensor> out;
+    out.reserve(n);
+    for (size_t r = 0; r < sinks.size(); ++r) {
+      WEIGHTSTORE_RETURN_IF_ERROR(results[r]);
+      for (SharedTensor& t : sinks[r].tensors()) out.push_back(std::move(t));
+    }
+    if (out.size() != n) return absl::DataLossError(absl::StrCat("fetched ", out.size(), " of ", n, " tensors"));
+    return out;
+  }
+
+ private:
+  // Fetches req's range over `channel` into `sink`, resuming broken streams.
+  absl::Status FetchRange(grpc::Channel* channel, pb::FetchTensorsRequest req, TensorSink* sink) {
+    if (options_.chunk_bytes > 0) req.set_chunk_bytes(options_.chunk_bytes);
     int resumes = 0;
-    ChunkAssembler assembler;
+    ChunkAssembler assembler(req.start_index());
     while (true) {
       grpc::ClientContext ctx;
       SetDeadline(&ctx);
       // The generated stub's reader, but over raw ByteBuffers: chunks are parsed
       // from gRPC's own slices while the next one is being received.
       std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
-          grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel_.get(), fetch_method_, &ctx, req));
+          grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel, fetch_method_, &ctx, req));
       grpc::ByteBuffer chunk;
       absl::Status local = absl::OkStatus();
       while (local.ok() && reader->Read(&chunk)) {
@@ -121,14 +176,25 @@ class RemoteStore final : public Store {
     }
   }
 
- private:
+  // `count` connections: the store's own, then extra ones opened once and kept.
+  std::vector<grpc::Channel*> Channels(size_t count) {
+    absl::MutexLock lock(&mu_);
+    while (extra_channels_.size() + 1 < count) extra_channels_.push_back(make_channel_());
+    std::vector<grpc::Channel*> out = {channel_.get()};
+    for (size_t i = 0; i + 1 < count; ++i) out.push_back(extra_channels_[i].get());
+    return out;
+  }
+
   // Every call: the deadline and, when configured, the bearer token.
   void SetDeadline(grpc::ClientContext* ctx) {
     ctx->set_deadline(std::chrono::system_clock::now() + options_.deadline);
     if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
   }
 
+  std::function<std::shared_ptr<grpc::Channel>()> make_channel_;
   std::shared_ptr<grpc::Channel> channel_;
+  absl::Mutex mu_;
+  std::vector<std::shared_ptr<grpc::Channel>> extra_channels_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<pb::WeightStore::Stub> stub_;
   grpc::internal::RpcMethod fetch_method_;
   RemoteOptions options_;
@@ -163,9 +229,9 @@ absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& add
   // one connection (and its flow-control window) through gRPC's global pool.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (options.stream_window_bytes > 0) args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, options.stream_window_bytes);
-  auto channel = grpc::CreateCustomChannel(address, credentials, args);
-  if (channel == nullptr) return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to '", address, "'"));
-  return std::unique_ptr<Store>(new RemoteStore(std::move(channel), options));
+  // Each channel has its own subchannel pool, hence a connection of its own.
+  auto make_channel = [address, credentials, args] { return grpc::CreateCustomChannel(address, credentials, args); };
+  return std::unique_ptr<Store>(new RemoteStore(std::move(make_channel), options));
 }
 
 }  // namespace weightstore::client

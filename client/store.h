@@ -97,7 +97,7 @@ class Store {
   virtual absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) = 0;
 
   // Every selected tensor, in owned memory.
-  absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query);
+  virtual absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query);
   // One tensor by its served name (after the query's renaming).
   absl::StatusOr<SharedTensor> FetchTensor(const std::string& name, const std::string& tensor, Query query = {});
 };
@@ -119,6 +119,12 @@ struct RemoteOptions {
   uint32_t chunk_bytes = 0;
   // HTTP/2 receive window per stream. Default: 0, gRPC's own (BDP-probed).
   int stream_window_bytes = 0;
+  // FetchAll splits the selection into this many contiguous ranges of about
+  // equal bytes, each streamed over a connection of its own, in parallel. One
+  // gRPC stream tops out at what one receiving thread can copy and checksum;
+  // on a machine with cores to spare, several reach far more (see
+  // docs/benchmarks.md). Default: 1.
+  int parallel_streams = 1;
   // TLS: the CA that signed the server's certificate (PEM file). Empty: plaintext.
   std::string tls_ca_file;
   // Mutual TLS: this client's certificate chain and key (PEM files).

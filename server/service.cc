@@ -106,9 +106,11 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
                                                : std::min<uint32_t>(request_.chunk_bytes(), 4 << 20);
     chunk_bytes_ = std::max<uint32_t>(chunk_bytes_, 4096);
     index_ = request_.start_index();
-    if (index_ > resolved_.snapshot->size()) {
-      return absl::OutOfRangeError(absl::StrCat("start_index ", index_, " is past the ", resolved_.snapshot->size(),
-                                                " selected tensors"));
+    end_ = request_.end_index() == 0 ? resolved_.snapshot->size()
+                                     : std::min<uint64_t>(request_.end_index(), resolved_.snapshot->size());
+    if (index_ > end_) {
+      return absl::OutOfRangeError(absl::StrCat("start_index ", index_, " is past end_index ", end_, " (",
+                                                resolved_.snapshot->size(), " selected tensors)"));
     }
     return absl::OkStatus();
   }
@@ -120,7 +122,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       return;
     }
     const Snapshot& snapshot = *resolved_.snapshot;
-    if (index_ >= snapshot.size()) {
+    if (index_ >= end_) {
       if (!sent_any_) {  // an empty selection still tells the client its version
         v1::TensorChunk chunk;
         chunk.set_version(resolved_.version->version());
@@ -206,7 +208,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   v1::FetchTensorsRequest request_;
   Resolved resolved_;
   uint32_t chunk_bytes_ = 1 << 20;
-  uint64_t index_ = 0, offset_ = 0;
+  uint64_t index_ = 0, end_ = 0, offset_ = 0;
   SharedBytes bytes_;
   uint32_t crc_ = 0;
   std::optional<uint32_t> cached_crc_;

@@ -90,6 +90,48 @@ TEST_F(ServerTest, GetCheckpointDescribesOneAndUnknownNamesAreNotFound) {
   EXPECT_THAT(store->ListTensors("nope", {}), StatusIs(absl::StatusCode::kNotFound));
 }
 
+TEST_F(ServerTest, FetchAllOverParallelStreamsMatchesOneStream) {
+  client::RemoteOptions parallel;
+  parallel.parallel_streams = 3;
+  auto one = Connect(*daemon_);
+  ASSERT_OK_AND_ASSIGN(auto three, client::ConnectRemoteStore(daemon_->address(), parallel));
+  for (const char* name : {"burnpack/mnist", "safetensors/multi_layer", "pytorch-models/linear"}) {
+    SCOPED_TRACE(name);
+    client::Query query;
+    query.selection.dtype = DType::kF16;
+    ASSERT_OK_AND_ASSIGN(auto want, one->FetchAll(name, query));
+    ASSERT_OK_AND_ASSIGN(auto got, three->FetchAll(name, query));
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].spec, want[i].spec);
+      EXPECT_TRUE(got[i].bytes.view() == want[i].bytes.view()) << want[i].spec.name;
+    }
+  }
+}
+
+TEST_F(ServerTest, FetchStopsAtEndIndexAndRefusesAnInvertedRange) {
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials()));
+  pb::FetchTensorsRequest req;
+  req.set_name("burnpack/mnist");
+  req.set_start_index(2);
+  req.set_end_index(5);
+  grpc::ClientContext ctx;
+  auto reader = stub->FetchTensors(&ctx, req);
+  pb::TensorChunk chunk;
+  std::set<uint64_t> indices;
+  while (reader->Read(&chunk)) indices.insert(chunk.tensor_index());
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(indices, (std::set<uint64_t>{2, 3, 4}));
+  req.set_start_index(6);
+  grpc::ClientContext ctx2;
+  auto inverted = stub->FetchTensors(&ctx2, req);
+  while (inverted->Read(&chunk)) {
+  }
+  grpc::Status status = inverted->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_THAT(status.error_message(), HasSubstr("end_index 5"));
+}
+
 TEST_F(ServerTest, FetchesEveryFixtureByteForByte) {
   auto store = Connect(*daemon_);
   ASSERT_OK_AND_ASSIGN(auto list, store->ListCheckpoints());
