@@ -3,7 +3,7 @@
 // payloads into protobuf messages, all measured in one run. Prints server CPU
 // seconds per GB and the client's peak RSS.
 //
-// Usage: grpc_bench [--gb N]
+// Usage: grpc_bench [--gb N]   ($WEIGHTSTORED overrides the daemon binary)
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -60,7 +60,9 @@ struct Daemon {
     std::filesystem::remove(port_file);
     pid = ::fork();
     if (pid == 0) {
-      std::vector<std::string> args = {WEIGHTSTORED_PATH, "--models", models, "--listen", "127.0.0.1:0",
+      const char* binary = std::getenv("WEIGHTSTORED");  // another build's daemon, e.g. on a device machine
+      std::vector<std::string> args = {binary != nullptr ? binary : WEIGHTSTORED_PATH, "--models", models,
+                                       "--listen", "127.0.0.1:0",
                                        "--port-file", port_file};
       if (copy_payloads) args.push_back("--copy-payloads");
       std::vector<char*> argv;
@@ -121,6 +123,30 @@ Run Fetch(const Daemon& daemon, const std::string& name, int clients, uint64_t t
   for (auto& t : threads) t.join();
   const double seconds = Since(start);
   const double gb = static_cast<double>(total_bytes) * clients / 1e9;
+  return {seconds, gb / seconds, (daemon.CpuSeconds() - cpu_before) / gb};
+}
+
+// One client loading everything into owned memory with FetchAll, over
+// `streams` parallel connections (RemoteOptions::parallel_streams).
+Run FetchAllRun(const Daemon& daemon, const std::string& name, int streams, uint64_t total_bytes) {
+  client::RemoteOptions options = Options();
+  options.parallel_streams = streams;
+  auto store = client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon.port), options);
+  (void)(*store)->FetchAll(name, {});  // opens the connections, warms the allocator
+  const double cpu_before = daemon.CpuSeconds();
+  const auto start = Clock::now();
+  auto tensors = (*store)->FetchAll(name, {});
+  const double seconds = Since(start);
+  uint64_t bytes = 0;
+  if (tensors.ok()) {
+    for (const auto& t : *tensors) bytes += t.bytes.size();
+  }
+  if (bytes != total_bytes) {
+    std::fprintf(stderr, "grpc_bench: FetchAll over %d streams: %s\n", streams,
+                 std::string(tensors.status().message()).c_str());
+    std::exit(1);
+  }
+  const double gb = static_cast<double>(total_bytes) / 1e9;
   return {seconds, gb / seconds, (daemon.CpuSeconds() - cpu_before) / gb};
 }
 
@@ -197,6 +223,11 @@ int main(int argc, char** argv) {
                 one.server_cpu_per_gb);
     std::printf("  %-38s %8.2f %7.0f%% %12.3f\n", "weightstored zero-copy, 4 clients", four.gbps, 100 * four.gbps / tcp,
                 four.server_cpu_per_gb);
+    for (int streams : {1, 4}) {
+      Run all = FetchAllRun(zero_copy, "big", streams, total);
+      std::printf("  %-38s %8.2f %7.0f%% %12.3f\n", absl::StrCat("1 client, FetchAll, ", streams, " stream(s)").c_str(),
+                  all.gbps, 100 * all.gbps / tcp, all.server_cpu_per_gb);
+    }
     Daemon naive(models, /*copy_payloads=*/true);
     Fetch(naive, "big", 1, total);
     Run copy = Fetch(naive, "big", 1, total);
