@@ -5,6 +5,7 @@
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/security/credentials.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -101,12 +102,15 @@ class RemoteStore final : public Store {
   // With parallel_streams > 1: contiguous ranges of about equal bytes, each on a
   // connection of its own, pinned to the version the listing saw.
   absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query) override {
-    if (options_.parallel_streams <= 1) return Store::FetchAll(name, query);
+    const int parallel = options_.parallel_streams > 0
+                             ? options_.parallel_streams
+                             : std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 4, 1, 4);
+    if (parallel <= 1) return Store::FetchAll(name, query);
     Query listing_query = query;
     listing_query.with_checksums = false;
     WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, ListTensors(name, listing_query));
     const size_t n = listing.tensors.size();
-    const size_t streams = std::min<size_t>(static_cast<size_t>(options_.parallel_streams), std::max<size_t>(n, 1));
+    const size_t streams = std::min<size_t>(static_cast<size_t>(parallel), std::max<size_t>(n, 1));
     if (streams <= 1) return Store::FetchAll(name, query);
     uint64_t total = 0;
     for (const auto& t : listing.tensors) total += t.spec.byte_size();
