@@ -26,6 +26,61 @@ _MAX_FDS = 253  # SCM_MAX_FD
 _ALL_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 
 
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class _Chunk:
+    __slots__ = ("index", "offset", "data", "last", "crc32c")
+
+    def __init__(self):
+        self.index, self.offset, self.data, self.last, self.crc32c = 0, 0, b"", False, 0
+
+
+def _varint(buf, pos):
+    value, shift = 0, 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise WeightStoreError("DATA_LOSS", "a malformed TensorChunk (varint)")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _parse_chunk(raw):
+    """The fields of a serialized TensorChunk; `data` is a view of `raw`, not a copy."""
+    view, pos, chunk = memoryview(raw), 0, _Chunk()
+    while pos < len(view):
+        key, pos = _varint(view, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(view, pos)
+            if field == 2:
+                chunk.index = value
+            elif field == 3:
+                chunk.offset = value
+            elif field == 5:
+                chunk.last = bool(value)
+        elif wire == 2:
+            length, pos = _varint(view, pos)
+            if pos + length > len(view):
+                raise WeightStoreError("DATA_LOSS", "a malformed TensorChunk (length)")
+            if field == 4:
+                chunk.data = view[pos:pos + length]
+            pos += length
+        elif wire == 5:
+            if field == 6:
+                chunk.crc32c = int.from_bytes(view[pos:pos + 4], "little")
+            pos += 4
+        elif wire == 1:
+            pos += 8
+        else:
+            raise WeightStoreError("DATA_LOSS", f"a malformed TensorChunk (wire type {wire})")
+    return chunk
+
+
 class WeightStoreError(Exception):
     """A failed call. `code` is the gRPC status code name ("NOT_FOUND", ...)."""
 
@@ -174,6 +229,10 @@ class RemoteClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.WeightStoreStub(self._channel)
+        # FetchTensors as raw bytes: chunks are parsed here, without a protobuf copy of their data.
+        self._raw_fetch = self._channel.unary_stream("/weightstore.v1.WeightStore/FetchTensors",
+                                                     request_serializer=pb.FetchTensorsRequest.SerializeToString,
+                                                     response_deserializer=None)
         self._timeout = timeout
         self._max_resumes = max_resumes
         self._metadata = [("authorization", f"Bearer {token}")] if token else None
@@ -205,62 +264,59 @@ class RemoteClient:
         return [_tensor_info(t) for t in r.tensors]
 
     def _fetch(self, name, selection, as_):
-        """Streams every selected tensor; resumes after a broken stream, pinned to its version."""
-        out, version, resumes = {}, "", 0
-        while True:
-            request = pb.FetchTensorsRequest(name=name, selection=selection, version=version, start_index=len(out))
-            info = buffer = None
+        """Returns ({name: tensor}, the ListTensors response). Streams every selected tensor into one arena allocated up front (one
+        prefaulting mmap: faulting fresh pages in one by one costs more than the
+        transfer here), checks each CRC32C, and resumes a broken stream pinned to
+        its version. The tensors are views of the arena, which lives while any of
+        them does."""
+        listing = self._call(self._stub.ListTensors, pb.ListTensorsRequest(name=name, selection=selection))
+        infos = list(listing.tensors)
+        offsets, total = [], 0
+        for info in infos:
+            total = (total + 63) // 64 * 64
+            offsets.append(total)
+            total += info.byte_size
+        arena = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
+        target = np.frombuffer(arena, dtype=np.uint8)
+        version, done, resumes = listing.version, 0, 0
+        while done < len(infos):
+            request = pb.FetchTensorsRequest(name=name, selection=selection, version=version, start_index=done)
             crc = 0
             try:
-                for chunk in self._stub.FetchTensors(request, timeout=self._timeout, metadata=self._metadata):
-                    if chunk.version:
-                        version = chunk.version
-                    if chunk.HasField("info") and chunk.offset == 0:
-                        info, crc = chunk.info, 0
-                        buffer = self._allocate(info, as_)
-                    if info is None:
-                        continue  # an empty selection's only message
-                    data = chunk.data
-                    buffer[1][chunk.offset:chunk.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                for raw in self._raw_fetch(request, timeout=self._timeout, metadata=self._metadata):
+                    chunk = _parse_chunk(raw)
+                    if chunk.index != done:
+                        raise WeightStoreError("DATA_LOSS", f"a chunk of tensor {chunk.index}; expected {done}")
+                    info, data = infos[done], chunk.data
+                    if chunk.offset == 0:
+                        crc = 0
+                    if chunk.offset + len(data) > info.byte_size:
+                        raise WeightStoreError("DATA_LOSS", f"tensor '{info.name}' overflows its declared size")
+                    begin = offsets[done] + chunk.offset
+                    target[begin:begin + len(data)] = np.frombuffer(data, dtype=np.uint8)
                     crc = crc32c.crc32c(data, crc)
                     if chunk.last:
-                        if crc != chunk.crc32c:
+                        if crc != chunk.crc32c or chunk.offset + len(data) != info.byte_size:
                             raise WeightStoreError("DATA_LOSS", f"tensor '{info.name}' does not match its CRC32C")
-                        out[info.name] = self._finish(buffer[0], info, as_)
-                        info = None
-                return out
+                        done += 1
+                if done < len(infos):
+                    raise WeightStoreError("DATA_LOSS", f"the stream ended after {done} of {len(infos)} tensors")
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or resumes >= self._max_resumes:
                     raise WeightStoreError(e.code().name, e.details()) from None
                 resumes += 1
                 time.sleep(0.5 * resumes)
-
-    @staticmethod
-    def _allocate(info, as_):
-        """(owner, uint8 numpy view to fill)."""
-        if as_ == "numpy":
-            owner = np.empty(info.byte_size, dtype=np.uint8)
-            return owner, owner
-        import torch
-        owner = torch.empty(info.byte_size, dtype=torch.uint8)
-        return owner, owner.numpy()
-
-    @staticmethod
-    def _finish(owner, info, as_):
-        if as_ == "numpy":
-            return owner.view(_numpy_dtype(info)).reshape(tuple(info.shape))
-        return owner.view(_torch_dtype(info)).reshape(tuple(info.shape))
+        return {info.name: _view(arena, offsets[i], info, as_) for i, info in enumerate(infos)}, listing
 
     def fetch(self, name, as_="torch", **selection):
         """Every selected tensor, by served name, in selection order."""
-        return self._fetch(name, _selection(**selection), as_)
+        return self._fetch(name, _selection(**selection), as_)[0]
 
     def load_into(self, module, name, allow_partial=False, **selection):
         """Loads `name` into `module` (a torch.nn.Module) and returns the LoadResult.
         Raises WeightStoreError (FAILED_PRECONDITION, with the summary) if the load fails."""
-        s = _module_selection(module, allow_partial, selection)
-        listing = self._call(self._stub.ListTensors, pb.ListTensorsRequest(name=name, selection=s))
-        _copy_into(module, self._fetch(name, s, "torch"))
+        tensors, listing = self._fetch(name, _module_selection(module, allow_partial, selection), "torch")
+        _copy_into(module, tensors)
         return _load_result(listing.apply_result)
 
 
