@@ -105,16 +105,30 @@ absl::StatusOr<ApplyResult> LoadIntoModule(Store& store, const std::string& name
   }
   query.target = std::move(target);
   if (!query.selection.contiguous_indices.has_value()) query.selection.contiguous_indices = false;
-  WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, store.ListTensors(name, query));
-  WEIGHTSTORE_ASSIGN_OR_RETURN(auto tensors, LoadTorchTensors(store, name, query));
+  // The apply result: from the mapping itself over the socket (one request),
+  // from a listing otherwise.
+  std::optional<ApplyResult> result;
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  if (auto* shm = dynamic_cast<SharedMemoryStore*>(&store)) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, shm->MapTensors(name, query));
+    for (const SharedTensor& t : mapped.tensors) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(torch::Tensor tensor, ToTorch(t));
+      tensors.emplace_back(t.spec.name, std::move(tensor));
+    }
+    result = std::move(mapped.apply_result);
+  } else {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, store.ListTensors(name, query));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(tensors, LoadTorchTensors(store, name, query));
+    result = std::move(listing.apply_result);
+  }
+  if (!result) return absl::InternalError("the store sent no apply result");
   torch::NoGradGuard no_grad;
   for (auto& [path, tensor] : tensors) {
     auto it = by_path.find(path);
     if (it == by_path.end()) return absl::InternalError(absl::StrCat("the daemon served '", path, "', not in the module"));
     it->second.copy_(tensor);
   }
-  if (!listing.apply_result) return absl::InternalError("the daemon sent no apply result");
-  return *std::move(listing.apply_result);
+  return *std::move(result);
 }
 
 }  // namespace weightstore::client

@@ -23,16 +23,11 @@ namespace {
 using ::testing::HasSubstr;
 using ::weightstore::testing::StatusIs;
 
-auto FillWith(char c, std::atomic<int>* calls = nullptr) {
-  return [c, calls](std::span<std::byte> out) {
-    if (calls != nullptr) ++*calls;
-    std::memset(out.data(), c, out.size());
-    return absl::OkStatus();
-  };
-}
-
 TEST(SealedMemfdTest, SegmentIsSealedReadOnlyAndHoldsWhatWasFilled) {
-  ASSERT_OK_AND_ASSIGN(auto segment, CreateSealedMemfd("test", 10000, FillWith('z')));
+  ASSERT_OK_AND_ASSIGN(auto segment, CreateSealedMemfd("test", 10000, [](std::span<std::byte> out) {
+                         std::memset(out.data(), 'z', out.size());
+                         return absl::OkStatus();
+                       }));
   EXPECT_EQ(segment->size(), 10000u);
   EXPECT_EQ(segment->bytes().view(), std::string(10000, 'z'));
   EXPECT_OK(CheckSealed(segment->fd(), "test"));

@@ -80,15 +80,14 @@ class ShmServer {
   const std::string& path() const { return options_.path; }
   Stats stats() const;
 
-  // Answers one request (exposed for tests and fuzzing): fills `response` and
-  // the descriptors to send with it (owned by the segments `keep` holds alive).
-  void Handle(const v1::ShmRequest& request, v1::ShmResponse* response, std::vector<int>* fds,
-              std::vector<std::shared_ptr<const MappedFile>>* keep);
-
  private:
   ShmServer(const CheckpointRegistry* registry, SegmentCache* cache, ShmServerOptions options)
       : registry_(registry), cache_(cache), options_(std::move(options)) {}
   void AcceptLoop();
+  // Answers one request: fills `response` and the descriptors to send with it
+  // (owned by the segments `keep` holds alive).
+  void Handle(const v1::ShmRequest& request, v1::ShmResponse* response, std::vector<int>* fds,
+              std::vector<std::shared_ptr<const MappedFile>>* keep);
   void Serve(int connection, const std::string& peer);
   // One structured log line per request (server/log.h).
   static void LogRequest(const v1::ShmRequest& request, const v1::ShmResponse& response, const std::string& peer,

@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cuda_materializer.h"
-#include "core/checkpoint_writer.h"
+#include "tests/bench/bench_checkpoint.h"
 #include "server/server.h"
 
 using namespace weightstore;
@@ -57,16 +57,7 @@ int main(int argc, char** argv) {
   const uint64_t bytes = mib << 20, tensor = 4 << 20;
   char tmpl[] = "/tmp/weightstore-cuda-bench-XXXXXX";
   const std::string dir = ::mkdtemp(tmpl);
-  {
-    SharedBytes block = SharedBytes::FromVector(std::vector<std::byte>(tensor, std::byte{3}));
-    auto writer = CheckpointWriter::Create(dir + "/w.safetensors", Format::kSafeTensors);
-    for (uint64_t i = 0; i < bytes / tensor; ++i) {
-      Check((*writer)->Add({absl::StrCat("w.", i), DType::kF32, {tensor / 4}},
-                           [block] { return absl::StatusOr<SharedBytes>(block); }),
-            "add");
-    }
-    Check((*writer)->Finish(), "write");
-  }
+  Check(WriteBenchCheckpoint(dir + "/w.safetensors", bytes / tensor, tensor, std::byte{3}), "write");
   const double gb = static_cast<double>(bytes) / 1e9;
   std::printf("cuda_bench: %s, %llu MiB in %llu tensors of 4 MiB, page cache warm; best of 3\n\n", prop.name,
               static_cast<unsigned long long>(mib), static_cast<unsigned long long>(bytes / tensor));

@@ -22,7 +22,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
-#include "core/checkpoint_writer.h"
+#include "tests/bench/bench_checkpoint.h"
 #include "core/host_buffer.h"
 #include "core/mapped_file.h"
 #include "tests/util/daemon.h"
@@ -91,14 +91,9 @@ int main(int argc, char** argv) {
   const std::string models = dir + "/models", socket = dir + "/ws.sock";
   std::filesystem::create_directories(models);
   const uint64_t count = (static_cast<uint64_t>(gb) << 30) / kTensorBytes;
-  {
-    SharedBytes block = SharedBytes::FromVector(std::vector<std::byte>(kTensorBytes, std::byte{7}));
-    auto writer = CheckpointWriter::Create(models + "/big.safetensors", Format::kSafeTensors);
-    for (uint64_t i = 0; i < count; ++i) {
-      (void)(*writer)->Add({absl::StrCat("w.", i), DType::kF32, {kTensorBytes / 4}},
-                           [block] { return absl::StatusOr<SharedBytes>(block); });
-    }
-    if (!(*writer)->Finish().ok()) return 1;
+  if (absl::Status s = WriteBenchCheckpoint(models + "/big.safetensors", count, kTensorBytes); !s.ok()) {
+    std::fprintf(stderr, "bench: %s\n", s.ToString().c_str());
+    return 1;
   }
   const std::string file = models + "/big.safetensors";
   const uint64_t total = count * kTensorBytes;

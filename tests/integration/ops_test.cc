@@ -296,6 +296,15 @@ TEST(ConfigTest, ConfigFileSetsOptionsAndErrorsNameTheKey) {
   }
 }
 
+TEST(PortFileTest, AnUnwritablePortFileStopsTheDaemonLoudly) {
+  std::string out;
+  const int status = testing::RunCommand(absl::StrCat(testing::DaemonPath(), " --models ", Models(),
+                                                      " --listen 127.0.0.1:0 --port-file /nonexistent/dir/port"),
+                                         &out);
+  EXPECT_NE(status, 0);
+  EXPECT_THAT(out, HasSubstr("cannot write the port file '/nonexistent/dir/port'"));
+}
+
 class MetricsTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -1,0 +1,30 @@
+// The benchmarks' checkpoint: `count` F32 tensors "w.0", "w.1", ... of
+// `tensor_bytes` each (every byte `fill`), written as SafeTensors to `path`.
+// Each tensor's bytes are one shared block, so writing costs no memory.
+#ifndef WEIGHTSTORE_TESTS_BENCH_BENCH_CHECKPOINT_H_
+#define WEIGHTSTORE_TESTS_BENCH_BENCH_CHECKPOINT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/checkpoint_writer.h"
+#include "core/status_macros.h"
+
+namespace weightstore {
+
+inline absl::Status WriteBenchCheckpoint(const std::string& path, uint64_t count, uint64_t tensor_bytes,
+                                         std::byte fill = std::byte{7}) {
+  SharedBytes block = SharedBytes::FromVector(std::vector<std::byte>(tensor_bytes, fill));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(path, Format::kSafeTensors));
+  for (uint64_t i = 0; i < count; ++i) {
+    WEIGHTSTORE_RETURN_IF_ERROR(writer->Add({absl::StrCat("w.", i), DType::kF32, {tensor_bytes / 4}},
+                                            [block] { return absl::StatusOr<SharedBytes>(block); }));
+  }
+  return writer->Finish();
+}
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_TESTS_BENCH_BENCH_CHECKPOINT_H_
