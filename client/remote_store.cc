@@ -152,6 +152,7 @@ class RemoteStore final : public Store {
   absl::Status FetchRange(grpc::Channel* channel, pb::FetchTensorsRequest req, TensorSink* sink) {
     if (options_.chunk_bytes > 0) req.set_chunk_bytes(options_.chunk_bytes);
     int resumes = 0;
+    absl::Status first_break;  // why the stream first broke, for the final error
     ChunkAssembler assembler(req.start_index());
     while (true) {
       grpc::ClientContext ctx;
@@ -174,7 +175,14 @@ class RemoteStore final : public Store {
       }
       grpc::Status status = reader->Finish();
       if (status.ok()) return absl::OkStatus();
-      if (!Resumable(status) || ++resumes > options_.max_resumes || req.version().empty()) return FromGrpc(status);
+      if (!Resumable(status) || ++resumes > options_.max_resumes || req.version().empty()) {
+        absl::Status failed = FromGrpc(status);
+        if (first_break.ok()) return failed;
+        return absl::Status(failed.code(), absl::StrCat("the stream broke (", first_break.message(),
+                                                        "); resuming at tensor ", req.start_index(),
+                                                        " failed: ", failed.message()));
+      }
+      if (first_break.ok()) first_break = FromGrpc(status);
       assembler.Restart();  // tensors before start_index are complete; the current one restarts
       std::this_thread::sleep_for(options_.resume_backoff * resumes);
     }
