@@ -21,6 +21,9 @@ absl::Status Cuda(cudaError_t error, absl::string_view what) {
 }
 
 absl::StatusOr<DeviceTensor> AllocateDevice(const TensorSpec& spec, int device) {
+  // The current device is per thread, and sinks may be called from a store's
+  // helper thread: name it every time.
+  WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaSetDevice(device), "cudaSetDevice"));
   void* ptr = nullptr;
   if (spec.byte_size() > 0) {
     absl::Status s = Cuda(cudaMalloc(&ptr, spec.byte_size()), absl::StrCat("cudaMalloc for tensor '", spec.name, "'"));

@@ -7,9 +7,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <thread>
-
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -33,6 +33,50 @@ bool Resumable(const grpc::Status& status) {
   return status.error_code() == grpc::StatusCode::UNAVAILABLE || status.error_code() == grpc::StatusCode::INTERNAL ||
          status.error_code() == grpc::StatusCode::UNKNOWN || status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
 }
+
+// Hands received chunks from the thread reading a stream to the thread copying
+// them into the sink; at most `depth` wait in between.
+class ChunkQueue {
+ public:
+  explicit ChunkQueue(size_t depth) : depth_(depth) {}
+
+  // Blocks while full. Returns false, dropping `chunk`, once abandoned.
+  bool Push(grpc::ByteBuffer chunk) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_, absl::Condition(this, &ChunkQueue::HasRoomOrAbandoned));
+    if (abandoned_) return false;
+    queue_.push_back(std::move(chunk));
+    return true;
+  }
+  // Blocks while empty. Returns false once closed (or abandoned) and empty.
+  bool Pop(grpc::ByteBuffer* chunk) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_, absl::Condition(this, &ChunkQueue::HasChunkOrClosed));
+    if (queue_.empty()) return false;
+    *chunk = std::move(queue_.front());
+    queue_.pop_front();
+    return true;
+  }
+  // No more chunks will come; Pop() still returns those queued.
+  void Close() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+  }
+  // The consumer gave up: drops what is queued and refuses further pushes.
+  void Abandon() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    abandoned_ = closed_ = true;
+    queue_.clear();
+  }
+
+ private:
+  bool HasRoomOrAbandoned() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queue_.size() < depth_ || abandoned_; }
+  bool HasChunkOrClosed() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty() || closed_; }
+
+  const size_t depth_;
+  absl::Mutex mu_;
+  std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
+};
 
 class RemoteStore final : public Store {
  public:
@@ -161,15 +205,10 @@ class RemoteStore final : public Store {
       // from gRPC's own slices while the next one is being received.
       std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
           grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel, fetch_method_, &ctx, req));
-      grpc::ByteBuffer chunk;
-      absl::Status local = absl::OkStatus();
-      while (local.ok() && reader->Read(&chunk)) {
-        local = assembler.Consume(&chunk, sink);
-        if (!assembler.version().empty()) req.set_version(assembler.version());  // pin what we started on
-        req.set_start_index(assembler.next_index());
-      }
+      absl::Status local = Receive(reader.get(), &ctx, &assembler, sink);
+      if (!assembler.version().empty()) req.set_version(assembler.version());  // pin what we started on
+      req.set_start_index(assembler.next_index());
       if (!local.ok()) {
-        ctx.TryCancel();
         reader->Finish();
         return local;
       }
@@ -186,6 +225,40 @@ class RemoteStore final : public Store {
       assembler.Restart();  // tensors before start_index are complete; the current one restarts
       std::this_thread::sleep_for(options_.resume_backoff * resumes);
     }
+  }
+
+  // Reads the stream to its end through `assembler` into `sink`. Returns the
+  // assembler's (or the sink's) first error, after cancelling the call.
+  absl::Status Receive(grpc::ClientReader<grpc::ByteBuffer>* reader, grpc::ClientContext* ctx,
+                       ChunkAssembler* assembler, TensorSink* sink) {
+    grpc::ByteBuffer chunk;
+    const bool pipeline = options_.pipeline.value_or(std::thread::hardware_concurrency() >= 4);
+    if (!pipeline) {
+      absl::Status status;
+      while (status.ok() && reader->Read(&chunk)) status = assembler->Consume(&chunk, sink);
+      if (!status.ok()) ctx->TryCancel();
+      return status;
+    }
+    // Chunks hold gRPC's own slices, so queueing them copies nothing. Four
+    // 1 MiB chunks in between were enough to keep both threads busy.
+    ChunkQueue queue(4);
+    absl::Status status;
+    std::thread copier([&] {
+      grpc::ByteBuffer received;
+      while (queue.Pop(&received)) {
+        status = assembler->Consume(&received, sink);
+        if (!status.ok()) {
+          queue.Abandon();
+          ctx->TryCancel();  // Read() below returns false
+          return;
+        }
+      }
+    });
+    while (reader->Read(&chunk) && queue.Push(std::move(chunk))) {
+    }
+    queue.Close();
+    copier.join();
+    return status;
   }
 
   // `count` connections: the store's own, then extra ones opened once and kept.

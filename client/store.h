@@ -61,7 +61,9 @@ struct TensorListing {
 };
 
 // Where fetched tensors go. Begin() may be called again for a tensor whose
-// transfer restarted; the previous buffer is then abandoned.
+// transfer restarted; the previous buffer is then abandoned. Calls come one at
+// a time and in order, but not necessarily on the thread that called the
+// store (a remote store copies on a helper thread; see RemoteOptions::pipeline).
 class TensorSink {
  public:
   virtual ~TensorSink() = default;
@@ -127,6 +129,12 @@ struct RemoteOptions {
   // 1.5 for one; on 2 cores, 0.8 against 1.5). Default: 0, automatic: a quarter
   // of this machine's cores, from 1 to 4.
   int parallel_streams = 0;
+  // Each stream is received by two threads: one runs gRPC's reads and HTTP/2
+  // parsing, the other copies and checksums the chunks into the sink. With
+  // cores to spare this is 1.5-1.7x one thread; on 2 cores, shared with a
+  // loopback daemon, it was 0.7x (docs/benchmarks.md). Default: unset,
+  // automatic: on with 4 or more cores.
+  std::optional<bool> pipeline;
   // TLS: the CA that signed the server's certificate (PEM file). Empty: plaintext.
   std::string tls_ca_file;
   // Mutual TLS: this client's certificate chain and key (PEM files).

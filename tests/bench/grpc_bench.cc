@@ -92,26 +92,33 @@ struct Daemon {
   }
 };
 
-// RemoteOptions, overridable for experiments: WS_CHUNK_BYTES, WS_WINDOW_BYTES.
+// RemoteOptions, overridable for experiments: WS_CHUNK_BYTES, WS_WINDOW_BYTES,
+// WS_PIPELINE (0 or 1; default: the client's automatic choice).
 client::RemoteOptions Options() {
   client::RemoteOptions o;
   if (const char* v = std::getenv("WS_CHUNK_BYTES")) o.chunk_bytes = static_cast<uint32_t>(std::atol(v));
   if (const char* v = std::getenv("WS_WINDOW_BYTES")) o.stream_window_bytes = std::atoi(v);
+  if (const char* v = std::getenv("WS_PIPELINE")) o.pipeline = std::atoi(v) != 0;
   return o;
+}
+
+bool Pipelined(const client::RemoteOptions& o) {
+  return o.pipeline.value_or(std::thread::hardware_concurrency() >= 4);
 }
 
 struct Run {
   double seconds, gbps, server_cpu_per_gb;
 };
 
-Run Fetch(const Daemon& daemon, const std::string& name, int clients, uint64_t total_bytes) {
+Run Fetch(const Daemon& daemon, const std::string& name, int clients, uint64_t total_bytes,
+          const client::RemoteOptions& options = Options()) {
   const double cpu_before = daemon.CpuSeconds();
   const auto start = Clock::now();
   std::vector<std::thread> threads;
   for (int c = 0; c < clients; ++c) {
     threads.emplace_back([&, c] {
       // Each client gets its own connection (a distinct channel argument).
-      auto store = client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon.port), Options());
+      auto store = client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon.port), options);
       ReusedBufferSink sink;
       absl::Status s = (*store)->FetchTensors(name, {}, &sink);
       if (!s.ok() || sink.bytes() != total_bytes) {
@@ -207,6 +214,9 @@ int main(int argc, char** argv) {
               static_cast<unsigned long long>(total >> 20), static_cast<unsigned long long>(count));
 
   const double tcp = RawTcpGBps(total);
+  std::printf("client receive: %s (%u cores; RemoteOptions::pipeline)\n",
+              Pipelined(Options()) ? "receiving thread + copy thread" : "one thread",
+              std::thread::hardware_concurrency());
   std::printf("%-40s %8s %8s %12s\n", "path", "GB/s", "vs TCP", "server s/GB");
   std::printf("  %-38s %8.2f %7.0f%% %12s\n", "raw TCP loopback (1 stream)", tcp, 100.0, "-");
   {
@@ -218,6 +228,12 @@ int main(int argc, char** argv) {
                 one.server_cpu_per_gb);
     std::printf("  %-38s %8.2f %7.0f%% %12.3f\n", "weightstored zero-copy, 4 clients", four.gbps, 100 * four.gbps / tcp,
                 four.server_cpu_per_gb);
+    client::RemoteOptions other = Options();
+    other.pipeline = !Pipelined(other);
+    Run flipped = Fetch(zero_copy, "big", 1, total, other);
+    std::printf("  %-38s %8.2f %7.0f%% %12.3f\n",
+                *other.pipeline ? "zero-copy, 1 client, copy thread" : "zero-copy, 1 client, one thread",
+                flipped.gbps, 100 * flipped.gbps / tcp, flipped.server_cpu_per_gb);
     for (int streams : {1, 4}) {
       Run all = FetchAllRun(zero_copy, "big", streams, total);
       std::printf("  %-38s %8.2f %7.0f%% %12.3f\n", absl::StrCat("1 client, FetchAll, ", streams, " stream(s)").c_str(),

@@ -132,19 +132,47 @@ TEST_F(ServerTest, FetchStopsAtEndIndexAndRefusesAnInvertedRange) {
   EXPECT_THAT(status.error_message(), HasSubstr("end_index 5"));
 }
 
-TEST_F(ServerTest, FetchesEveryFixtureByteForByte) {
-  auto store = Connect(*daemon_);
-  ASSERT_OK_AND_ASSIGN(auto list, store->ListCheckpoints());
-  for (const auto& c : list) {
-    SCOPED_TRACE(c.name);
-    ASSERT_OK_AND_ASSIGN(auto local, Checkpoint::Open(c.path));
-    ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> fetched, store->FetchAll(c.name, {}));
-    ASSERT_EQ(fetched.size(), local->size());
-    for (size_t i = 0; i < fetched.size(); ++i) {
-      ASSERT_OK_AND_ASSIGN(SharedTensor want, local->Read(local->entries()[i]));
-      EXPECT_EQ(fetched[i].spec, want.spec);
-      EXPECT_TRUE(fetched[i].bytes.view() == want.bytes.view()) << want.spec.name;
+TEST_F(ServerTest, FetchesEveryFixtureByteForByteWithAndWithoutTheCopyThread) {
+  for (bool pipeline : {false, true}) {
+    SCOPED_TRACE(pipeline ? "pipelined" : "one thread");
+    client::RemoteOptions options;
+    options.pipeline = pipeline;
+    options.parallel_streams = 1;
+    ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon_->address(), options));
+    ASSERT_OK_AND_ASSIGN(auto list, store->ListCheckpoints());
+    for (const auto& c : list) {
+      SCOPED_TRACE(c.name);
+      ASSERT_OK_AND_ASSIGN(auto local, Checkpoint::Open(c.path));
+      ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> fetched, store->FetchAll(c.name, {}));
+      ASSERT_EQ(fetched.size(), local->size());
+      for (size_t i = 0; i < fetched.size(); ++i) {
+        ASSERT_OK_AND_ASSIGN(SharedTensor want, local->Read(local->entries()[i]));
+        EXPECT_EQ(fetched[i].spec, want.spec);
+        EXPECT_TRUE(fetched[i].bytes.view() == want.bytes.view()) << want.spec.name;
+      }
     }
+  }
+}
+
+TEST_F(ServerTest, ASinkErrorCancelsTheStreamAndIsReturnedAsIs) {
+  for (bool pipeline : {false, true}) {
+    SCOPED_TRACE(pipeline ? "pipelined" : "one thread");
+    client::RemoteOptions options;
+    options.pipeline = pipeline;
+    options.chunk_bytes = 4096;  // many chunks queued behind the failing one
+    ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon_->address(), options));
+    struct FailingSink : client::CollectingSink {
+      int ended = 0;
+      absl::Status End(const TensorSpec& spec) override {
+        if (++ended == 3) return absl::FailedPreconditionError(absl::StrCat("no room for '", spec.name, "'"));
+        return CollectingSink::End(spec);
+      }
+    } sink;
+    EXPECT_THAT(store->FetchTensors("burnpack/mnist", {}, &sink),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no room for")));
+    EXPECT_EQ(sink.ended, 3);  // nothing reached the sink after its error
+    EXPECT_EQ(sink.tensors().size(), 2u);
+    EXPECT_OK(store->FetchAll("burnpack/mnist", {}));  // the store is still usable
   }
 }
 
@@ -346,7 +374,9 @@ TEST(ServerLifecycleTest, SigtermReportsNotServingAndLetsStreamsInFlightFinish) 
   EXPECT_EQ(daemon.WaitExit(20000), 0) << daemon.log();
 }
 
-TEST(ServerLifecycleTest, ABrokenStreamResumesFromTheLastCompleteTensor) {
+class BrokenStreamTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(BrokenStreamTest, ResumesFromTheLastCompleteTensor) {
   const std::string models = testing::MakeScratchDir("models");
   WriteBig(models + "/big.safetensors", 12, 1 << 18, 5.0f);  // 12 MiB in 1 MiB tensors
   std::string address;
@@ -383,6 +413,7 @@ TEST(ServerLifecycleTest, ABrokenStreamResumesFromTheLastCompleteTensor) {
   };
   client::RemoteOptions options;
   options.resume_backoff = std::chrono::milliseconds(200);
+  options.pipeline = GetParam();
   auto store = *client::ConnectRemoteStore(address, options);
   ASSERT_OK(store->FetchTensors("big", {}, &sink));
   ASSERT_OK_AND_ASSIGN(auto local, Checkpoint::Open(models + "/big.safetensors"));
@@ -395,6 +426,11 @@ TEST(ServerLifecycleTest, ABrokenStreamResumesFromTheLastCompleteTensor) {
   EXPECT_TRUE(killed) << "the stream had to survive a kill -9 of its daemon";
   EXPECT_GE(sink.begun, 12);
 }
+
+INSTANTIATE_TEST_SUITE_P(CopyThread, BrokenStreamTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Pipelined" : "OneThread";
+                         });
 
 TEST(ServerLifecycleTest, TheCopyingBaselineServesTheSameBytes) {
   // --copy-payloads exists for benchmarks; it must still be correct.
