@@ -5,13 +5,6 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
-#include <linux/sockios.h>
-#include <netinet/in.h>
-#include <sys/ioctl.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-
-#include <charconv>
 #include <filesystem>
 #include <thread>
 
@@ -19,42 +12,10 @@
 #include "core/pem.h"
 #include "grpc/health/v1/health.pb.h"
 #include "server/log.h"
+#include "server/tcp_linger.h"
 
 namespace weightstore::server {
 namespace {
-
-// Bytes this process's TCP connections have written but their peers have not
-// acknowledged yet (SIOCOUTQ summed over every connected TCP socket).
-size_t UnacknowledgedTcpBytes() {
-  size_t total = 0;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
-    int fd = -1;
-    const std::string name = entry.path().filename().string();
-    if (std::from_chars(name.data(), name.data() + name.size(), fd).ec != std::errc()) continue;
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-    int protocol = 0, listening = 0;
-    socklen_t len = sizeof(protocol);
-    if (getsockopt(fd, SOL_SOCKET, SO_PROTOCOL, &protocol, &len) != 0 || protocol != IPPROTO_TCP) continue;
-    len = sizeof(listening);
-    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || listening != 0) continue;
-    int queued = 0;
-    if (ioctl(fd, SIOCOUTQ, &queued) == 0 && queued > 0) total += static_cast<size_t>(queued);
-  }
-  return total;
-}
-
-// Waits, at most until `deadline`, for the peers to acknowledge every byte
-// already written. gRPC counts a call finished once its last bytes are in the
-// kernel; if the process then exits while a peer's window updates sit unread,
-// the kernel resets the connection and drops what it still had queued, and the
-// client sees the tail of a finished stream vanish.
-void WaitForPeersToReceiveWrittenBytes(std::chrono::system_clock::time_point deadline) {
-  while (UnacknowledgedTcpBytes() > 0 && std::chrono::system_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-}
 
 // Plaintext, TLS, or mutual TLS, from the options' PEM files.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const ServerOptions::Tls& tls) {
@@ -197,7 +158,7 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
   if (shm_server_ != nullptr) shm_server_->Stop();  // mappings handed out stay valid
   const auto deadline = std::chrono::system_clock::now() + grace;
   server_->Shutdown(deadline);
-  WaitForPeersToReceiveWrittenBytes(deadline);
+  WaitForPeersToAcknowledge(deadline);  // see tcp_linger.h
   server_->Wait();
   server_.reset();
   if (health_server_ != nullptr) {
