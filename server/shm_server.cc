@@ -5,11 +5,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/crc32c.h"
 #include "core/sealed_memfd.h"
 #include "core/status_util.h"
@@ -21,6 +23,21 @@
 
 namespace weightstore::server {
 namespace {
+
+// The peer's primary group and, where the kernel reports them (SO_PEERGROUPS,
+// Linux 4.13), its supplementary groups, as they were when it connected.
+std::vector<gid_t> PeerGroups(int fd, gid_t primary) {
+  std::vector<gid_t> groups(64);
+  socklen_t len = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &len) != 0) {
+    if (errno != ERANGE) return {primary};
+    groups.resize(len / sizeof(gid_t));  // the kernel said how many
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &len) != 0) return {primary};
+  }
+  groups.resize(len / sizeof(gid_t));
+  groups.push_back(primary);
+  return groups;
+}
 
 // Derived tensors start on this boundary inside their segment.
 constexpr uint64_t kAlignment = 64;
@@ -113,9 +130,10 @@ ShmServer::Stats ShmServer::stats() const {
   return s;
 }
 
-bool ShmServer::Allowed(uid_t uid, gid_t gid) const {
+bool ShmServer::Allowed(uid_t uid, const std::vector<gid_t>& gids) const {
   if (options_.allowed_uids.empty() && options_.allowed_gids.empty()) return uid == ::geteuid();
-  return options_.allowed_uids.contains(uid) || options_.allowed_gids.contains(gid);
+  if (options_.allowed_uids.contains(uid)) return true;
+  return std::any_of(gids.begin(), gids.end(), [&](gid_t g) { return options_.allowed_gids.contains(g); });
 }
 
 void ShmServer::Reap() {
@@ -155,8 +173,10 @@ void ShmServer::AcceptLoop() {
       refuse(absl::PermissionDeniedError("cannot read the peer's credentials"));
       continue;
     }
-    if (!Allowed(peer.uid, peer.gid)) {
-      refuse(absl::PermissionDeniedError(absl::StrCat("uid ", peer.uid, " gid ", peer.gid, " (pid ", peer.pid,
+    const std::vector<gid_t> groups = PeerGroups(fd, peer.gid);
+    if (!Allowed(peer.uid, groups)) {
+      refuse(absl::PermissionDeniedError(absl::StrCat("uid ", peer.uid, " gid ", peer.gid, " (groups ",
+                                                      absl::StrJoin(groups, ","), "; pid ", peer.pid,
                                                       ") may not use '", options_.path, "'")));
       continue;
     }

@@ -6,7 +6,8 @@
 // The protocol is in proto/weightstore/v1/shm.proto.
 //
 // Access: the socket file has mode 0660 and every connection's peer
-// credentials (SO_PEERCRED) are checked against the allowed uids and gids.
+// credentials (SO_PEERCRED, and SO_PEERGROUPS for supplementary groups) are
+// checked against the allowed uids and gids.
 // Derived segments are built once per (checkpoint version, transformation) and
 // shared by every client; they live in the SegmentCache under its budget. A
 // client's mapping stays valid after eviction, unload or a daemon crash.
@@ -26,6 +27,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -44,8 +46,9 @@ struct ShmServerOptions {
   std::string path;
   // Mode of the socket file. Default: 0660.
   mode_t mode = 0660;
-  // Peers allowed to connect, by uid or primary gid. Both empty: only the
-  // daemon's own effective uid.
+  // Peers allowed to connect, by uid or by any of their groups (primary or
+  // supplementary, as of connect()). Both empty: only the daemon's own
+  // effective uid.
   std::set<uid_t> allowed_uids;
   std::set<gid_t> allowed_gids;
   // Connections served at once; more are answered RESOURCE_EXHAUSTED. Default: 256.
@@ -92,7 +95,8 @@ class ShmServer {
   // One structured log line per request (server/log.h).
   static void LogRequest(const v1::ShmRequest& request, const v1::ShmResponse& response, const std::string& peer,
                          std::chrono::steady_clock::duration elapsed);
-  bool Allowed(uid_t uid, gid_t gid) const;
+  // `gids`: the peer's primary and supplementary groups.
+  bool Allowed(uid_t uid, const std::vector<gid_t>& gids) const;
   absl::Status MapTensors(const v1::MapTensorsRequest& request, v1::MapTensorsResponse* response,
                           std::vector<std::shared_ptr<const MappedFile>>* segments);
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
   std::vector<gid_t> allow_gids;
   app.add_option("--socket-allow-uid", allow_uids,
                  "Uid allowed on --socket (repeatable; with no uid or gid given, only the daemon's own uid)");
-  app.add_option("--socket-allow-gid", allow_gids, "Primary gid allowed on --socket (repeatable)");
+  app.add_option("--socket-allow-gid", allow_gids, "Gid allowed on --socket, primary or supplementary (repeatable)");
   app.add_option("--shm-budget", options.shm_budget_bytes,
                  "Shared memory for materialized segments and preloads (bytes, or with a unit: 8GiB)")
       ->transform(CLI::AsSizeValue(false))

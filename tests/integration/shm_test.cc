@@ -353,6 +353,23 @@ TEST(ShmAccessTest, DisallowedUidIsRefusedByPeerCredentials) {
   EXPECT_OK(allowed->ListCheckpoints().status());
 }
 
+TEST(ShmAccessTest, ASupplementaryGroupOnTheListLetsAPeerIn) {
+  // setpriv (util-linux) sets the probe's groups; that takes root.
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give the client process other groups";
+  const std::string models = testing::MakeScratchDir("models");
+  WriteFloats(models + "/m.safetensors", 2, 64, 1);
+  // Neither uid 0 nor gid 0 is on the lists: only the supplementary group 4242 is.
+  SocketDaemon server(models, {"--socket-allow-uid", "65534", "--socket-allow-gid", "4242"});
+  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+  const std::string probe = absl::StrCat(ProbePath(), " ", server.socket, " m");
+  std::string out;
+  EXPECT_EQ(testing::RunCommand(absl::StrCat("setpriv --regid 0 --groups 4242 ", probe), &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("tensor w.0 "));
+  EXPECT_NE(testing::RunCommand(absl::StrCat("setpriv --regid 0 --groups 4343 ", probe), &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("PERMISSION_DENIED"));
+  EXPECT_THAT(out, HasSubstr("groups 4343,0"));
+}
+
 // Runs on checkpoints written by the test: the checks below try to write, and a
 // root test process could otherwise damage a shared fixture if one ever passed.
 TEST(ShmSealTest, ClientCannotWriteThroughItsMappingOrReopenASegmentWritable) {
