@@ -17,6 +17,7 @@
 #include "client/chunk_assembler.h"
 #include "client/proto_convert.h"
 #include "client/store.h"
+#include "client/usable_cores.h"
 #include "core/status_macros.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
@@ -146,9 +147,7 @@ class RemoteStore final : public Store {
   // With parallel_streams > 1: contiguous ranges of about equal bytes, each on a
   // connection of its own, pinned to the version the listing saw.
   absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query) override {
-    const int parallel = options_.parallel_streams > 0
-                             ? options_.parallel_streams
-                             : std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 4, 1, 4);
+    const int parallel = options_.parallel_streams > 0 ? options_.parallel_streams : AutomaticParallelStreams();
     if (parallel <= 1) return Store::FetchAll(name, query);
     Query listing_query = query;
     listing_query.with_checksums = false;
@@ -232,7 +231,7 @@ class RemoteStore final : public Store {
   absl::Status Receive(grpc::ClientReader<grpc::ByteBuffer>* reader, grpc::ClientContext* ctx,
                        ChunkAssembler* assembler, TensorSink* sink) {
     grpc::ByteBuffer chunk;
-    const bool pipeline = options_.pipeline.value_or(std::thread::hardware_concurrency() >= 4);
+    const bool pipeline = options_.pipeline.value_or(AutomaticPipeline());
     if (!pipeline) {
       absl::Status status;
       while (status.ok() && reader->Read(&chunk)) status = assembler->Consume(&chunk, sink);
@@ -304,6 +303,16 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(const Remo
 }
 
 }  // namespace
+
+int AutomaticParallelStreams() {
+  static const int streams = std::clamp(UsableCores() / 4, 1, 4);
+  return streams;
+}
+
+bool AutomaticPipeline() {
+  static const bool on = UsableCores() >= 4;
+  return on;
+}
 
 absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& address, RemoteOptions options) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, Credentials(options));

@@ -126,14 +126,14 @@ struct RemoteOptions {
   // gRPC stream tops out at what one receiving thread can copy and checksum;
   // with cores to spare, several go much further, and with few they only
   // compete (docs/benchmarks.md: on 16 cores, 4 streams load 5.2 GB/s against
-  // 1.5 for one; on 2 cores, 0.8 against 1.5). Default: 0, automatic: a quarter
-  // of this machine's cores, from 1 to 4.
+  // 1.5 for one; on 2 cores, 0.8 against 1.5). Default: 0, automatic:
+  // AutomaticParallelStreams().
   int parallel_streams = 0;
   // Each stream is received by two threads: one runs gRPC's reads and HTTP/2
   // parsing, the other copies and checksums the chunks into the sink. With
   // cores to spare this is 1.5-1.7x one thread; on 2 cores, shared with a
   // loopback daemon, it was 0.7x (docs/benchmarks.md). Default: unset,
-  // automatic: on with 4 or more cores.
+  // automatic: AutomaticPipeline().
   std::optional<bool> pipeline;
   // TLS: the CA that signed the server's certificate (PEM file). Empty: plaintext.
   std::string tls_ca_file;
@@ -142,6 +142,12 @@ struct RemoteOptions {
   // Sent as "authorization: Bearer <token>" on every call. Empty: none.
   std::string token;
 };
+
+// What RemoteOptions' automatic settings resolve to in this process, from its
+// usable cores (CPU affinity and cgroup quota; client/usable_cores.h), read
+// once. Streams: a quarter of the cores, from 1 to 4. Pipeline: 4 or more cores.
+int AutomaticParallelStreams();
+bool AutomaticPipeline();
 
 // Opt-in, process-wide: keeps freed large blocks in the heap instead of returning
 // them with munmap, so gRPC's receive buffers are reused rather than faulted in

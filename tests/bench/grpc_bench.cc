@@ -23,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
+#include "client/usable_cores.h"
 #include "tests/bench/bench_checkpoint.h"
 
 namespace weightstore {
@@ -103,7 +104,7 @@ client::RemoteOptions Options() {
 }
 
 bool Pipelined(const client::RemoteOptions& o) {
-  return o.pipeline.value_or(std::thread::hardware_concurrency() >= 4);
+  return o.pipeline.value_or(client::AutomaticPipeline());
 }
 
 struct Run {
@@ -214,9 +215,8 @@ int main(int argc, char** argv) {
               static_cast<unsigned long long>(total >> 20), static_cast<unsigned long long>(count));
 
   const double tcp = RawTcpGBps(total);
-  std::printf("client receive: %s (%u cores; RemoteOptions::pipeline)\n",
-              Pipelined(Options()) ? "receiving thread + copy thread" : "one thread",
-              std::thread::hardware_concurrency());
+  std::printf("client receive: %s (%d usable cores; RemoteOptions::pipeline)\n",
+              Pipelined(Options()) ? "receiving thread + copy thread" : "one thread", client::UsableCores());
   std::printf("%-40s %8s %8s %12s\n", "path", "GB/s", "vs TCP", "server s/GB");
   std::printf("  %-38s %8.2f %7.0f%% %12s\n", "raw TCP loopback (1 stream)", tcp, 100.0, "-");
   {
