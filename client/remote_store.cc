@@ -238,8 +238,8 @@ class RemoteStore final : public Store {
       if (!status.ok()) ctx->TryCancel();
       return status;
     }
-    // Chunks hold gRPC's own slices, so queueing them copies nothing. Four
-    // 1 MiB chunks in between were enough to keep both threads busy.
+    // Chunks hold gRPC's own slices, so queueing them copies nothing. Up to
+    // four 1 MiB chunks in between: the one depth measured (docs/benchmarks.md).
     ChunkQueue queue(4);
     absl::Status status;
     std::thread copier([&] {
