@@ -30,12 +30,12 @@ class LocalStore final : public Store {
   }
 
   absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name) override {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, Get(name));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, registry_.Find(name));
     return Summarize(*v);
   }
 
   absl::StatusOr<TensorListing> ListTensors(const std::string& name, const Query& query) override {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, Get(name));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, registry_.Find(name, query.version));
     TensorListing listing;
     listing.version = v->version();
     std::shared_ptr<const Snapshot> snapshot;
@@ -52,7 +52,7 @@ class LocalStore final : public Store {
   }
 
   absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, Get(name));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, registry_.Find(name, query.version));
     std::shared_ptr<const Snapshot> snapshot;
     std::optional<ApplyResult> result;
     WEIGHTSTORE_RETURN_IF_ERROR(Resolve(*v, query, &snapshot, &result));
@@ -65,12 +65,6 @@ class LocalStore final : public Store {
   }
 
  private:
-  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> Get(const std::string& name) {
-    auto v = registry_.Get(name);
-    if (v == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' not found"));
-    return v;
-  }
-
   static absl::Status Resolve(const CheckpointVersion& v, const Query& query, std::shared_ptr<const Snapshot>* out,
                               std::optional<ApplyResult>* result) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto selection, Selection::Compile(query.selection));

@@ -117,6 +117,7 @@ class RemoteStore final : public Store {
     pb::ListTensorsRequest req;
     req.set_name(name);
     req.set_with_checksums(query.with_checksums);
+    req.set_version(query.version);
     ToProto(query, req.mutable_selection());
     pb::ListTensorsResponse resp;
     WEIGHTSTORE_RETURN_IF_ERROR(FromGrpc(stub_->ListTensors(&ctx, req, &resp)));
@@ -140,6 +141,7 @@ class RemoteStore final : public Store {
   absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
     pb::FetchTensorsRequest req;
     req.set_name(name);
+    req.set_version(query.version);
     ToProto(query, req.mutable_selection());
     return FetchRange(channel_.get(), std::move(req), sink);
   }

@@ -138,6 +138,7 @@ class ShmStore final : public SharedMemoryStore {
 
   static void Fill(const std::string& name, const Query& query, pb::MapTensorsRequest* out) {
     out->set_name(name);
+    out->set_version(query.version);
     ToProto(query, out->mutable_selection());
   }
 

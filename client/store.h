@@ -46,6 +46,10 @@ struct Query {
   bool allow_partial = false;
   // Compute (or fetch) each tensor's CRC32C in listings. Default: false.
   bool with_checksums = false;
+  // Serve exactly this checkpoint version (a listing's `version`), or fail
+  // with ABORTED once it was replaced: a listing and the fetch that follows it
+  // then describe the same bytes. Default: empty, the current version.
+  std::string version;
 };
 
 struct TensorDescription {

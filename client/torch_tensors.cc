@@ -118,6 +118,7 @@ absl::StatusOr<ApplyResult> LoadIntoModule(Store& store, const std::string& name
     result = std::move(mapped.apply_result);
   } else {
     WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, store.ListTensors(name, query));
+    query.version = listing.version;  // the tensors the listing's apply result describes
     WEIGHTSTORE_ASSIGN_OR_RETURN(tensors, LoadTorchTensors(store, name, query));
     result = std::move(listing.apply_result);
   }

@@ -256,6 +256,17 @@ std::shared_ptr<const CheckpointVersion> CheckpointRegistry::Get(const std::stri
   return it == served_.end() ? nullptr : it->second.current;
 }
 
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Find(
+    const std::string& name, const std::string& pinned_version) const {
+  std::shared_ptr<const CheckpointVersion> current = Get(name);
+  if (current == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
+  if (!pinned_version.empty() && pinned_version != current->version()) {
+    return absl::AbortedError(absl::StrCat("checkpoint '", name, "' was replaced: version ", pinned_version,
+                                           " is gone, ", current->version(), " is current"));
+  }
+  return current;
+}
+
 std::vector<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::List() const {
   absl::MutexLock lock(&mu_);
   std::vector<std::shared_ptr<const CheckpointVersion>> out;

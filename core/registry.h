@@ -113,6 +113,10 @@ class CheckpointRegistry {
 
   // Returns the current version of `name`, or nullptr.
   std::shared_ptr<const CheckpointVersion> Get(const std::string& name) const;
+  // The current version of `name`: NotFound when it is not served, Aborted
+  // when `pinned_version` is given and is no longer the current one.
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> Find(const std::string& name,
+                                                                const std::string& pinned_version = "") const;
   // Every served checkpoint, sorted by name.
   std::vector<std::shared_ptr<const CheckpointVersion>> List() const;
 

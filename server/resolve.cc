@@ -9,12 +9,9 @@ namespace weightstore::server {
 absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,
                                  const v1::Selection& selection, const std::string& pinned_version) {
   Resolved r;
-  r.version = registry.Get(name);
-  if (r.version == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
-  if (!pinned_version.empty() && pinned_version != r.version->version()) {
-    return absl::AbortedError(absl::StrCat("checkpoint '", name, "' was replaced: version ", pinned_version,
-                                           " is gone, ", r.version->version(), " is current"));
-  }
+  auto version = registry.Find(name, pinned_version);
+  if (!version.ok()) return version.status();
+  r.version = *std::move(version);
   SelectionRequest request;
   absl::Status status = FromProto(selection, &request);
   if (!status.ok()) return status;

@@ -232,9 +232,9 @@ grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServer
                                                             v1::CheckpointInfo* resp) {
   if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Respond(ctx, s);
   Annotate(ctx, req->name());
-  auto version = registry_->Get(req->name());
-  if (version == nullptr) return Respond(ctx, absl::NotFoundError(absl::StrCat("checkpoint '", req->name(), "' is not served")));
-  ToProto(*version, resp);
+  auto version = registry_->Find(req->name());
+  if (!version.ok()) return Respond(ctx, version.status());
+  ToProto(**version, resp);
   return Respond(ctx, absl::OkStatus());
 }
 
@@ -243,7 +243,7 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
                                                           v1::ListTensorsResponse* resp) {
   if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Respond(ctx, s);
   Annotate(ctx, req->name());
-  auto resolved = Resolve(*registry_, req->name(), req->selection());
+  auto resolved = Resolve(*registry_, req->name(), req->selection(), req->version());
   if (!resolved.ok()) return Respond(ctx, resolved.status());
   const Snapshot& snapshot = *resolved->snapshot;
   resp->set_name(req->name());

@@ -275,11 +275,11 @@ void ShmServer::Handle(const v1::ShmRequest& request, v1::ShmResponse* response,
       }
       break;
     case v1::ShmRequest::kGetCheckpoint: {
-      auto version = registry_->Get(request.get_checkpoint().name());
-      if (version == nullptr) {
-        status = absl::NotFoundError(absl::StrCat("checkpoint '", request.get_checkpoint().name(), "' is not served"));
+      auto version = registry_->Find(request.get_checkpoint().name());
+      if (!version.ok()) {
+        status = version.status();
       } else {
-        ToProto(*version, response->mutable_checkpoint());
+        ToProto(**version, response->mutable_checkpoint());
       }
       break;
     }

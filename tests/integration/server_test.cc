@@ -475,6 +475,43 @@ TEST(ServerLifecycleTest, SighupPicksUpNewAndReplacedFilesAsNewVersions) {
   EXPECT_THAT(store->GetCheckpoint("sub/b"), StatusIs(absl::StatusCode::kNotFound));
 }
 
+TEST(ServerLifecycleTest, AQueryPinnedToAVersionIsAbortedOnceThatVersionIsReplaced) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteBig(models + "/a.safetensors", 2, 16, 1.0f);
+  const std::string socket_path = testing::MakeScratchDir("socket") + "/ws.sock";
+  Daemon daemon(models, {"--socket", socket_path});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  ASSERT_OK_AND_ASSIGN(auto local, client::OpenLocalStore(models));
+  ASSERT_OK_AND_ASSIGN(auto socket, client::ConnectSharedMemoryStore(socket_path));
+  std::vector<std::unique_ptr<client::Store>> stores;
+  stores.push_back(Connect(daemon));
+  stores.push_back(std::move(socket));
+  ASSERT_OK_AND_ASSIGN(auto listing, stores[0]->ListTensors("a", {}));
+  client::Query pinned;
+  pinned.version = listing.version;
+  for (auto& store : stores) {
+    EXPECT_OK(store->FetchAll("a", pinned));
+    EXPECT_OK(store->ListTensors("a", pinned));
+  }
+  WriteBig(models + "/.a.tmp", 2, 16, 2.0f);
+  fs::rename(models + "/.a.tmp", models + "/a.safetensors");
+  daemon.Signal(SIGHUP);
+  for (int i = 0; i < 100 && stores[0]->ListTensors("a", {})->version == listing.version; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (auto& store : stores) {
+    EXPECT_THAT(store->FetchAll("a", pinned),
+                StatusIs(absl::StatusCode::kAborted, HasSubstr(absl::StrCat("version ", listing.version, " is gone"))));
+    EXPECT_THAT(store->ListTensors("a", pinned), StatusIs(absl::StatusCode::kAborted));
+    EXPECT_OK(store->FetchAll("a", {}));  // unpinned: the new version
+  }
+  // In-process, the local store's registry has its own versions: a stranger is refused the same way.
+  client::Query stranger;
+  stranger.version = "0000000000000000";
+  EXPECT_THAT(local->FetchAll("a", stranger), StatusIs(absl::StatusCode::kAborted, HasSubstr("is gone")));
+  EXPECT_OK(local->FetchAll("a", {}));
+}
+
 TEST(ServerLifecycleTest, AdminCallsLoadUnloadUploadAndRescan) {
   const std::string models = testing::MakeScratchDir("models");
   Daemon daemon(models);
