@@ -48,10 +48,13 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
     labels_ = {TypeLabel(info->type()), std::string(full.substr(0, slash)),
                slash == absl::string_view::npos ? "" : std::string(full.substr(slash + 1))};
     metrics_->started.Add(labels_).Increment();
+    counted_ = labels_[1] == v1::WeightStore::service_full_name();
+    if (counted_) ++metrics_->weightstore_calls_in_flight;
   }
 
   ~CallInterceptor() override {
     if (!done_) Record(grpc::Status(grpc::StatusCode::CANCELLED, "ended before a status was sent"), nullptr);
+    if (counted_) --metrics_->weightstore_calls_in_flight;
   }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
@@ -104,6 +107,7 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
   std::vector<std::string> labels_;  // grpc_type, grpc_service, grpc_method
   std::string request_id_;
   bool done_ = false;
+  bool counted_ = false;  // in ServerMetrics::weightstore_calls_in_flight
 };
 
 class CallInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {

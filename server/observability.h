@@ -12,6 +12,7 @@
 
 #include <grpcpp/support/server_interceptor.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -52,6 +53,9 @@ class ServerMetrics {
   metrics::Family<metrics::Counter>& served_bytes;
   metrics::Family<metrics::Histogram>& load_seconds;
   metrics::Family<metrics::Counter>& load_failures;
+  // Calls of the WeightStore service (not health or reflection, whose watches
+  // may stay open) that have started and not yet been torn down.
+  std::atomic<int64_t> weightstore_calls_in_flight{0};
 };
 
 // go-grpc-prometheus's code label: "OK", "NotFound", "PermissionDenied", ...

@@ -157,8 +157,14 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
   if (drain.count() > 0) std::this_thread::sleep_for(drain);
   if (shm_server_ != nullptr) shm_server_->Stop();  // mappings handed out stay valid
   const auto deadline = std::chrono::system_clock::now() + grace;
+  // gRPC's Shutdown closes each connection once its calls are done, even with
+  // their last bytes still queued (tcp_linger.h): let the WeightStore calls
+  // finish and their bytes reach the clients first, within the same grace.
+  while (metrics_->weightstore_calls_in_flight.load() > 0 && std::chrono::system_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  WaitForPeersToAcknowledge(port_, deadline);
   server_->Shutdown(deadline);
-  WaitForPeersToAcknowledge(deadline);  // see tcp_linger.h
   server_->Wait();
   server_.reset();
   if (health_server_ != nullptr) {

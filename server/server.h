@@ -78,8 +78,8 @@ class WeightStoreServer {
   int health_port() const { return health_port_; }
 
   // Marks the server NOT_SERVING, waits `drain` (so load balancers stop sending),
-  // then stops; streams in flight get until `grace` to finish and to have their
-  // last bytes acknowledged by the client.
+  // then stops; streams in flight get until `grace` to finish, and clients
+  // until then to read them and hang up.
   void Shutdown(std::chrono::milliseconds drain, std::chrono::milliseconds grace);
   // Blocks until Shutdown() has finished.
   void Wait();

@@ -18,9 +18,11 @@ namespace {
 
 using Clock = std::chrono::system_clock;
 
-// A loopback connection whose reading end has a small receive buffer.
+// A loopback connection whose reading end has a small receive buffer; the
+// writer is the accepted end, on `port`.
 struct TcpPair {
   UniqueFd writer, reader;
+  int port = 0;
 };
 
 TcpPair Connect() {
@@ -33,6 +35,7 @@ TcpPair Connect() {
   EXPECT_EQ(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &len), 0);
   EXPECT_EQ(::listen(listener.get(), 1), 0);
   TcpPair pair;
+  pair.port = ntohs(addr.sin_port);
   pair.reader.reset(::socket(AF_INET, SOCK_STREAM, 0));
   int small = 4096;
   ::setsockopt(pair.reader.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
@@ -45,7 +48,7 @@ TcpPair Connect() {
 TEST(TcpLingerTest, WaitsUntilAPeerThatStoppedReadingHasReadEverything) {
   TcpPair pair = Connect();
   ASSERT_TRUE(pair.writer.valid() && pair.reader.valid());
-  EXPECT_TRUE(WaitForPeersToAcknowledge(Clock::now())) << "idle connections have nothing queued";
+  EXPECT_TRUE(WaitForPeersToAcknowledge(pair.port, Clock::now())) << "idle connections have nothing queued";
 
   // Write until the kernel takes no more: the peer is not reading.
   ASSERT_EQ(::fcntl(pair.writer.get(), F_SETFL, O_NONBLOCK), 0);
@@ -57,8 +60,9 @@ TEST(TcpLingerTest, WaitsUntilAPeerThatStoppedReadingHasReadEverything) {
     written += static_cast<size_t>(n);
   }
   ASSERT_GT(written, 0u);
-  EXPECT_GT(UnacknowledgedTcpBytes(), 0u);
-  EXPECT_FALSE(WaitForPeersToAcknowledge(Clock::now() + std::chrono::milliseconds(50)));
+  EXPECT_GT(UnacknowledgedTcpBytes(pair.port), 0u);
+  EXPECT_EQ(UnacknowledgedTcpBytes(pair.port + 1), 0u) << "other ports do not count";
+  EXPECT_FALSE(WaitForPeersToAcknowledge(pair.port, Clock::now() + std::chrono::milliseconds(50)));
 
   size_t read = 0;
   std::thread reader([&] {
@@ -69,10 +73,10 @@ TEST(TcpLingerTest, WaitsUntilAPeerThatStoppedReadingHasReadEverything) {
       read += static_cast<size_t>(n);
     }
   });
-  EXPECT_TRUE(WaitForPeersToAcknowledge(Clock::now() + std::chrono::seconds(10)));
+  EXPECT_TRUE(WaitForPeersToAcknowledge(pair.port, Clock::now() + std::chrono::seconds(10)));
   reader.join();
   EXPECT_EQ(read, written);
-  EXPECT_EQ(UnacknowledgedTcpBytes(), 0u);
+  EXPECT_EQ(UnacknowledgedTcpBytes(pair.port), 0u);
 }
 
 }  // namespace
