@@ -433,6 +433,33 @@ TEST_P(BrokenStreamTest, ResumesFromTheLastCompleteTensor) {
   EXPECT_GE(sink.begun, 12);
 }
 
+TEST_P(BrokenStreamTest, AStreamThatCannotResumeSaysWhyItFirstBroke) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteBig(models + "/big.safetensors", 64, 1 << 18, 6.0f);  // 64 MiB: more than any window holds
+  auto daemon = std::make_unique<Daemon>(models);
+  ASSERT_NE(daemon->port(), 0) << daemon->log();
+  struct KillingSink : client::CollectingSink {
+    std::function<void()> after_third;
+    int ended = 0;
+    absl::Status End(const TensorSpec& spec) override {
+      if (++ended == 3) after_third();
+      return CollectingSink::End(spec);
+    }
+  } sink;
+  sink.after_third = [&] {  // kill -9 mid-stream, and nobody comes back
+    daemon->Signal(SIGKILL);
+    daemon->WaitExit(5000);
+  };
+  client::RemoteOptions options;
+  options.max_resumes = 1;
+  options.resume_backoff = std::chrono::milliseconds(10);
+  options.pipeline = GetParam();
+  auto store = *client::ConnectRemoteStore(daemon->address(), options);
+  absl::Status status = store->FetchTensors("big", {}, &sink);
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("the stream broke (")));
+  EXPECT_THAT(status.message(), HasSubstr("resuming at tensor "));
+}
+
 INSTANTIATE_TEST_SUITE_P(CopyThread, BrokenStreamTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "Pipelined" : "OneThread";
