@@ -49,25 +49,27 @@ void AddSuggestions(ApplyResult* result, const std::vector<TargetParameter>& par
                     const absl::flat_hash_map<std::string, size_t>& by_path, const Selection& selection,
                     const std::vector<std::pair<std::string, std::vector<uint64_t>>>& transposable) {
   // A prefix to strip: unused "model.fc.weight" where "fc.weight" is missing.
+  // Only the first few segments are tried, so long dotted names cost linear time.
+  constexpr int kMaxPrefixSegments = 4;
   std::map<std::string, int> strip, add;
-  absl::flat_hash_set<std::string> missing(result->missing.begin(), result->missing.end());
-  for (const std::string& u : result->unused) {
-    for (size_t dot = u.find('.'); dot != std::string::npos; dot = u.find('.', dot + 1)) {
-      if (missing.contains(u.substr(dot + 1))) {
-        ++strip[u.substr(0, dot)];
-        break;
+  absl::flat_hash_set<absl::string_view> missing(result->missing.begin(), result->missing.end());
+  absl::flat_hash_set<absl::string_view> unused(result->unused.begin(), result->unused.end());
+  auto count_prefix = [](const std::vector<std::string>& names, const absl::flat_hash_set<absl::string_view>& others,
+                         std::map<std::string, int>* counts) {
+    for (const std::string& n : names) {
+      const absl::string_view name = n;
+      int segments = 0;
+      for (size_t dot = name.find('.'); dot != absl::string_view::npos && segments < kMaxPrefixSegments;
+           dot = name.find('.', dot + 1), ++segments) {
+        if (others.contains(name.substr(dot + 1))) {
+          ++(*counts)[std::string(name.substr(0, dot))];
+          break;
+        }
       }
     }
-  }
-  absl::flat_hash_set<std::string> unused(result->unused.begin(), result->unused.end());
-  for (const std::string& m : result->missing) {
-    for (size_t dot = m.find('.'); dot != std::string::npos; dot = m.find('.', dot + 1)) {
-      if (unused.contains(m.substr(dot + 1))) {
-        ++add[m.substr(0, dot)];
-        break;
-      }
-    }
-  }
+  };
+  count_prefix(result->unused, missing, &strip);
+  count_prefix(result->missing, unused, &add);
   auto best = [](const std::map<std::string, int>& counts) {
     return std::max_element(counts.begin(), counts.end(),
                             [](const auto& a, const auto& b) { return a.second < b.second; });
@@ -111,6 +113,32 @@ void AddSuggestions(ApplyResult* result, const std::vector<TargetParameter>& par
                                                transposable.front().first,
                                                "'); try --adapter pytorch-to-burn (or burn-to-pytorch)"));
   }
+}
+
+// A target comes with the request: bound what it makes Apply do.
+absl::Status CheckTarget(const TargetSchema& target, const SelectionLimits& limits) {
+  if (target.parameters.size() > limits.max_paths) {
+    return absl::InvalidArgumentError(absl::StrCat("the target has ", target.parameters.size(),
+                                                   " parameters; at most ", limits.max_paths, " are allowed"));
+  }
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < target.parameters.size(); ++i) {
+    const TargetParameter& p = target.parameters[i];
+    if (p.path.size() > limits.max_name_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("target parameter ", i, " has a path of ", p.path.size(),
+                                                     " bytes; at most ", limits.max_name_bytes, " are allowed"));
+    }
+    if (p.shape.size() > kMaxRank) {
+      return absl::InvalidArgumentError(absl::StrCat("target parameter '", p.path, "' has rank ", p.shape.size(),
+                                                     "; at most ", kMaxRank, " dimensions are allowed"));
+    }
+    bytes += p.path.size() + p.module.size();
+    if (bytes > limits.max_total_name_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("the target's paths exceed ", limits.max_total_name_bytes,
+                                                     " bytes together"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -162,6 +190,7 @@ absl::StatusOr<TargetSchema> TargetSchema::Load(const std::string& path) {
 
 absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, const Selection& selection,
                               const TargetSchema& target, const ApplyOptions& options) {
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckTarget(target, selection.limits()));
   // Names after the top-level key, rename and contiguous indices, before the filter.
   const std::vector<CheckpointEntry>& entries = checkpoint->entries();
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named, ResolveNames(*checkpoint, selection, /*applying_to_target=*/true));
@@ -272,6 +301,9 @@ double JaroSimilarity(absl::string_view a, absl::string_view b) {
 }
 
 std::string ApplyResult::Summary() const {
+  // "Did you mean" compares names pairwise (quadratic in their length): only
+  // short names, against the first few thousand unused ones.
+  constexpr size_t kMaxGuessBytes = 256, kMaxGuessCandidates = 2000;
   std::string out = absl::StrCat("Tensor loading summary\n", "  applied  ", applied.size(), "\n", "  skipped  ",
                                  skipped.size(), " (excluded by the filter)\n", "  missing  ", missing.size(),
                                  " (in the target, not in the source)\n", "  unused   ", unused.size(),
@@ -281,10 +313,12 @@ std::string ApplyResult::Summary() const {
     absl::StrAppend(&out, "\n", title, ":\n");
     for (size_t i = 0; i < names.size() && i < 10; ++i) {
       absl::StrAppend(&out, "  ", names[i]);
-      if (did_you_mean) {
+      if (did_you_mean && names[i].size() <= kMaxGuessBytes) {
         double best = 0.7;
         const std::string* guess = nullptr;
-        for (const std::string& u : unused) {
+        for (size_t k = 0; k < unused.size() && k < kMaxGuessCandidates; ++k) {
+          const std::string& u = unused[k];
+          if (u.size() > kMaxGuessBytes) continue;
           double s = JaroSimilarity(names[i], u);
           if (s >= best) {
             best = s;

@@ -178,6 +178,16 @@ void CastElements(DType from, const std::byte* src, DType to, std::byte* dst, si
   for (size_t i = 0; i < count; ++i) CastOne(from, src, i, to, dst, i);
 }
 
+void CastStrided(DType from, const std::byte* src, uint64_t stride, DType to, std::byte* dst, size_t count) {
+  if (stride == 1) return CastElements(from, src, to, dst, count);
+  const size_t fs = DTypeSize(from), ts = DTypeSize(to);
+  if (from == to) {
+    for (size_t i = 0; i < count; ++i) std::memcpy(dst + i * ts, src + i * stride * fs, fs);
+    return;
+  }
+  for (size_t i = 0; i < count; ++i) CastOne(from, src, i * stride, to, dst, i);
+}
+
 void TransposeCast(DType from, const std::byte* src, DType to, std::byte* dst, size_t rows, size_t cols) {
   // Tiles keep both the reads and the writes within a few cache lines.
   constexpr size_t kTile = 32;

@@ -26,6 +26,10 @@ absl::Status CheckCast(DType from, DType to);
 // for `count` elements of their dtypes, and not overlapping.
 void CastElements(DType from, const std::byte* src, DType to, std::byte* dst, size_t count);
 
+// Converts `count` elements read `stride` elements apart from `src` into
+// consecutive elements at `dst`. REQUIRES: as CastElements.
+void CastStrided(DType from, const std::byte* src, uint64_t stride, DType to, std::byte* dst, size_t count);
+
 // Writes the transpose of a row-major [rows, cols] matrix of `from` elements as
 // a row-major [cols, rows] matrix of `to` elements, in one pass.
 void TransposeCast(DType from, const std::byte* src, DType to, std::byte* dst, size_t rows, size_t cols);

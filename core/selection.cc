@@ -3,13 +3,16 @@
 #include <re2/re2.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
+#include <tuple>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/status_macros.h"
 
 namespace weightstore {
 
@@ -34,18 +37,19 @@ std::optional<Adapter> ParseAdapter(absl::string_view name) {
 
 namespace {
 
+// Compiles one pattern with at most `max_mem` bytes of RE2 memory.
 absl::StatusOr<std::unique_ptr<re2::RE2>> CompilePattern(const std::string& pattern, absl::string_view role,
-                                                         const SelectionLimits& limits) {
+                                                         int max_program_size, int64_t max_mem) {
   re2::RE2::Options options;
   options.set_log_errors(false);
-  options.set_max_mem(limits.max_regex_memory);
+  options.set_max_mem(max_mem);
   auto re = std::make_unique<re2::RE2>(pattern, options);
   if (!re->ok()) {
     return absl::InvalidArgumentError(absl::StrCat("bad ", role, " pattern '", pattern, "': ", re->error()));
   }
-  if (re->ProgramSize() > limits.max_program_size || re->ReverseProgramSize() > limits.max_program_size) {
+  if (re->ProgramSize() > max_program_size) {
     return absl::InvalidArgumentError(absl::StrCat(role, " pattern '", pattern, "' is too large (", re->ProgramSize(),
-                                                   " instructions; the limit is ", limits.max_program_size, ")"));
+                                                   " instructions; the limit is ", max_program_size, ")"));
   }
   return re;
 }
@@ -63,13 +67,15 @@ size_t CharLength(absl::string_view s, size_t i) {
 
 namespace {
 
-// Returns nullopt when `re` does not match `text` at all.
-std::optional<std::string> ReplaceAllIfMatched(const re2::RE2& re, absl::string_view text,
-                                               absl::string_view replacement) {
+// Writes the replaced text to `out`. Stops with kTooLong once `out` would pass
+// `max_bytes`, so a hostile rule costs at most that much memory.
+ReplaceOutcome ReplaceAllBounded(const re2::RE2& re, absl::string_view text, absl::string_view replacement,
+                                 size_t max_bytes, std::string* out_text) {
+  std::string& out = *out_text;
   const int groups = re.NumberOfCapturingGroups();
   const re2::StringPiece input(text.data(), text.size());
   std::vector<re2::StringPiece> match(groups + 1);
-  std::string out;
+  out.clear();
   size_t pos = 0, copied = 0;
   int64_t last_end = -1;
   bool matched = false;
@@ -84,6 +90,7 @@ std::optional<std::string> ReplaceAllIfMatched(const re2::RE2& re, absl::string_
       continue;
     }
     absl::StrAppend(&out, text.substr(copied, begin - copied));
+    if (out.size() > max_bytes) return ReplaceOutcome::kTooLong;
     for (size_t i = 0; i < replacement.size(); ++i) {
       if (replacement[i] != '$' || i + 1 >= replacement.size()) {
         out.push_back(replacement[i]);
@@ -118,7 +125,9 @@ std::optional<std::string> ReplaceAllIfMatched(const re2::RE2& re, absl::string_
       }
       if (index >= 0 && index <= groups && match[index].data() != nullptr) out.append(match[index].data(), match[index].size());
       i = next - 1;
+      if (out.size() > max_bytes) return ReplaceOutcome::kTooLong;
     }
+    if (out.size() > max_bytes) return ReplaceOutcome::kTooLong;
     copied = end;
     last_end = static_cast<int64_t>(end);
     if (end > pos) {
@@ -130,46 +139,79 @@ std::optional<std::string> ReplaceAllIfMatched(const re2::RE2& re, absl::string_
       copied = pos;
     }
   }
-  if (!matched) return std::nullopt;
+  if (!matched) return ReplaceOutcome::kNoMatch;
   if (copied < text.size()) absl::StrAppend(&out, text.substr(copied));
-  return out;
+  return out.size() > max_bytes ? ReplaceOutcome::kTooLong : ReplaceOutcome::kReplaced;
 }
 
 }  // namespace
 
 std::string ReplaceAll(const re2::RE2& re, absl::string_view text, absl::string_view replacement) {
-  std::optional<std::string> out = ReplaceAllIfMatched(re, text, replacement);
-  return out ? *std::move(out) : std::string(text);
+  std::string out;
+  if (ReplaceAllBounded(re, text, replacement, std::numeric_limits<size_t>::max(), &out) == ReplaceOutcome::kNoMatch) {
+    return std::string(text);
+  }
+  return out;
 }
 
-bool ReplaceAllInPlace(const re2::RE2& re, std::string* text, absl::string_view replacement) {
-  std::optional<std::string> out = ReplaceAllIfMatched(re, *text, replacement);
-  if (!out) return false;
-  *text = *std::move(out);
-  return true;
+ReplaceOutcome ReplaceAllInPlace(const re2::RE2& re, std::string* text, absl::string_view replacement,
+                                 size_t max_bytes) {
+  std::string out;
+  const ReplaceOutcome outcome = ReplaceAllBounded(re, *text, replacement, max_bytes, &out);
+  if (outcome == ReplaceOutcome::kReplaced) *text = std::move(out);
+  return outcome;
 }
 
 namespace {
 
+// RE2 memory of one compiled object: a share of the selection's budget, with a
+// floor so that small patterns always compile (RE2 needs a little for its DFA).
+int64_t MemoryShare(const SelectionLimits& limits, size_t objects) {
+  return std::max<int64_t>(limits.max_regex_memory / static_cast<int64_t>(std::max<size_t>(objects, 1)), 256 << 10);
+}
+
 // Joins already-validated patterns into "(?:p1)|(?:p2)|...".
 absl::StatusOr<std::unique_ptr<re2::RE2>> CompileAny(const std::vector<std::string>& patterns, absl::string_view role,
-                                                     const SelectionLimits& limits) {
+                                                     const SelectionLimits& limits, int64_t max_mem) {
   if (patterns.empty()) return nullptr;
   std::string joined;
   for (const std::string& p : patterns) absl::StrAppend(&joined, joined.empty() ? "" : "|", "(?:", p, ")");
-  SelectionLimits combined = limits;
-  combined.max_program_size = limits.max_program_size * static_cast<int>(patterns.size());
-  combined.max_regex_memory = limits.max_regex_memory * static_cast<int64_t>(patterns.size());
-  return CompilePattern(joined, role, combined);
+  const int64_t budget = std::min<int64_t>(limits.max_total_program_size, std::numeric_limits<int>::max());
+  return CompilePattern(joined, role, static_cast<int>(budget), max_mem);
+}
+
+// Checks the sizes and counts a request controls before anything is compiled.
+absl::Status CheckSizes(const SelectionOptions& options, const SelectionLimits& limits) {
+  const size_t patterns = options.include.size() + options.exclude.size() + options.renames.size();
+  if (patterns > limits.max_patterns) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the selection has ", patterns, " patterns; at most ", limits.max_patterns, " are allowed"));
+  }
+  if (options.paths.size() > limits.max_paths) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the selection has ", options.paths.size(), " exact paths; at most ", limits.max_paths, " are allowed"));
+  }
+  auto check = [&](absl::string_view role, size_t i, const std::string& value) -> absl::Status {
+    if (value.size() <= limits.max_pattern_bytes) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(role, "[", i, "] is ", value.size(), " bytes; at most ",
+                                                   limits.max_pattern_bytes, " are allowed"));
+  };
+  WEIGHTSTORE_RETURN_IF_ERROR(check("top_level_key", 0, options.top_level_key));
+  for (size_t i = 0; i < options.include.size(); ++i) WEIGHTSTORE_RETURN_IF_ERROR(check("include", i, options.include[i]));
+  for (size_t i = 0; i < options.exclude.size(); ++i) WEIGHTSTORE_RETURN_IF_ERROR(check("exclude", i, options.exclude[i]));
+  for (size_t i = 0; i < options.paths.size(); ++i) WEIGHTSTORE_RETURN_IF_ERROR(check("paths", i, options.paths[i]));
+  for (size_t i = 0; i < options.renames.size(); ++i) {
+    WEIGHTSTORE_RETURN_IF_ERROR(check("renames.pattern", i, options.renames[i].pattern));
+    WEIGHTSTORE_RETURN_IF_ERROR(check("renames.replacement", i, options.renames[i].replacement));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const SelectionOptions& options,
                                                                     const SelectionLimits& limits) {
-  if (options.include.size() + options.exclude.size() + options.renames.size() > limits.max_patterns) {
-    return absl::InvalidArgumentError(absl::StrCat("more than ", limits.max_patterns, " patterns"));
-  }
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckSizes(options, limits));
   if (options.dtype && !IsFloatingPoint(*options.dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("dtype ", DTypeName(*options.dtype),
                                                    " is not a floating-point type (f16, bf16, f32, f64)"));
@@ -179,32 +221,49 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
   }
   std::shared_ptr<Selection> selection(new Selection());
   selection->options_ = options;
+  selection->limits_ = limits;
+  selection->paths_.insert(options.paths.begin(), options.paths.end());
+  // Kept objects: the include and exclude alternations and one per rename; the
+  // memory budget is shared among them.
+  const int64_t share = MemoryShare(limits, 2 + options.renames.size());
+  int64_t total_program = 0;
+  auto spend = [&](const re2::RE2& re, absl::string_view role, const std::string& pattern) -> absl::Status {
+    total_program += re.ProgramSize();
+    if (total_program <= limits.max_total_program_size) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the selection's patterns compile to more than ", limits.max_total_program_size,
+        " RE2 instructions together (the request's regex budget), reached at ", role, " pattern '", pattern, "'"));
+  };
   // Each pattern alone first, so an error names the pattern at fault.
-  for (const std::string& p : options.include) {
-    if (auto re = CompilePattern(p, "include", limits); !re.ok()) return re.status();
+  for (const auto& [role, list] : {std::pair<absl::string_view, const std::vector<std::string>*>{"include", &options.include},
+                                   {"exclude", &options.exclude}}) {
+    for (const std::string& p : *list) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(auto re, CompilePattern(p, role, limits.max_program_size, share));
+      WEIGHTSTORE_RETURN_IF_ERROR(spend(*re, role, p));
+    }
   }
-  for (const std::string& p : options.exclude) {
-    if (auto re = CompilePattern(p, "exclude", limits); !re.ok()) return re.status();
-  }
-  auto include = CompileAny(options.include, "include", limits);
-  if (!include.ok()) return include.status();
-  selection->include_any_ = *std::move(include);
-  auto exclude = CompileAny(options.exclude, "exclude", limits);
-  if (!exclude.ok()) return exclude.status();
-  selection->exclude_any_ = *std::move(exclude);
   for (const RenameRule& rule : options.renames) {
-    auto re = CompilePattern(rule.pattern, "rename", limits);
-    if (!re.ok()) return re.status();
-    selection->rename_.push_back(*std::move(re));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto re, CompilePattern(rule.pattern, "rename", limits.max_program_size, share));
+    WEIGHTSTORE_RETURN_IF_ERROR(spend(*re, "rename", rule.pattern));
+    selection->rename_.push_back(std::move(re));
   }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(selection->include_any_, CompileAny(options.include, "include", limits, share));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(selection->exclude_any_, CompileAny(options.exclude, "exclude", limits, share));
   return std::shared_ptr<const Selection>(std::move(selection));
 }
 
 Selection::~Selection() = default;
 
-std::string Selection::Rename(absl::string_view name) const {
+absl::StatusOr<std::string> Selection::Rename(absl::string_view name) const {
   std::string current(name);
-  for (size_t i = 0; i < rename_.size(); ++i) ReplaceAllInPlace(*rename_[i], &current, options_.renames[i].replacement);
+  for (size_t i = 0; i < rename_.size(); ++i) {
+    if (ReplaceAllInPlace(*rename_[i], &current, options_.renames[i].replacement, limits_.max_name_bytes) ==
+        ReplaceOutcome::kTooLong) {
+      return absl::InvalidArgumentError(absl::StrCat("rename rule ", i, " ('", options_.renames[i].pattern,
+                                                     "') grows tensor '", name, "' past ", limits_.max_name_bytes,
+                                                     " bytes"));
+    }
+  }
   return current;
 }
 
@@ -212,7 +271,7 @@ bool Selection::Matches(absl::string_view name) const {
   const re2::StringPiece piece(name.data(), name.size());
   bool keep = include_any_ == nullptr && options_.paths.empty();
   if (!keep && include_any_ != nullptr) keep = re2::RE2::PartialMatch(piece, *include_any_);
-  for (size_t i = 0; !keep && i < options_.paths.size(); ++i) keep = options_.paths[i] == name;
+  if (!keep) keep = paths_.contains(name);
   if (!keep) return false;
   return exclude_any_ == nullptr || !re2::RE2::PartialMatch(piece, *exclude_any_);
 }
@@ -239,36 +298,60 @@ std::optional<uint64_t> ParseIndex(absl::string_view segment) {
 }  // namespace
 
 std::vector<std::string> MapIndicesContiguous(const std::vector<std::string>& names) {
-  // Position key (original prefix with trailing dot) -> sorted distinct indices.
-  absl::flat_hash_map<std::string, std::vector<uint64_t>> seen;
   std::vector<std::vector<absl::string_view>> split;
   split.reserve(names.size());
+  size_t segments = 0;
   for (const std::string& name : names) {
     split.push_back(absl::StrSplit(name, '.'));
-    std::string prefix;
-    for (absl::string_view segment : split.back()) {
-      if (auto index = ParseIndex(segment)) seen[prefix].push_back(*index);
-      absl::StrAppend(&prefix, segment, ".");
+    segments += split.back().size();
+  }
+  // A prefix is a node of a trie over path segments (0 is the empty prefix), so
+  // the work is linear in the names' bytes however many segments they have.
+  absl::flat_hash_map<std::pair<uint32_t, absl::string_view>, uint32_t> child;
+  child.reserve(segments);
+  // Every numeric segment: its position (the prefix node before it), its value,
+  // and where it occurs (name, segment).
+  struct Occurrence {
+    uint32_t position;
+    uint64_t index;
+    uint32_t name, segment;
+  };
+  std::vector<Occurrence> numeric;
+  for (uint32_t n = 0; n < split.size(); ++n) {
+    uint32_t node = 0;
+    for (uint32_t k = 0; k < split[n].size(); ++k) {
+      const absl::string_view segment = split[n][k];
+      if (auto index = ParseIndex(segment)) numeric.push_back({node, *index, n, k});
+      node = child.try_emplace({node, segment}, static_cast<uint32_t>(child.size() + 1)).first->second;
     }
   }
-  for (auto& [prefix, indices] : seen) {
-    std::sort(indices.begin(), indices.end());
-    indices.erase(std::unique(indices.begin(), indices.end()), indices.end());
+  // Sorted by position then value, an occurrence's new index is the count of
+  // distinct values before it at its position.
+  std::sort(numeric.begin(), numeric.end(), [](const Occurrence& a, const Occurrence& b) {
+    return std::tie(a.position, a.index) < std::tie(b.position, b.index);
+  });
+  std::vector<std::vector<uint64_t>> renumbered(split.size());
+  for (size_t n = 0; n < split.size(); ++n) renumbered[n].assign(split[n].size(), UINT64_MAX);
+  uint64_t rank = 0;
+  for (size_t i = 0; i < numeric.size(); ++i) {
+    if (i > 0 && numeric[i].position != numeric[i - 1].position) {
+      rank = 0;
+    } else if (i > 0 && numeric[i].index != numeric[i - 1].index) {
+      ++rank;
+    }
+    renumbered[numeric[i].name][numeric[i].segment] = rank;
   }
   std::vector<std::string> out;
   out.reserve(names.size());
-  for (const auto& segments : split) {
-    std::string prefix, renamed;
-    for (size_t i = 0; i < segments.size(); ++i) {
-      absl::string_view segment = segments[i];
-      if (i > 0) renamed.push_back('.');
-      if (auto index = ParseIndex(segment)) {
-        const std::vector<uint64_t>& indices = seen[prefix];
-        absl::StrAppend(&renamed, std::lower_bound(indices.begin(), indices.end(), *index) - indices.begin());
+  for (size_t n = 0; n < split.size(); ++n) {
+    std::string renamed;
+    for (size_t k = 0; k < split[n].size(); ++k) {
+      if (k > 0) renamed.push_back('.');
+      if (renumbered[n][k] != UINT64_MAX) {
+        absl::StrAppend(&renamed, renumbered[n][k]);
       } else {
-        absl::StrAppend(&renamed, segment);
+        absl::StrAppend(&renamed, split[n][k]);
       }
-      absl::StrAppend(&prefix, segment, ".");
     }
     out.push_back(std::move(renamed));
   }

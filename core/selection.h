@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/checkpoint.h"
@@ -66,29 +67,47 @@ struct SelectionOptions {
   }
 };
 
+// What one selection may cost: every bound a request's author controls. The
+// daemon sets these from its flags; the defaults suit a service.
 struct SelectionLimits {
-  // Largest compiled program of one pattern (RE2 instructions), so a hostile
-  // pattern cannot eat the daemon. Default: 10,000.
+  // Most patterns (include + exclude + rename). Default: 256.
+  size_t max_patterns = 256;
+  // Longest pattern, replacement, exact path or top-level key, in bytes.
+  // Default: 4096.
+  size_t max_pattern_bytes = 4096;
+  // Largest compiled program of one pattern (RE2 instructions). Default: 10,000.
   int max_program_size = 10000;
-  // Memory RE2 may use for one pattern. Default: 2 MiB.
-  int64_t max_regex_memory = 2 << 20;
-  // Most patterns (include + exclude + renames). Default: 1,000.
-  size_t max_patterns = 1000;
+  // RE2 instructions of every pattern of the selection together: the regex
+  // budget of one request, whatever the pattern count. Default: 50,000.
+  int64_t max_total_program_size = 50000;
+  // Memory RE2 may use for every pattern of the selection together (programs
+  // and match caches). Default: 16 MiB.
+  int64_t max_regex_memory = 16 << 20;
+  // Most exact paths. Default: 100,000 (a checkpoint's tensor limit).
+  size_t max_paths = 100000;
+  // Longest tensor name a rename may produce. Default: 4096 bytes.
+  size_t max_name_bytes = 4096;
+  // Bytes of every selected name together (after renaming); also bounds the
+  // work of contiguous indices (~0.4 us a numeric segment). Default: 32 MiB.
+  uint64_t max_total_name_bytes = uint64_t{32} << 20;
 };
 
 // A validated, compiled selection. Thread-safe: immutable, shareable.
 class Selection {
  public:
   // Compiles every pattern. Returns InvalidArgument naming the first pattern
-  // that does not compile or is too large.
+  // that does not compile or is too large, and ResourceExhausted when the
+  // patterns together exceed `limits`.
   static absl::StatusOr<std::shared_ptr<const Selection>> Compile(const SelectionOptions& options,
                                                                   const SelectionLimits& limits = {});
   ~Selection();
 
   const SelectionOptions& options() const { return options_; }
+  const SelectionLimits& limits() const { return limits_; }
 
-  // Applies the rename rules in order.
-  std::string Rename(absl::string_view name) const;
+  // Applies the rename rules in order. Returns InvalidArgument, naming the
+  // tensor and the rule, when a rule grows the name past limits().max_name_bytes.
+  absl::StatusOr<std::string> Rename(absl::string_view name) const;
   // True if `name` (already renamed) passes the filter.
   bool Matches(absl::string_view name) const;
   // Whether contiguous indices apply to a checkpoint of `format`, read on its
@@ -98,9 +117,11 @@ class Selection {
  private:
   Selection() = default;
   SelectionOptions options_;
+  SelectionLimits limits_;
   // Each list of patterns joined into one alternation, so a name is scanned
   // once per list rather than once per pattern (null when the list is empty).
   std::unique_ptr<re2::RE2> include_any_, exclude_any_;
+  absl::flat_hash_set<std::string> paths_;
   std::vector<std::unique_ptr<re2::RE2>> rename_;
 };
 
@@ -114,8 +135,13 @@ std::vector<std::string> MapIndicesContiguous(const std::vector<std::string>& na
 // expanding $1, ${1}, $name, ${name} and $$ (Rust regex rules: "$1a" names the
 // group "1a"; an unknown group expands to nothing).
 std::string ReplaceAll(const re2::RE2& re, absl::string_view text, absl::string_view replacement);
-// As ReplaceAll, in place; returns false, without allocating, when nothing matches.
-bool ReplaceAllInPlace(const re2::RE2& re, std::string* text, absl::string_view replacement);
+
+enum class ReplaceOutcome { kNoMatch, kReplaced, kTooLong };
+// As ReplaceAll, in place, stopping as soon as the result would exceed
+// `max_bytes` (then `text` is unchanged and kTooLong is returned). Allocates
+// nothing when nothing matches.
+ReplaceOutcome ReplaceAllInPlace(const re2::RE2& re, std::string* text, absl::string_view replacement,
+                                 size_t max_bytes);
 
 }  // namespace weightstore
 

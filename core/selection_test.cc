@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 #include <re2/re2.h>
 
+#include <cstring>
 #include <random>
+
+#include "absl/strings/str_cat.h"
 
 #include "core/snapshot.h"
 #include "tests/util/status_matchers.h"
@@ -12,8 +15,10 @@
 namespace weightstore {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::weightstore::testing::IsOkAndHolds;
 using ::weightstore::testing::StatusIs;
 
 std::shared_ptr<const Selection> Compile(SelectionOptions options) {
@@ -44,7 +49,31 @@ TEST(RenameTest, HandlesEmptyMatchesLikeRust) {
 TEST(RenameTest, RulesApplyInOrderToThePreviousOutput) {
   SelectionOptions options;
   options.renames = {{R"(^model\.)", ""}, {R"(^encoder\.)", "enc."}, {R"(enc\.(\d+))", "block$1"}};
-  EXPECT_EQ(Compile(options)->Rename("model.encoder.3.w"), "block3.w");
+  EXPECT_THAT(Compile(options)->Rename("model.encoder.3.w"), IsOkAndHolds(std::string("block3.w")));
+}
+
+TEST(RenameTest, ARuleThatGrowsANamePastTheLimitIsAnErrorNamingTensorAndRule) {
+  // Issue 11: ten rules '' -> 'x' * 1000 used to grow a name to gigabytes.
+  SelectionOptions options;
+  for (int i = 0; i < 10; ++i) options.renames.push_back({"", std::string(1000, 'x')});
+  EXPECT_THAT(Compile(options)->Rename("layer.0.ab"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("rename rule 0 ('')"), HasSubstr("'layer.0.ab'"), HasSubstr("4096 bytes"))));
+  SelectionLimits roomy;
+  roomy.max_name_bytes = 1 << 20;
+  auto selection = Selection::Compile({.renames = {{"^", "p."}}}, roomy);
+  ASSERT_OK(selection);
+  EXPECT_THAT((*selection)->Rename("w"), IsOkAndHolds(std::string("p.w")));
+}
+
+TEST(RenameTest, BoundedReplaceLeavesTheTextAloneWhenItWouldGrowTooLong) {
+  re2::RE2 re("a");
+  std::string text = "banana";
+  EXPECT_EQ(ReplaceAllInPlace(re, &text, "xyz", 8), ReplaceOutcome::kTooLong);
+  EXPECT_EQ(text, "banana");
+  EXPECT_EQ(ReplaceAllInPlace(re, &text, "xyz", 12), ReplaceOutcome::kReplaced);
+  EXPECT_EQ(text, "bxyznxyznxyz");
+  EXPECT_EQ(ReplaceAllInPlace(re, &text, "", 1), ReplaceOutcome::kNoMatch);
 }
 
 TEST(SelectionTest, IncludesAreOredExactPathsAddAndExcludesWin) {
@@ -82,8 +111,38 @@ TEST(SelectionTest, HostilePatternsAreBounded) {
   SelectionOptions options;
   options.include = {"((a{100}){100}){100}"};
   EXPECT_THAT(Selection::Compile(options), StatusIs(absl::StatusCode::kInvalidArgument));
-  options.include = {std::string(50000, 'a')};
+  options.include = {"(" + std::string(4000, 'a') + "){3}"};
   EXPECT_THAT(Selection::Compile(options), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("too large")));
+  options.include = {std::string(5000, 'a')};
+  EXPECT_THAT(Selection::Compile(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("include[0] is 5000 bytes; at most 4096")));
+}
+
+TEST(SelectionTest, TheRegexBudgetIsSharedByEveryPatternOfARequest) {
+  // Issue 11: 1000 patterns like [^a]{900} (12 KB of request) took 17 s and
+  // 2 GB, because the limits were per pattern.
+  SelectionOptions options;
+  options.include.assign(1000, "[^a]{900}");
+  EXPECT_THAT(Selection::Compile(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("1000 patterns; at most 256")));
+  options.include.assign(200, "[^a]{900}");
+  EXPECT_THAT(Selection::Compile(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("the request's regex budget")));
+  options.include.assign(200, R"(^model\.layers\.(\d+)\.)");
+  EXPECT_OK(Selection::Compile(options));
+  SelectionOptions renames;
+  renames.renames.assign(60, {"[^a]{900}", "x"});
+  EXPECT_THAT(Selection::Compile(renames), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("regex budget")));
+}
+
+TEST(SelectionTest, ExactPathsAreBoundedAndLookedUpInConstantTime) {
+  SelectionOptions options;
+  for (int i = 0; i < 100000; ++i) options.paths.push_back(absl::StrCat("t.", i));
+  auto s = Compile(options);
+  EXPECT_TRUE(s->Matches("t.99999"));
+  EXPECT_FALSE(s->Matches("t.100000"));
+  options.paths.push_back("one.more");
+  EXPECT_THAT(Selection::Compile(options), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exact paths")));
 }
 
 TEST(ContiguousIndicesTest, RenumbersPerPrefixAsBurnStoreDoes) {
@@ -94,6 +153,22 @@ TEST(ContiguousIndicesTest, RenumbersPerPrefixAsBurnStoreDoes) {
               ElementsAre("layers.0.block.0.w", "layers.0.block.1.w", "layers.1.block.0.w"));
   EXPECT_THAT(MapIndicesContiguous({"a.007", "a.+9", "b"}), ElementsAre("a.0", "a.1", "b"));
   EXPECT_THAT(MapIndicesContiguous({"10.w", "2.w"}), ElementsAre("1.w", "0.w"));
+}
+
+TEST(ContiguousIndicesTest, NamesOfThousandsOfSegmentsCostLinearTime) {
+  // A prefix per numeric segment used to be a string key: quadratic in the
+  // segments of a name. 1000 names of 2000 segments each.
+  std::vector<std::string> names;
+  for (int n = 0; n < 1000; ++n) {
+    std::string name = absl::StrCat("n", n);
+    for (int k = 0; k < 2000; ++k) absl::StrAppend(&name, ".", 2 * k + 8);
+    names.push_back(std::move(name));
+  }
+  std::vector<std::string> out = MapIndicesContiguous(names);
+  ASSERT_EQ(out.size(), names.size());
+  std::string expected = "n999";
+  for (int k = 0; k < 2000; ++k) absl::StrAppend(&expected, ".0");
+  EXPECT_EQ(out.back(), expected);
 }
 
 std::shared_ptr<const Checkpoint> Names(const std::vector<std::string>& names, Format format = Format::kPyTorch) {
@@ -156,6 +231,17 @@ TEST(SnapshotSelectTest, TwoTensorsRenamedToOneNameIsAnErrorNamingBoth) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'enc.w' and 'encoder.w'")));
 }
 
+TEST(SnapshotSelectTest, SelectedNamesAreBoundedTogether) {
+  SelectionOptions options;
+  options.renames = {{"^", std::string(3000, 'p')}};
+  SelectionLimits limits;
+  limits.max_total_name_bytes = 10000;
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options, limits));
+  EXPECT_OK(Snapshot::Select(Names({"a", "b", "c"}), *selection));
+  EXPECT_THAT(Snapshot::Select(Names({"a", "b", "c", "d"}), *selection),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exceed 10000 bytes together")));
+}
+
 TEST(SnapshotSelectTest, RenameThenItsInverseIsTheIdentity) {
   std::mt19937 rng(42);
   const char* heads[] = {"enc", "dec", "head"};
@@ -171,6 +257,53 @@ TEST(SnapshotSelectTest, RenameThenItsInverseIsTheIdentity) {
   std::vector<std::string> renamed = Selected(*there);
   ASSERT_OK_AND_ASSIGN(auto back, Snapshot::Select(Names(renamed), *Compile(inverse)));
   EXPECT_EQ(Selected(*back), names);
+}
+
+TEST(SnapshotReadRangeTest, EveryChunkingOfATransformedTensorMatchesTheWholeRead) {
+  // A [6, 4] float storage; "strided" views it as its [4, 6] transpose.
+  std::string floats(24 * 4, '\0');
+  for (int i = 0; i < 24; ++i) {
+    const float v = static_cast<float>(i) * 1.5f - 7;
+    std::memcpy(floats.data() + 4 * i, &v, 4);
+  }
+  auto storage = LazyStorage::Ready(SharedBytes::Copy(floats));
+  auto bools = LazyStorage::Ready(SharedBytes::Copy(std::string("\x00\x02\x01\x07", 4)));
+  std::vector<CheckpointEntry> entries(4);
+  entries[0].spec = {"plain", DType::kF32, {6, 4}};
+  entries[0].layout.storage = storage;
+  entries[1].spec = {"strided", DType::kF32, {4, 6}};
+  entries[1].layout = {storage, 0, {1, 4}, false};
+  entries[2].spec = {"offset", DType::kF32, {5}};
+  entries[2].layout = {storage, 12, {3}, false};
+  entries[3].spec = {"flags", DType::kBool, {2, 2}};
+  entries[3].layout = {bools, 0, {}, true};
+  ASSERT_OK_AND_ASSIGN(auto checkpoint, Checkpoint::Create(Format::kPyTorch, "mem", {}, entries));
+  auto entry = [&](int i) { return &checkpoint->entries()[i]; };
+  std::vector<SnapshotTensor> served = {
+      {{"plain.t.bf16", DType::kBF16, {4, 6}}, entry(0), true},
+      {{"strided.t", DType::kF32, {6, 4}}, entry(1), true},
+      {{"strided.f64", DType::kF64, {4, 6}}, entry(1), false},
+      {{"offset.f16", DType::kF16, {5}}, entry(2), false},
+      {{"flags", DType::kBool, {2, 2}}, entry(3), false},
+      {{"flags.u8", DType::kU8, {2, 2}}, entry(3), false},
+  };
+  ASSERT_OK_AND_ASSIGN(auto snapshot, Snapshot::Create(checkpoint, served));
+  for (const SnapshotTensor& t : snapshot->tensors()) {
+    std::vector<std::byte> whole(t.spec.byte_size());
+    ASSERT_OK(snapshot->ReadInto(t, whole));
+    const size_t e = DTypeSize(t.spec.dtype);
+    for (size_t chunk = e; chunk <= whole.size(); chunk += e) {
+      std::vector<std::byte> pieces(whole.size());
+      for (size_t at = 0; at < whole.size(); at += chunk) {
+        const size_t n = std::min(chunk, whole.size() - at);
+        ASSERT_OK(snapshot->ReadRange(t, at, std::span<std::byte>(pieces).subspan(at, n)));
+      }
+      EXPECT_EQ(pieces, whole) << t.spec.name << " in chunks of " << chunk << " bytes";
+    }
+  }
+  std::vector<std::byte> two(2);
+  EXPECT_THAT(snapshot->ReadRange(snapshot->tensors()[1], 2, two), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(snapshot->ReadRange(snapshot->tensors()[0], 48, two), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 }  // namespace

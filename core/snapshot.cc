@@ -19,22 +19,35 @@ absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoin
   const std::string& key = selection.options().top_level_key;
   std::vector<NamedEntry> named;
   named.reserve(entries.size());
+  uint64_t name_bytes = 0;
+  auto add = [&](absl::string_view name, size_t i) -> absl::Status {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::string renamed, selection.Rename(name));
+    name_bytes += renamed.size();
+    if (name_bytes > selection.limits().max_total_name_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("the selected names of '", checkpoint.path(), "' exceed ",
+                                                     selection.limits().max_total_name_bytes,
+                                                     " bytes together after renaming"));
+    }
+    named.push_back({std::move(renamed), i});
+    return absl::OkStatus();
+  };
   if (key.empty()) {
-    for (size_t i = 0; i < entries.size(); ++i) named.push_back({selection.Rename(entries[i].spec.name), i});
+    for (size_t i = 0; i < entries.size(); ++i) WEIGHTSTORE_RETURN_IF_ERROR(add(entries[i].spec.name, i));
   } else {
     const std::string prefix = absl::StrCat(key, ".");
     std::set<std::string> keys;
     for (size_t i = 0; i < entries.size(); ++i) {
       absl::string_view name = entries[i].spec.name;
       if (absl::ConsumePrefix(&name, prefix)) {
-        named.push_back({selection.Rename(name), i});
-      } else if (size_t dot = name.find('.'); dot != absl::string_view::npos) {
+        WEIGHTSTORE_RETURN_IF_ERROR(add(name, i));
+      } else if (size_t dot = name.find('.'); dot != absl::string_view::npos && keys.size() < 32) {
         keys.insert(std::string(name.substr(0, dot)));
       }
     }
     if (named.empty()) {
       return absl::NotFoundError(absl::StrCat("'", checkpoint.path(), "' has no tensors under top-level key '", key,
-                                              "'; keys with tensors: ", keys.empty() ? "(none)" : absl::StrJoin(keys, ", ")));
+                                              "'; keys with tensors: ", keys.empty() ? "(none)" : absl::StrJoin(keys, ", "),
+                                              keys.size() >= 32 ? ", ..." : ""));
     }
   }
   if (selection.UsesContiguousIndices(checkpoint.format(), applying_to_target)) {
@@ -138,6 +151,66 @@ absl::Status Snapshot::ReadInto(const SnapshotTensor& tensor, std::span<std::byt
                   tensor.source->spec.shape[1]);
   } else {
     CastElements(from, source.bytes.data(), to, out.data(), tensor.source->spec.num_elements());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, std::span<std::byte> out) const {
+  const CheckpointEntry& source = *tensor.source;
+  const uint64_t out_size = DTypeSize(tensor.spec.dtype), in_size = DTypeSize(source.spec.dtype);
+  const uint64_t total = tensor.spec.byte_size();
+  if (offset > total || out.size() > total - offset || offset % out_size != 0 || out.size() % out_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("bytes [", offset, ", +", out.size(), ") are not a range of ",
+                                                   DTypeName(tensor.spec.dtype), " elements of tensor '",
+                                                   tensor.spec.name, "' (", total, " bytes)"));
+  }
+  if (out.empty()) return absl::OkStatus();
+  absl::StatusOr<SharedBytes> storage = source.layout.storage->Get();
+  if (!storage.ok()) {
+    return absl::Status(storage.status().code(),
+                        absl::StrCat("tensor '", source.spec.name, "': ", storage.status().message()));
+  }
+  const std::byte* base = storage->data() + source.layout.offset;
+  // The served tensor as a strided view of the source elements: the source's
+  // own strides (row-major when it has none), swapped for a transpose.
+  std::vector<uint64_t> shape = source.spec.shape, strides = source.layout.strides;
+  if (strides.empty()) {
+    strides.assign(shape.size(), 1);
+    for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
+  }
+  if (tensor.transpose) {
+    std::swap(shape[0], shape[1]);
+    std::swap(strides[0], strides[1]);
+  }
+  uint64_t first = offset / out_size, count = out.size() / out_size;
+  std::byte* dst = out.data();
+  if (shape.empty()) {  // a scalar
+    CastElements(source.spec.dtype, base, tensor.spec.dtype, dst, 1);
+  } else {
+    // The odometer starts at element `first`; each step covers a run of the
+    // innermost dimension.
+    const size_t rank = shape.size();
+    std::vector<uint64_t> index(rank);
+    for (size_t d = rank, rest = first; d-- > 0;) {
+      index[d] = rest % shape[d];
+      rest /= shape[d];
+    }
+    while (count > 0) {
+      uint64_t at = 0;
+      for (size_t d = 0; d < rank; ++d) at += index[d] * strides[d];
+      const uint64_t run = std::min(count, shape[rank - 1] - index[rank - 1]);
+      CastStrided(source.spec.dtype, base + at * in_size, strides[rank - 1], tensor.spec.dtype, dst, run);
+      dst += run * out_size;
+      count -= run;
+      index[rank - 1] += run;
+      for (size_t d = rank - 1; d > 0 && index[d] == shape[d]; --d) {
+        index[d] = 0;
+        ++index[d - 1];
+      }
+    }
+  }
+  if (source.layout.normalize_bool && tensor.spec.dtype == DType::kBool) {
+    for (std::byte& b : out) b = std::byte{b != std::byte{0}};
   }
   return absl::OkStatus();
 }

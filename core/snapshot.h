@@ -64,6 +64,11 @@ class Snapshot {
   absl::StatusOr<SharedTensor> Read(absl::string_view name) const;
   // Writes the served bytes into `out` (out.size() must be spec.byte_size()).
   absl::Status ReadInto(const SnapshotTensor& tensor, std::span<std::byte> out) const;
+  // Writes the served bytes [offset, offset + out.size()) into `out`, gathering
+  // and casting only that range: a transformed tensor can be streamed in chunks
+  // without materializing all of it. Returns InvalidArgument unless the range
+  // lies inside the tensor and both ends fall on element boundaries.
+  absl::Status ReadRange(const SnapshotTensor& tensor, uint64_t offset, std::span<std::byte> out) const;
 
  private:
   Snapshot() = default;

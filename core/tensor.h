@@ -18,6 +18,9 @@
 
 namespace weightstore {
 
+// Most dimensions a tensor may have (PyTorch's own limit is 64).
+inline constexpr size_t kMaxRank = 64;
+
 struct TensorSpec {
   std::string name;
   DType dtype = DType::kF32;

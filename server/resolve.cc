@@ -38,14 +38,31 @@ std::optional<size_t> ChecksumCacheKey(const Snapshot& snapshot, const SnapshotT
   return static_cast<size_t>(tensor.source - snapshot.checkpoint().entries().data());
 }
 
+bool IsServedAsStored(const SnapshotTensor& tensor) {
+  return tensor.is_identity() && Checkpoint::IsZeroCopy(*tensor.source);
+}
+
 absl::StatusOr<uint32_t> ChecksumOf(const Resolved& resolved, const SnapshotTensor& tensor) {
   std::optional<size_t> key = ChecksumCacheKey(*resolved.snapshot, tensor);
   if (key) {
     if (std::optional<uint32_t> crc = resolved.version->CachedCrc(*key)) return *crc;
   }
-  absl::StatusOr<SharedTensor> bytes = resolved.snapshot->Read(tensor);
-  if (!bytes.ok()) return bytes.status();
-  uint32_t crc = Crc32c(bytes->bytes.view());
+  uint32_t crc = 0;
+  if (IsServedAsStored(tensor)) {
+    absl::StatusOr<SharedTensor> bytes = resolved.snapshot->Read(tensor);
+    if (!bytes.ok()) return bytes.status();
+    crc = Crc32c(bytes->bytes.view());
+  } else {  // produced a chunk at a time: never the whole tensor in memory
+    constexpr uint64_t kChunk = 1 << 20;
+    std::vector<std::byte> chunk;
+    const uint64_t size = tensor.spec.byte_size();
+    for (uint64_t at = 0; at < size; at += kChunk) {
+      chunk.resize(std::min(kChunk, size - at));
+      absl::Status status = resolved.snapshot->ReadRange(tensor, at, chunk);
+      if (!status.ok()) return status;
+      crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(chunk.data()), chunk.size()));
+    }
+  }
   if (key) resolved.version->StoreCrc(*key, crc);
   return crc;
 }

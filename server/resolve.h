@@ -33,6 +33,10 @@ absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::
 // checksums are cached per checkpoint version, so each is computed once.
 absl::StatusOr<uint32_t> ChecksumOf(const Resolved& resolved, const SnapshotTensor& tensor);
 
+// True when the tensor's bytes are served as the checkpoint stores them (a view
+// of the mapping); false when they must be produced (cast, transposed, gathered).
+bool IsServedAsStored(const SnapshotTensor& tensor);
+
 // The index of an untransformed tensor's entry in its checkpoint (the key of
 // the per-version checksum cache), or nullopt for a transformed one.
 std::optional<size_t> ChecksumCacheKey(const Snapshot& snapshot, const SnapshotTensor& tensor);

@@ -27,8 +27,10 @@ grpc::ServerUnaryReactor* Respond(grpc::CallbackServerContext* ctx, const absl::
 }
 
 // Names the checkpoint of a call for the request log (server/observability.h).
+// The name comes from the request: gRPC aborts the process on a metadata value
+// that is not printable ASCII, so it is encoded first (TrailerValue).
 void Annotate(grpc::CallbackServerContext* ctx, const std::string& checkpoint) {
-  if (!checkpoint.empty()) ctx->AddTrailingMetadata(kCheckpointTrailer, checkpoint);
+  if (!checkpoint.empty()) ctx->AddTrailingMetadata(kCheckpointTrailer, TrailerValue(checkpoint));
 }
 
 void ReleaseOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
@@ -104,7 +106,9 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     resolved_ = *std::move(resolved);
     chunk_bytes_ = request_.chunk_bytes() == 0 ? service_->options_.chunk_bytes
                                                : std::min<uint32_t>(request_.chunk_bytes(), 4 << 20);
-    chunk_bytes_ = std::max<uint32_t>(chunk_bytes_, 4096);
+    // A multiple of 8 bytes, so a chunk of a transformed tensor ends on an
+    // element boundary whatever its dtype.
+    chunk_bytes_ = std::max<uint32_t>(chunk_bytes_, 4096) & ~uint32_t{7};
     index_ = request_.start_index();
     end_ = request_.end_index() == 0 ? resolved_.snapshot->size()
                                      : std::min<uint64_t>(request_.end_index(), resolved_.snapshot->size());
@@ -140,22 +144,38 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     const SnapshotTensor& tensor = snapshot.tensors()[index_];
     v1::TensorChunk chunk;
     if (offset_ == 0) {
-      absl::StatusOr<SharedTensor> read = snapshot.Read(tensor);
-      if (!read.ok()) {
-        Done(ToGrpcStatus(read.status()));
-        return;
+      // Untransformed tensors go out as slices of the mapping; the others are
+      // produced a chunk at a time, so a stream never holds a whole one.
+      bytes_ = SharedBytes();
+      if (IsServedAsStored(tensor)) {
+        absl::StatusOr<SharedTensor> read = snapshot.Read(tensor);
+        if (!read.ok()) {
+          Done(ToGrpcStatus(read.status()));
+          return;
+        }
+        bytes_ = read->bytes;
       }
-      bytes_ = read->bytes;
       cached_crc_ = std::nullopt;
       if (auto key = ChecksumCacheKey(snapshot, tensor)) cached_crc_ = resolved_.version->CachedCrc(*key);
       crc_ = 0;
       ToProto(tensor.spec, tensor.source->spec.name, chunk.mutable_info());
       if (!sent_any_) chunk.set_version(resolved_.version->version());
     }
-    const uint64_t n = std::min<uint64_t>(chunk_bytes_, bytes_.size() - offset_);
-    SharedBytes payload = bytes_.Subspan(offset_, n);
+    const uint64_t size = tensor.spec.byte_size();
+    const uint64_t n = std::min<uint64_t>(chunk_bytes_, size - offset_);
+    SharedBytes payload;
+    if (IsServedAsStored(tensor)) {
+      payload = bytes_.Subspan(offset_, n);
+    } else {
+      absl::StatusOr<SharedBytes> produced = Produce(snapshot, tensor, n);
+      if (!produced.ok()) {
+        Done(ToGrpcStatus(produced.status()));
+        return;
+      }
+      payload = *std::move(produced);
+    }
     if (!cached_crc_) crc_ = Crc32cExtend(crc_, payload.view());
-    const bool last = offset_ + n == bytes_.size();
+    const bool last = offset_ + n == size;
     chunk.set_tensor_index(index_);
     chunk.set_offset(offset_);
     if (last) {
@@ -194,6 +214,19 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     StartWrite(&buffer_);
   }
 
+  // The next `n` bytes of a transformed tensor, in one of two chunk buffers
+  // that take turns: gRPC has let go of a buffer by the time it is reused (one
+  // write is in flight at a time), else a new one is made.
+  absl::StatusOr<SharedBytes> Produce(const Snapshot& snapshot, const SnapshotTensor& tensor, uint64_t n) {
+    std::shared_ptr<std::vector<std::byte>>& buffer = buffers_[next_buffer_];
+    next_buffer_ ^= 1;
+    if (buffer == nullptr || buffer.use_count() > 1) buffer = std::make_shared<std::vector<std::byte>>();
+    buffer->resize(n);
+    absl::Status status = snapshot.ReadRange(tensor, offset_, *buffer);
+    if (!status.ok()) return status;
+    return SharedBytes(buffer, *buffer);
+  }
+
   // Finishes, telling the request log how many tensor bytes were sent.
   void Done(const grpc::Status& status) {
     if (ctx_ != nullptr) ctx_->AddTrailingMetadata(kBytesTrailer, std::to_string(sent_bytes_));
@@ -209,7 +242,9 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   Resolved resolved_;
   uint32_t chunk_bytes_ = 1 << 20;
   uint64_t index_ = 0, end_ = 0, offset_ = 0;
-  SharedBytes bytes_;
+  SharedBytes bytes_;  // the current tensor, when it is served as stored
+  std::shared_ptr<std::vector<std::byte>> buffers_[2];
+  int next_buffer_ = 0;
   uint32_t crc_ = 0;
   std::optional<uint32_t> cached_crc_;
   bool sent_any_ = false;

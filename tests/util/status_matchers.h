@@ -29,6 +29,15 @@ MATCHER_P2(StatusIs, code, message_matcher, "") {
          ::testing::ExplainMatchResult(message_matcher, std::string(status.message()), result_listener);
 }
 
+// IsOkAndHolds(value_matcher) for StatusOr.
+MATCHER_P(IsOkAndHolds, value_matcher, "") {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(value_matcher, *arg, result_listener);
+}
+
 }  // namespace weightstore::testing
 
 #define EXPECT_OK(expr) EXPECT_TRUE((::weightstore::testing::GetStatus(expr)).ok()) << ::weightstore::testing::GetStatus(expr)
