@@ -312,7 +312,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseBurnpack(SharedBytes byte
     return bad(absl::StrCat("tensors end at data offset ", end, " but the file has ", available,
                             " data bytes (trailing bytes)"));
   }
-  return Checkpoint::Create(Format::kBurnpack, path, std::move(metadata), std::move(ordered));
+  return Checkpoint::Create(Format::kBurnpack, path, std::move(metadata), std::move(ordered), "", {}, options);
 }
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadBurnpack(std::shared_ptr<const MappedFile> file,

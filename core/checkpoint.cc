@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <cstring>
+#include <limits>
 #include <filesystem>
 
 #include "absl/status/status.h"
@@ -91,6 +92,9 @@ absl::Status ValidateEntry(CheckpointEntry& entry, absl::string_view path) {
         absl::StrCat("'", path, "' has a tensor name that is not UTF-8: '", absl::CHexEscape(spec.name), "'"));
   }
   if (entry.layout.storage == nullptr) return fault("has no storage");
+  if (spec.shape.size() > kMaxRank) {
+    return fault(absl::StrCat("has rank ", spec.shape.size(), "; at most ", kMaxRank, " dimensions are supported"));
+  }
   const uint64_t element_size = DTypeSize(spec.dtype);
   auto numel = CheckedNumElements(spec.shape);
   auto nbytes = numel ? CheckedMul(*numel, element_size) : std::nullopt;
@@ -129,6 +133,34 @@ absl::Status ValidateEntry(CheckpointEntry& entry, absl::string_view path) {
   return absl::OkStatus();
 }
 
+// Bytes of storage a validated entry reads: from its first element to its last.
+uint64_t StoredSpan(const CheckpointEntry& entry) {
+  const uint64_t size = entry.spec.byte_size();
+  if (entry.layout.strides.empty() || size == 0) return size;
+  uint64_t last = 0;
+  for (size_t i = 0; i < entry.spec.shape.size(); ++i) last += (entry.spec.shape[i] - 1) * entry.layout.strides[i];
+  return (last + 1) * DTypeSize(entry.spec.dtype);
+}
+
+// What OpenOptions bounds beyond the layout checks: the name's length, and how
+// far a strided view may expand what it reads.
+absl::Status CheckLimits(const CheckpointEntry& entry, absl::string_view path, const OpenOptions& options) {
+  if (entry.spec.name.size() > options.max_name_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "' has a tensor name of ", entry.spec.name.size(),
+                                                   " bytes; at most ", options.max_name_bytes, " are allowed"));
+  }
+  const uint64_t served = entry.spec.byte_size(), stored = StoredSpan(entry);
+  const uint64_t allowed = std::max<uint64_t>(
+      uint64_t{1} << 20, CheckedMul(stored, options.max_expansion).value_or(std::numeric_limits<uint64_t>::max()));
+  if (served > allowed) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", entry.spec.name, "' in '", path,
+                                                   "' is a strided view that expands ", stored, " stored bytes to ",
+                                                   served, " bytes, more than ", options.max_expansion,
+                                                   "x (--max-expansion)"));
+  }
+  return absl::OkStatus();
+}
+
 bool LooksLikeSafeTensorsIndex(const std::string& path) {
   return absl::EndsWith(path, ".index.json");
 }
@@ -137,7 +169,7 @@ bool LooksLikeSafeTensorsIndex(const std::string& path) {
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Create(
     Format format, std::string path, Metadata metadata, std::vector<CheckpointEntry> entries,
-    std::string detail, std::vector<std::shared_ptr<const MappedFile>> files) {
+    std::string detail, std::vector<std::shared_ptr<const MappedFile>> files, const OpenOptions& options) {
   std::shared_ptr<Checkpoint> checkpoint(new Checkpoint());
   checkpoint->detail_ = std::move(detail);
   checkpoint->files_ = std::move(files);
@@ -147,6 +179,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Create(
   checkpoint->by_name_.reserve(entries.size());
   for (size_t i = 0; i < entries.size(); ++i) {
     WEIGHTSTORE_RETURN_IF_ERROR(ValidateEntry(entries[i], checkpoint->path_));
+    WEIGHTSTORE_RETURN_IF_ERROR(CheckLimits(entries[i], checkpoint->path_, options));
     auto [it, inserted] = checkpoint->by_name_.emplace(entries[i].spec.name, i);
     if (!inserted) {
       return absl::InvalidArgumentError(absl::StrCat("'", checkpoint->path_, "' has two tensors named '",
@@ -163,9 +196,11 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::st
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     std::vector<std::string> indexes;
-    for (const auto& item : std::filesystem::directory_iterator(path, ec)) {
-      if (LooksLikeSafeTensorsIndex(item.path().string())) indexes.push_back(item.path().string());
+    for (auto it = std::filesystem::directory_iterator(path, ec); !ec && it != std::filesystem::directory_iterator();
+         it.increment(ec)) {
+      if (LooksLikeSafeTensorsIndex(it->path().string())) indexes.push_back(it->path().string());
     }
+    if (ec) return absl::NotFoundError(absl::StrCat("cannot list folder '", path, "': ", ec.message()));
     if (indexes.size() != 1) {
       return absl::InvalidArgumentError(absl::StrCat(
           "folder '", path, "' must hold exactly one *.safetensors.index.json, found ", indexes.size()));

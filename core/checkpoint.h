@@ -83,6 +83,13 @@ struct OpenOptions {
   uint64_t max_header_bytes = 100000000;
   // Largest number of tensors in one checkpoint. Default: 100,000 (as Burnpack).
   uint64_t max_tensors = 100000;
+  // Longest tensor name. Default: 4096 bytes.
+  size_t max_name_bytes = 4096;
+  // A strided (PyTorch) tensor may be served as at most this many times the
+  // bytes of storage it reads, or 1 MiB, whichever is more: a broadcast view
+  // (stride 0) of a few stored bytes could otherwise claim gigabytes.
+  // Default: 16.
+  uint64_t max_expansion = 16;
   MappedFileOptions mapped_file;
   // Opens each file of the checkpoint (the file itself, or an index and its
   // shards). Default (empty): MappedFile::Open with `mapped_file`. PreloadFile
@@ -106,13 +113,14 @@ class Checkpoint {
                                                                 const OpenOptions& options = {});
 
   // Builds a checkpoint from parts (used by the format readers and by tests).
-  // Returns InvalidArgument if two entries share a name or a layout does not fit
-  // its storage.
+  // Returns InvalidArgument if two entries share a name, a layout does not fit
+  // its storage, or an entry exceeds `options`' name and expansion limits.
   // `detail` describes the container ("zip", "legacy", ...) for inspection.
   // `files` are the files the storages point into (see Locate()).
   static absl::StatusOr<std::shared_ptr<const Checkpoint>> Create(
       Format format, std::string path, Metadata metadata, std::vector<CheckpointEntry> entries,
-      std::string detail = "", std::vector<std::shared_ptr<const MappedFile>> files = {});
+      std::string detail = "", std::vector<std::shared_ptr<const MappedFile>> files = {},
+      const OpenOptions& options = OpenOptions());
 
   Format format() const { return format_; }
   const std::string& path() const { return path_; }

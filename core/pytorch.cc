@@ -27,6 +27,9 @@ constexpr unsigned char kLegacyMagic[15] = {0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 
                                             0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19, 0x2e};
 constexpr size_t kMaxDictDepth = 64;
 constexpr uint64_t kMaxWalkNodes = 10000000;
+constexpr uint64_t kMaxNameBytesBuilt = uint64_t{256} << 20;
+// A state dict's pickle holds names and shapes, ~100 bytes a tensor.
+constexpr uint64_t kMaxPickleBytes = uint64_t{256} << 20;
 
 // Returns a LazyStorage for a storage key, or an error naming it.
 using StorageResolver =
@@ -42,8 +45,8 @@ absl::Status Bad(const std::string& path, absl::string_view what) {
 // Collects the tensors of nested dicts, joining keys with '.'.
 class Flattener {
  public:
-  Flattener(const std::string& path, uint64_t max_tensors, const PersistentTable* persistent)
-      : path_(path), max_tensors_(max_tensors), persistent_(persistent) {}
+  Flattener(const std::string& path, const OpenOptions& options, const PersistentTable* persistent)
+      : path_(path), max_tensors_(options.max_tensors), max_name_bytes_(options.max_name_bytes), persistent_(persistent) {}
 
   absl::Status Walk(const PickleValue* value, const std::string& prefix, size_t depth) {
     if (++nodes_ > kMaxWalkNodes) return Bad(path_, "pickle structure is too large to flatten");
@@ -65,6 +68,15 @@ class Flattener {
     std::vector<std::pair<std::string, const PickleValue*>> items;
     WEIGHTSTORE_RETURN_IF_ERROR(Items(value, prefix, &items));
     for (const auto& [key, child] : items) {
+      const size_t length = prefix.empty() ? key.size() : prefix.size() + 1 + key.size();
+      if (length > max_name_bytes_) {
+        return Bad(path_, absl::StrCat("a tensor name under '", prefix.substr(0, 64), prefix.size() > 64 ? "..." : "",
+                                       "' is longer than ", max_name_bytes_, " bytes"));
+      }
+      // Shared (memoized) dicts can be reached many times: bound the bytes of
+      // every name built, not just each one.
+      name_bytes_ += length;
+      if (name_bytes_ > kMaxNameBytesBuilt) return Bad(path_, "pickle names are too large to flatten");
       WEIGHTSTORE_RETURN_IF_ERROR(Walk(child, prefix.empty() ? key : absl::StrCat(prefix, ".", key), depth + 1));
     }
     return absl::OkStatus();
@@ -78,6 +90,10 @@ class Flattener {
     for (const auto& [k, v] : dict->dict) {
       std::string key;
       if (k->kind == Kind::kString) {
+        if (k->s.size() > max_name_bytes_) {
+          return Bad(path_, absl::StrCat("a dict key of ", k->s.size(), " bytes is longer than a tensor name may be (",
+                                         max_name_bytes_, ")"));
+        }
         key = k->s;
       } else if (k->kind == Kind::kInt) {
         key = absl::StrCat(k->i);
@@ -100,8 +116,10 @@ class Flattener {
  private:
   const std::string& path_;
   uint64_t max_tensors_;
+  size_t max_name_bytes_;
   const PersistentTable* persistent_;
   uint64_t nodes_ = 0;
+  uint64_t name_bytes_ = 0;
   std::vector<std::pair<std::string, const PickleValue*>> tensors_;
 };
 
@@ -110,7 +128,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> BuildCheckpoint(const PickleVa
                                                                   const OpenOptions& options,
                                                                   const StorageResolver& resolve, std::string detail,
                                                                   const PersistentTable* persistent = nullptr) {
-  Flattener flattener(path, options.max_tensors, persistent);
+  Flattener flattener(path, options, persistent);
   if (root->kind != Kind::kDict) {
     return Bad(path, "the pickle's root is not a dict (a full torch.save(model) is not supported; "
                      "save model.state_dict() instead)");
@@ -165,7 +183,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> BuildCheckpoint(const PickleVa
     entry.layout.normalize_bool = entry.spec.dtype == DType::kBool;
     entries.push_back(std::move(entry));
   }
-  return Checkpoint::Create(Format::kPyTorch, path, Metadata{}, std::move(entries), std::move(detail));
+  return Checkpoint::Create(Format::kPyTorch, path, Metadata{}, std::move(entries), std::move(detail), {}, options);
 }
 
 // Bytes a storage declares: numel elements of its dtype (bytes when untyped).
@@ -224,6 +242,10 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseZip(SharedBytes bytes, co
     detail = absl::StrCat("zip, archive version ", absl::StripAsciiWhitespace(value.view().substr(0, 32)));
   }
   const ZipEntry* pkl = zip->Find(root + "data.pkl");
+  if (pkl->uncompressed_size > kMaxPickleBytes) {
+    return Bad(path, absl::StrCat(pkl->name, " is ", pkl->uncompressed_size, " bytes; pickles over ", kMaxPickleBytes,
+                                  " bytes are not read"));
+  }
   WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes pickle_bytes, zip->Read(*pkl, /*verify_crc=*/true));
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<PickleResult> pickle,
                                Unpickle(pickle_bytes.view(), absl::StrCat("'", path, "' (", pkl->name, ")")));

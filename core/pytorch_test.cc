@@ -12,6 +12,7 @@
 namespace weightstore {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::weightstore::testing::BuildZip;
 using ::weightstore::testing::PickleBuilder;
@@ -65,6 +66,62 @@ TEST(PyTorchTest, ExpandsZeroStrideViews) {
   ASSERT_OK_AND_ASSIGN(auto c, Parse(TorchZip(p.str(), {{"0", Floats({1, 2, 3})}})));
   ASSERT_OK_AND_ASSIGN(SharedTensor e, c->Read("e"));
   EXPECT_EQ(e.bytes.view(), Floats({1, 2, 3, 1, 2, 3}));
+}
+
+TEST(PyTorchTest, RefusesABroadcastViewThatExpandsFarBeyondItsStorage) {
+  // Issue 11: torch.ones(1).expand(1 << 29) is 744 bytes on disk and claimed
+  // 2 GiB on every fetch.
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark().Str("e").Tensor("FloatStorage", "0", 1, 0, {1u << 29}, {0}).SetItems().Stop();
+  EXPECT_THAT(Parse(TorchZip(p.str(), {{"0", Floats({1})}})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tensor 'e'"), HasSubstr("expands 4 stored bytes to 2147483648"))));
+  // Within the allowance (1 MiB, or 16x what it reads) it is served.
+  PickleBuilder small;
+  small.Proto(2).EmptyDict().Mark().Str("e").Tensor("FloatStorage", "0", 1, 0, {1000}, {0}).SetItems().Stop();
+  EXPECT_OK(Parse(TorchZip(small.str(), {{"0", Floats({1})}})));
+  OpenOptions strict;
+  strict.max_expansion = 1;
+  PickleBuilder wide;  // 2 MiB served from 1 MiB read
+  wide.Proto(2).EmptyDict().Mark().Str("e").Tensor("FloatStorage", "0", 1u << 18, 0, {2, 1u << 18}, {0, 1})
+      .SetItems().Stop();
+  EXPECT_THAT(Parse(TorchZip(wide.str(), {{"0", std::string(1 << 20, '\0')}}), strict),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("more than 1x")));
+}
+
+TEST(PyTorchTest, RefusesNamesLongerThanTheLimitBeforeBuildingThem) {
+  // Issue 11: a 2 MiB memoized key in dicts nested 63 deep grew prefixes to
+  // ~130 GB. The key alone is refused now, and so is a name that grows too long.
+  const std::string key(2 << 20, 'k');
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark().Str(key).EmptyDict().SetItems().Stop();
+  EXPECT_THAT(Parse(TorchZip(p.str(), {})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dict key of 2097152 bytes")));
+  // 63 levels of a 100-byte key: names of 6,363 bytes, over the 4,096 allowed.
+  PickleBuilder deep;
+  deep.Proto(2).EmptyDict().Put(0);
+  for (int i = 0; i < 63; ++i) deep.Mark().Str(std::string(100, 'a' + i % 26)).EmptyDict().SetItems();
+  deep.Stop();
+  PickleBuilder nested;
+  nested.Proto(2);
+  for (int i = 0; i < 63; ++i) nested.EmptyDict().Mark().Str(std::string(100, 'a' + i % 26));
+  nested.Tensor("FloatStorage", "0", 1, 0, {1}, {1});
+  for (int i = 0; i < 63; ++i) nested.SetItems();
+  nested.Stop();
+  EXPECT_THAT(Parse(TorchZip(nested.str(), {{"0", Floats({1})}})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("longer than 4096 bytes")));
+  OpenOptions roomy;
+  roomy.max_name_bytes = 8192;
+  EXPECT_OK(Parse(TorchZip(nested.str(), {{"0", Floats({1})}}), roomy));
+}
+
+TEST(PyTorchTest, RefusesAPickleLargerThanAStateDictCouldNeed) {
+  testing::ZipBuildOptions options;
+  options.zip64 = true;
+  options.method = 8;
+  options.declared_size = uint64_t{300} << 20;
+  std::string zip = BuildZip({{"m/data.pkl", "x"}}, options);
+  EXPECT_THAT(Parse(zip), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pickles over")));
 }
 
 TEST(PyTorchTest, RejectsAViewReachingPastItsStorage) {

@@ -269,7 +269,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes b
     return bad(absl::StrCat("tensors cover ", expected, " data bytes, but the file holds ", data_size,
                             expected < data_size ? " (trailing bytes)" : " (truncated)"));
   }
-  return Checkpoint::Create(Format::kSafeTensors, path, std::move(sax.metadata()), std::move(entries));
+  return Checkpoint::Create(Format::kSafeTensors, path, std::move(sax.metadata()), std::move(entries), "", {}, options);
 }
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadSafeTensors(std::shared_ptr<const MappedFile> file,
@@ -355,7 +355,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenShardedSafeTensors(const s
   }
   if (entries.size() > options.max_tensors) return bad(absl::StrCat("more than ", options.max_tensors, " tensors"));
   return Checkpoint::Create(Format::kSafeTensors, index_path, std::move(metadata), std::move(entries), "",
-                            std::move(files));
+                            std::move(files), options);
 }
 
 absl::StatusOr<WritePlan> PlanSafeTensors(const std::vector<TensorSpec>& tensors, const Metadata& metadata) {

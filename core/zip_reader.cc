@@ -25,6 +25,7 @@ constexpr size_t kZip64LocatorSize = 20;
 constexpr size_t kZip64EocdSize = 56;
 constexpr size_t kCentralHeaderSize = 46;
 constexpr size_t kLocalHeaderSize = 30;
+constexpr uint64_t kMaxDeflateRatio = 1032;
 
 class Faults {
  public:
@@ -272,13 +273,26 @@ absl::StatusOr<SharedBytes> ZipArchive::Read(const ZipEntry& entry, bool verify_
     return absl::ResourceExhaustedError(absl::StrCat("'", entry.name, "' of '", path_, "' inflates to ",
                                                      entry.uncompressed_size, " bytes, over the limit"));
   }
-  std::vector<std::byte> out(entry.uncompressed_size);
+  // Deflate expands at most 1032:1; a larger claim is a bomb, refused before
+  // any memory is spent on it.
+  if (entry.uncompressed_size / kMaxDeflateRatio > entry.compressed_size + 1) {
+    return absl::DataLossError(absl::StrCat("'", entry.name, "' of '", path_, "' claims ", entry.uncompressed_size,
+                                            " bytes from ", entry.compressed_size,
+                                            " compressed ones, more than deflate can expand"));
+  }
+  // The output grows as data really inflates, so memory follows the bytes
+  // produced, not the size the header declares.
+  std::vector<std::byte> out(std::min<uint64_t>(entry.uncompressed_size,
+                                                std::max<uint64_t>(64 << 10, entry.compressed_size * 4)));
   z_stream stream{};
   if (inflateInit2(&stream, -MAX_WBITS) != Z_OK) return absl::InternalError("inflateInit2 failed");
   const uint64_t kStep = std::numeric_limits<uInt>::max();
   uint64_t in_done = 0, out_done = 0;
   int rc = Z_OK;
   while (rc == Z_OK) {
+    if (out_done == out.size() && out.size() < entry.uncompressed_size) {
+      out.resize(std::min<uint64_t>(entry.uncompressed_size, out.size() * 2));
+    }
     uint64_t in_left = entry.compressed_size - in_done, out_left = out.size() - out_done;
     stream.next_in = reinterpret_cast<Bytef*>(const_cast<std::byte*>(raw.data() + in_done));
     stream.avail_in = static_cast<uInt>(std::min(in_left, kStep));
@@ -295,7 +309,7 @@ absl::StatusOr<SharedBytes> ZipArchive::Read(const ZipEntry& entry, bool verify_
     }
   }
   inflateEnd(&stream);
-  if (rc != Z_STREAM_END || out_done != out.size()) {
+  if (rc != Z_STREAM_END || out_done != entry.uncompressed_size) {
     return absl::DataLossError(absl::StrCat("deflate data of '", entry.name, "' in '", path_,
                                             "' is corrupt or does not match its declared size"));
   }

@@ -73,6 +73,45 @@ TEST(ZipReaderTest, InflatesDeflatedEntriesAndChecksTheirCrc) {
   EXPECT_THAT(bad.Read(bad.entries()[0], false), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("CRC-32")));
 }
 
+std::string Deflate(const std::string& plain) {
+  std::string packed(compressBound(plain.size()), '\0');
+  z_stream z{};
+  deflateInit2(&z, 9, Z_DEFLATED, -MAX_WBITS, 8, Z_DEFAULT_STRATEGY);
+  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(plain.data()));
+  z.avail_in = plain.size();
+  z.next_out = reinterpret_cast<Bytef*>(packed.data());
+  z.avail_out = packed.size();
+  deflate(&z, Z_FINISH);
+  packed.resize(z.total_out);
+  deflateEnd(&z);
+  return packed;
+}
+
+TEST(ZipReaderTest, AZipBombIsRefusedBeforeAnyMemoryIsSpentOnIt) {
+  // Issue 11: a ZIP64 entry declaring 8 GiB was allocated and zero-filled
+  // before inflating. Deflate cannot expand more than 1032:1.
+  ZipBuildOptions options;
+  options.zip64 = true;
+  options.method = 8;
+  options.declared_size = uint64_t{8} << 30;
+  ASSERT_OK_AND_ASSIGN(ZipArchive zip, Open(BuildZip({{"data.pkl", Deflate("tiny")}}, options)));
+  EXPECT_THAT(zip.Read(zip.entries()[0], true),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("more than deflate can expand")));
+}
+
+TEST(ZipReaderTest, AnEntryThatInflatesToLessThanItDeclaresIsDataLossWithoutAllocatingTheClaim) {
+  // 1 MiB of zeros deflates to ~1 KiB, so a 1 GiB claim passes the ratio check:
+  // the output must grow with what inflates, not with the claim.
+  const std::string packed = Deflate(std::string(1 << 20, '\0'));
+  ZipBuildOptions options;
+  options.zip64 = true;
+  options.method = 8;
+  options.declared_size = packed.size() * 1000;
+  ASSERT_OK_AND_ASSIGN(ZipArchive zip, Open(BuildZip({{"d", packed}}, options)));
+  EXPECT_THAT(zip.Read(zip.entries()[0], true),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("does not match its declared size")));
+}
+
 TEST(ZipReaderTest, RejectsNamesThatEscapeTheArchive) {
   EXPECT_THAT(Open(BuildZip({{"a/../../etc/passwd", "x"}})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("escapes the archive")));

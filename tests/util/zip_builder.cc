@@ -20,12 +20,14 @@ std::string BuildZip(const std::vector<ZipBuildEntry>& entries, const ZipBuildOp
     const ZipBuildEntry& e = entries[i];
     uint32_t crc = Crc32(e.data);
     if (static_cast<int>(i) == options.bad_crc_entry) crc ^= 0xDEADBEEF;
+    const uint64_t usize = options.declared_size != 0 ? options.declared_size : e.data.size();
     const uint64_t size32 = options.zip64 ? 0xFFFFFFFF : e.data.size();
+    const uint64_t usize32 = options.zip64 ? 0xFFFFFFFF : usize;
     std::string extra;
     if (options.zip64) {
       Put(&extra, 0x0001, 2);
       Put(&extra, 16, 2);
-      Put(&extra, e.data.size(), 8);
+      Put(&extra, usize, 8);
       Put(&extra, e.data.size(), 8);
     }
     offsets.push_back(out.size());
@@ -36,7 +38,7 @@ std::string BuildZip(const std::vector<ZipBuildEntry>& entries, const ZipBuildOp
     Put(&out, 0, 4);  // time, date
     Put(&out, crc, 4);
     Put(&out, size32, 4);
-    Put(&out, size32, 4);
+    Put(&out, usize32, 4);
     Put(&out, e.name.size(), 2);
     Put(&out, extra.size(), 2);
     out += e.name;
@@ -49,7 +51,7 @@ std::string BuildZip(const std::vector<ZipBuildEntry>& entries, const ZipBuildOp
     if (options.zip64) {
       Put(&cextra, 0x0001, 2);
       Put(&cextra, 24, 2);
-      Put(&cextra, e.data.size(), 8);
+      Put(&cextra, usize, 8);
       Put(&cextra, e.data.size(), 8);
       Put(&cextra, local, 8);
     }
@@ -61,7 +63,7 @@ std::string BuildZip(const std::vector<ZipBuildEntry>& entries, const ZipBuildOp
     Put(&central, 0, 4);
     Put(&central, crc, 4);
     Put(&central, size32, 4);
-    Put(&central, size32, 4);
+    Put(&central, usize32, 4);
     Put(&central, e.name.size(), 2);
     Put(&central, cextra.size(), 2);
     Put(&central, 0, 2);  // comment

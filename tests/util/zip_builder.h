@@ -23,6 +23,9 @@ struct ZipBuildOptions {
   int bad_crc_entry = -1;
   // Compression method written in both headers (0 stored).
   int method = 0;
+  // If nonzero, every entry declares this uncompressed size (with zip64, in
+  // the ZIP64 extra fields): a zip bomb's claim.
+  uint64_t declared_size = 0;
 };
 
 std::string BuildZip(const std::vector<ZipBuildEntry>& entries, const ZipBuildOptions& options = {});
