@@ -95,8 +95,8 @@ absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path) {
   // A folder holding a sharded index is one checkpoint; any other folder is a models folder.
   bool sharded = false;
   if (folder) {
-    for (const auto& e : fs::directory_iterator(path, ec)) {
-      if (e.path().string().ends_with(".safetensors.index.json")) sharded = true;
+    for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+      if (it->path().string().ends_with(".safetensors.index.json")) sharded = true;
     }
   }
   if (folder && !sharded) {

@@ -52,12 +52,13 @@ std::optional<double> CgroupQuota() {
   std::optional<std::string> membership = ReadSmallFile("/proc/self/cgroup");
   if (!membership) return std::nullopt;
   std::optional<double> tightest;
+  std::error_code ec;
   for (absl::string_view line : absl::StrSplit(*membership, '\n', absl::SkipEmpty())) {
     // "<id>:<controllers>:<path>"; v2 is "0::<path>".
     std::vector<std::string> fields = absl::StrSplit(line, absl::MaxSplits(':', 2));
     if (fields.size() != 3) continue;
     const std::string& path = fields[2];
-    if (fields[0] == "0" && fields[1].empty() && fs::exists("/sys/fs/cgroup/cgroup.controllers")) {
+    if (fields[0] == "0" && fields[1].empty() && fs::exists("/sys/fs/cgroup/cgroup.controllers", ec)) {
       Tighten(&tightest, TightestOnPath("/sys/fs/cgroup", path, [](const fs::path& dir) -> std::optional<double> {
                 std::optional<std::string> text = ReadSmallFile(dir / "cpu.max");
                 return text ? ParseCpuMax(*text) : std::nullopt;

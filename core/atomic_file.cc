@@ -1,14 +1,17 @@
 #include "core/atomic_file.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <filesystem>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_util.h"
 
@@ -17,23 +20,23 @@ namespace {
 
 std::atomic<uint64_t> temp_counter{0};
 
-absl::Status SyncFolder(const std::string& folder) {
-  int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return StatusFromErrno(errno, absl::StrCat("cannot open folder '", folder, "'"));
-  int rc = ::fsync(fd);
-  int saved = errno;
-  ::close(fd);
-  if (rc != 0) return StatusFromErrno(saved, absl::StrCat("cannot sync folder '", folder, "'"));
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AtomicFile>> AtomicFile::Create(const std::string& path, bool overwrite) {
   std::filesystem::path target(path);
   if (target.filename().empty()) return absl::InvalidArgumentError(absl::StrCat("'", path, "' names no file"));
+  const std::filesystem::path folder = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+  int folder_fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (folder_fd < 0) return StatusFromErrno(errno, absl::StrCat("cannot open folder '", folder.string(), "'"));
+  auto file = CreateAt(folder_fd, target.filename().string(), path, overwrite);
+  ::close(folder_fd);
+  return file;
+}
+
+absl::StatusOr<std::unique_ptr<AtomicFile>> AtomicFile::CreateAt(int folder_fd, const std::string& name,
+                                                                 const std::string& path, bool overwrite) {
   struct stat st;
-  if (::stat(path.c_str(), &st) == 0) {
+  if (::fstatat(folder_fd, name.c_str(), &st, 0) == 0) {
     if (S_ISDIR(st.st_mode)) return absl::InvalidArgumentError(absl::StrCat("'", path, "' is a folder"));
     if (!overwrite) {
       return absl::AlreadyExistsError(absl::StrCat("'", path, "' already exists (use --overwrite to replace it)"));
@@ -41,21 +44,28 @@ absl::StatusOr<std::unique_ptr<AtomicFile>> AtomicFile::Create(const std::string
   }
   std::unique_ptr<AtomicFile> file(new AtomicFile());
   file->path_ = path;
+  file->name_ = name;
   file->overwrite_ = overwrite;
-  std::filesystem::path folder = target.parent_path();
-  file->temp_path_ = (folder / absl::StrCat(".", target.filename().string(), ".", ::getpid(), "-",
-                                            temp_counter.fetch_add(1), ".tmp"))
-                         .string();
-  file->fd_ = ::open(file->temp_path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  file->folder_fd_ = ::fcntl(folder_fd, F_DUPFD_CLOEXEC, 0);
+  if (file->folder_fd_ < 0) return StatusFromErrno(errno, absl::StrCat("cannot hold the folder of '", path, "'"));
+  file->temp_name_ = absl::StrCat(".", name, ".", ::getpid(), "-", temp_counter.fetch_add(1), ".tmp");
+  const size_t slash = path.rfind('/');
+  file->temp_path_ = slash == std::string::npos ? file->temp_name_
+                                                : absl::StrCat(absl::string_view(path).substr(0, slash + 1),
+                                                               file->temp_name_);
+  file->fd_ = ::openat(file->folder_fd_, file->temp_name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (file->fd_ < 0) {
     return StatusFromErrno(errno, absl::StrCat("cannot create a temporary file beside '", path, "'"));
   }
+  // Held until the descriptor closes: the temporary's writer is alive.
+  (void)::flock(file->fd_, LOCK_EX | LOCK_NB);
   return file;
 }
 
 AtomicFile::~AtomicFile() {
   if (fd_ >= 0) ::close(fd_);
-  if (!committed_ && !temp_path_.empty()) ::unlink(temp_path_.c_str());
+  if (!committed_ && !temp_name_.empty()) ::unlinkat(folder_fd_, temp_name_.c_str(), 0);
+  if (folder_fd_ >= 0) ::close(folder_fd_);
 }
 
 absl::Status AtomicFile::Append(absl::string_view data) {
@@ -99,28 +109,48 @@ absl::Status AtomicFile::Flush() {
 absl::Status AtomicFile::Commit() {
   if (committed_) return absl::FailedPreconditionError("already committed");
   if (::fsync(fd_) != 0) return StatusFromErrno(errno, absl::StrCat("cannot sync '", path_, "'"));
-  if (::close(fd_) != 0) {
-    fd_ = -1;
-    return StatusFromErrno(errno, absl::StrCat("cannot close '", path_, "'"));
-  }
-  fd_ = -1;
   if (overwrite_) {
-    if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+    if (::renameat(folder_fd_, temp_name_.c_str(), folder_fd_, name_.c_str()) != 0) {
       return StatusFromErrno(errno, absl::StrCat("cannot rename onto '", path_, "'"));
     }
   } else {
     // link() fails with EEXIST instead of replacing a file that appeared meanwhile.
-    if (::link(temp_path_.c_str(), path_.c_str()) != 0) {
+    if (::linkat(folder_fd_, temp_name_.c_str(), folder_fd_, name_.c_str(), 0) != 0) {
       if (errno == EEXIST) {
         return absl::AlreadyExistsError(absl::StrCat("'", path_, "' already exists (use --overwrite to replace it)"));
       }
       return StatusFromErrno(errno, absl::StrCat("cannot create '", path_, "'"));
     }
-    ::unlink(temp_path_.c_str());
+    ::unlinkat(folder_fd_, temp_name_.c_str(), 0);
   }
   committed_ = true;
-  std::string folder = std::filesystem::path(path_).parent_path().string();
-  return SyncFolder(folder.empty() ? "." : folder);
+  const int closed = ::close(fd_);
+  fd_ = -1;
+  if (closed != 0) return StatusFromErrno(errno, absl::StrCat("cannot close '", path_, "'"));
+  if (::fsync(folder_fd_) != 0) return StatusFromErrno(errno, absl::StrCat("cannot sync the folder of '", path_, "'"));
+  return absl::OkStatus();
+}
+
+bool IsAtomicFileTemporary(absl::string_view filename) {
+  // ".<name>.<pid>-<n>.tmp"
+  if (filename.size() < 9 || filename.front() != '.' || !absl::EndsWith(filename, ".tmp")) return false;
+  absl::string_view stem = filename.substr(0, filename.size() - 4);
+  const size_t dot = stem.rfind('.');
+  if (dot == absl::string_view::npos || dot == 0) return false;
+  absl::string_view counter = stem.substr(dot + 1);
+  const size_t dash = counter.find('-');
+  if (dash == absl::string_view::npos || dash == 0 || dash + 1 == counter.size()) return false;
+  return std::all_of(counter.begin(), counter.end(), [](char c) { return c == '-' || (c >= '0' && c <= '9'); });
+}
+
+bool IsAbandonedTemporary(int folder_fd, const std::string& name, int64_t min_age_seconds) {
+  const int fd = ::openat(folder_fd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return false;
+  struct stat st;
+  bool abandoned = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+                   ::time(nullptr) - st.st_mtim.tv_sec >= min_age_seconds;
+  ::close(fd);
+  return abandoned;
 }
 
 }  // namespace weightstore

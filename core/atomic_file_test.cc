@@ -3,6 +3,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <filesystem>
 
 #include "tests/util/status_matchers.h"
@@ -63,6 +66,37 @@ TEST(AtomicFileTest, NeverReplacesAnExistingFileUnlessAsked) {
 TEST(AtomicFileTest, RefusesAFolderAsTarget) {
   std::string dir = testing::MakeScratchDir("atomic");
   EXPECT_THAT(AtomicFile::Create(dir, true), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(AtomicFileTest, ATemporaryIsAbandonedOnlyOnceItsWriterIsGone) {
+  std::string dir = testing::MakeScratchDir("atomic");
+  int folder = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  ASSERT_GE(folder, 0);
+  ASSERT_OK_AND_ASSIGN(auto file, AtomicFile::Create(dir + "/model.safetensors", false));
+  const std::string temp = std::filesystem::path(file->temp_path()).filename().string();
+  EXPECT_TRUE(IsAtomicFileTemporary(temp)) << temp;
+  EXPECT_FALSE(IsAbandonedTemporary(folder, temp, 0)) << "its writer holds it";
+  // A writer killed mid-write leaves the file with nobody holding its lock.
+  testing::WriteFileOrDie(dir + "/.model.pt.4242-7.tmp", "partial");
+  EXPECT_TRUE(IsAbandonedTemporary(folder, ".model.pt.4242-7.tmp", 0));
+  EXPECT_FALSE(IsAbandonedTemporary(folder, ".model.pt.4242-7.tmp", 3600)) << "too recent";
+  for (const char* other : {".model.tmp", "model.1-2.tmp", ".x.1-.tmp", ".x.a-1.tmp", ".x.12.tmp"}) {
+    EXPECT_FALSE(IsAtomicFileTemporary(other)) << other;
+  }
+  ::close(folder);
+}
+
+TEST(AtomicFileTest, CommitsIntoTheFolderItOpenedEvenIfThePathIsSwappedForASymlink) {
+  std::string dir = testing::MakeScratchDir("atomic");
+  std::string elsewhere = testing::MakeScratchDir("elsewhere");
+  std::filesystem::create_directory(dir + "/sub");
+  ASSERT_OK_AND_ASSIGN(auto file, AtomicFile::Create(dir + "/sub/out.bin", false));
+  ASSERT_OK(file->Append("data"));
+  std::filesystem::rename(dir + "/sub", dir + "/moved");
+  std::filesystem::create_directory_symlink(elsewhere, dir + "/sub");
+  ASSERT_OK(file->Commit());
+  EXPECT_EQ(testing::ReadFileOrEmpty(dir + "/moved/out.bin"), "data");
+  EXPECT_EQ(CountFiles(elsewhere), 0u);
 }
 
 }  // namespace

@@ -564,13 +564,11 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParsePyTorch(SharedBytes bytes
     return ParseLegacy(std::move(bytes), path, options);
   }
   if (!data.empty() && static_cast<uint8_t>(data[0]) == 0x80) return ParsePlainPickle(std::move(bytes), path, options);
-  std::string head;
-  for (size_t i = 0; i < std::min<size_t>(data.size(), 8); ++i) {
-    absl::StrAppend(&head, i ? " " : "", absl::Hex(static_cast<uint8_t>(data[i]), absl::kZeroPad2));
-  }
+  // The file's bytes are not quoted: this message can reach a remote caller.
   return absl::InvalidArgumentError(absl::StrCat(
-      "'", path, "' is not a SafeTensors, Burnpack or PyTorch checkpoint (it starts with ",
-      data.empty() ? "nothing: the file is empty" : head, ")"));
+      "'", path, "' is not a SafeTensors, Burnpack or PyTorch checkpoint (",
+      data.empty() ? "the file is empty" : absl::StrCat("no known signature in its first bytes; ", data.size(), " bytes"),
+      ")"));
 }
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadPyTorch(std::shared_ptr<const MappedFile> file,

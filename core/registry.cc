@@ -1,6 +1,8 @@
 #include "core/registry.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -9,14 +11,18 @@
 #include <set>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "core/crc32c.h"
 #include "core/mapped_file.h"
 #include "core/sealed_memfd.h"
 #include "core/status_macros.h"
 #include "core/status_util.h"
+#include "core/unix_socket.h"
+#include "core/utf8.h"
 
 namespace weightstore {
 namespace fs = std::filesystem;
@@ -60,8 +66,9 @@ absl::StatusOr<uint64_t> BytesOnDisk(const std::string& path) {
     return size;
   }
   uint64_t total = 0;
-  for (const auto& item : fs::directory_iterator(folder, ec)) {
-    if (item.is_regular_file(ec)) total += item.file_size(ec);
+  for (fs::directory_iterator it(folder, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code item_ec;
+    if (it->is_regular_file(item_ec)) total += it->file_size(item_ec);
   }
   if (ec) return absl::NotFoundError(absl::StrCat("cannot list '", folder.string(), "': ", ec.message()));
   return total;
@@ -86,8 +93,10 @@ std::set<std::string> ShardsOf(const std::string& index_path) {
   return shards;
 }
 
-bool ValidName(absl::string_view name) {
-  if (name.empty() || name.size() > 512 || name.front() == '/') return false;
+// A name an upload or a load may create: a relative path of ASCII letters,
+// digits, '-', '_' and '.'.
+bool ValidName(absl::string_view name, size_t max_bytes) {
+  if (name.empty() || name.size() > max_bytes || name.front() == '/') return false;
   for (absl::string_view part : absl::StrSplit(name, '/')) {
     if (part.empty() || part == "." || part == ".." || part.front() == '.') return false;
   }
@@ -109,6 +118,26 @@ std::optional<uint32_t> CheckpointVersion::CachedCrc(size_t entry) const {
 void CheckpointVersion::StoreCrc(size_t entry, uint32_t crc) const {
   absl::MutexLock lock(&mu_);
   crc_[entry] = crc;
+}
+
+absl::Status CheckCheckpointName(absl::string_view name, size_t max_bytes) {
+  auto shown = [&] {
+    return absl::StrCat("'", absl::CHexEscape(name.substr(0, 64)), name.size() > 64 ? "'..." : "'");
+  };
+  if (name.empty()) return absl::InvalidArgumentError("the checkpoint name is empty");
+  if (name.size() > max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint name ", shown(), " is ", name.size(),
+                                                   " bytes; at most ", max_bytes, " are allowed"));
+  }
+  if (!IsValidUtf8(name)) return absl::InvalidArgumentError(absl::StrCat("checkpoint name ", shown(), " is not UTF-8"));
+  for (size_t i = 0; i < name.size(); ++i) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    const bool c1 = c == 0xC2 && i + 1 < name.size() && static_cast<unsigned char>(name[i + 1]) <= 0x9F;
+    if (c < 0x20 || c == 0x7F || c1) {
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint name ", shown(), " contains a control character"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::optional<std::string> NameForPath(const std::string& relative_path) {
@@ -176,18 +205,38 @@ ScanReport CheckpointRegistry::Rescan() {
   ScanReport report;
   // Find candidates: (name, path), indexes first so their shards are excluded.
   std::map<std::string, std::string> found;
-  std::vector<fs::path> files;
+  std::vector<fs::path> files, temporaries;
   std::error_code ec;
   fs::recursive_directory_iterator it(options_.models_dir, fs::directory_options::skip_permission_denied, ec), end;
   if (ec) {
     report.errors.push_back(absl::StrCat(options_.models_dir, ": ", ec.message()));
   }
+  // Only the error_code overloads: a symlink loop or a vanishing file must be a
+  // line in the report, never an exception.
   for (; !ec && it != end; it.increment(ec)) {
+    std::error_code item_ec;
     if (IsHiddenOrTemporary(it->path())) {
-      if (it->is_directory()) it.disable_recursion_pending();
+      if (it->is_directory(item_ec)) {
+        it.disable_recursion_pending();
+      } else if (IsAtomicFileTemporary(it->path().filename().string())) {
+        temporaries.push_back(it->path());
+      }
       continue;
     }
-    if (it->is_regular_file()) files.push_back(it->path());
+    if (it->is_regular_file(item_ec)) {
+      files.push_back(it->path());
+    } else if (item_ec && NameForPath(it->path().filename().string())) {
+      report.errors.push_back(absl::StrCat(it->path().string(), ": ", item_ec.message()));
+    }
+  }
+  if (ec) report.errors.push_back(absl::StrCat(options_.models_dir, ": ", ec.message()));
+  for (const fs::path& t : temporaries) {
+    UniqueFd folder(::open(t.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    const std::string name = t.filename().string();
+    if (folder.valid() && IsAbandonedTemporary(folder.get(), name, options_.abandoned_temporary_seconds) &&
+        ::unlinkat(folder.get(), name.c_str(), 0) == 0) {
+      report.cleaned.push_back(t.string());
+    }
   }
   std::sort(files.begin(), files.end());
   std::set<std::string> shards;
@@ -202,6 +251,10 @@ ScanReport CheckpointRegistry::Rescan() {
     // Lexically: a symlinked file is named by where it sits, not where it points.
     std::optional<std::string> name = NameForPath(f.lexically_relative(options_.models_dir).string());
     if (!name) continue;
+    if (absl::Status valid = CheckCheckpointName(*name, options_.max_name_bytes); !valid.ok()) {
+      report.errors.push_back(absl::StrCat(absl::CHexEscape(f.string()), ": ", valid.message()));
+      continue;
+    }
     if (!found.emplace(*name, f.string()).second) {
       report.errors.push_back(absl::StrCat(f.string(), ": another file is already served as '", *name, "'"));
     }
@@ -258,6 +311,11 @@ std::shared_ptr<const CheckpointVersion> CheckpointRegistry::Get(const std::stri
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Find(
     const std::string& name, const std::string& pinned_version) const {
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(name, options_.max_name_bytes));
+  if (pinned_version.size() > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("version of ", pinned_version.size(),
+                                                   " bytes is not one this daemon issues"));
+  }
   std::shared_ptr<const CheckpointVersion> current = Get(name);
   if (current == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
   if (!pinned_version.empty() && pinned_version != current->version()) {
@@ -276,28 +334,52 @@ std::vector<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::List()
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Load(const std::string& path,
                                                                                 const std::string& name) {
+  if (path.empty() || path.size() > 4096 || path.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("path of ", path.size(), " bytes is not a path to load"));
+  }
+  // Only the models folder and the load roots: a caller may not make the daemon
+  // read (and describe in errors) any file it can open. As for a rescan, what
+  // counts is where the path lies, not where symlinks the operator placed there
+  // point; ".." is resolved first, so it cannot climb out.
   fs::path p(path);
   if (p.is_relative()) p = fs::path(options_.models_dir) / p;
   std::error_code ec;
-  fs::path canonical = fs::weakly_canonical(p, ec);
+  const fs::path absolute = fs::absolute(p, ec).lexically_normal();
   if (ec) return absl::InvalidArgumentError(absl::StrCat("cannot resolve '", path, "'"));
+  auto inside = [&](const std::string& root) {
+    std::error_code root_ec;
+    std::string folder = fs::absolute(root, root_ec).lexically_normal().string();
+    if (root_ec || folder.empty()) return false;
+    if (folder.back() != '/') folder += '/';
+    return absl::StartsWith(absolute.string(), folder);
+  };
+  const bool in_models = inside(options_.models_dir);
+  if (!in_models && std::none_of(options_.load_roots.begin(), options_.load_roots.end(), inside)) {
+    return absl::PermissionDeniedError(absl::StrCat("'", path, "' is outside the models folder and every load root "
+                                                    "(weightstored --load-root)"));
+  }
+  const fs::path& canonical = absolute;
   std::string served_name = name;
   if (served_name.empty()) {
     std::optional<std::string> derived =
-        NameForPath(fs::is_directory(canonical) ? canonical.filename().string() : canonical.filename().string());
+        NameForPath(canonical.filename().string());
     served_name = derived.value_or(canonical.filename().string());
   }
-  if (!ValidName(served_name)) return absl::InvalidArgumentError(absl::StrCat("invalid checkpoint name '", served_name, "'"));
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(served_name, options_.max_name_bytes));
+  if (!ValidName(served_name, options_.max_name_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("invalid checkpoint name '", served_name,
+                                                   "' (a relative path of letters, digits, '-', '_', '.' and '/')"));
+  }
   WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, OpenVersion(served_name, canonical.string()));
-  const std::string models = fs::weakly_canonical(options_.models_dir, ec).string();
   absl::MutexLock lock(&mu_);
   Entry& entry = served_[served_name];
   entry.current = version;
-  entry.pinned = !absl::StartsWith(canonical.string(), models + "/");
+  entry.pinned = !in_models;
   return version;
 }
 
 absl::Status CheckpointRegistry::Unload(const std::string& name) {
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(name, options_.max_name_bytes));
   absl::MutexLock lock(&mu_);
   if (served_.erase(name) == 0) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
   return absl::OkStatus();
@@ -312,13 +394,15 @@ absl::Status PutSession::Append(absl::string_view data) {
                                                    " bytes"));
   }
   bytes_ += data.size();
+  crc32c_ = Crc32cExtend(crc32c_, data);
   return file_->Append(data);
 }
 
 absl::StatusOr<std::unique_ptr<PutSession>> CheckpointRegistry::BeginPut(const std::string& name,
                                                                          const std::string& extension, bool overwrite,
                                                                          uint64_t expected_size) {
-  if (!ValidName(name)) {
+  if (!ValidName(name, options_.max_name_bytes)) {
+    WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(name, options_.max_name_bytes));
     return absl::InvalidArgumentError(absl::StrCat("invalid checkpoint name '", name,
                                                    "' (a relative path of letters, digits, '-', '_', '.' and '/')"));
   }
@@ -334,10 +418,27 @@ absl::StatusOr<std::unique_ptr<PutSession>> CheckpointRegistry::BeginPut(const s
   session->path_ = (fs::path(options_.models_dir) / absl::StrCat(name, ".", extension)).string();
   session->expected_size_ = expected_size;
   session->max_bytes_ = options_.max_put_bytes;
-  std::error_code ec;
-  fs::create_directories(fs::path(session->path_).parent_path(), ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot create the folder for '", session->path_, "': ", ec.message()));
-  WEIGHTSTORE_ASSIGN_OR_RETURN(session->file_, AtomicFile::Create(session->path_, overwrite));
+  // Walk (and make) the folders one at a time without following symlinks, so a
+  // link inside the models folder cannot steer the upload out of it.
+  const std::vector<std::string> parts = absl::StrSplit(name, '/');
+  UniqueFd folder(::open(options_.models_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!folder.valid()) return StatusFromErrno(errno, absl::StrCat("cannot open '", options_.models_dir, "'"));
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    if (::mkdirat(folder.get(), parts[i].c_str(), 0755) != 0 && errno != EEXIST) {
+      return StatusFromErrno(errno, absl::StrCat("cannot create the folder for '", session->path_, "'"));
+    }
+    UniqueFd next(::openat(folder.get(), parts[i].c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (!next.valid()) {
+      if (errno == ELOOP || errno == ENOTDIR) {
+        return absl::InvalidArgumentError(absl::StrCat("upload of '", name, "': '", parts[i],
+                                                       "' in the models folder is a symlink or not a folder"));
+      }
+      return StatusFromErrno(errno, absl::StrCat("cannot open the folder for '", session->path_, "'"));
+    }
+    folder = std::move(next);
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(session->file_, AtomicFile::CreateAt(folder.get(), absl::StrCat(parts.back(), ".", extension),
+                                                                  session->path_, overwrite));
   return session;
 }
 
@@ -348,9 +449,16 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
                                                    " of ", session->expected_size_, " bytes"));
   }
   // Validate before it becomes visible: a bad upload leaves nothing behind.
+  // The temporary is read through its own descriptor, not its path.
   WEIGHTSTORE_RETURN_IF_ERROR(session->file_->Flush());
-  absl::StatusOr<std::shared_ptr<const Checkpoint>> check =
-      Checkpoint::Open(session->file_->temp_path(), options_.open);
+  OpenOptions open = options_.open;
+  const int fd = session->file_->fd();
+  open.open_file = [fd](const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
+    const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (copy < 0) return StatusFromErrno(errno, absl::StrCat("cannot read '", path, "'"));
+    return MappedFile::FromDescriptor(copy, path);
+  };
+  absl::StatusOr<std::shared_ptr<const Checkpoint>> check = Checkpoint::Open(session->file_->temp_path(), open);
   if (!check.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("upload of '", session->name_, "' is not a valid checkpoint: ",
                                                    check.status().message()));

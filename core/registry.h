@@ -72,8 +72,17 @@ struct RegistryOptions {
   // Folder scanned for checkpoints. Required.
   std::string models_dir;
   OpenOptions open;
+  // Longest checkpoint name, in requests and in the models folder.
+  // Default: 512 bytes.
+  size_t max_name_bytes = 512;
   // Largest upload accepted by Put. Default: 64 GiB.
   uint64_t max_put_bytes = uint64_t{64} << 30;
+  // Folders besides models_dir whose files Load() may serve (after resolving
+  // symlinks). Default: none.
+  std::vector<std::string> load_roots;
+  // A rescan removes upload temporaries no writer holds (left by a killed
+  // daemon) once they are this old. Default: 60 s.
+  int64_t abandoned_temporary_seconds = 60;
   // Read every checkpoint (preload_all) or the named ones into sealed memory
   // when loaded, instead of mapping their files: for models on network storage.
   // The memory is reserved from `shm`, which must then be set; a checkpoint that
@@ -89,6 +98,8 @@ struct ScanReport {
   std::vector<std::string> added, replaced, removed;
   // Files that could not be served, with the reason ("path: message").
   std::vector<std::string> errors;
+  // Abandoned upload temporaries removed.
+  std::vector<std::string> cleaned;
 };
 
 // An upload in progress: bytes go to a temporary sibling of the final file.
@@ -96,11 +107,14 @@ class PutSession {
  public:
   absl::Status Append(absl::string_view data);
   uint64_t bytes() const { return bytes_; }
+  // CRC32C of the bytes appended so far.
+  uint32_t crc32c() const { return crc32c_; }
 
  private:
   friend class CheckpointRegistry;
   std::string name_, path_;
   uint64_t expected_size_ = 0, max_bytes_ = 0, bytes_ = 0;
+  uint32_t crc32c_ = 0;
   std::unique_ptr<AtomicFile> file_;
 };
 
@@ -113,16 +127,18 @@ class CheckpointRegistry {
 
   // Returns the current version of `name`, or nullptr.
   std::shared_ptr<const CheckpointVersion> Get(const std::string& name) const;
-  // The current version of `name`: NotFound when it is not served, Aborted
-  // when `pinned_version` is given and is no longer the current one.
+  // The current version of `name`: InvalidArgument for a name no checkpoint can
+  // have (CheckCheckpointName), NotFound when it is not served, Aborted when
+  // `pinned_version` is given and is no longer the current one.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> Find(const std::string& name,
                                                                 const std::string& pinned_version = "") const;
   // Every served checkpoint, sorted by name.
   std::vector<std::shared_ptr<const CheckpointVersion>> List() const;
 
   // Serves the file or folder at `path` (relative paths resolve against the
-  // models folder) as `name` (derived from the path when empty). Checkpoints
-  // loaded this way outside the models folder survive rescans.
+  // models folder) as `name` (derived from the path when empty). The path,
+  // symlinks resolved, must lie in the models folder or a load root, else
+  // PermissionDenied. Checkpoints loaded from a load root survive rescans.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> Load(const std::string& path, const std::string& name);
   // Stops serving `name`. Returns NotFound if it is not served. A checkpoint in
   // the models folder comes back at the next rescan unless its file is removed.
@@ -158,6 +174,11 @@ class CheckpointRegistry {
 // Returns the version string of the file(s) behind `path`: a hash of device,
 // inode, size and mtime (for an index, of the index and every file in its folder).
 absl::StatusOr<std::string> FileVersion(const std::string& path);
+
+// Returns OK if `name` can name a served checkpoint: 1 to `max_bytes` bytes of
+// UTF-8 without control characters. Otherwise InvalidArgument showing the name
+// escaped and shortened, so it is safe to echo in logs and trailers.
+absl::Status CheckCheckpointName(absl::string_view name, size_t max_bytes);
 
 // Returns the served name of a checkpoint file relative to the models folder, or
 // nullopt if the file is not a checkpoint by its extension.

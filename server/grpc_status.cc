@@ -1,5 +1,7 @@
 #include "server/grpc_status.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace weightstore {
 
 // The conversion is a cast: both enums use gRPC's numbering.
@@ -19,9 +21,14 @@ static_assert(static_cast<int>(grpc::StatusCode::UNAVAILABLE) == static_cast<int
 static_assert(static_cast<int>(grpc::StatusCode::DATA_LOSS) == static_cast<int>(absl::StatusCode::kDataLoss));
 static_assert(static_cast<int>(grpc::StatusCode::UNAUTHENTICATED) == static_cast<int>(absl::StatusCode::kUnauthenticated));
 
+std::string BoundedMessage(absl::string_view message) {
+  if (message.size() <= kMaxStatusMessageBytes) return std::string(message);
+  return absl::StrCat(message.substr(0, kMaxStatusMessageBytes), "... (", message.size(), " bytes in all)");
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), BoundedMessage(status.message()));
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {

@@ -4,10 +4,21 @@
 
 #include <grpcpp/support/status.h>
 
+#include <string>
+
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace weightstore {
 
+// Messages longer than this are cut (they may quote a request, and a client
+// drops a status whose trailers pass its metadata limit, 8 KiB by default).
+inline constexpr size_t kMaxStatusMessageBytes = 2048;
+
+// Returns `message`, cut to kMaxStatusMessageBytes and marked where it was cut.
+std::string BoundedMessage(absl::string_view message);
+
+// The status with a BoundedMessage.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 

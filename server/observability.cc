@@ -4,11 +4,13 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
 #include <random>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
@@ -38,6 +40,13 @@ std::string RandomRequestId() {
   return absl::StrCat(absl::Hex(rng(), absl::kZeroPad16));
 }
 
+bool IsSafeRequestId(absl::string_view id) {
+  if (id.empty() || id.size() > 128) return false;
+  return std::all_of(id.begin(), id.end(), [](char c) {
+    return absl::ascii_isalnum(c) || c == '-' || c == '_' || c == '.' || c == ':';
+  });
+}
+
 // Observes one call: counts it, times it, and logs it when its status is sent.
 class CallInterceptor final : public grpc::experimental::Interceptor {
  public:
@@ -61,7 +70,10 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
       if (auto* md = methods->GetRecvInitialMetadata()) {
         auto it = md->find("x-request-id");
-        if (it != md->end()) request_id_.assign(it->second.data(), std::min<size_t>(it->second.size(), 128));
+        // Echoed in the trailers and the log: only a short id of safe characters.
+        if (it != md->end() && IsSafeRequestId(absl::string_view(it->second.data(), it->second.size()))) {
+          request_id_.assign(it->second.data(), it->second.size());
+        }
       }
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
@@ -149,6 +161,24 @@ double CpuSeconds() {
 }
 
 }  // namespace
+
+std::string TrailerValue(absl::string_view value) {
+  constexpr size_t kMaxBytes = 256;
+  std::string out;
+  for (char c : value) {
+    if (out.size() >= kMaxBytes) {
+      out += "...";
+      break;
+    }
+    const auto b = static_cast<unsigned char>(c);
+    if (b >= 0x20 && b < 0x7F && b != '%') {
+      out.push_back(c);
+    } else {
+      absl::StrAppend(&out, "%", absl::Hex(b, absl::kZeroPad2));
+    }
+  }
+  return out;
+}
 
 std::string GrpcCodeName(int code) {
   static const char* const kNames[] = {"OK",          "Canceled",        "Unknown",           "InvalidArgument",

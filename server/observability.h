@@ -58,6 +58,11 @@ class ServerMetrics {
   std::atomic<int64_t> weightstore_calls_in_flight{0};
 };
 
+// `value` as a metadata value gRPC accepts: bytes outside printable ASCII, and
+// '%', become %XX (as grpc-message encodes), and anything past 256 bytes is cut
+// and marked with "...".
+std::string TrailerValue(absl::string_view value);
+
 // go-grpc-prometheus's code label: "OK", "NotFound", "PermissionDenied", ...
 std::string GrpcCodeName(int code);
 

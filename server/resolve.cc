@@ -7,7 +7,8 @@
 namespace weightstore::server {
 
 absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,
-                                 const v1::Selection& selection, const std::string& pinned_version) {
+                                 const v1::Selection& selection, const std::string& pinned_version,
+                                 const SelectionLimits& limits) {
   Resolved r;
   auto version = registry.Find(name, pinned_version);
   if (!version.ok()) return version.status();
@@ -15,7 +16,7 @@ absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::
   SelectionRequest request;
   absl::Status status = FromProto(selection, &request);
   if (!status.ok()) return status;
-  auto compiled = Selection::Compile(request.options);
+  auto compiled = Selection::Compile(request.options, limits);
   if (!compiled.ok()) return compiled.status();
   if (!request.target) {
     auto snapshot = Snapshot::Select(r.version->checkpoint(), **compiled);

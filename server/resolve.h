@@ -26,8 +26,10 @@ struct Resolved {
 // set and no longer current, InvalidArgument for a bad selection (naming the
 // field or pattern), FailedPrecondition with the load summary when applying to
 // a target fails.
+// `limits` bound what the selection may cost (core/selection.h).
 absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,
-                                 const v1::Selection& selection, const std::string& pinned_version = "");
+                                 const v1::Selection& selection, const std::string& pinned_version,
+                                 const SelectionLimits& limits);
 
 // Returns the CRC32C of `tensor`'s bytes as served. Untransformed tensors'
 // checksums are cached per checkpoint version, so each is computed once.

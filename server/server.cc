@@ -87,6 +87,9 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   s->registry_ = std::make_unique<CheckpointRegistry>(options.registry);
   ScanReport report = s->registry_->Rescan();
   for (const std::string& e : report.errors) std::fprintf(stderr, "weightstored: not serving %s\n", e.c_str());
+  for (const std::string& c : report.cleaned) {
+    std::fprintf(stderr, "weightstored: removed the abandoned upload %s\n", c.c_str());
+  }
   s->service_ = std::make_unique<WeightStoreService>(s->registry_.get(), options.service, s->auth_.get());
 
   // The default health service is implemented without protobuf; touching the
@@ -123,6 +126,7 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
     }
   }
   if (!options.socket.path.empty()) {
+    options.socket.selection_limits = options.service.selection_limits;
     auto shm = ShmServer::Start(s->registry_.get(), s->segments_.get(), options.socket);
     if (!shm.ok()) return shm.status();
     s->shm_server_ = *std::move(shm);

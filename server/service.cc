@@ -101,7 +101,8 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
     if (!request_.ParseFromString(bytes)) return absl::InvalidArgumentError("request is not a FetchTensorsRequest");
     Annotate(ctx, request_.name());
-    auto resolved = Resolve(*service_->registry_, request_.name(), request_.selection(), request_.version());
+    auto resolved = Resolve(*service_->registry_, request_.name(), request_.selection(), request_.version(),
+                            service_->options_.selection_limits);
     if (!resolved.ok()) return resolved.status();
     resolved_ = *std::move(resolved);
     chunk_bytes_ = request_.chunk_bytes() == 0 ? service_->options_.chunk_bytes
@@ -278,7 +279,7 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
                                                           v1::ListTensorsResponse* resp) {
   if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Respond(ctx, s);
   Annotate(ctx, req->name());
-  auto resolved = Resolve(*registry_, req->name(), req->selection(), req->version());
+  auto resolved = Resolve(*registry_, req->name(), req->selection(), req->version(), options_.selection_limits);
   if (!resolved.ok()) return Respond(ctx, resolved.status());
   const Snapshot& snapshot = *resolved->snapshot;
   resp->set_name(req->name());

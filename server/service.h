@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "core/registry.h"
+#include "core/selection.h"
 #include "server/auth.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
@@ -30,6 +31,8 @@ struct ServiceOptions {
   // Most FetchTensors streams served at once; more get RESOURCE_EXHAUSTED.
   // Default: 64.
   int max_concurrent_fetches = 64;
+  // What a request's selection may cost.
+  SelectionLimits selection_limits;
   // Payload slices point into the mapping. False copies each chunk into a
   // protobuf message and serializes it, as a typed handler would: only for
   // measuring what zero-copy saves. Default: true.

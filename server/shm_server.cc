@@ -15,6 +15,7 @@
 #include "core/crc32c.h"
 #include "core/sealed_memfd.h"
 #include "core/status_util.h"
+#include "server/grpc_status.h"
 #include "server/log.h"
 #include "server/observability.h"
 #include "server/proto_convert.h"
@@ -45,7 +46,7 @@ constexpr uint64_t kAlignment = 64;
 void SetStatus(const absl::Status& status, v1::ShmResponse* response) {
   response->Clear();
   response->set_code(static_cast<int>(status.code()));
-  response->set_message(std::string(status.message()));
+  response->set_message(BoundedMessage(status.message()));
 }
 
 // Removes a socket file no daemon listens on; refuses to touch anything else.
@@ -301,7 +302,8 @@ void ShmServer::Handle(const v1::ShmRequest& request, v1::ShmResponse* response,
 
 absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, v1::MapTensorsResponse* response,
                                    std::vector<std::shared_ptr<const MappedFile>>* segments) {
-  absl::StatusOr<Resolved> resolved = Resolve(*registry_, request.name(), request.selection(), request.version());
+  absl::StatusOr<Resolved> resolved =
+      Resolve(*registry_, request.name(), request.selection(), request.version(), options_.selection_limits);
   if (!resolved.ok()) return resolved.status();
   const Snapshot& snapshot = *resolved->snapshot;
   const Checkpoint& checkpoint = snapshot.checkpoint();

@@ -35,6 +35,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/registry.h"
 #include "core/segment_cache.h"
+#include "core/selection.h"
 #include "core/unix_socket.h"
 #include "weightstore/v1/shm.pb.h"
 
@@ -56,6 +57,8 @@ struct ShmServerOptions {
   // Largest request frame (a target schema can be large). Default: 4 MiB, as
   // the gRPC port's request limit.
   uint32_t max_request_bytes = 4 << 20;
+  // What a request's selection may cost.
+  SelectionLimits selection_limits;
   // A connection idle or stalled this long is closed. Default: 60 s.
   std::chrono::milliseconds io_timeout{60 * 1000};
 };

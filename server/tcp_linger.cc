@@ -35,9 +35,9 @@ int LocalTcpPort(int fd) {
 size_t UnacknowledgedTcpBytes(int local_port) {
   size_t total = 0;
   std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+  for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end; it.increment(ec)) {
     int fd = -1;
-    const std::string name = entry.path().filename().string();
+    const std::string name = it->path().filename().string();
     if (std::from_chars(name.data(), name.data() + name.size(), fd).ec != std::errc()) continue;
     // Another thread may close or reuse `fd` meanwhile; every call below only reads.
     if (LocalTcpPort(fd) != local_port) continue;

@@ -19,6 +19,7 @@
 
 int main(int argc, char** argv) {
   using namespace weightstore::server;
+  using weightstore::SelectionLimits;
   ServerOptions options;
   options.registry.models_dir = WEIGHTSTORE_DEFAULT_MODELS_DIR;
   std::string port_file;
@@ -45,6 +46,38 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-put-bytes", options.registry.max_put_bytes, "Largest PutCheckpoint upload")
       ->capture_default_str();
+  // Limits on what one request or one file may cost (README, "Limits").
+  SelectionLimits& selection = options.service.selection_limits;
+  size_t tensor_name_bytes = options.registry.open.max_name_bytes;
+  app.add_option("--max-name-bytes", options.registry.max_name_bytes,
+                 "Longest checkpoint name, in a request or in the models folder")
+      ->capture_default_str();
+  app.add_option("--max-tensor-name-bytes", tensor_name_bytes,
+                 "Longest tensor name: in a checkpoint file, after renaming, and in a target")
+      ->capture_default_str();
+  app.add_option("--max-selected-name-bytes", selection.max_total_name_bytes,
+                 "Bytes of all names one request selects, together")
+      ->capture_default_str();
+  app.add_option("--max-expansion", options.registry.open.max_expansion,
+                 "A strided .pt tensor may be served as at most this many times the storage bytes it reads "
+                 "(or 1 MiB)")
+      ->capture_default_str();
+  app.add_option("--max-patterns", selection.max_patterns, "Regex patterns in one request (include, exclude, rename)")
+      ->capture_default_str();
+  app.add_option("--max-pattern-bytes", selection.max_pattern_bytes,
+                 "Longest pattern, replacement, exact path or top-level key in a request")
+      ->capture_default_str();
+  app.add_option("--max-regex-program", selection.max_program_size, "RE2 instructions of one pattern")
+      ->capture_default_str();
+  app.add_option("--max-regex-program-total", selection.max_total_program_size,
+                 "RE2 instructions of all patterns of one request together")
+      ->capture_default_str();
+  app.add_option("--max-regex-memory", selection.max_regex_memory,
+                 "RE2 memory of all patterns of one request together (bytes, or with a unit: 16MiB)")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--load-root", options.registry.load_roots,
+                 "A folder besides --models whose files LoadCheckpoint may serve (repeatable)");
   app.add_option("--socket", options.socket.path,
                  "Same-host Unix socket: local processes map tensors through it (off when empty)");
   std::vector<uid_t> allow_uids;
@@ -92,6 +125,8 @@ int main(int argc, char** argv) {
   }
 
   options.service.zero_copy = !copy_payloads;
+  options.registry.open.max_name_bytes = tensor_name_bytes;
+  selection.max_name_bytes = tensor_name_bytes;
   SetLogLevel(*ParseLogLevel(log_level));
   if (check_config) {
     absl::Status status = CheckOptions(options);
@@ -153,6 +188,9 @@ int main(int argc, char** argv) {
                    absl::StrJoin(r.added, ", ").c_str(), absl::StrJoin(r.replaced, ", ").c_str(),
                    absl::StrJoin(r.removed, ", ").c_str());
       for (const std::string& e : r.errors) std::fprintf(stderr, "weightstored: not serving %s\n", e.c_str());
+      for (const std::string& c : r.cleaned) {
+        std::fprintf(stderr, "weightstored: removed the abandoned upload %s\n", c.c_str());
+      }
       continue;
     }
     std::fprintf(stderr, "weightstored: shutting down (drain %.1fs, grace %.1fs)\n", drain_seconds, grace_seconds);

@@ -547,7 +547,7 @@ TEST(ServerLifecycleTest, AQueryPinnedToAVersionIsAbortedOnceThatVersionIsReplac
 
 TEST(ServerLifecycleTest, AdminCallsLoadUnloadUploadAndRescan) {
   const std::string models = testing::MakeScratchDir("models");
-  Daemon daemon(models);
+  Daemon daemon(models, {"--load-root", testing::FixturesDir()});
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials()));
   {

@@ -77,6 +77,20 @@ Daemon::~Daemon() {
 
 void Daemon::Signal(int signal) { ::kill(pid_, signal); }
 
+bool Daemon::alive() {
+  if (exited_ || pid_ <= 0) return false;
+  int status;
+  if (::waitpid(pid_, &status, WNOHANG) == pid_) exited_ = true;
+  return !exited_;
+}
+
+uint64_t Daemon::peak_rss_bytes() const {
+  std::string status = ReadFileOrEmpty("/proc/" + std::to_string(pid_) + "/status");
+  const size_t at = status.find("VmHWM:");
+  if (at == std::string::npos) return 0;
+  return std::strtoull(status.c_str() + at + 6, nullptr, 10) * 1024;
+}
+
 int Daemon::WaitExit(int timeout_ms) {
   for (int waited = 0; waited <= timeout_ms; waited += 20) {
     int status;

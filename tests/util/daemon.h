@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,10 @@ class Daemon {
   int health_port() const { return health_port_; }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   pid_t pid() const { return pid_; }
+  // True while the process runs.
+  bool alive();
+  // Its peak resident set size (VmHWM), in bytes; 0 once it has exited.
+  uint64_t peak_rss_bytes() const;
   // Sends `signal`.
   void Signal(int signal);
   // Waits for the process to exit; returns its exit status (-1 on timeout).

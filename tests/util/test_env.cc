@@ -40,6 +40,7 @@ void RemoveScratchDirs() {
 
 std::string FixturesDir() { return EnvOr("WEIGHTSTORE_FIXTURES_DIR", WEIGHTSTORE_FIXTURES_DIR); }
 std::string TestDataDir() { return WEIGHTSTORE_TESTDATA_DIR; }
+std::string ExampleModelsDir() { return WEIGHTSTORE_EXAMPLE_MODELS_DIR; }
 std::string ToolsDir() { return WEIGHTSTORE_TOOLS_DIR; }
 std::string CliPath() { return EnvOr("WEIGHTSTORE_CLI", WEIGHTSTORE_CLI_PATH); }
 std::string TorchPython() { return EnvOr("WEIGHTSTORE_TORCH_PYTHON", WEIGHTSTORE_TORCH_PYTHON); }

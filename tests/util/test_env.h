@@ -11,6 +11,8 @@ namespace weightstore::testing {
 
 // Folder of the shared conformance fixtures (../shared/fixtures).
 std::string FixturesDir();
+// Folder of the bundled example models (deploy/models).
+std::string ExampleModelsDir();
 // Folder of this project's test scripts (tests/testdata).
 std::string TestDataDir();
 // The `weightstore` CLI binary.

@@ -1,0 +1,134 @@
+#include "core/registry.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "core/checkpoint_writer.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
+
+namespace weightstore {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::Contains;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::weightstore::testing::StatusIs;
+
+void WriteTiny(const std::string& path) {
+  SharedTensor t{{"w", DType::kF32, {1}}, SharedBytes::Copy(std::string(4, '\0'))};
+  testing::WriteFileOrDie(path, *SerializeCheckpoint(Format::kSafeTensors, {t}, {}));
+}
+
+std::vector<std::string> Names(const CheckpointRegistry& registry) {
+  std::vector<std::string> names;
+  for (const auto& v : registry.List()) names.push_back(v->name());
+  return names;
+}
+
+TEST(RegistryTest, ASymlinkLoopInTheModelsFolderIsReportedNotThrown) {
+  // Issue 11: the throwing std::filesystem overloads aborted the daemon at
+  // startup and on every rescan while such a link existed.
+  const std::string models = testing::MakeScratchDir("models");
+  WriteTiny(models + "/good.safetensors");
+  fs::create_symlink("loop.safetensors", models + "/loop.safetensors");
+  fs::create_symlink("a", models + "/b");
+  fs::create_symlink("b", models + "/a");
+  fs::create_directory(models + "/sub");
+  fs::create_directory_symlink("..", models + "/sub/up");
+  CheckpointRegistry registry({.models_dir = models});
+  ScanReport report = registry.Rescan();
+  EXPECT_THAT(Names(registry), ElementsAre("good"));
+  EXPECT_THAT(report.errors, Contains(HasSubstr("loop.safetensors")));
+  report = registry.Rescan();  // and again, as SIGHUP would
+  EXPECT_THAT(Names(registry), ElementsAre("good"));
+}
+
+TEST(RegistryTest, NamesThatNoRequestCouldCarryAreNotServed) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteTiny(models + "/ok-é.safetensors");
+  WriteTiny(models + "/bad\x01name.safetensors");
+  WriteTiny(models + "/bad\xff.safetensors");
+  const std::string deep = std::string(100, 'x') + "/" + std::string(100, 'y') + "/" + std::string(98, 'z');
+  fs::create_directories(models + "/" + deep.substr(0, 201));
+  WriteTiny(models + "/" + deep + ".safetensors");
+  CheckpointRegistry registry({.models_dir = models, .max_name_bytes = 200});
+  ScanReport report = registry.Rescan();
+  EXPECT_THAT(Names(registry), ElementsAre("ok-é"));
+  EXPECT_EQ(report.errors.size(), 3u);
+  EXPECT_THAT(report.errors, Contains(HasSubstr("control character")));
+  EXPECT_THAT(report.errors, Contains(HasSubstr("not UTF-8")));
+  EXPECT_THAT(report.errors, Contains(HasSubstr("300 bytes; at most 200")));
+}
+
+TEST(RegistryTest, FindRefusesInvalidNamesBeforeLookingThemUp) {
+  CheckpointRegistry registry({.models_dir = testing::MakeScratchDir("models")});
+  EXPECT_THAT(registry.Find("\xff\xfe"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not UTF-8")));
+  EXPECT_THAT(registry.Find("a\nb"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("control character")));
+  EXPECT_THAT(registry.Find("a\xc2\x85" "b"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("control")));
+  EXPECT_THAT(registry.Find(""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty")));
+  const std::string huge(1 << 20, 'n');
+  absl::Status status = registry.Find(huge).status();
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("1048576 bytes; at most 512")));
+  EXPECT_LT(status.message().size(), 200u) << "the name is shortened in the error";
+  EXPECT_THAT(registry.Find("mödel"), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(registry.Find("x", std::string(100, 'v')), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(RegistryTest, LoadReadsOnlyTheModelsFolderAndTheLoadRoots) {
+  // Issue 11 item 13: LoadCheckpoint read any path, and its error quoted the
+  // file's first bytes (/etc/passwd -> "root:x:").
+  const std::string models = testing::MakeScratchDir("models");
+  const std::string root = testing::MakeScratchDir("root");
+  const std::string outside = testing::MakeScratchDir("outside");
+  WriteTiny(root + "/a.safetensors");
+  WriteTiny(outside + "/b.safetensors");
+  testing::WriteFileOrDie(models + "/notes.pt", "root:x:0:0:root:/root:/bin/bash\n");
+  fs::create_symlink(root + "/a.safetensors", models + "/linked.safetensors");
+  CheckpointRegistry registry({.models_dir = models, .load_roots = {root}});
+  EXPECT_OK(registry.Load(root + "/a.safetensors", "a"));
+  EXPECT_OK(registry.Load("linked.safetensors", "linked")) << "symlinks the operator placed are followed";
+  EXPECT_THAT(registry.Load(outside + "/b.safetensors", "b"),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("outside the models folder")));
+  EXPECT_THAT(registry.Load("/etc/passwd", "p"), StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(registry.Load(models + "/../" + fs::path(outside).filename().string() + "/b.safetensors", "b"),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  absl::Status notes = registry.Load("notes.pt", "notes").status();
+  EXPECT_THAT(notes, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(notes.message()), ::testing::Not(HasSubstr("72 6f 6f 74")));
+  EXPECT_THAT(std::string(notes.message()), ::testing::Not(HasSubstr("root:")));
+}
+
+TEST(RegistryTest, AnUploadCannotBeSteeredOutThroughASymlinkedFolder) {
+  const std::string models = testing::MakeScratchDir("models");
+  const std::string outside = testing::MakeScratchDir("outside");
+  fs::create_directory_symlink(outside, models + "/escape");
+  CheckpointRegistry registry({.models_dir = models});
+  EXPECT_THAT(registry.BeginPut("escape/model", "safetensors", false, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'escape' in the models folder is a symlink")));
+  ASSERT_OK_AND_ASSIGN(auto session, registry.BeginPut("a/b/model", "safetensors", false, 0));
+  EXPECT_TRUE(fs::is_directory(models + "/a/b"));
+  EXPECT_TRUE(fs::is_empty(outside));
+}
+
+TEST(RegistryTest, ARescanRemovesUploadsAKilledDaemonLeftBehind) {
+  const std::string models = testing::MakeScratchDir("models");
+  fs::create_directory(models + "/x");
+  testing::WriteFileOrDie(models + "/x/.big.safetensors.999-3.tmp", std::string(1000, 'z'));
+  testing::WriteFileOrDie(models + "/.mine.tmp", "not ours: kept");
+  CheckpointRegistry registry({.models_dir = models, .abandoned_temporary_seconds = 0});
+  ASSERT_OK_AND_ASSIGN(auto live, registry.BeginPut("x/live", "safetensors", false, 0));
+  ScanReport report = registry.Rescan();
+  EXPECT_THAT(report.cleaned, ElementsAre(HasSubstr(".big.safetensors.999-3.tmp")));
+  EXPECT_FALSE(fs::exists(models + "/x/.big.safetensors.999-3.tmp"));
+  EXPECT_TRUE(fs::exists(models + "/.mine.tmp"));
+  size_t temporaries = 0;
+  for (const auto& e : fs::directory_iterator(models + "/x")) temporaries += IsAtomicFileTemporary(e.path().filename().string());
+  EXPECT_EQ(temporaries, 1u) << "the upload in progress is kept";
+}
+
+}  // namespace
+}  // namespace weightstore
