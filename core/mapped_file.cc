@@ -1,12 +1,14 @@
 #include "core/mapped_file.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/interprocess/file_mapping.hpp>
 #include <boost/interprocess/mapped_region.hpp>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 
@@ -22,6 +24,102 @@ struct MappedFile::Mapping {
   bip::file_mapping file;  // empty for FromDescriptor()
   bip::mapped_region region;
 };
+
+// One mapping's range for the SIGBUS handler, which reads these with atomic
+// loads only (no locks): begin == 0 means free.
+struct MappedFileGuardSlot {
+  std::atomic<uintptr_t> begin{0}, end{0};
+  std::atomic<bool> faulted{false};
+  std::atomic<bool> taken{false};
+};
+
+namespace {
+
+// Slots in chunks that are never freed, so the handler can walk them at any time.
+struct GuardChunk {
+  static constexpr size_t kSlots = 1024;
+  MappedFileGuardSlot slots[kSlots];
+  std::atomic<GuardChunk*> next{nullptr};
+};
+GuardChunk g_guard_chunks;
+std::atomic<long> g_page_size{0};
+struct sigaction g_previous_sigbus;
+std::atomic<bool> g_guard_installed{false};
+
+void OnSigbus(int signal, siginfo_t* info, void* context) {
+  const auto address = reinterpret_cast<uintptr_t>(info->si_addr);
+  const long page = g_page_size.load(std::memory_order_relaxed);
+  for (GuardChunk* chunk = &g_guard_chunks; chunk != nullptr; chunk = chunk->next.load(std::memory_order_acquire)) {
+    for (MappedFileGuardSlot& slot : chunk->slots) {
+      const uintptr_t begin = slot.begin.load(std::memory_order_acquire);
+      if (begin == 0 || address < begin || address >= slot.end.load(std::memory_order_acquire)) continue;
+      // A page the file lost: read zeros from now on, and say so.
+      void* at = reinterpret_cast<void*>(address & ~static_cast<uintptr_t>(page - 1));
+      if (::mmap(at, static_cast<size_t>(page), PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) !=
+          MAP_FAILED) {
+        slot.faulted.store(true, std::memory_order_release);
+        return;
+      }
+      break;
+    }
+  }
+  // Not a mapping of ours: whoever handled SIGBUS before, or the default action.
+  if ((g_previous_sigbus.sa_flags & SA_SIGINFO) != 0 && g_previous_sigbus.sa_sigaction != nullptr) {
+    g_previous_sigbus.sa_sigaction(signal, info, context);
+    return;
+  }
+  if (g_previous_sigbus.sa_handler != SIG_DFL && g_previous_sigbus.sa_handler != SIG_IGN &&
+      g_previous_sigbus.sa_handler != nullptr) {
+    g_previous_sigbus.sa_handler(signal);
+    return;
+  }
+  ::signal(SIGBUS, SIG_DFL);
+  ::raise(SIGBUS);
+}
+
+}  // namespace
+
+void InstallMappedFileGuard() {
+  if (g_guard_installed.exchange(true)) return;
+  g_page_size = ::sysconf(_SC_PAGESIZE);
+  struct sigaction action {};
+  action.sa_sigaction = OnSigbus;
+  action.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGBUS, &action, &g_previous_sigbus);
+}
+
+void MappedFile::Guard() {
+  const auto begin = reinterpret_cast<uintptr_t>(data_), end = begin + size_;
+  for (GuardChunk* chunk = &g_guard_chunks;;) {
+    for (MappedFileGuardSlot& slot : chunk->slots) {
+      bool expected = false;
+      if (!slot.taken.compare_exchange_strong(expected, true)) continue;
+      slot.faulted.store(false);
+      slot.end.store(end, std::memory_order_release);
+      slot.begin.store(begin, std::memory_order_release);
+      guard_ = &slot;
+      return;
+    }
+    GuardChunk* next = chunk->next.load(std::memory_order_acquire);
+    if (next == nullptr) {
+      auto* fresh = new GuardChunk();  // never freed: the handler may be walking
+      if (!chunk->next.compare_exchange_strong(next, fresh)) delete fresh;
+      next = chunk->next.load(std::memory_order_acquire);
+    }
+    chunk = next;
+  }
+}
+
+bool MappedFile::faulted() const { return guard_ != nullptr && guard_->faulted.load(std::memory_order_acquire); }
+
+bool MappedFile::ChangedOnDisk() const {
+  if (!mapped_ || mapping_ == nullptr || mapping_->file.get_mapping_handle().handle < 0) return false;
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) return true;
+  const int64_t mtime = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  return static_cast<uint64_t>(st.st_size) != size_ || mtime != mtime_ns_;
+}
 
 namespace {
 
@@ -39,6 +137,11 @@ class DescriptorMappable {
 }  // namespace
 
 MappedFile::~MappedFile() {
+  if (guard_ != nullptr) {  // before the mapping goes
+    guard_->begin.store(0, std::memory_order_release);
+    guard_->end.store(0, std::memory_order_release);
+    guard_->taken.store(false, std::memory_order_release);
+  }
   // With a file_mapping, the fd belongs to it; otherwise to us.
   const bool owned_by_boost = mapping_ != nullptr && mapping_->file.get_mapping_handle().handle >= 0;
   if (!owned_by_boost && fd_ >= 0) ::close(fd_);
@@ -64,6 +167,7 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::FromDescriptor(int
     file->data_ = static_cast<const std::byte*>(mapping->region.get_address());
     file->mapping_ = std::move(mapping);
     file->mapped_ = true;
+    file->Guard();
   } catch (const bip::interprocess_exception& e) {
     return InterprocessErrorToStatus(e, absl::StrCat("cannot map '", file->path_, "'"));
   }
@@ -126,6 +230,7 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::Open(
     file->data_ = static_cast<const std::byte*>(mapping->region.get_address());
     file->mapping_ = std::move(mapping);
     file->mapped_ = true;
+    file->Guard();
   } catch (const bip::interprocess_exception& e) {
     ::close(fd);
     return InterprocessErrorToStatus(e, absl::StrCat("cannot map '", path, "'"));

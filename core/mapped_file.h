@@ -3,8 +3,13 @@
 //
 // Move-only owner of the mapping; share it through std::shared_ptr so that byte
 // ranges (SharedBytes) handed out by bytes() keep it alive. Thread-safe: immutable
-// after Open(). The file must not be truncated while mapped (readers would get
-// SIGBUS); weightstore only ever replaces files by rename.
+// after Open(), but for faulted().
+//
+// A mapped file changed in place by someone else (weightstore itself only ever
+// replaces files by rename) changes under its readers, and reading a page a
+// truncation removed raises SIGBUS. With InstallMappedFileGuard(), such a read
+// gets zeros instead and marks the file faulted(); ChangedOnDisk() tells a
+// rewrite. Readers check both before trusting what they read.
 #ifndef WEIGHTSTORE_CORE_MAPPED_FILE_H_
 #define WEIGHTSTORE_CORE_MAPPED_FILE_H_
 
@@ -26,6 +31,8 @@ struct MappedFileOptions {
   // Default: 256 KiB (tensorstore's kMMapThreshold).
   uint64_t mmap_threshold = 256 * 1024;
 };
+
+struct MappedFileGuardSlot;  // mapped_file.cc
 
 class MappedFile : public std::enable_shared_from_this<MappedFile> {
  public:
@@ -61,6 +68,14 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
   // Hints that [offset, offset + length) will be read soon (madvise WILLNEED).
   void WillNeed(uint64_t offset, uint64_t length) const;
 
+  // True once a read of the mapping hit a page the file no longer has (it was
+  // truncated): that page reads as zeros now. Needs InstallMappedFileGuard().
+  bool faulted() const;
+  // True when the mapped file's size or modification time differs from when it
+  // was opened: someone wrote to it in place. Always false for files read into
+  // memory (they are a private copy) and for sealed memfds.
+  bool ChangedOnDisk() const;
+
  private:
   MappedFile() = default;
 
@@ -75,7 +90,14 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
   std::vector<std::byte> buffer_;  // small files
   struct Mapping;
   std::unique_ptr<Mapping> mapping_;  // large files
+  MappedFileGuardSlot* guard_ = nullptr;  // while mapped
+  void Guard();
 };
+
+// Installs the process's SIGBUS handler for MappedFile mappings (see the class
+// comment). Faults elsewhere go to the handler it replaces. Idempotent; call it
+// early in a process that serves files others may change (the daemon does).
+void InstallMappedFileGuard();
 
 // Reads `length` bytes at `offset` of an open file descriptor, retrying short reads.
 // Returns DataLoss if the file ends early.

@@ -108,6 +108,30 @@ bool ValidName(absl::string_view name, size_t max_bytes) {
 
 }  // namespace
 
+bool CheckpointVersion::stale() const {
+  if (modified_.load(std::memory_order_acquire)) return true;
+  for (const auto& file : checkpoint_->files()) {
+    if (file->faulted()) return true;
+  }
+  return false;
+}
+
+bool CheckpointVersion::MarkModified() const { return !modified_.exchange(true); }
+
+absl::Status CheckpointVersion::CheckUnchanged() const {
+  for (const auto& file : checkpoint_->files()) {
+    // Files read into memory are private copies: their bytes cannot change.
+    if (!file->is_mapped()) continue;
+    if (file->faulted() || file->ChangedOnDisk() || modified_.load(std::memory_order_acquire)) {
+      if (MarkModified() && on_stale_) on_stale_();
+      return absl::AbortedError(absl::StrCat("checkpoint '", name_, "' changed on disk while it was being served ('",
+                                             file->path(), "' was written or truncated in place); version ", version_,
+                                             " is gone, and the new contents will be served as a new version"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 std::optional<uint32_t> CheckpointVersion::CachedCrc(size_t entry) const {
   absl::MutexLock lock(&mu_);
   auto it = crc_.find(entry);
@@ -160,7 +184,35 @@ absl::StatusOr<std::string> FileVersion(const std::string& path) {
   return absl::StrFormat("%016x", h);
 }
 
-CheckpointRegistry::CheckpointRegistry(RegistryOptions options) : options_(std::move(options)) {}
+CheckpointRegistry::CheckpointRegistry(RegistryOptions options) : options_(std::move(options)) {
+  if (!options_.watch_files) return;
+  auto watcher = FileWatcher::Start([this](const std::set<std::string>& names) { OnFilesModified(names); },
+                                    options_.watch_settle);
+  if (watcher.ok()) {
+    watcher_ = *std::move(watcher);
+  } else {
+    watch_error_ = absl::StrCat("files are not watched for changes in place: ", watcher.status().message());
+  }
+}
+
+CheckpointRegistry::~CheckpointRegistry() { watcher_.reset(); }
+
+void CheckpointRegistry::OnFilesModified(const std::set<std::string>& names) {
+  for (const std::string& name : names) {
+    if (std::shared_ptr<const CheckpointVersion> current = Get(name)) current->MarkModified();
+  }
+  Rescan();  // reopens what is stale
+}
+
+std::string CheckpointRegistry::Watch(const std::string& name, const CheckpointVersion& version) {
+  if (watcher_ == nullptr) return "";
+  std::vector<std::string> paths;
+  if (version.preloaded_bytes() == 0) {  // a preloaded copy cannot change
+    for (const auto& file : version.checkpoint()->files()) paths.push_back(file->path());
+  }
+  absl::Status status = watcher_->Set(name, paths);
+  return status.ok() ? "" : std::string(status.message());
+}
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersion(const std::string& name,
                                                                                        const std::string& path) const {
@@ -195,6 +247,9 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
     if (before != after) continue;
     auto version = std::make_shared<CheckpointVersion>(name, path, std::move(checkpoint), after, NowUnixSeconds());
     if (preload) version->HoldReservation(std::move(reservation));
+    version->SetOnStale([watcher = std::weak_ptr<FileWatcher>(watcher_)] {
+      if (auto w = watcher.lock()) w->Poke();  // a rescan soon reopens it
+    });
     return std::shared_ptr<const CheckpointVersion>(std::move(version));
   }
   return absl::UnavailableError(absl::StrCat("'", path, "' keeps changing while it is opened"));
@@ -270,30 +325,49 @@ ScanReport CheckpointRegistry::Rescan() {
         auto cur = served_.find(name);
         absl::StatusOr<std::string> version = FileVersion(path);
         if (cur != served_.end() && cur->second.current->path() == path && version.ok() &&
-            *version == cur->second.current->version()) {
+            *version == cur->second.current->version() && !cur->second.current->stale()) {
           continue;
         }
         to_open[name] = path;
+      }
+      // Checkpoints loaded from a load root are not in the folder: reopen them
+      // where they were, once written in place.
+      for (const auto& [name, entry] : served_) {
+        if (entry.pinned && entry.current->stale()) to_open[name] = entry.current->path();
       }
     }
     for (const auto& [name, path] : to_open) {
       auto version = OpenVersion(name, path);
       if (version.ok()) {
         opened[name] = *version;
+        // A rewrite in place within one timestamp tick keeps size and mtime,
+        // hence the version string: give the new contents a new one anyway.
+        std::shared_ptr<const CheckpointVersion> previous = Get(name);
+        if (previous != nullptr && previous->stale() && previous->version() == (*version)->version()) {
+          opened[name] = std::make_shared<CheckpointVersion>(
+              name, (*version)->path(), (*version)->checkpoint(),
+              absl::StrFormat("%016x", Mix(std::hash<std::string>()((*version)->version()),
+                                           ++reopen_generation_ + 0x9e3779b97f4a7c15ULL)),
+              (*version)->loaded_at_unix_seconds());
+        }
       } else {
         report.errors.push_back(absl::StrCat(path, ": ", version.status().message()));
       }
     }
   }
+  if (!watch_error_.empty()) report.errors.push_back(std::exchange(watch_error_, ""));
   absl::MutexLock lock(&mu_);
   for (auto& [name, version] : opened) {
     auto [cur, inserted] = served_.try_emplace(name);
     (inserted ? report.added : report.replaced).push_back(name);
+    if (std::string error = Watch(name, *version); !error.empty()) report.errors.push_back(error);
+    const bool pinned = !inserted && cur->second.pinned && !found.contains(name);
     cur->second.current = std::move(version);
-    cur->second.pinned = false;
+    cur->second.pinned = pinned;
   }
   for (auto cur = served_.begin(); cur != served_.end();) {
     if (!cur->second.pinned && !found.contains(cur->first)) {
+      if (watcher_ != nullptr) watcher_->Remove(cur->first);
       report.removed.push_back(cur->first);
       cur = served_.erase(cur);
     } else {
@@ -318,6 +392,10 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   }
   std::shared_ptr<const CheckpointVersion> current = Get(name);
   if (current == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
+  if (current->stale()) {
+    return absl::UnavailableError(absl::StrCat("checkpoint '", name,
+                                               "' was written in place and is being reopened; retry"));
+  }
   if (!pinned_version.empty() && pinned_version != current->version()) {
     return absl::AbortedError(absl::StrCat("checkpoint '", name, "' was replaced: version ", pinned_version,
                                            " is gone, ", current->version(), " is current"));
@@ -372,6 +450,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, OpenVersion(served_name, canonical.string()));
   absl::MutexLock lock(&mu_);
+  (void)Watch(served_name, *version);  // best effort: the synchronous checks remain
   Entry& entry = served_[served_name];
   entry.current = version;
   entry.pinned = !in_models;
@@ -382,6 +461,7 @@ absl::Status CheckpointRegistry::Unload(const std::string& name) {
   WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(name, options_.max_name_bytes));
   absl::MutexLock lock(&mu_);
   if (served_.erase(name) == 0) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
+  if (watcher_ != nullptr) watcher_->Remove(name);
   return absl::OkStatus();
 }
 

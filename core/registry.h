@@ -11,6 +11,8 @@
 #ifndef WEIGHTSTORE_CORE_REGISTRY_H_
 #define WEIGHTSTORE_CORE_REGISTRY_H_
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -26,11 +28,14 @@
 #include "absl/synchronization/mutex.h"
 #include "core/atomic_file.h"
 #include "core/checkpoint.h"
+#include "core/file_watcher.h"
 #include "core/segment_cache.h"
 
 namespace weightstore {
 
-// One version of one served checkpoint. Immutable, except for the CRC cache.
+// One version of one served checkpoint. Immutable, except for the CRC cache and
+// becoming stale: once one of its files is written in place, it may no longer
+// be served (see CheckUnchanged).
 class CheckpointVersion {
  public:
   CheckpointVersion(std::string name, std::string path, std::shared_ptr<const Checkpoint> checkpoint,
@@ -58,12 +63,28 @@ class CheckpointVersion {
   std::optional<uint32_t> CachedCrc(size_t entry) const;
   void StoreCrc(size_t entry, uint32_t crc) const;
 
+  // True once a file of this version is known to have been written in place
+  // (reported by the registry's file watcher, or seen by CheckUnchanged).
+  bool stale() const;
+  // Marks it stale. Returns false if it already was.
+  bool MarkModified() const;
+  // OK while the bytes this version serves are those it opened: none of its
+  // mapped files was written or truncated in place. Otherwise Aborted naming
+  // the file, and the version becomes stale and asks the registry to reopen it.
+  // Readers of mapped bytes call it before vouching for them (a checksum).
+  absl::Status CheckUnchanged() const;
+  // Called once, when CheckUnchanged first finds a change. Set before the
+  // version is published.
+  void SetOnStale(std::function<void()> on_stale) { on_stale_ = std::move(on_stale); }
+
  private:
   std::string name_, path_;
   std::shared_ptr<const Checkpoint> checkpoint_;
   std::string version_;
   int64_t loaded_at_;
   SegmentCache::Reservation preload_;
+  std::function<void()> on_stale_;
+  mutable std::atomic<bool> modified_{false};
   mutable absl::Mutex mu_;
   mutable absl::flat_hash_map<size_t, uint32_t> crc_ ABSL_GUARDED_BY(mu_);
 };
@@ -83,6 +104,11 @@ struct RegistryOptions {
   // A rescan removes upload temporaries no writer holds (left by a killed
   // daemon) once they are this old. Default: 60 s.
   int64_t abandoned_temporary_seconds = 60;
+  // Watch served files (inotify): one written in place stops being served and
+  // is reopened as a new version, `watch_settle` after its writer pauses.
+  // Default: off (the daemon turns it on).
+  bool watch_files = false;
+  std::chrono::milliseconds watch_settle{200};
   // Read every checkpoint (preload_all) or the named ones into sealed memory
   // when loaded, instead of mapping their files: for models on network storage.
   // The memory is reserved from `shm`, which must then be set; a checkpoint that
@@ -121,6 +147,7 @@ class PutSession {
 class CheckpointRegistry {
  public:
   explicit CheckpointRegistry(RegistryOptions options);
+  ~CheckpointRegistry();
 
   // Scans the models folder and updates what is served.
   ScanReport Rescan();
@@ -128,7 +155,8 @@ class CheckpointRegistry {
   // Returns the current version of `name`, or nullptr.
   std::shared_ptr<const CheckpointVersion> Get(const std::string& name) const;
   // The current version of `name`: InvalidArgument for a name no checkpoint can
-  // have (CheckCheckpointName), NotFound when it is not served, Aborted when
+  // have (CheckCheckpointName), NotFound when it is not served, Unavailable
+  // while it is stale (written in place, being reopened), Aborted when
   // `pinned_version` is given and is no longer the current one.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> Find(const std::string& name,
                                                                 const std::string& pinned_version = "") const;
@@ -164,11 +192,21 @@ class CheckpointRegistry {
                                                                        const std::string& path) const;
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersionUntimed(const std::string& name,
                                                                               const std::string& path) const;
+  // Watches the files of `version`, just published as `name`. Returns an error
+  // line for the scan report, or "".
+  std::string Watch(const std::string& name, const CheckpointVersion& version);
+  // The file watcher's report: `names` were written in place.
+  void OnFilesModified(const std::set<std::string>& names);
 
   RegistryOptions options_;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> served_ ABSL_GUARDED_BY(mu_);
   absl::Mutex scan_mu_;  // one scan at a time
+  // Reopened versions whose file identity did not change get a new version
+  // string all the same, mixed with this.
+  std::atomic<uint64_t> reopen_generation_{0};
+  std::string watch_error_;  // why files are not watched, reported by Rescan once
+  std::shared_ptr<FileWatcher> watcher_;  // last: stopped first
 };
 
 // Returns the version string of the file(s) behind `path`: a hash of device,

@@ -64,6 +64,7 @@ absl::StatusOr<uint32_t> ChecksumOf(const Resolved& resolved, const SnapshotTens
       crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(chunk.data()), chunk.size()));
     }
   }
+  if (absl::Status unchanged = resolved.version->CheckUnchanged(); !unchanged.ok()) return unchanged;
   if (key) resolved.version->StoreCrc(*key, crc);
   return crc;
 }

@@ -180,6 +180,11 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     chunk.set_tensor_index(index_);
     chunk.set_offset(offset_);
     if (last) {
+      // The checksum vouches for what was read: not if the file changed under it.
+      if (absl::Status unchanged = resolved_.version->CheckUnchanged(); !unchanged.ok()) {
+        Done(ToGrpcStatus(unchanged));
+        return;
+      }
       const uint32_t crc = cached_crc_.value_or(crc_);
       chunk.set_last(true);
       chunk.set_crc32c(crc);

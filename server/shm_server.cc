@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "core/crc32c.h"
 #include "core/sealed_memfd.h"
+#include "core/status_macros.h"
 #include "core/status_util.h"
 #include "server/grpc_status.h"
 #include "server/log.h"
@@ -405,6 +406,8 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, v1::Map
     return absl::FailedPreconditionError(absl::StrCat("'", request.name(), "' spans ", segments->size(),
                                                       " files; at most ", kMaxFdsPerFrame, " can be passed at once"));
   }
+  // Checksums and materialized bytes vouch for the files as opened.
+  WEIGHTSTORE_RETURN_IF_ERROR(resolved->version->CheckUnchanged());
   for (const auto& segment : *segments) {
     v1::Segment* s = response->add_segments();
     const bool sealed = CheckSealed(segment->fd(), segment->path()).ok();

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_join.h"
+#include "core/mapped_file.h"
 #include "server/log.h"
 #include "server/server.h"
 
@@ -125,6 +126,10 @@ int main(int argc, char** argv) {
   }
 
   options.service.zero_copy = !copy_payloads;
+  options.registry.watch_files = true;
+  // A served file truncated in place must fail the reads that hit it, not kill
+  // the daemon (core/mapped_file.h).
+  weightstore::InstallMappedFileGuard();
   options.registry.open.max_name_bytes = tensor_name_bytes;
   selection.max_name_bytes = tensor_name_bytes;
   SetLogLevel(*ParseLogLevel(log_level));

@@ -5,15 +5,21 @@
 #include <gmock/gmock.h>
 #include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
+#include "core/checkpoint_writer.h"
+#include "core/safetensors.h"
 #include "core/utf8.h"
 #include "tests/util/daemon.h"
 #include "tests/util/status_matchers.h"
@@ -138,6 +144,147 @@ TEST(Issue11Test, ANonAsciiOrControlCharacterNameIsInvalidArgumentOnEveryCall) {
     EXPECT_THAT(shm->ListTensors(name, {}), StatusIs(absl::StatusCode::kInvalidArgument));
     ExpectHealthy(daemon);
   }
+}
+
+// A SafeTensors checkpoint of `count` F32 tensors of `floats` elements, every
+// element derived from `seed`.
+std::string Checkpoint(int count, size_t floats, float seed) {
+  std::vector<SharedTensor> tensors;
+  for (int i = 0; i < count; ++i) {
+    std::vector<std::byte> data(floats * 4);
+    for (size_t k = 0; k < floats; ++k) {
+      const float v = seed + static_cast<float>(i) * 0.5f + static_cast<float>(k % 977);
+      std::memcpy(data.data() + 4 * k, &v, 4);
+    }
+    tensors.push_back({{absl::StrCat("t.", i), DType::kF32, {floats}}, SharedBytes::FromVector(std::move(data))});
+  }
+  return *SerializeCheckpoint(Format::kSafeTensors, tensors, {});
+}
+
+// Writes `bytes` over the file at `path` in place: same inode, no rename.
+void OverwriteInPlace(const std::string& path, const std::string& bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(bytes.size())), 0);
+  ASSERT_EQ(::pwrite(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+  ::close(fd);
+}
+
+std::string CurrentVersion(client::Store& store, const std::string& name) {
+  auto info = store.GetCheckpoint(name);
+  return info.ok() ? info->version : "";
+}
+
+// Polls until `name` is served under a version other than `old` (or 10 s).
+std::string AwaitNewVersion(client::Store& store, const std::string& name, const std::string& old) {
+  for (int i = 0; i < 200; ++i) {
+    std::string v = CurrentVersion(store, name);
+    if (!v.empty() && v != old) return v;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return "";
+}
+
+// The tensors of `bytes` (a SafeTensors file) by name.
+std::map<std::string, std::string> TensorsOf(const std::string& bytes) {
+  auto checkpoint = ParseSafeTensors(SharedBytes::Copy(bytes), "expected", {});
+  std::map<std::string, std::string> out;
+  if (!checkpoint.ok()) return out;
+  for (const CheckpointEntry& e : (*checkpoint)->entries()) {
+    out[e.spec.name] = std::string((*checkpoint)->Read(e)->bytes.view());
+  }
+  return out;
+}
+
+std::map<std::string, std::string> Fetched(client::Store& store, const std::string& name, client::Query query = {}) {
+  std::map<std::string, std::string> out;
+  auto tensors = store.FetchAll(name, query);
+  if (!tensors.ok()) return out;
+  for (const SharedTensor& t : *tensors) out[t.spec.name] = std::string(t.bytes.view());
+  return out;
+}
+
+TEST(Issue11Test, AServedFileTruncatedInPlaceFailsTheReadsThatHitItAndItsNextContentsAreANewVersion) {
+  // Item 5: the next fetch died with SIGBUS.
+  const std::string models = ExampleModels();
+  const std::string path = models + "/big.safetensors";
+  const std::string v1_bytes = Checkpoint(8, 1 << 20, 1.0f);  // 32 MiB, mapped
+  testing::WriteFileOrDie(path, v1_bytes);
+  const std::string socket = testing::MakeScratchDir("sock") + "/ws.sock";
+  Daemon daemon(models, {"--socket", socket});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address()));
+  const std::string v1 = CurrentVersion(*store, "big");
+  ASSERT_FALSE(v1.empty());
+
+  ASSERT_EQ(::truncate(path.c_str(), 4096), 0);
+  // Whether the daemon has heard of it yet or not, reads fail cleanly.
+  client::Query with_checksums;
+  auto listing = store->ListTensors("big", with_checksums);
+  auto fetched = store->FetchAll("big", {});
+  EXPECT_FALSE(fetched.ok());
+  EXPECT_TRUE(daemon.alive()) << daemon.log();
+
+  const std::string v2_bytes = Checkpoint(8, 1 << 20, 2.0f);
+  OverwriteInPlace(path, v2_bytes);
+  const std::string v2 = AwaitNewVersion(*store, "big", v1);
+  ASSERT_FALSE(v2.empty()) << daemon.log();
+  EXPECT_EQ(Fetched(*store, "big"), TensorsOf(v2_bytes));
+  client::Query pinned;
+  pinned.version = v1;
+  EXPECT_THAT(store->FetchAll("big", pinned), StatusIs(absl::StatusCode::kAborted));
+  ASSERT_OK_AND_ASSIGN(auto shm, client::ConnectSharedMemoryStore(socket));
+  ASSERT_OK_AND_ASSIGN(auto mapped, shm->MapTensors("big", {}));
+  EXPECT_EQ(mapped.version, v2);
+  ExpectHealthy(daemon);
+}
+
+TEST(Issue11Test, ASameSizeRewriteInPlaceIsServedAsANewVersionNeverMixedWithTheOld) {
+  // Item 5: a same-size rewrite kept the old version id, so gRPC clients got
+  // DATA_LOSS and a socket mapping changed under one version.
+  const std::string models = ExampleModels();
+  const std::string path = models + "/m.safetensors";
+  const std::string v1_bytes = Checkpoint(4, 1 << 18, 1.0f);
+  testing::WriteFileOrDie(path, v1_bytes);
+  Daemon daemon(models);
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address()));
+  const std::string v1 = CurrentVersion(*store, "m");
+  EXPECT_EQ(Fetched(*store, "m"), TensorsOf(v1_bytes));
+  const std::string v2_bytes = Checkpoint(4, 1 << 18, 3.0f);
+  ASSERT_EQ(v2_bytes.size(), v1_bytes.size());
+  OverwriteInPlace(path, v2_bytes);
+  const std::string v2 = AwaitNewVersion(*store, "m", v1);
+  ASSERT_FALSE(v2.empty()) << daemon.log();
+  EXPECT_EQ(Fetched(*store, "m"), TensorsOf(v2_bytes));
+  client::Query pinned;
+  pinned.version = v1;
+  EXPECT_THAT(store->FetchAll("m", pinned), StatusIs(absl::StatusCode::kAborted, HasSubstr("is gone")));
+  ExpectHealthy(daemon);
+}
+
+TEST(Issue11Test, AStreamInFlightWhenItsFileIsTruncatedEndsWithAnErrorNotWithWrongBytes) {
+  const std::string models = ExampleModels();
+  const std::string path = models + "/big.safetensors";
+  testing::WriteFileOrDie(path, Checkpoint(16, 1 << 20, 1.0f));  // 64 MiB
+  Daemon daemon(models);
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto stub = Stub(daemon);
+  grpc::ClientContext ctx;
+  pb::FetchTensorsRequest req;
+  req.set_name("big");
+  req.mutable_selection()->set_dtype("F16");  // every chunk read by the daemon itself
+  auto reader = stub->FetchTensors(&ctx, req);
+  pb::TensorChunk chunk;
+  ASSERT_TRUE(reader->Read(&chunk));
+  ASSERT_EQ(::truncate(path.c_str(), 1 << 20), 0);
+  size_t last_chunks = 0;
+  while (reader->Read(&chunk)) last_chunks += chunk.last();
+  grpc::Status status = reader->Finish();
+  EXPECT_FALSE(status.ok()) << "a truncated file cannot be streamed whole";
+  EXPECT_LT(last_chunks, 16u);
+  EXPECT_TRUE(daemon.alive()) << daemon.log();
+  ExpectHealthy(daemon);
 }
 
 }  // namespace
