@@ -132,6 +132,7 @@ struct ScanReport {
 class PutSession {
  public:
   absl::Status Append(absl::string_view data);
+  const std::string& name() const { return name_; }
   uint64_t bytes() const { return bytes_; }
   // CRC32C of the bytes appended so far.
   uint32_t crc32c() const { return crc32c_; }

@@ -336,7 +336,9 @@ grpc::ServerUnaryReactor* WeightStoreService::Rescan(grpc::CallbackServerContext
   return Respond(ctx, absl::OkStatus());
 }
 
-// Receives an upload into a temporary file; validates and commits it at the end.
+// Receives an upload into a temporary file; validates and stores it when its
+// commit message arrives. Only that message commits: the end of the stream
+// reads the same whether the client finished or was cancelled.
 class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
  public:
   PutReactor(CheckpointRegistry* registry, v1::CheckpointInfo* response, grpc::CallbackServerContext* ctx,
@@ -349,32 +351,48 @@ class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
     StartRead(&request_);
   }
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client finished sending
-      if (session_ == nullptr) return Fail(absl::InvalidArgumentError("upload without a header"));
-      auto version = registry_->FinishPut(std::move(session_));
-      if (!version.ok()) return Fail(version.status());
-      ToProto(**version, response_);
-      Finish(grpc::Status::OK);
-      return;
+    if (!ok) {
+      return Fail(absl::CancelledError(absl::StrCat(
+          "the upload", session_ == nullptr ? "" : absl::StrCat(" of '", session_->name(), "'"),
+          " ended without a commit message; nothing was stored")));
     }
-    absl::Status status;
-    if (request_.has_header()) {
-      if (session_ != nullptr) return Fail(absl::InvalidArgumentError("a second header"));
-      const v1::PutHeader& h = request_.header();
-      Annotate(ctx_, h.name());
-      auto session = registry_->BeginPut(h.name(), h.extension(), h.overwrite(), h.size());
-      if (!session.ok()) return Fail(session.status());
-      session_ = *std::move(session);
-    } else {
-      if (session_ == nullptr) return Fail(absl::InvalidArgumentError("data before the header"));
-      status = session_->Append(request_.data());
-      if (!status.ok()) return Fail(status);
+    switch (request_.part_case()) {
+      case v1::PutCheckpointRequest::kHeader: {
+        if (session_ != nullptr) return Fail(absl::InvalidArgumentError("a second header"));
+        const v1::PutHeader& h = request_.header();
+        Annotate(ctx_, h.name());
+        auto session = registry_->BeginPut(h.name(), h.extension(), h.overwrite(), h.size());
+        if (!session.ok()) return Fail(session.status());
+        session_ = *std::move(session);
+        break;
+      }
+      case v1::PutCheckpointRequest::kData:
+        if (session_ == nullptr) return Fail(absl::InvalidArgumentError("data before the header"));
+        if (absl::Status status = session_->Append(request_.data()); !status.ok()) return Fail(status);
+        break;
+      case v1::PutCheckpointRequest::kCommit:
+        return Commit(request_.commit());
+      default:
+        return Fail(absl::InvalidArgumentError("a PutCheckpointRequest with no part"));
     }
     StartRead(&request_);
   }
   void OnDone() override { delete this; }
 
  private:
+  void Commit(const v1::PutCommit& commit) {
+    if (session_ == nullptr) return Fail(absl::InvalidArgumentError("a commit before the header"));
+    if (commit.size() != session_->bytes() || commit.crc32c() != session_->crc32c()) {
+      return Fail(absl::DataLossError(absl::StrCat("upload of '", session_->name(), "': the commit says ",
+                                                   commit.size(), " bytes with CRC32C ", commit.crc32c(), ", ",
+                                                   session_->bytes(), " bytes with CRC32C ", session_->crc32c(),
+                                                   " arrived; nothing was stored")));
+    }
+    auto version = registry_->FinishPut(std::move(session_));
+    if (!version.ok()) return Fail(version.status());
+    ToProto(**version, response_);
+    Finish(grpc::Status::OK);
+  }
   void Fail(const absl::Status& status) {
     session_.reset();  // removes the temporary file
     Finish(ToGrpcStatus(status));

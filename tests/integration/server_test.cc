@@ -582,6 +582,10 @@ TEST(ServerLifecycleTest, AdminCallsLoadUnloadUploadAndRescan) {
       part.set_data(bytes.substr(off, 1 << 20));
       writer->Write(part);
     }
+    pb::PutCheckpointRequest commit;
+    commit.mutable_commit()->set_size(bytes.size());
+    commit.mutable_commit()->set_crc32c(Crc32c(bytes));
+    writer->Write(commit);
     writer->WritesDone();
     return writer->Finish();
   };

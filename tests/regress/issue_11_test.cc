@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
 #include "core/checkpoint_writer.h"
+#include "core/crc32c.h"
 #include "core/safetensors.h"
 #include "core/utf8.h"
 #include "tests/util/daemon.h"
@@ -285,6 +286,59 @@ TEST(Issue11Test, AStreamInFlightWhenItsFileIsTruncatedEndsWithAnErrorNotWithWro
   EXPECT_LT(last_chunks, 16u);
   EXPECT_TRUE(daemon.alive()) << daemon.log();
   ExpectHealthy(daemon);
+}
+
+// Files under `dir`, hidden ones (temporaries) included.
+size_t FilesUnder(const std::string& dir) {
+  size_t n = 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) n += e.is_regular_file() || e.is_symlink();
+  return n;
+}
+
+TEST(Issue11Test, OnlyACommitMessageStoresAnUploadNeverTheEndOfAStream) {
+  // Item 11: an upload cancelled by the client after its last byte was
+  // committed (OnReadDone(false) means both "finished" and "cancelled").
+  const std::string models = testing::MakeScratchDir("models");
+  Daemon daemon(models);
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto stub = Stub(daemon);
+  const std::string bytes = Checkpoint(2, 1000, 1.0f);
+  // How each upload ends: cancelled after the last byte, half-closed without a
+  // commit, a commit that does not match, and a good one.
+  enum class End { kCancel, kNoCommit, kWrongCrc, kCommit };
+  auto upload = [&](const std::string& name, End end) {
+    grpc::ClientContext ctx;
+    pb::CheckpointInfo info;
+    auto writer = stub->PutCheckpoint(&ctx, &info);
+    pb::PutCheckpointRequest header;
+    header.mutable_header()->set_name(name);
+    header.mutable_header()->set_extension("safetensors");
+    writer->Write(header);
+    pb::PutCheckpointRequest data;
+    data.set_data(bytes);
+    writer->Write(data);
+    if (end == End::kCancel) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // every byte has arrived
+      ctx.TryCancel();
+    } else if (end != End::kNoCommit) {
+      pb::PutCheckpointRequest commit;
+      commit.mutable_commit()->set_size(bytes.size());
+      commit.mutable_commit()->set_crc32c(Crc32c(bytes) ^ (end == End::kWrongCrc ? 1u : 0u));
+      writer->Write(commit);
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  EXPECT_EQ(upload("cancelled", End::kCancel).error_code(), grpc::StatusCode::CANCELLED);
+  grpc::Status no_commit = upload("uncommitted", End::kNoCommit);
+  EXPECT_EQ(no_commit.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_THAT(no_commit.error_message(), HasSubstr("without a commit message; nothing was stored"));
+  EXPECT_EQ(upload("corrupted", End::kWrongCrc).error_code(), grpc::StatusCode::DATA_LOSS);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let the cancelled call wind down
+  EXPECT_EQ(FilesUnder(models), 0u) << "nothing stored, no temporaries left";
+  ASSERT_TRUE(upload("good", End::kCommit).ok());
+  EXPECT_EQ(testing::ReadFileOrEmpty(models + "/good.safetensors"), bytes);
+  EXPECT_EQ(FilesUnder(models), 1u);
 }
 
 }  // namespace
