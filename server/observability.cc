@@ -233,6 +233,8 @@ void ServerMetrics::Watch(const CheckpointRegistry* checkpoints, SegmentCache* s
   auto& socket_refused = registry_.AddCounter(
       "weightstore_socket_refused_total", "Socket connections refused (peer credentials or the connection limit).");
   auto& fetches = registry_.AddGauge("weightstore_fetch_streams_active", "FetchTensors streams being served.");
+  auto& stalled = registry_.AddCounter("weightstore_fetch_streams_stalled_total",
+                                       "FetchTensors streams cancelled because their client stopped reading.");
   auto& rss = registry_.AddGauge("process_resident_memory_bytes", "Resident memory size in bytes.");
   auto& fds = registry_.AddGauge("process_open_fds", "Number of open file descriptors.");
   auto& cpu = registry_.AddCounter("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.");
@@ -241,7 +243,7 @@ void ServerMetrics::Watch(const CheckpointRegistry* checkpoints, SegmentCache* s
                                                  std::chrono::system_clock::now().time_since_epoch())
                                                  .count()));
   registry_.AddCollectHook([=, this, &loaded, &loaded_bytes, &shm_bytes, &shm_budget, &shm_segments, &shm_evictions,
-                            &socket_connections, &socket_requests, &socket_refused, &fetches, &rss, &fds, &cpu] {
+                            &socket_connections, &socket_requests, &socket_refused, &fetches, &stalled, &rss, &fds, &cpu] {
     if (checkpoints != nullptr) {
       auto list = checkpoints->List();
       double bytes = 0;
@@ -264,7 +266,10 @@ void ServerMetrics::Watch(const CheckpointRegistry* checkpoints, SegmentCache* s
       socket_refused.Add({}).SyncTotal(static_cast<double>(s.refused_connections));
       served_bytes.Add({"socket"}).SyncTotal(static_cast<double>(s.bytes_mapped));
     }
-    if (service != nullptr) fetches.Add({}).Set(service->active_fetches());
+    if (service != nullptr) {
+      fetches.Add({}).Set(service->active_fetches());
+      stalled.Add({}).SyncTotal(static_cast<double>(service->stalled_fetches()));
+    }
     rss.Add({}).Set(ResidentBytes());
     fds.Add({}).Set(OpenFds());
     cpu.Add({}).SyncTotal(CpuSeconds());

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
 #include "core/snapshot.h"
+#include "core/status_macros.h"
 #include "server/grpc_status.h"
 #include "server/proto_convert.h"
 #include "server/observability.h"
@@ -77,11 +78,12 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       Done(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       return;
     }
+    if (ticket_ != 0) service_->streams_.Progress(ticket_);
     Next();
   }
   void OnCancel() override { cancelled_ = true; }
   void OnDone() override {
-    if (counted_) --service_->active_fetches_;
+    if (ticket_ != 0) service_->streams_.Release(ticket_);
     delete this;
   }
 
@@ -89,12 +91,9 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   absl::Status Start(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
     ctx_ = ctx;
     if (absl::Status s = service_->auth_->Check(*ctx, Scope::kRead); !s.ok()) return s;
-    if (++service_->active_fetches_ > service_->options_.max_concurrent_fetches) {
-      --service_->active_fetches_;
-      return absl::ResourceExhaustedError(absl::StrCat("more than ", service_->options_.max_concurrent_fetches,
-                                                       " FetchTensors streams at once; retry later"));
-    }
-    counted_ = true;
+    // A stream whose client stops reading is cancelled by the governor, which
+    // frees its slot (and its share of its client's).
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, service_->streams_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); }));
     std::vector<grpc::Slice> slices;
     if (!raw->Dump(&slices).ok()) return absl::InvalidArgumentError("unreadable request");
     std::string bytes;
@@ -242,7 +241,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   WeightStoreService* service_;
   grpc::CallbackServerContext* ctx_ = nullptr;
   uint64_t sent_bytes_ = 0;
-  bool counted_ = false;
+  uint64_t ticket_ = 0;  // from the stream governor, once admitted
   std::atomic<bool> cancelled_{false};
   v1::FetchTensorsRequest request_;
   Resolved resolved_;
@@ -258,7 +257,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 };
 
 WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOptions options, const Authenticator* auth)
-    : registry_(registry), options_(options), auth_(auth != nullptr ? auth : &no_auth_) {}
+    : registry_(registry), options_(options), auth_(auth != nullptr ? auth : &no_auth_), streams_(options.streams) {}
 
 grpc::ServerUnaryReactor* WeightStoreService::ListCheckpoints(grpc::CallbackServerContext* ctx,
                                                               const v1::ListCheckpointsRequest*,

@@ -15,6 +15,7 @@
 #include "core/registry.h"
 #include "core/selection.h"
 #include "server/auth.h"
+#include "server/stream_governor.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore::server {
@@ -28,9 +29,9 @@ using ::weightstore::ScanReport;
 struct ServiceOptions {
   // Largest tensor chunk payload. Default: 1 MiB (tensorstore's read chunk).
   uint32_t chunk_bytes = 1 << 20;
-  // Most FetchTensors streams served at once; more get RESOURCE_EXHAUSTED.
-  // Default: 64.
-  int max_concurrent_fetches = 64;
+  // FetchTensors streams: at most this many at once and per client address
+  // (more get RESOURCE_EXHAUSTED), and one that stalls this long is cancelled.
+  StreamLimits streams;
   // What a request's selection may cost.
   SelectionLimits selection_limits;
   // Payload slices point into the mapping. False copies each chunk into a
@@ -63,8 +64,9 @@ class WeightStoreService final : public ServiceBase {
   grpc::ServerUnaryReactor* Rescan(grpc::CallbackServerContext* ctx, const v1::RescanRequest* req,
                                    v1::RescanResponse* resp) override;
 
-  // Streams being served now.
-  int active_fetches() const { return active_fetches_.load(); }
+  // Streams being served now, and those cancelled for stalling.
+  int active_fetches() const { return streams_.active(); }
+  uint64_t stalled_fetches() const { return streams_.cancelled(); }
 
  private:
   friend class FetchReactor;
@@ -72,7 +74,7 @@ class WeightStoreService final : public ServiceBase {
   ServiceOptions options_;
   Authenticator no_auth_;
   const Authenticator* auth_;
-  std::atomic<int> active_fetches_{0};
+  StreamGovernor streams_;
 };
 
 // Fills `out` from a served version.

@@ -37,8 +37,15 @@ int main(int argc, char** argv) {
   app.add_option("--grace-seconds", grace_seconds, "On SIGTERM, let streams in flight finish for this long")
       ->capture_default_str();
   app.add_option("--chunk-bytes", options.service.chunk_bytes, "Largest tensor chunk sent")->capture_default_str();
-  app.add_option("--max-concurrent-fetches", options.service.max_concurrent_fetches,
+  app.add_option("--max-concurrent-fetches", options.service.streams.total,
                  "FetchTensors streams served at once; more get RESOURCE_EXHAUSTED")
+      ->capture_default_str();
+  app.add_option("--max-fetches-per-peer", options.service.streams.per_peer,
+                 "FetchTensors streams served at once to one client address")
+      ->capture_default_str();
+  double stream_idle_seconds = std::chrono::duration<double>(options.service.streams.idle).count();
+  app.add_option("--stream-idle-timeout", stream_idle_seconds,
+                 "Cancel a FetchTensors stream whose client has read nothing for this many seconds")
       ->capture_default_str();
   app.add_option("--max-streams-per-connection", options.max_concurrent_streams_per_connection,
                  "HTTP/2 streams per client connection")
@@ -126,6 +133,7 @@ int main(int argc, char** argv) {
   }
 
   options.service.zero_copy = !copy_payloads;
+  options.service.streams.idle = std::chrono::milliseconds(static_cast<int64_t>(stream_idle_seconds * 1000));
   options.registry.watch_files = true;
   // A served file truncated in place must fail the reads that hit it, not kill
   // the daemon (core/mapped_file.h).

@@ -341,5 +341,48 @@ TEST(Issue11Test, OnlyACommitMessageStoresAnUploadNeverTheEndOfAStream) {
   EXPECT_EQ(FilesUnder(models), 1u);
 }
 
+TEST(Issue11Test, StreamsWhoseClientStoppedReadingAreCancelledAndTheirSlotsFreed) {
+  // Item 10: 64 fetch streams that stop reading locked every other client out
+  // for as long as that client lived.
+  const std::string models = ExampleModels();
+  testing::WriteFileOrDie(models + "/big.safetensors", Checkpoint(16, 1 << 20, 1.0f));  // 64 MiB
+  Daemon daemon(models, {"--max-concurrent-fetches", "6", "--max-fetches-per-peer", "4", "--stream-idle-timeout", "1"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto stub = Stub(daemon);
+  struct Stalled {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<pb::TensorChunk>> reader;
+  };
+  std::vector<std::unique_ptr<Stalled>> stalled;
+  for (int i = 0; i < 4; ++i) {  // a client that never reads
+    auto s = std::make_unique<Stalled>();
+    pb::FetchTensorsRequest req;
+    req.set_name("big");
+    s->reader = stub->FetchTensors(&s->ctx, req);
+    stalled.push_back(std::move(s));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address(), {.max_resumes = 0}));
+  EXPECT_THAT(store->FetchAll("tiny-mlp", {}),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("--max-fetches-per-peer")));
+  // The stalled streams are cancelled after a second of no progress; the
+  // share is free again, and the daemon says what it did.
+  absl::Status later;
+  for (int i = 0; i < 50; ++i) {
+    later = store->FetchAll("tiny-mlp", {}).status();
+    if (later.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_OK(later);
+  for (auto& s : stalled) {  // what they had buffered, then the daemon's cancellation
+    pb::TensorChunk chunk;
+    while (s->reader->Read(&chunk)) {
+    }
+    EXPECT_EQ(s->reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  EXPECT_THAT(daemon.log(), HasSubstr("stalled stream cancelled"));
+  ExpectHealthy(daemon);
+}
+
 }  // namespace
 }  // namespace weightstore

@@ -1,0 +1,90 @@
+#include "server/stream_governor.h"
+
+#include <algorithm>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "server/log.h"
+
+namespace weightstore::server {
+
+std::string PeerAddress(absl::string_view peer) {
+  if (!absl::StartsWith(peer, "ipv4:") && !absl::StartsWith(peer, "ipv6:")) return std::string(peer);
+  const size_t colon = peer.rfind(':');
+  return std::string(colon > 5 ? peer.substr(0, colon) : peer);
+}
+
+StreamGovernor::StreamGovernor(StreamLimits limits) : limits_(limits) {
+  watchdog_ = std::thread([this] { Watch(); });
+}
+
+StreamGovernor::~StreamGovernor() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  watchdog_.join();
+}
+
+absl::StatusOr<uint64_t> StreamGovernor::Admit(absl::string_view peer, std::function<void()> cancel) {
+  std::string address = PeerAddress(peer);
+  absl::MutexLock lock(&mu_);
+  if (static_cast<int>(streams_.size()) >= limits_.total) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(limits_.total, " FetchTensors streams are being served; retry later (--max-concurrent-fetches)"));
+  }
+  int& mine = per_peer_[address];
+  if (mine >= limits_.per_peer) {
+    return absl::ResourceExhaustedError(absl::StrCat(address, " has ", mine,
+                                                     " FetchTensors streams open; retry later (--max-fetches-per-peer)"));
+  }
+  ++mine;
+  const uint64_t ticket = next_ticket_++;
+  streams_.emplace(ticket, Stream{std::move(address), std::move(cancel), Clock::now()});
+  return ticket;
+}
+
+void StreamGovernor::Progress(uint64_t ticket) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = streams_.find(ticket); it != streams_.end()) it->second.last_progress = Clock::now();
+}
+
+void StreamGovernor::Release(uint64_t ticket) {
+  absl::MutexLock lock(&mu_);
+  auto it = streams_.find(ticket);
+  if (it == streams_.end()) return;
+  if (auto peer = per_peer_.find(it->second.peer); peer != per_peer_.end() && --peer->second <= 0) {
+    per_peer_.erase(peer);
+  }
+  streams_.erase(it);
+}
+
+int StreamGovernor::active() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(streams_.size());
+}
+
+uint64_t StreamGovernor::cancelled() const {
+  absl::MutexLock lock(&mu_);
+  return cancelled_;
+}
+
+void StreamGovernor::Watch() {
+  const auto period = std::clamp(limits_.idle / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::FromChrono(period));
+    const Clock::time_point now = Clock::now();
+    for (auto& [ticket, stream] : streams_) {
+      if (stream.cancelling || now - stream.last_progress < limits_.idle) continue;
+      stream.cancelling = true;  // its slot is freed when the stream ends
+      ++cancelled_;
+      Log(LogLevel::kWarning, "stalled stream cancelled",
+          {{"peer", stream.peer},
+           {"idle_ms", std::chrono::duration_cast<std::chrono::milliseconds>(now - stream.last_progress).count()}});
+      stream.cancel();
+    }
+  }
+}
+
+}  // namespace weightstore::server
