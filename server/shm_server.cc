@@ -1,6 +1,8 @@
 #include "server/shm_server.h"
 
 #include <sys/socket.h>
+#include <sys/statvfs.h>
+#include <sys/xattr.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -9,8 +11,13 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <optional>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_join.h"
 #include "core/crc32c.h"
 #include "core/sealed_memfd.h"
@@ -41,6 +48,21 @@ std::vector<gid_t> PeerGroups(int fd, gid_t primary) {
   return groups;
 }
 
+// The effective capabilities of a visible process, or nullopt.
+std::optional<uint64_t> EffectiveCapabilities(pid_t pid) {
+  if (pid <= 0) return std::nullopt;
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string text;
+  while (std::getline(in, text)) {
+    absl::string_view line = text;
+    uint64_t caps = 0;
+    if (absl::ConsumePrefix(&line, "CapEff:") && absl::SimpleHexAtoi(absl::StripAsciiWhitespace(line), &caps)) {
+      return caps;
+    }
+  }
+  return std::nullopt;
+}
+
 // Derived tensors start on this boundary inside their segment.
 constexpr uint64_t kAlignment = 64;
 
@@ -69,6 +91,24 @@ absl::Status ClearStaleSocket(const std::string& path) {
 }
 
 }  // namespace
+
+bool PeerCouldWrite(int fd, const ShmPeer& peer) {
+  struct statvfs fs;
+  if (::fstatvfs(fd, &fs) == 0 && (fs.f_flag & ST_RDONLY) != 0) return false;  // EROFS for everyone
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return true;
+  if (peer.uid == 0 || peer.uid == st.st_uid) return true;  // root, or the owner (who may chmod)
+  if ((st.st_mode & S_IWOTH) != 0) return true;
+  if ((st.st_mode & S_IWGRP) != 0 && std::find(peer.gids.begin(), peer.gids.end(), st.st_gid) != peer.gids.end()) {
+    return true;
+  }
+  // An ACL may grant write to anyone: do not try to read it, assume it does.
+  if (::fgetxattr(fd, "system.posix_acl_access", nullptr, 0) >= 0) return true;
+  // CAP_DAC_OVERRIDE (1) or CAP_FOWNER (3) under another uid.
+  constexpr uint64_t kWriteAnything = (uint64_t{1} << 1) | (uint64_t{1} << 3);
+  std::optional<uint64_t> caps = EffectiveCapabilities(peer.pid);
+  return caps.has_value() && (*caps & kWriteAnything) != 0;
+}
 
 absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const CheckpointRegistry* registry, SegmentCache* cache,
                                                             ShmServerOptions options) {
@@ -120,6 +160,20 @@ void ShmServer::Stop() {
     connections.swap(connections_);
   }
   for (Connection& c : connections) c.thread.join();
+}
+
+bool ShmServer::MayPassFile(const MappedFile& file, const ShmPeer& peer,
+                            absl::flat_hash_map<const MappedFile*, bool>* decided) const {
+  auto [it, added] = decided->try_emplace(&file, false);
+  if (!added) return it->second;
+  switch (options_.file_segments) {
+    case FileSegments::kAlways: it->second = true; break;
+    case FileSegments::kNever: it->second = CheckSealed(file.fd(), file.path()).ok(); break;
+    case FileSegments::kAuto:
+      it->second = CheckSealed(file.fd(), file.path()).ok() || !PeerCouldWrite(file.fd(), peer);
+      break;
+  }
+  return it->second;
 }
 
 ShmServer::Stats ShmServer::stats() const {
@@ -190,20 +244,30 @@ void ShmServer::AcceptLoop() {
           absl::StrCat(options_.max_connections, " connections are open on '", options_.path, "'; retry later")));
       continue;
     }
+    // A process's share; a peer in another pid namespace shows as pid 0: its uid's.
+    std::string key = peer.pid > 0 ? absl::StrCat("pid ", peer.pid) : absl::StrCat("uid ", peer.uid);
+    if (per_peer_[key] >= options_.max_connections_per_peer) {
+      refuse(absl::ResourceExhaustedError(absl::StrCat(key, " has ", per_peer_[key], " connections open on '",
+                                                       options_.path, "'; retry later")));
+      continue;
+    }
+    ++per_peer_[key];
     Connection& c = connections_.emplace_back();
     c.fd = connection.release();
-    std::string peer_name = absl::StrCat("unix:pid=", peer.pid, ",uid=", peer.uid, ",gid=", peer.gid);
-    c.thread = std::thread([this, &c, fd = c.fd, peer_name] {
-      Serve(fd, peer_name);
+    c.peer_key = key;
+    ShmPeer who{peer.pid, peer.uid, groups, absl::StrCat("unix:pid=", peer.pid, ",uid=", peer.uid, ",gid=", peer.gid)};
+    c.thread = std::thread([this, &c, fd = c.fd, who = std::move(who)] {
+      Serve(fd, who);
       absl::MutexLock lock(&mu_);  // closed under the lock: Stop() never shuts down a reused number
       ::close(fd);
       c.fd = -1;
       c.done = true;
+      if (--per_peer_[c.peer_key] <= 0) per_peer_.erase(c.peer_key);
     });
   }
 }
 
-void ShmServer::Serve(int connection, const std::string& peer) {
+void ShmServer::Serve(int connection, const ShmPeer& peer) {
   while (!stopping_) {
     std::string frame;
     std::vector<UniqueFd> received;
@@ -229,9 +293,9 @@ void ShmServer::Serve(int connection, const std::string& peer) {
       SetStatus(absl::InvalidArgumentError(absl::StrCat("a ", frame.size(), "-byte frame that is not a ShmRequest")),
                 &response);
     } else {
-      Handle(request, &response, &fds, &keep);
+      Handle(request, peer, &response, &fds, &keep);
     }
-    LogRequest(request, response, peer, std::chrono::steady_clock::now() - start);
+    LogRequest(request, response, peer.name, std::chrono::steady_clock::now() - start);
     if (!SendFrame(connection, response.SerializeAsString(), fds).ok()) return;
   }
 }
@@ -258,7 +322,7 @@ void ShmServer::LogRequest(const v1::ShmRequest& request, const v1::ShmResponse&
       break;
     default: fields["method"] = "shm/invalid";
   }
-  if (!checkpoint.empty()) fields["checkpoint"] = checkpoint;
+  if (!checkpoint.empty()) fields["checkpoint"] = TrailerValue(checkpoint);  // short and printable, as gRPC's
   fields["bytes"] = bytes;
   fields["duration_ms"] = std::round(std::chrono::duration<double, std::micro>(elapsed).count()) / 1e3;
   fields["status"] = GrpcCodeName(response.code());
@@ -267,7 +331,8 @@ void ShmServer::LogRequest(const v1::ShmRequest& request, const v1::ShmResponse&
   Log(level, "request", std::move(fields));
 }
 
-void ShmServer::Handle(const v1::ShmRequest& request, v1::ShmResponse* response, std::vector<int>* fds,
+void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::ShmResponse* response,
+                       std::vector<int>* fds,
                        std::vector<std::shared_ptr<const MappedFile>>* keep) {
   absl::Status status;
   switch (request.request_case()) {
@@ -286,7 +351,7 @@ void ShmServer::Handle(const v1::ShmRequest& request, v1::ShmResponse* response,
       break;
     }
     case v1::ShmRequest::kMapTensors:
-      status = MapTensors(request.map_tensors(), response->mutable_map_tensors(), keep);
+      status = MapTensors(request.map_tensors(), peer, response->mutable_map_tensors(), keep);
       if (status.ok()) {
         for (const auto& segment : *keep) fds->push_back(segment->fd());
       }
@@ -301,7 +366,8 @@ void ShmServer::Handle(const v1::ShmRequest& request, v1::ShmResponse* response,
   }
 }
 
-absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, v1::MapTensorsResponse* response,
+absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const ShmPeer& peer,
+                                   v1::MapTensorsResponse* response,
                                    std::vector<std::shared_ptr<const MappedFile>>* segments) {
   absl::StatusOr<Resolved> resolved =
       Resolve(*registry_, request.name(), request.selection(), request.version(), options_.selection_limits);
@@ -313,6 +379,7 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, v1::Map
   if (resolved->apply_result) ToProto(*resolved->apply_result, response->mutable_apply_result());
 
   absl::flat_hash_map<const MappedFile*, uint32_t> segment_of;
+  absl::flat_hash_map<const MappedFile*, bool> file_allowed;  // MayPassFile, once per file
   std::vector<size_t> derived;  // tensors to materialize
   uint64_t bytes = 0;
   for (size_t i = 0; i < snapshot.size(); ++i) {
@@ -339,6 +406,10 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, v1::Map
       continue;
     }
     const std::shared_ptr<const MappedFile>& file = checkpoint.files()[extent->file];
+    if (!MayPassFile(*file, peer, &file_allowed)) {  // a sealed copy instead
+      derived.push_back(i);
+      continue;
+    }
     auto [it, added] = segment_of.try_emplace(file.get(), static_cast<uint32_t>(segments->size()));
     if (added) segments->push_back(file);
     out->set_segment(it->second);

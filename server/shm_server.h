@@ -41,6 +41,31 @@
 
 namespace weightstore::server {
 
+// How the socket hands out tensors stored as-is in a checkpoint file.
+enum class FileSegments {
+  // The file itself to a peer that could not open it writable anyway (a
+  // read-only mount, or a peer that is neither root, nor the file's owner, nor
+  // granted write by its mode or an ACL); a sealed copy to any other peer,
+  // which could otherwise reopen the descriptor through /proc for writing.
+  kAuto,
+  // The file itself to every allowed peer: they are trusted with it.
+  kAlways,
+  // Always a sealed copy.
+  kNever,
+};
+
+// A connected socket peer, from SO_PEERCRED and SO_PEERGROUPS.
+struct ShmPeer {
+  pid_t pid = 0;  // 0 when the peer's pid namespace hides it
+  uid_t uid = 0;
+  std::vector<gid_t> gids;  // primary and supplementary
+  std::string name;         // "unix:pid=...,uid=...,gid=..." for logs
+};
+
+// True when `peer` could open the file behind `fd` for writing (see
+// FileSegments::kAuto). Errs towards true when it cannot tell.
+bool PeerCouldWrite(int fd, const ShmPeer& peer);
+
 struct ShmServerOptions {
   // Socket path. Required. A stale socket left by a crashed daemon is replaced;
   // one a live daemon listens on is an error.
@@ -54,6 +79,11 @@ struct ShmServerOptions {
   std::set<gid_t> allowed_gids;
   // Connections served at once; more are answered RESOURCE_EXHAUSTED. Default: 256.
   int max_connections = 256;
+  // Connections of one peer process (of one uid when its pid is not visible
+  // from the daemon's pid namespace). Default: 32.
+  int max_connections_per_peer = 32;
+  // How tensors stored as-is are handed out. Default: kAuto.
+  FileSegments file_segments = FileSegments::kAuto;
   // Largest request frame (a target schema can be large). Default: 4 MiB, as
   // the gRPC port's request limit.
   uint32_t max_request_bytes = 4 << 20;
@@ -92,17 +122,21 @@ class ShmServer {
   void AcceptLoop();
   // Answers one request: fills `response` and the descriptors to send with it
   // (owned by the segments `keep` holds alive).
-  void Handle(const v1::ShmRequest& request, v1::ShmResponse* response, std::vector<int>* fds,
+  void Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::ShmResponse* response, std::vector<int>* fds,
               std::vector<std::shared_ptr<const MappedFile>>* keep);
-  void Serve(int connection, const std::string& peer);
+  void Serve(int connection, const ShmPeer& peer);
   // One structured log line per request (server/log.h).
   static void LogRequest(const v1::ShmRequest& request, const v1::ShmResponse& response, const std::string& peer,
                          std::chrono::steady_clock::duration elapsed);
   // `gids`: the peer's primary and supplementary groups.
   bool Allowed(uid_t uid, const std::vector<gid_t>& gids) const;
-  absl::Status MapTensors(const v1::MapTensorsRequest& request, v1::MapTensorsResponse* response,
+  absl::Status MapTensors(const v1::MapTensorsRequest& request, const ShmPeer& peer, v1::MapTensorsResponse* response,
                           std::vector<std::shared_ptr<const MappedFile>>* segments);
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `file` may go to `peer` as itself (options_.file_segments), decided
+  // once per file and request in `decided`.
+  bool MayPassFile(const MappedFile& file, const ShmPeer& peer,
+                   absl::flat_hash_map<const MappedFile*, bool>* decided) const;
 
   const CheckpointRegistry* registry_;
   SegmentCache* cache_;
@@ -116,9 +150,11 @@ class ShmServer {
     int fd;  // -1 once its thread closed it
     std::thread thread;
     bool done = false;
+    std::string peer_key;  // for the per-peer share
   };
   mutable absl::Mutex mu_;
   std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int> per_peer_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
 
   // CRC32C of each derived segment's tensors, by segment key.

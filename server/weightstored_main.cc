@@ -93,6 +93,16 @@ int main(int argc, char** argv) {
   app.add_option("--socket-allow-uid", allow_uids,
                  "Uid allowed on --socket (repeatable; with no uid or gid given, only the daemon's own uid)");
   app.add_option("--socket-allow-gid", allow_gids, "Gid allowed on --socket, primary or supplementary (repeatable)");
+  app.add_option("--socket-max-connections-per-peer", options.socket.max_connections_per_peer,
+                 "Socket connections of one process (of one uid when its pid is hidden from the daemon)")
+      ->capture_default_str();
+  std::string file_segments = "auto";
+  app.add_option("--socket-file-segments", file_segments,
+                 "auto: pass a checkpoint file itself only to peers that could not open it writable (a read-only "
+                 "mount, or neither root nor its owner nor granted write), else a sealed copy; always: pass it to "
+                 "every allowed peer; never: always a sealed copy")
+      ->check(CLI::IsMember({"auto", "always", "never"}))
+      ->capture_default_str();
   app.add_option("--shm-budget", options.shm_budget_bytes,
                  "Shared memory for materialized segments and preloads (bytes, or with a unit: 8GiB)")
       ->transform(CLI::AsSizeValue(false))
@@ -150,6 +160,9 @@ int main(int argc, char** argv) {
     std::printf("%s", app.config_to_str(/*default_also=*/true, /*write_description=*/false).c_str());
     return 0;
   }
+  options.socket.file_segments = file_segments == "always"  ? FileSegments::kAlways
+                                 : file_segments == "never" ? FileSegments::kNever
+                                                            : FileSegments::kAuto;
   options.socket.allowed_uids.insert(allow_uids.begin(), allow_uids.end());
   options.socket.allowed_gids.insert(allow_gids.begin(), allow_gids.end());
   options.registry.preload_all = preload_all;

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -21,10 +22,13 @@
 #include "core/checkpoint_writer.h"
 #include "core/crc32c.h"
 #include "core/safetensors.h"
+#include "core/sealed_memfd.h"
+#include "core/unix_socket.h"
 #include "core/utf8.h"
 #include "tests/util/daemon.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
+#include "weightstore/v1/shm.pb.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore {
@@ -381,6 +385,74 @@ TEST(Issue11Test, StreamsWhoseClientStoppedReadingAreCancelledAndTheirSlotsFreed
     EXPECT_EQ(s->reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
   EXPECT_THAT(daemon.log(), HasSubstr("stalled stream cancelled"));
+  ExpectHealthy(daemon);
+}
+
+TEST(Issue11Test, ASocketPeerThatCouldWriteACheckpointGetsASealedCopyNotTheFile) {
+  // Item 12: a peer with the daemon's uid (the default allowed peer) could
+  // reopen a FILE segment's descriptor through /proc/self/fd with O_RDWR and
+  // change the checkpoint on disk.
+  const std::string models = ExampleModels();
+  const std::string bytes = Checkpoint(2, 4096, 1.0f);
+  testing::WriteFileOrDie(models + "/m.safetensors", bytes);  // ours, mode 0644
+  const std::string dir = testing::MakeScratchDir("sock");
+  ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
+  const std::string socket = dir + "/ws.sock";
+  Daemon daemon(models, {"--socket", socket, "--socket-allow-uid", std::to_string(::geteuid()),
+                         "--socket-allow-uid", "65534"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  ASSERT_OK_AND_ASSIGN(auto shm, client::ConnectSharedMemoryStore(socket));
+  ASSERT_OK_AND_ASSIGN(auto mapped, shm->MapTensors("m", {}));
+  ASSERT_FALSE(mapped.segments.empty());
+  for (const auto& segment : mapped.segments) {
+    EXPECT_OK(CheckSealed(segment->fd(), "segment")) << "we own the file: a copy, sealed";
+    const int rw = ::open(absl::StrCat("/proc/self/fd/", segment->fd()).c_str(), O_RDWR | O_CLOEXEC);
+    if (rw >= 0) {
+      EXPECT_EQ(::pwrite(rw, "x", 1, 0), -1);
+      ::close(rw);
+    }
+  }
+  EXPECT_EQ(testing::ReadFileOrEmpty(models + "/m.safetensors"), bytes);
+  EXPECT_OK(mapped.Verify());
+  // A peer that cannot write the file (uid 65534, no write bit for it) gets
+  // the file itself: nothing copied.
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run the probe as another uid";
+  std::string out;
+  const std::string probe = absl::StrCat("setpriv --reuid 65534 --regid 0 --clear-groups ", WEIGHTSTORE_SHM_PROBE_PATH,
+                                         " ", socket, " m");
+  EXPECT_EQ(testing::RunCommand(probe, &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr(" file\n"));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr(" sealed\n")));
+  ExpectHealthy(daemon);
+}
+
+TEST(Issue11Test, OneProcessCannotHoldEverySocketConnection) {
+  // Item 14: one peer could hold all 256 socket connections (a thread each).
+  const std::string models = ExampleModels();
+  const std::string socket = testing::MakeScratchDir("sock") + "/ws.sock";
+  Daemon daemon(models, {"--socket", socket, "--socket-max-connections-per-peer", "4"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  std::vector<UniqueFd> held;
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_OK_AND_ASSIGN(UniqueFd fd, ConnectUnixSocket(socket));
+    held.push_back(std::move(fd));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_OK_AND_ASSIGN(UniqueFd extra, ConnectUnixSocket(socket));
+  std::string frame;
+  std::vector<UniqueFd> fds;
+  ASSERT_OK(RecvFrame(extra.get(), 1 << 20, &frame, &fds));
+  pb::ShmResponse refused;
+  ASSERT_TRUE(refused.ParseFromString(frame));
+  EXPECT_EQ(refused.code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(refused.message(), HasSubstr(absl::StrCat("pid ", ::getpid(), " has 4 connections")));
+  // Another process is served meanwhile.
+  std::string out;
+  EXPECT_EQ(testing::RunCommand(absl::StrCat(WEIGHTSTORE_SHM_PROBE_PATH, " ", socket, " tiny-mlp"), &out), 0) << out;
+  held.clear();  // and ours come back once we let go
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_OK_AND_ASSIGN(auto shm, client::ConnectSharedMemoryStore(socket));
+  EXPECT_OK(shm->ListCheckpoints().status());
   ExpectHealthy(daemon);
 }
 

@@ -23,6 +23,7 @@
 #include "absl/strings/ascii.h"
 #include "client/store.h"
 #include "core/crc32c.h"
+#include "core/sealed_memfd.h"
 #include "core/dtype.h"
 
 namespace {
@@ -88,8 +89,10 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < mapped->segments.size(); ++i) {
     struct stat st;
     ::fstat(mapped->segments[i]->fd(), &st);
-    std::printf("segment %zu %lu:%lu %llu\n", i, static_cast<unsigned long>(st.st_dev),
-                static_cast<unsigned long>(st.st_ino), static_cast<unsigned long long>(st.st_size));
+    const bool sealed = weightstore::CheckSealed(mapped->segments[i]->fd(), "segment").ok();
+    std::printf("segment %zu %lu:%lu %llu %s\n", i, static_cast<unsigned long>(st.st_dev),
+                static_cast<unsigned long>(st.st_ino), static_cast<unsigned long long>(st.st_size),
+                sealed ? "sealed" : "file");
   }
   for (const auto& t : mapped->tensors) {
     std::printf("tensor %s %u\n", t.spec.name.c_str(), weightstore::Crc32c(t.bytes.view()));
