@@ -108,7 +108,8 @@ absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path) {
     return std::unique_ptr<Store>(std::move(store));
   }
   fs::path p(path);
-  auto store = std::make_unique<LocalStore>(RegistryOptions{.models_dir = p.parent_path().string()});
+  const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  auto store = std::make_unique<LocalStore>(RegistryOptions{.models_dir = parent.string()});
   WEIGHTSTORE_RETURN_IF_ERROR(store->registry().Load(path, "").status());
   return std::unique_ptr<Store>(std::move(store));
 }

@@ -199,9 +199,16 @@ class RemoteStore final : public Store {
     int resumes = 0;
     absl::Status first_break;  // why the stream first broke, for the final error
     ChunkAssembler assembler(req.start_index());
+    std::chrono::system_clock::time_point resume_until;
     while (true) {
       grpc::ClientContext ctx;
       SetDeadline(&ctx);
+      if (resumes > 0) {
+        // Wait for the daemon to come back (a restart) rather than failing
+        // fast, within the resume window.
+        ctx.set_wait_for_ready(true);
+        ctx.set_deadline(std::min(resume_until, std::chrono::system_clock::now() + options_.deadline));
+      }
       // The generated stub's reader, but over raw ByteBuffers: chunks are parsed
       // from gRPC's own slices while the next one is being received.
       std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
@@ -224,7 +231,10 @@ class RemoteStore final : public Store {
       }
       if (first_break.ok()) first_break = FromGrpc(status);
       assembler.Restart();  // tensors before start_index are complete; the current one restarts
-      std::this_thread::sleep_for(options_.resume_backoff * resumes);
+      const auto backoff = std::min<std::chrono::milliseconds>(options_.resume_backoff * (1 << std::min(resumes - 1, 10)),
+                                                               std::chrono::seconds(5));
+      std::this_thread::sleep_for(backoff);
+      resume_until = std::chrono::system_clock::now() + options_.resume_window;
     }
   }
 

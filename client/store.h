@@ -118,8 +118,11 @@ struct RemoteOptions {
   // Reconnects after a broken stream, resuming from the last complete tensor.
   // Default: 3.
   int max_resumes = 3;
-  // Wait before resume n: n times this. Default: 500 ms.
+  // Wait before resume n: this, doubled each time, at most 5 s. Default: 500 ms.
   std::chrono::milliseconds resume_backoff{500};
+  // A resume waits this long for the daemon to come back (it may be
+  // restarting) before the fetch fails with DeadlineExceeded. Default: 60 s.
+  std::chrono::milliseconds resume_window{60 * 1000};
   // Chunk size asked of the server (it caps it at 4 MiB). Default: 0, the
   // server's (1 MiB). Measured on loopback: no gain from larger chunks.
   uint32_t chunk_bytes = 0;

@@ -204,6 +204,19 @@ void CheckpointRegistry::OnFilesModified(const std::set<std::string>& names) {
   Rescan();  // reopens what is stale
 }
 
+std::string CheckpointRegistry::RelativePath(const std::string& path) const {
+  std::error_code ec;
+  const fs::path file = fs::absolute(path, ec).lexically_normal();
+  std::vector<std::string> roots = {options_.models_dir};
+  roots.insert(roots.end(), options_.load_roots.begin(), options_.load_roots.end());
+  for (const std::string& root : roots) {
+    const fs::path folder = fs::absolute(root, ec).lexically_normal();
+    const fs::path relative = file.lexically_relative(folder);
+    if (!relative.empty() && *relative.begin() != "..") return relative.string();
+  }
+  return file.filename().string();
+}
+
 std::string CheckpointRegistry::Watch(const std::string& name, const CheckpointVersion& version) {
   if (watcher_ == nullptr) return "";
   std::vector<std::string> paths;
@@ -246,6 +259,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::string after, FileVersion(path));
     if (before != after) continue;
     auto version = std::make_shared<CheckpointVersion>(name, path, std::move(checkpoint), after, NowUnixSeconds());
+    version->SetRelativePath(RelativePath(path));
     if (preload) version->HoldReservation(std::move(reservation));
     version->SetOnStale([watcher = std::weak_ptr<FileWatcher>(watcher_)] {
       if (auto w = watcher.lock()) w->Poke();  // a rescan soon reopens it
@@ -344,11 +358,13 @@ ScanReport CheckpointRegistry::Rescan() {
         // hence the version string: give the new contents a new one anyway.
         std::shared_ptr<const CheckpointVersion> previous = Get(name);
         if (previous != nullptr && previous->stale() && previous->version() == (*version)->version()) {
-          opened[name] = std::make_shared<CheckpointVersion>(
+          auto renamed = std::make_shared<CheckpointVersion>(
               name, (*version)->path(), (*version)->checkpoint(),
               absl::StrFormat("%016x", Mix(std::hash<std::string>()((*version)->version()),
                                            ++reopen_generation_ + 0x9e3779b97f4a7c15ULL)),
               (*version)->loaded_at_unix_seconds());
+          renamed->SetRelativePath((*version)->relative_path());
+          opened[name] = std::move(renamed);
         }
       } else {
         report.errors.push_back(absl::StrCat(path, ": ", version.status().message()));

@@ -47,7 +47,12 @@ class CheckpointVersion {
         loaded_at_(loaded_at_unix_seconds) {}
 
   const std::string& name() const { return name_; }
+  // Where it was opened from (absolute, or as configured).
   const std::string& path() const { return path_; }
+  // path() relative to the models folder, or to the load root it lies in: what
+  // clients are told, so that no server path leaks.
+  const std::string& relative_path() const { return relative_path_; }
+  void SetRelativePath(std::string path) { relative_path_ = std::move(path); }
   const std::shared_ptr<const Checkpoint>& checkpoint() const { return checkpoint_; }
   // Changes whenever the file is replaced: a hash of device, inode, size, mtime.
   const std::string& version() const { return version_; }
@@ -78,7 +83,7 @@ class CheckpointVersion {
   void SetOnStale(std::function<void()> on_stale) { on_stale_ = std::move(on_stale); }
 
  private:
-  std::string name_, path_;
+  std::string name_, path_, relative_path_;
   std::shared_ptr<const Checkpoint> checkpoint_;
   std::string version_;
   int64_t loaded_at_;
@@ -193,6 +198,9 @@ class CheckpointRegistry {
                                                                        const std::string& path) const;
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersionUntimed(const std::string& name,
                                                                               const std::string& path) const;
+  // `path` relative to the models folder or the load root it lies in (its file
+  // name alone if neither).
+  std::string RelativePath(const std::string& path) const;
   // Watches the files of `version`, just published as `name`. Returns an error
   // line for the scan report, or "".
   std::string Watch(const std::string& name, const CheckpointVersion& version);

@@ -51,7 +51,7 @@ void ToProto(const CheckpointVersion& version, v1::CheckpointInfo* out) {
   out->set_name(version.name());
   out->set_format(std::string(FormatName(c.format())));
   out->set_container(c.detail());
-  out->set_path(version.path());
+  out->set_path(version.relative_path());
   out->set_total_bytes(c.total_bytes());
   out->set_tensor_count(c.size());
   for (const auto& [k, v] : c.metadata()) (*out->mutable_metadata())[k] = v;

@@ -123,7 +123,7 @@ TEST_F(ShmTest, MapsEveryFixtureByteForByteWithoutCopying) {
   ASSERT_GT(list.size(), 40u);
   for (const auto& c : list) {
     SCOPED_TRACE(c.name);
-    ASSERT_OK_AND_ASSIGN(auto local, Checkpoint::Open(c.path));
+    ASSERT_OK_AND_ASSIGN(auto local, Checkpoint::Open(*models_ + "/" + c.path));
     ASSERT_OK_AND_ASSIGN(client::MappedTensors mapped, store->MapTensors(c.name, {}));
     ASSERT_EQ(mapped.tensors.size(), local->size());
     EXPECT_OK(mapped.Verify());
@@ -141,7 +141,7 @@ TEST_F(ShmTest, SafeTensorsArePassedAsTheFileItselfAndCastsAsOneSealedMemfd) {
   ASSERT_OK_AND_ASSIGN(client::MappedTensors plain, store->MapTensors("safetensors/multi_layer", {}));
   ASSERT_EQ(plain.segments.size(), 1u);
   struct stat file_st, seg_st;
-  ASSERT_EQ(::stat(summary.path.c_str(), &file_st), 0);
+  ASSERT_EQ(::stat((*models_ + "/" + summary.path).c_str(), &file_st), 0);
   ASSERT_EQ(::fstat(plain.segments[0]->fd(), &seg_st), 0);
   EXPECT_EQ(seg_st.st_ino, file_st.st_ino);  // the checkpoint file itself
   EXPECT_FALSE(CheckSealed(plain.segments[0]->fd(), "file").ok());

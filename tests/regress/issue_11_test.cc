@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
 #include "core/checkpoint_writer.h"
@@ -454,6 +455,76 @@ TEST(Issue11Test, OneProcessCannotHoldEverySocketConnection) {
   ASSERT_OK_AND_ASSIGN(auto shm, client::ConnectSharedMemoryStore(socket));
   EXPECT_OK(shm->ListCheckpoints().status());
   ExpectHealthy(daemon);
+}
+
+TEST(Issue11Test, AFetchSurvivesADaemonThatTakesSecondsToRestart) {
+  // Item 14: clients gave up on a daemon that restarted in more than ~3 s.
+  const std::string models = ExampleModels();
+  const std::string bytes = Checkpoint(32, 1 << 19, 4.0f);  // 64 MiB: more than any window holds
+  testing::WriteFileOrDie(models + "/big.safetensors", bytes);
+  std::string address;
+  {  // a free port, then the daemon on it
+    Daemon probe(models);
+    ASSERT_NE(probe.port(), 0) << probe.log();
+    address = probe.address();
+  }
+  auto daemon = std::make_unique<Daemon>(models, std::vector<std::string>{}, address);
+  ASSERT_EQ(daemon->address(), address) << daemon->log();
+  struct KillingSink : client::CollectingSink {
+    std::function<void()> after_third;
+    int ended = 0;
+    absl::Status End(const TensorSpec& spec) override {
+      if (++ended == 3) after_third();
+      return CollectingSink::End(spec);
+    }
+  } sink;
+  std::thread restart;
+  sink.after_third = [&] {
+    daemon->Signal(SIGKILL);
+    daemon->WaitExit(5000);
+    restart = std::thread([&] {
+      std::this_thread::sleep_for(std::chrono::seconds(4));
+      daemon = std::make_unique<Daemon>(models, std::vector<std::string>{}, address);
+    });
+  };
+  ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(address));
+  absl::Status fetched = store->FetchTensors("big", {}, &sink);
+  restart.join();
+  ASSERT_OK(fetched);
+  std::map<std::string, std::string> got;
+  for (const SharedTensor& t : sink.tensors()) got[t.spec.name] = std::string(t.bytes.view());
+  EXPECT_EQ(got, TensorsOf(bytes));
+  ExpectHealthy(*daemon);
+}
+
+TEST(Issue11Test, ReadClientsSeePathsRelativeToTheModelsFolderOrLoadRoot) {
+  // Item 14: CheckpointInfo.path gave read clients absolute server paths.
+  const std::string models = ExampleModels();
+  const std::string root = testing::MakeScratchDir("root");
+  fs::create_directories(root + "/team");
+  testing::WriteFileOrDie(root + "/team/extra.safetensors", Checkpoint(1, 16, 1.0f));
+  const std::string socket = testing::MakeScratchDir("sock") + "/ws.sock";
+  Daemon daemon(models, {"--load-root", root, "--socket", socket});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto stub = Stub(daemon);
+  grpc::ClientContext ctx;
+  pb::LoadCheckpointRequest load;
+  load.set_path(root + "/team/extra.safetensors");
+  pb::CheckpointInfo loaded;
+  ASSERT_TRUE(stub->LoadCheckpoint(&ctx, load, &loaded).ok());
+  EXPECT_EQ(loaded.path(), "team/extra.safetensors");
+  ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address()));
+  ASSERT_OK_AND_ASSIGN(auto list, store->ListCheckpoints());
+  ASSERT_OK_AND_ASSIGN(auto shm, client::ConnectSharedMemoryStore(socket));
+  ASSERT_OK_AND_ASSIGN(auto shm_list, shm->ListCheckpoints());
+  for (const auto& listing : {list, shm_list}) {
+    for (const auto& c : listing) {
+      EXPECT_FALSE(absl::StartsWith(c.path, "/")) << c.path;
+      EXPECT_THAT(c.path, ::testing::Not(HasSubstr(models))) << c.path;
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(auto tiny, store->GetCheckpoint("tiny-mlp"));
+  EXPECT_EQ(tiny.path, "tiny-mlp.safetensors");
 }
 
 }  // namespace

@@ -218,9 +218,12 @@ def _copy_into(module, tensors):
 class RemoteClient:
     """weightstored over gRPC. Fetched tensors are owned arrays (one copy, from the wire)."""
 
-    def __init__(self, address, timeout=600.0, max_resumes=3, token=None, tls_ca=None, tls_cert=None, tls_key=None):
+    def __init__(self, address, timeout=600.0, max_resumes=3, resume_window=60.0, token=None, tls_ca=None,
+                 tls_cert=None, tls_key=None):
         """tls_ca (a PEM file) turns TLS on; tls_cert and tls_key add a client
-        certificate (mutual TLS). token is sent as "authorization: Bearer ..."."""
+        certificate (mutual TLS). token is sent as "authorization: Bearer ...".
+        A broken stream resumes up to max_resumes times, each resume waiting up
+        to resume_window seconds for the daemon to come back (a restart)."""
         options = [("grpc.max_receive_message_length", 16 << 20)]
         if tls_ca:
             read = lambda path: open(path, "rb").read() if path else None
@@ -235,6 +238,7 @@ class RemoteClient:
                                                      response_deserializer=None)
         self._timeout = timeout
         self._max_resumes = max_resumes
+        self._resume_window = resume_window
         self._metadata = [("authorization", f"Bearer {token}")] if token else None
 
     def close(self):
@@ -282,8 +286,12 @@ class RemoteClient:
         while done < len(infos):
             request = pb.FetchTensorsRequest(name=name, selection=selection, version=version, start_index=done)
             crc = 0
+            # A resume waits for the channel to come back, within the window.
+            call = dict(timeout=self._timeout, metadata=self._metadata)
+            if resumes:
+                call.update(timeout=min(self._timeout, self._resume_window), wait_for_ready=True)
             try:
-                for raw in self._raw_fetch(request, timeout=self._timeout, metadata=self._metadata):
+                for raw in self._raw_fetch(request, **call):
                     chunk = _parse_chunk(raw)
                     if chunk.index != done:
                         raise WeightStoreError("DATA_LOSS", f"a chunk of tensor {chunk.index}; expected {done}")
@@ -305,7 +313,7 @@ class RemoteClient:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or resumes >= self._max_resumes:
                     raise WeightStoreError(e.code().name, e.details()) from None
                 resumes += 1
-                time.sleep(0.5 * resumes)
+                time.sleep(min(0.5 * 2 ** (resumes - 1), 5.0))
         return {info.name: _view(arena, offsets[i], info, as_) for i, info in enumerate(infos)}, listing
 
     def fetch(self, name, as_="torch", **selection):
