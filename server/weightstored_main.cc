@@ -84,6 +84,9 @@ int main(int argc, char** argv) {
                  "RE2 memory of all patterns of one request together (bytes, or with a unit: 16MiB)")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
+  app.add_option("--abandoned-upload-seconds", options.registry.abandoned_temporary_seconds,
+                 "A rescan (and startup) removes upload temporaries no live writer holds once this old")
+      ->capture_default_str();
   app.add_option("--load-root", options.registry.load_roots,
                  "A folder besides --models whose files LoadCheckpoint may serve (repeatable)");
   app.add_option("--socket", options.socket.path,

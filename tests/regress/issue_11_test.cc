@@ -20,6 +20,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
+#include "core/atomic_file.h"
 #include "core/checkpoint_writer.h"
 #include "core/crc32c.h"
 #include "core/safetensors.h"
@@ -27,8 +28,10 @@
 #include "core/unix_socket.h"
 #include "core/utf8.h"
 #include "tests/util/daemon.h"
+#include "tests/util/pickle_builder.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
+#include "tests/util/zip_builder.h"
 #include "weightstore/v1/shm.pb.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
@@ -525,6 +528,203 @@ TEST(Issue11Test, ReadClientsSeePathsRelativeToTheModelsFolderOrLoadRoot) {
   }
   ASSERT_OK_AND_ASSIGN(auto tiny, store->GetCheckpoint("tiny-mlp"));
   EXPECT_EQ(tiny.path, "tiny-mlp.safetensors");
+}
+
+// Requests whose selection is hostile: each is refused quickly and cheaply.
+pb::ListTensorsRequest Listing(const std::string& name) {
+  pb::ListTensorsRequest req;
+  req.set_name(name);
+  return req;
+}
+
+grpc::Status List(pb::WeightStore::Stub* stub, const pb::ListTensorsRequest& req) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  pb::ListTensorsResponse resp;
+  return stub->ListTensors(&ctx, req, &resp);
+}
+
+TEST(Issue11Test, HostileSelectionsAreRefusedQuicklyAndCheaply) {
+  const std::string models = ExampleModels();
+  Daemon daemon(models);
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto stub = Stub(daemon);
+  const auto start = std::chrono::steady_clock::now();
+  {  // Item 2: ten rules '' -> 'x' * 1000 grew names to ~10 GB.
+    pb::ListTensorsRequest req = Listing("tiny-mlp");
+    for (int i = 0; i < 10; ++i) {
+      pb::RenameRule* rule = req.mutable_selection()->add_renames();
+      rule->set_replacement(std::string(1000, 'x'));
+    }
+    grpc::Status st = List(stub.get(), req);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("past 4096 bytes"));
+  }
+  {  // Item 9: 1000 patterns [^a]{900} (12 KB of request) took 17 s and 2 GB.
+    pb::ListTensorsRequest req = Listing("tiny-mlp");
+    for (int i = 0; i < 1000; ++i) req.mutable_selection()->add_include("[^a]{900}");
+    EXPECT_EQ(List(stub.get(), req).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    pb::ListTensorsRequest within_count = Listing("tiny-mlp");
+    for (int i = 0; i < 200; ++i) within_count.mutable_selection()->add_exclude("[^a]{900}");
+    grpc::Status st = List(stub.get(), within_count);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("regex budget"));
+  }
+  {  // Item 8: a target parameter path of 800k dots took 43 s of CPU.
+    pb::ListTensorsRequest req = Listing("tiny-mlp");
+    pb::TargetParameter* p = req.mutable_selection()->mutable_target()->add_parameters();
+    p->set_path(std::string(800000, '.'));
+    p->add_shape(1);
+    req.mutable_selection()->set_allow_partial(true);
+    EXPECT_EQ(List(stub.get(), req).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {  // Contiguous indices over names of thousands of numeric segments.
+    pb::ListTensorsRequest req = Listing("tiny-mlp");
+    std::string digits;
+    for (int i = 0; i < 2000; ++i) absl::StrAppend(&digits, i % 10, ".");
+    pb::RenameRule* rule = req.mutable_selection()->add_renames();
+    rule->set_pattern("^");
+    rule->set_replacement(digits);
+    req.mutable_selection()->set_contiguous_indices(true);
+    EXPECT_TRUE(List(stub.get(), req).ok());
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  ExpectHealthy(daemon);
+}
+
+// Writes a .pt built by hand (pickle + zip) or by torch into `path`.
+void WriteZip(const std::string& path, const std::vector<testing::ZipBuildEntry>& entries,
+              const testing::ZipBuildOptions& options = {}) {
+  testing::WriteFileOrDie(path, testing::BuildZip(entries, options));
+}
+
+TEST(Issue11Test, HostileFilesInTheModelsFolderAreReportedAndCostNothing) {
+  const std::string models = ExampleModels();
+  // Item 3: a 254-byte zip bomb: a ZIP64 data.pkl declaring 8 GiB.
+  testing::ZipBuildOptions bomb;
+  bomb.zip64 = true;
+  bomb.method = 8;
+  bomb.declared_size = uint64_t{8} << 30;
+  WriteZip(models + "/bomb.pt", {{"bomb/data.pkl", std::string("\x03\x00", 2)}}, bomb);
+  bomb.declared_size = uint64_t{100} << 20;  // under the pickle bound: deflate's ratio refuses it
+  WriteZip(models + "/bomb2.pt", {{"bomb2/data.pkl", std::string("\x03\x00", 2)}}, bomb);
+  // Item 7: a 2 MiB memoized key in dicts nested 63 deep.
+  testing::PickleBuilder deep;
+  deep.Proto(2);
+  for (int i = 0; i < 63; ++i) {
+    deep.EmptyDict().Mark();
+    if (i == 0) {
+      deep.Str(std::string(2 << 20, 'k')).Put(0);
+    } else {
+      deep.Get(0);
+    }
+  }
+  deep.EmptyDict();
+  for (int i = 0; i < 63; ++i) deep.SetItems();
+  deep.Stop();
+  WriteZip(models + "/deep.pt", {{"deep/data.pkl", deep.str()}, {"deep/byteorder", "little"}});
+  // Item 6: torch.ones(1).expand(1 << 29), written by PyTorch itself.
+  const std::string script = absl::StrCat("import torch; torch.save({'x': torch.ones(1).expand(1 << 29)}, '", models,
+                                          "/broadcast.pt')");
+  const std::string command = absl::StrCat(testing::TorchPython(), " -c ", testing::ShellQuote(script));
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(command, &out), 0) << out;
+  // Item 4: a symlink loop.
+  fs::create_symlink("loop.safetensors", models + "/loop.safetensors");
+  Daemon daemon(models);
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address()));
+  for (const char* name : {"bomb", "bomb2", "deep", "broadcast", "loop"}) {
+    EXPECT_THAT(store->GetCheckpoint(name), StatusIs(absl::StatusCode::kNotFound)) << name;
+  }
+  const std::string log = daemon.log();
+  EXPECT_THAT(log, HasSubstr("pickles over 268435456 bytes are not read"));
+  EXPECT_THAT(log, HasSubstr("more than deflate can expand"));
+  EXPECT_THAT(log, HasSubstr("dict key of 2097152 bytes"));
+  EXPECT_THAT(log, HasSubstr("expands 4 stored bytes to 2147483648"));
+  EXPECT_THAT(log, HasSubstr("loop.safetensors"));
+  // A rescan, by signal and by RPC, finds the same and keeps serving.
+  daemon.Signal(SIGHUP);
+  auto stub = Stub(daemon);
+  grpc::ClientContext ctx;
+  pb::RescanResponse rescan;
+  EXPECT_TRUE(stub->Rescan(&ctx, pb::RescanRequest(), &rescan).ok());
+  // The same bomb uploaded is refused before it is stored.
+  grpc::ClientContext put_ctx;
+  pb::CheckpointInfo info;
+  auto writer = stub->PutCheckpoint(&put_ctx, &info);
+  const std::string bytes = testing::ReadFileOrEmpty(models + "/bomb.pt");
+  pb::PutCheckpointRequest part;
+  part.mutable_header()->set_name("uploaded-bomb");
+  part.mutable_header()->set_extension("pt");
+  writer->Write(part);
+  part.set_data(bytes);
+  writer->Write(part);
+  part.mutable_commit()->set_size(bytes.size());
+  part.mutable_commit()->set_crc32c(Crc32c(bytes));
+  writer->Write(part);
+  writer->WritesDone();
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_FALSE(fs::exists(models + "/uploaded-bomb.pt"));
+  ExpectHealthy(daemon);
+}
+
+TEST(Issue11Test, LoadAndUploadStayInsideTheirFolders) {
+  // Item 13: LoadCheckpoint read any path and quoted its first bytes; uploads
+  // could be steered through a symlinked folder; a kill -9 mid-upload left a
+  // temporary file forever.
+  const std::string models = ExampleModels();
+  const std::string outside = testing::MakeScratchDir("outside");
+  fs::create_directory_symlink(outside, models + "/escape");
+  auto daemon = std::make_unique<Daemon>(models);
+  ASSERT_NE(daemon->port(), 0) << daemon->log();
+  auto stub = Stub(*daemon);
+  {
+    grpc::ClientContext ctx;
+    pb::LoadCheckpointRequest req;
+    req.set_path("/etc/passwd");
+    pb::CheckpointInfo info;
+    grpc::Status st = stub->LoadCheckpoint(&ctx, req, &info);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_THAT(st.error_message(), ::testing::Not(HasSubstr("root:")));
+  }
+  auto begin_upload = [&](grpc::ClientContext* ctx, pb::CheckpointInfo* info, const std::string& name) {
+    auto writer = stub->PutCheckpoint(ctx, info);
+    pb::PutCheckpointRequest part;
+    part.mutable_header()->set_name(name);
+    part.mutable_header()->set_extension("safetensors");
+    writer->Write(part);
+    part.set_data(std::string(1 << 20, 'z'));
+    writer->Write(part);
+    return writer;
+  };
+  {
+    grpc::ClientContext ctx;
+    pb::CheckpointInfo info;
+    auto writer = begin_upload(&ctx, &info, "escape/x");
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(fs::is_empty(outside));
+  }
+  {  // killed mid-upload: the temporary stays until a restarted daemon clears it
+    grpc::ClientContext ctx;
+    pb::CheckpointInfo info;
+    auto writer = begin_upload(&ctx, &info, "half");
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    daemon->Signal(SIGKILL);
+    daemon->WaitExit(5000);
+    ctx.TryCancel();
+  }
+  size_t temporaries = 0;
+  for (const auto& e : fs::directory_iterator(models)) temporaries += IsAtomicFileTemporary(e.path().filename().string());
+  EXPECT_EQ(temporaries, 1u);
+  daemon = std::make_unique<Daemon>(models, std::vector<std::string>{"--abandoned-upload-seconds", "0"});
+  ASSERT_NE(daemon->port(), 0) << daemon->log();
+  EXPECT_THAT(daemon->log(), HasSubstr("removed the abandoned upload"));
+  temporaries = 0;
+  for (const auto& e : fs::directory_iterator(models)) temporaries += IsAtomicFileTemporary(e.path().filename().string());
+  EXPECT_EQ(temporaries, 0u);
+  ExpectHealthy(*daemon);
 }
 
 }  // namespace
