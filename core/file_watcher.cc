@@ -27,6 +27,12 @@ absl::StatusOr<std::unique_ptr<FileWatcher>> FileWatcher::Start(Callback on_modi
 }
 
 FileWatcher::~FileWatcher() {
+  Stop();
+  if (inotify_fd_ >= 0) ::close(inotify_fd_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void FileWatcher::Stop() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
@@ -36,8 +42,6 @@ FileWatcher::~FileWatcher() {
     (void)!::write(wake_fd_, &one, sizeof one);
   }
   if (thread_.joinable()) thread_.join();
-  if (inotify_fd_ >= 0) ::close(inotify_fd_);
-  if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 absl::Status FileWatcher::Set(const std::string& key, const std::vector<std::string>& paths) {

@@ -34,7 +34,11 @@ class FileWatcher {
   // Starts the watcher thread. Internal if inotify is unavailable.
   static absl::StatusOr<std::unique_ptr<FileWatcher>> Start(Callback on_modified,
                                                             std::chrono::milliseconds settle);
-  ~FileWatcher();  // stops the thread; no report runs after it returns
+  ~FileWatcher();  // Stop()s
+
+  // Stops the thread, waiting for a report in progress; none runs after it
+  // returns. Idempotent. REQUIRES: not called from a report.
+  void Stop();
 
   // Watches exactly `paths` (following symlinks) under `key`, replacing what
   // `key` watched before. Returns ResourceExhausted when the kernel's watch

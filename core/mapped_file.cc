@@ -118,7 +118,8 @@ bool MappedFile::ChangedOnDisk() const {
   struct stat st;
   if (::fstat(fd_, &st) != 0) return true;
   const int64_t mtime = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-  return static_cast<uint64_t>(st.st_size) != size_ || mtime != mtime_ns_;
+  const int64_t ctime = static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
+  return static_cast<uint64_t>(st.st_size) != size_ || mtime != mtime_ns_ || ctime != ctime_ns_;
 }
 
 namespace {
@@ -160,6 +161,7 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::FromDescriptor(int
   file->device_ = st.st_dev;
   file->inode_ = st.st_ino;
   file->mtime_ns_ = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  file->ctime_ns_ = static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
   if (file->size_ == 0) return std::shared_ptr<const MappedFile>(std::move(file));
   try {
     auto mapping = std::make_unique<Mapping>();
@@ -201,6 +203,7 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::Open(
   file->device_ = st.st_dev;
   file->inode_ = st.st_ino;
   file->mtime_ns_ = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  file->ctime_ns_ = static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
 
   if (file->size_ < options.mmap_threshold || file->size_ == 0) {
     file->fd_ = fd;

@@ -71,8 +71,9 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
   // True once a read of the mapping hit a page the file no longer has (it was
   // truncated): that page reads as zeros now. Needs InstallMappedFileGuard().
   bool faulted() const;
-  // True when the mapped file's size or modification time differs from when it
-  // was opened: someone wrote to it in place. Always false for files read into
+  // True when the mapped file's size, modification time or change time differs
+  // from when it was opened: someone wrote to it in place (ctime cannot be put
+  // back, as `touch -r` puts back mtime). Always false for files read into
   // memory (they are a private copy) and for sealed memfds.
   bool ChangedOnDisk() const;
 
@@ -86,6 +87,7 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
   dev_t device_ = 0;
   ino_t inode_ = 0;
   int64_t mtime_ns_ = 0;
+  int64_t ctime_ns_ = 0;
   const std::byte* data_ = nullptr;
   std::vector<std::byte> buffer_;  // small files
   struct Mapping;

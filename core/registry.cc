@@ -50,6 +50,8 @@ absl::StatusOr<uint64_t> HashFile(const std::string& path, uint64_t h) {
   h = Mix(h, st.st_ino);
   h = Mix(h, static_cast<uint64_t>(st.st_size));
   h = Mix(h, static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000ULL + st.st_mtim.tv_nsec);
+  // ctime too: a rewrite that puts mtime back (touch -r, rsync -t) cannot put it back.
+  h = Mix(h, static_cast<uint64_t>(st.st_ctim.tv_sec) * 1000000000ULL + st.st_ctim.tv_nsec);
   return h;
 }
 
@@ -132,16 +134,16 @@ absl::Status CheckpointVersion::CheckUnchanged() const {
   return absl::OkStatus();
 }
 
-std::optional<uint32_t> CheckpointVersion::CachedCrc(size_t entry) const {
+std::optional<uint32_t> CheckpointVersion::CachedCrc(uint64_t key) const {
   absl::MutexLock lock(&mu_);
-  auto it = crc_.find(entry);
+  auto it = crc_.find(key);
   if (it == crc_.end()) return std::nullopt;
   return it->second;
 }
 
-void CheckpointVersion::StoreCrc(size_t entry, uint32_t crc) const {
+void CheckpointVersion::StoreCrc(uint64_t key, uint32_t crc) const {
   absl::MutexLock lock(&mu_);
-  crc_[entry] = crc;
+  crc_[key] = crc;
 }
 
 absl::Status CheckCheckpointName(absl::string_view name, size_t max_bytes) {
@@ -195,7 +197,11 @@ CheckpointRegistry::CheckpointRegistry(RegistryOptions options) : options_(std::
   }
 }
 
-CheckpointRegistry::~CheckpointRegistry() { watcher_.reset(); }
+CheckpointRegistry::~CheckpointRegistry() {
+  // Its thread may be in a Rescan, which uses watcher_: stop it first.
+  if (watcher_ != nullptr) watcher_->Stop();
+  watcher_.reset();
+}
 
 void CheckpointRegistry::OnFilesModified(const std::set<std::string>& names) {
   for (const std::string& name : names) {
@@ -227,10 +233,10 @@ std::string CheckpointRegistry::Watch(const std::string& name, const CheckpointV
   return status.ok() ? "" : std::string(status.message());
 }
 
-absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersion(const std::string& name,
-                                                                                       const std::string& path) const {
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersion(
+    const std::string& name, const std::string& path, const CheckpointVersion* previous) const {
   const auto start = std::chrono::steady_clock::now();
-  auto version = OpenVersionUntimed(name, path);
+  auto version = OpenVersionUntimed(name, path, previous);
   if (options_.on_load) {
     options_.on_load(name, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
                      version.status());
@@ -239,7 +245,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
 }
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersionUntimed(
-    const std::string& name, const std::string& path) const {
+    const std::string& name, const std::string& path, const CheckpointVersion* previous) const {
   const bool preload = options_.preload_all || options_.preload.contains(name);
   OpenOptions open = options_.open;
   SegmentCache::Reservation reservation;
@@ -258,7 +264,15 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> checkpoint, Checkpoint::Open(path, open));
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::string after, FileVersion(path));
     if (before != after) continue;
-    auto version = std::make_shared<CheckpointVersion>(name, path, std::move(checkpoint), after, NowUnixSeconds());
+    // A rewrite in place within one timestamp tick can keep every stat field:
+    // the new contents still get an id of their own.
+    std::string id = after;
+    if (previous != nullptr && previous->stale() && previous->file_version() == after) {
+      id = absl::StrFormat("%016x", Mix(std::hash<std::string>()(previous->version()),
+                                        ++reopen_generation_ + 0x9e3779b97f4a7c15ULL));
+    }
+    auto version = std::make_shared<CheckpointVersion>(name, path, std::move(checkpoint), after, std::move(id),
+                                                       NowUnixSeconds());
     version->SetRelativePath(RelativePath(path));
     if (preload) version->HoldReservation(std::move(reservation));
     version->SetOnStale([watcher = std::weak_ptr<FileWatcher>(watcher_)] {
@@ -277,9 +291,6 @@ ScanReport CheckpointRegistry::Rescan() {
   std::vector<fs::path> files, temporaries;
   std::error_code ec;
   fs::recursive_directory_iterator it(options_.models_dir, fs::directory_options::skip_permission_denied, ec), end;
-  if (ec) {
-    report.errors.push_back(absl::StrCat(options_.models_dir, ": ", ec.message()));
-  }
   // Only the error_code overloads: a symlink loop or a vanishing file must be a
   // line in the report, never an exception.
   for (; !ec && it != end; it.increment(ec)) {
@@ -298,7 +309,10 @@ ScanReport CheckpointRegistry::Rescan() {
       report.errors.push_back(absl::StrCat(it->path().string(), ": ", item_ec.message()));
     }
   }
-  if (ec) report.errors.push_back(absl::StrCat(options_.models_dir, ": ", ec.message()));
+  // A walk cut short (out of descriptors, a network error) saw only part of the
+  // folder: this scan then adds and replaces, and removes nothing.
+  const bool complete = !ec;
+  if (ec) report.errors.push_back(absl::StrCat(options_.models_dir, ": ", ec.message(), "; nothing is removed"));
   for (const fs::path& t : temporaries) {
     UniqueFd folder(::open(t.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     const std::string name = t.filename().string();
@@ -339,7 +353,7 @@ ScanReport CheckpointRegistry::Rescan() {
         auto cur = served_.find(name);
         absl::StatusOr<std::string> version = FileVersion(path);
         if (cur != served_.end() && cur->second.current->path() == path && version.ok() &&
-            *version == cur->second.current->version() && !cur->second.current->stale()) {
+            *version == cur->second.current->file_version() && !cur->second.current->stale()) {
           continue;
         }
         to_open[name] = path;
@@ -351,21 +365,10 @@ ScanReport CheckpointRegistry::Rescan() {
       }
     }
     for (const auto& [name, path] : to_open) {
-      auto version = OpenVersion(name, path);
+      std::shared_ptr<const CheckpointVersion> previous = Get(name);
+      auto version = OpenVersion(name, path, previous.get());
       if (version.ok()) {
         opened[name] = *version;
-        // A rewrite in place within one timestamp tick keeps size and mtime,
-        // hence the version string: give the new contents a new one anyway.
-        std::shared_ptr<const CheckpointVersion> previous = Get(name);
-        if (previous != nullptr && previous->stale() && previous->version() == (*version)->version()) {
-          auto renamed = std::make_shared<CheckpointVersion>(
-              name, (*version)->path(), (*version)->checkpoint(),
-              absl::StrFormat("%016x", Mix(std::hash<std::string>()((*version)->version()),
-                                           ++reopen_generation_ + 0x9e3779b97f4a7c15ULL)),
-              (*version)->loaded_at_unix_seconds());
-          renamed->SetRelativePath((*version)->relative_path());
-          opened[name] = std::move(renamed);
-        }
       } else {
         report.errors.push_back(absl::StrCat(path, ": ", version.status().message()));
       }
@@ -382,7 +385,7 @@ ScanReport CheckpointRegistry::Rescan() {
     cur->second.pinned = pinned;
   }
   for (auto cur = served_.begin(); cur != served_.end();) {
-    if (!cur->second.pinned && !found.contains(cur->first)) {
+    if (complete && !cur->second.pinned && !found.contains(cur->first)) {
       if (watcher_ != nullptr) watcher_->Remove(cur->first);
       report.removed.push_back(cur->first);
       cur = served_.erase(cur);
@@ -428,6 +431,9 @@ std::vector<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::List()
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Load(const std::string& path,
                                                                                 const std::string& name) {
+  // One at a time with scans: a rescan that started before this load must not
+  // undo it (remove an upload just committed, or put back an older version).
+  absl::MutexLock scan_lock(&scan_mu_);
   if (path.empty() || path.size() > 4096 || path.find('\0') != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("path of ", path.size(), " bytes is not a path to load"));
   }

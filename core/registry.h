@@ -38,11 +38,14 @@ namespace weightstore {
 // be served (see CheckUnchanged).
 class CheckpointVersion {
  public:
+  // `file_version` identifies the files as opened (FileVersion); `version` is
+  // the id clients see, the same unless the registry had to issue another.
   CheckpointVersion(std::string name, std::string path, std::shared_ptr<const Checkpoint> checkpoint,
-                    std::string version, int64_t loaded_at_unix_seconds)
+                    std::string file_version, std::string version, int64_t loaded_at_unix_seconds)
       : name_(std::move(name)),
         path_(std::move(path)),
         checkpoint_(std::move(checkpoint)),
+        file_version_(std::move(file_version)),
         version_(std::move(version)),
         loaded_at_(loaded_at_unix_seconds) {}
 
@@ -54,8 +57,12 @@ class CheckpointVersion {
   const std::string& relative_path() const { return relative_path_; }
   void SetRelativePath(std::string path) { relative_path_ = std::move(path); }
   const std::shared_ptr<const Checkpoint>& checkpoint() const { return checkpoint_; }
-  // Changes whenever the file is replaced: a hash of device, inode, size, mtime.
+  // Changes whenever the file is replaced or written: a hash of device, inode,
+  // size, mtime and ctime (and, when a rewrite in place kept all of those, a
+  // reopening count). Never the same for two contents of one name in one run.
   const std::string& version() const { return version_; }
+  // FileVersion of the files as opened: what a rescan compares.
+  const std::string& file_version() const { return file_version_; }
   int64_t loaded_at_unix_seconds() const { return loaded_at_; }
   // Bytes of this version held in sealed memory (preloaded); 0 when mapped from
   // its files.
@@ -64,9 +71,10 @@ class CheckpointVersion {
   // as this version lives. Called once, before the version is published.
   void HoldReservation(SegmentCache::Reservation reservation) { preload_ = std::move(reservation); }
 
-  // CRC32C of an entry's bytes as stored, once computed.
-  std::optional<uint32_t> CachedCrc(size_t entry) const;
-  void StoreCrc(size_t entry, uint32_t crc) const;
+  // CRC32C of a tensor's bytes as served, once computed, by a key that names
+  // how they are produced from the checkpoint (server/resolve.h).
+  std::optional<uint32_t> CachedCrc(uint64_t key) const;
+  void StoreCrc(uint64_t key, uint32_t crc) const;
 
   // True once a file of this version is known to have been written in place
   // (reported by the registry's file watcher, or seen by CheckUnchanged).
@@ -85,13 +93,13 @@ class CheckpointVersion {
  private:
   std::string name_, path_, relative_path_;
   std::shared_ptr<const Checkpoint> checkpoint_;
-  std::string version_;
+  std::string file_version_, version_;
   int64_t loaded_at_;
   SegmentCache::Reservation preload_;
   std::function<void()> on_stale_;
   mutable std::atomic<bool> modified_{false};
   mutable absl::Mutex mu_;
-  mutable absl::flat_hash_map<size_t, uint32_t> crc_ ABSL_GUARDED_BY(mu_);
+  mutable absl::flat_hash_map<uint64_t, uint32_t> crc_ ABSL_GUARDED_BY(mu_);
 };
 
 struct RegistryOptions {
@@ -194,10 +202,13 @@ class CheckpointRegistry {
     std::shared_ptr<const CheckpointVersion> current;
     bool pinned = false;  // loaded by path from outside the models folder
   };
-  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersion(const std::string& name,
-                                                                       const std::string& path) const;
+  // Opens `path` as a new version of `name`. `previous`, when it is the stale
+  // version being replaced, keeps the new one from reusing its id.
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersion(
+      const std::string& name, const std::string& path, const CheckpointVersion* previous = nullptr) const;
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersionUntimed(const std::string& name,
-                                                                              const std::string& path) const;
+                                                                              const std::string& path,
+                                                                              const CheckpointVersion* previous) const;
   // `path` relative to the models folder or the load root it lies in (its file
   // name alone if neither).
   std::string RelativePath(const std::string& path) const;
@@ -213,13 +224,13 @@ class CheckpointRegistry {
   absl::Mutex scan_mu_;  // one scan at a time
   // Reopened versions whose file identity did not change get a new version
   // string all the same, mixed with this.
-  std::atomic<uint64_t> reopen_generation_{0};
+  mutable std::atomic<uint64_t> reopen_generation_{0};
   std::string watch_error_;  // why files are not watched, reported by Rescan once
   std::shared_ptr<FileWatcher> watcher_;  // last: stopped first
 };
 
 // Returns the version string of the file(s) behind `path`: a hash of device,
-// inode, size and mtime (for an index, of the index and every file in its folder).
+// inode, size, mtime and ctime (for an index, of the index and its shards).
 absl::StatusOr<std::string> FileVersion(const std::string& path);
 
 // Returns OK if `name` can name a served checkpoint: 1 to `max_bytes` bytes of

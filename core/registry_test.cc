@@ -3,7 +3,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <filesystem>
+#include <thread>
 
 #include "core/checkpoint_writer.h"
 #include "tests/util/status_matchers.h"
@@ -128,6 +134,68 @@ TEST(RegistryTest, ARescanRemovesUploadsAKilledDaemonLeftBehind) {
   size_t temporaries = 0;
   for (const auto& e : fs::directory_iterator(models + "/x")) temporaries += IsAtomicFileTemporary(e.path().filename().string());
   EXPECT_EQ(temporaries, 1u) << "the upload in progress is kept";
+}
+
+TEST(RegistryTest, AVersionIdIsNeverIssuedTwiceForOneName) {
+  // A rewrite in place that puts back size and mtime (touch -r, rsync -t)
+  // still changes ctime; one that keeps even ctime (inside one timestamp tick)
+  // gets a reissued id, and a later rescan must not go back to the old one.
+  const std::string models = testing::MakeScratchDir("models");
+  const std::string path = models + "/m.safetensors";
+  WriteTiny(path);
+  CheckpointRegistry registry({.models_dir = models});
+  registry.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto v1, registry.Find("m"));
+  struct stat st;
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  {  // same bytes written again, then mtime put back
+    const std::string bytes = testing::ReadFileOrEmpty(path);
+    const int fd = ::open(path.c_str(), O_WRONLY);
+    ASSERT_EQ(::pwrite(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+    const timespec times[2] = {st.st_atim, st.st_mtim};
+    ASSERT_EQ(::futimens(fd, times), 0);
+    ::close(fd);
+  }
+  v1->MarkModified();  // as the file watcher would
+  registry.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto v2, registry.Find("m"));
+  EXPECT_NE(v2->version(), v1->version());
+  // Inside one tick nothing of the stat changes: the id is reissued...
+  v2->MarkModified();
+  registry.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto v3, registry.Find("m"));
+  EXPECT_NE(v3->version(), v2->version());
+  EXPECT_EQ(v3->file_version(), v2->file_version());
+  // ...and stays: the next scan compares the file, not the id.
+  registry.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto v4, registry.Find("m"));
+  EXPECT_EQ(v4, v3);
+}
+
+TEST(RegistryTest, AWalkCutShortRemovesNothing) {
+  // Out of descriptors mid-walk (or a network error), a scan sees part of the
+  // folder: what it did not see is not gone.
+  const std::string models = testing::MakeScratchDir("models");
+  WriteTiny(models + "/keep.safetensors");
+  std::string deep = models;
+  for (int i = 0; i < 12; ++i) fs::create_directory(deep += "/d");
+  WriteTiny(deep + "/bottom.safetensors");
+  CheckpointRegistry registry({.models_dir = models});
+  registry.Rescan();
+  ASSERT_EQ(registry.List().size(), 2u);
+  size_t open_fds = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator("/proc/self/fd")) ++open_fds;
+  rlimit saved;
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit tight = saved;
+  tight.rlim_cur = open_fds + 4;  // the walk runs out partway down
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &tight), 0);
+  ScanReport report = registry.Rescan();
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_THAT(report.errors, Contains(HasSubstr("nothing is removed")));
+  EXPECT_TRUE(report.removed.empty());
+  EXPECT_EQ(registry.List().size(), 2u);
 }
 
 }  // namespace
