@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "tests/util/checkpoints.h"
 #include "tests/util/status_matchers.h"
 
 namespace weightstore {
@@ -14,15 +15,7 @@ using ::testing::HasSubstr;
 using ::weightstore::testing::StatusIs;
 
 std::shared_ptr<const Checkpoint> Named(const std::vector<std::string>& names) {
-  auto storage = LazyStorage::Ready(SharedBytes::Copy(std::string(4, '\0')));
-  std::vector<CheckpointEntry> entries;
-  for (const std::string& n : names) {
-    CheckpointEntry e;
-    e.spec = {n, DType::kF32, {1}};
-    e.layout.storage = storage;
-    entries.push_back(e);
-  }
-  return *Checkpoint::Create(Format::kSafeTensors, "mem", {}, std::move(entries));
+  return testing::NamesOnlyCheckpoint(names, Format::kSafeTensors);
 }
 
 TargetSchema Target(const std::vector<std::string>& paths) {

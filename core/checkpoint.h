@@ -90,6 +90,10 @@ struct OpenOptions {
   // (stride 0) of a few stored bytes could otherwise claim gigabytes.
   // Default: 16.
   uint64_t max_expansion = 16;
+  // PyTorch zip: bytes of compressed storage records one checkpoint may have
+  // inflated (and kept while it is served); torch.save never compresses them.
+  // Default: 256 MiB.
+  uint64_t max_inflated_bytes = uint64_t{256} << 20;
   MappedFileOptions mapped_file;
   // Opens each file of the checkpoint (the file itself, or an index and its
   // shards). Default (empty): MappedFile::Open with `mapped_file`. PreloadFile

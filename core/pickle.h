@@ -86,8 +86,9 @@ struct PickleValue {
 struct PickleLimits {
   // Default: 1,000,000 memo entries.
   uint64_t max_memo = 1000000;
-  // Total values created (a bound on memory). Default: 10,000,000.
-  uint64_t max_values = 10000000;
+  // Total values created: a bound on memory (a PickleValue is ~320 bytes, so
+  // ~640 MB at most). A state dict needs 15-20 a tensor. Default: 2,000,000.
+  uint64_t max_values = 2000000;
   // Largest string or bytes value. Default: 64 MiB.
   uint64_t max_string = uint64_t{64} << 20;
 };

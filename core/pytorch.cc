@@ -252,6 +252,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseZip(SharedBytes bytes, co
 
   absl::flat_hash_map<std::string, std::shared_ptr<const LazyStorage>> by_key;
   const bool verify = options.verify_crc;
+  uint64_t deflated = 0;  // bytes of compressed records that would be inflated (and kept)
   StorageResolver resolve = [&](const PickleStorage& s) -> absl::StatusOr<std::shared_ptr<const LazyStorage>> {
     std::shared_ptr<const LazyStorage> storage;
     auto it = by_key.find(s.key);
@@ -262,6 +263,16 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseZip(SharedBytes bytes, co
     if (entry->uncompressed_size != declared) {
       return Bad(path, absl::StrCat("storage record '", record, "' holds ", entry->uncompressed_size,
                                     " bytes, but its storage declares ", declared));
+    }
+    if (it == by_key.end() && entry->method != 0) {
+      // torch.save stores records uncompressed; a compressed one is inflated
+      // into memory that lives as long as the version: bounded per checkpoint.
+      deflated += entry->uncompressed_size;
+      if (deflated > options.max_inflated_bytes) {
+        return Bad(path, absl::StrCat("storage record '", record, "' is compressed, and more than ",
+                                      options.max_inflated_bytes,
+                                      " bytes of compressed records would be inflated (torch.save stores them uncompressed)"));
+      }
     }
     if (it != by_key.end()) {
       storage = it->second;

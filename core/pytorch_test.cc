@@ -124,6 +124,21 @@ TEST(PyTorchTest, RefusesAPickleLargerThanAStateDictCouldNeed) {
   EXPECT_THAT(Parse(zip), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pickles over")));
 }
 
+TEST(PyTorchTest, CompressedStorageRecordsAreInflatedOnlyUpToTheLimit) {
+  // torch.save stores records uncompressed; compressed ones are inflated into
+  // memory kept while the checkpoint is served, so their total is bounded.
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark().Str("w").Tensor("FloatStorage", "0", 1024, 0, {1024}, {1}).SetItems().Stop();
+  const std::string zip =
+      BuildZip({{"m/data.pkl", p.str()}, {"m/byteorder", "little"}, {"m/data/0", std::string(4096, '\0'), true}});
+  ASSERT_OK_AND_ASSIGN(auto c, Parse(zip));
+  ASSERT_OK_AND_ASSIGN(SharedTensor w, c->Read("w"));
+  EXPECT_EQ(w.bytes.view(), std::string(4096, '\0'));
+  OpenOptions small;
+  small.max_inflated_bytes = 1000;
+  EXPECT_THAT(Parse(zip, small), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is compressed")));
+}
+
 TEST(PyTorchTest, RejectsAViewReachingPastItsStorage) {
   PickleBuilder p;
   p.Proto(2).EmptyDict().Mark().Str("w").Tensor("FloatStorage", "0", 4, 3, {2}, {1}).SetItems().Stop();

@@ -164,10 +164,11 @@ ReplaceOutcome ReplaceAllInPlace(const re2::RE2& re, std::string* text, absl::st
 
 namespace {
 
-// RE2 memory of one compiled object: a share of the selection's budget, with a
-// floor so that small patterns always compile (RE2 needs a little for its DFA).
+// RE2 memory of one compiled object: an equal share of the selection's budget,
+// at least the floor small patterns need (a program and a little DFA).
+constexpr int64_t kMinRegexMemory = 64 << 10;
 int64_t MemoryShare(const SelectionLimits& limits, size_t objects) {
-  return std::max<int64_t>(limits.max_regex_memory / static_cast<int64_t>(std::max<size_t>(objects, 1)), 256 << 10);
+  return limits.max_regex_memory / static_cast<int64_t>(std::max<size_t>(objects, 1));
 }
 
 // Joins already-validated patterns into "(?:p1)|(?:p2)|...".
@@ -226,6 +227,10 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
   // Kept objects: the include and exclude alternations and one per rename; the
   // memory budget is shared among them.
   const int64_t share = MemoryShare(limits, 2 + options.renames.size());
+  if (share < kMinRegexMemory) {
+    return absl::InvalidArgumentError(absl::StrCat(options.renames.size(), " rename rules do not fit the regex memory "
+                                                   "budget of ", limits.max_regex_memory, " bytes"));
+  }
   int64_t total_program = 0;
   auto spend = [&](const re2::RE2& re, absl::string_view role, const std::string& pattern) -> absl::Status {
     total_program += re.ProgramSize();
@@ -254,9 +259,16 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
 
 Selection::~Selection() = default;
 
-absl::StatusOr<std::string> Selection::Rename(absl::string_view name) const {
+absl::Status SelectionDeadline::Check(absl::string_view what) const {
+  if (std::chrono::steady_clock::now() < end_) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("the selection took more than ", budget_.count(), " ms (", what,
+                                                   "); simplify its patterns"));
+}
+
+absl::StatusOr<std::string> Selection::Rename(absl::string_view name, const SelectionDeadline* deadline) const {
   std::string current(name);
   for (size_t i = 0; i < rename_.size(); ++i) {
+    if (deadline != nullptr) WEIGHTSTORE_RETURN_IF_ERROR(deadline->Check("renaming"));
     if (ReplaceAllInPlace(*rename_[i], &current, options_.renames[i].replacement, limits_.max_name_bytes) ==
         ReplaceOutcome::kTooLong) {
       return absl::InvalidArgumentError(absl::StrCat("rename rule ", i, " ('", options_.renames[i].pattern,

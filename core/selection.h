@@ -16,6 +16,7 @@
 #ifndef WEIGHTSTORE_CORE_SELECTION_H_
 #define WEIGHTSTORE_CORE_SELECTION_H_
 
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -90,6 +91,22 @@ struct SelectionLimits {
   // Bytes of every selected name together (after renaming); also bounds the
   // work of contiguous indices (~0.4 us a numeric segment). Default: 32 MiB.
   uint64_t max_total_name_bytes = uint64_t{32} << 20;
+  // CPU time one selection may take (renaming, filtering): a regex can make
+  // each scan of a name cost as much as the name is long. Default: 2 s.
+  std::chrono::milliseconds max_time{2000};
+};
+
+// When a selection must be done by (SelectionLimits::max_time from its start).
+class SelectionDeadline {
+ public:
+  explicit SelectionDeadline(std::chrono::milliseconds budget)
+      : budget_(budget), end_(std::chrono::steady_clock::now() + budget) {}
+  // ResourceExhausted once the time is up, naming `what` was being done.
+  absl::Status Check(absl::string_view what) const;
+
+ private:
+  std::chrono::milliseconds budget_;
+  std::chrono::steady_clock::time_point end_;
 };
 
 // A validated, compiled selection. Thread-safe: immutable, shareable.
@@ -107,7 +124,8 @@ class Selection {
 
   // Applies the rename rules in order. Returns InvalidArgument, naming the
   // tensor and the rule, when a rule grows the name past limits().max_name_bytes.
-  absl::StatusOr<std::string> Rename(absl::string_view name) const;
+  // Between rules it checks `deadline` (when given).
+  absl::StatusOr<std::string> Rename(absl::string_view name, const SelectionDeadline* deadline = nullptr) const;
   // True if `name` (already renamed) passes the filter.
   bool Matches(absl::string_view name) const;
   // Whether contiguous indices apply to a checkpoint of `format`, read on its

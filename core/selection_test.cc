@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "core/snapshot.h"
+#include "tests/util/checkpoints.h"
 #include "tests/util/status_matchers.h"
 
 namespace weightstore {
@@ -135,6 +136,15 @@ TEST(SelectionTest, TheRegexBudgetIsSharedByEveryPatternOfARequest) {
   EXPECT_THAT(Selection::Compile(renames), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("regex budget")));
 }
 
+TEST(SelectionTest, RenameRulesShareTheRegexMemoryBudget) {
+  SelectionOptions options;
+  options.renames.assign(255, {"a", "b"});
+  EXPECT_THAT(Selection::Compile(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("do not fit the regex memory budget")));
+  options.renames.resize(200);
+  EXPECT_OK(Selection::Compile(options));
+}
+
 TEST(SelectionTest, ExactPathsAreBoundedAndLookedUpInConstantTime) {
   SelectionOptions options;
   for (int i = 0; i < 100000; ++i) options.paths.push_back(absl::StrCat("t.", i));
@@ -172,15 +182,7 @@ TEST(ContiguousIndicesTest, NamesOfThousandsOfSegmentsCostLinearTime) {
 }
 
 std::shared_ptr<const Checkpoint> Names(const std::vector<std::string>& names, Format format = Format::kPyTorch) {
-  auto storage = LazyStorage::Ready(SharedBytes::Copy(std::string(4, '\0')));
-  std::vector<CheckpointEntry> entries;
-  for (const std::string& n : names) {
-    CheckpointEntry e;
-    e.spec = {n, DType::kF32, {1}};
-    e.layout.storage = storage;
-    entries.push_back(e);
-  }
-  return *Checkpoint::Create(format, "mem", {}, std::move(entries));
+  return testing::NamesOnlyCheckpoint(names, format);
 }
 
 std::vector<std::string> Selected(const Snapshot& s) {
@@ -304,6 +306,20 @@ TEST(SnapshotReadRangeTest, EveryChunkingOfATransformedTensorMatchesTheWholeRead
   std::vector<std::byte> two(2);
   EXPECT_THAT(snapshot->ReadRange(snapshot->tensors()[1], 2, two), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(snapshot->ReadRange(snapshot->tensors()[0], 48, two), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(SelectionTest, RenamesThatScanQuadraticallyStopAtTheTimeBudget) {
+  // Each rule's match can scan to the end of a 4 KB name from every position.
+  SelectionOptions options;
+  options.renames.push_back({"^", std::string(4000, 'a')});
+  for (int i = 0; i < 200; ++i) options.renames.push_back({"a(?:[^z]*z)?", "a"});
+  SelectionLimits limits;
+  limits.max_time = std::chrono::milliseconds(100);
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options, limits));
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THAT(Snapshot::Select(Names({"x", "y", "z"}), *selection),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("took more than 100 ms (renaming)")));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
 }
 
 }  // namespace

@@ -20,8 +20,9 @@ absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoin
   std::vector<NamedEntry> named;
   named.reserve(entries.size());
   uint64_t name_bytes = 0;
+  const SelectionDeadline deadline(selection.limits().max_time);
   auto add = [&](absl::string_view name, size_t i) -> absl::Status {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(std::string renamed, selection.Rename(name));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::string renamed, selection.Rename(name, &deadline));
     name_bytes += renamed.size();
     if (name_bytes > selection.limits().max_total_name_bytes) {
       return absl::InvalidArgumentError(absl::StrCat("the selected names of '", checkpoint.path(), "' exceed ",
@@ -75,7 +76,9 @@ absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named, ResolveNames(*checkpoint, selection, /*applying_to_target=*/false));
   std::vector<SnapshotTensor> tensors;
   tensors.reserve(named.size());
+  const SelectionDeadline deadline(selection.limits().max_time);
   for (NamedEntry& n : named) {
+    WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("filtering"));
     if (!selection.Matches(n.name)) continue;
     SnapshotTensor t;
     t.source = &checkpoint->entries()[n.entry];

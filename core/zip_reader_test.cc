@@ -12,6 +12,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::weightstore::testing::BuildZip;
+using ::weightstore::testing::Deflate;
 using ::weightstore::testing::StatusIs;
 using ::weightstore::testing::ZipBuildOptions;
 
@@ -41,16 +42,7 @@ TEST(ZipReaderTest, ReadsZip64Records) {
 
 TEST(ZipReaderTest, InflatesDeflatedEntriesAndChecksTheirCrc) {
   const std::string plain(10000, 'q');
-  std::string packed(compressBound(plain.size()), '\0');
-  z_stream z{};
-  deflateInit2(&z, 9, Z_DEFLATED, -MAX_WBITS, 8, Z_DEFAULT_STRATEGY);
-  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(plain.data()));
-  z.avail_in = plain.size();
-  z.next_out = reinterpret_cast<Bytef*>(packed.data());
-  z.avail_out = packed.size();
-  ASSERT_EQ(deflate(&z, Z_FINISH), Z_STREAM_END);
-  packed.resize(z.total_out);
-  deflateEnd(&z);
+  const std::string packed = Deflate(plain);
   // Build a stored archive, then patch in the method and sizes of a deflated one.
   ZipBuildOptions options;
   options.method = 8;
@@ -71,20 +63,6 @@ TEST(ZipReaderTest, InflatesDeflatedEntriesAndChecksTheirCrc) {
   patch32(central + 16, crc ^ 1);  // wrong CRC in the directory
   ASSERT_OK_AND_ASSIGN(ZipArchive bad, Open(zip_bytes));
   EXPECT_THAT(bad.Read(bad.entries()[0], false), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("CRC-32")));
-}
-
-std::string Deflate(const std::string& plain) {
-  std::string packed(compressBound(plain.size()), '\0');
-  z_stream z{};
-  deflateInit2(&z, 9, Z_DEFLATED, -MAX_WBITS, 8, Z_DEFAULT_STRATEGY);
-  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(plain.data()));
-  z.avail_in = plain.size();
-  z.next_out = reinterpret_cast<Bytef*>(packed.data());
-  z.avail_out = packed.size();
-  deflate(&z, Z_FINISH);
-  packed.resize(z.total_out);
-  deflateEnd(&z);
-  return packed;
 }
 
 TEST(ZipReaderTest, AZipBombIsRefusedBeforeAnyMemoryIsSpentOnIt) {

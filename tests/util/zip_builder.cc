@@ -1,5 +1,7 @@
 #include "tests/util/zip_builder.h"
 
+#include <zlib.h>
+
 #include <cstdint>
 
 #include "core/zip_reader.h"
@@ -13,14 +15,34 @@ void Put(std::string* out, uint64_t v, int bytes) {
 
 }  // namespace
 
+std::string Deflate(const std::string& plain) {
+  std::string packed(compressBound(plain.size()), '\0');
+  z_stream z{};
+  deflateInit2(&z, 9, Z_DEFLATED, -MAX_WBITS, 8, Z_DEFAULT_STRATEGY);
+  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(plain.data()));
+  z.avail_in = static_cast<uInt>(plain.size());
+  z.next_out = reinterpret_cast<Bytef*>(packed.data());
+  z.avail_out = static_cast<uInt>(packed.size());
+  deflate(&z, Z_FINISH);
+  packed.resize(z.total_out);
+  deflateEnd(&z);
+  return packed;
+}
+
 std::string BuildZip(const std::vector<ZipBuildEntry>& entries, const ZipBuildOptions& options) {
   std::string out, central;
   std::vector<uint64_t> offsets;
   for (size_t i = 0; i < entries.size(); ++i) {
-    const ZipBuildEntry& e = entries[i];
+    ZipBuildEntry e = entries[i];
     uint32_t crc = Crc32(e.data);
     if (static_cast<int>(i) == options.bad_crc_entry) crc ^= 0xDEADBEEF;
-    const uint64_t usize = options.declared_size != 0 ? options.declared_size : e.data.size();
+    uint64_t usize = options.declared_size != 0 ? options.declared_size : e.data.size();
+    int method = options.method;
+    if (e.deflate) {
+      usize = e.data.size();
+      e.data = Deflate(e.data);
+      method = 8;
+    }
     const uint64_t size32 = options.zip64 ? 0xFFFFFFFF : e.data.size();
     const uint64_t usize32 = options.zip64 ? 0xFFFFFFFF : usize;
     std::string extra;
@@ -34,7 +56,7 @@ std::string BuildZip(const std::vector<ZipBuildEntry>& entries, const ZipBuildOp
     Put(&out, 0x04034b50, 4);
     Put(&out, 45, 2);
     Put(&out, 0, 2);
-    Put(&out, options.method, 2);
+    Put(&out, method, 2);
     Put(&out, 0, 4);  // time, date
     Put(&out, crc, 4);
     Put(&out, size32, 4);
@@ -59,7 +81,7 @@ std::string BuildZip(const std::vector<ZipBuildEntry>& entries, const ZipBuildOp
     Put(&central, 45, 2);
     Put(&central, 45, 2);
     Put(&central, 0, 2);
-    Put(&central, options.method, 2);
+    Put(&central, method, 2);
     Put(&central, 0, 4);
     Put(&central, crc, 4);
     Put(&central, size32, 4);

@@ -11,6 +11,9 @@ namespace weightstore::testing {
 struct ZipBuildEntry {
   std::string name;
   std::string data;
+  // Store `data` deflated (method 8, with its true CRC and sizes), whatever
+  // the options say.
+  bool deflate = false;
 };
 
 struct ZipBuildOptions {
@@ -27,6 +30,9 @@ struct ZipBuildOptions {
   // the ZIP64 extra fields): a zip bomb's claim.
   uint64_t declared_size = 0;
 };
+
+// Raw deflate (no zlib header), as zip stores an entry.
+std::string Deflate(const std::string& plain);
 
 std::string BuildZip(const std::vector<ZipBuildEntry>& entries, const ZipBuildOptions& options = {});
 
