@@ -1,6 +1,7 @@
 #include "server/grpc_status.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 
 namespace weightstore {
 
@@ -24,6 +25,16 @@ static_assert(static_cast<int>(grpc::StatusCode::UNAUTHENTICATED) == static_cast
 std::string BoundedMessage(absl::string_view message) {
   if (message.size() <= kMaxStatusMessageBytes) return std::string(message);
   return absl::StrCat(message.substr(0, kMaxStatusMessageBytes), "... (", message.size(), " bytes in all)");
+}
+
+absl::Status WithoutPaths(const absl::Status& status, const std::vector<std::string>& folders) {
+  if (status.ok() || folders.empty()) return status;
+  std::string message(status.message());
+  for (const std::string& folder : folders) {
+    if (folder.size() <= 1) continue;  // "" or "/": nothing to take out
+    message = absl::StrReplaceAll(message, {{folder.back() == '/' ? folder : folder + "/", ""}});
+  }
+  return absl::Status(status.code(), message);
 }
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {

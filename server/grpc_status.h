@@ -5,6 +5,7 @@
 #include <grpcpp/support/status.h>
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -20,6 +21,11 @@ std::string BoundedMessage(absl::string_view message);
 
 // The status with a BoundedMessage.
 grpc::Status ToGrpcStatus(const absl::Status& status);
+
+// The status with every "<folder>/" of `folders` taken out of its message:
+// core names files by their full path, and clients are told paths relative to
+// the models folder or load root only.
+absl::Status WithoutPaths(const absl::Status& status, const std::vector<std::string>& folders);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace weightstore

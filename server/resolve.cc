@@ -34,9 +34,9 @@ absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::
   return r;
 }
 
-std::optional<size_t> ChecksumCacheKey(const Snapshot& snapshot, const SnapshotTensor& tensor) {
-  if (!tensor.is_identity()) return std::nullopt;
-  return static_cast<size_t>(tensor.source - snapshot.checkpoint().entries().data());
+uint64_t ChecksumCacheKey(const Snapshot& snapshot, const SnapshotTensor& tensor) {
+  const auto entry = static_cast<uint64_t>(tensor.source - snapshot.checkpoint().entries().data());
+  return entry | (static_cast<uint64_t>(tensor.spec.dtype) << 40) | (uint64_t{tensor.transpose} << 48);
 }
 
 bool IsServedAsStored(const SnapshotTensor& tensor) {
@@ -44,10 +44,8 @@ bool IsServedAsStored(const SnapshotTensor& tensor) {
 }
 
 absl::StatusOr<uint32_t> ChecksumOf(const Resolved& resolved, const SnapshotTensor& tensor) {
-  std::optional<size_t> key = ChecksumCacheKey(*resolved.snapshot, tensor);
-  if (key) {
-    if (std::optional<uint32_t> crc = resolved.version->CachedCrc(*key)) return *crc;
-  }
+  const uint64_t key = ChecksumCacheKey(*resolved.snapshot, tensor);
+  if (std::optional<uint32_t> crc = resolved.version->CachedCrc(key)) return *crc;
   uint32_t crc = 0;
   if (IsServedAsStored(tensor)) {
     absl::StatusOr<SharedTensor> bytes = resolved.snapshot->Read(tensor);
@@ -65,7 +63,7 @@ absl::StatusOr<uint32_t> ChecksumOf(const Resolved& resolved, const SnapshotTens
     }
   }
   if (absl::Status unchanged = resolved.version->CheckUnchanged(); !unchanged.ok()) return unchanged;
-  if (key) resolved.version->StoreCrc(*key, crc);
+  resolved.version->StoreCrc(key, crc);
   return crc;
 }
 

@@ -31,17 +31,19 @@ absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::
                                  const v1::Selection& selection, const std::string& pinned_version,
                                  const SelectionLimits& limits);
 
-// Returns the CRC32C of `tensor`'s bytes as served. Untransformed tensors'
-// checksums are cached per checkpoint version, so each is computed once.
+// Returns the CRC32C of `tensor`'s bytes as served. Checksums are cached per
+// checkpoint version and ChecksumCacheKey, so each is computed once, however
+// often it is asked for.
 absl::StatusOr<uint32_t> ChecksumOf(const Resolved& resolved, const SnapshotTensor& tensor);
 
 // True when the tensor's bytes are served as the checkpoint stores them (a view
 // of the mapping); false when they must be produced (cast, transposed, gathered).
 bool IsServedAsStored(const SnapshotTensor& tensor);
 
-// The index of an untransformed tensor's entry in its checkpoint (the key of
-// the per-version checksum cache), or nullopt for a transformed one.
-std::optional<size_t> ChecksumCacheKey(const Snapshot& snapshot, const SnapshotTensor& tensor);
+// The key of the per-version checksum cache: the tensor's entry in its
+// checkpoint, its served dtype and whether it is transposed, which together
+// determine the bytes served.
+uint64_t ChecksumCacheKey(const Snapshot& snapshot, const SnapshotTensor& tensor);
 
 }  // namespace weightstore::server
 

@@ -5,6 +5,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <thread>
 
@@ -42,6 +43,23 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Serve
     options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(options);
+}
+
+// The folders a registry serves from, as given and as absolute paths: the
+// spellings a core message may use for a file in them.
+std::vector<std::string> RegistryFolders(const RegistryOptions& registry) {
+  std::vector<std::string> folders;
+  std::vector<std::string> roots = {registry.models_dir};
+  roots.insert(roots.end(), registry.load_roots.begin(), registry.load_roots.end());
+  for (const std::string& root : roots) {
+    std::error_code ec;
+    const std::string absolute = std::filesystem::absolute(root, ec).lexically_normal().string();
+    folders.push_back(root);
+    if (!ec && absolute != root) folders.push_back(absolute);
+  }
+  // Longest first, so that a folder inside another is taken out whole.
+  std::sort(folders.begin(), folders.end(), [](const auto& a, const auto& b) { return a.size() > b.size(); });
+  return folders;
 }
 
 }  // namespace
@@ -90,6 +108,7 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   for (const std::string& c : report.cleaned) {
     std::fprintf(stderr, "weightstored: removed the abandoned upload %s\n", c.c_str());
   }
+  for (const std::string& folder : RegistryFolders(options.registry)) options.service.hidden_folders.push_back(folder);
   s->service_ = std::make_unique<WeightStoreService>(s->registry_.get(), options.service, s->auth_.get());
 
   // The default health service is implemented without protobuf; touching the
@@ -127,6 +146,7 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   }
   if (!options.socket.path.empty()) {
     options.socket.selection_limits = options.service.selection_limits;
+    options.socket.hidden_folders = options.service.hidden_folders;
     auto shm = ShmServer::Start(s->registry_.get(), s->segments_.get(), options.socket);
     if (!shm.ok()) return shm.status();
     s->shm_server_ = *std::move(shm);
@@ -176,6 +196,10 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
     health_server_.reset();
   }
   metrics_http_.reset();
+}
+
+std::shared_ptr<grpc::Channel> WeightStoreServer::InProcessChannel() {
+  return server_->InProcessChannel(grpc::ChannelArguments());
 }
 
 void WeightStoreServer::Wait() {

@@ -21,12 +21,6 @@
 namespace weightstore::server {
 namespace {
 
-grpc::ServerUnaryReactor* Respond(grpc::CallbackServerContext* ctx, const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
 // Names the checkpoint of a call for the request log (server/observability.h).
 // The name comes from the request: gRPC aborts the process on a metadata value
 // that is not printable ASCII, so it is encoded first (TrailerValue).
@@ -67,7 +61,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       : service_(service) {
     absl::Status status = Start(ctx, request);
     if (!status.ok()) {
-      Done(ToGrpcStatus(status));
+      Done(service_->ClientStatus(status));
       return;
     }
     Next();
@@ -78,7 +72,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       Done(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       return;
     }
-    if (ticket_ != 0) service_->streams_.Progress(ticket_);
+    if (ticket_ != 0) service_->streams_.Progress(ticket_, last_write_bytes_);
     Next();
   }
   void OnCancel() override { cancelled_ = true; }
@@ -135,6 +129,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         grpc::Slice slice(header);
         buffer_ = grpc::ByteBuffer(&slice, 1);
         sent_any_ = true;
+        last_write_bytes_ = buffer_.Length();
         StartWrite(&buffer_);
         return;
       }
@@ -150,13 +145,13 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       if (IsServedAsStored(tensor)) {
         absl::StatusOr<SharedTensor> read = snapshot.Read(tensor);
         if (!read.ok()) {
-          Done(ToGrpcStatus(read.status()));
+          Done(service_->ClientStatus(read.status()));
           return;
         }
         bytes_ = read->bytes;
       }
       cached_crc_ = std::nullopt;
-      if (auto key = ChecksumCacheKey(snapshot, tensor)) cached_crc_ = resolved_.version->CachedCrc(*key);
+      cached_crc_ = resolved_.version->CachedCrc(ChecksumCacheKey(snapshot, tensor));
       crc_ = 0;
       ToProto(tensor.spec, tensor.source->spec.name, chunk.mutable_info());
       if (!sent_any_) chunk.set_version(resolved_.version->version());
@@ -169,7 +164,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     } else {
       absl::StatusOr<SharedBytes> produced = Produce(snapshot, tensor, n);
       if (!produced.ok()) {
-        Done(ToGrpcStatus(produced.status()));
+        Done(service_->ClientStatus(produced.status()));
         return;
       }
       payload = *std::move(produced);
@@ -181,13 +176,13 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (last) {
       // The checksum vouches for what was read: not if the file changed under it.
       if (absl::Status unchanged = resolved_.version->CheckUnchanged(); !unchanged.ok()) {
-        Done(ToGrpcStatus(unchanged));
+        Done(service_->ClientStatus(unchanged));
         return;
       }
       const uint32_t crc = cached_crc_.value_or(crc_);
       chunk.set_last(true);
       chunk.set_crc32c(crc);
-      if (auto key = ChecksumCacheKey(snapshot, tensor); key && !cached_crc_) resolved_.version->StoreCrc(*key, crc);
+      if (!cached_crc_) resolved_.version->StoreCrc(ChecksumCacheKey(snapshot, tensor), crc);
     }
     if (service_->options_.zero_copy) {
       // Header: every field but data, then data's tag and length; the payload
@@ -209,6 +204,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     }
     sent_any_ = true;
     sent_bytes_ += n;
+    last_write_bytes_ = buffer_.Length();
     if (last) {
       ++index_;
       offset_ = 0;
@@ -242,6 +238,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   grpc::CallbackServerContext* ctx_ = nullptr;
   uint64_t sent_bytes_ = 0;
   uint64_t ticket_ = 0;  // from the stream governor, once admitted
+  uint64_t last_write_bytes_ = 0;
   std::atomic<bool> cancelled_{false};
   v1::FetchTensorsRequest request_;
   Resolved resolved_;
@@ -256,35 +253,49 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   grpc::ByteBuffer buffer_;
 };
 
+grpc::Status WeightStoreService::ClientStatus(const absl::Status& status) const {
+  return ToGrpcStatus(WithoutPaths(status, options_.hidden_folders));
+}
+
+grpc::ServerUnaryReactor* WeightStoreService::Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ClientStatus(status));
+  return reactor;
+}
+
 WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOptions options, const Authenticator* auth)
-    : registry_(registry), options_(options), auth_(auth != nullptr ? auth : &no_auth_), streams_(options.streams) {}
+    : registry_(registry),
+      options_(options),
+      auth_(auth != nullptr ? auth : &no_auth_),
+      streams_(options.streams),
+      uploads_(options.uploads) {}
 
 grpc::ServerUnaryReactor* WeightStoreService::ListCheckpoints(grpc::CallbackServerContext* ctx,
                                                               const v1::ListCheckpointsRequest*,
                                                               v1::ListCheckpointsResponse* resp) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Respond(ctx, s);
+  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Reply(ctx, s);
   for (const auto& version : registry_->List()) ToProto(*version, resp->add_checkpoints());
-  return Respond(ctx, absl::OkStatus());
+  return Reply(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::GetCheckpointRequest* req,
                                                             v1::CheckpointInfo* resp) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Respond(ctx, s);
+  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Reply(ctx, s);
   Annotate(ctx, req->name());
   auto version = registry_->Find(req->name());
-  if (!version.ok()) return Respond(ctx, version.status());
+  if (!version.ok()) return Reply(ctx, version.status());
   ToProto(**version, resp);
-  return Respond(ctx, absl::OkStatus());
+  return Reply(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerContext* ctx,
                                                           const v1::ListTensorsRequest* req,
                                                           v1::ListTensorsResponse* resp) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Respond(ctx, s);
+  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Reply(ctx, s);
   Annotate(ctx, req->name());
   auto resolved = Resolve(*registry_, req->name(), req->selection(), req->version(), options_.selection_limits);
-  if (!resolved.ok()) return Respond(ctx, resolved.status());
+  if (!resolved.ok()) return Reply(ctx, resolved.status());
   const Snapshot& snapshot = *resolved->snapshot;
   resp->set_name(req->name());
   resp->set_version(resolved->version->version());
@@ -293,11 +304,11 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
     ToProto(t.spec, t.source->spec.name, info);
     if (!req->with_checksums()) continue;
     absl::StatusOr<uint32_t> crc = ChecksumOf(*resolved, t);
-    if (!crc.ok()) return Respond(ctx, crc.status());
+    if (!crc.ok()) return Reply(ctx, crc.status());
     info->set_crc32c(*crc);
   }
   if (resolved->apply_result) ToProto(*resolved->apply_result, resp->mutable_apply_result());
-  return Respond(ctx, absl::OkStatus());
+  return Reply(ctx, absl::OkStatus());
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::FetchTensors(grpc::CallbackServerContext* ctx,
@@ -308,31 +319,31 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::FetchTensors(grp
 grpc::ServerUnaryReactor* WeightStoreService::LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                                              const v1::LoadCheckpointRequest* req,
                                                              v1::CheckpointInfo* resp) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Respond(ctx, s);
+  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Reply(ctx, s);
   Annotate(ctx, req->name().empty() ? req->path() : req->name());
-  if (req->path().empty()) return Respond(ctx, absl::InvalidArgumentError("path is empty"));
+  if (req->path().empty()) return Reply(ctx, absl::InvalidArgumentError("path is empty"));
   auto version = registry_->Load(req->path(), req->name());
-  if (!version.ok()) return Respond(ctx, version.status());
+  if (!version.ok()) return Reply(ctx, version.status());
   ToProto(**version, resp);
-  return Respond(ctx, absl::OkStatus());
+  return Reply(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::UnloadCheckpoint(grpc::CallbackServerContext* ctx,
                                                                const v1::UnloadCheckpointRequest* req,
                                                                v1::UnloadCheckpointResponse*) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Respond(ctx, s);
+  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Reply(ctx, s);
   Annotate(ctx, req->name());
-  return Respond(ctx, registry_->Unload(req->name()));
+  return Reply(ctx, registry_->Unload(req->name()));
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::Rescan(grpc::CallbackServerContext* ctx, const v1::RescanRequest*,
                                                      v1::RescanResponse* resp) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Respond(ctx, s);
+  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Reply(ctx, s);
   ScanReport report = registry_->Rescan();
   for (const auto& s : report.added) resp->add_added(s);
   for (const auto& s : report.replaced) resp->add_replaced(s);
   for (const auto& s : report.removed) resp->add_removed(s);
-  return Respond(ctx, absl::OkStatus());
+  return Reply(ctx, absl::OkStatus());
 }
 
 // Receives an upload into a temporary file; validates and stores it when its
@@ -340,16 +351,25 @@ grpc::ServerUnaryReactor* WeightStoreService::Rescan(grpc::CallbackServerContext
 // reads the same whether the client finished or was cancelled.
 class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
  public:
-  PutReactor(CheckpointRegistry* registry, v1::CheckpointInfo* response, grpc::CallbackServerContext* ctx,
-             absl::Status authorized)
-      : registry_(registry), response_(response), ctx_(ctx) {
+  PutReactor(WeightStoreService* service, v1::CheckpointInfo* response, grpc::CallbackServerContext* ctx)
+      : service_(service), registry_(service->registry_), response_(response), ctx_(ctx) {
+    absl::Status authorized = service->auth_->Check(*ctx, Scope::kAdmin);
     if (!authorized.ok()) {
-      Finish(ToGrpcStatus(authorized));
+      Finish(service->ClientStatus(authorized));
       return;
     }
+    // An upload that stalls holds a temporary file and its descriptors: its
+    // slot is taken back like a stalled fetch's.
+    absl::StatusOr<uint64_t> ticket = service->uploads_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); });
+    if (!ticket.ok()) {
+      Finish(service->ClientStatus(ticket.status()));
+      return;
+    }
+    ticket_ = *ticket;
     StartRead(&request_);
   }
   void OnReadDone(bool ok) override {
+    if (ok) service_->uploads_.Progress(ticket_, request_.ByteSizeLong());
     if (!ok) {
       return Fail(absl::CancelledError(absl::StrCat(
           "the upload", session_ == nullptr ? "" : absl::StrCat(" of '", session_->name(), "'"),
@@ -376,7 +396,10 @@ class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
     }
     StartRead(&request_);
   }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (ticket_ != 0) service_->uploads_.Release(ticket_);
+    delete this;
+  }
 
  private:
   void Commit(const v1::PutCommit& commit) {
@@ -394,18 +417,20 @@ class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
   }
   void Fail(const absl::Status& status) {
     session_.reset();  // removes the temporary file
-    Finish(ToGrpcStatus(status));
+    Finish(service_->ClientStatus(status));
   }
+  WeightStoreService* service_;
   CheckpointRegistry* registry_;
   v1::CheckpointInfo* response_;
   grpc::CallbackServerContext* ctx_;
   v1::PutCheckpointRequest request_;
   std::unique_ptr<PutSession> session_;
+  uint64_t ticket_ = 0;  // from the upload governor, once admitted
 };
 
 grpc::ServerReadReactor<v1::PutCheckpointRequest>* WeightStoreService::PutCheckpoint(grpc::CallbackServerContext* ctx,
                                                                                    v1::CheckpointInfo* resp) {
-  return new PutReactor(registry_, resp, ctx, auth_->Check(*ctx, Scope::kAdmin));
+  return new PutReactor(this, resp, ctx);
 }
 
 }  // namespace weightstore::server

@@ -30,8 +30,17 @@ struct ServiceOptions {
   // Largest tensor chunk payload. Default: 1 MiB (tensorstore's read chunk).
   uint32_t chunk_bytes = 1 << 20;
   // FetchTensors streams: at most this many at once and per client address
-  // (more get RESOURCE_EXHAUSTED), and one that stalls this long is cancelled.
+  // (more get RESOURCE_EXHAUSTED), and one that stalls is cancelled.
   StreamLimits streams;
+  // Folders (the models folder, the load roots) taken out of the paths in
+  // error messages to clients. Set by WeightStoreServer.
+  std::vector<std::string> hidden_folders;
+  // PutCheckpoint uploads, the same way. Default: 4 at once, 2 per address.
+  StreamLimits uploads = {.total = 4,
+                          .per_peer = 2,
+                          .what = "PutCheckpoint uploads",
+                          .total_flag = "--max-concurrent-uploads",
+                          .per_peer_flag = "--max-uploads-per-peer"};
   // What a request's selection may cost.
   SelectionLimits selection_limits;
   // Payload slices point into the mapping. False copies each chunk into a
@@ -70,11 +79,16 @@ class WeightStoreService final : public ServiceBase {
 
  private:
   friend class FetchReactor;
+  // What a client is told: paths relative, message bounded.
+  grpc::Status ClientStatus(const absl::Status& status) const;
+  grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status);
+  friend class PutReactor;
   CheckpointRegistry* registry_;
   ServiceOptions options_;
   Authenticator no_auth_;
   const Authenticator* auth_;
   StreamGovernor streams_;
+  StreamGovernor uploads_;
 };
 
 // Fills `out` from a served version.

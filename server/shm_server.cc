@@ -104,10 +104,14 @@ bool PeerCouldWrite(int fd, const ShmPeer& peer) {
   }
   // An ACL may grant write to anyone: do not try to read it, assume it does.
   if (::fgetxattr(fd, "system.posix_acl_access", nullptr, 0) >= 0) return true;
-  // CAP_DAC_OVERRIDE (1) or CAP_FOWNER (3) under another uid.
-  constexpr uint64_t kWriteAnything = (uint64_t{1} << 1) | (uint64_t{1} << 3);
+  // Capabilities that get around the file's owner and mode: CAP_CHOWN (0),
+  // CAP_DAC_OVERRIDE (1), CAP_FOWNER (3), CAP_SETGID (6), CAP_SETUID (7),
+  // CAP_SYS_ADMIN (21). A peer whose pid the daemon cannot see (another pid
+  // namespace) might hold any of them.
+  constexpr uint64_t kWriteAnything = (uint64_t{1} << 0) | (uint64_t{1} << 1) | (uint64_t{1} << 3) |
+                                      (uint64_t{1} << 6) | (uint64_t{1} << 7) | (uint64_t{1} << 21);
   std::optional<uint64_t> caps = EffectiveCapabilities(peer.pid);
-  return caps.has_value() && (*caps & kWriteAnything) != 0;
+  return !caps.has_value() || (*caps & kWriteAnything) != 0;
 }
 
 absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const CheckpointRegistry* registry, SegmentCache* cache,
@@ -244,17 +248,26 @@ void ShmServer::AcceptLoop() {
           absl::StrCat(options_.max_connections, " connections are open on '", options_.path, "'; retry later")));
       continue;
     }
-    // A process's share; a peer in another pid namespace shows as pid 0: its uid's.
+    // A process's share (a peer in another pid namespace shows as pid 0: its
+    // uid's), and its uid's, which forked processes share.
     std::string key = peer.pid > 0 ? absl::StrCat("pid ", peer.pid) : absl::StrCat("uid ", peer.uid);
+    const std::string uid_key = absl::StrCat("all of uid ", peer.uid);
     if (per_peer_[key] >= options_.max_connections_per_peer) {
       refuse(absl::ResourceExhaustedError(absl::StrCat(key, " has ", per_peer_[key], " connections open on '",
                                                        options_.path, "'; retry later")));
       continue;
     }
+    if (per_peer_[uid_key] >= options_.max_connections_per_uid) {
+      refuse(absl::ResourceExhaustedError(absl::StrCat("uid ", peer.uid, " has ", per_peer_[uid_key],
+                                                       " connections open on '", options_.path, "'; retry later")));
+      continue;
+    }
     ++per_peer_[key];
+    ++per_peer_[uid_key];
     Connection& c = connections_.emplace_back();
     c.fd = connection.release();
     c.peer_key = key;
+    c.uid_key = uid_key;
     ShmPeer who{peer.pid, peer.uid, groups, absl::StrCat("unix:pid=", peer.pid, ",uid=", peer.uid, ",gid=", peer.gid)};
     c.thread = std::thread([this, &c, fd = c.fd, who = std::move(who)] {
       Serve(fd, who);
@@ -263,6 +276,7 @@ void ShmServer::AcceptLoop() {
       c.fd = -1;
       c.done = true;
       if (--per_peer_[c.peer_key] <= 0) per_peer_.erase(c.peer_key);
+      if (--per_peer_[c.uid_key] <= 0) per_peer_.erase(c.uid_key);
     });
   }
 }
@@ -362,7 +376,7 @@ void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::S
   if (!status.ok()) {
     fds->clear();
     keep->clear();
-    SetStatus(status, response);
+    SetStatus(WithoutPaths(status, options_.hidden_folders), response);
   }
 }
 

@@ -63,7 +63,9 @@ struct ShmPeer {
 };
 
 // True when `peer` could open the file behind `fd` for writing (see
-// FileSegments::kAuto). Errs towards true when it cannot tell.
+// FileSegments::kAuto): false only for a read-only mount, or a peer that is
+// neither root nor the owner, gets no write bit or ACL, and visibly holds no
+// capability that gets around them. Errs towards true when it cannot tell.
 bool PeerCouldWrite(int fd, const ShmPeer& peer);
 
 struct ShmServerOptions {
@@ -82,6 +84,8 @@ struct ShmServerOptions {
   // Connections of one peer process (of one uid when its pid is not visible
   // from the daemon's pid namespace). Default: 32.
   int max_connections_per_peer = 32;
+  // Connections of all processes of one uid. Default: 128.
+  int max_connections_per_uid = 128;
   // How tensors stored as-is are handed out. Default: kAuto.
   FileSegments file_segments = FileSegments::kAuto;
   // Largest request frame (a target schema can be large). Default: 4 MiB, as
@@ -89,6 +93,8 @@ struct ShmServerOptions {
   uint32_t max_request_bytes = 4 << 20;
   // What a request's selection may cost.
   SelectionLimits selection_limits;
+  // Folders taken out of the paths in error messages (as the gRPC service's).
+  std::vector<std::string> hidden_folders;
   // A connection idle or stalled this long is closed. Default: 60 s.
   std::chrono::milliseconds io_timeout{60 * 1000};
 };
@@ -150,7 +156,7 @@ class ShmServer {
     int fd;  // -1 once its thread closed it
     std::thread thread;
     bool done = false;
-    std::string peer_key;  // for the per-peer share
+    std::string peer_key, uid_key;  // for the per-peer and per-uid shares
   };
   mutable absl::Mutex mu_;
   std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);

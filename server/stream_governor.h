@@ -1,9 +1,10 @@
 // StreamGovernor: admits FetchTensors streams and reclaims the stalled ones.
 //
 // At most `total` streams at once, and at most `per_peer` from one client
-// address, so one client cannot lock the others out; a stream whose last write
-// completed more than `idle` ago (its client stopped reading) is cancelled,
-// which frees its slot. Thread-safe.
+// address (an IPv6 client's /64), so one client cannot lock the others out; a
+// stream that moves less than `min_bytes` in any `idle` period (its client
+// stopped reading or writing, or trickles) is cancelled, which frees its slot.
+// Thread-safe.
 #ifndef WEIGHTSTORE_SERVER_STREAM_GOVERNOR_H_
 #define WEIGHTSTORE_SERVER_STREAM_GOVERNOR_H_
 
@@ -24,10 +25,15 @@ namespace weightstore::server {
 struct StreamLimits {
   // Streams served at once. Default: 64.
   int total = 64;
-  // Streams served at once to one client address. Default: 32.
-  int per_peer = 32;
-  // A stream with no write completed for this long is cancelled. Default: 30 s.
+  // Streams served at once to one client address. Default: 16.
+  int per_peer = 16;
+  // A stream that moves less than `min_bytes` in any period this long is
+  // cancelled. Default: 30 s and 1 MiB (~35 KB/s).
   std::chrono::milliseconds idle{30 * 1000};
+  uint64_t min_bytes = 1 << 20;
+  // For messages: what the streams are, and the flags that set the limits.
+  std::string what = "FetchTensors streams";
+  std::string total_flag = "--max-concurrent-fetches", per_peer_flag = "--max-fetches-per-peer";
 };
 
 class StreamGovernor {
@@ -40,8 +46,8 @@ class StreamGovernor {
   // must not call back into the governor. Returns a ticket for Progress and
   // Release, or ResourceExhausted naming the limit that was reached.
   absl::StatusOr<uint64_t> Admit(absl::string_view peer, std::function<void()> cancel);
-  // A write of the stream completed.
-  void Progress(uint64_t ticket);
+  // `bytes` of the stream moved (a write or a read completed).
+  void Progress(uint64_t ticket, uint64_t bytes);
   // The stream is over; `cancel` is never called after this returns.
   void Release(uint64_t ticket);
 
@@ -54,7 +60,8 @@ class StreamGovernor {
   struct Stream {
     std::string peer;
     std::function<void()> cancel;
-    Clock::time_point last_progress;
+    Clock::time_point period_start;  // of the current `idle` period
+    uint64_t period_bytes = 0;
     bool cancelling = false;
   };
   void Watch();
@@ -69,8 +76,10 @@ class StreamGovernor {
   std::thread watchdog_;
 };
 
-// The address part of a gRPC peer string ("ipv4:10.0.0.1:5000" -> "ipv4:10.0.0.1",
-// "ipv6:[::1]:5000" -> "ipv6:[::1]").
+// Whom a gRPC peer string counts as: its address without the port
+// ("ipv4:10.0.0.1:5000" -> "ipv4:10.0.0.1"), an IPv6 address's /64, since one
+// client may hold a whole one ("ipv6:[2001:db8::1]:5000" -> "ipv6:[2001:db8::]/64"),
+// and an IPv4-mapped IPv6 address as IPv4.
 std::string PeerAddress(absl::string_view peer);
 
 }  // namespace weightstore::server

@@ -29,25 +29,32 @@ TEST(StreamGovernorTest, BoundsStreamsInAllAndPerClientAddress) {
 }
 
 TEST(StreamGovernorTest, CancelsAStreamThatStopsMakingProgressAndOnlyThatOne) {
-  StreamGovernor governor({.total = 8, .per_peer = 8, .idle = std::chrono::milliseconds(200)});
-  std::atomic<int> stalled_cancels{0}, busy_cancels{0};
+  StreamGovernor governor({.total = 8, .per_peer = 8, .idle = std::chrono::milliseconds(200), .min_bytes = 1000});
+  std::atomic<int> stalled_cancels{0}, busy_cancels{0}, trickle_cancels{0};
   ASSERT_OK_AND_ASSIGN(uint64_t stalled, governor.Admit("ipv4:1.1.1.1:1", [&] { ++stalled_cancels; }));
   ASSERT_OK_AND_ASSIGN(uint64_t busy, governor.Admit("ipv4:1.1.1.1:2", [&] { ++busy_cancels; }));
+  ASSERT_OK_AND_ASSIGN(uint64_t trickle, governor.Admit("ipv4:1.1.1.1:3", [&] { ++trickle_cancels; }));
   for (int i = 0; i < 20; ++i) {
-    governor.Progress(busy);
+    governor.Progress(busy, 500);
+    governor.Progress(trickle, 10);  // a slow loris: always some progress, never enough
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
   }
   EXPECT_EQ(stalled_cancels.load(), 1) << "cancelled once";
+  EXPECT_EQ(trickle_cancels.load(), 1);
   EXPECT_EQ(busy_cancels.load(), 0);
-  EXPECT_EQ(governor.cancelled(), 1u);
+  EXPECT_EQ(governor.cancelled(), 2u);
   governor.Release(stalled);
   governor.Release(busy);
+  governor.Release(trickle);
   EXPECT_EQ(governor.active(), 0);
 }
 
 TEST(StreamGovernorTest, PeerAddressDropsThePort) {
   EXPECT_EQ(PeerAddress("ipv4:127.0.0.1:54321"), "ipv4:127.0.0.1");
-  EXPECT_EQ(PeerAddress("ipv6:[::1]:443"), "ipv6:[::1]");
+  EXPECT_EQ(PeerAddress("ipv6:[::1]:443"), "ipv6:[::]/64");
+  EXPECT_EQ(PeerAddress("ipv6:[2001:db8:1:2:3:4:5:6]:443"), "ipv6:[2001:db8:1:2::]/64");
+  EXPECT_EQ(PeerAddress("ipv6:[2001:db8:1:2:ffff::9]:80"), "ipv6:[2001:db8:1:2::]/64") << "one /64, one share";
+  EXPECT_EQ(PeerAddress("ipv6:[::ffff:10.0.0.7]:80"), "ipv4:10.0.0.7");
   EXPECT_EQ(PeerAddress("unix:/run/ws.sock"), "unix:/run/ws.sock");
   EXPECT_EQ(PeerAddress("ipv4:"), "ipv4:");
 }

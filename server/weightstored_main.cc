@@ -45,7 +45,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   double stream_idle_seconds = std::chrono::duration<double>(options.service.streams.idle).count();
   app.add_option("--stream-idle-timeout", stream_idle_seconds,
-                 "Cancel a FetchTensors stream whose client has read nothing for this many seconds")
+                 "Cancel a FetchTensors stream (or an upload) that moves less than --stream-min-bytes in this many "
+                 "seconds: its client stopped reading, or trickles")
+      ->capture_default_str();
+  app.add_option("--stream-min-bytes", options.service.streams.min_bytes,
+                 "Bytes a stream must move in each --stream-idle-timeout period")
       ->capture_default_str();
   app.add_option("--max-streams-per-connection", options.max_concurrent_streams_per_connection,
                  "HTTP/2 streams per client connection")
@@ -53,6 +57,11 @@ int main(int argc, char** argv) {
   app.add_option("--max-request-bytes", options.max_receive_message_bytes, "Largest request message")
       ->capture_default_str();
   app.add_option("--max-put-bytes", options.registry.max_put_bytes, "Largest PutCheckpoint upload")
+      ->capture_default_str();
+  app.add_option("--max-concurrent-uploads", options.service.uploads.total, "PutCheckpoint uploads at once")
+      ->capture_default_str();
+  app.add_option("--max-uploads-per-peer", options.service.uploads.per_peer,
+                 "PutCheckpoint uploads at once from one client address")
       ->capture_default_str();
   // Limits on what one request or one file may cost (README, "Limits").
   SelectionLimits& selection = options.service.selection_limits;
@@ -87,6 +96,10 @@ int main(int argc, char** argv) {
   app.add_option("--abandoned-upload-seconds", options.registry.abandoned_temporary_seconds,
                  "A rescan (and startup) removes upload temporaries no live writer holds once this old")
       ->capture_default_str();
+  double selection_seconds = std::chrono::duration<double>(selection.max_time).count();
+  app.add_option("--max-selection-seconds", selection_seconds,
+                 "CPU time one request's selection (renames, filters) may take")
+      ->capture_default_str();
   app.add_option("--load-root", options.registry.load_roots,
                  "A folder besides --models whose files LoadCheckpoint may serve (repeatable)");
   app.add_option("--socket", options.socket.path,
@@ -98,6 +111,9 @@ int main(int argc, char** argv) {
   app.add_option("--socket-allow-gid", allow_gids, "Gid allowed on --socket, primary or supplementary (repeatable)");
   app.add_option("--socket-max-connections-per-peer", options.socket.max_connections_per_peer,
                  "Socket connections of one process (of one uid when its pid is hidden from the daemon)")
+      ->capture_default_str();
+  app.add_option("--socket-max-connections-per-uid", options.socket.max_connections_per_uid,
+                 "Socket connections of all processes of one uid")
       ->capture_default_str();
   std::string file_segments = "auto";
   app.add_option("--socket-file-segments", file_segments,
@@ -147,6 +163,9 @@ int main(int argc, char** argv) {
 
   options.service.zero_copy = !copy_payloads;
   options.service.streams.idle = std::chrono::milliseconds(static_cast<int64_t>(stream_idle_seconds * 1000));
+  options.service.uploads.idle = options.service.streams.idle;
+  options.service.uploads.min_bytes = options.service.streams.min_bytes;
+  selection.max_time = std::chrono::milliseconds(static_cast<int64_t>(selection_seconds * 1000));
   options.registry.watch_files = true;
   // A served file truncated in place must fail the reads that hit it, not kill
   // the daemon (core/mapped_file.h).

@@ -81,6 +81,36 @@ grpc::Status Fetch(pb::WeightStore::Stub* stub, const pb::FetchTensorsRequest& r
   return reader->Finish();
 }
 
+// Starts a PutCheckpoint of <name>.<extension>: its header is sent.
+std::unique_ptr<grpc::ClientWriter<pb::PutCheckpointRequest>> StartUpload(pb::WeightStore::Stub* stub,
+                                                                        grpc::ClientContext* ctx,
+                                                                        pb::CheckpointInfo* info,
+                                                                        const std::string& name,
+                                                                        const std::string& extension = "safetensors") {
+  auto writer = stub->PutCheckpoint(ctx, info);
+  pb::PutCheckpointRequest header;
+  header.mutable_header()->set_name(name);
+  header.mutable_header()->set_extension(extension);
+  writer->Write(header);
+  return writer;
+}
+
+// Sends `bytes` and, unless `commit` is false, the commit message (with the
+// CRC32C flipped when `corrupt`); half-closes and returns the status.
+grpc::Status SendAndFinish(grpc::ClientWriter<pb::PutCheckpointRequest>* writer, const std::string& bytes,
+                           bool commit = true, bool corrupt = false) {
+  pb::PutCheckpointRequest part;
+  part.set_data(bytes);
+  writer->Write(part);
+  if (commit) {
+    part.mutable_commit()->set_size(bytes.size());
+    part.mutable_commit()->set_crc32c(Crc32c(bytes) ^ (corrupt ? 1u : 0u));
+    writer->Write(part);
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
 TEST(Issue11Test, ANonAsciiOrControlCharacterNameIsInvalidArgumentOnEveryCall) {
   // Item 1: the name was echoed into trailing metadata, and gRPC aborted the
   // process on a value that is not printable ASCII.
@@ -140,11 +170,7 @@ TEST(Issue11Test, ANonAsciiOrControlCharacterNameIsInvalidArgumentOnEveryCall) {
     {
       grpc::ClientContext ctx;
       pb::CheckpointInfo info;
-      auto writer = stub->PutCheckpoint(&ctx, &info);
-      pb::PutCheckpointRequest header;
-      header.mutable_header()->set_name(name);
-      header.mutable_header()->set_extension("safetensors");
-      writer->Write(header);
+      auto writer = StartUpload(stub.get(), &ctx, &info, name);
       writer->WritesDone();
       EXPECT_TRUE(refused(writer->Finish(), name));
     }
@@ -317,23 +343,13 @@ TEST(Issue11Test, OnlyACommitMessageStoresAnUploadNeverTheEndOfAStream) {
   auto upload = [&](const std::string& name, End end) {
     grpc::ClientContext ctx;
     pb::CheckpointInfo info;
-    auto writer = stub->PutCheckpoint(&ctx, &info);
-    pb::PutCheckpointRequest header;
-    header.mutable_header()->set_name(name);
-    header.mutable_header()->set_extension("safetensors");
-    writer->Write(header);
+    auto writer = StartUpload(stub.get(), &ctx, &info, name);
+    if (end != End::kCancel) return SendAndFinish(writer.get(), bytes, end != End::kNoCommit, end == End::kWrongCrc);
     pb::PutCheckpointRequest data;
     data.set_data(bytes);
     writer->Write(data);
-    if (end == End::kCancel) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // every byte has arrived
-      ctx.TryCancel();
-    } else if (end != End::kNoCommit) {
-      pb::PutCheckpointRequest commit;
-      commit.mutable_commit()->set_size(bytes.size());
-      commit.mutable_commit()->set_crc32c(Crc32c(bytes) ^ (end == End::kWrongCrc ? 1u : 0u));
-      writer->Write(commit);
-    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // every byte has arrived
+    ctx.TryCancel();
     writer->WritesDone();
     return writer->Finish();
   };
@@ -454,6 +470,17 @@ TEST(Issue11Test, OneProcessCannotHoldEverySocketConnection) {
   std::string out;
   EXPECT_EQ(testing::RunCommand(absl::StrCat(WEIGHTSTORE_SHM_PROBE_PATH, " ", socket, " tiny-mlp"), &out), 0) << out;
   held.clear();  // and ours come back once we let go
+  // Forked processes share their uid's quota.
+  Daemon by_uid(models, {"--socket", socket + "2", "--socket-max-connections-per-uid", "3"});
+  ASSERT_NE(by_uid.port(), 0) << by_uid.log();
+  std::vector<UniqueFd> three;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_OK_AND_ASSIGN(UniqueFd fd, ConnectUnixSocket(socket + "2"));
+    three.push_back(std::move(fd));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_NE(testing::RunCommand(absl::StrCat(WEIGHTSTORE_SHM_PROBE_PATH, " ", socket, "2 tiny-mlp"), &out), 0);
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("uid ", ::geteuid(), " has 3 connections")));
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   ASSERT_OK_AND_ASSIGN(auto shm, client::ConnectSharedMemoryStore(socket));
   EXPECT_OK(shm->ListCheckpoints().status());
@@ -652,19 +679,9 @@ TEST(Issue11Test, HostileFilesInTheModelsFolderAreReportedAndCostNothing) {
   // The same bomb uploaded is refused before it is stored.
   grpc::ClientContext put_ctx;
   pb::CheckpointInfo info;
-  auto writer = stub->PutCheckpoint(&put_ctx, &info);
-  const std::string bytes = testing::ReadFileOrEmpty(models + "/bomb.pt");
-  pb::PutCheckpointRequest part;
-  part.mutable_header()->set_name("uploaded-bomb");
-  part.mutable_header()->set_extension("pt");
-  writer->Write(part);
-  part.set_data(bytes);
-  writer->Write(part);
-  part.mutable_commit()->set_size(bytes.size());
-  part.mutable_commit()->set_crc32c(Crc32c(bytes));
-  writer->Write(part);
-  writer->WritesDone();
-  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  auto writer = StartUpload(stub.get(), &put_ctx, &info, "uploaded-bomb", "pt");
+  EXPECT_EQ(SendAndFinish(writer.get(), testing::ReadFileOrEmpty(models + "/bomb.pt")).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_FALSE(fs::exists(models + "/uploaded-bomb.pt"));
   ExpectHealthy(daemon);
 }
@@ -689,11 +706,8 @@ TEST(Issue11Test, LoadAndUploadStayInsideTheirFolders) {
     EXPECT_THAT(st.error_message(), ::testing::Not(HasSubstr("root:")));
   }
   auto begin_upload = [&](grpc::ClientContext* ctx, pb::CheckpointInfo* info, const std::string& name) {
-    auto writer = stub->PutCheckpoint(ctx, info);
+    auto writer = StartUpload(stub.get(), ctx, info, name);
     pb::PutCheckpointRequest part;
-    part.mutable_header()->set_name(name);
-    part.mutable_header()->set_extension("safetensors");
-    writer->Write(part);
     part.set_data(std::string(1 << 20, 'z'));
     writer->Write(part);
     return writer;
@@ -725,6 +739,56 @@ TEST(Issue11Test, LoadAndUploadStayInsideTheirFolders) {
   for (const auto& e : fs::directory_iterator(models)) temporaries += IsAtomicFileTemporary(e.path().filename().string());
   EXPECT_EQ(temporaries, 0u);
   ExpectHealthy(*daemon);
+}
+
+TEST(Issue11Test, UploadsAreSharedPerClientAndAStalledOneIsCancelled) {
+  // An upload that stalls holds a temporary file and descriptors; without a cap
+  // any number of them could.
+  const std::string models = ExampleModels();
+  Daemon daemon(models, {"--max-uploads-per-peer", "2", "--stream-idle-timeout", "1"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto stub = Stub(daemon);
+  struct Upload {
+    grpc::ClientContext ctx;
+    pb::CheckpointInfo info;
+    std::unique_ptr<grpc::ClientWriter<pb::PutCheckpointRequest>> writer;
+  };
+  auto begin = [&](const std::string& name) {
+    auto u = std::make_unique<Upload>();
+    u->writer = StartUpload(stub.get(), &u->ctx, &u->info, name);
+    return u;
+  };
+  auto first = begin("a"), second = begin("b");
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto third = begin("c");
+  third->writer->WritesDone();
+  grpc::Status refused = third->writer->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error_message(), HasSubstr("--max-uploads-per-peer"));
+  // The two that send nothing are cancelled, their temporaries removed (once
+  // the daemon's side of the call has wound down).
+  for (auto* u : {first.get(), second.get()}) EXPECT_EQ(u->writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  size_t temporaries = 1;
+  for (int i = 0; i < 100 && temporaries > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    temporaries = 0;
+    for (const auto& e : fs::directory_iterator(models)) temporaries += IsAtomicFileTemporary(e.path().filename().string());
+  }
+  EXPECT_EQ(temporaries, 0u);
+  EXPECT_THAT(daemon.log(), HasSubstr("\"what\":\"PutCheckpoint uploads\""));
+  ExpectHealthy(daemon);
+}
+
+TEST(Issue11Test, ErrorsTellClientsNoServerPaths) {
+  const std::string models = ExampleModels();
+  Daemon daemon(models);
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address()));
+  client::Query query;
+  query.selection.top_level_key = "nope";
+  absl::Status status = store->ListTensors("tiny-mlp-torch", query).status();
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kNotFound, HasSubstr("'tiny-mlp-torch.pt' has no tensors")));
+  EXPECT_THAT(std::string(status.message()), ::testing::Not(HasSubstr(models)));
 }
 
 }  // namespace
