@@ -97,7 +97,8 @@ absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink)
     if (offset != t.received || early_data.size() > t.out.size() - t.received) {
       return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "': chunk does not follow byte ", t.received));
     }
-    std::memcpy(t.out.data() + t.received, early_data.data(), early_data.size());
+    // An empty tensor's destination may be null: memcpy must not see it.
+    if (!early_data.empty()) std::memcpy(t.out.data() + t.received, early_data.data(), early_data.size());
   }
   t.crc = Crc32cExtend(t.crc, absl::string_view(reinterpret_cast<const char*>(t.out.data() + t.received), data_size));
   t.received += data_size;
