@@ -206,8 +206,8 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
   std::vector<std::pair<std::string, std::vector<uint64_t>>> transposable;
   const SelectionDeadline deadline(selection.limits().max_time);
   for (size_t p = 0; p < target.parameters.size(); ++p) {
-    WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("applying to the target"));
     const TargetParameter& param = target.parameters[p];
+    WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("applying to the target", param.path.size() + 1));
     by_path.emplace(param.path, p);
     auto it = source.find(param.path);
     if (it == source.end()) {

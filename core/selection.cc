@@ -259,7 +259,7 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
 
 Selection::~Selection() = default;
 
-absl::Status SelectionDeadline::Check(absl::string_view what) const {
+absl::Status SelectionDeadline::CheckClock(absl::string_view what) const {
   if (std::chrono::steady_clock::now() < end_) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat("the selection took more than ", budget_.count(), " ms (", what,
                                                    "); simplify its patterns"));
@@ -268,7 +268,7 @@ absl::Status SelectionDeadline::Check(absl::string_view what) const {
 absl::StatusOr<std::string> Selection::Rename(absl::string_view name, const SelectionDeadline* deadline) const {
   std::string current(name);
   for (size_t i = 0; i < rename_.size(); ++i) {
-    if (deadline != nullptr) WEIGHTSTORE_RETURN_IF_ERROR(deadline->Check("renaming"));
+    if (deadline != nullptr) WEIGHTSTORE_RETURN_IF_ERROR(deadline->Check("renaming", current.size() + 1));
     if (ReplaceAllInPlace(*rename_[i], &current, options_.renames[i].replacement, limits_.max_name_bytes) ==
         ReplaceOutcome::kTooLong) {
       return absl::InvalidArgumentError(absl::StrCat("rename rule ", i, " ('", options_.renames[i].pattern,

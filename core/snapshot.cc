@@ -78,7 +78,7 @@ absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr
   tensors.reserve(named.size());
   const SelectionDeadline deadline(selection.limits().max_time);
   for (NamedEntry& n : named) {
-    WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("filtering"));
+    WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("filtering", n.name.size() + 1));
     if (!selection.Matches(n.name)) continue;
     SnapshotTensor t;
     t.source = &checkpoint->entries()[n.entry];
