@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets with clang 14 (ASan + UBSan) and runs each for a
-# short time, seeded from ../shared/fixtures (copied into the build folder, never
-# into the project). Usage: scripts/run-fuzzers.sh [SECONDS_PER_TARGET]
+# Runs each libFuzzer target (built with clang 14 under ASan + UBSan into
+# build-asan/ by scripts/build-sanitized.sh, which this calls unless
+# WEIGHTSTORE_SKIP_BUILD is set) for a short time, seeded from ../shared/fixtures
+# (copied into the build folder, never into the project) and, for request_fuzz,
+# from the requests of issue 11's attacks. Usage: scripts/run-fuzzers.sh [SECONDS_PER_TARGET]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-20}"
-build=build-fuzz
+build=build-asan
 fixtures="${WEIGHTSTORE_FIXTURES_DIR:-$(pwd)/../shared/fixtures}"
 
-CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DWEIGHTSTORE_BUILD_FUZZERS=ON -DWEIGHTSTORE_BUILD_TESTS=OFF -DWEIGHTSTORE_BUILD_BENCHMARKS=OFF >/dev/null
-ninja -C "$build" safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz chunk_fuzz
+[ -n "${WEIGHTSTORE_SKIP_BUILD:-}" ] || scripts/build-sanitized.sh
 
 seed() {  # seed TARGET FILES...
   local dir="$build/corpus/$1"; shift
@@ -25,6 +25,9 @@ mkdir -p "$build/corpus/chunk_fuzz"
 # A seed chunk stream: one tensor "w" (F32 [2]) in one chunk, with its CRC32C.
 printf '\x2b\x00\x0a\x0f\x0a\x01w\x12\x03F32\x1a\x01\x02\x20\x08\x10\x00\x18\x00\x28\x01\x35\x00\x00\x00\x00\x3a\x02v1\x22\x08\x00\x00\x80\x3f\x00\x00\x00\x40' \
   > "$build/corpus/chunk_fuzz/one_tensor"
+# A regression: an empty tensor's null destination reached memcpy (UBSan).
+echo 'KwAgCBAAGAAo/DQAKwAKDwoBdxIDRjMyGgUCIAArCCEAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAYAAgQNQAEAAAAQA==' \
+  | base64 -d > "$build/corpus/chunk_fuzz/empty_tensor_memcpy"
 mkdir -p "$build/corpus/pickle_fuzz"
 python3 - "$fixtures" "$build/corpus/pickle_fuzz" <<'PY'
 import sys, zipfile, glob, os
@@ -37,11 +40,19 @@ for p in glob.glob(os.path.join(src, "burn", "pytorch-*", "*.pt")):
                     open(os.path.join(out, os.path.basename(p) + ".pkl"), "wb").write(z.read(n))
 PY
 
+mkdir -p "$build/corpus/request_fuzz"
+"$build/tests/fuzz/request_fuzz_seeds" "$build/corpus/request_fuzz" >/dev/null
+
+# request_fuzz runs a whole daemon in the process: larger inputs (a target
+# schema), a per-input time limit, and no leak check at exit (gRPC's threads).
+declare -A extra=([request_fuzz]="-max_len=1048576 -timeout=20 -detect_leaks=0")
 status=0
-for target in safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz chunk_fuzz; do
+for target in safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz chunk_fuzz request_fuzz; do
   echo "== $target (${seconds}s)"
+  # shellcheck disable=SC2086
   if ! "$build/tests/fuzz/$target" -max_total_time="$seconds" -rss_limit_mb=2048 -max_len=65536 \
-       -print_final_stats=1 "$build/corpus/$target" 2>"$build/$target.log"; then
+       ${extra[$target]:-} -artifact_prefix="$build/$target-" -print_final_stats=1 "$build/corpus/$target" \
+       2>"$build/$target.log"; then
     echo "$target FAILED; last lines of $build/$target.log:"; tail -40 "$build/$target.log"; status=1
   else
     grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "$build/$target.log" | tr '\n' ' '; echo
