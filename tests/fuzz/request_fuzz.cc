@@ -12,7 +12,10 @@
 #include <filesystem>
 #include <string>
 
+#include <google/protobuf/stubs/logging.h>
+
 #include "core/unix_socket.h"
+#include "server/log.h"
 #include "server/server.h"
 #include "weightstore/v1/shm.pb.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
@@ -28,6 +31,9 @@ struct Daemon {
 };
 
 Daemon* Start() {
+  // A request log line and a protobuf complaint per input would be most of the work.
+  weightstore::server::SetLogLevel(weightstore::server::LogLevel::kError);
+  google::protobuf::SetLogHandler(nullptr);
   auto* d = new Daemon();
   char dir[] = "/tmp/request_fuzz-XXXXXX";
   if (::mkdtemp(dir) == nullptr) std::abort();
