@@ -150,7 +150,6 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         }
         bytes_ = read->bytes;
       }
-      cached_crc_ = std::nullopt;
       cached_crc_ = resolved_.version->CachedCrc(ChecksumCacheKey(snapshot, tensor));
       crc_ = 0;
       ToProto(tensor.spec, tensor.source->spec.name, chunk.mutable_info());
