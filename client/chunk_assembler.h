@@ -1,6 +1,7 @@
 // ChunkAssembler: turns FetchTensors chunks, as raw ByteBuffers, into tensors in a
-// TensorSink. Each payload is copied once, from gRPC's slices straight into the
-// sink's buffer; each tensor's CRC32C is checked when its last chunk arrives.
+// TensorSink. The framing is proto/codec/chunk_codec.h's; each payload is copied
+// once, from gRPC's slices straight into the sink's buffer, and each tensor's
+// CRC32C is checked when its last chunk arrives.
 // Chunks are untrusted input: every offset and size is checked (and fuzzed, see
 // tests/fuzz/chunk_fuzz.cc). Thread-compatible.
 #ifndef WEIGHTSTORE_CLIENT_CHUNK_ASSEMBLER_H_
@@ -12,6 +13,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "client/proto_convert.h"
 #include "client/store.h"
 
 namespace weightstore::client {
@@ -33,6 +35,9 @@ class ChunkAssembler {
   uint64_t next_index() const { return next_index_; }
 
  private:
+  // Starts the tensor `info` describes in `sink`.
+  absl::Status Begin(const pb::TensorInfo& info, TensorSink* sink);
+
   struct InProgress {
     TensorSpec spec;
     std::span<std::byte> out;

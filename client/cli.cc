@@ -20,10 +20,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/checkpoint.h"
-#include "core/apply.h"
-#include "core/checkpoint_writer.h"
-#include "core/selection.h"
-#include "core/snapshot.h"
+#include "core/select/apply.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/select/selection.h"
+#include "core/select/snapshot.h"
 #include "client/file_sink.h"
 #include "client/store.h"
 #include "core/status_macros.h"
@@ -239,7 +239,7 @@ absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
   } else {
     WEIGHTSTORE_ASSIGN_OR_RETURN(Loaded loaded, LoadForCli(args.path, args.selection));
     const Checkpoint& c = *loaded.checkpoint;
-    view = InspectView{c.path(), std::string(FormatName(c.format())), c.detail(), c.metadata(), c.size(), {}, {}};
+    view = InspectView{c.path(), std::string(c.format().name), c.detail(), c.metadata(), c.size(), {}, {}};
     for (const SnapshotTensor& t : loaded.snapshot->tensors()) {
       view.tensors.push_back({t.spec, t.source->spec.name, std::nullopt});
     }
@@ -297,17 +297,18 @@ absl::Status RunLs(const LsArgs& args, std::FILE* out) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Format> OutputFormat(const std::string& flag, const std::string& output) {
-  std::optional<Format> f = flag.empty() ? FormatFromExtension(output) : ParseFormat(flag);
-  if (!f) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot tell the output format from '", output,
-                                                   "'; name it *.safetensors or *.bpk, or pass --format"));
+absl::StatusOr<const FormatSpec*> OutputFormat(const std::string& flag, const std::string& output) {
+  const FormatSpec* f = flag.empty() ? FormatForPath(output) : FindFormat(flag);
+  if (f == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot tell the output format from '", output, "'; end it with ",
+                                                   FormatExtensions(/*writable_only=*/true), ", or pass --format"));
   }
-  if (*f == Format::kPyTorch) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot write '", output,
-                                                   "': PyTorch files are read-only here; write .safetensors or .bpk"));
+  if (!f->writable()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot write '", output, "': ", f->name,
+                                                   " files are read-only here; write ",
+                                                   FormatExtensions(/*writable_only=*/true)));
   }
-  return *f;
+  return f;
 }
 
 absl::StatusOr<Metadata> ParseMetadataFlags(const std::vector<std::string>& flags) {
@@ -323,7 +324,7 @@ absl::StatusOr<Metadata> ParseMetadataFlags(const std::vector<std::string>& flag
 }
 
 absl::Status RunFetch(const FetchArgs& args, std::FILE* out) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(Format format, OutputFormat(args.format, args.output));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(const FormatSpec* format, OutputFormat(args.format, args.output));
   WEIGHTSTORE_ASSIGN_OR_RETURN(Metadata extra, ParseMetadataFlags(args.metadata));
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::Query query, QueryFor(args.selection));
   WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket, args.remote));
@@ -337,7 +338,7 @@ absl::Status RunFetch(const FetchArgs& args, std::FILE* out) {
     specs.push_back(t.spec);
     total += t.spec.byte_size();
   }
-  WEIGHTSTORE_ASSIGN_OR_RETURN(auto sink, client::FileSink::Create(args.output, format, specs, metadata, args.overwrite));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto sink, client::FileSink::Create(args.output, *format, specs, metadata, args.overwrite));
   ProgressBar bar(args.progress && ::isatty(STDERR_FILENO) && total >= kProgressThreshold);
   sink->set_progress([&bar](uint64_t done, uint64_t all) { bar.Update(done, all); });
   WEIGHTSTORE_RETURN_IF_ERROR(store->FetchTensors(args.name, query, sink.get()));
@@ -370,7 +371,7 @@ absl::Status RunApply(const ApplyArgs& args, std::FILE* out) {
 }
 
 absl::Status RunConvert(const ConvertArgs& args, std::FILE* out) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(Format format, OutputFormat(args.format, args.output));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(const FormatSpec* format, OutputFormat(args.format, args.output));
   WEIGHTSTORE_ASSIGN_OR_RETURN(Metadata extra, ParseMetadataFlags(args.metadata));
   WEIGHTSTORE_ASSIGN_OR_RETURN(Loaded loaded, LoadForCli(args.input, args.selection));
   if (loaded.applied && !loaded.applied->status.ok()) {
@@ -384,7 +385,7 @@ absl::Status RunConvert(const ConvertArgs& args, std::FILE* out) {
   WriteOptions options;
   options.overwrite = args.overwrite;
   options.progress = [&bar](uint64_t done, uint64_t total) { bar.Update(done, total); };
-  return WriteSnapshot(*loaded.snapshot, args.output, format, metadata, options);
+  return WriteSnapshot(*loaded.snapshot, args.output, *format, metadata, options);
 }
 
 absl::Status RunDiff(const DiffArgs& args, std::FILE* out) {

@@ -15,7 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "client/store.h"
-#include "core/snapshot.h"
+#include "core/select/snapshot.h"
 
 namespace weightstore::client {
 

@@ -6,13 +6,13 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "core/checkpoint_writer.h"
+#include "core/formats/checkpoint_writer.h"
 #include "core/status_macros.h"
 #include "core/status_util.h"
 
 namespace weightstore::client {
 
-absl::StatusOr<std::unique_ptr<FileSink>> FileSink::Create(const std::string& path, Format format,
+absl::StatusOr<std::unique_ptr<FileSink>> FileSink::Create(const std::string& path, const FormatSpec& format,
                                                            const std::vector<TensorSpec>& tensors,
                                                            const Metadata& metadata, bool overwrite) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, PlanCheckpoint(format, tensors, metadata));

@@ -15,14 +15,14 @@
 #include "absl/container/flat_hash_map.h"
 #include "client/store.h"
 #include "core/atomic_file.h"
-#include "core/write_plan.h"
+#include "core/formats/write_plan.h"
 
 namespace weightstore::client {
 
 class FileSink final : public TensorSink {
  public:
   // `tensors` in the order the writer should lay them out (Burnpack keeps it).
-  static absl::StatusOr<std::unique_ptr<FileSink>> Create(const std::string& path, Format format,
+  static absl::StatusOr<std::unique_ptr<FileSink>> Create(const std::string& path, const FormatSpec& format,
                                                           const std::vector<TensorSpec>& tensors,
                                                           const Metadata& metadata, bool overwrite);
   ~FileSink() override;

@@ -6,7 +6,9 @@
 #include "client/store.h"
 #include "core/crc32c.h"
 #include "core/registry.h"
-#include "core/snapshot.h"
+#include "core/format.h"
+#include "core/select/served.h"
+#include "core/select/snapshot.h"
 #include "core/status_macros.h"
 
 namespace weightstore::client {
@@ -14,7 +16,7 @@ namespace {
 
 CheckpointSummary Summarize(const CheckpointVersion& v) {
   const Checkpoint& c = *v.checkpoint();
-  return CheckpointSummary{v.name(), std::string(FormatName(c.format())), c.detail(), v.path(), c.total_bytes(),
+  return CheckpointSummary{v.name(), std::string(c.format().name), c.detail(), v.path(), c.total_bytes(),
                            c.size(), c.metadata(), v.version(), v.loaded_at_unix_seconds()};
 }
 
@@ -43,8 +45,7 @@ class LocalStore final : public Store {
     for (const SnapshotTensor& t : snapshot->tensors()) {
       TensorDescription d{t.spec, t.source->spec.name, std::nullopt};
       if (query.with_checksums) {
-        WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor bytes, snapshot->Read(t));
-        d.crc32c = Crc32c(bytes.bytes.view());
+        WEIGHTSTORE_ASSIGN_OR_RETURN(d.crc32c, ServedChecksum(*snapshot, PlanServedTensor(*snapshot, t), v->checksums()));
       }
       listing.tensors.push_back(std::move(d));
     }
@@ -58,7 +59,7 @@ class LocalStore final : public Store {
     WEIGHTSTORE_RETURN_IF_ERROR(Resolve(*v, query, &snapshot, &result));
     for (const SnapshotTensor& t : snapshot->tensors()) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
-      WEIGHTSTORE_RETURN_IF_ERROR(snapshot->ReadInto(t, out));
+      WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(*snapshot, PlanServedTensor(*snapshot, t), 0, out));
       WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
     }
     return absl::OkStatus();
@@ -96,7 +97,7 @@ absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path) {
   bool sharded = false;
   if (folder) {
     for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
-      if (it->path().string().ends_with(".safetensors.index.json")) sharded = true;
+      if (IndexFormatForPath(it->path().filename().string()) != nullptr) sharded = true;
     }
   }
   if (folder && !sharded) {

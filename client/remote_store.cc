@@ -19,15 +19,11 @@
 #include "client/store.h"
 #include "client/usable_cores.h"
 #include "core/status_macros.h"
+#include "proto/codec/status.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore::client {
 namespace {
-
-absl::Status FromGrpc(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
 
 // Transient failures after which a stream is worth resuming.
 bool Resumable(const grpc::Status& status) {
@@ -93,7 +89,7 @@ class RemoteStore final : public Store {
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
     pb::ListCheckpointsResponse resp;
-    WEIGHTSTORE_RETURN_IF_ERROR(FromGrpc(stub_->ListCheckpoints(&ctx, pb::ListCheckpointsRequest(), &resp)));
+    WEIGHTSTORE_RETURN_IF_ERROR(FromGrpcStatus(stub_->ListCheckpoints(&ctx, pb::ListCheckpointsRequest(), &resp)));
     std::vector<CheckpointSummary> out(resp.checkpoints_size());
     for (int i = 0; i < resp.checkpoints_size(); ++i) FromProto(resp.checkpoints(i), &out[i]);
     return out;
@@ -105,7 +101,7 @@ class RemoteStore final : public Store {
     pb::GetCheckpointRequest req;
     req.set_name(name);
     pb::CheckpointInfo resp;
-    WEIGHTSTORE_RETURN_IF_ERROR(FromGrpc(stub_->GetCheckpoint(&ctx, req, &resp)));
+    WEIGHTSTORE_RETURN_IF_ERROR(FromGrpcStatus(stub_->GetCheckpoint(&ctx, req, &resp)));
     CheckpointSummary out;
     FromProto(resp, &out);
     return out;
@@ -120,7 +116,7 @@ class RemoteStore final : public Store {
     req.set_version(query.version);
     ToProto(query, req.mutable_selection());
     pb::ListTensorsResponse resp;
-    WEIGHTSTORE_RETURN_IF_ERROR(FromGrpc(stub_->ListTensors(&ctx, req, &resp)));
+    WEIGHTSTORE_RETURN_IF_ERROR(FromGrpcStatus(stub_->ListTensors(&ctx, req, &resp)));
     TensorListing listing;
     listing.version = resp.version();
     for (const pb::TensorInfo& info : resp.tensors()) {
@@ -223,13 +219,13 @@ class RemoteStore final : public Store {
       grpc::Status status = reader->Finish();
       if (status.ok()) return absl::OkStatus();
       if (!Resumable(status) || ++resumes > options_.max_resumes || req.version().empty()) {
-        absl::Status failed = FromGrpc(status);
+        absl::Status failed = FromGrpcStatus(status);
         if (first_break.ok()) return failed;
         return absl::Status(failed.code(), absl::StrCat("the stream broke (", first_break.message(),
                                                         "); resuming at tensor ", req.start_index(),
                                                         " failed: ", failed.message()));
       }
-      if (first_break.ok()) first_break = FromGrpc(status);
+      if (first_break.ok()) first_break = FromGrpcStatus(status);
       assembler.Restart();  // tensors before start_index are complete; the current one restarts
       const auto backoff = std::min<std::chrono::milliseconds>(options_.resume_backoff * (1 << std::min(resumes - 1, 10)),
                                                                std::chrono::seconds(5));

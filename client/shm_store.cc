@@ -8,9 +8,9 @@
 #include "client/proto_convert.h"
 #include "client/store.h"
 #include "core/crc32c.h"
-#include "core/sealed_memfd.h"
+#include "core/shm/sealed_memfd.h"
 #include "core/status_macros.h"
-#include "core/unix_socket.h"
+#include "core/shm/unix_socket.h"
 #include "weightstore/v1/shm.pb.h"
 
 namespace weightstore::client {

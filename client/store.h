@@ -18,11 +18,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/apply.h"
+#include "core/select/apply.h"
 #include "core/checkpoint.h"
 #include "core/host_buffer.h"
 #include "core/mapped_file.h"
-#include "core/selection.h"
+#include "core/select/selection.h"
 #include "core/tensor.h"
 
 namespace weightstore::client {

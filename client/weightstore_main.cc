@@ -5,10 +5,24 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
+#include "absl/strings/str_cat.h"
 #include "client/cli.h"
 #include "client/store.h"
+#include "core/format.h"
 
 namespace {
+
+using ::weightstore::FormatExtensions;
+using ::weightstore::FormatNames;
+
+// Names of the formats a file can be written in, for --format.
+std::vector<std::string> WritableFormats() {
+  std::vector<std::string> names;
+  for (const weightstore::FormatSpec* f : weightstore::Formats()) {
+    if (f->writable()) names.emplace_back(f->name);
+  }
+  return names;
+}
 
 // Adds the selection flags (shared by inspect, convert and apply) to `cmd`.
 void AddRemoteFlags(CLI::App* cmd, weightstore::cli::RemoteArgs* args) {
@@ -74,12 +88,13 @@ int main(int argc, char** argv) {
 
   cli::ConvertArgs convert;
   CLI::App* convert_cmd = app.add_subcommand(
-      "convert", "Convert a checkpoint to SafeTensors or Burnpack, atomically (OUT appears complete or not at all)");
+      "convert", absl::StrCat("Convert a checkpoint to a writable format (", FormatNames(/*writable_only=*/true),
+                   "), atomically (OUT appears complete or not at all)"));
   convert_cmd->add_option("IN", convert.input, "Input checkpoint")->required();
-  convert_cmd->add_option("OUT", convert.output, "Output file; its extension (.safetensors, .bpk) picks the format")
+  convert_cmd->add_option("OUT", convert.output, absl::StrCat("Output file; its extension (", FormatExtensions(/*writable_only=*/true), ") picks the format"))
       ->required();
   convert_cmd->add_option("--format", convert.format, "Output format, overriding OUT's extension")
-      ->check(CLI::IsMember({"safetensors", "burnpack"}));
+      ->check(CLI::IsMember(WritableFormats()));
   AddSelectionFlags(convert_cmd, &convert.selection);
   convert_cmd->add_flag("--overwrite", convert.overwrite, "Replace OUT if it exists");
   convert_cmd->add_option("--metadata", convert.metadata, "Add or replace a metadata entry (KEY=VALUE, repeatable)");
@@ -116,10 +131,10 @@ int main(int argc, char** argv) {
   fetch_cmd->add_option("--socket", fetch.socket, "weightstored's same-host socket: copies out of shared mappings")
       ->excludes(fetch_server);
   fetch_cmd->add_option("NAME", fetch.name, "Checkpoint name (see 'weightstore ls')")->required();
-  fetch_cmd->add_option("OUT", fetch.output, "Output file; its extension (.safetensors, .bpk) picks the format")
+  fetch_cmd->add_option("OUT", fetch.output, absl::StrCat("Output file; its extension (", FormatExtensions(/*writable_only=*/true), ") picks the format"))
       ->required();
   fetch_cmd->add_option("--format", fetch.format, "Output format, overriding OUT's extension")
-      ->check(CLI::IsMember({"safetensors", "burnpack"}));
+      ->check(CLI::IsMember(WritableFormats()));
   fetch_cmd->add_flag("--overwrite", fetch.overwrite, "Replace OUT if it exists");
   AddRemoteFlags(fetch_cmd, &fetch.remote);
   fetch_cmd->add_option("--metadata", fetch.metadata, "Add or replace a metadata entry (KEY=VALUE, repeatable)");

@@ -9,35 +9,14 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "core/burnpack.h"
+#include "absl/strings/str_join.h"
 #include "core/checked_math.h"
 #include "core/host_buffer.h"
-#include "core/pytorch.h"
-#include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "core/utf8.h"
 #include "absl/strings/escaping.h"
 
 namespace weightstore {
-
-absl::string_view FormatName(Format format) {
-  switch (format) {
-    case Format::kSafeTensors:
-      return "safetensors";
-    case Format::kPyTorch:
-      return "pytorch";
-    case Format::kBurnpack:
-      return "burnpack";
-  }
-  return "unknown";
-}
-
-std::optional<Format> ParseFormat(absl::string_view name) {
-  for (Format f : {Format::kSafeTensors, Format::kPyTorch, Format::kBurnpack}) {
-    if (name == FormatName(f)) return f;
-  }
-  return std::nullopt;
-}
 
 std::shared_ptr<const LazyStorage> LazyStorage::Ready(SharedBytes bytes) {
   std::shared_ptr<LazyStorage> storage(new LazyStorage());
@@ -161,19 +140,15 @@ absl::Status CheckLimits(const CheckpointEntry& entry, absl::string_view path, c
   return absl::OkStatus();
 }
 
-bool LooksLikeSafeTensorsIndex(const std::string& path) {
-  return absl::EndsWith(path, ".index.json");
-}
-
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Create(
-    Format format, std::string path, Metadata metadata, std::vector<CheckpointEntry> entries,
+    const FormatSpec& format, std::string path, Metadata metadata, std::vector<CheckpointEntry> entries,
     std::string detail, std::vector<std::shared_ptr<const MappedFile>> files, const OpenOptions& options) {
   std::shared_ptr<Checkpoint> checkpoint(new Checkpoint());
   checkpoint->detail_ = std::move(detail);
   checkpoint->files_ = std::move(files);
-  checkpoint->format_ = format;
+  checkpoint->format_ = &format;
   checkpoint->path_ = std::move(path);
   checkpoint->metadata_ = std::move(metadata);
   checkpoint->by_name_.reserve(entries.size());
@@ -198,23 +173,28 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::st
     std::vector<std::string> indexes;
     for (auto it = std::filesystem::directory_iterator(path, ec); !ec && it != std::filesystem::directory_iterator();
          it.increment(ec)) {
-      if (LooksLikeSafeTensorsIndex(it->path().string())) indexes.push_back(it->path().string());
+      if (IndexFormatForPath(it->path().filename().string()) != nullptr) indexes.push_back(it->path().string());
     }
     if (ec) return absl::NotFoundError(absl::StrCat("cannot list folder '", path, "': ", ec.message()));
     if (indexes.size() != 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "folder '", path, "' must hold exactly one *.safetensors.index.json, found ", indexes.size()));
+      std::vector<std::string> suffixes;
+      for (const FormatSpec* f : Formats()) {
+        if (!f->index_suffix.empty()) suffixes.push_back(absl::StrCat("*", f->index_suffix));
+      }
+      return absl::InvalidArgumentError(absl::StrCat("folder '", path, "' must hold exactly one ",
+                                                     absl::StrJoin(suffixes, " or "), ", found ", indexes.size()));
     }
-    return OpenShardedSafeTensors(indexes[0], options);
+    return IndexFormatForPath(indexes[0])->open_index(indexes[0], options);
   }
-  if (LooksLikeSafeTensorsIndex(path)) return OpenShardedSafeTensors(path, options);
+  if (const FormatSpec* index = IndexFormatForPath(path)) return index->open_index(path, options);
 
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, OpenCheckpointFile(path, options));
-  absl::string_view head = file->bytes().view().substr(0, 16);
-  absl::StatusOr<std::shared_ptr<const Checkpoint>> opened =
-      IsBurnpack(head) ? ReadBurnpack(file, options)
-      : IsSafeTensors(file->bytes().view()) ? ReadSafeTensors(file, options)
-                                            : ReadPyTorch(file, options);
+  const FormatSpec* format = DetectFormat(file->bytes().view());
+  if (format == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", path, "' is not a checkpoint of any known format (", FormatNames(), ")"));
+  }
+  absl::StatusOr<std::shared_ptr<const Checkpoint>> opened = format->open(file, options);
   if (!opened.ok()) return opened;
   // The readers build the checkpoint from byte ranges; record the file they came
   // from. Nobody else holds the new checkpoint yet.

@@ -1,5 +1,6 @@
 // Checkpoint: an immutable, ordered index of tensors plus string metadata, opened
-// from a SafeTensors, PyTorch or Burnpack file (or a sharded SafeTensors folder).
+// from a file of one of the formats in the table (core/format.h), or from a
+// multi-file index (a sharded SafeTensors folder).
 //
 // Opening reads only headers and indices; tensor bytes are touched when Read() is
 // called. Read() is zero-copy when the tensor is stored contiguously in the file:
@@ -21,20 +22,13 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "core/format.h"
 #include "core/mapped_file.h"
 #include "core/shared_bytes.h"
 #include "core/tensor.h"
 
 namespace weightstore {
 
-enum class Format { kSafeTensors, kPyTorch, kBurnpack };
-
-// "safetensors", "pytorch", "burnpack".
-absl::string_view FormatName(Format format);
-// Parses a FormatName(). Returns nullopt if unknown.
-std::optional<Format> ParseFormat(absl::string_view name);
-
-using Metadata = std::map<std::string, std::string>;
 
 // The bytes behind one or more tensors: a range of a mapped file, or something
 // produced on first use (an inflated zip entry). Thread-safe.
@@ -109,10 +103,11 @@ struct FileExtent {
 
 class Checkpoint {
  public:
-  // Opens `path`, detecting the format from its content: a SafeTensors, Burnpack
-  // or PyTorch (.pt/.pth) file, a `*.safetensors.index.json` sharded index, or a
-  // folder holding exactly one such index. Returns NotFound if missing and
-  // InvalidArgument, naming the file and the fault, if malformed.
+  // Opens `path`, detecting the format from its content (core/format.h): a
+  // file, an index of a multi-file checkpoint (by its suffix, e.g.
+  // `*.safetensors.index.json`), or a folder holding exactly one such index.
+  // Returns NotFound if missing and InvalidArgument, naming the file and the
+  // fault, if malformed.
   static absl::StatusOr<std::shared_ptr<const Checkpoint>> Open(const std::string& path,
                                                                 const OpenOptions& options = {});
 
@@ -122,11 +117,11 @@ class Checkpoint {
   // `detail` describes the container ("zip", "legacy", ...) for inspection.
   // `files` are the files the storages point into (see Locate()).
   static absl::StatusOr<std::shared_ptr<const Checkpoint>> Create(
-      Format format, std::string path, Metadata metadata, std::vector<CheckpointEntry> entries,
+      const FormatSpec& format, std::string path, Metadata metadata, std::vector<CheckpointEntry> entries,
       std::string detail = "", std::vector<std::shared_ptr<const MappedFile>> files = {},
       const OpenOptions& options = OpenOptions());
 
-  Format format() const { return format_; }
+  const FormatSpec& format() const { return *format_; }
   const std::string& path() const { return path_; }
   // How the format was stored, e.g. "zip" or "legacy" for PyTorch; may be empty.
   const std::string& detail() const { return detail_; }
@@ -168,7 +163,7 @@ class Checkpoint {
  private:
   Checkpoint() = default;
 
-  Format format_ = Format::kSafeTensors;
+  const FormatSpec* format_ = nullptr;
   std::string path_;
   std::string detail_;
   Metadata metadata_;

@@ -8,6 +8,8 @@
 
 #include "core/host_buffer.h"
 #include "tests/util/status_matchers.h"
+#include "core/formats/safetensors.h"
+#include "core/formats/pytorch.h"
 
 namespace weightstore {
 namespace {
@@ -28,7 +30,7 @@ CheckpointEntry Entry(const std::string& name, std::vector<uint64_t> shape, std:
 TEST(CheckpointTest, ReadOfAContiguousTensorPointsIntoItsStorage) {
   SharedBytes bytes = SharedBytes::Copy(std::string(32, 'x'));
   auto storage = LazyStorage::Ready(bytes);
-  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(Format::kSafeTensors, "mem", {}, {Entry("w", {2, 2}, storage, 8)}));
+  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(kSafeTensorsFormat, "mem", {}, {Entry("w", {2, 2}, storage, 8)}));
   ASSERT_OK_AND_ASSIGN(SharedTensor t, c->Read("w"));
   EXPECT_EQ(t.bytes.data(), bytes.data() + 8);
   EXPECT_EQ(t.bytes.size(), 16u);
@@ -37,26 +39,26 @@ TEST(CheckpointTest, ReadOfAContiguousTensorPointsIntoItsStorage) {
 TEST(CheckpointTest, TreatsSizeOneDimensionStridesAsContiguous) {
   // conv weight [8, 1, 3, 3] with stride (9, 9, 3, 1): contiguous once size-1 dims are ignored.
   auto storage = LazyStorage::Ready(SharedBytes::Copy(std::string(8 * 9 * 4, 'x')));
-  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(Format::kPyTorch, "mem", {},
+  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(kPyTorchFormat, "mem", {},
                                                   {Entry("w", {8, 1, 3, 3}, storage, 0, {9, 9, 3, 1})}));
   EXPECT_TRUE(Checkpoint::IsZeroCopy(c->entries()[0]));
 }
 
 TEST(CheckpointTest, RejectsDuplicateNamesAndTensorsOutsideTheirStorage) {
   auto storage = LazyStorage::Ready(SharedBytes::Copy(std::string(16, 'x')));
-  EXPECT_THAT(Checkpoint::Create(Format::kSafeTensors, "f", {}, {Entry("a", {1}, storage), Entry("a", {1}, storage)}),
+  EXPECT_THAT(Checkpoint::Create(kSafeTensorsFormat, "f", {}, {Entry("a", {1}, storage), Entry("a", {1}, storage)}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("two tensors named 'a'")));
-  EXPECT_THAT(Checkpoint::Create(Format::kSafeTensors, "f", {}, {Entry("a", {4}, storage, 4)}),
+  EXPECT_THAT(Checkpoint::Create(kSafeTensorsFormat, "f", {}, {Entry("a", {4}, storage, 4)}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tensor 'a' in 'f'")));
-  EXPECT_THAT(Checkpoint::Create(Format::kSafeTensors, "f", {}, {Entry("a", {2, 2}, storage, 0, {4, 1})}),
+  EXPECT_THAT(Checkpoint::Create(kSafeTensorsFormat, "f", {}, {Entry("a", {2, 2}, storage, 0, {4, 1})}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("past its storage")));
-  EXPECT_THAT(Checkpoint::Create(Format::kSafeTensors, "f", {}, {Entry("\xff", {1}, storage)}),
+  EXPECT_THAT(Checkpoint::Create(kSafeTensorsFormat, "f", {}, {Entry("\xff", {1}, storage)}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not UTF-8")));
 }
 
 TEST(CheckpointTest, ReadReportsTheTensorWhoseStorageFails) {
   auto storage = LazyStorage::Deferred(4, [] { return absl::StatusOr<SharedBytes>(absl::DataLossError("disk")); });
-  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(Format::kPyTorch, "f", {}, {Entry("w", {1}, storage)}));
+  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(kPyTorchFormat, "f", {}, {Entry("w", {1}, storage)}));
   EXPECT_THAT(c->Read("w"), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 'w'")));
   EXPECT_THAT(c->Read("nope"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("tensor 'nope'")));
 }
@@ -66,7 +68,7 @@ TEST(CheckpointTest, ReadIntoAndReadCopyFillOwnedMemory) {
   for (int i = 0; i < 12; ++i) data[i * 4] = static_cast<char>(i);
   SharedBytes bytes = SharedBytes::Copy(data);
   auto storage = LazyStorage::Ready(bytes);
-  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(Format::kPyTorch, "mem", {},
+  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(kPyTorchFormat, "mem", {},
                                                   {Entry("flat", {12}, storage), Entry("t", {4, 3}, storage, 0, {1, 4})}));
   std::vector<std::byte> out(48);
   ASSERT_OK(c->ReadInto(*c->Find("flat"), out));

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <nlohmann/json.hpp>
 #include <set>
 
 #include "absl/strings/ascii.h"
@@ -18,18 +17,16 @@
 #include "absl/strings/str_split.h"
 #include "core/crc32c.h"
 #include "core/mapped_file.h"
-#include "core/sealed_memfd.h"
+#include "core/shm/sealed_memfd.h"
 #include "core/status_macros.h"
 #include "core/status_util.h"
-#include "core/unix_socket.h"
+#include "core/shm/unix_socket.h"
 #include "core/utf8.h"
 
 namespace weightstore {
 namespace fs = std::filesystem;
 
 namespace {
-
-constexpr absl::string_view kIndexSuffix = ".safetensors.index.json";
 
 int64_t NowUnixSeconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -60,7 +57,7 @@ absl::StatusOr<uint64_t> HashFile(const std::string& path, uint64_t h) {
 absl::StatusOr<uint64_t> BytesOnDisk(const std::string& path) {
   std::error_code ec;
   fs::path folder = fs::is_directory(path, ec) ? fs::path(path)
-                    : absl::EndsWith(path, ".index.json") ? fs::path(path).parent_path()
+                    : IndexFormatForPath(path) != nullptr ? fs::path(path).parent_path()
                                                          : fs::path();
   if (folder.empty()) {
     uint64_t size = fs::file_size(path, ec);
@@ -81,18 +78,12 @@ bool IsHiddenOrTemporary(const fs::path& p) {
   return absl::StartsWith(name, ".") || absl::EndsWith(name, ".tmp");
 }
 
-// Names of the shard files a sharded index refers to.
-std::set<std::string> ShardsOf(const std::string& index_path) {
-  std::set<std::string> shards;
-  auto file = MappedFile::Open(index_path);
-  if (!file.ok()) return shards;
-  nlohmann::json doc = nlohmann::json::parse((*file)->bytes().view().begin(), (*file)->bytes().view().end(), nullptr,
-                                             /*allow_exceptions=*/false);
-  if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) return shards;
-  for (const auto& [tensor, shard] : doc["weight_map"].items()) {
-    if (shard.is_string()) shards.insert((fs::path(index_path).parent_path() / shard.get<std::string>()).string());
-  }
-  return shards;
+// The files an index names (nothing for a file that is no index).
+std::set<std::string> FilesOfIndex(const std::string& path) {
+  const FormatSpec* format = IndexFormatForPath(path);
+  if (format == nullptr || format->index_files == nullptr) return {};
+  std::vector<std::string> files = format->index_files(path);
+  return std::set<std::string>(files.begin(), files.end());
 }
 
 // A name an upload or a load may create: a relative path of ASCII letters,
@@ -134,18 +125,6 @@ absl::Status CheckpointVersion::CheckUnchanged() const {
   return absl::OkStatus();
 }
 
-std::optional<uint32_t> CheckpointVersion::CachedCrc(uint64_t key) const {
-  absl::MutexLock lock(&mu_);
-  auto it = crc_.find(key);
-  if (it == crc_.end()) return std::nullopt;
-  return it->second;
-}
-
-void CheckpointVersion::StoreCrc(uint64_t key, uint32_t crc) const {
-  absl::MutexLock lock(&mu_);
-  crc_[key] = crc;
-}
-
 absl::Status CheckCheckpointName(absl::string_view name, size_t max_bytes) {
   auto shown = [&] {
     return absl::StrCat("'", absl::CHexEscape(name.substr(0, 64)), name.size() > 64 ? "'..." : "'");
@@ -167,19 +146,14 @@ absl::Status CheckCheckpointName(absl::string_view name, size_t max_bytes) {
 }
 
 std::optional<std::string> NameForPath(const std::string& relative_path) {
-  std::string lower = absl::AsciiStrToLower(relative_path);
-  if (absl::EndsWith(lower, kIndexSuffix)) return relative_path.substr(0, relative_path.size() - kIndexSuffix.size());
-  for (absl::string_view ext : {".safetensors", ".bpk", ".pt", ".pth"}) {
-    if (absl::EndsWith(lower, ext)) return relative_path.substr(0, relative_path.size() - ext.size());
-  }
-  return std::nullopt;
+  return StripFormatExtension(relative_path);
 }
 
 absl::StatusOr<std::string> FileVersion(const std::string& path) {
   uint64_t h = 0xcbf29ce484222325ULL;
   WEIGHTSTORE_ASSIGN_OR_RETURN(h, HashFile(path, h));
-  if (absl::EndsWith(path, kIndexSuffix)) {
-    for (const std::string& shard : ShardsOf(path)) {
+  {
+    for (const std::string& shard : FilesOfIndex(path)) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(h, HashFile(shard, h));
     }
   }
@@ -324,10 +298,8 @@ ScanReport CheckpointRegistry::Rescan() {
   std::sort(files.begin(), files.end());
   std::set<std::string> shards;
   for (const fs::path& f : files) {
-    if (absl::EndsWith(f.string(), kIndexSuffix)) {
-      std::set<std::string> s = ShardsOf(f.string());
-      shards.insert(s.begin(), s.end());
-    }
+    std::set<std::string> s = FilesOfIndex(f.string());
+    shards.insert(s.begin(), s.end());
   }
   for (const fs::path& f : files) {
     if (shards.contains(f.string())) continue;
@@ -508,8 +480,13 @@ absl::StatusOr<std::unique_ptr<PutSession>> CheckpointRegistry::BeginPut(const s
     return absl::InvalidArgumentError(absl::StrCat("invalid checkpoint name '", name,
                                                    "' (a relative path of letters, digits, '-', '_', '.' and '/')"));
   }
-  if (extension != "safetensors" && extension != "pt" && extension != "pth" && extension != "bpk") {
-    return absl::InvalidArgumentError(absl::StrCat("extension '", extension, "' is not safetensors, pt, pth or bpk"));
+  bool known = false;  // one of the scanned extensions, exactly
+  for (const FormatSpec* format : Formats()) {
+    for (absl::string_view ext : format->extensions) known |= ext.substr(1) == extension;
+  }
+  if (!known) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("extension '", extension, "' is not one of ", FormatExtensions(), " (without the dot)"));
   }
   if (expected_size > options_.max_put_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("upload of ", expected_size, " bytes exceeds the limit of ",

@@ -28,8 +28,9 @@
 #include "absl/synchronization/mutex.h"
 #include "core/atomic_file.h"
 #include "core/checkpoint.h"
+#include "core/checksum_cache.h"
 #include "core/file_watcher.h"
-#include "core/segment_cache.h"
+#include "core/shm/segment_cache.h"
 
 namespace weightstore {
 
@@ -71,10 +72,9 @@ class CheckpointVersion {
   // as this version lives. Called once, before the version is published.
   void HoldReservation(SegmentCache::Reservation reservation) { preload_ = std::move(reservation); }
 
-  // CRC32C of a tensor's bytes as served, once computed, by a key that names
-  // how they are produced from the checkpoint (server/resolve.h).
-  std::optional<uint32_t> CachedCrc(uint64_t key) const;
-  void StoreCrc(uint64_t key, uint32_t crc) const;
+  // CRC32C of its tensors as served, by served-tensor plan (core/select/served.h).
+  // Keeps a checksum only while CheckUnchanged() passes.
+  const ChecksumCache& checksums() const { return checksums_; }
 
   // True once a file of this version is known to have been written in place
   // (reported by the registry's file watcher, or seen by CheckUnchanged).
@@ -98,8 +98,7 @@ class CheckpointVersion {
   SegmentCache::Reservation preload_;
   std::function<void()> on_stale_;
   mutable std::atomic<bool> modified_{false};
-  mutable absl::Mutex mu_;
-  mutable absl::flat_hash_map<uint64_t, uint32_t> crc_ ABSL_GUARDED_BY(mu_);
+  ChecksumCache checksums_{[this] { return CheckUnchanged(); }};
 };
 
 struct RegistryOptions {

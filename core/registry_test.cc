@@ -11,9 +11,10 @@
 #include <filesystem>
 #include <thread>
 
-#include "core/checkpoint_writer.h"
+#include "core/formats/checkpoint_writer.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
+#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
@@ -26,7 +27,7 @@ using ::weightstore::testing::StatusIs;
 
 void WriteTiny(const std::string& path) {
   SharedTensor t{{"w", DType::kF32, {1}}, SharedBytes::Copy(std::string(4, '\0'))};
-  testing::WriteFileOrDie(path, *SerializeCheckpoint(Format::kSafeTensors, {t}, {}));
+  testing::WriteFileOrDie(path, *SerializeCheckpoint(kSafeTensorsFormat, {t}, {}));
 }
 
 std::vector<std::string> Names(const CheckpointRegistry& registry) {

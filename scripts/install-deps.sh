@@ -17,6 +17,8 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev
   python3 python3-torch python3-numpy python3-grpcio python3-crc32c libtorch-dev \
   prometheus openssl
+  # style checks (scripts/lint.sh)
+  clang-format
   # deployment checks (deploy/validate, docker/check.sh)
   systemd util-linux
 )
@@ -34,4 +36,11 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get update -q
   $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# buf lints proto/ (scripts/lint.sh). npm is the only source of it; it is kept
+# in build-tools/, which git ignores.
+tools="$(cd "$(dirname "$0")/.." && pwd)/build-tools"
+if [ ! -x "$tools/node_modules/.bin/buf" ]; then
+  npm install --prefix "$tools" --no-audit --no-fund --loglevel=error @bufbuild/buf@1.75.0
 fi

@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
+scripts/lint.sh
 scripts/build.sh -DWEIGHTSTORE_WERROR=ON
 (cd build && ctest --output-on-failure -j"$(nproc)")
 scripts/build-sanitized.sh

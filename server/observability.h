@@ -18,7 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/registry.h"
-#include "core/segment_cache.h"
+#include "core/shm/segment_cache.h"
 #include "server/metrics.h"
 
 namespace weightstore::server {

@@ -6,9 +6,9 @@
 #include <optional>
 
 #include "absl/status/status.h"
-#include "core/apply.h"
-#include "core/selection.h"
-#include "core/snapshot.h"
+#include "core/select/apply.h"
+#include "core/select/selection.h"
+#include "core/select/snapshot.h"
 #include "weightstore/v1/weight_store.pb.h"
 
 namespace weightstore {

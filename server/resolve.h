@@ -9,9 +9,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "core/apply.h"
+#include "core/select/apply.h"
 #include "core/registry.h"
-#include "core/snapshot.h"
+#include "core/select/snapshot.h"
 #include "weightstore/v1/weight_store.pb.h"
 
 namespace weightstore::server {
@@ -30,20 +30,6 @@ struct Resolved {
 absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,
                                  const v1::Selection& selection, const std::string& pinned_version,
                                  const SelectionLimits& limits);
-
-// Returns the CRC32C of `tensor`'s bytes as served. Checksums are cached per
-// checkpoint version and ChecksumCacheKey, so each is computed once, however
-// often it is asked for.
-absl::StatusOr<uint32_t> ChecksumOf(const Resolved& resolved, const SnapshotTensor& tensor);
-
-// True when the tensor's bytes are served as the checkpoint stores them (a view
-// of the mapping); false when they must be produced (cast, transposed, gathered).
-bool IsServedAsStored(const SnapshotTensor& tensor);
-
-// The key of the per-version checksum cache: the tensor's entry in its
-// checkpoint, its served dtype and whether it is transposed, which together
-// determine the bytes served.
-uint64_t ChecksumCacheKey(const Snapshot& snapshot, const SnapshotTensor& tensor);
 
 }  // namespace weightstore::server
 

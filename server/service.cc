@@ -1,21 +1,18 @@
 #include "server/service.h"
 
-#include <google/protobuf/io/coded_stream.h>
-#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
-#include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/support/byte_buffer.h>
-#include <grpcpp/support/slice.h>
 
-#include <cassert>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
-#include "core/snapshot.h"
+#include "core/select/served.h"
+#include "core/select/snapshot.h"
 #include "core/status_macros.h"
 #include "server/grpc_status.h"
 #include "server/proto_convert.h"
 #include "server/observability.h"
+#include "proto/codec/chunk_codec.h"
 #include "server/resolve.h"
 
 namespace weightstore::server {
@@ -28,22 +25,12 @@ void Annotate(grpc::CallbackServerContext* ctx, const std::string& checkpoint) {
   if (!checkpoint.empty()) ctx->AddTrailingMetadata(kCheckpointTrailer, TrailerValue(checkpoint));
 }
 
-void ReleaseOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
-
-// A slice over `bytes` that keeps their owner alive, without copying.
-grpc::Slice SliceOf(const SharedBytes& bytes) {
-  auto* owner = new std::shared_ptr<const void>(bytes.owner());
-  grpc::Slice slice(const_cast<std::byte*>(bytes.data()), bytes.size(), &ReleaseOwner, owner);
-  assert(slice.begin() == reinterpret_cast<const uint8_t*>(bytes.data()));  // some constructors copy
-  return slice;
-}
-
 }  // namespace
 
 void ToProto(const CheckpointVersion& version, v1::CheckpointInfo* out) {
   const Checkpoint& c = *version.checkpoint();
   out->set_name(version.name());
-  out->set_format(std::string(FormatName(c.format())));
+  out->set_format(std::string(c.format().name));
   out->set_container(c.detail());
   out->set_path(version.relative_path());
   out->set_total_bytes(c.total_bytes());
@@ -125,9 +112,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         v1::TensorChunk chunk;
         chunk.set_version(resolved_.version->version());
         chunk.set_last(true);
-        std::string header = chunk.SerializeAsString();
-        grpc::Slice slice(header);
-        buffer_ = grpc::ByteBuffer(&slice, 1);
+        buffer_ = wire::EncodeChunk(chunk, SharedBytes());
         sent_any_ = true;
         last_write_bytes_ = buffer_.Length();
         StartWrite(&buffer_);
@@ -136,32 +121,32 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       Done(grpc::Status::OK);
       return;
     }
-    const SnapshotTensor& tensor = snapshot.tensors()[index_];
     v1::TensorChunk chunk;
     if (offset_ == 0) {
-      // Untransformed tensors go out as slices of the mapping; the others are
-      // produced a chunk at a time, so a stream never holds a whole one.
+      // Byte ranges go out as slices of the mapping; the others are produced
+      // a chunk at a time, so a stream never holds a whole one.
+      plan_ = PlanServedTensor(snapshot, snapshot.tensors()[index_]);
       bytes_ = SharedBytes();
-      if (IsServedAsStored(tensor)) {
-        absl::StatusOr<SharedTensor> read = snapshot.Read(tensor);
-        if (!read.ok()) {
-          Done(service_->ClientStatus(read.status()));
+      if (plan_.is_byte_range()) {
+        absl::StatusOr<SharedBytes> view = ReadServedView(snapshot, plan_);
+        if (!view.ok()) {
+          Done(service_->ClientStatus(view.status()));
           return;
         }
-        bytes_ = read->bytes;
+        bytes_ = *std::move(view);
       }
-      cached_crc_ = resolved_.version->CachedCrc(ChecksumCacheKey(snapshot, tensor));
+      cached_crc_ = resolved_.version->checksums().Find(plan_.key);
       crc_ = 0;
-      ToProto(tensor.spec, tensor.source->spec.name, chunk.mutable_info());
+      ToProto(plan_.tensor->spec, plan_.tensor->source->spec.name, chunk.mutable_info());
       if (!sent_any_) chunk.set_version(resolved_.version->version());
     }
-    const uint64_t size = tensor.spec.byte_size();
+    const uint64_t size = plan_.byte_size;
     const uint64_t n = std::min<uint64_t>(chunk_bytes_, size - offset_);
     SharedBytes payload;
-    if (IsServedAsStored(tensor)) {
+    if (plan_.is_byte_range()) {
       payload = bytes_.Subspan(offset_, n);
     } else {
-      absl::StatusOr<SharedBytes> produced = Produce(snapshot, tensor, n);
+      absl::StatusOr<SharedBytes> produced = Produce(snapshot, n);
       if (!produced.ok()) {
         Done(service_->ClientStatus(produced.status()));
         return;
@@ -181,26 +166,10 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       const uint32_t crc = cached_crc_.value_or(crc_);
       chunk.set_last(true);
       chunk.set_crc32c(crc);
-      if (!cached_crc_) resolved_.version->StoreCrc(ChecksumCacheKey(snapshot, tensor), crc);
+      if (!cached_crc_) (void)resolved_.version->checksums().Store(plan_.key, crc);
     }
-    if (service_->options_.zero_copy) {
-      // Header: every field but data, then data's tag and length; the payload
-      // slice follows. Field order does not matter to protobuf parsers.
-      std::string header = chunk.SerializeAsString();
-      {
-        google::protobuf::io::StringOutputStream stream(&header);
-        google::protobuf::io::CodedOutputStream coded(&stream);
-        coded.WriteTag((v1::TensorChunk::kDataFieldNumber << 3) | 2);
-        coded.WriteVarint64(n);
-      }
-      grpc::Slice slices[2] = {grpc::Slice(header), SliceOf(payload)};
-      buffer_ = grpc::ByteBuffer(slices, n > 0 ? 2 : 1);
-    } else {  // the baseline: copy into the message, serialize as a typed handler would
-      chunk.set_data(payload.data(), n);
-      bool own = false;
-      buffer_.Clear();  // Serialize requires an empty buffer
-      grpc::SerializationTraits<v1::TensorChunk>::Serialize(chunk, &buffer_, &own);
-    }
+    buffer_ = service_->options_.zero_copy ? wire::EncodeChunk(chunk, payload)
+                                           : wire::EncodeChunkCopying(chunk, payload);
     sent_any_ = true;
     sent_bytes_ += n;
     last_write_bytes_ = buffer_.Length();
@@ -217,12 +186,12 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   // The next `n` bytes of a transformed tensor, in one of two chunk buffers
   // that take turns: gRPC has let go of a buffer by the time it is reused (one
   // write is in flight at a time), else a new one is made.
-  absl::StatusOr<SharedBytes> Produce(const Snapshot& snapshot, const SnapshotTensor& tensor, uint64_t n) {
+  absl::StatusOr<SharedBytes> Produce(const Snapshot& snapshot, uint64_t n) {
     std::shared_ptr<std::vector<std::byte>>& buffer = buffers_[next_buffer_];
     next_buffer_ ^= 1;
     if (buffer == nullptr || buffer.use_count() > 1) buffer = std::make_shared<std::vector<std::byte>>();
     buffer->resize(n);
-    absl::Status status = snapshot.ReadRange(tensor, offset_, *buffer);
+    absl::Status status = MaterializeServed(snapshot, plan_, offset_, *buffer);
     if (!status.ok()) return status;
     return SharedBytes(buffer, *buffer);
   }
@@ -243,7 +212,8 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   Resolved resolved_;
   uint32_t chunk_bytes_ = 1 << 20;
   uint64_t index_ = 0, end_ = 0, offset_ = 0;
-  SharedBytes bytes_;  // the current tensor, when it is served as stored
+  ServedTensorPlan plan_;  // of the current tensor
+  SharedBytes bytes_;      // the current tensor, when it is a byte range
   std::shared_ptr<std::vector<std::byte>> buffers_[2];
   int next_buffer_ = 0;
   uint32_t crc_ = 0;
@@ -302,7 +272,7 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
     v1::TensorInfo* info = resp->add_tensors();
     ToProto(t.spec, t.source->spec.name, info);
     if (!req->with_checksums()) continue;
-    absl::StatusOr<uint32_t> crc = ChecksumOf(*resolved, t);
+    absl::StatusOr<uint32_t> crc = ServedChecksum(snapshot, PlanServedTensor(snapshot, t), resolved->version->checksums());
     if (!crc.ok()) return Reply(ctx, crc.status());
     info->set_crc32c(*crc);
   }

@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "core/registry.h"
-#include "core/selection.h"
+#include "core/select/selection.h"
 #include "server/auth.h"
 #include "server/stream_governor.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"

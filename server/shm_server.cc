@@ -20,7 +20,8 @@
 #include "absl/strings/strip.h"
 #include "absl/strings/str_join.h"
 #include "core/crc32c.h"
-#include "core/sealed_memfd.h"
+#include "core/select/served.h"
+#include "core/shm/sealed_memfd.h"
 #include "core/status_macros.h"
 #include "core/status_util.h"
 #include "server/grpc_status.h"
@@ -392,36 +393,36 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
   response->set_version(resolved->version->version());
   if (resolved->apply_result) ToProto(*resolved->apply_result, response->mutable_apply_result());
 
+  const ChecksumCache& checksums = resolved->version->checksums();
   absl::flat_hash_map<const MappedFile*, uint32_t> segment_of;
   absl::flat_hash_map<const MappedFile*, bool> file_allowed;  // MayPassFile, once per file
-  std::vector<size_t> derived;  // tensors to materialize
+  std::vector<ServedTensorPlan> derived;  // tensors to materialize
   uint64_t bytes = 0;
   for (size_t i = 0; i < snapshot.size(); ++i) {
     const SnapshotTensor& t = snapshot.tensors()[i];
+    const ServedTensorPlan plan = PlanServedTensor(snapshot, t);
     v1::MappedTensor* out = response->add_tensors();
     ToProto(t.spec, t.source->spec.name, out->mutable_info());
-    bytes += t.spec.byte_size();
+    bytes += plan.byte_size;
     if (request.table_only()) {
       if (!request.skip_checksums()) {
-        absl::StatusOr<uint32_t> crc = ChecksumOf(*resolved, t);
-        if (!crc.ok()) return crc.status();
-        out->mutable_info()->set_crc32c(*crc);
+        WEIGHTSTORE_ASSIGN_OR_RETURN(uint32_t crc, ServedChecksum(snapshot, plan, checksums));
+        out->mutable_info()->set_crc32c(crc);
       }
       continue;
     }
     std::optional<FileExtent> extent;
-    if (t.is_identity() && Checkpoint::IsZeroCopy(*t.source)) {
-      absl::StatusOr<SharedTensor> view = snapshot.Read(t);
-      if (!view.ok()) return view.status();
-      extent = checkpoint.Locate(view->bytes);
+    if (plan.is_byte_range()) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes view, ReadServedView(snapshot, plan));
+      extent = checkpoint.Locate(view);
     }
     if (!extent) {
-      derived.push_back(i);
+      derived.push_back(plan);
       continue;
     }
     const std::shared_ptr<const MappedFile>& file = checkpoint.files()[extent->file];
     if (!MayPassFile(*file, peer, &file_allowed)) {  // a sealed copy instead
-      derived.push_back(i);
+      derived.push_back(plan);
       continue;
     }
     auto [it, added] = segment_of.try_emplace(file.get(), static_cast<uint32_t>(segments->size()));
@@ -429,62 +430,52 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
     out->set_segment(it->second);
     out->set_offset(extent->offset);
     if (!request.skip_checksums()) {
-      absl::StatusOr<uint32_t> crc = ChecksumOf(*resolved, t);
-      if (!crc.ok()) return crc.status();
-      out->mutable_info()->set_crc32c(*crc);
+      WEIGHTSTORE_ASSIGN_OR_RETURN(uint32_t crc, ServedChecksum(snapshot, plan, checksums));
+      out->mutable_info()->set_crc32c(crc);
     }
   }
   if (!derived.empty()) {
-    // One segment for everything materialized, keyed by version and transformation.
+    // One segment for everything materialized, keyed by the version and the
+    // plans' keys; the checksums go to the version's cache as it is filled.
     std::string key = resolved->version->version();
     std::vector<uint64_t> offsets;
     uint64_t size = 0;
-    for (size_t i : derived) {
-      const SnapshotTensor& t = snapshot.tensors()[i];
-      absl::StrAppend(&key, "|", t.source - checkpoint.entries().data(), ":", DTypeName(t.spec.dtype),
-                      t.transpose ? ":T" : "");
+    for (const ServedTensorPlan& plan : derived) {
+      absl::StrAppend(&key, "|", plan.KeyString());
       size = (size + kAlignment - 1) / kAlignment * kAlignment;
       offsets.push_back(size);
-      size += t.spec.byte_size();
+      size += plan.byte_size;
     }
-    std::vector<uint32_t> crcs(derived.size());
-    bool filled = false;
     auto fill = [&](std::span<std::byte> memory) -> absl::Status {
       for (size_t k = 0; k < derived.size(); ++k) {
-        const SnapshotTensor& t = snapshot.tensors()[derived[k]];
-        std::span<std::byte> out = memory.subspan(offsets[k], t.spec.byte_size());
-        absl::Status status = snapshot.ReadInto(t, out);
-        if (!status.ok()) return status;
-        crcs[k] = Crc32c(absl::string_view(reinterpret_cast<const char*>(out.data()), out.size()));
+        std::span<std::byte> out = memory.subspan(offsets[k], derived[k].byte_size);
+        WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, derived[k], 0, out));
+        if (!checksums.Find(derived[k].key)) {
+          const uint32_t crc = Crc32c(absl::string_view(reinterpret_cast<const char*>(out.data()), out.size()));
+          WEIGHTSTORE_RETURN_IF_ERROR(checksums.Store(derived[k].key, crc));
+        }
       }
-      filled = true;
       return absl::OkStatus();
     };
     absl::StatusOr<std::shared_ptr<const MappedFile>> segment = cache_->GetOrCreate(
         key, size, absl::StrCat(request.name(), ": ", derived.size(), " materialized tensors"), fill);
     if (!segment.ok()) return segment.status();
-    {
-      absl::MutexLock lock(&crc_mu_);
-      if (filled) {
-        if (derived_crcs_.size() > 4096) derived_crcs_.clear();  // a bound, not a cache policy
-        derived_crcs_[key] = crcs;
-      } else if (auto it = derived_crcs_.find(key); it != derived_crcs_.end()) {
-        crcs = it->second;
-        filled = true;
-      }
-    }
-    if (!filled) {  // built by another request whose checksums were dropped: recompute
-      for (size_t k = 0; k < derived.size(); ++k) {
-        crcs[k] = Crc32c((*segment)->bytes().Subspan(offsets[k], snapshot.tensors()[derived[k]].spec.byte_size()).view());
-      }
-    }
     const uint32_t index = static_cast<uint32_t>(segments->size());
     segments->push_back(*segment);
     for (size_t k = 0; k < derived.size(); ++k) {
-      v1::MappedTensor* out = response->mutable_tensors(static_cast<int>(derived[k]));
+      const size_t i = static_cast<size_t>(derived[k].tensor - snapshot.tensors().data());
+      v1::MappedTensor* out = response->mutable_tensors(static_cast<int>(i));
       out->set_segment(index);
       out->set_offset(offsets[k]);
-      if (!request.skip_checksums()) out->mutable_info()->set_crc32c(crcs[k]);
+      if (request.skip_checksums()) continue;
+      // Cached when this request (or an earlier one) filled the segment; else
+      // read back from it, which is what the client maps.
+      std::optional<uint32_t> crc = checksums.Find(derived[k].key);
+      if (!crc) {
+        crc = Crc32c((*segment)->bytes().Subspan(offsets[k], derived[k].byte_size).view());
+        WEIGHTSTORE_RETURN_IF_ERROR(checksums.Store(derived[k].key, *crc));
+      }
+      out->mutable_info()->set_crc32c(*crc);
     }
   }
   if (segments->size() > kMaxFdsPerFrame) {

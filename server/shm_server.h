@@ -34,9 +34,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/registry.h"
-#include "core/segment_cache.h"
-#include "core/selection.h"
-#include "core/unix_socket.h"
+#include "core/shm/segment_cache.h"
+#include "core/select/selection.h"
+#include "core/shm/unix_socket.h"
 #include "weightstore/v1/shm.pb.h"
 
 namespace weightstore::server {
@@ -164,8 +164,6 @@ class ShmServer {
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
 
   // CRC32C of each derived segment's tensors, by segment key.
-  absl::Mutex crc_mu_;
-  absl::flat_hash_map<std::string, std::vector<uint32_t>> derived_crcs_ ABSL_GUARDED_BY(crc_mu_);
 };
 
 }  // namespace weightstore::server

@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/unix_socket.h"
+#include "core/shm/unix_socket.h"
 
 namespace weightstore::server {
 namespace {

@@ -9,15 +9,16 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/checkpoint_writer.h"
+#include "core/formats/checkpoint_writer.h"
 #include "core/status_macros.h"
+#include "core/formats/safetensors.h"
 
 namespace weightstore {
 
 inline absl::Status WriteBenchCheckpoint(const std::string& path, uint64_t count, uint64_t tensor_bytes,
                                          std::byte fill = std::byte{7}) {
   SharedBytes block = SharedBytes::FromVector(std::vector<std::byte>(tensor_bytes, fill));
-  WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(path, Format::kSafeTensors));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(path, kSafeTensorsFormat));
   for (uint64_t i = 0; i < count; ++i) {
     WEIGHTSTORE_RETURN_IF_ERROR(writer->Add({absl::StrCat("w.", i), DType::kF32, {tensor_bytes / 4}},
                                             [block] { return absl::StatusOr<SharedBytes>(block); }));

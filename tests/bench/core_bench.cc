@@ -19,9 +19,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint.h"
-#include "core/checkpoint_writer.h"
-#include "core/selection.h"
-#include "core/snapshot.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/select/selection.h"
+#include "core/select/snapshot.h"
+#include "core/formats/safetensors.h"
+#include "core/formats/burnpack.h"
 
 namespace weightstore {
 namespace {
@@ -75,7 +77,7 @@ void WriteSafeTensors(const std::string& path, uint64_t megabytes) {
   std::mt19937 rng(1);
   for (auto& b : block) b = static_cast<std::byte>(rng());
   SharedBytes bytes = SharedBytes::FromVector(std::move(block));
-  auto writer = CheckpointWriter::Create(path, Format::kSafeTensors, {.overwrite = true});
+  auto writer = CheckpointWriter::Create(path, kSafeTensorsFormat, {.overwrite = true});
   Check(writer.status(), "create writer");
   for (uint64_t i = 0; i < count; ++i) {
     TensorSpec spec{absl::StrCat("layers.", i, ".weight"), DType::kF32, {tensor_bytes / 4}};
@@ -120,7 +122,7 @@ double ReadAllViewSeconds(const std::string& path) {
   });
 }
 
-double ConvertSeconds(const std::string& in, const std::string& out, Format format) {
+double ConvertSeconds(const std::string& in, const std::string& out, const FormatSpec& format) {
   return MedianOf(3, [&] {
     auto c = Checkpoint::Open(in);
     Check(c.status(), "open");
@@ -147,7 +149,7 @@ void SelectionBench() {
       entries.push_back(std::move(e));
     }
   }
-  auto checkpoint = Checkpoint::Create(Format::kSafeTensors, "synthetic", {}, std::move(entries));
+  auto checkpoint = Checkpoint::Create(kSafeTensorsFormat, "synthetic", {}, std::move(entries));
   Check(checkpoint.status(), "synthetic checkpoint");
   SelectionOptions options;
   for (int i = 0; i < 10; ++i) options.include.push_back(absl::StrCat(R"(^layers\.)", i, R"(\d*\.(attn|mlp)\.)"));
@@ -216,8 +218,8 @@ int main(int argc, char** argv) {
   const uint64_t pt_bytes = FileSize(pt), st_bytes = FileSize(st);
   double dd_pt = DdSeconds(pt, dir + "/dd.out");
   double dd_st = DdSeconds(st, dir + "/dd.out");
-  double pt_to_st = ConvertSeconds(pt, dir + "/conv.safetensors", Format::kSafeTensors);
-  double st_to_bpk = ConvertSeconds(st, dir + "/conv.bpk", Format::kBurnpack);
+  double pt_to_st = ConvertSeconds(pt, dir + "/conv.safetensors", kSafeTensorsFormat);
+  double st_to_bpk = ConvertSeconds(st, dir + "/conv.bpk", kBurnpackFormat);
   std::printf("\n%-40s %10s %10s %8s\n", "convert (256 MB, page cache warm)", "GB/s", "dd GB/s", "ratio");
   std::printf("  %-38s %10.2f %10.2f %7.0f%%\n", ".pt -> SafeTensors", GBps(pt_bytes, pt_to_st), GBps(pt_bytes, dd_pt),
               100 * dd_pt / pt_to_st);

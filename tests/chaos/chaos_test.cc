@@ -17,10 +17,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
-#include "core/checkpoint_writer.h"
+#include "core/formats/checkpoint_writer.h"
 #include "core/registry.h"
 #include "tests/util/daemon.h"
 #include "tests/util/test_env.h"
+#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
@@ -51,7 +52,7 @@ std::string Contents(int name, int generation) {
   const int64_t g64 = generation;
   std::memcpy(g.data(), &g64, 8);
   tensors.push_back({{"generation", DType::kI64, {1}}, SharedBytes::FromVector(std::move(g))});
-  return *SerializeCheckpoint(Format::kSafeTensors, tensors, {});
+  return *SerializeCheckpoint(kSafeTensorsFormat, tensors, {});
 }
 
 // The generation the tensors hold, or -1 unless every byte is that generation's.

@@ -9,6 +9,8 @@
 #include "core/checkpoint.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
+#include "core/formats/safetensors.h"
+#include "core/formats/burnpack.h"
 
 namespace weightstore {
 namespace {
@@ -69,12 +71,12 @@ TEST(CliTest, ConvertFollowsTheExtensionAndAddsMetadata) {
       << out;
   EXPECT_EQ(out, "") << "quiet when stderr is not a terminal";
   ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Open(dir + "/linear.bpk"));
-  EXPECT_EQ(c->format(), Format::kBurnpack);
+  EXPECT_EQ(c->format(), kBurnpackFormat);
   EXPECT_EQ(c->metadata().at("producer"), "test");
   EXPECT_EQ(c->metadata().at("a"), "b=c");
   ASSERT_EQ(Cli(absl::StrCat("convert --format safetensors ", dir, "/linear.bpk ", dir, "/linear.weights"), &out), 0) << out;
   ASSERT_OK_AND_ASSIGN(auto st, Checkpoint::Open(dir + "/linear.weights"));
-  EXPECT_EQ(st->format(), Format::kSafeTensors);
+  EXPECT_EQ(st->format(), kSafeTensorsFormat);
   ASSERT_EQ(Cli(absl::StrCat("diff --exit-code ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir, "/linear.weights"), &out), 0)
       << out;
 }

@@ -9,9 +9,9 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "core/apply.h"
-#include "core/dtype_cast.h"
-#include "core/snapshot.h"
+#include "core/select/apply.h"
+#include "core/select/dtype_cast.h"
+#include "core/select/snapshot.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 

@@ -9,10 +9,12 @@
 #include <fstream>
 
 #include "core/checkpoint.h"
-#include "core/checkpoint_writer.h"
+#include "core/formats/checkpoint_writer.h"
 #include "tests/util/expectations.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
+#include "core/formats/safetensors.h"
+#include "core/formats/burnpack.h"
 
 namespace weightstore {
 namespace {
@@ -89,13 +91,13 @@ TEST(FixturesTest, RoundTripsThroughBothWritableFormatsKeepEveryByte) {
     SCOPED_TRACE(rel);
     const std::string stem = dir + "/" + std::filesystem::path(rel).stem().string();
     ASSERT_OK_AND_ASSIGN(auto pt, Checkpoint::Open(Burn(rel)));
-    ASSERT_OK(WriteCheckpoint(*pt, stem + ".1.safetensors", Format::kSafeTensors, {}, {}));
+    ASSERT_OK(WriteCheckpoint(*pt, stem + ".1.safetensors", kSafeTensorsFormat, {}, {}));
     ASSERT_OK_AND_ASSIGN(auto st1, Checkpoint::Open(stem + ".1.safetensors"));
     testing::ExpectMatchesTorch(*st1, want, rel + " as SafeTensors");
-    ASSERT_OK(WriteCheckpoint(*st1, stem + ".bpk", Format::kBurnpack, {}, {}));
+    ASSERT_OK(WriteCheckpoint(*st1, stem + ".bpk", kBurnpackFormat, {}, {}));
     ASSERT_OK_AND_ASSIGN(auto bpk, Checkpoint::Open(stem + ".bpk"));
     testing::ExpectMatchesTorch(*bpk, want, rel + " as Burnpack");
-    ASSERT_OK(WriteCheckpoint(*bpk, stem + ".2.safetensors", Format::kSafeTensors, {}, {}));
+    ASSERT_OK(WriteCheckpoint(*bpk, stem + ".2.safetensors", kSafeTensorsFormat, {}, {}));
     EXPECT_EQ(testing::ReadFileOrEmpty(stem + ".1.safetensors"), testing::ReadFileOrEmpty(stem + ".2.safetensors"));
     ++converted;
   }
@@ -113,8 +115,8 @@ TEST(FixturesTest, ShardedSafeTensorsOpenAsOneCheckpoint) {
     (i < 2 ? first : second).push_back(t);
     map[t.spec.name] = i < 2 ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
   }
-  testing::WriteFileOrDie(dir + "/model-00001-of-00002.safetensors", *SerializeCheckpoint(Format::kSafeTensors, first, {}));
-  testing::WriteFileOrDie(dir + "/model-00002-of-00002.safetensors", *SerializeCheckpoint(Format::kSafeTensors, second, {}));
+  testing::WriteFileOrDie(dir + "/model-00001-of-00002.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, first, {}));
+  testing::WriteFileOrDie(dir + "/model-00002-of-00002.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, second, {}));
   nlohmann::json index = {{"metadata", {{"total_size", 1234}}}, {"weight_map", map}};
   testing::WriteFileOrDie(dir + "/model.safetensors.index.json", index.dump());
   ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Open(dir));

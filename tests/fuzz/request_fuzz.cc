@@ -14,7 +14,7 @@
 
 #include <google/protobuf/stubs/logging.h>
 
-#include "core/unix_socket.h"
+#include "core/shm/unix_socket.h"
 #include "server/log.h"
 #include "server/server.h"
 #include "weightstore/v1/shm.pb.h"

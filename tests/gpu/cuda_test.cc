@@ -6,10 +6,11 @@
 #include "absl/strings/str_cat.h"
 #include "client/cuda_materializer.h"
 #include "client/materialize.h"
-#include "core/checkpoint_writer.h"
+#include "core/formats/checkpoint_writer.h"
 #include "server/server.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
+#include "core/formats/safetensors.h"
 
 namespace weightstore::client {
 namespace {
@@ -26,7 +27,7 @@ std::string Models() {
     for (size_t k = 0; k < bytes.size(); ++k) bytes[k] = static_cast<char>((k * 131 + i) & 0xFF);
     tensors.push_back({{absl::StrCat("t", i++), dtype, {n}}, SharedBytes::Copy(bytes)});
   }
-  testing::WriteFileOrDie(dir + "/mixed.safetensors", *SerializeCheckpoint(Format::kSafeTensors, tensors, {}));
+  testing::WriteFileOrDie(dir + "/mixed.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
   return dir;
 }
 

@@ -21,12 +21,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/store.h"
-#include "core/checkpoint_writer.h"
+#include "core/formats/checkpoint_writer.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/util/daemon.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
+#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
@@ -47,7 +48,7 @@ std::string Models() {
     std::vector<std::byte> bytes(4096 * 4, std::byte(i + 1));
     tensors.push_back({{absl::StrCat("w.", i), DType::kF32, {4096}}, SharedBytes::FromVector(std::move(bytes))});
   }
-  testing::WriteFileOrDie(dir + "/m.safetensors", *SerializeCheckpoint(Format::kSafeTensors, tensors, {}));
+  testing::WriteFileOrDie(dir + "/m.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
   return dir;
 }
 

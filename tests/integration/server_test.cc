@@ -14,13 +14,14 @@
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
 #include "core/checkpoint.h"
-#include "core/checkpoint_writer.h"
+#include "core/formats/checkpoint_writer.h"
 #include "core/crc32c.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/util/daemon.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
+#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
@@ -42,7 +43,7 @@ void WriteBig(const std::string& path, int count, size_t floats, float seed) {
     }
     tensors.push_back({{absl::StrCat("layer.", i), DType::kF32, {floats}}, SharedBytes::FromVector(std::move(data))});
   }
-  testing::WriteFileOrDie(path, *SerializeCheckpoint(Format::kSafeTensors, tensors, {{"seed", std::to_string(seed)}}));
+  testing::WriteFileOrDie(path, *SerializeCheckpoint(kSafeTensorsFormat, tensors, {{"seed", std::to_string(seed)}}));
 }
 
 std::unique_ptr<client::Store> Connect(const Daemon& d) { return *client::ConnectRemoteStore(d.address()); }

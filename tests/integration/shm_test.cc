@@ -20,15 +20,16 @@
 #include "client/materialize.h"
 #include "client/store.h"
 #include "core/checkpoint.h"
-#include "core/checkpoint_writer.h"
+#include "core/formats/checkpoint_writer.h"
 #include "core/crc32c.h"
-#include "core/sealed_memfd.h"
-#include "core/unix_socket.h"
+#include "core/shm/sealed_memfd.h"
+#include "core/shm/unix_socket.h"
 #include "tests/util/daemon.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 #include "weightstore/v1/shm.pb.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
+#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
@@ -52,7 +53,7 @@ void WriteFloats(const std::string& path, int count, size_t floats, float seed) 
     }
     tensors.push_back({{absl::StrCat("w.", i), DType::kF32, {floats}}, SharedBytes::FromVector(std::move(data))});
   }
-  testing::WriteFileOrDie(path, *SerializeCheckpoint(Format::kSafeTensors, tensors, {}));
+  testing::WriteFileOrDie(path, *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
 }
 
 // Runs weightstored with a socket in a scratch folder.

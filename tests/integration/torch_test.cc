@@ -5,10 +5,11 @@
 #include <gtest/gtest.h>
 
 #include "client/torch_tensors.h"
-#include "core/checkpoint_writer.h"
+#include "core/formats/checkpoint_writer.h"
 #include "tests/util/daemon.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
+#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
@@ -34,7 +35,7 @@ std::string Serialize(torch::nn::Sequential& model) {
   };
   for (auto& p : model->named_parameters()) add(p.key(), p.value());
   for (auto& b : model->named_buffers()) add(b.key(), b.value());
-  return *SerializeCheckpoint(Format::kSafeTensors, tensors, {});
+  return *SerializeCheckpoint(kSafeTensorsFormat, tensors, {});
 }
 
 class TorchTest : public ::testing::Test {

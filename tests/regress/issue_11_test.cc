@@ -21,11 +21,11 @@
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
 #include "core/atomic_file.h"
-#include "core/checkpoint_writer.h"
+#include "core/formats/checkpoint_writer.h"
 #include "core/crc32c.h"
-#include "core/safetensors.h"
-#include "core/sealed_memfd.h"
-#include "core/unix_socket.h"
+#include "core/formats/safetensors.h"
+#include "core/shm/sealed_memfd.h"
+#include "core/shm/unix_socket.h"
 #include "core/utf8.h"
 #include "tests/util/daemon.h"
 #include "tests/util/pickle_builder.h"
@@ -195,7 +195,7 @@ std::string Checkpoint(int count, size_t floats, float seed) {
     }
     tensors.push_back({{absl::StrCat("t.", i), DType::kF32, {floats}}, SharedBytes::FromVector(std::move(data))});
   }
-  return *SerializeCheckpoint(Format::kSafeTensors, tensors, {});
+  return *SerializeCheckpoint(kSafeTensorsFormat, tensors, {});
 }
 
 // Writes `bytes` over the file at `path` in place: same inode, no rename.

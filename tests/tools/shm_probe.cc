@@ -23,7 +23,7 @@
 #include "absl/strings/ascii.h"
 #include "client/store.h"
 #include "core/crc32c.h"
-#include "core/sealed_memfd.h"
+#include "core/shm/sealed_memfd.h"
 #include "core/dtype.h"
 
 namespace {

@@ -4,7 +4,7 @@
 
 namespace weightstore::testing {
 
-std::shared_ptr<const Checkpoint> NamesOnlyCheckpoint(const std::vector<std::string>& names, Format format) {
+std::shared_ptr<const Checkpoint> NamesOnlyCheckpoint(const std::vector<std::string>& names, const FormatSpec& format) {
   auto storage = LazyStorage::Ready(SharedBytes::Copy(std::string(4, '\0')));
   std::vector<CheckpointEntry> entries;
   for (const std::string& n : names) {

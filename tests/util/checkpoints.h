@@ -7,13 +7,14 @@
 #include <vector>
 
 #include "core/checkpoint.h"
+#include "core/formats/pytorch.h"
 
 namespace weightstore::testing {
 
 // A checkpoint of one-element F32 tensors with these names (all sharing one
 // zeroed storage): for tests of names, selections and load results.
 std::shared_ptr<const Checkpoint> NamesOnlyCheckpoint(const std::vector<std::string>& names,
-                                                      Format format = Format::kPyTorch);
+                                                      const FormatSpec& format = kPyTorchFormat);
 
 }  // namespace weightstore::testing
 

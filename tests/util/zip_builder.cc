@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "core/zip_reader.h"
+#include "core/formats/zip_reader.h"
 
 namespace weightstore::testing {
 namespace {

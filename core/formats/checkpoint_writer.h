@@ -1,0 +1,78 @@
+// CheckpointWriter: writes a checkpoint file of any writable format in the
+// table (core/format.h), atomically.
+//
+// Like LevelDB's TableBuilder: Add() every tensor, then Finish(). The layout is
+// planned from the specs alone, then each tensor's bytes are produced once, in
+// file order, and written straight from their source (for a mapped input, from
+// the page cache), so peak memory is about one tensor. A failed or abandoned
+// write leaves no file behind. Thread-compatible.
+#ifndef WEIGHTSTORE_CORE_FORMATS_CHECKPOINT_WRITER_H_
+#define WEIGHTSTORE_CORE_FORMATS_CHECKPOINT_WRITER_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "core/checkpoint.h"
+#include "core/format.h"
+#include "core/formats/write_plan.h"
+
+namespace weightstore {
+
+struct WriteOptions {
+  // Replace an existing file. Default: false (AlreadyExists).
+  bool overwrite = false;
+  // Called after each tensor with (bytes written, total bytes). Default: none.
+  std::function<void(uint64_t, uint64_t)> progress;
+};
+
+// Produces one tensor's bytes; called once, during Finish().
+using BytesProducer = std::function<absl::StatusOr<SharedBytes>()>;
+
+class CheckpointWriter {
+ public:
+  // Returns InvalidArgument unless `format` is writable.
+  static absl::StatusOr<std::unique_ptr<CheckpointWriter>> Create(std::string path, const FormatSpec& format,
+                                                                  WriteOptions options = {});
+
+  void SetMetadata(Metadata metadata) { metadata_ = std::move(metadata); }
+  // Returns InvalidArgument for a duplicate or empty name.
+  absl::Status Add(TensorSpec spec, BytesProducer bytes);
+  // Writes the file. Returns an error naming the tensor whose bytes failed.
+  absl::Status Finish();
+
+  // Returns the planned layout of what Finish() would write.
+  absl::StatusOr<WritePlan> Plan() const;
+
+ private:
+  CheckpointWriter() = default;
+
+  std::string path_;
+  const FormatSpec* format_ = nullptr;
+  WriteOptions options_;
+  Metadata metadata_;
+  std::vector<TensorSpec> specs_;
+  std::vector<BytesProducer> producers_;
+  absl::flat_hash_set<std::string> names_;
+};
+
+// Lays out a file of `format` holding `tensors`; InvalidArgument when the
+// format is not writable.
+absl::StatusOr<WritePlan> PlanCheckpoint(const FormatSpec& format, const std::vector<TensorSpec>& tensors,
+                                         const Metadata& metadata);
+
+// Writes every tensor of `checkpoint` (in its order) to `path` in `format`,
+// with `metadata`.
+absl::Status WriteCheckpoint(const Checkpoint& checkpoint, const std::string& path, const FormatSpec& format,
+                             const Metadata& metadata, const WriteOptions& options);
+
+// Serializes tensors to memory (tests, fuzzing and small payloads).
+absl::StatusOr<std::string> SerializeCheckpoint(const FormatSpec& format, const std::vector<SharedTensor>& tensors,
+                                                const Metadata& metadata);
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_FORMATS_CHECKPOINT_WRITER_H_

@@ -1,0 +1,45 @@
+// Element conversions between dtypes, and the fused transpose+cast kernel.
+//
+// Floats (F64, F32, F16, BF16) convert to each other with a single rounding to
+// nearest, ties to even, straight from the source value (F64 -> BF16 is not
+// rounded twice through F32). NaN stays NaN (quiet, sign kept), infinities stay
+// infinite, and values past the target's range become infinities. Integers widen
+// (I8 -> I16 -> I32 -> I64, U8 -> U16 -> U32 -> U64, and unsigned to any wider
+// signed type). BOOL converts to U8. Nothing else is allowed: it could lose data.
+#ifndef WEIGHTSTORE_CORE_SELECT_DTYPE_CAST_H_
+#define WEIGHTSTORE_CORE_SELECT_DTYPE_CAST_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "core/dtype.h"
+
+namespace weightstore {
+
+// Returns OK if CastElements can convert `from` to `to`, else InvalidArgument
+// naming both.
+absl::Status CheckCast(DType from, DType to);
+
+// Converts `count` elements. REQUIRES: CheckCast(from, to).ok(), buffers sized
+// for `count` elements of their dtypes, and not overlapping.
+void CastElements(DType from, const std::byte* src, DType to, std::byte* dst, size_t count);
+
+// Converts `count` elements read `stride` elements apart from `src` into
+// consecutive elements at `dst`. REQUIRES: as CastElements.
+void CastStrided(DType from, const std::byte* src, uint64_t stride, DType to, std::byte* dst, size_t count);
+
+// Writes the transpose of a row-major [rows, cols] matrix of `from` elements as
+// a row-major [cols, rows] matrix of `to` elements, in one pass.
+void TransposeCast(DType from, const std::byte* src, DType to, std::byte* dst, size_t rows, size_t cols);
+
+// Encodes `value` in a binary floating-point format with `exponent_bits` and
+// `mantissa_bits` (F16: 5, 10; BF16: 8, 7; F32: 8, 23), rounding to nearest even.
+uint32_t EncodeFloat(double value, int exponent_bits, int mantissa_bits);
+// Decodes such a format exactly.
+double DecodeFloat(uint32_t bits, int exponent_bits, int mantissa_bits);
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_SELECT_DTYPE_CAST_H_

@@ -1,0 +1,177 @@
+// Selection: which tensors of a checkpoint to serve, under which names, and in
+// which dtype. burn-store's semantics, implemented once here and used by the CLI,
+// the daemon and every client.
+//
+// The pipeline, in order (burn-store's load order):
+//   0. top-level key: keep names under "<key>." and strip that prefix;
+//   1. rename: each rule is a regex replace-all on the previous rule's output,
+//      with $1 / ${1} / $name / ${name} / $$ in the replacement, as Rust's regex;
+//   2. contiguous indices: numeric path segments renumbered 0, 1, 2... per prefix
+//      (by default only when a PyTorch source is applied to a target);
+//   3. filter: kept if it matches any include regex (unanchored) or exact path,
+//      or if there are none; then dropped if it matches any exclude regex;
+//   4. dtype: floating-point tensors cast to `dtype` (integers are left alone).
+// Adapters need to know module types, so they run when a selection is applied
+// to a target schema (core/apply.h).
+#ifndef WEIGHTSTORE_CORE_SELECT_SELECTION_H_
+#define WEIGHTSTORE_CORE_SELECT_SELECTION_H_
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/checkpoint.h"
+#include "core/dtype.h"
+
+namespace re2 {
+class RE2;
+}
+
+namespace weightstore {
+
+struct RenameRule {
+  std::string pattern;      // RE2 syntax, unanchored
+  std::string replacement;  // $1, ${1}, $name, ${name}, $$
+};
+
+enum class Adapter { kNone, kPyTorchToBurn, kBurnToPyTorch };
+
+// "pytorch-to-burn", "burn-to-pytorch", "none".
+absl::string_view AdapterName(Adapter adapter);
+std::optional<Adapter> ParseAdapter(absl::string_view name);
+
+struct SelectionOptions {
+  // Serve only tensors under this first path segment, without the segment
+  // (PyTorch's "model_state_dict.fc.weight" -> "fc.weight"). Default: all.
+  std::string top_level_key;
+  std::vector<std::string> include;  // regexes; a tensor matching any is kept
+  std::vector<std::string> paths;    // exact names (after renaming), also kept
+  std::vector<std::string> exclude;  // regexes; a tensor matching any is dropped
+  std::vector<RenameRule> renames;   // applied in order
+  // Renumber numeric path segments per prefix. Default: on when a PyTorch source
+  // is applied to a target (burn-store's PytorchStore load), off otherwise, so
+  // plain reads and conversions keep the file's names.
+  std::optional<bool> contiguous_indices;
+  // Used by Apply() with a target schema. Default: none.
+  Adapter adapter = Adapter::kNone;
+  // Cast floating-point tensors to this dtype. Default: keep the file's dtype.
+  std::optional<DType> dtype;
+
+  bool empty() const {
+    return top_level_key.empty() && include.empty() && paths.empty() && exclude.empty() && renames.empty() &&
+           !contiguous_indices.has_value() && adapter == Adapter::kNone && !dtype.has_value();
+  }
+};
+
+// What one selection may cost: every bound a request's author controls. The
+// daemon sets these from its flags; the defaults suit a service.
+struct SelectionLimits {
+  // Most patterns (include + exclude + rename). Default: 256.
+  size_t max_patterns = 256;
+  // Longest pattern, replacement, exact path or top-level key, in bytes.
+  // Default: 4096.
+  size_t max_pattern_bytes = 4096;
+  // Largest compiled program of one pattern (RE2 instructions). Default: 10,000.
+  int max_program_size = 10000;
+  // RE2 instructions of every pattern of the selection together: the regex
+  // budget of one request, whatever the pattern count. Default: 50,000.
+  int64_t max_total_program_size = 50000;
+  // Memory RE2 may use for every pattern of the selection together (programs
+  // and match caches). Default: 16 MiB.
+  int64_t max_regex_memory = 16 << 20;
+  // Most exact paths. Default: 100,000 (a checkpoint's tensor limit).
+  size_t max_paths = 100000;
+  // Longest tensor name a rename may produce. Default: 4096 bytes.
+  size_t max_name_bytes = 4096;
+  // Bytes of every selected name together (after renaming); also bounds the
+  // work of contiguous indices (~0.4 us a numeric segment). Default: 32 MiB.
+  uint64_t max_total_name_bytes = uint64_t{32} << 20;
+  // CPU time one selection may take (renaming, filtering): a regex can make
+  // each scan of a name cost as much as the name is long. Default: 2 s.
+  std::chrono::milliseconds max_time{2000};
+};
+
+// When a selection must be done by (SelectionLimits::max_time from its start).
+// The clock is read once per 64 KiB of work (bytes of names scanned), so that
+// short names cost no clock reads. Thread-compatible.
+class SelectionDeadline {
+ public:
+  explicit SelectionDeadline(std::chrono::milliseconds budget)
+      : budget_(budget), end_(std::chrono::steady_clock::now() + budget) {}
+  // Counts `work` bytes; ResourceExhausted, naming `what` was being done, once
+  // the time is up.
+  absl::Status Check(absl::string_view what, uint64_t work) const {
+    work_ += work;
+    if (work_ < next_check_) return absl::OkStatus();
+    next_check_ = work_ + kWorkBetweenChecks;
+    return CheckClock(what);
+  }
+
+ private:
+  static constexpr uint64_t kWorkBetweenChecks = 64 << 10;
+  absl::Status CheckClock(absl::string_view what) const;
+  std::chrono::milliseconds budget_;
+  std::chrono::steady_clock::time_point end_;
+  mutable uint64_t work_ = 0, next_check_ = 0;
+};
+
+// A validated, compiled selection. Thread-safe: immutable, shareable.
+class Selection {
+ public:
+  // Compiles every pattern. Returns InvalidArgument naming the first pattern
+  // that does not compile or is too large, and ResourceExhausted when the
+  // patterns together exceed `limits`.
+  static absl::StatusOr<std::shared_ptr<const Selection>> Compile(const SelectionOptions& options,
+                                                                  const SelectionLimits& limits = {});
+  ~Selection();
+
+  const SelectionOptions& options() const { return options_; }
+  const SelectionLimits& limits() const { return limits_; }
+
+  // Applies the rename rules in order. Returns InvalidArgument, naming the
+  // tensor and the rule, when a rule grows the name past limits().max_name_bytes.
+  // Between rules it checks `deadline` (when given).
+  absl::StatusOr<std::string> Rename(absl::string_view name, const SelectionDeadline* deadline = nullptr) const;
+  // True if `name` (already renamed) passes the filter.
+  bool Matches(absl::string_view name) const;
+  // Whether contiguous indices apply to a checkpoint of `format`, read on its
+  // own or applied to a target.
+  bool UsesContiguousIndices(const FormatSpec& format, bool applying_to_target) const;
+
+ private:
+  Selection() = default;
+  SelectionOptions options_;
+  SelectionLimits limits_;
+  // Each list of patterns joined into one alternation, so a name is scanned
+  // once per list rather than once per pattern (null when the list is empty).
+  std::unique_ptr<re2::RE2> include_any_, exclude_any_;
+  absl::flat_hash_set<std::string> paths_;
+  std::vector<std::unique_ptr<re2::RE2>> rename_;
+};
+
+// Renumbers every numeric path segment, per original prefix, to 0, 1, 2...
+// in ascending order (burn-store's map_indices_contiguous): fc.0, fc.2, fc.4
+// become fc.0, fc.1, fc.2, and layers.2.block.3 is numbered within
+// "layers.2.block.". Returns the new names in input order.
+std::vector<std::string> MapIndicesContiguous(const std::vector<std::string>& names);
+
+// Replaces every non-overlapping match of `re` in `text` with `replacement`,
+// expanding $1, ${1}, $name, ${name} and $$ (Rust regex rules: "$1a" names the
+// group "1a"; an unknown group expands to nothing).
+std::string ReplaceAll(const re2::RE2& re, absl::string_view text, absl::string_view replacement);
+
+enum class ReplaceOutcome { kNoMatch, kReplaced, kTooLong };
+// As ReplaceAll, in place, stopping as soon as the result would exceed
+// `max_bytes` (then `text` is unchanged and kTooLong is returned). Allocates
+// nothing when nothing matches.
+ReplaceOutcome ReplaceAllInPlace(const re2::RE2& re, std::string* text, absl::string_view replacement,
+                                 size_t max_bytes);
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_SELECT_SELECTION_H_

@@ -1,0 +1,62 @@
+#include "core/select/served.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
+#include "core/status_macros.h"
+
+namespace weightstore {
+
+std::string ServedTensorPlan::KeyString() const {
+  return absl::StrCat(entry, ":", DTypeName(tensor->spec.dtype), transpose ? ":T" : "");
+}
+
+ServedTensorPlan PlanServedTensor(const Snapshot& snapshot, const SnapshotTensor& tensor) {
+  ServedTensorPlan plan;
+  plan.tensor = &tensor;
+  plan.entry = static_cast<size_t>(tensor.source - snapshot.checkpoint().entries().data());
+  plan.gather = !Checkpoint::IsZeroCopy(*tensor.source);
+  plan.transpose = tensor.transpose;
+  plan.cast = tensor.spec.dtype != tensor.source->spec.dtype;
+  plan.byte_size = tensor.spec.byte_size();
+  // Entries number at most OpenOptions::max_tensors (far below 2^40).
+  plan.key = uint64_t{plan.entry} | (static_cast<uint64_t>(tensor.spec.dtype) << 40) |
+             (uint64_t{plan.transpose} << 48);
+  return plan;
+}
+
+absl::StatusOr<SharedBytes> ReadServedView(const Snapshot& snapshot, const ServedTensorPlan& plan) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor read, snapshot.Read(*plan.tensor));
+  return read.bytes;
+}
+
+absl::Status MaterializeServed(const Snapshot& snapshot, const ServedTensorPlan& plan, uint64_t offset,
+                               std::span<std::byte> out) {
+  // The whole tensor in one pass when asked for (a socket segment); ranges
+  // stream (a gRPC chunk).
+  if (offset == 0 && out.size() == plan.byte_size) return snapshot.ReadInto(*plan.tensor, out);
+  return snapshot.ReadRange(*plan.tensor, offset, out);
+}
+
+absl::StatusOr<uint32_t> ServedChecksum(const Snapshot& snapshot, const ServedTensorPlan& plan,
+                                        const ChecksumCache& cache) {
+  if (std::optional<uint32_t> crc = cache.Find(plan.key)) return *crc;
+  uint32_t crc = 0;
+  if (plan.is_byte_range()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes, ReadServedView(snapshot, plan));
+    crc = Crc32c(bytes.view());
+  } else {
+    constexpr uint64_t kChunk = 1 << 20;  // a multiple of every element size
+    std::vector<std::byte> chunk;
+    for (uint64_t at = 0; at < plan.byte_size; at += kChunk) {
+      chunk.resize(std::min(kChunk, plan.byte_size - at));
+      WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, chunk));
+      crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(chunk.data()), chunk.size()));
+    }
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(cache.Store(plan.key, crc));
+  return crc;
+}
+
+}  // namespace weightstore

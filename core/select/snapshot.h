@@ -1,0 +1,88 @@
+// Snapshot: the tensors a selection yields from one checkpoint, under their new
+// names, with any transformation (dtype cast, transpose) applied lazily, in one
+// pass, when the bytes are read.
+//
+// Holds its checkpoint alive. Untransformed tensors read zero-copy, exactly as
+// Checkpoint::Read. Thread-safe: immutable after construction.
+#ifndef WEIGHTSTORE_CORE_SELECT_SNAPSHOT_H_
+#define WEIGHTSTORE_CORE_SELECT_SNAPSHOT_H_
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "core/checkpoint.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/select/selection.h"
+
+namespace weightstore {
+
+struct SnapshotTensor {
+  TensorSpec spec;                         // name, dtype and shape as served
+  const CheckpointEntry* source = nullptr; // in the snapshot's checkpoint
+  bool transpose = false;                  // rank-2 [r, c] source served as [c, r]
+
+  bool is_identity() const { return !transpose && spec.dtype == source->spec.dtype; }
+};
+
+// A checkpoint entry under its selected name.
+struct NamedEntry {
+  std::string name;  // after top-level key, rename and contiguous indices
+  size_t entry;      // index into checkpoint.entries()
+};
+
+// Steps 0-2 of the pipeline (top-level key, rename, contiguous indices), before
+// the filter. Returns NotFound listing the available keys when no tensor is under
+// the top-level key, and InvalidArgument naming both tensors when two get the
+// same name.
+absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection,
+                                                    bool applying_to_target);
+
+class Snapshot {
+ public:
+  // Applies `selection` (rename, contiguous indices, filter, dtype) to every
+  // tensor of `checkpoint`. Returns InvalidArgument naming both tensors when two
+  // are renamed to the same name.
+  static absl::StatusOr<std::shared_ptr<const Snapshot>> Select(std::shared_ptr<const Checkpoint> checkpoint,
+                                                                const Selection& selection);
+  // Builds a snapshot from chosen tensors (used by Apply). Names must be unique.
+  static absl::StatusOr<std::shared_ptr<const Snapshot>> Create(std::shared_ptr<const Checkpoint> checkpoint,
+                                                                std::vector<SnapshotTensor> tensors);
+
+  const Checkpoint& checkpoint() const { return *checkpoint_; }
+  const std::shared_ptr<const Checkpoint>& shared_checkpoint() const { return checkpoint_; }
+  const std::vector<SnapshotTensor>& tensors() const { return tensors_; }
+  size_t size() const { return tensors_.size(); }
+  uint64_t total_bytes() const;
+  // Returns the tensor served as `name`, or nullptr.
+  const SnapshotTensor* Find(absl::string_view name) const;
+
+  // Returns the tensor's bytes as served. Zero-copy for untransformed tensors.
+  absl::StatusOr<SharedTensor> Read(const SnapshotTensor& tensor) const;
+  absl::StatusOr<SharedTensor> Read(absl::string_view name) const;
+  // Writes the served bytes into `out` (out.size() must be spec.byte_size()).
+  absl::Status ReadInto(const SnapshotTensor& tensor, std::span<std::byte> out) const;
+  // Writes the served bytes [offset, offset + out.size()) into `out`, gathering
+  // and casting only that range: a transformed tensor can be streamed in chunks
+  // without materializing all of it. Returns InvalidArgument unless the range
+  // lies inside the tensor and both ends fall on element boundaries.
+  absl::Status ReadRange(const SnapshotTensor& tensor, uint64_t offset, std::span<std::byte> out) const;
+
+ private:
+  Snapshot() = default;
+  std::shared_ptr<const Checkpoint> checkpoint_;
+  std::vector<SnapshotTensor> tensors_;
+  absl::flat_hash_map<absl::string_view, size_t> by_name_;  // views into tensors_[i].spec.name
+};
+
+// Writes every tensor of `snapshot` (names, dtypes and transforms as served) to
+// a `format` file at `path`, with `metadata`.
+absl::Status WriteSnapshot(const Snapshot& snapshot, const std::string& path, const FormatSpec& format,
+                           const Metadata& metadata, const WriteOptions& options);
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_SELECT_SNAPSHOT_H_

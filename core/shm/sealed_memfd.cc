@@ -1,0 +1,100 @@
+#include "core/shm/sealed_memfd.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/status_util.h"
+
+namespace weightstore {
+namespace {
+
+// Closes a descriptor unless released.
+class FdCloser {
+ public:
+  explicit FdCloser(int fd) : fd_(fd) {}
+  ~FdCloser() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+}  // namespace
+
+int RequiredSeals() { return F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL; }
+
+absl::StatusOr<std::shared_ptr<const MappedFile>> CreateSealedMemfd(
+    const std::string& name, uint64_t size, const std::function<absl::Status(std::span<std::byte>)>& fill,
+    std::string path) {
+  int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return StatusFromErrno(errno, absl::StrCat("memfd_create '", name, "'"));
+  FdCloser closer(fd);
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    return StatusFromErrno(errno, absl::StrCat("cannot size memfd '", name, "' to ", size, " bytes"));
+  }
+  if (size > 0) {
+    // MAP_POPULATE allocates every page in one call: far cheaper than a fault per page.
+    void* addr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (addr == MAP_FAILED) return StatusFromErrno(errno, absl::StrCat("cannot map memfd '", name, "'"));
+    // Back the segment with huge pages where the kernel allows it (shmem_enabled).
+    ::madvise(addr, size, MADV_HUGEPAGE);
+    absl::Status filled = fill(std::span<std::byte>(static_cast<std::byte*>(addr), size));
+    ::munmap(addr, size);  // F_SEAL_WRITE fails while a writable mapping exists
+    if (!filled.ok()) return filled;
+  }
+  if (::fcntl(fd, F_ADD_SEALS, RequiredSeals()) != 0) {
+    return StatusFromErrno(errno, absl::StrCat("cannot seal memfd '", name, "'"));
+  }
+  // Hand out (and map) a read-only descriptor; the writable one is closed.
+  absl::StatusOr<int> readonly = ReopenReadOnly(fd, name);
+  if (!readonly.ok()) return readonly.status();
+  return MappedFile::FromDescriptor(*readonly, path.empty() ? absl::StrCat("memfd:", name) : std::move(path));
+}
+
+absl::Status CheckSealed(int fd, absl::string_view what) {
+  int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(what, " is not a sealable memfd (", strerror(errno), ")"));
+  }
+  std::vector<std::string> missing;
+  if (!(seals & F_SEAL_SHRINK)) missing.push_back("SHRINK");
+  if (!(seals & F_SEAL_GROW)) missing.push_back("GROW");
+  if (!(seals & F_SEAL_WRITE)) missing.push_back("WRITE");
+  if (!(seals & F_SEAL_SEAL)) missing.push_back("SEAL");
+  if (!missing.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " is missing seals ", absl::StrJoin(missing, ", ")));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> ReopenReadOnly(int fd, absl::string_view what) {
+  std::string proc = absl::StrCat("/proc/self/fd/", fd);
+  int readonly = ::open(proc.c_str(), O_RDONLY | O_CLOEXEC);
+  if (readonly < 0) return StatusFromErrno(errno, absl::StrCat("cannot reopen ", what, " read-only"));
+  return readonly;
+}
+
+absl::StatusOr<std::shared_ptr<const MappedFile>> PreloadFile(const std::string& path) {
+  int src = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (src < 0) return StatusFromErrno(errno, absl::StrCat("cannot open '", path, "'"));
+  FdCloser closer(src);
+  struct stat st;
+  if (::fstat(src, &st) != 0) return StatusFromErrno(errno, absl::StrCat("cannot stat '", path, "'"));
+  if (!S_ISREG(st.st_mode)) return absl::FailedPreconditionError(absl::StrCat("'", path, "' is not a regular file"));
+  ::posix_fadvise(src, 0, 0, POSIX_FADV_SEQUENTIAL);
+  std::string base = path.substr(path.find_last_of('/') + 1);
+  return CreateSealedMemfd(
+      absl::StrCat("weightstore-preload:", base), static_cast<uint64_t>(st.st_size),
+      [&](std::span<std::byte> out) { return PreadFully(src, 0, out.data(), out.size(), path); }, path);
+}
+
+}  // namespace weightstore

@@ -1,0 +1,101 @@
+// SegmentCache: the sealed shared-memory segments a daemon hands to same-host
+// processes, under one memory budget.
+//
+// Two kinds of memory count against the budget: derived segments (what a
+// transformed selection had to materialize: gathered strided tensors, casts,
+// transposes), produced once per key and evicted least recently used first;
+// and reservations (preloaded checkpoints), which are never evicted and are
+// released when their Reservation is destroyed. Evicting a segment only drops
+// the cache's reference: processes that mapped it keep valid, unchanging bytes
+// until they unmap. Thread-safe.
+#ifndef WEIGHTSTORE_CORE_SHM_SEGMENT_CACHE_H_
+#define WEIGHTSTORE_CORE_SHM_SEGMENT_CACHE_H_
+
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/mapped_file.h"
+
+namespace weightstore {
+
+class SegmentCache {
+ public:
+  // Bytes of budget held until destroyed (movable, not copyable).
+  class Reservation {
+   public:
+    Reservation() = default;
+    Reservation(Reservation&& other) noexcept;
+    Reservation& operator=(Reservation&& other) noexcept;
+    ~Reservation();
+    uint64_t bytes() const { return bytes_; }
+
+   private:
+    friend class SegmentCache;
+    SegmentCache* cache_ = nullptr;
+    uint64_t bytes_ = 0;
+  };
+
+  struct Stats {
+    uint64_t budget_bytes = 0;
+    uint64_t segment_bytes = 0;   // derived segments held
+    uint64_t reserved_bytes = 0;  // reservations (preloads)
+    uint64_t segments = 0;
+    uint64_t hits = 0, misses = 0, evictions = 0;
+  };
+
+  explicit SegmentCache(uint64_t budget_bytes) : budget_(budget_bytes) {}
+  SegmentCache(const SegmentCache&) = delete;
+  SegmentCache& operator=(const SegmentCache&) = delete;
+
+  // Returns the segment stored under `key`, or creates it: evicts until `size`
+  // bytes fit, then calls `fill` on a new sealed memfd of `size` bytes. Callers
+  // asking for a key being built wait for it and share the result. Returns
+  // ResourceExhausted, naming `what` and the budget, when `size` cannot fit even
+  // after evicting everything; the error of `fill` otherwise.
+  absl::StatusOr<std::shared_ptr<const MappedFile>> GetOrCreate(
+      const std::string& key, uint64_t size, absl::string_view what,
+      const std::function<absl::Status(std::span<std::byte>)>& fill);
+
+  // Holds `bytes` of the budget (evicting segments to make room) until the
+  // returned Reservation is destroyed. ResourceExhausted naming `what` if they
+  // cannot fit.
+  absl::StatusOr<Reservation> Reserve(uint64_t bytes, absl::string_view what);
+
+  // Drops every segment (mappings already handed out stay valid).
+  void Clear();
+  Stats stats() const;
+
+ private:
+  struct Slot {
+    absl::Mutex mu;  // held while the segment is built
+    std::shared_ptr<const MappedFile> segment ABSL_GUARDED_BY(mu);
+  };
+  // Evicts least recently used segments until `bytes` more fit. False if they
+  // cannot.
+  bool MakeRoom(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Release(uint64_t bytes);
+
+  const uint64_t budget_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
+  // Built segments, most recently used first, with their sizes.
+  std::list<std::pair<std::string, uint64_t>> lru_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::list<std::pair<std::string, uint64_t>>::iterator> lru_pos_
+      ABSL_GUARDED_BY(mu_);
+  uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;  // segments + reservations + builds in progress
+  uint64_t segment_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t hits_ ABSL_GUARDED_BY(mu_) = 0, misses_ ABSL_GUARDED_BY(mu_) = 0, evictions_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_SHM_SEGMENT_CACHE_H_

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Checks the include rules that keep the layout readable (README's codemap):
+#   core/**          never includes gRPC, protobuf, server/, client/ or proto/
+#   core/formats/    includes the base only (and itself)
+#   core/select/     includes the base and core/formats/ (the writer)
+#   core/shm/        includes the base only (and itself)
+#   the base         (core/*.{h,cc}) includes no room, except the registry,
+#                    the top of core, which may use core/shm/ (preloads)
+#   a format's name  appears in code outside core/formats/ only in tests
+# Prints each violation; exits 1 if there is any.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+status=0
+fail() { echo "layout: $*"; status=1; }
+
+sources() { find "$@" -maxdepth 1 -type f \( -name '*.h' -o -name '*.cc' \) ! -name '*_test.cc'; }
+includes() { grep -Ho '^#include [<"][^">]*[">]' "$@" 2>/dev/null | sed 's/#include [<"]\(.*\)[">]$/\1/'; }
+
+while IFS=: read -r file inc; do
+  case "$inc" in grpc*|google/protobuf/*|server/*|client/*|proto/*|weightstore/v1/*) fail "$file includes $inc (core is free of gRPC, protobuf and the layers above it)";; esac
+done < <(includes $(find core -type f \( -name '*.h' -o -name '*.cc' \)))
+
+check_room() {  # ROOM ALLOWED-ROOMS...
+  local room=$1; shift
+  while IFS=: read -r file inc; do
+    [[ "$inc" == core/*/* ]] || continue
+    local target=${inc#core/}; target=${target%%/*}
+    local ok=0
+    for allowed in "$room" "$@"; do [ "$target" = "$allowed" ] && ok=1; done
+    [ $ok = 1 ] || fail "$file includes $inc (core/$room/ may include the base$([ $# -gt 0 ] && echo " and core/$*/"))"
+  done < <(includes $(sources core/$room))
+}
+check_room formats
+check_room select formats
+check_room shm
+
+while IFS=: read -r file inc; do
+  [[ "$inc" == core/*/* ]] || continue
+  case "$file" in core/registry.h|core/registry.cc) [[ "$inc" == core/shm/* ]] && continue;; esac
+  fail "$file includes $inc (the base includes no room)"
+done < <(includes $(sources core))
+
+# A format is named in code only inside its room (the table lists them).
+for name in safetensors pytorch burnpack; do
+  while read -r hit; do
+    fail "names the $name format outside core/formats/: $hit"
+  done < <(grep -rInE "k(SafeTensors|PyTorch|Burnpack)Format|core/formats/(safetensors|pytorch|burnpack)\.h" \
+             core server client proto --include='*.h' --include='*.cc' | grep -v '^core/formats/' | grep -v '_test\.cc:' |
+           grep -i "$name")
+done
+
+exit $status
