@@ -9,8 +9,8 @@ packages=(
   # service stack
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libre2-dev libboost-dev grpc-proto
-  # metrics endpoint (HTTP)
-  libcivetweb-dev
+  # metrics: prometheus-cpp (registry, and the HTTP exposer with civetweb)
+  prometheus-cpp-dev
   # formats: JSON (SafeTensors headers), CBOR (Burnpack), zlib (zip CRC-32)
   nlohmann-json3-dev libcbor-dev zlib1g-dev libcli11-dev
   # tests and benchmarks

@@ -2,68 +2,59 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <prometheus/counter.h>
+#include <prometheus/registry.h>
 
-#include <thread>
+#include "server/observability.h"
 
-namespace weightstore::server::metrics {
+namespace weightstore::server {
 namespace {
 
 using ::testing::HasSubstr;
 
-TEST(MetricsTest, SerializesFamiliesInTheTextFormat) {
-  Registry registry;
-  auto& requests = registry.AddCounter("x_requests_total", "Requests,\nby code.", {"code"});
-  requests.Add({"OK"}).Increment(3);
-  requests.Add({"say \"hi\"\\"}).Increment();
-  registry.AddGauge("x_temperature", "A gauge.").Add({}).Set(-1.5);
-  auto& latency = registry.AddHistogram("x_seconds", "Latency.", {0.1, 1});
-  for (double v : {0.05, 0.1, 0.5, 7.0}) latency.Add({}).Observe(v);
-  EXPECT_EQ(registry.Serialize(),
-            "# HELP x_requests_total Requests,\\nby code.\n"
-            "# TYPE x_requests_total counter\n"
-            "x_requests_total{code=\"OK\"} 3\n"
-            "x_requests_total{code=\"say \\\"hi\\\"\\\\\"} 1\n"
-            "# HELP x_temperature A gauge.\n"
-            "# TYPE x_temperature gauge\n"
-            "x_temperature -1.5\n"
-            "# HELP x_seconds Latency.\n"
-            "# TYPE x_seconds histogram\n"
-            "x_seconds_bucket{le=\"0.1\"} 2\n"
-            "x_seconds_bucket{le=\"1\"} 3\n"
-            "x_seconds_bucket{le=\"+Inf\"} 4\n"
-            "x_seconds_sum 7.65\n"
-            "x_seconds_count 4\n");
+TEST(ScrapedFamiliesTest, ReadsEveryValueAtEachScrapeInTheTextFormat) {
+  metrics::ScrapedFamilies families;
+  int scrapes = 0;
+  families.AddGauge("x_scrapes", "Scrapes so far.", metrics::One([&] { return ++scrapes; }));
+  families.AddCounter("x_bytes_total", "Bytes, by transport.", [] {
+    return std::vector<metrics::Sample>{{{{"transport", "grpc"}}, 3}, {{{"transport", "say \"hi\""}}, 1}};
+  });
+  const std::string first = metrics::Serialize({&families});
+  EXPECT_THAT(first, HasSubstr("# HELP x_scrapes Scrapes so far.\n# TYPE x_scrapes gauge\nx_scrapes 1\n"));
+  EXPECT_THAT(first, HasSubstr("# TYPE x_bytes_total counter\n"));
+  EXPECT_THAT(first, HasSubstr("x_bytes_total{transport=\"grpc\"} 3\n"));
+  EXPECT_THAT(first, HasSubstr("x_bytes_total{transport=\"say \\\"hi\\\"\"} 1\n"));
+  EXPECT_THAT(metrics::Serialize({&families}), HasSubstr("x_scrapes 2\n"));
 }
 
-TEST(MetricsTest, CollectHooksRunBeforeEachScrape) {
-  Registry registry;
-  auto& gauge = registry.AddGauge("x_calls", "Scrapes so far.");
-  int calls = 0;
-  registry.AddCollectHook([&] { gauge.Add({}).Set(++calls); });
-  EXPECT_THAT(registry.Serialize(), HasSubstr("x_calls 1\n"));
-  EXPECT_THAT(registry.Serialize(), HasSubstr("x_calls 2\n"));
+TEST(ScrapedFamiliesTest, FollowTheRegistrysFamiliesInOneExposition) {
+  prometheus::Registry registry;
+  prometheus::BuildCounter().Name("x_calls_total").Help("Calls.").Register(registry).Add({{"code", "OK"}}).Increment(2);
+  metrics::ScrapedFamilies families;
+  families.AddGauge("x_open", "Open things.", metrics::One([] { return 7; }));
+  const std::string text = metrics::Serialize({&registry, &families});
+  EXPECT_THAT(text, HasSubstr("x_calls_total{code=\"OK\"} 2\n"));
+  EXPECT_LT(text.find("x_calls_total"), text.find("x_open"));
 }
 
-TEST(MetricsTest, ConcurrentIncrementsAreNotLost) {
-  Registry registry;
-  Counter& c = registry.AddCounter("x_total", "n").Add({});
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&] {
-      for (int i = 0; i < 10000; ++i) c.Increment();
-    });
-  }
-  for (auto& t : threads) t.join();
-  EXPECT_EQ(c.Value(), 40000);
-}
-
-TEST(MetricsTest, FormatsSpecialValuesAsPrometheusDoes) {
-  EXPECT_EQ(FormatValue(1.0 / 0.0), "+Inf");
-  EXPECT_EQ(FormatValue(-1.0 / 0.0), "-Inf");
-  EXPECT_EQ(FormatValue(0.0 / 0.0), "NaN");
-  EXPECT_EQ(FormatValue(0.0025), "0.0025");
-  EXPECT_EQ(FormatValue(4294967296), "4294967296");
+TEST(ServerMetricsTest, CountsCallsAndTheBytesTheyServed) {
+  ServerMetrics m;
+  const metrics::Labels labels = {
+      {"grpc_type", "server_stream"}, {"grpc_service", "weightstore.v1.WeightStore"}, {"grpc_method", "FetchTensors"}};
+  m.OnCallStarted(labels, /*weightstore_call=*/true);
+  EXPECT_EQ(m.weightstore_calls_in_flight(), 1);
+  m.OnCallDone(labels, "OK", 0.02, 4096, /*weightstore_call=*/true);
+  EXPECT_EQ(m.weightstore_calls_in_flight(), 0);
+  EXPECT_EQ(m.grpc_served_bytes(), 4096u);
+  m.ObserveLoad(0.5, /*ok=*/false);
+  const std::string text = m.Serialize();
+  EXPECT_THAT(text, HasSubstr("grpc_server_handled_total{grpc_code=\"OK\",grpc_method=\"FetchTensors\","
+                              "grpc_service=\"weightstore.v1.WeightStore\",grpc_type=\"server_stream\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("grpc_server_handling_seconds_count{grpc_method=\"FetchTensors\""));
+  EXPECT_THAT(text, HasSubstr("weightstore_checkpoint_load_failures_total 1\n"));
+  EXPECT_THAT(text, HasSubstr("weightstore_checkpoint_load_seconds_count 1\n"));
+  EXPECT_THAT(text, HasSubstr("process_open_fds "));
 }
 
 }  // namespace
-}  // namespace weightstore::server::metrics
+}  // namespace weightstore::server

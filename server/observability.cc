@@ -1,7 +1,7 @@
 #include "server/observability.h"
 
-#include <CivetServer.h>
 #include <dirent.h>
+#include <prometheus/exposer.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,8 +15,7 @@
 #include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "server/log.h"
-#include "server/service.h"
-#include "server/shm_server.h"
+#include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore::server {
 namespace {
@@ -54,16 +53,15 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
     absl::string_view full = info->method() != nullptr ? info->method() : "";
     absl::ConsumePrefix(&full, "/");
     const size_t slash = full.rfind('/');
-    labels_ = {TypeLabel(info->type()), std::string(full.substr(0, slash)),
-               slash == absl::string_view::npos ? "" : std::string(full.substr(slash + 1))};
-    metrics_->started.Add(labels_).Increment();
-    counted_ = labels_[1] == v1::WeightStore::service_full_name();
-    if (counted_) ++metrics_->weightstore_calls_in_flight;
+    labels_ = {{"grpc_type", TypeLabel(info->type())},
+               {"grpc_service", std::string(full.substr(0, slash))},
+               {"grpc_method", slash == absl::string_view::npos ? "" : std::string(full.substr(slash + 1))}};
+    counted_ = labels_["grpc_service"] == v1::WeightStore::service_full_name();
+    metrics_->OnCallStarted(labels_, counted_);
   }
 
   ~CallInterceptor() override {
     if (!done_) Record(grpc::Status(grpc::StatusCode::CANCELLED, "ended before a status was sent"), nullptr);
-    if (counted_) --metrics_->weightstore_calls_in_flight;
   }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
@@ -90,15 +88,13 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
     done_ = true;
     const double seconds = std::chrono::duration<double>(Clock::now() - start_).count();
     const std::string code = GrpcCodeName(status.error_code());
-    metrics_->handled.Add({labels_[0], labels_[1], labels_[2], code}).Increment();
-    metrics_->handling_seconds.Add(labels_).Observe(seconds);
     std::string checkpoint;
     uint64_t bytes = 0;
     if (trailers != nullptr) {
       if (auto it = trailers->find(kCheckpointTrailer); it != trailers->end()) checkpoint = it->second;
       if (auto it = trailers->find(kBytesTrailer); it != trailers->end()) (void)absl::SimpleAtoi(it->second, &bytes);
     }
-    if (bytes > 0) metrics_->served_bytes.Add({"grpc"}).Increment(static_cast<double>(bytes));
+    metrics_->OnCallDone(labels_, code, seconds, bytes, counted_);
     const LogLevel level = status.ok() ? LogLevel::kInfo : LogLevel::kWarning;
     if (!LogEnabled(level)) return;
     nlohmann::ordered_json fields;
@@ -116,10 +112,10 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
   ServerMetrics* metrics_;
   ServerRpcInfo* info_;
   Clock::time_point start_;
-  std::vector<std::string> labels_;  // grpc_type, grpc_service, grpc_method
+  metrics::Labels labels_;  // grpc_type, grpc_service, grpc_method
   std::string request_id_;
   bool done_ = false;
-  bool counted_ = false;  // in ServerMetrics::weightstore_calls_in_flight
+  bool counted_ = false;  // in ServerMetrics::weightstore_calls_in_flight()
 };
 
 class CallInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
@@ -190,136 +186,81 @@ std::string GrpcCodeName(int code) {
 }
 
 ServerMetrics::ServerMetrics()
-    : started(registry_.AddCounter("grpc_server_started_total", "RPCs started on the server.",
-                                   {"grpc_type", "grpc_service", "grpc_method"})),
-      handled(registry_.AddCounter("grpc_server_handled_total",
-                                   "RPCs completed on the server, regardless of success or failure.",
-                                   {"grpc_type", "grpc_service", "grpc_method", "grpc_code"})),
-      handling_seconds(registry_.AddHistogram("grpc_server_handling_seconds",
-                                              "Response latency (seconds) of RPCs handled by the server.",
-                                              metrics::DurationBuckets(), {"grpc_type", "grpc_service", "grpc_method"})),
-      served_bytes(registry_.AddCounter("weightstore_served_bytes_total",
-                                        "Tensor bytes served: streamed over gRPC, or mapped through the socket.",
-                                        {"transport"})),
-      load_seconds(registry_.AddHistogram("weightstore_checkpoint_load_seconds",
-                                          "Time to open (or preload) a checkpoint version.",
-                                          metrics::DurationBuckets())),
-      load_failures(registry_.AddCounter("weightstore_checkpoint_load_failures_total",
-                                         "Checkpoint files that could not be opened.")) {
-  served_bytes.Add({"grpc"});
-  served_bytes.Add({"socket"});
-  load_seconds.Add({});
-  load_failures.Add({});
+    : registry_(std::make_shared<prometheus::Registry>()),
+      scraped_(std::make_shared<metrics::ScrapedFamilies>()),
+      started_(prometheus::BuildCounter()
+                   .Name("grpc_server_started_total")
+                   .Help("RPCs started on the server.")
+                   .Register(*registry_)),
+      handled_(prometheus::BuildCounter()
+                   .Name("grpc_server_handled_total")
+                   .Help("RPCs completed on the server, regardless of success or failure.")
+                   .Register(*registry_)),
+      handling_seconds_(prometheus::BuildHistogram()
+                            .Name("grpc_server_handling_seconds")
+                            .Help("Response latency (seconds) of RPCs handled by the server.")
+                            .Register(*registry_)),
+      load_seconds_(prometheus::BuildHistogram()
+                        .Name("weightstore_checkpoint_load_seconds")
+                        .Help("Time to open (or preload) a checkpoint version.")
+                        .Register(*registry_)
+                        .Add({}, metrics::DurationBuckets())),
+      load_failures_(prometheus::BuildCounter()
+                         .Name("weightstore_checkpoint_load_failures_total")
+                         .Help("Checkpoint files that could not be opened.")
+                         .Register(*registry_)
+                         .Add({})) {
+  const double start = static_cast<double>(
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+  scraped_->AddGauge("process_resident_memory_bytes", "Resident memory size in bytes.", metrics::One(ResidentBytes));
+  scraped_->AddGauge("process_open_fds", "Number of open file descriptors.", metrics::One(OpenFds));
+  scraped_->AddCounter("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.",
+                       metrics::One(CpuSeconds));
+  scraped_->AddGauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
+                     metrics::One([start] { return start; }));
+}
+
+void ServerMetrics::OnCallStarted(const metrics::Labels& labels, bool weightstore_call) {
+  started_.Add(labels).Increment();
+  if (weightstore_call) ++calls_in_flight_;
+}
+
+void ServerMetrics::OnCallDone(const metrics::Labels& labels, const std::string& code, double seconds,
+                               uint64_t served_bytes, bool weightstore_call) {
+  metrics::Labels with_code = labels;
+  with_code["grpc_code"] = code;
+  handled_.Add(with_code).Increment();
+  handling_seconds_.Add(labels, metrics::DurationBuckets()).Observe(seconds);
+  grpc_served_bytes_.fetch_add(served_bytes, std::memory_order_relaxed);
+  if (weightstore_call) --calls_in_flight_;
 }
 
 void ServerMetrics::ObserveLoad(double seconds, bool ok) {
-  load_seconds.Add({}).Observe(seconds);
-  if (!ok) load_failures.Add({}).Increment();
-}
-
-void ServerMetrics::Watch(const CheckpointRegistry* checkpoints, SegmentCache* segments, const ShmServer* shm,
-                          const WeightStoreService* service) {
-  auto& loaded = registry_.AddGauge("weightstore_checkpoints_loaded", "Checkpoints being served.");
-  auto& loaded_bytes = registry_.AddGauge("weightstore_checkpoint_bytes", "Tensor bytes of the checkpoints served.");
-  auto& shm_bytes = registry_.AddGauge("weightstore_shm_bytes",
-                                       "Shared memory held: materialized segments, and preloaded checkpoints.",
-                                       {"kind"});
-  auto& shm_budget = registry_.AddGauge("weightstore_shm_budget_bytes", "The shared-memory budget (--shm-budget).");
-  auto& shm_segments = registry_.AddGauge("weightstore_shm_segments", "Materialized segments held.");
-  auto& shm_evictions = registry_.AddCounter("weightstore_shm_evictions_total", "Segments evicted to fit the budget.");
-  auto& socket_connections =
-      registry_.AddGauge("weightstore_socket_connections", "Connections open on the same-host socket.");
-  auto& socket_requests = registry_.AddCounter("weightstore_socket_requests_total", "Requests on the same-host socket.");
-  auto& socket_refused = registry_.AddCounter(
-      "weightstore_socket_refused_total", "Socket connections refused (peer credentials or the connection limit).");
-  auto& fetches = registry_.AddGauge("weightstore_fetch_streams_active", "FetchTensors streams being served.");
-  auto& stalled = registry_.AddCounter("weightstore_fetch_streams_stalled_total",
-                                       "FetchTensors streams cancelled because their client stopped reading.");
-  auto& rss = registry_.AddGauge("process_resident_memory_bytes", "Resident memory size in bytes.");
-  auto& fds = registry_.AddGauge("process_open_fds", "Number of open file descriptors.");
-  auto& cpu = registry_.AddCounter("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.");
-  auto& start_time = registry_.AddGauge("process_start_time_seconds", "Start time of the process since unix epoch.");
-  start_time.Add({}).Set(static_cast<double>(std::chrono::duration_cast<std::chrono::seconds>(
-                                                 std::chrono::system_clock::now().time_since_epoch())
-                                                 .count()));
-  registry_.AddCollectHook([=, this, &loaded, &loaded_bytes, &shm_bytes, &shm_budget, &shm_segments, &shm_evictions,
-                            &socket_connections, &socket_requests, &socket_refused, &fetches, &stalled, &rss, &fds, &cpu] {
-    if (checkpoints != nullptr) {
-      auto list = checkpoints->List();
-      double bytes = 0;
-      for (const auto& v : list) bytes += static_cast<double>(v->checkpoint()->total_bytes());
-      loaded.Add({}).Set(static_cast<double>(list.size()));
-      loaded_bytes.Add({}).Set(bytes);
-    }
-    if (segments != nullptr) {
-      SegmentCache::Stats s = segments->stats();
-      shm_bytes.Add({"segments"}).Set(static_cast<double>(s.segment_bytes));
-      shm_bytes.Add({"preloaded"}).Set(static_cast<double>(s.reserved_bytes));
-      shm_budget.Add({}).Set(static_cast<double>(s.budget_bytes));
-      shm_segments.Add({}).Set(static_cast<double>(s.segments));
-      shm_evictions.Add({}).SyncTotal(static_cast<double>(s.evictions));
-    }
-    if (shm != nullptr) {
-      ShmServer::Stats s = shm->stats();
-      socket_connections.Add({}).Set(s.active_connections);
-      socket_requests.Add({}).SyncTotal(static_cast<double>(s.requests));
-      socket_refused.Add({}).SyncTotal(static_cast<double>(s.refused_connections));
-      served_bytes.Add({"socket"}).SyncTotal(static_cast<double>(s.bytes_mapped));
-    }
-    if (service != nullptr) {
-      fetches.Add({}).Set(service->active_fetches());
-      stalled.Add({}).SyncTotal(static_cast<double>(service->stalled_fetches()));
-    }
-    rss.Add({}).Set(ResidentBytes());
-    fds.Add({}).Set(OpenFds());
-    cpu.Add({}).SyncTotal(CpuSeconds());
-  });
+  load_seconds_.Observe(seconds);
+  if (!ok) load_failures_.Increment();
 }
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> ServerMetrics::InterceptorFactory() {
   return std::make_unique<CallInterceptorFactory>(this);
 }
 
-struct MetricsHttpServer::Impl {
-  class Handler : public CivetHandler {
-   public:
-    explicit Handler(const metrics::Registry* registry) : registry_(registry) {}
-    bool handleGet(CivetServer*, mg_connection* conn) override {
-      const std::string body = registry_->Serialize();
-      mg_printf(conn,
-                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-                "Content-Length: %zu\r\nConnection: close\r\n\r\n",
-                body.size());
-      mg_write(conn, body.data(), body.size());
-      return true;
-    }
-
-   private:
-    const metrics::Registry* registry_;
-  };
-  std::unique_ptr<Handler> handler;
-  std::unique_ptr<CivetServer> server;
-};
-
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(const std::string& listen,
-                                                                            const metrics::Registry* registry) {
-  auto out = std::unique_ptr<MetricsHttpServer>(new MetricsHttpServer());
-  out->impl_ = std::make_unique<Impl>();
-  out->impl_->handler = std::make_unique<Impl::Handler>(registry);
+                                                                            const ServerMetrics& metrics) {
+  std::unique_ptr<MetricsHttpServer> out(new MetricsHttpServer());
+  // civetweb's options, as before prometheus-cpp: two threads, and a client
+  // that stalls mid-request is dropped after 10 s.
   std::vector<std::string> options = {"listening_ports", listen, "num_threads", "2", "request_timeout_ms", "10000"};
   try {
-    out->impl_->server = std::make_unique<CivetServer>(options);
-  } catch (const CivetException& e) {
+    out->exposer_ = std::make_unique<prometheus::Exposer>(std::move(options));
+  } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", listen, ": ", e.what()));
   }
-  out->impl_->server->addHandler("/metrics", out->impl_->handler.get());
-  std::vector<int> ports = out->impl_->server->getListeningPorts();
+  for (const auto& collectable : metrics.collectables()) out->exposer_->RegisterCollectable(collectable);
+  std::vector<int> ports = out->exposer_->GetListeningPorts();
   out->port_ = ports.empty() ? 0 : ports[0];
   return out;
 }
 
-MetricsHttpServer::~MetricsHttpServer() {
-  if (impl_ != nullptr && impl_->server != nullptr) impl_->server->close();
-}
+MetricsHttpServer::~MetricsHttpServer() = default;
 
 }  // namespace weightstore::server

@@ -12,7 +12,12 @@
 #include "absl/strings/str_cat.h"
 #include "core/pem.h"
 #include "grpc/health/v1/health.pb.h"
+#include "core/shm/segment_cache.h"
+#include "server/auth.h"
 #include "server/log.h"
+#include "server/observability.h"
+#include "server/service.h"
+#include "server/shm_server.h"
 #include "server/tcp_linger.h"
 
 namespace weightstore::server {
@@ -84,6 +89,60 @@ absl::Status CheckOptions(const ServerOptions& options) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// The families read at scrape time from the parts that own their values; each
+// part is asked through a callback, and none of them sees the metrics.
+void AddScrapedFamilies(ServerMetrics* metrics, const CheckpointRegistry* registry, const SegmentCache* segments,
+                        const ShmServer* shm, const WeightStoreService* service) {
+  using metrics::One;
+  using metrics::Sample;
+  metrics::ScrapedFamilies& f = metrics->scraped();
+  f.AddCounter("weightstore_served_bytes_total",
+               "Tensor bytes served: streamed over gRPC, or mapped through the socket.", [metrics, shm] {
+                 return std::vector<Sample>{
+                     {{{"transport", "grpc"}}, static_cast<double>(metrics->grpc_served_bytes())},
+                     {{{"transport", "socket"}}, shm != nullptr ? static_cast<double>(shm->stats().bytes_mapped) : 0}};
+               });
+  f.AddGauge("weightstore_checkpoints_loaded", "Checkpoints being served.",
+             One([registry] { return static_cast<double>(registry->List().size()); }));
+  f.AddGauge("weightstore_checkpoint_bytes", "Tensor bytes of the checkpoints served.", One([registry] {
+               double bytes = 0;
+               for (const auto& v : registry->List()) bytes += static_cast<double>(v->checkpoint()->total_bytes());
+               return bytes;
+             }));
+  f.AddGauge("weightstore_shm_bytes", "Shared memory held: materialized segments, and preloaded checkpoints.",
+             [segments] {
+               const SegmentCache::Stats s = segments->stats();
+               return std::vector<Sample>{{{{"kind", "preloaded"}}, static_cast<double>(s.reserved_bytes)},
+                                          {{{"kind", "segments"}}, static_cast<double>(s.segment_bytes)}};
+             });
+  f.AddGauge("weightstore_shm_budget_bytes", "The shared-memory budget (--shm-budget).",
+             One([segments] { return static_cast<double>(segments->stats().budget_bytes); }));
+  f.AddGauge("weightstore_shm_segments", "Materialized segments held.",
+             One([segments] { return static_cast<double>(segments->stats().segments); }));
+  f.AddCounter("weightstore_shm_evictions_total", "Segments evicted to fit the budget.",
+               One([segments] { return static_cast<double>(segments->stats().evictions); }));
+  if (shm != nullptr) {
+    f.AddGauge("weightstore_socket_connections", "Connections open on the same-host socket.",
+               One([shm] { return static_cast<double>(shm->stats().active_connections); }));
+    f.AddCounter("weightstore_socket_requests_total", "Requests on the same-host socket.",
+                 One([shm] { return static_cast<double>(shm->stats().requests); }));
+    f.AddCounter("weightstore_socket_refused_total",
+                 "Socket connections refused (peer credentials or the connection limit).",
+                 One([shm] { return static_cast<double>(shm->stats().refused_connections); }));
+  }
+  f.AddGauge("weightstore_fetch_streams_active", "FetchTensors streams being served.",
+             One([service] { return static_cast<double>(service->active_fetches()); }));
+  f.AddCounter("weightstore_fetch_streams_stalled_total",
+               "FetchTensors streams cancelled because their client stopped reading.",
+               One([service] { return static_cast<double>(service->stalled_fetches()); }));
+}
+
+}  // namespace
+
+WeightStoreServer::WeightStoreServer() = default;
+
 absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(ServerOptions options) {
   std::unique_ptr<WeightStoreServer> s(new WeightStoreServer());
   s->metrics_ = std::make_unique<ServerMetrics>();
@@ -151,11 +210,13 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
     if (!shm.ok()) return shm.status();
     s->shm_server_ = *std::move(shm);
   }
-  s->metrics_->Watch(s->registry_.get(), s->segments_.get(), s->shm_server_.get(), s->service_.get());
+  AddScrapedFamilies(s->metrics_.get(), s->registry_.get(), s->segments_.get(), s->shm_server_.get(),
+                     s->service_.get());
   if (!options.metrics_listen.empty()) {
-    auto http = MetricsHttpServer::Start(options.metrics_listen, &s->metrics_->registry());
+    auto http = MetricsHttpServer::Start(options.metrics_listen, *s->metrics_);
     if (!http.ok()) return http.status();
     s->metrics_http_ = *std::move(http);
+    s->metrics_port_ = s->metrics_http_->port();
   }
   for (grpc::Server* server : {s->server_.get(), s->health_server_.get()}) {
     if (server == nullptr) continue;
@@ -184,7 +245,7 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
   // gRPC's Shutdown closes each connection once its calls are done, even with
   // their last bytes still queued (tcp_linger.h): let the WeightStore calls
   // finish and their bytes reach the clients first, within the same grace.
-  while (metrics_->weightstore_calls_in_flight.load() > 0 && std::chrono::system_clock::now() < deadline) {
+  while (metrics_->weightstore_calls_in_flight() > 0 && std::chrono::system_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   WaitForPeersToAcknowledge(port_, deadline);

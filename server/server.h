@@ -19,40 +19,19 @@
 
 #include "absl/status/statusor.h"
 #include "core/registry.h"
-#include "server/service.h"
-#include "server/observability.h"
-#include "server/shm_server.h"
+#include "server/options.h"
+
+namespace weightstore {
+class SegmentCache;
+}  // namespace weightstore
 
 namespace weightstore::server {
 
-struct ServerOptions {
-  // Address to listen on, "host:port". Default: 127.0.0.1:50051.
-  std::string listen = "127.0.0.1:50051";
-  RegistryOptions registry;
-  ServiceOptions service;
-  // Largest request message. Default: 4 MiB (PutCheckpoint data comes in chunks).
-  int max_receive_message_bytes = 4 << 20;
-  // Largest response message: a chunk plus headroom. Default: 8 MiB.
-  int max_send_message_bytes = 8 << 20;
-  // HTTP/2 streams per connection. Default: 100.
-  int max_concurrent_streams_per_connection = 100;
-  // Same-host socket (ShmServer). Off while socket.path is empty.
-  ShmServerOptions socket;
-  // Shared memory for derived segments and preloads. Default: 4 GiB.
-  uint64_t shm_budget_bytes = uint64_t{4} << 30;
-  // Prometheus text on http://<metrics_listen>/metrics. Off when empty.
-  std::string metrics_listen;
-  // A second gRPC port serving only grpc.health.v1.Health, plaintext and never
-  // authenticated, for probes. Off when empty.
-  std::string health_listen;
-  // TLS on the main port when cert_file is set (PEM files); mutual TLS, requiring
-  // and verifying a client certificate, when client_ca_file is set too.
-  struct Tls {
-    std::string cert_file, key_file, client_ca_file;
-  } tls;
-  // Bearer tokens (server/auth.h). Off when empty: keep the port private.
-  std::string tokens_file;
-};
+class Authenticator;
+class MetricsHttpServer;
+class ServerMetrics;
+class ShmServer;
+class WeightStoreService;
 
 // Checks what Start() would refuse, without binding anything: the models
 // folder, the tokens file, the TLS files, the socket path. For --check-config.
@@ -67,14 +46,10 @@ class WeightStoreServer {
   ~WeightStoreServer();
 
   int port() const { return port_; }
+  // The checkpoints served (weightstored rescans it on SIGHUP).
   CheckpointRegistry& registry() { return *registry_; }
-  const WeightStoreService& service() const { return *service_; }
-  SegmentCache& segments() { return *segments_; }
-  // The same-host socket, or nullptr when it is off.
-  const ShmServer* shm_server() const { return shm_server_.get(); }
-  ServerMetrics& metrics() { return *metrics_; }
   // Bound ports of the metrics endpoint and the health port (0 when off).
-  int metrics_port() const { return metrics_http_ != nullptr ? metrics_http_->port() : 0; }
+  int metrics_port() const { return metrics_port_; }
   int health_port() const { return health_port_; }
 
   // Marks the server NOT_SERVING, waits `drain` (so load balancers stop sending),
@@ -88,7 +63,7 @@ class WeightStoreServer {
   std::shared_ptr<grpc::Channel> InProcessChannel();
 
  private:
-  WeightStoreServer() = default;
+  WeightStoreServer();
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<SegmentCache> segments_;
@@ -98,7 +73,7 @@ class WeightStoreServer {
   std::unique_ptr<ShmServer> shm_server_;
   std::unique_ptr<grpc::Server> health_server_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
-  int port_ = 0, health_port_ = 0;
+  int port_ = 0, health_port_ = 0, metrics_port_ = 0;
 };
 
 }  // namespace weightstore::server

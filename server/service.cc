@@ -239,45 +239,56 @@ WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOpti
       streams_(options.streams),
       uploads_(options.uploads) {}
 
+template <typename Body>
+grpc::ServerUnaryReactor* WeightStoreService::Unary(grpc::CallbackServerContext* ctx, Scope scope,
+                                                    absl::string_view checkpoint, Body body) {
+  absl::Status status = auth_->Check(*ctx, scope);
+  if (status.ok()) {
+    Annotate(ctx, std::string(checkpoint));
+    status = body();
+  }
+  return Reply(ctx, status);
+}
+
 grpc::ServerUnaryReactor* WeightStoreService::ListCheckpoints(grpc::CallbackServerContext* ctx,
                                                               const v1::ListCheckpointsRequest*,
                                                               v1::ListCheckpointsResponse* resp) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Reply(ctx, s);
-  for (const auto& version : registry_->List()) ToProto(*version, resp->add_checkpoints());
-  return Reply(ctx, absl::OkStatus());
+  return Unary(ctx, Scope::kRead, "", [&] {
+    for (const auto& version : registry_->List()) ToProto(*version, resp->add_checkpoints());
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::GetCheckpointRequest* req,
                                                             v1::CheckpointInfo* resp) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Reply(ctx, s);
-  Annotate(ctx, req->name());
-  auto version = registry_->Find(req->name());
-  if (!version.ok()) return Reply(ctx, version.status());
-  ToProto(**version, resp);
-  return Reply(ctx, absl::OkStatus());
+  return Unary(ctx, Scope::kRead, req->name(), [&]() -> absl::Status {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name()));
+    ToProto(*version, resp);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerContext* ctx,
                                                           const v1::ListTensorsRequest* req,
                                                           v1::ListTensorsResponse* resp) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kRead); !s.ok()) return Reply(ctx, s);
-  Annotate(ctx, req->name());
-  auto resolved = Resolve(*registry_, req->name(), req->selection(), req->version(), options_.selection_limits);
-  if (!resolved.ok()) return Reply(ctx, resolved.status());
-  const Snapshot& snapshot = *resolved->snapshot;
-  resp->set_name(req->name());
-  resp->set_version(resolved->version->version());
-  for (const SnapshotTensor& t : snapshot.tensors()) {
-    v1::TensorInfo* info = resp->add_tensors();
-    ToProto(t.spec, t.source->spec.name, info);
-    if (!req->with_checksums()) continue;
-    absl::StatusOr<uint32_t> crc = ServedChecksum(snapshot, PlanServedTensor(snapshot, t), resolved->version->checksums());
-    if (!crc.ok()) return Reply(ctx, crc.status());
-    info->set_crc32c(*crc);
-  }
-  if (resolved->apply_result) ToProto(*resolved->apply_result, resp->mutable_apply_result());
-  return Reply(ctx, absl::OkStatus());
+  return Unary(ctx, Scope::kRead, req->name(), [&]() -> absl::Status {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(
+        Resolved resolved, Resolve(*registry_, req->name(), req->selection(), req->version(), options_.selection_limits));
+    const Snapshot& snapshot = *resolved.snapshot;
+    resp->set_name(req->name());
+    resp->set_version(resolved.version->version());
+    for (const SnapshotTensor& t : snapshot.tensors()) {
+      v1::TensorInfo* info = resp->add_tensors();
+      ToProto(t.spec, t.source->spec.name, info);
+      if (!req->with_checksums()) continue;
+      WEIGHTSTORE_ASSIGN_OR_RETURN(
+          uint32_t crc, ServedChecksum(snapshot, PlanServedTensor(snapshot, t), resolved.version->checksums()));
+      info->set_crc32c(crc);
+    }
+    if (resolved.apply_result) ToProto(*resolved.apply_result, resp->mutable_apply_result());
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::FetchTensors(grpc::CallbackServerContext* ctx,
@@ -288,31 +299,29 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::FetchTensors(grp
 grpc::ServerUnaryReactor* WeightStoreService::LoadCheckpoint(grpc::CallbackServerContext* ctx,
                                                              const v1::LoadCheckpointRequest* req,
                                                              v1::CheckpointInfo* resp) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Reply(ctx, s);
-  Annotate(ctx, req->name().empty() ? req->path() : req->name());
-  if (req->path().empty()) return Reply(ctx, absl::InvalidArgumentError("path is empty"));
-  auto version = registry_->Load(req->path(), req->name());
-  if (!version.ok()) return Reply(ctx, version.status());
-  ToProto(**version, resp);
-  return Reply(ctx, absl::OkStatus());
+  return Unary(ctx, Scope::kAdmin, req->name().empty() ? req->path() : req->name(), [&]() -> absl::Status {
+    if (req->path().empty()) return absl::InvalidArgumentError("path is empty");
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Load(req->path(), req->name()));
+    ToProto(*version, resp);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::UnloadCheckpoint(grpc::CallbackServerContext* ctx,
                                                                const v1::UnloadCheckpointRequest* req,
                                                                v1::UnloadCheckpointResponse*) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Reply(ctx, s);
-  Annotate(ctx, req->name());
-  return Reply(ctx, registry_->Unload(req->name()));
+  return Unary(ctx, Scope::kAdmin, req->name(), [&] { return registry_->Unload(req->name()); });
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::Rescan(grpc::CallbackServerContext* ctx, const v1::RescanRequest*,
                                                      v1::RescanResponse* resp) {
-  if (absl::Status s = auth_->Check(*ctx, Scope::kAdmin); !s.ok()) return Reply(ctx, s);
-  ScanReport report = registry_->Rescan();
-  for (const auto& s : report.added) resp->add_added(s);
-  for (const auto& s : report.replaced) resp->add_replaced(s);
-  for (const auto& s : report.removed) resp->add_removed(s);
-  return Reply(ctx, absl::OkStatus());
+  return Unary(ctx, Scope::kAdmin, "", [&] {
+    ScanReport report = registry_->Rescan();
+    for (const auto& s : report.added) resp->add_added(s);
+    for (const auto& s : report.replaced) resp->add_replaced(s);
+    for (const auto& s : report.removed) resp->add_removed(s);
+    return absl::OkStatus();
+  });
 }
 
 // Receives an upload into a temporary file; validates and stores it when its

@@ -1,5 +1,6 @@
 // WeightStoreService: the gRPC handlers. Each validates, converts, makes one call
 // into core or the registry, and converts the result back; no format logic here.
+// Unary handlers run through Unary() (auth, request log, reply).
 //
 // FetchTensors is implemented on raw ByteBuffers: each chunk is a small
 // serialized header followed by a payload slice that points into the checkpoint's
@@ -15,6 +16,7 @@
 #include "core/registry.h"
 #include "core/select/selection.h"
 #include "server/auth.h"
+#include "server/options.h"
 #include "server/stream_governor.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
@@ -25,29 +27,6 @@ using ::weightstore::CheckpointVersion;
 using ::weightstore::PutSession;
 using ::weightstore::RegistryOptions;
 using ::weightstore::ScanReport;
-
-struct ServiceOptions {
-  // Largest tensor chunk payload. Default: 1 MiB (tensorstore's read chunk).
-  uint32_t chunk_bytes = 1 << 20;
-  // FetchTensors streams: at most this many at once and per client address
-  // (more get RESOURCE_EXHAUSTED), and one that stalls is cancelled.
-  StreamLimits streams;
-  // Folders (the models folder, the load roots) taken out of the paths in
-  // error messages to clients. Set by WeightStoreServer.
-  std::vector<std::string> hidden_folders;
-  // PutCheckpoint uploads, the same way. Default: 4 at once, 2 per address.
-  StreamLimits uploads = {.total = 4,
-                          .per_peer = 2,
-                          .what = "PutCheckpoint uploads",
-                          .total_flag = "--max-concurrent-uploads",
-                          .per_peer_flag = "--max-uploads-per-peer"};
-  // What a request's selection may cost.
-  SelectionLimits selection_limits;
-  // Payload slices point into the mapping. False copies each chunk into a
-  // protobuf message and serializes it, as a typed handler would: only for
-  // measuring what zero-copy saves. Default: true.
-  bool zero_copy = true;
-};
 
 using ServiceBase = v1::WeightStore::WithRawCallbackMethod_FetchTensors<v1::WeightStore::CallbackService>;
 
@@ -82,6 +61,12 @@ class WeightStoreService final : public ServiceBase {
   // What a client is told: paths relative, message bounded.
   grpc::Status ClientStatus(const absl::Status& status) const;
   grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status);
+  // Runs one unary call as every handler does: checks `scope`, names
+  // `checkpoint` for the request log, runs `body` (returning absl::Status) and
+  // replies with its status. The handlers are then one call into core each.
+  template <typename Body>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Scope scope, absl::string_view checkpoint,
+                                  Body body);
   friend class PutReactor;
   CheckpointRegistry* registry_;
   ServiceOptions options_;

@@ -34,25 +34,13 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/registry.h"
+#include "server/options.h"
 #include "core/shm/segment_cache.h"
 #include "core/select/selection.h"
 #include "core/shm/unix_socket.h"
 #include "weightstore/v1/shm.pb.h"
 
 namespace weightstore::server {
-
-// How the socket hands out tensors stored as-is in a checkpoint file.
-enum class FileSegments {
-  // The file itself to a peer that could not open it writable anyway (a
-  // read-only mount, or a peer that is neither root, nor the file's owner, nor
-  // granted write by its mode or an ACL); a sealed copy to any other peer,
-  // which could otherwise reopen the descriptor through /proc for writing.
-  kAuto,
-  // The file itself to every allowed peer: they are trusted with it.
-  kAlways,
-  // Always a sealed copy.
-  kNever,
-};
 
 // A connected socket peer, from SO_PEERCRED and SO_PEERGROUPS.
 struct ShmPeer {
@@ -67,37 +55,6 @@ struct ShmPeer {
 // neither root nor the owner, gets no write bit or ACL, and visibly holds no
 // capability that gets around them. Errs towards true when it cannot tell.
 bool PeerCouldWrite(int fd, const ShmPeer& peer);
-
-struct ShmServerOptions {
-  // Socket path. Required. A stale socket left by a crashed daemon is replaced;
-  // one a live daemon listens on is an error.
-  std::string path;
-  // Mode of the socket file. Default: 0660.
-  mode_t mode = 0660;
-  // Peers allowed to connect, by uid or by any of their groups (primary or
-  // supplementary, as of connect()). Both empty: only the daemon's own
-  // effective uid.
-  std::set<uid_t> allowed_uids;
-  std::set<gid_t> allowed_gids;
-  // Connections served at once; more are answered RESOURCE_EXHAUSTED. Default: 256.
-  int max_connections = 256;
-  // Connections of one peer process (of one uid when its pid is not visible
-  // from the daemon's pid namespace). Default: 32.
-  int max_connections_per_peer = 32;
-  // Connections of all processes of one uid. Default: 128.
-  int max_connections_per_uid = 128;
-  // How tensors stored as-is are handed out. Default: kAuto.
-  FileSegments file_segments = FileSegments::kAuto;
-  // Largest request frame (a target schema can be large). Default: 4 MiB, as
-  // the gRPC port's request limit.
-  uint32_t max_request_bytes = 4 << 20;
-  // What a request's selection may cost.
-  SelectionLimits selection_limits;
-  // Folders taken out of the paths in error messages (as the gRPC service's).
-  std::vector<std::string> hidden_folders;
-  // A connection idle or stalled this long is closed. Default: 60 s.
-  std::chrono::milliseconds io_timeout{60 * 1000};
-};
 
 class ShmServer {
  public:

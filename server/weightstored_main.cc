@@ -20,6 +20,7 @@
 
 int main(int argc, char** argv) {
   using namespace weightstore::server;
+  using weightstore::ScanReport;
   using weightstore::SelectionLimits;
   ServerOptions options;
   options.registry.models_dir = WEIGHTSTORE_DEFAULT_MODELS_DIR;

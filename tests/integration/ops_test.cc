@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -19,6 +20,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/store.h"
 #include "core/formats/checkpoint_writer.h"
@@ -74,9 +76,22 @@ std::string HttpGet(int port, const std::string& path) {
 }
 
 // The value of the sample `series` (exact text up to the value) in `text`, or -1.
+// A series as name plus its labels in name order: the exposition may order
+// labels any way (prometheus-cpp sorts them). Label values here hold no ','.
+std::string Normalized(absl::string_view series) {
+  const size_t open = series.find('{');
+  if (open == absl::string_view::npos) return std::string(series);
+  std::vector<std::string> labels = absl::StrSplit(series.substr(open + 1, series.size() - open - 2), ',');
+  std::sort(labels.begin(), labels.end());
+  return absl::StrCat(series.substr(0, open), "{", absl::StrJoin(labels, ","), "}");
+}
+
 double Sample(const std::string& text, const std::string& series) {
+  const std::string wanted = Normalized(series);
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (absl::StartsWith(line, series + " ")) return std::stod(std::string(line.substr(series.size() + 1)));
+    const size_t space = line.rfind(' ');
+    if (space == absl::string_view::npos || absl::StartsWith(line, "#")) continue;
+    if (Normalized(line.substr(0, space)) == wanted) return std::stod(std::string(line.substr(space + 1)));
   }
   return -1;
 }

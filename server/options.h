@@ -1,0 +1,118 @@
+// The options of weightstored's parts, in one header: what weightstored_main
+// fills from its flags, without seeing the parts themselves.
+#ifndef WEIGHTSTORE_SERVER_OPTIONS_H_
+#define WEIGHTSTORE_SERVER_OPTIONS_H_
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/registry.h"
+#include "core/select/selection.h"
+#include "server/stream_governor.h"
+
+namespace weightstore::server {
+
+struct ServiceOptions {
+  // Largest tensor chunk payload. Default: 1 MiB (tensorstore's read chunk).
+  uint32_t chunk_bytes = 1 << 20;
+  // FetchTensors streams: at most this many at once and per client address
+  // (more get RESOURCE_EXHAUSTED), and one that stalls is cancelled.
+  StreamLimits streams;
+  // Folders (the models folder, the load roots) taken out of the paths in
+  // error messages to clients. Set by WeightStoreServer.
+  std::vector<std::string> hidden_folders;
+  // PutCheckpoint uploads, the same way. Default: 4 at once, 2 per address.
+  StreamLimits uploads = {.total = 4,
+                          .per_peer = 2,
+                          .what = "PutCheckpoint uploads",
+                          .total_flag = "--max-concurrent-uploads",
+                          .per_peer_flag = "--max-uploads-per-peer"};
+  // What a request's selection may cost.
+  SelectionLimits selection_limits;
+  // Payload slices point into the mapping. False copies each chunk into a
+  // protobuf message and serializes it, as a typed handler would: only for
+  // measuring what zero-copy saves. Default: true.
+  bool zero_copy = true;
+};
+
+// How the socket hands out tensors stored as-is in a checkpoint file.
+enum class FileSegments {
+  // The file itself to a peer that could not open it writable anyway (a
+  // read-only mount, or a peer that is neither root, nor the file's owner, nor
+  // granted write by its mode or an ACL); a sealed copy to any other peer,
+  // which could otherwise reopen the descriptor through /proc for writing.
+  kAuto,
+  // The file itself to every allowed peer: they are trusted with it.
+  kAlways,
+  // Always a sealed copy.
+  kNever,
+};
+
+struct ShmServerOptions {
+  // Socket path. Required. A stale socket left by a crashed daemon is replaced;
+  // one a live daemon listens on is an error.
+  std::string path;
+  // Mode of the socket file. Default: 0660.
+  mode_t mode = 0660;
+  // Peers allowed to connect, by uid or by any of their groups (primary or
+  // supplementary, as of connect()). Both empty: only the daemon's own
+  // effective uid.
+  std::set<uid_t> allowed_uids;
+  std::set<gid_t> allowed_gids;
+  // Connections served at once; more are answered RESOURCE_EXHAUSTED. Default: 256.
+  int max_connections = 256;
+  // Connections of one peer process (of one uid when its pid is not visible
+  // from the daemon's pid namespace). Default: 32.
+  int max_connections_per_peer = 32;
+  // Connections of all processes of one uid. Default: 128.
+  int max_connections_per_uid = 128;
+  // How tensors stored as-is are handed out. Default: kAuto.
+  FileSegments file_segments = FileSegments::kAuto;
+  // Largest request frame (a target schema can be large). Default: 4 MiB, as
+  // the gRPC port's request limit.
+  uint32_t max_request_bytes = 4 << 20;
+  // What a request's selection may cost.
+  SelectionLimits selection_limits;
+  // Folders taken out of the paths in error messages (as the gRPC service's).
+  std::vector<std::string> hidden_folders;
+  // A connection idle or stalled this long is closed. Default: 60 s.
+  std::chrono::milliseconds io_timeout{60 * 1000};
+};
+
+struct ServerOptions {
+  // Address to listen on, "host:port". Default: 127.0.0.1:50051.
+  std::string listen = "127.0.0.1:50051";
+  RegistryOptions registry;
+  ServiceOptions service;
+  // Largest request message. Default: 4 MiB (PutCheckpoint data comes in chunks).
+  int max_receive_message_bytes = 4 << 20;
+  // Largest response message: a chunk plus headroom. Default: 8 MiB.
+  int max_send_message_bytes = 8 << 20;
+  // HTTP/2 streams per connection. Default: 100.
+  int max_concurrent_streams_per_connection = 100;
+  // Same-host socket (ShmServer). Off while socket.path is empty.
+  ShmServerOptions socket;
+  // Shared memory for derived segments and preloads. Default: 4 GiB.
+  uint64_t shm_budget_bytes = uint64_t{4} << 30;
+  // Prometheus text on http://<metrics_listen>/metrics. Off when empty.
+  std::string metrics_listen;
+  // A second gRPC port serving only grpc.health.v1.Health, plaintext and never
+  // authenticated, for probes. Off when empty.
+  std::string health_listen;
+  // TLS on the main port when cert_file is set (PEM files); mutual TLS, requiring
+  // and verifying a client certificate, when client_ca_file is set too.
+  struct Tls {
+    std::string cert_file, key_file, client_ca_file;
+  } tls;
+  // Bearer tokens (server/auth.h). Off when empty: keep the port private.
+  std::string tokens_file;
+};
+
+}  // namespace weightstore::server
+
+#endif  // WEIGHTSTORE_SERVER_OPTIONS_H_
