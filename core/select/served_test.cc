@@ -1,0 +1,117 @@
+#include "core/select/served.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "core/crc32c.h"
+#include "core/formats/safetensors.h"
+#include "tests/util/status_matchers.h"
+
+namespace weightstore {
+namespace {
+
+// A 2x3 F32 tensor "w" stored row-major, and "s", a strided 3x2 view of the
+// same six floats (w transposed), both over one storage.
+std::shared_ptr<const Checkpoint> TwoViews() {
+  auto values = std::make_shared<std::vector<float>>(std::vector<float>{1, 2, 3, 4, 5, 6});
+  SharedBytes bytes(values, std::span<const std::byte>(reinterpret_cast<const std::byte*>(values->data()),
+                                                        values->size() * sizeof(float)));
+  auto storage = LazyStorage::Ready(bytes);
+  std::vector<CheckpointEntry> entries(2);
+  entries[0].spec = {"w", DType::kF32, {2, 3}};
+  entries[0].layout.storage = storage;
+  entries[1].spec = {"s", DType::kF32, {3, 2}};
+  entries[1].layout.storage = storage;
+  entries[1].layout.strides = {1, 3};
+  auto checkpoint = Checkpoint::Create(kSafeTensorsFormat, "mem", {}, std::move(entries));
+  EXPECT_OK(checkpoint.status());
+  return *checkpoint;
+}
+
+std::shared_ptr<const Snapshot> Serve(const std::shared_ptr<const Checkpoint>& c,
+                                      std::vector<SnapshotTensor> tensors) {
+  auto snapshot = Snapshot::Create(c, std::move(tensors));
+  EXPECT_OK(snapshot.status());
+  return *snapshot;
+}
+
+std::vector<std::byte> Whole(const Snapshot& snapshot, const ServedTensorPlan& plan) {
+  std::vector<std::byte> out(plan.byte_size);
+  EXPECT_OK(MaterializeServed(snapshot, plan, 0, out));
+  return out;
+}
+
+TEST(ServedTensorPlanTest, NamesEachTransformAndKeysTheServedBytes) {
+  auto c = TwoViews();
+  const CheckpointEntry& w = c->entries()[0];
+  const CheckpointEntry& s = c->entries()[1];
+  auto snapshot = Serve(c, {{{"as_stored", DType::kF32, {2, 3}}, &w, false},
+                            {{"gathered", DType::kF32, {3, 2}}, &s, false},
+                            {{"cast", DType::kF16, {2, 3}}, &w, false},
+                            {{"transposed", DType::kF32, {3, 2}}, &w, true}});
+  std::vector<ServedTensorPlan> plans;
+  for (const SnapshotTensor& t : snapshot->tensors()) plans.push_back(PlanServedTensor(*snapshot, t));
+  EXPECT_TRUE(plans[0].is_byte_range());
+  EXPECT_TRUE(plans[1].gather && !plans[1].is_byte_range());
+  EXPECT_TRUE(plans[2].cast && !plans[2].is_byte_range());
+  EXPECT_TRUE(plans[3].transpose && !plans[3].is_byte_range());
+  EXPECT_EQ(plans[2].byte_size, 12u);
+  // Different served bytes, different keys; the name served under does not count.
+  for (size_t i = 0; i < plans.size(); ++i) {
+    for (size_t j = i + 1; j < plans.size(); ++j) EXPECT_NE(plans[i].key, plans[j].key) << i << " " << j;
+  }
+  auto renamed = Serve(c, {{{"other_name", DType::kF16, {2, 3}}, &w, false}});
+  EXPECT_EQ(PlanServedTensor(*renamed, renamed->tensors()[0]).key, plans[2].key);
+  EXPECT_EQ(plans[3].KeyString(), "0:F32:T");
+  // A transpose of w and a gather of its transposed view serve the same floats.
+  EXPECT_EQ(Whole(*snapshot, plans[1]), Whole(*snapshot, plans[3]));
+}
+
+TEST(ServedTensorPlanTest, AnyElementAlignedRangeMaterializesAsPartOfTheWhole) {
+  auto c = TwoViews();
+  auto snapshot = Serve(c, {{{"gathered", DType::kF32, {3, 2}}, &c->entries()[1], false},
+                            {{"cast", DType::kF16, {2, 3}}, &c->entries()[0], false}});
+  for (const SnapshotTensor& t : snapshot->tensors()) {
+    const ServedTensorPlan plan = PlanServedTensor(*snapshot, t);
+    const std::vector<std::byte> whole = Whole(*snapshot, plan);
+    const uint64_t element = DTypeSize(t.spec.dtype);
+    for (uint64_t at = 0; at < plan.byte_size; at += element) {
+      std::vector<std::byte> part(std::min<uint64_t>(2 * element, plan.byte_size - at));
+      ASSERT_OK(MaterializeServed(*snapshot, plan, at, part));
+      EXPECT_EQ(0, std::memcmp(part.data(), whole.data() + at, part.size())) << t.spec.name << " at " << at;
+    }
+    std::vector<std::byte> misaligned(element);
+    EXPECT_EQ(MaterializeServed(*snapshot, plan, 1, misaligned).code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST(ServedTensorPlanTest, ChecksumIsOfTheServedBytesAndCachedByKey) {
+  auto c = TwoViews();
+  auto snapshot = Serve(c, {{{"w", DType::kF32, {2, 3}}, &c->entries()[0], false},
+                            {{"cast", DType::kBF16, {2, 3}}, &c->entries()[0], false}});
+  ChecksumCache cache;
+  for (const SnapshotTensor& t : snapshot->tensors()) {
+    const ServedTensorPlan plan = PlanServedTensor(*snapshot, t);
+    const std::vector<std::byte> bytes = Whole(*snapshot, plan);
+    const uint32_t want = Crc32c(absl::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+    EXPECT_FALSE(cache.Find(plan.key).has_value());
+    ASSERT_OK_AND_ASSIGN(uint32_t crc, ServedChecksum(*snapshot, plan, cache));
+    EXPECT_EQ(crc, want) << t.spec.name;
+    EXPECT_EQ(cache.Find(plan.key), want);
+  }
+}
+
+TEST(ServedTensorPlanTest, ASourceThatChangedKeepsNoChecksum) {
+  auto c = TwoViews();
+  auto snapshot = Serve(c, {{{"w", DType::kF32, {2, 3}}, &c->entries()[0], false}});
+  ChecksumCache changed([] { return absl::AbortedError("'mem' changed on disk"); });
+  const ServedTensorPlan plan = PlanServedTensor(*snapshot, snapshot->tensors()[0]);
+  EXPECT_EQ(ServedChecksum(*snapshot, plan, changed).status().code(), absl::StatusCode::kAborted);
+  EXPECT_FALSE(changed.Find(plan.key).has_value());
+}
+
+}  // namespace
+}  // namespace weightstore
