@@ -33,8 +33,8 @@ absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink)
     InProgress& t = *current_;
     const uint64_t offset = f.offset.value_or(0);
     if (offset != t.received || length > t.out.size() - t.received) {
-      return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "': chunk at offset ", offset,
-                                              " does not follow byte ", t.received));
+      return absl::DataLossError(
+          absl::StrCat("tensor '", t.spec.name, "': chunk at offset ", offset, " does not follow byte ", t.received));
     }
     return t.out.subspan(t.received, length);
   };
@@ -50,13 +50,13 @@ absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink)
     return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "': chunk at offset ", fields.offset.value_or(0),
                                             " does not follow byte ", t.received));
   }
-  t.crc = Crc32cExtend(t.crc, absl::string_view(reinterpret_cast<const char*>(t.out.data() + t.received),
-                                                fields.data_bytes));
+  t.crc = Crc32cExtend(t.crc,
+                       absl::string_view(reinterpret_cast<const char*>(t.out.data() + t.received), fields.data_bytes));
   t.received += fields.data_bytes;
   if (!fields.last) return absl::OkStatus();
   if (t.received != t.out.size()) {
-    return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' ended after ", t.received, " of ",
-                                            t.out.size(), " bytes"));
+    return absl::DataLossError(
+        absl::StrCat("tensor '", t.spec.name, "' ended after ", t.received, " of ", t.out.size(), " bytes"));
   }
   if (t.crc != fields.crc32c) {
     return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' failed its CRC32C check (got ", t.crc,

@@ -52,7 +52,8 @@ TEST(ChunkAssemblerTest, RefusesACrcMismatchNamingTheTensor) {
   ChunkAssembler a;
   CollectingSink sink;
   grpc::ByteBuffer only = Buffer(Chunk("abcdef", 0, true, true, Crc32c("abcdeX")));
-  EXPECT_THAT(a.Consume(&only, &sink), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 'w' failed its CRC32C")));
+  EXPECT_THAT(a.Consume(&only, &sink),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 'w' failed its CRC32C")));
   EXPECT_TRUE(sink.tensors().empty());
 }
 
@@ -68,7 +69,8 @@ TEST(ChunkAssemblerTest, RefusesChunksOutOfOrderShortTensorsAndGarbage) {
   {
     ChunkAssembler a;
     grpc::ByteBuffer short_tensor = Buffer(Chunk("abc", 0, true, true, Crc32c("abc")));
-    EXPECT_THAT(a.Consume(&short_tensor, &sink), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("ended after 3 of 6")));
+    EXPECT_THAT(a.Consume(&short_tensor, &sink),
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("ended after 3 of 6")));
   }
   {
     ChunkAssembler a;

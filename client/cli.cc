@@ -2,31 +2,28 @@
 
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
-
-#include <fstream>
-
-#include "core/pem.h"
-#include "grpc/health/v1/health.grpc.pb.h"
-
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "core/checkpoint.h"
-#include "core/select/apply.h"
-#include "core/formats/checkpoint_writer.h"
-#include "core/select/selection.h"
-#include "core/select/snapshot.h"
 #include "client/file_sink.h"
 #include "client/store.h"
+#include "core/checkpoint.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/pem.h"
+#include "core/select/apply.h"
+#include "core/select/selection.h"
+#include "core/select/snapshot.h"
 #include "core/status_macros.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 
 namespace weightstore::cli {
 namespace {
@@ -39,7 +36,8 @@ absl::StatusOr<SelectionOptions> ParseSelection(const SelectionArgs& args) {
   options.exclude = args.exclude;
   for (const std::string& rule : args.renames) {
     size_t eq = rule.find('=');
-    if (eq == std::string::npos) return absl::InvalidArgumentError(absl::StrCat("--rename '", rule, "' is not FROM=TO"));
+    if (eq == std::string::npos)
+      return absl::InvalidArgumentError(absl::StrCat("--rename '", rule, "' is not FROM=TO"));
     options.renames.push_back({rule.substr(0, eq), rule.substr(eq + 1)});
   }
   if (args.contiguous_indices && args.no_contiguous_indices) {
@@ -92,7 +90,6 @@ absl::StatusOr<Loaded> LoadForCli(const std::string& path, const SelectionArgs& 
   return loaded;
 }
 
-
 // A one-line progress bar on stderr, redrawn at most 10 times a second.
 class ProgressBar {
  public:
@@ -111,8 +108,9 @@ class ProgressBar {
     double seconds = std::chrono::duration<double>(now - start_).count();
     double rate = seconds > 0 ? static_cast<double>(done) / seconds : 0;
     std::fprintf(stderr, "\r[%s%s] %5.1f%%  %s / %s  %s/s   ", std::string(filled, '#').c_str(),
-                 std::string(width - filled, ' ').c_str(), 100.0 * static_cast<double>(done) / static_cast<double>(total),
-                 HumanBytes(done).c_str(), HumanBytes(total).c_str(), HumanBytes(static_cast<uint64_t>(rate)).c_str());
+                 std::string(width - filled, ' ').c_str(),
+                 100.0 * static_cast<double>(done) / static_cast<double>(total), HumanBytes(done).c_str(),
+                 HumanBytes(total).c_str(), HumanBytes(static_cast<uint64_t>(rate)).c_str());
     std::fflush(stderr);
   }
 
@@ -233,8 +231,12 @@ absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket, args.remote));
     WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, store->GetCheckpoint(args.path));
     WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing listing, store->ListTensors(args.path, query));
-    view = InspectView{absl::StrCat(args.server.empty() ? args.socket : args.server, "/", summary.name), summary.format, summary.container,
-                       summary.metadata, summary.tensor_count, std::move(listing.tensors),
+    view = InspectView{absl::StrCat(args.server.empty() ? args.socket : args.server, "/", summary.name),
+                       summary.format,
+                       summary.container,
+                       summary.metadata,
+                       summary.tensor_count,
+                       std::move(listing.tensors),
                        std::move(listing.apply_result)};
   } else {
     WEIGHTSTORE_ASSIGN_OR_RETURN(Loaded loaded, LoadForCli(args.path, args.selection));
@@ -281,15 +283,20 @@ absl::Status RunLs(const LsArgs& args, std::FILE* out) {
   if (args.json) {
     nlohmann::ordered_json doc = nlohmann::json::array();
     for (const auto& c : list) {
-      doc.push_back({{"name", c.name}, {"format", c.format}, {"tensors", c.tensor_count}, {"bytes", c.total_bytes},
-                     {"version", c.version}, {"path", c.path}});
+      doc.push_back({{"name", c.name},
+                     {"format", c.format},
+                     {"tensors", c.tensor_count},
+                     {"bytes", c.total_bytes},
+                     {"version", c.version},
+                     {"path", c.path}});
     }
     std::fprintf(out, "%s\n", doc.dump(1).c_str());
     return absl::OkStatus();
   }
   size_t width = 4;
   for (const auto& c : list) width = std::max(width, c.name.size());
-  std::fprintf(out, "%-*s  %-11s  %8s  %12s  %s\n", static_cast<int>(width), "NAME", "FORMAT", "TENSORS", "SIZE", "VERSION");
+  std::fprintf(out, "%-*s  %-11s  %8s  %12s  %s\n", static_cast<int>(width), "NAME", "FORMAT", "TENSORS", "SIZE",
+               "VERSION");
   for (const auto& c : list) {
     std::fprintf(out, "%-*s  %-11s  %8llu  %12s  %s\n", static_cast<int>(width), c.name.c_str(), c.format.c_str(),
                  static_cast<unsigned long long>(c.tensor_count), HumanBytes(c.total_bytes).c_str(), c.version.c_str());
@@ -338,7 +345,8 @@ absl::Status RunFetch(const FetchArgs& args, std::FILE* out) {
     specs.push_back(t.spec);
     total += t.spec.byte_size();
   }
-  WEIGHTSTORE_ASSIGN_OR_RETURN(auto sink, client::FileSink::Create(args.output, *format, specs, metadata, args.overwrite));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto sink,
+                               client::FileSink::Create(args.output, *format, specs, metadata, args.overwrite));
   ProgressBar bar(args.progress && ::isatty(STDERR_FILENO) && total >= kProgressThreshold);
   sink->set_progress([&bar](uint64_t done, uint64_t all) { bar.Update(done, all); });
   WEIGHTSTORE_RETURN_IF_ERROR(store->FetchTensors(args.name, query, sink.get()));
@@ -357,9 +365,10 @@ absl::Status RunApply(const ApplyArgs& args, std::FILE* out) {
     doc["unused"] = r.unused;
     doc["errors"] = nlohmann::json::array();
     for (const ApplyError& e : r.errors) {
-      doc["errors"].push_back({{"path", e.path},
-                               {"kind", e.kind == ApplyError::Kind::kShapeMismatch ? "shape_mismatch" : "dtype_mismatch"},
-                               {"message", e.message}});
+      doc["errors"].push_back(
+          {{"path", e.path},
+           {"kind", e.kind == ApplyError::Kind::kShapeMismatch ? "shape_mismatch" : "dtype_mismatch"},
+           {"message", e.message}});
     }
     doc["suggestions"] = r.suggestions;
     doc["ok"] = loaded.applied->status.ok();
@@ -398,10 +407,11 @@ absl::Status RunDiff(const DiffArgs& args, std::FILE* out) {
     if (eb == nullptr) {
       only_a.push_back(ea.spec.name);
     } else if (ea.spec.dtype != eb->spec.dtype) {
-      dtype_diff.push_back(absl::StrCat(ea.spec.name, " (", DTypeName(ea.spec.dtype), " vs ", DTypeName(eb->spec.dtype), ")"));
+      dtype_diff.push_back(
+          absl::StrCat(ea.spec.name, " (", DTypeName(ea.spec.dtype), " vs ", DTypeName(eb->spec.dtype), ")"));
     } else if (ea.spec.shape != eb->spec.shape) {
-      shape_diff.push_back(absl::StrCat(ea.spec.name, " (", ShapeToString(ea.spec.shape), " vs ",
-                                        ShapeToString(eb->spec.shape), ")"));
+      shape_diff.push_back(
+          absl::StrCat(ea.spec.name, " (", ShapeToString(ea.spec.shape), " vs ", ShapeToString(eb->spec.shape), ")"));
     } else {
       WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor ta, a->Read(ea));
       WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor tb, b->Read(*eb));

@@ -4,9 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <optional>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "core/host_buffer.h"
@@ -62,7 +62,8 @@ absl::StatusOr<std::unique_ptr<CudaSink>> CudaSink::Create(const CudaSinkOptions
   sink->stream_ = stream;
   for (int i = 0; i < std::max(1, options.slots); ++i) {
     auto slot = std::make_unique<Slot>();
-    WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaHostAlloc(&slot->pinned, options.slot_bytes, cudaHostAllocDefault), "cudaHostAlloc"));
+    WEIGHTSTORE_RETURN_IF_ERROR(
+        Cuda(cudaHostAlloc(&slot->pinned, options.slot_bytes, cudaHostAllocDefault), "cudaHostAlloc"));
     slot->capacity = options.slot_bytes;
     WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&slot->done, cudaEventDisableTiming), "cudaEventCreate"));
     sink->slots_.push_back(std::move(slot));
@@ -101,9 +102,9 @@ absl::Status CudaSink::End(const TensorSpec& spec) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(DeviceTensor tensor, AllocateDevice(spec, options_.device));
   auto stream = static_cast<cudaStream_t>(stream_);
   if (spec.byte_size() > 0) {
-    WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(tensor.data(), current_->pinned, spec.byte_size(),
-                                                     cudaMemcpyHostToDevice, stream),
-                                     absl::StrCat("copying tensor '", spec.name, "' to the device")));
+    WEIGHTSTORE_RETURN_IF_ERROR(
+        Cuda(cudaMemcpyAsync(tensor.data(), current_->pinned, spec.byte_size(), cudaMemcpyHostToDevice, stream),
+             absl::StrCat("copying tensor '", spec.name, "' to the device")));
   }
   WEIGHTSTORE_RETURN_IF_ERROR(Cuda(cudaEventRecord(current_->done, stream), "cudaEventRecord"));
   current_->in_flight = true;
@@ -244,7 +245,8 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyHostTensors(std::vector<HostTensor
         status = block.status();
         break;
       }
-      status = Cuda(cudaMemcpyAsync(block->data(), lo, extent, cudaMemcpyHostToDevice, stream), "copying to the device");
+      status =
+          Cuda(cudaMemcpyAsync(block->data(), lo, extent, cudaMemcpyHostToDevice, stream), "copying to the device");
       for (const Direct& d : tensors) {
         const TensorSpec& spec = items[d.index].host.spec;
         void* piece = static_cast<std::byte*>(block->data()) + (d.host - lo);
@@ -299,7 +301,8 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
   return CopyHostTensors(std::move(items), options);
 }
 
-absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const MappedTensors& mapped, const CopyToDeviceOptions& options) {
+absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const MappedTensors& mapped,
+                                                       const CopyToDeviceOptions& options) {
   std::vector<HostTensor> items;
   items.reserve(mapped.tensors.size());
   for (const SharedTensor& t : mapped.tensors) {

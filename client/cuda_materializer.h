@@ -102,7 +102,8 @@ struct CopyToDeviceOptions {
 // that cover most of their extent share one device allocation filled by one DMA
 // (each DeviceTensor aliases its piece); transformed tensors (casts, transposes)
 // are produced on the host first and staged.
-absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot, const CopyToDeviceOptions& options = {});
+absl::StatusOr<std::vector<DeviceTensor>> CopyToDevice(const Snapshot& snapshot,
+                                                       const CopyToDeviceOptions& options = {});
 
 // Copies tensors mapped from weightstored's same-host socket to the device,
 // straight from the shared mappings (registered with cudaHostRegister, kept in

@@ -40,7 +40,8 @@ absl::StatusOr<std::span<std::byte>> FileSink::Begin(const TensorSpec& spec) {
   auto it = slots_.find(spec.name);
   if (it == slots_.end() || it->second.spec.dtype != spec.dtype || it->second.spec.shape != spec.shape) {
     return absl::DataLossError(absl::StrCat("tensor '", spec.name, "' (", DTypeName(spec.dtype), " ",
-                                            ShapeToString(spec.shape), ") was not in the listing the file was planned from"));
+                                            ShapeToString(spec.shape),
+                                            ") was not in the listing the file was planned from"));
   }
   return std::span<std::byte>(map_ + it->second.offset, spec.byte_size());
 }

@@ -5,8 +5,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
 #include "core/crc32c.h"
-#include "core/registry.h"
 #include "core/format.h"
+#include "core/registry.h"
 #include "core/select/served.h"
 #include "core/select/snapshot.h"
 #include "core/status_macros.h"
@@ -16,8 +16,9 @@ namespace {
 
 CheckpointSummary Summarize(const CheckpointVersion& v) {
   const Checkpoint& c = *v.checkpoint();
-  return CheckpointSummary{v.name(), std::string(c.format().name), c.detail(), v.path(), c.total_bytes(),
-                           c.size(), c.metadata(), v.version(), v.loaded_at_unix_seconds()};
+  return CheckpointSummary{
+      v.name(),    std::string(c.format().name), c.detail(), v.path(), c.total_bytes(), c.size(), c.metadata(),
+      v.version(), v.loaded_at_unix_seconds()};
 }
 
 class LocalStore final : public Store {
@@ -45,7 +46,8 @@ class LocalStore final : public Store {
     for (const SnapshotTensor& t : snapshot->tensors()) {
       TensorDescription d{t.spec, t.source->spec.name, std::nullopt};
       if (query.with_checksums) {
-        WEIGHTSTORE_ASSIGN_OR_RETURN(d.crc32c, ServedChecksum(*snapshot, PlanServedTensor(*snapshot, t), v->checksums()));
+        WEIGHTSTORE_ASSIGN_OR_RETURN(d.crc32c,
+                                     ServedChecksum(*snapshot, PlanServedTensor(*snapshot, t), v->checksums()));
       }
       listing.tensors.push_back(std::move(d));
     }
@@ -104,7 +106,8 @@ absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path) {
     auto store = std::make_unique<LocalStore>(RegistryOptions{.models_dir = path});
     ScanReport report = store->registry().Rescan();
     if (!report.errors.empty() && store->registry().List().empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("no checkpoint could be read under '", path, "': ", report.errors[0]));
+      return absl::InvalidArgumentError(
+          absl::StrCat("no checkpoint could be read under '", path, "': ", report.errors[0]));
     }
     return std::unique_ptr<Store>(std::move(store));
   }

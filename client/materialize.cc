@@ -1,8 +1,8 @@
 #include "client/materialize.h"
 
 #include "absl/strings/numbers.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "core/status_macros.h"
 
 #if WEIGHTSTORE_HAVE_CUDA

@@ -33,7 +33,8 @@ void ToProto(const Query& in, pb::Selection* out) {
 
 absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out) {
   std::optional<DType> dtype = ParseDType(in.dtype());
-  if (!dtype) return absl::InvalidArgumentError(absl::StrCat("tensor '", in.name(), "' has unknown dtype '", in.dtype(), "'"));
+  if (!dtype)
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", in.name(), "' has unknown dtype '", in.dtype(), "'"));
   out->spec.name = in.name();
   out->spec.dtype = *dtype;
   out->spec.shape.assign(in.shape().begin(), in.shape().end());
@@ -54,8 +55,8 @@ void FromProto(const pb::ApplyResult& in, ApplyResult* out) {
   out->unused.assign(in.unused().begin(), in.unused().end());
   for (const auto& e : in.errors()) {
     size_t colon = e.find(": ");
-    out->errors.push_back({ApplyError::Kind::kShapeMismatch, e.substr(0, colon),
-                           colon == std::string::npos ? e : e.substr(colon + 2)});
+    out->errors.push_back(
+        {ApplyError::Kind::kShapeMismatch, e.substr(0, colon), colon == std::string::npos ? e : e.substr(colon + 2)});
   }
   out->suggestions.assign(in.suggestions().begin(), in.suggestions().end());
 }

@@ -1,8 +1,8 @@
 // RemoteStore: a Store over weightstored's gRPC API.
 #include <grpcpp/create_channel.h>
 #include <grpcpp/impl/codegen/client_context.h>
-#include <grpcpp/impl/codegen/sync_stream.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
+#include <grpcpp/impl/codegen/sync_stream.h>
 #include <grpcpp/security/credentials.h>
 
 #include <algorithm>
@@ -13,11 +13,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "core/pem.h"
 #include "client/chunk_assembler.h"
 #include "client/proto_convert.h"
 #include "client/store.h"
 #include "client/usable_cores.h"
+#include "core/pem.h"
 #include "core/status_macros.h"
 #include "proto/codec/status.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
@@ -28,7 +28,8 @@ namespace {
 // Transient failures after which a stream is worth resuming.
 bool Resumable(const grpc::Status& status) {
   return status.error_code() == grpc::StatusCode::UNAVAILABLE || status.error_code() == grpc::StatusCode::INTERNAL ||
-         status.error_code() == grpc::StatusCode::UNKNOWN || status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
+         status.error_code() == grpc::StatusCode::UNKNOWN ||
+         status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
 }
 
 // Hands received chunks from the thread reading a stream to the thread copying
@@ -82,7 +83,8 @@ class RemoteStore final : public Store {
       : make_channel_(std::move(make_channel)),
         channel_(make_channel_()),
         stub_(pb::WeightStore::NewStub(channel_)),
-        fetch_method_("/weightstore.v1.WeightStore/FetchTensors", grpc::internal::RpcMethod::SERVER_STREAMING, channel_),
+        fetch_method_("/weightstore.v1.WeightStore/FetchTensors", grpc::internal::RpcMethod::SERVER_STREAMING,
+                      channel_),
         options_(options) {}
 
   absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints() override {
@@ -221,14 +223,14 @@ class RemoteStore final : public Store {
       if (!Resumable(status) || ++resumes > options_.max_resumes || req.version().empty()) {
         absl::Status failed = FromGrpcStatus(status);
         if (first_break.ok()) return failed;
-        return absl::Status(failed.code(), absl::StrCat("the stream broke (", first_break.message(),
-                                                        "); resuming at tensor ", req.start_index(),
-                                                        " failed: ", failed.message()));
+        return absl::Status(failed.code(),
+                            absl::StrCat("the stream broke (", first_break.message(), "); resuming at tensor ",
+                                         req.start_index(), " failed: ", failed.message()));
       }
       if (first_break.ok()) first_break = FromGrpcStatus(status);
       assembler.Restart();  // tensors before start_index are complete; the current one restarts
-      const auto backoff = std::min<std::chrono::milliseconds>(options_.resume_backoff * (1 << std::min(resumes - 1, 10)),
-                                                               std::chrono::seconds(5));
+      const auto backoff = std::min<std::chrono::milliseconds>(
+          options_.resume_backoff * (1 << std::min(resumes - 1, 10)), std::chrono::seconds(5));
       std::this_thread::sleep_for(backoff);
       resume_until = std::chrono::system_clock::now() + options_.resume_window;
     }

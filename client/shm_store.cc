@@ -9,8 +9,8 @@
 #include "client/store.h"
 #include "core/crc32c.h"
 #include "core/shm/sealed_memfd.h"
-#include "core/status_macros.h"
 #include "core/shm/unix_socket.h"
+#include "core/status_macros.h"
 #include "weightstore/v1/shm.pb.h"
 
 namespace weightstore::client {
@@ -86,8 +86,8 @@ class ShmStore final : public SharedMemoryStore {
     WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request));
     const pb::MapTensorsResponse& map = reply.response.map_tensors();
     if (reply.fds.size() != static_cast<size_t>(map.segments_size())) {
-      return absl::DataLossError(absl::StrCat("the daemon sent ", reply.fds.size(), " descriptors for ",
-                                              map.segments_size(), " segments"));
+      return absl::DataLossError(
+          absl::StrCat("the daemon sent ", reply.fds.size(), " descriptors for ", map.segments_size(), " segments"));
     }
     MappedTensors out;
     out.version = map.version();
@@ -164,7 +164,8 @@ class ShmStore final : public SharedMemoryStore {
       absl::Status received = RecvFrame(socket_.get(), options_.max_response_bytes, &frame, &reply.fds);
       if (status.ok() || received.ok()) status = received;
       if (status.ok()) {
-        if (!reply.response.ParseFromString(frame)) return absl::DataLossError("the daemon's answer is not a ShmResponse");
+        if (!reply.response.ParseFromString(frame))
+          return absl::DataLossError("the daemon's answer is not a ShmResponse");
         WEIGHTSTORE_RETURN_IF_ERROR(FromResponse(reply.response));
         return reply;
       }
@@ -184,7 +185,8 @@ class ShmStore final : public SharedMemoryStore {
 
 absl::Status MappedTensors::Verify() const {
   for (size_t i = 0; i < tensors.size(); ++i) {
-    if (i < descriptions.size() && descriptions[i].crc32c && Crc32c(tensors[i].bytes.view()) != *descriptions[i].crc32c) {
+    if (i < descriptions.size() && descriptions[i].crc32c &&
+        Crc32c(tensors[i].bytes.view()) != *descriptions[i].crc32c) {
       return absl::DataLossError(absl::StrCat("tensor '", tensors[i].spec.name, "' does not match its CRC32C"));
     }
   }

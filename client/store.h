@@ -18,10 +18,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/select/apply.h"
 #include "core/checkpoint.h"
 #include "core/host_buffer.h"
 #include "core/mapped_file.h"
+#include "core/select/apply.h"
 #include "core/select/selection.h"
 #include "core/tensor.h"
 
@@ -174,9 +174,9 @@ absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& add
 // after the daemon unloads the checkpoint, evicts the segment or dies.
 struct MappedTensors {
   std::string version;
-  std::vector<SharedTensor> tensors;                // in listing order
-  std::vector<TensorDescription> descriptions;      // the same order: source names, CRC32C
-  std::optional<ApplyResult> apply_result;          // with a target
+  std::vector<SharedTensor> tensors;            // in listing order
+  std::vector<TensorDescription> descriptions;  // the same order: source names, CRC32C
+  std::optional<ApplyResult> apply_result;      // with a target
   std::vector<std::shared_ptr<const MappedFile>> segments;
 
   // Reads every byte once and checks each tensor's CRC32C (DataLoss naming the

@@ -18,17 +18,28 @@ std::string ModuleKind(const torch::nn::Module& module) {
 
 std::optional<DType> FromTorch(torch::ScalarType type) {
   switch (type) {
-    case torch::kFloat64: return DType::kF64;
-    case torch::kFloat32: return DType::kF32;
-    case torch::kFloat16: return DType::kF16;
-    case torch::kBFloat16: return DType::kBF16;
-    case torch::kInt64: return DType::kI64;
-    case torch::kInt32: return DType::kI32;
-    case torch::kInt16: return DType::kI16;
-    case torch::kInt8: return DType::kI8;
-    case torch::kUInt8: return DType::kU8;
-    case torch::kBool: return DType::kBool;
-    default: return std::nullopt;
+    case torch::kFloat64:
+      return DType::kF64;
+    case torch::kFloat32:
+      return DType::kF32;
+    case torch::kFloat16:
+      return DType::kF16;
+    case torch::kBFloat16:
+      return DType::kBF16;
+    case torch::kInt64:
+      return DType::kI64;
+    case torch::kInt32:
+      return DType::kI32;
+    case torch::kInt16:
+      return DType::kI16;
+    case torch::kInt8:
+      return DType::kI8;
+    case torch::kUInt8:
+      return DType::kU8;
+    case torch::kBool:
+      return DType::kBool;
+    default:
+      return std::nullopt;
   }
 }
 
@@ -45,16 +56,26 @@ void Collect(torch::nn::Module& module, const std::string& prefix,
 
 absl::StatusOr<torch::ScalarType> TorchType(DType dtype) {
   switch (dtype) {
-    case DType::kF64: return torch::kFloat64;
-    case DType::kF32: return torch::kFloat32;
-    case DType::kF16: return torch::kFloat16;
-    case DType::kBF16: return torch::kBFloat16;
-    case DType::kI64: return torch::kInt64;
-    case DType::kI32: return torch::kInt32;
-    case DType::kI16: return torch::kInt16;
-    case DType::kI8: return torch::kInt8;
-    case DType::kU8: return torch::kUInt8;
-    case DType::kBool: return torch::kBool;
+    case DType::kF64:
+      return torch::kFloat64;
+    case DType::kF32:
+      return torch::kFloat32;
+    case DType::kF16:
+      return torch::kFloat16;
+    case DType::kBF16:
+      return torch::kBFloat16;
+    case DType::kI64:
+      return torch::kInt64;
+    case DType::kI32:
+      return torch::kInt32;
+    case DType::kI16:
+      return torch::kInt16;
+    case DType::kI8:
+      return torch::kInt8;
+    case DType::kU8:
+      return torch::kUInt8;
+    case DType::kBool:
+      return torch::kBool;
     default:
       return absl::UnimplementedError(absl::StrCat("torch 1.13 has no ", DTypeName(dtype), " tensors"));
   }
@@ -62,16 +83,18 @@ absl::StatusOr<torch::ScalarType> TorchType(DType dtype) {
 
 absl::StatusOr<torch::Tensor> ToTorch(const SharedTensor& tensor) {
   absl::StatusOr<torch::ScalarType> type = TorchType(tensor.spec.dtype);
-  if (!type.ok()) return absl::UnimplementedError(absl::StrCat("tensor '", tensor.spec.name, "': ", type.status().message()));
+  if (!type.ok())
+    return absl::UnimplementedError(absl::StrCat("tensor '", tensor.spec.name, "': ", type.status().message()));
   std::vector<int64_t> shape(tensor.spec.shape.begin(), tensor.spec.shape.end());
   auto* owner = new std::shared_ptr<const void>(tensor.bytes.owner());
-  return torch::from_blob(const_cast<std::byte*>(tensor.bytes.data()), shape,
-                          [owner](void*) { delete owner; }, torch::TensorOptions().dtype(*type));
+  return torch::from_blob(
+      const_cast<std::byte*>(tensor.bytes.data()), shape, [owner](void*) { delete owner; },
+      torch::TensorOptions().dtype(*type));
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, torch::Tensor>>> LoadTorchTensors(Store& store,
-                                                                                   const std::string& name,
-                                                                                   const Query& query) {
+                                                                                    const std::string& name,
+                                                                                    const Query& query) {
   std::vector<SharedTensor> tensors;
   if (auto* shm = dynamic_cast<SharedMemoryStore*>(&store)) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, shm->MapTensors(name, query));
@@ -126,7 +149,8 @@ absl::StatusOr<ApplyResult> LoadIntoModule(Store& store, const std::string& name
   torch::NoGradGuard no_grad;
   for (auto& [path, tensor] : tensors) {
     auto it = by_path.find(path);
-    if (it == by_path.end()) return absl::InternalError(absl::StrCat("the daemon served '", path, "', not in the module"));
+    if (it == by_path.end())
+      return absl::InternalError(absl::StrCat("the daemon served '", path, "', not in the module"));
     it->second.copy_(tensor);
   }
   return *std::move(result);

@@ -28,8 +28,8 @@ absl::StatusOr<torch::Tensor> ToTorch(const SharedTensor& tensor);
 
 // Every tensor `query` selects from `name`, by served name, in selection order.
 absl::StatusOr<std::vector<std::pair<std::string, torch::Tensor>>> LoadTorchTensors(Store& store,
-                                                                                   const std::string& name,
-                                                                                   const Query& query = {});
+                                                                                    const std::string& name,
+                                                                                    const Query& query = {});
 
 // Loads `name` into `module`'s parameters and buffers in one call: the target is
 // built from the module (paths, shapes, dtypes, and module kinds such as

@@ -60,18 +60,18 @@ std::optional<double> CgroupQuota() {
     const std::string& path = fields[2];
     if (fields[0] == "0" && fields[1].empty() && fs::exists("/sys/fs/cgroup/cgroup.controllers", ec)) {
       Tighten(&tightest, TightestOnPath("/sys/fs/cgroup", path, [](const fs::path& dir) -> std::optional<double> {
-                std::optional<std::string> text = ReadSmallFile(dir / "cpu.max");
-                return text ? ParseCpuMax(*text) : std::nullopt;
-              }));
+        std::optional<std::string> text = ReadSmallFile(dir / "cpu.max");
+        return text ? ParseCpuMax(*text) : std::nullopt;
+      }));
       continue;
     }
     std::vector<std::string> controllers = absl::StrSplit(fields[1], ',');
     if (std::find(controllers.begin(), controllers.end(), "cpu") == controllers.end()) continue;
     Tighten(&tightest, TightestOnPath("/sys/fs/cgroup/cpu", path, [](const fs::path& dir) -> std::optional<double> {
-              std::optional<std::string> quota = ReadSmallFile(dir / "cpu.cfs_quota_us");
-              std::optional<std::string> period = ReadSmallFile(dir / "cpu.cfs_period_us");
-              return quota && period ? ParseCfsQuota(*quota, *period) : std::nullopt;
-            }));
+      std::optional<std::string> quota = ReadSmallFile(dir / "cpu.cfs_quota_us");
+      std::optional<std::string> period = ReadSmallFile(dir / "cpu.cfs_period_us");
+      return quota && period ? ParseCfsQuota(*quota, *period) : std::nullopt;
+    }));
   }
   return tightest;
 }

@@ -1,8 +1,7 @@
 #include "client/usable_cores.h"
 
-#include <sched.h>
-
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <thread>
 

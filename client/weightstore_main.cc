@@ -41,8 +41,9 @@ void AddSelectionFlags(CLI::App* cmd, weightstore::cli::SelectionArgs* s) {
   cmd->add_option("--rename", s->renames,
                   "Rename with a regex: FROM=TO, replace-all, $1/${name} captures; repeatable, applied in order "
                   "before the filter");
-  cmd->add_flag("--contiguous-indices", s->contiguous_indices,
-                "Renumber numeric path segments 0, 1, 2... per prefix (default when loading a PyTorch source into --target)");
+  cmd->add_flag(
+      "--contiguous-indices", s->contiguous_indices,
+      "Renumber numeric path segments 0, 1, 2... per prefix (default when loading a PyTorch source into --target)");
   cmd->add_flag("--no-contiguous-indices", s->no_contiguous_indices, "Keep numeric path segments as they are");
   cmd->add_option("--adapter", s->adapter, "Adapt between frameworks (needs --target)")
       ->check(CLI::IsMember({"pytorch-to-burn", "burn-to-pytorch", "none"}));
@@ -68,30 +69,36 @@ int Report(const absl::Status& status) {
 int main(int argc, char** argv) {
   namespace cli = weightstore::cli;
   weightstore::client::TuneAllocatorForStreaming();
-  CLI::App app{"weightstore: inspect, convert and compare model checkpoints "
-               "(SafeTensors, PyTorch .pt/.pth, Burnpack .bpk)"};
+  CLI::App app{
+      "weightstore: inspect, convert and compare model checkpoints "
+      "(SafeTensors, PyTorch .pt/.pth, Burnpack .bpk)"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
 
   cli::InspectArgs inspect;
   CLI::App* inspect_cmd = app.add_subcommand(
       "inspect", "Show format, metadata and every tensor's name, dtype, shape and size, without reading tensor data");
-  inspect_cmd->add_option("FILE", inspect.path, "Checkpoint file, sharded index or folder; with --server, a checkpoint name")
+  inspect_cmd
+      ->add_option("FILE", inspect.path, "Checkpoint file, sharded index or folder; with --server, a checkpoint name")
       ->required();
   auto* inspect_server =
       inspect_cmd->add_option("--server", inspect.server, "Ask weightstored at host:port instead of reading a file");
   inspect_cmd->add_option("--socket", inspect.socket, "Ask weightstored through its same-host socket")
       ->excludes(inspect_server);
   AddRemoteFlags(inspect_cmd, &inspect.remote);
-  inspect_cmd->add_flag("--json", inspect.json, "Print JSON: {format, metadata, tensors: [{name, dtype, shape, bytes}]}");
+  inspect_cmd->add_flag("--json", inspect.json,
+                        "Print JSON: {format, metadata, tensors: [{name, dtype, shape, bytes}]}");
   AddSelectionFlags(inspect_cmd, &inspect.selection);
 
   cli::ConvertArgs convert;
   CLI::App* convert_cmd = app.add_subcommand(
       "convert", absl::StrCat("Convert a checkpoint to a writable format (", FormatNames(/*writable_only=*/true),
-                   "), atomically (OUT appears complete or not at all)"));
+                              "), atomically (OUT appears complete or not at all)"));
   convert_cmd->add_option("IN", convert.input, "Input checkpoint")->required();
-  convert_cmd->add_option("OUT", convert.output, absl::StrCat("Output file; its extension (", FormatExtensions(/*writable_only=*/true), ") picks the format"))
+  convert_cmd
+      ->add_option(
+          "OUT", convert.output,
+          absl::StrCat("Output file; its extension (", FormatExtensions(/*writable_only=*/true), ") picks the format"))
       ->required();
   convert_cmd->add_option("--format", convert.format, "Output format, overriding OUT's extension")
       ->check(CLI::IsMember(WritableFormats()));
@@ -102,7 +109,8 @@ int main(int argc, char** argv) {
 
   cli::ApplyArgs apply;
   CLI::App* apply_cmd = app.add_subcommand(
-      "apply", "Load a checkpoint into a target schema and print the result: applied, skipped, missing, unused, errors");
+      "apply",
+      "Load a checkpoint into a target schema and print the result: applied, skipped, missing, unused, errors");
   apply_cmd->add_option("FILE", apply.path, "Checkpoint")->required();
   apply_cmd->add_flag("--json", apply.json, "Print the result as JSON");
   AddSelectionFlags(apply_cmd, &apply.selection);
@@ -131,7 +139,10 @@ int main(int argc, char** argv) {
   fetch_cmd->add_option("--socket", fetch.socket, "weightstored's same-host socket: copies out of shared mappings")
       ->excludes(fetch_server);
   fetch_cmd->add_option("NAME", fetch.name, "Checkpoint name (see 'weightstore ls')")->required();
-  fetch_cmd->add_option("OUT", fetch.output, absl::StrCat("Output file; its extension (", FormatExtensions(/*writable_only=*/true), ") picks the format"))
+  fetch_cmd
+      ->add_option(
+          "OUT", fetch.output,
+          absl::StrCat("Output file; its extension (", FormatExtensions(/*writable_only=*/true), ") picks the format"))
       ->required();
   fetch_cmd->add_option("--format", fetch.format, "Output format, overriding OUT's extension")
       ->check(CLI::IsMember(WritableFormats()));
@@ -143,7 +154,8 @@ int main(int argc, char** argv) {
 
   cli::DiffArgs diff;
   CLI::App* diff_cmd = app.add_subcommand(
-      "diff", "Compare two checkpoints of any formats: tensors only in one, and those whose dtype, shape or bytes differ");
+      "diff",
+      "Compare two checkpoints of any formats: tensors only in one, and those whose dtype, shape or bytes differ");
   diff_cmd->add_option("A", diff.a, "First checkpoint")->required();
   diff_cmd->add_option("B", diff.b, "Second checkpoint")->required();
   diff_cmd->add_flag("--exit-code", diff.exit_code, "Exit with status 1 when they differ");

@@ -50,9 +50,9 @@ absl::StatusOr<std::unique_ptr<AtomicFile>> AtomicFile::CreateAt(int folder_fd, 
   if (file->folder_fd_ < 0) return StatusFromErrno(errno, absl::StrCat("cannot hold the folder of '", path, "'"));
   file->temp_name_ = absl::StrCat(".", name, ".", ::getpid(), "-", temp_counter.fetch_add(1), ".tmp");
   const size_t slash = path.rfind('/');
-  file->temp_path_ = slash == std::string::npos ? file->temp_name_
-                                                : absl::StrCat(absl::string_view(path).substr(0, slash + 1),
-                                                               file->temp_name_);
+  file->temp_path_ = slash == std::string::npos
+                         ? file->temp_name_
+                         : absl::StrCat(absl::string_view(path).substr(0, slash + 1), file->temp_name_);
   file->fd_ = ::openat(file->folder_fd_, file->temp_name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (file->fd_ < 0) {
     return StatusFromErrno(errno, absl::StrCat("cannot create a temporary file beside '", path, "'"));

@@ -1,9 +1,8 @@
 #include "core/atomic_file.h"
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <filesystem>

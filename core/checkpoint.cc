@@ -3,10 +3,11 @@
 #include <sys/stat.h>
 
 #include <cstring>
-#include <limits>
 #include <filesystem>
+#include <limits>
 
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -14,7 +15,6 @@
 #include "core/host_buffer.h"
 #include "core/status_macros.h"
 #include "core/utf8.h"
-#include "absl/strings/escaping.h"
 
 namespace weightstore {
 
@@ -38,8 +38,7 @@ absl::StatusOr<SharedBytes> LazyStorage::Get() const {
   if (bytes_.has_value()) return *bytes_;
   WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes, producer_());
   if (bytes.size() != size_) {
-    return absl::DataLossError(
-        absl::StrCat("storage produced ", bytes.size(), " bytes, expected ", size_));
+    return absl::DataLossError(absl::StrCat("storage produced ", bytes.size(), " bytes, expected ", size_));
   }
   bytes_ = bytes;
   return bytes;
@@ -60,8 +59,7 @@ bool IsContiguous(std::span<const uint64_t> shape, std::span<const uint64_t> str
 absl::Status ValidateEntry(CheckpointEntry& entry, absl::string_view path) {
   const TensorSpec& spec = entry.spec;
   auto fault = [&](absl::string_view what) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", spec.name, "' in '", path, "': ", what));
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", spec.name, "' in '", path, "': ", what));
   };
   if (spec.name.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("'", path, "' has a tensor with an empty name"));
@@ -81,8 +79,7 @@ absl::Status ValidateEntry(CheckpointEntry& entry, absl::string_view path) {
   const uint64_t storage_size = entry.layout.storage->size();
   if (!entry.layout.strides.empty()) {
     if (entry.layout.strides.size() != spec.shape.size()) {
-      return fault(absl::StrCat("has ", entry.layout.strides.size(), " strides for rank ",
-                                spec.shape.size()));
+      return fault(absl::StrCat("has ", entry.layout.strides.size(), " strides for rank ", spec.shape.size()));
     }
     if (IsContiguous(spec.shape, entry.layout.strides)) entry.layout.strides.clear();
   }
@@ -90,8 +87,8 @@ absl::Status ValidateEntry(CheckpointEntry& entry, absl::string_view path) {
     entry.layout.strides.clear();
     auto end = CheckedAdd(entry.layout.offset, *nbytes);
     if (!end || *end > storage_size) {
-      return fault(absl::StrCat("bytes [", entry.layout.offset, ", +", *nbytes,
-                                ") lie outside its storage of ", storage_size, " bytes"));
+      return fault(absl::StrCat("bytes [", entry.layout.offset, ", +", *nbytes, ") lie outside its storage of ",
+                                storage_size, " bytes"));
     }
     return absl::OkStatus();
   }
@@ -132,10 +129,9 @@ absl::Status CheckLimits(const CheckpointEntry& entry, absl::string_view path, c
   const uint64_t allowed = std::max<uint64_t>(
       uint64_t{1} << 20, CheckedMul(stored, options.max_expansion).value_or(std::numeric_limits<uint64_t>::max()));
   if (served > allowed) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", entry.spec.name, "' in '", path,
-                                                   "' is a strided view that expands ", stored, " stored bytes to ",
-                                                   served, " bytes, more than ", options.max_expansion,
-                                                   "x (--max-expansion)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", entry.spec.name, "' in '", path, "' is a strided view that expands ", stored,
+                     " stored bytes to ", served, " bytes, more than ", options.max_expansion, "x (--max-expansion)"));
   }
   return absl::OkStatus();
 }
@@ -157,8 +153,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Create(
     WEIGHTSTORE_RETURN_IF_ERROR(CheckLimits(entries[i], checkpoint->path_, options));
     auto [it, inserted] = checkpoint->by_name_.emplace(entries[i].spec.name, i);
     if (!inserted) {
-      return absl::InvalidArgumentError(absl::StrCat("'", checkpoint->path_, "' has two tensors named '",
-                                                     entries[i].spec.name, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", checkpoint->path_, "' has two tensors named '", entries[i].spec.name, "'"));
     }
     checkpoint->total_bytes_ += entries[i].spec.byte_size();
   }
@@ -287,8 +283,8 @@ absl::StatusOr<SharedTensor> Checkpoint::ReadCopy(const CheckpointEntry& entry) 
 namespace {
 
 template <size_t kSize>
-void GatherTyped(const std::byte* storage, std::span<const uint64_t> shape,
-                 std::span<const uint64_t> strides, std::byte* out) {
+void GatherTyped(const std::byte* storage, std::span<const uint64_t> shape, std::span<const uint64_t> strides,
+                 std::byte* out) {
   const size_t rank = shape.size();
   const uint64_t inner = shape[rank - 1], inner_stride = strides[rank - 1] * kSize;
   std::vector<uint64_t> index(rank, 0);

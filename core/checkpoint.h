@@ -29,7 +29,6 @@
 
 namespace weightstore {
 
-
 // The bytes behind one or more tensors: a range of a mapped file, or something
 // produced on first use (an inflated zip entry). Thread-safe.
 class LazyStorage {
@@ -179,9 +178,8 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> OpenCheckpointFile(const std::
 
 // Copies the elements of a strided tensor into row-major order.
 // REQUIRES: the layout was validated (every element lies inside `storage`).
-void GatherStrided(const std::byte* storage, uint64_t element_size,
-                   std::span<const uint64_t> shape, std::span<const uint64_t> strides,
-                   std::byte* out);
+void GatherStrided(const std::byte* storage, uint64_t element_size, std::span<const uint64_t> shape,
+                   std::span<const uint64_t> strides, std::byte* out);
 
 }  // namespace weightstore
 

@@ -6,10 +6,10 @@
 #include <cstring>
 #include <numeric>
 
+#include "core/formats/pytorch.h"
+#include "core/formats/safetensors.h"
 #include "core/host_buffer.h"
 #include "tests/util/status_matchers.h"
-#include "core/formats/safetensors.h"
-#include "core/formats/pytorch.h"
 
 namespace weightstore {
 namespace {
@@ -39,8 +39,8 @@ TEST(CheckpointTest, ReadOfAContiguousTensorPointsIntoItsStorage) {
 TEST(CheckpointTest, TreatsSizeOneDimensionStridesAsContiguous) {
   // conv weight [8, 1, 3, 3] with stride (9, 9, 3, 1): contiguous once size-1 dims are ignored.
   auto storage = LazyStorage::Ready(SharedBytes::Copy(std::string(8 * 9 * 4, 'x')));
-  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(kPyTorchFormat, "mem", {},
-                                                  {Entry("w", {8, 1, 3, 3}, storage, 0, {9, 9, 3, 1})}));
+  ASSERT_OK_AND_ASSIGN(
+      auto c, Checkpoint::Create(kPyTorchFormat, "mem", {}, {Entry("w", {8, 1, 3, 3}, storage, 0, {9, 9, 3, 1})}));
   EXPECT_TRUE(Checkpoint::IsZeroCopy(c->entries()[0]));
 }
 
@@ -68,8 +68,9 @@ TEST(CheckpointTest, ReadIntoAndReadCopyFillOwnedMemory) {
   for (int i = 0; i < 12; ++i) data[i * 4] = static_cast<char>(i);
   SharedBytes bytes = SharedBytes::Copy(data);
   auto storage = LazyStorage::Ready(bytes);
-  ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Create(kPyTorchFormat, "mem", {},
-                                                  {Entry("flat", {12}, storage), Entry("t", {4, 3}, storage, 0, {1, 4})}));
+  ASSERT_OK_AND_ASSIGN(auto c,
+                       Checkpoint::Create(kPyTorchFormat, "mem", {},
+                                          {Entry("flat", {12}, storage), Entry("t", {4, 3}, storage, 0, {1, 4})}));
   std::vector<std::byte> out(48);
   ASSERT_OK(c->ReadInto(*c->Find("flat"), out));
   EXPECT_EQ(std::memcmp(out.data(), data.data(), 48), 0);

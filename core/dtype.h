@@ -29,9 +29,8 @@ enum class DType : uint8_t {
 };
 
 inline constexpr DType kAllDTypes[] = {
-    DType::kF64, DType::kF32, DType::kF16, DType::kBF16,  DType::kI64,
-    DType::kI32, DType::kI16, DType::kI8,  DType::kU8,    DType::kBool,
-    DType::kU16, DType::kU32, DType::kU64, DType::kF8E4M3, DType::kF8E5M2,
+    DType::kF64, DType::kF32,  DType::kF16, DType::kBF16, DType::kI64, DType::kI32,    DType::kI16,    DType::kI8,
+    DType::kU8,  DType::kBool, DType::kU16, DType::kU32,  DType::kU64, DType::kF8E4M3, DType::kF8E5M2,
 };
 
 // Returns the SafeTensors name: "F32", "BF16", "BOOL", "F8_E4M3", ...

@@ -14,7 +14,7 @@
 namespace weightstore {
 
 absl::StatusOr<std::unique_ptr<FileWatcher>> FileWatcher::Start(Callback on_modified,
-                                                                 std::chrono::milliseconds settle) {
+                                                                std::chrono::milliseconds settle) {
   std::unique_ptr<FileWatcher> w(new FileWatcher());
   w->on_modified_ = std::move(on_modified);
   w->settle_ = settle;
@@ -105,8 +105,8 @@ void FileWatcher::Run() {
   while (true) {
     int timeout = -1;
     if (report) {
-      timeout = static_cast<int>(
-          std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(report_at - Clock::now()).count()));
+      timeout = static_cast<int>(std::max<int64_t>(
+          0, std::chrono::duration_cast<std::chrono::milliseconds>(report_at - Clock::now()).count()));
     }
     pollfd fds[2] = {{inotify_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
     const int ready = ::poll(fds, 2, timeout);

@@ -32,8 +32,7 @@ class FileWatcher {
   using Callback = std::function<void(const std::set<std::string>& keys)>;
 
   // Starts the watcher thread. Internal if inotify is unavailable.
-  static absl::StatusOr<std::unique_ptr<FileWatcher>> Start(Callback on_modified,
-                                                            std::chrono::milliseconds settle);
+  static absl::StatusOr<std::unique_ptr<FileWatcher>> Start(Callback on_modified, std::chrono::milliseconds settle);
   ~FileWatcher();  // Stop()s
 
   // Stops the thread, waiting for a report in progress; none runs after it

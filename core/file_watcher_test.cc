@@ -25,7 +25,8 @@ class Reports {
   // Waits up to `ms` for a report; returns all so far.
   std::vector<std::set<std::string>> Await(int ms) {
     absl::MutexLock lock(&mu_);
-    mu_.AwaitWithTimeout(absl::Condition(+[](std::vector<std::set<std::string>>* r) { return !r->empty(); }, &reports_),
+    mu_.AwaitWithTimeout(absl::Condition(
+                             +[](std::vector<std::set<std::string>>* r) { return !r->empty(); }, &reports_),
                          absl::Milliseconds(ms));
     return reports_;
   }
@@ -47,8 +48,8 @@ TEST(FileWatcherTest, ReportsAWriteInPlaceOnceItsWriterPauses) {
   testing::WriteFileOrDie(dir + "/a", "1");
   testing::WriteFileOrDie(dir + "/b", "1");
   Reports reports;
-  ASSERT_OK_AND_ASSIGN(auto watcher, FileWatcher::Start([&](const auto& keys) { reports.Add(keys); },
-                                                        std::chrono::milliseconds(50)));
+  ASSERT_OK_AND_ASSIGN(auto watcher,
+                       FileWatcher::Start([&](const auto& keys) { reports.Add(keys); }, std::chrono::milliseconds(50)));
   ASSERT_OK(watcher->Set("ka", {dir + "/a"}));
   ASSERT_OK(watcher->Set("kb", {dir + "/b"}));
   for (int i = 0; i < 5; ++i) AppendTo(dir + "/a", "more");
@@ -60,8 +61,8 @@ TEST(FileWatcherTest, AReplacementByRenameOrAnUnwatchedKeyIsNotReported) {
   testing::WriteFileOrDie(dir + "/a", "1");
   testing::WriteFileOrDie(dir + "/b", "1");
   Reports reports;
-  ASSERT_OK_AND_ASSIGN(auto watcher, FileWatcher::Start([&](const auto& keys) { reports.Add(keys); },
-                                                        std::chrono::milliseconds(20)));
+  ASSERT_OK_AND_ASSIGN(auto watcher,
+                       FileWatcher::Start([&](const auto& keys) { reports.Add(keys); }, std::chrono::milliseconds(20)));
   ASSERT_OK(watcher->Set("ka", {dir + "/a"}));
   ASSERT_OK(watcher->Set("kb", {dir + "/b"}));
   testing::WriteFileOrDie(dir + "/a.new", "2");

@@ -73,7 +73,8 @@ std::string FormatNames(bool writable_only) {
 std::string FormatExtensions(bool writable_only) {
   std::vector<absl::string_view> all;
   for (const FormatSpec* format : Formats()) {
-    if (!writable_only || format->writable()) all.insert(all.end(), format->extensions.begin(), format->extensions.end());
+    if (!writable_only || format->writable())
+      all.insert(all.end(), format->extensions.begin(), format->extensions.end());
   }
   return absl::StrJoin(all, ", ");
 }

@@ -42,7 +42,7 @@ struct FormatSpec {
   // order; the last format may take anything, so its reader names the fault.
   bool (*detect)(absl::string_view file) = nullptr;
   absl::StatusOr<std::shared_ptr<const Checkpoint>> (*open)(std::shared_ptr<const MappedFile> file,
-                                                           const OpenOptions& options) = nullptr;
+                                                            const OpenOptions& options) = nullptr;
 
   // A checkpoint split over several files has an index file: its name ending
   // (".safetensors.index.json"), how to open it, and the files it names

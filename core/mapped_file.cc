@@ -6,9 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <boost/interprocess/file_mapping.hpp>
 #include <boost/interprocess/mapped_region.hpp>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 
@@ -183,8 +183,8 @@ bool MappedFile::Contains(const SharedBytes& bytes, uint64_t* offset) const {
   return true;
 }
 
-absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::Open(
-    const std::string& path, const MappedFileOptions& options) {
+absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::Open(const std::string& path,
+                                                                   const MappedFileOptions& options) {
   std::shared_ptr<MappedFile> file(new MappedFile());
   file->path_ = path;
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -223,8 +223,8 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::Open(
     mapping->region = bip::mapped_region(mapping->file, bip::read_only, 0, file->size_);
     int mapped_fd = mapping->file.get_mapping_handle().handle;
     struct stat mapped_st;
-    if (::fstat(mapped_fd, &mapped_st) != 0 || mapped_st.st_ino != st.st_ino ||
-        mapped_st.st_dev != st.st_dev || static_cast<uint64_t>(mapped_st.st_size) != file->size_) {
+    if (::fstat(mapped_fd, &mapped_st) != 0 || mapped_st.st_ino != st.st_ino || mapped_st.st_dev != st.st_dev ||
+        static_cast<uint64_t>(mapped_st.st_size) != file->size_) {
       ::close(fd);
       return absl::AbortedError(absl::StrCat("'", path, "' changed while it was being opened"));
     }
@@ -253,8 +253,7 @@ void MappedFile::WillNeed(uint64_t offset, uint64_t length) const {
   ::madvise(const_cast<std::byte*>(data_) + begin, end - begin, MADV_WILLNEED);
 }
 
-absl::Status PreadFully(int fd, uint64_t offset, std::byte* out, uint64_t length,
-                        absl::string_view path_for_errors) {
+absl::Status PreadFully(int fd, uint64_t offset, std::byte* out, uint64_t length, absl::string_view path_for_errors) {
   uint64_t done = 0;
   while (done < length) {
     ssize_t n = ::pread(fd, out + done, length - done, static_cast<off_t>(offset + done));
@@ -263,8 +262,8 @@ absl::Status PreadFully(int fd, uint64_t offset, std::byte* out, uint64_t length
       return StatusFromErrno(errno, absl::StrCat("cannot read '", path_for_errors, "'"));
     }
     if (n == 0) {
-      return absl::DataLossError(absl::StrCat("'", path_for_errors, "' ended at byte ",
-                                              offset + done, ", expected ", offset + length));
+      return absl::DataLossError(
+          absl::StrCat("'", path_for_errors, "' ended at byte ", offset + done, ", expected ", offset + length));
     }
     done += static_cast<uint64_t>(n);
   }

@@ -38,8 +38,8 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
  public:
   // Opens and maps `path` read-only. Returns NotFound if it does not exist,
   // FailedPrecondition if it is not a regular file, Internal on I/O failure.
-  static absl::StatusOr<std::shared_ptr<const MappedFile>> Open(
-      const std::string& path, const MappedFileOptions& options = {});
+  static absl::StatusOr<std::shared_ptr<const MappedFile>> Open(const std::string& path,
+                                                                const MappedFileOptions& options = {});
   // Maps the open descriptor `fd` read-only and shared (always mapped, whatever
   // its size), taking ownership of it; `path` names it in errors. Used for sealed
   // memfds and for descriptors received over a socket. Closes `fd` on error.
@@ -91,7 +91,7 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
   const std::byte* data_ = nullptr;
   std::vector<std::byte> buffer_;  // small files
   struct Mapping;
-  std::unique_ptr<Mapping> mapping_;  // large files
+  std::unique_ptr<Mapping> mapping_;      // large files
   MappedFileGuardSlot* guard_ = nullptr;  // while mapped
   void Guard();
 };
@@ -103,8 +103,7 @@ void InstallMappedFileGuard();
 
 // Reads `length` bytes at `offset` of an open file descriptor, retrying short reads.
 // Returns DataLoss if the file ends early.
-absl::Status PreadFully(int fd, uint64_t offset, std::byte* out, uint64_t length,
-                        absl::string_view path_for_errors);
+absl::Status PreadFully(int fd, uint64_t offset, std::byte* out, uint64_t length, absl::string_view path_for_errors);
 
 }  // namespace weightstore
 

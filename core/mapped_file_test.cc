@@ -71,8 +71,8 @@ TEST(MappedFileTest, ASigbusOutsideOurMappingsStillEndsTheProcess) {
   // Killed by SIGBUS, or (under AddressSanitizer, whose handler we chain to)
   // ended by its report: never back in the code after the faulting read.
   const bool by_signal = WIFSIGNALED(status) && WTERMSIG(status) == SIGBUS;
-  const bool by_report = WIFEXITED(status) && WEXITSTATUS(status) != 3 && WEXITSTATUS(status) != 4 &&
-                         WEXITSTATUS(status) != 0;
+  const bool by_report =
+      WIFEXITED(status) && WEXITSTATUS(status) != 3 && WEXITSTATUS(status) != 4 && WEXITSTATUS(status) != 0;
   EXPECT_TRUE(by_signal || by_report) << status;
 }
 

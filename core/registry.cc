@@ -18,9 +18,9 @@
 #include "core/crc32c.h"
 #include "core/mapped_file.h"
 #include "core/shm/sealed_memfd.h"
+#include "core/shm/unix_socket.h"
 #include "core/status_macros.h"
 #include "core/status_util.h"
-#include "core/shm/unix_socket.h"
 #include "core/utf8.h"
 
 namespace weightstore {
@@ -56,9 +56,9 @@ absl::StatusOr<uint64_t> HashFile(const std::string& path, uint64_t h) {
 // upper bound on what a sharded checkpoint reads).
 absl::StatusOr<uint64_t> BytesOnDisk(const std::string& path) {
   std::error_code ec;
-  fs::path folder = fs::is_directory(path, ec) ? fs::path(path)
+  fs::path folder = fs::is_directory(path, ec)            ? fs::path(path)
                     : IndexFormatForPath(path) != nullptr ? fs::path(path).parent_path()
-                                                         : fs::path();
+                                                          : fs::path();
   if (folder.empty()) {
     uint64_t size = fs::file_size(path, ec);
     if (ec) return absl::NotFoundError(absl::StrCat("cannot stat '", path, "': ", ec.message()));
@@ -126,13 +126,11 @@ absl::Status CheckpointVersion::CheckUnchanged() const {
 }
 
 absl::Status CheckCheckpointName(absl::string_view name, size_t max_bytes) {
-  auto shown = [&] {
-    return absl::StrCat("'", absl::CHexEscape(name.substr(0, 64)), name.size() > 64 ? "'..." : "'");
-  };
+  auto shown = [&] { return absl::StrCat("'", absl::CHexEscape(name.substr(0, 64)), name.size() > 64 ? "'..." : "'"); };
   if (name.empty()) return absl::InvalidArgumentError("the checkpoint name is empty");
   if (name.size() > max_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoint name ", shown(), " is ", name.size(),
-                                                   " bytes; at most ", max_bytes, " are allowed"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint name ", shown(), " is ", name.size(), " bytes; at most ", max_bytes, " are allowed"));
   }
   if (!IsValidUtf8(name)) return absl::InvalidArgumentError(absl::StrCat("checkpoint name ", shown(), " is not UTF-8"));
   for (size_t i = 0; i < name.size(); ++i) {
@@ -145,9 +143,7 @@ absl::Status CheckCheckpointName(absl::string_view name, size_t max_bytes) {
   return absl::OkStatus();
 }
 
-std::optional<std::string> NameForPath(const std::string& relative_path) {
-  return StripFormatExtension(relative_path);
-}
+std::optional<std::string> NameForPath(const std::string& relative_path) { return StripFormatExtension(relative_path); }
 
 absl::StatusOr<std::string> FileVersion(const std::string& path) {
   uint64_t h = 0xcbf29ce484222325ULL;
@@ -162,8 +158,8 @@ absl::StatusOr<std::string> FileVersion(const std::string& path) {
 
 CheckpointRegistry::CheckpointRegistry(RegistryOptions options) : options_(std::move(options)) {
   if (!options_.watch_files) return;
-  auto watcher = FileWatcher::Start([this](const std::set<std::string>& names) { OnFilesModified(names); },
-                                    options_.watch_settle);
+  auto watcher =
+      FileWatcher::Start([this](const std::set<std::string>& names) { OnFilesModified(names); }, options_.watch_settle);
   if (watcher.ok()) {
     watcher_ = *std::move(watcher);
   } else {
@@ -242,11 +238,11 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
     // the new contents still get an id of their own.
     std::string id = after;
     if (previous != nullptr && previous->stale() && previous->file_version() == after) {
-      id = absl::StrFormat("%016x", Mix(std::hash<std::string>()(previous->version()),
-                                        ++reopen_generation_ + 0x9e3779b97f4a7c15ULL));
+      id = absl::StrFormat(
+          "%016x", Mix(std::hash<std::string>()(previous->version()), ++reopen_generation_ + 0x9e3779b97f4a7c15ULL));
     }
-    auto version = std::make_shared<CheckpointVersion>(name, path, std::move(checkpoint), after, std::move(id),
-                                                       NowUnixSeconds());
+    auto version =
+        std::make_shared<CheckpointVersion>(name, path, std::move(checkpoint), after, std::move(id), NowUnixSeconds());
     version->SetRelativePath(RelativePath(path));
     if (preload) version->HoldReservation(std::move(reservation));
     version->SetOnStale([watcher = std::weak_ptr<FileWatcher>(watcher_)] {
@@ -378,14 +374,14 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
     const std::string& name, const std::string& pinned_version) const {
   WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(name, options_.max_name_bytes));
   if (pinned_version.size() > 64) {
-    return absl::InvalidArgumentError(absl::StrCat("version of ", pinned_version.size(),
-                                                   " bytes is not one this daemon issues"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("version of ", pinned_version.size(), " bytes is not one this daemon issues"));
   }
   std::shared_ptr<const CheckpointVersion> current = Get(name);
   if (current == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
   if (current->stale()) {
-    return absl::UnavailableError(absl::StrCat("checkpoint '", name,
-                                               "' was written in place and is being reopened; retry"));
+    return absl::UnavailableError(
+        absl::StrCat("checkpoint '", name, "' was written in place and is being reopened; retry"));
   }
   if (!pinned_version.empty() && pinned_version != current->version()) {
     return absl::AbortedError(absl::StrCat("checkpoint '", name, "' was replaced: version ", pinned_version,
@@ -402,7 +398,7 @@ std::vector<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::List()
 }
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Load(const std::string& path,
-                                                                                const std::string& name) {
+                                                                                  const std::string& name) {
   // One at a time with scans: a rescan that started before this load must not
   // undo it (remove an upload just committed, or put back an older version).
   absl::MutexLock scan_lock(&scan_mu_);
@@ -427,14 +423,14 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
   };
   const bool in_models = inside(options_.models_dir);
   if (!in_models && std::none_of(options_.load_roots.begin(), options_.load_roots.end(), inside)) {
-    return absl::PermissionDeniedError(absl::StrCat("'", path, "' is outside the models folder and every load root "
+    return absl::PermissionDeniedError(absl::StrCat("'", path,
+                                                    "' is outside the models folder and every load root "
                                                     "(weightstored --load-root)"));
   }
   const fs::path& canonical = absolute;
   std::string served_name = name;
   if (served_name.empty()) {
-    std::optional<std::string> derived =
-        NameForPath(canonical.filename().string());
+    std::optional<std::string> derived = NameForPath(canonical.filename().string());
     served_name = derived.value_or(canonical.filename().string());
   }
   WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(served_name, options_.max_name_bytes));
@@ -464,8 +460,8 @@ absl::Status PutSession::Append(absl::string_view data) {
     return absl::ResourceExhaustedError(absl::StrCat("upload of '", name_, "' exceeds ", max_bytes_, " bytes"));
   }
   if (expected_size_ != 0 && bytes_ + data.size() > expected_size_) {
-    return absl::InvalidArgumentError(absl::StrCat("upload of '", name_, "' is larger than its declared ", expected_size_,
-                                                   " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("upload of '", name_, "' is larger than its declared ", expected_size_, " bytes"));
   }
   bytes_ += data.size();
   crc32c_ = Crc32cExtend(crc32c_, data);
@@ -489,8 +485,8 @@ absl::StatusOr<std::unique_ptr<PutSession>> CheckpointRegistry::BeginPut(const s
         absl::StrCat("extension '", extension, "' is not one of ", FormatExtensions(), " (without the dot)"));
   }
   if (expected_size > options_.max_put_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("upload of ", expected_size, " bytes exceeds the limit of ",
-                                                     options_.max_put_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("upload of ", expected_size, " bytes exceeds the limit of ", options_.max_put_bytes));
   }
   auto session = std::make_unique<PutSession>();
   session->name_ = name;
@@ -509,15 +505,16 @@ absl::StatusOr<std::unique_ptr<PutSession>> CheckpointRegistry::BeginPut(const s
     UniqueFd next(::openat(folder.get(), parts[i].c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     if (!next.valid()) {
       if (errno == ELOOP || errno == ENOTDIR) {
-        return absl::InvalidArgumentError(absl::StrCat("upload of '", name, "': '", parts[i],
-                                                       "' in the models folder is a symlink or not a folder"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("upload of '", name, "': '", parts[i], "' in the models folder is a symlink or not a folder"));
       }
       return StatusFromErrno(errno, absl::StrCat("cannot open the folder for '", session->path_, "'"));
     }
     folder = std::move(next);
   }
-  WEIGHTSTORE_ASSIGN_OR_RETURN(session->file_, AtomicFile::CreateAt(folder.get(), absl::StrCat(parts.back(), ".", extension),
-                                                                  session->path_, overwrite));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(
+      session->file_,
+      AtomicFile::CreateAt(folder.get(), absl::StrCat(parts.back(), ".", extension), session->path_, overwrite));
   return session;
 }
 
@@ -539,8 +536,8 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   };
   absl::StatusOr<std::shared_ptr<const Checkpoint>> check = Checkpoint::Open(session->file_->temp_path(), open);
   if (!check.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("upload of '", session->name_, "' is not a valid checkpoint: ",
-                                                   check.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("upload of '", session->name_, "' is not a valid checkpoint: ", check.status().message()));
   }
   WEIGHTSTORE_RETURN_IF_ERROR(session->file_->Commit());
   return Load(session->path_, session->name_);

@@ -224,7 +224,7 @@ class CheckpointRegistry {
   // Reopened versions whose file identity did not change get a new version
   // string all the same, mixed with this.
   mutable std::atomic<uint64_t> reopen_generation_{0};
-  std::string watch_error_;  // why files are not watched, reported by Rescan once
+  std::string watch_error_;               // why files are not watched, reported by Rescan once
   std::shared_ptr<FileWatcher> watcher_;  // last: stopped first
 };
 

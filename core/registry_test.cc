@@ -1,9 +1,8 @@
 #include "core/registry.h"
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
-#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,9 +11,9 @@
 #include <thread>
 
 #include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
-#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
@@ -75,7 +74,9 @@ TEST(RegistryTest, FindRefusesInvalidNamesBeforeLookingThemUp) {
   CheckpointRegistry registry({.models_dir = testing::MakeScratchDir("models")});
   EXPECT_THAT(registry.Find("\xff\xfe"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not UTF-8")));
   EXPECT_THAT(registry.Find("a\nb"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("control character")));
-  EXPECT_THAT(registry.Find("a\xc2\x85" "b"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("control")));
+  EXPECT_THAT(registry.Find("a\xc2\x85"
+                            "b"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("control")));
   EXPECT_THAT(registry.Find(""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty")));
   const std::string huge(1 << 20, 'n');
   absl::Status status = registry.Find(huge).status();
@@ -133,7 +134,8 @@ TEST(RegistryTest, ARescanRemovesUploadsAKilledDaemonLeftBehind) {
   EXPECT_FALSE(fs::exists(models + "/x/.big.safetensors.999-3.tmp"));
   EXPECT_TRUE(fs::exists(models + "/.mine.tmp"));
   size_t temporaries = 0;
-  for (const auto& e : fs::directory_iterator(models + "/x")) temporaries += IsAtomicFileTemporary(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(models + "/x"))
+    temporaries += IsAtomicFileTemporary(e.path().filename().string());
   EXPECT_EQ(temporaries, 1u) << "the upload in progress is kept";
 }
 

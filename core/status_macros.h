@@ -10,10 +10,10 @@
 #define WEIGHTSTORE_CONCAT_(a, b) WEIGHTSTORE_CONCAT_INNER_(a, b)
 
 // Evaluates `expr` (an absl::Status) and returns it from the caller if not OK.
-#define WEIGHTSTORE_RETURN_IF_ERROR(expr)                                  \
-  do {                                                                     \
-    ::absl::Status weightstore_status_ = (expr);                           \
-    if (!weightstore_status_.ok()) return weightstore_status_;             \
+#define WEIGHTSTORE_RETURN_IF_ERROR(expr)                      \
+  do {                                                         \
+    ::absl::Status weightstore_status_ = (expr);               \
+    if (!weightstore_status_.ok()) return weightstore_status_; \
   } while (0)
 
 // Evaluates `rexpr` (an absl::StatusOr<T>); on error returns its status, else

@@ -17,8 +17,7 @@ namespace weightstore {
 absl::Status StatusFromErrno(int error_number, absl::string_view context);
 
 // Converts an exception thrown by Boost.Interprocess at the call site.
-absl::Status InterprocessErrorToStatus(const boost::interprocess::interprocess_exception& e,
-                                       absl::string_view context);
+absl::Status InterprocessErrorToStatus(const boost::interprocess::interprocess_exception& e, absl::string_view context);
 
 }  // namespace weightstore
 

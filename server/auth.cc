@@ -4,9 +4,9 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace weightstore::server {
 namespace {

@@ -12,8 +12,8 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "server/log.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
@@ -26,10 +26,14 @@ using grpc::experimental::ServerRpcInfo;
 
 const char* TypeLabel(ServerRpcInfo::Type type) {
   switch (type) {
-    case ServerRpcInfo::Type::UNARY: return "unary";
-    case ServerRpcInfo::Type::CLIENT_STREAMING: return "client_stream";
-    case ServerRpcInfo::Type::SERVER_STREAMING: return "server_stream";
-    case ServerRpcInfo::Type::BIDI_STREAMING: return "bidi_stream";
+    case ServerRpcInfo::Type::UNARY:
+      return "unary";
+    case ServerRpcInfo::Type::CLIENT_STREAMING:
+      return "client_stream";
+    case ServerRpcInfo::Type::SERVER_STREAMING:
+      return "server_stream";
+    case ServerRpcInfo::Type::BIDI_STREAMING:
+      return "bidi_stream";
   }
   return "unary";
 }
@@ -41,9 +45,8 @@ std::string RandomRequestId() {
 
 bool IsSafeRequestId(absl::string_view id) {
   if (id.empty() || id.size() > 128) return false;
-  return std::all_of(id.begin(), id.end(), [](char c) {
-    return absl::ascii_isalnum(c) || c == '-' || c == '_' || c == '.' || c == ':';
-  });
+  return std::all_of(id.begin(), id.end(),
+                     [](char c) { return absl::ascii_isalnum(c) || c == '-' || c == '_' || c == '.' || c == ':'; });
 }
 
 // Observes one call: counts it, times it, and logs it when its status is sent.
@@ -177,11 +180,11 @@ std::string TrailerValue(absl::string_view value) {
 }
 
 std::string GrpcCodeName(int code) {
-  static const char* const kNames[] = {"OK",          "Canceled",        "Unknown",           "InvalidArgument",
-                                       "DeadlineExceeded", "NotFound",   "AlreadyExists",     "PermissionDenied",
-                                       "ResourceExhausted", "FailedPrecondition", "Aborted",   "OutOfRange",
-                                       "Unimplemented", "Internal",      "Unavailable",       "DataLoss",
-                                       "Unauthenticated"};
+  static const char* const kNames[] = {
+      "OK",       "Canceled",       "Unknown",          "InvalidArgument",   "DeadlineExceeded",
+      "NotFound", "AlreadyExists",  "PermissionDenied", "ResourceExhausted", "FailedPrecondition",
+      "Aborted",  "OutOfRange",     "Unimplemented",    "Internal",          "Unavailable",
+      "DataLoss", "Unauthenticated"};
   return code >= 0 && code <= 16 ? kNames[code] : absl::StrCat("Code(", code, ")");
 }
 

@@ -30,12 +30,14 @@ absl::Status FromProto(const pb::Selection& in, SelectionRequest* out) {
       const pb::TargetParameter& p = in.target().parameters(i);
       TargetParameter param;
       param.path = p.path();
-      if (param.path.empty()) return absl::InvalidArgumentError(absl::StrCat("selection.target.parameters[", i, "].path is empty"));
+      if (param.path.empty())
+        return absl::InvalidArgumentError(absl::StrCat("selection.target.parameters[", i, "].path is empty"));
       param.shape.assign(p.shape().begin(), p.shape().end());
       if (!p.dtype().empty()) {
         param.dtype = ParseDType(p.dtype());
         if (!param.dtype) {
-          return absl::InvalidArgumentError(absl::StrCat("selection.target.parameters[", i, "].dtype '", p.dtype(), "' is unknown"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("selection.target.parameters[", i, "].dtype '", p.dtype(), "' is unknown"));
         }
       }
       param.module = p.module();

@@ -9,8 +9,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "core/select/apply.h"
 #include "core/registry.h"
+#include "core/select/apply.h"
 #include "core/select/snapshot.h"
 #include "weightstore/v1/weight_store.pb.h"
 

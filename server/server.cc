@@ -11,8 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/pem.h"
-#include "grpc/health/v1/health.pb.h"
 #include "core/shm/segment_cache.h"
+#include "grpc/health/v1/health.pb.h"
 #include "server/auth.h"
 #include "server/log.h"
 #include "server/observability.h"

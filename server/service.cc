@@ -9,10 +9,10 @@
 #include "core/select/served.h"
 #include "core/select/snapshot.h"
 #include "core/status_macros.h"
-#include "server/grpc_status.h"
-#include "server/proto_convert.h"
-#include "server/observability.h"
 #include "proto/codec/chunk_codec.h"
+#include "server/grpc_status.h"
+#include "server/observability.h"
+#include "server/proto_convert.h"
 #include "server/resolve.h"
 
 namespace weightstore::server {
@@ -168,8 +168,8 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       chunk.set_crc32c(crc);
       if (!cached_crc_) (void)resolved_.version->checksums().Store(plan_.key, crc);
     }
-    buffer_ = service_->options_.zero_copy ? wire::EncodeChunk(chunk, payload)
-                                           : wire::EncodeChunkCopying(chunk, payload);
+    buffer_ =
+        service_->options_.zero_copy ? wire::EncodeChunk(chunk, payload) : wire::EncodeChunkCopying(chunk, payload);
     sent_any_ = true;
     sent_bytes_ += n;
     last_write_bytes_ = buffer_.Length();
@@ -273,8 +273,8 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
                                                           const v1::ListTensorsRequest* req,
                                                           v1::ListTensorsResponse* resp) {
   return Unary(ctx, Scope::kRead, req->name(), [&]() -> absl::Status {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(
-        Resolved resolved, Resolve(*registry_, req->name(), req->selection(), req->version(), options_.selection_limits));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Resolved resolved, Resolve(*registry_, req->name(), req->selection(), req->version(),
+                                                            options_.selection_limits));
     const Snapshot& snapshot = *resolved.snapshot;
     resp->set_name(req->name());
     resp->set_version(resolved.version->version());
@@ -292,7 +292,7 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::FetchTensors(grpc::CallbackServerContext* ctx,
-                                                                            const grpc::ByteBuffer* req) {
+                                                                             const grpc::ByteBuffer* req) {
   return new FetchReactor(this, ctx, req);
 }
 
@@ -349,9 +349,9 @@ class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
   void OnReadDone(bool ok) override {
     if (ok) service_->uploads_.Progress(ticket_, request_.ByteSizeLong());
     if (!ok) {
-      return Fail(absl::CancelledError(absl::StrCat(
-          "the upload", session_ == nullptr ? "" : absl::StrCat(" of '", session_->name(), "'"),
-          " ended without a commit message; nothing was stored")));
+      return Fail(absl::CancelledError(
+          absl::StrCat("the upload", session_ == nullptr ? "" : absl::StrCat(" of '", session_->name(), "'"),
+                       " ended without a commit message; nothing was stored")));
     }
     switch (request_.part_case()) {
       case v1::PutCheckpointRequest::kHeader: {
@@ -383,10 +383,9 @@ class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
   void Commit(const v1::PutCommit& commit) {
     if (session_ == nullptr) return Fail(absl::InvalidArgumentError("a commit before the header"));
     if (commit.size() != session_->bytes() || commit.crc32c() != session_->crc32c()) {
-      return Fail(absl::DataLossError(absl::StrCat("upload of '", session_->name(), "': the commit says ",
-                                                   commit.size(), " bytes with CRC32C ", commit.crc32c(), ", ",
-                                                   session_->bytes(), " bytes with CRC32C ", session_->crc32c(),
-                                                   " arrived; nothing was stored")));
+      return Fail(absl::DataLossError(absl::StrCat(
+          "upload of '", session_->name(), "': the commit says ", commit.size(), " bytes with CRC32C ", commit.crc32c(),
+          ", ", session_->bytes(), " bytes with CRC32C ", session_->crc32c(), " arrived; nothing was stored")));
     }
     auto version = registry_->FinishPut(std::move(session_));
     if (!version.ok()) return Fail(version.status());
@@ -407,7 +406,7 @@ class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
 };
 
 grpc::ServerReadReactor<v1::PutCheckpointRequest>* WeightStoreService::PutCheckpoint(grpc::CallbackServerContext* ctx,
-                                                                                   v1::CheckpointInfo* resp) {
+                                                                                     v1::CheckpointInfo* resp) {
   return new PutReactor(this, resp, ctx);
 }
 

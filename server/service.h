@@ -42,7 +42,7 @@ class WeightStoreService final : public ServiceBase {
   grpc::ServerUnaryReactor* ListTensors(grpc::CallbackServerContext* ctx, const v1::ListTensorsRequest* req,
                                         v1::ListTensorsResponse* resp) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchTensors(grpc::CallbackServerContext* ctx,
-                                                          const grpc::ByteBuffer* req) override;
+                                                           const grpc::ByteBuffer* req) override;
   grpc::ServerUnaryReactor* LoadCheckpoint(grpc::CallbackServerContext* ctx, const v1::LoadCheckpointRequest* req,
                                            v1::CheckpointInfo* resp) override;
   grpc::ServerUnaryReactor* UnloadCheckpoint(grpc::CallbackServerContext* ctx, const v1::UnloadCheckpointRequest* req,

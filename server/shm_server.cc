@@ -1,10 +1,10 @@
 #include "server/shm_server.h"
 
 #include <sys/socket.h>
-#include <sys/statvfs.h>
-#include <sys/xattr.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/un.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,8 +17,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "core/crc32c.h"
 #include "core/select/served.h"
 #include "core/shm/sealed_memfd.h"
@@ -120,8 +120,8 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const CheckpointRegi
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (options.path.empty() || options.path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("socket path '", options.path, "' must be 1 to ",
-                                                   sizeof(addr.sun_path) - 1, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("socket path '", options.path, "' must be 1 to ", sizeof(addr.sun_path) - 1, " bytes"));
   }
   absl::Status cleared = ClearStaleSocket(options.path);
   if (!cleared.ok()) return cleared;
@@ -172,8 +172,12 @@ bool ShmServer::MayPassFile(const MappedFile& file, const ShmPeer& peer,
   auto [it, added] = decided->try_emplace(&file, false);
   if (!added) return it->second;
   switch (options_.file_segments) {
-    case FileSegments::kAlways: it->second = true; break;
-    case FileSegments::kNever: it->second = CheckSealed(file.fd(), file.path()).ok(); break;
+    case FileSegments::kAlways:
+      it->second = true;
+      break;
+    case FileSegments::kNever:
+      it->second = CheckSealed(file.fd(), file.path()).ok();
+      break;
     case FileSegments::kAuto:
       it->second = CheckSealed(file.fd(), file.path()).ok() || !PeerCouldWrite(file.fd(), peer);
       break;
@@ -237,8 +241,8 @@ void ShmServer::AcceptLoop() {
     const std::vector<gid_t> groups = PeerGroups(fd, peer.gid);
     if (!Allowed(peer.uid, groups)) {
       refuse(absl::PermissionDeniedError(absl::StrCat("uid ", peer.uid, " gid ", peer.gid, " (groups ",
-                                                      absl::StrJoin(groups, ","), "; pid ", peer.pid,
-                                                      ") may not use '", options_.path, "'")));
+                                                      absl::StrJoin(groups, ","), "; pid ", peer.pid, ") may not use '",
+                                                      options_.path, "'")));
       continue;
     }
     absl::MutexLock lock(&mu_);
@@ -254,8 +258,8 @@ void ShmServer::AcceptLoop() {
     std::string key = peer.pid > 0 ? absl::StrCat("pid ", peer.pid) : absl::StrCat("uid ", peer.uid);
     const std::string uid_key = absl::StrCat("all of uid ", peer.uid);
     if (per_peer_[key] >= options_.max_connections_per_peer) {
-      refuse(absl::ResourceExhaustedError(absl::StrCat(key, " has ", per_peer_[key], " connections open on '",
-                                                       options_.path, "'; retry later")));
+      refuse(absl::ResourceExhaustedError(
+          absl::StrCat(key, " has ", per_peer_[key], " connections open on '", options_.path, "'; retry later")));
       continue;
     }
     if (per_peer_[uid_key] >= options_.max_connections_per_uid) {
@@ -323,7 +327,9 @@ void ShmServer::LogRequest(const v1::ShmRequest& request, const v1::ShmResponse&
   std::string checkpoint;
   uint64_t bytes = 0;
   switch (request.request_case()) {
-    case v1::ShmRequest::kListCheckpoints: fields["method"] = "shm/ListCheckpoints"; break;
+    case v1::ShmRequest::kListCheckpoints:
+      fields["method"] = "shm/ListCheckpoints";
+      break;
     case v1::ShmRequest::kGetCheckpoint:
       fields["method"] = "shm/GetCheckpoint";
       checkpoint = request.get_checkpoint().name();
@@ -335,7 +341,8 @@ void ShmServer::LogRequest(const v1::ShmRequest& request, const v1::ShmResponse&
         for (const auto& t : response.map_tensors().tensors()) bytes += t.info().byte_size();
       }
       break;
-    default: fields["method"] = "shm/invalid";
+    default:
+      fields["method"] = "shm/invalid";
   }
   if (!checkpoint.empty()) fields["checkpoint"] = TrailerValue(checkpoint);  // short and printable, as gRPC's
   fields["bytes"] = bytes;
@@ -347,8 +354,7 @@ void ShmServer::LogRequest(const v1::ShmRequest& request, const v1::ShmResponse&
 }
 
 void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::ShmResponse* response,
-                       std::vector<int>* fds,
-                       std::vector<std::shared_ptr<const MappedFile>>* keep) {
+                       std::vector<int>* fds, std::vector<std::shared_ptr<const MappedFile>>* keep) {
   absl::Status status;
   switch (request.request_case()) {
     case v1::ShmRequest::kListCheckpoints:
@@ -396,7 +402,7 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
   const ChecksumCache& checksums = resolved->version->checksums();
   absl::flat_hash_map<const MappedFile*, uint32_t> segment_of;
   absl::flat_hash_map<const MappedFile*, bool> file_allowed;  // MayPassFile, once per file
-  std::vector<ServedTensorPlan> derived;  // tensors to materialize
+  std::vector<ServedTensorPlan> derived;                      // tensors to materialize
   uint64_t bytes = 0;
   for (size_t i = 0; i < snapshot.size(); ++i) {
     const SnapshotTensor& t = snapshot.tensors()[i];

@@ -34,10 +34,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/registry.h"
-#include "server/options.h"
-#include "core/shm/segment_cache.h"
 #include "core/select/selection.h"
+#include "core/shm/segment_cache.h"
 #include "core/shm/unix_socket.h"
+#include "server/options.h"
 #include "weightstore/v1/shm.pb.h"
 
 namespace weightstore::server {

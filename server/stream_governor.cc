@@ -7,8 +7,8 @@
 #include <cstring>
 
 #include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "server/log.h"
 
 namespace weightstore::server {
@@ -51,8 +51,8 @@ absl::StatusOr<uint64_t> StreamGovernor::Admit(absl::string_view peer, std::func
   }
   int& mine = per_peer_[address];
   if (mine >= limits_.per_peer) {
-    return absl::ResourceExhaustedError(absl::StrCat(address, " has ", mine, " ", limits_.what,
-                                                     " open; retry later (", limits_.per_peer_flag, ")"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(address, " has ", mine, " ", limits_.what, " open; retry later (", limits_.per_peer_flag, ")"));
   }
   ++mine;
   const uint64_t ticket = next_ticket_++;

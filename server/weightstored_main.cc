@@ -202,12 +202,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "weightstored: %s\n", std::string(server.status().message()).c_str());
     return 1;
   }
-  std::fprintf(stderr, "weightstored: serving %zu checkpoints from %s on port %d%s%s%s%s\n",
-               (*server)->registry().List().size(), options.registry.models_dir.c_str(), (*server)->port(),
-               options.tls.cert_file.empty() ? "" : (options.tls.client_ca_file.empty() ? " (TLS)" : " (mutual TLS)"),
-               options.socket.path.empty() ? "" : (", socket " + options.socket.path).c_str(),
-               (*server)->metrics_port() == 0 ? "" : (", metrics on port " + std::to_string((*server)->metrics_port())).c_str(),
-               (*server)->health_port() == 0 ? "" : (", health on port " + std::to_string((*server)->health_port())).c_str());
+  std::fprintf(
+      stderr, "weightstored: serving %zu checkpoints from %s on port %d%s%s%s%s\n", (*server)->registry().List().size(),
+      options.registry.models_dir.c_str(), (*server)->port(),
+      options.tls.cert_file.empty() ? "" : (options.tls.client_ca_file.empty() ? " (TLS)" : " (mutual TLS)"),
+      options.socket.path.empty() ? "" : (", socket " + options.socket.path).c_str(),
+      (*server)->metrics_port() == 0 ? "" : (", metrics on port " + std::to_string((*server)->metrics_port())).c_str(),
+      (*server)->health_port() == 0 ? "" : (", health on port " + std::to_string((*server)->health_port())).c_str());
   // Port files for scripts and tests: <file>.metrics and <file>.health first,
   // then <file> itself (renamed into place), so that its presence means all are there.
   auto write_port = [](const std::string& path, int port) {

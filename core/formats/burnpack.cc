@@ -8,8 +8,8 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "core/formats/byte_reader.h"
 #include "core/checked_math.h"
+#include "core/formats/byte_reader.h"
 #include "core/status_macros.h"
 
 namespace weightstore {
@@ -24,9 +24,7 @@ constexpr uint64_t kMaxFileSize = uint64_t{100} << 30;
 constexpr size_t kMaxCborDepth = 128;
 constexpr uint64_t kMaxCborItems = 4000000;
 
-uint64_t AlignUp(uint64_t value, uint64_t alignment) {
-  return (value + alignment - 1) / alignment * alignment;
-}
+uint64_t AlignUp(uint64_t value, uint64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
 
 // A first pass over the CBOR stream with libcbor's streaming decoder, before
 // cbor_load builds anything: bounds nesting depth and item count, and refuses
@@ -98,8 +96,8 @@ absl::Status ScanCbor(absl::string_view data) {
   size_t pos = 0;
   do {
     if (pos >= data.size()) return absl::InvalidArgumentError("CBOR metadata is truncated");
-    cbor_decoder_result result = cbor_stream_decode(
-        reinterpret_cast<cbor_data>(data.data() + pos), data.size() - pos, &callbacks, &state);
+    cbor_decoder_result result =
+        cbor_stream_decode(reinterpret_cast<cbor_data>(data.data() + pos), data.size() - pos, &callbacks, &state);
     if (result.status != CBOR_DECODER_FINISHED || result.read == 0) {
       return absl::InvalidArgumentError(absl::StrCat("CBOR metadata is malformed at byte ", pos));
     }
@@ -145,10 +143,10 @@ absl::StatusOr<DType> DecodeDType(const cbor_item_t* item) {
   std::string tag;
   if (GetText(item, &tag)) {
     static const std::map<std::string, DType> kText = {
-        {"F64", DType::kF64}, {"F32", DType::kF32}, {"Flex32", DType::kF32}, {"F16", DType::kF16},
-        {"BF16", DType::kBF16}, {"I64", DType::kI64}, {"I32", DType::kI32}, {"I16", DType::kI16},
-        {"I8", DType::kI8},   {"U64", DType::kU64}, {"U32", DType::kU32},   {"U16", DType::kU16},
-        {"U8", DType::kU8},   {"Bool", DType::kBool}};  // "Bool" text: files before Burn #4649
+        {"F64", DType::kF64},   {"F32", DType::kF32},  {"Flex32", DType::kF32}, {"F16", DType::kF16},
+        {"BF16", DType::kBF16}, {"I64", DType::kI64},  {"I32", DType::kI32},    {"I16", DType::kI16},
+        {"I8", DType::kI8},     {"U64", DType::kU64},  {"U32", DType::kU32},    {"U16", DType::kU16},
+        {"U8", DType::kU8},     {"Bool", DType::kBool}};  // "Bool" text: files before Burn #4649
     auto it = kText.find(tag);
     if (it == kText.end()) return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", tag, "'"));
     return it->second;
@@ -262,7 +260,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseBurnpack(SharedBytes byte
             }
             has_shape = true;
           } else if (field == "data_offsets") {
-            if (!GetUintArray(fields[k].value, &offsets) || offsets.size() != 2) return fault("has malformed data_offsets");
+            if (!GetUintArray(fields[k].value, &offsets) || offsets.size() != 2)
+              return fault("has malformed data_offsets");
             has_offsets = true;
           } else if (field == "param_id") {
             uint64_t id;
@@ -276,14 +275,15 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseBurnpack(SharedBytes byte
         if (length > kMaxTensorSize) return fault("is larger than 10 GiB");
         auto numel = CheckedNumElements(entry.spec.shape);
         auto nbytes = numel ? CheckedMul(*numel, DTypeSize(entry.spec.dtype)) : std::nullopt;
-        if (!nbytes) return fault(absl::StrCat("has a shape ", ShapeToString(entry.spec.shape), " whose size overflows"));
+        if (!nbytes)
+          return fault(absl::StrCat("has a shape ", ShapeToString(entry.spec.shape), " whose size overflows"));
         if (*nbytes != length) {
           return fault(absl::StrCat("covers ", length, " bytes, but ", DTypeName(entry.spec.dtype), " ",
                                     ShapeToString(entry.spec.shape), " needs ", *nbytes));
         }
         if (offsets[1] > available) {
-          return fault(absl::StrCat("ends at data offset ", offsets[1], ", past the end of the file (",
-                                    available, " data bytes)"));
+          return fault(absl::StrCat("ends at data offset ", offsets[1], ", past the end of the file (", available,
+                                    " data bytes)"));
         }
         entry.layout.storage = storage;
         entry.layout.offset = offsets[0];
@@ -295,9 +295,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseBurnpack(SharedBytes byte
   if (!seen_tensors) return bad("CBOR metadata has no 'tensors' map");
 
   // Data order is the writer's input order: present tensors that way.
-  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
-    return std::pair(a.begin, a.end) < std::pair(b.begin, b.end);
-  });
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return std::pair(a.begin, a.end) < std::pair(b.begin, b.end); });
   uint64_t end = 0;
   std::vector<CheckpointEntry> ordered;
   ordered.reserve(entries.size());
@@ -349,8 +348,7 @@ absl::Status EncodeDType(DType dtype, absl::string_view name, CborOut* out) {
       return absl::OkStatus();
     case DType::kF8E4M3:
     case DType::kF8E5M2:
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor '", name, "': Burnpack cannot store ", DTypeName(dtype)));
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': Burnpack cannot store ", DTypeName(dtype)));
     default:
       out->Text(DTypeName(dtype));
       return absl::OkStatus();

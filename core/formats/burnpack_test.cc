@@ -96,7 +96,9 @@ TEST(BurnpackWriterTest, AlignsTensorsTo256AndSortsDescriptorsByName) {
   const uint64_t data_start = (10 + metadata_size + 255) / 256 * 256;
   EXPECT_EQ(bytes.size(), data_start + 256 + 2);  // zeta at 0, alpha at 256, no trailing padding
   EXPECT_LT(bytes.find("alpha"), bytes.find("zeta"));
-  EXPECT_NE(bytes.find("\xa1\x64" "Bool\x66Native"), std::string::npos);
+  EXPECT_NE(bytes.find("\xa1\x64"
+                       "Bool\x66Native"),
+            std::string::npos);
   ASSERT_OK_AND_ASSIGN(auto c, Parse(bytes));
   EXPECT_EQ(c->entries()[0].spec.name, "zeta");
   EXPECT_EQ(c->metadata().at("producer"), "test");
@@ -117,7 +119,8 @@ TEST(BurnpackWriterTest, RefusesDTypesBurnCannotStore) {
 }
 
 TEST(BurnpackTest, AcceptsTheLegacyBoolTextTag) {
-  ASSERT_OK_AND_ASSIGN(auto c, Parse(Pack(Cbor().M(1).T("tensors").M(1).Tensor("b", "Bool", {2}, 0, 2).out, std::string("\1\0", 2))));
+  ASSERT_OK_AND_ASSIGN(
+      auto c, Parse(Pack(Cbor().M(1).T("tensors").M(1).Tensor("b", "Bool", {2}, 0, 2).out, std::string("\1\0", 2))));
   EXPECT_EQ(c->Find("b")->spec.dtype, DType::kBool);
 }
 
@@ -182,8 +185,9 @@ TEST(BurnpackTest, RejectsQuantizedTensorsWithAClearMessage) {
   Cbor cbor;
   cbor.M(1).T("tensors").M(1).T("q").M(3).T("dtype").M(1).T("QFloat").M(0);
   cbor.T("shape").A(1).U(1).T("data_offsets").A(2).U(0).U(1);
-  EXPECT_THAT(Parse(Pack(cbor.out, "x")), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                   HasSubstr("tensor 'q' quantized (QFloat) tensors are not supported")));
+  EXPECT_THAT(Parse(Pack(cbor.out, "x")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("tensor 'q' quantized (QFloat) tensors are not supported")));
 }
 
 TEST(BurnpackTest, RejectsMissingTensorsMapAndMalformedCbor) {

@@ -50,12 +50,11 @@ absl::Status WritePlanned(const WritePlan& plan, const std::vector<TensorSpec>& 
     WEIGHTSTORE_RETURN_IF_ERROR(sink.AppendZeros(plan.offsets[k] - pos));
     absl::StatusOr<SharedBytes> bytes = producers[i]();
     if (!bytes.ok()) {
-      return absl::Status(bytes.status().code(),
-                          absl::StrCat("tensor '", spec.name, "': ", bytes.status().message()));
+      return absl::Status(bytes.status().code(), absl::StrCat("tensor '", spec.name, "': ", bytes.status().message()));
     }
     if (bytes->size() != spec.byte_size()) {
-      return absl::InternalError(absl::StrCat("tensor '", spec.name, "' produced ", bytes->size(),
-                                              " bytes, expected ", spec.byte_size()));
+      return absl::InternalError(
+          absl::StrCat("tensor '", spec.name, "' produced ", bytes->size(), " bytes, expected ", spec.byte_size()));
     }
     // Write in 8 MiB windows, each populated in one call first: faulting a
     // mapping in page by page inside write() is the slow part of a copy.
@@ -86,8 +85,7 @@ struct StringSink {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(std::string path,
-                                                                           const FormatSpec& format,
+absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(std::string path, const FormatSpec& format,
                                                                            WriteOptions options) {
   if (!format.writable()) {
     return absl::InvalidArgumentError(
@@ -123,8 +121,8 @@ namespace {
 
 // Adds every item's spec with a producer that reads it through `read`, then writes.
 template <typename Items, typename Read>
-absl::Status WriteAll(const Items& items, Read read, const std::string& path, const FormatSpec& format, const Metadata& metadata,
-                      const WriteOptions& options) {
+absl::Status WriteAll(const Items& items, Read read, const std::string& path, const FormatSpec& format,
+                      const Metadata& metadata, const WriteOptions& options) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
                                CheckpointWriter::Create(path, format, options));
   writer->SetMetadata(metadata);
@@ -141,8 +139,9 @@ absl::Status WriteAll(const Items& items, Read read, const std::string& path, co
 
 absl::Status WriteCheckpoint(const Checkpoint& checkpoint, const std::string& path, const FormatSpec& format,
                              const Metadata& metadata, const WriteOptions& options) {
-  return WriteAll(checkpoint.entries(), [&](const CheckpointEntry& e) { return checkpoint.Read(e); }, path, format,
-                  metadata, options);
+  return WriteAll(
+      checkpoint.entries(), [&](const CheckpointEntry& e) { return checkpoint.Read(e); }, path, format, metadata,
+      options);
 }
 
 absl::StatusOr<std::string> SerializeCheckpoint(const FormatSpec& format, const std::vector<SharedTensor>& tensors,

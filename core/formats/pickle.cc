@@ -46,24 +46,39 @@ const std::map<std::string, GlobalInfo, std::less<>>& AllowedGlobals() {
         {"torch.UntypedStorage", {PickleGlobal::kStorageClass, DType::kU8, true}},
     };
     const std::pair<const char*, DType> storages[] = {
-        {"FloatStorage", DType::kF32}, {"DoubleStorage", DType::kF64}, {"HalfStorage", DType::kF16},
-        {"BFloat16Storage", DType::kBF16}, {"LongStorage", DType::kI64}, {"IntStorage", DType::kI32},
-        {"ShortStorage", DType::kI16}, {"CharStorage", DType::kI8}, {"ByteStorage", DType::kU8},
+        {"FloatStorage", DType::kF32},     {"DoubleStorage", DType::kF64}, {"HalfStorage", DType::kF16},
+        {"BFloat16Storage", DType::kBF16}, {"LongStorage", DType::kI64},   {"IntStorage", DType::kI32},
+        {"ShortStorage", DType::kI16},     {"CharStorage", DType::kI8},    {"ByteStorage", DType::kU8},
         {"BoolStorage", DType::kBool},
     };
     for (auto [name, dtype] : storages) (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kStorageClass, dtype};
     const std::pair<const char*, DType> dtypes[] = {
-        {"float32", DType::kF32}, {"float", DType::kF32}, {"float64", DType::kF64}, {"double", DType::kF64},
-        {"float16", DType::kF16}, {"half", DType::kF16}, {"bfloat16", DType::kBF16}, {"int64", DType::kI64},
-        {"long", DType::kI64}, {"int32", DType::kI32}, {"int", DType::kI32}, {"int16", DType::kI16},
-        {"short", DType::kI16}, {"int8", DType::kI8}, {"uint8", DType::kU8}, {"bool", DType::kBool},
-        {"uint16", DType::kU16}, {"uint32", DType::kU32}, {"uint64", DType::kU64},
-        {"float8_e4m3fn", DType::kF8E4M3}, {"float8_e5m2", DType::kF8E5M2},
+        {"float32", DType::kF32},
+        {"float", DType::kF32},
+        {"float64", DType::kF64},
+        {"double", DType::kF64},
+        {"float16", DType::kF16},
+        {"half", DType::kF16},
+        {"bfloat16", DType::kBF16},
+        {"int64", DType::kI64},
+        {"long", DType::kI64},
+        {"int32", DType::kI32},
+        {"int", DType::kI32},
+        {"int16", DType::kI16},
+        {"short", DType::kI16},
+        {"int8", DType::kI8},
+        {"uint8", DType::kU8},
+        {"bool", DType::kBool},
+        {"uint16", DType::kU16},
+        {"uint32", DType::kU32},
+        {"uint64", DType::kU64},
+        {"float8_e4m3fn", DType::kF8E4M3},
+        {"float8_e5m2", DType::kF8E5M2},
     };
     for (auto [name, dtype] : dtypes) (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kDTypeObject, dtype};
     // Legacy tensor type names (TAR checkpoints record them per tensor).
-    for (const char* name : {"FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "LongTensor",
-                             "IntTensor", "ShortTensor", "CharTensor", "ByteTensor", "BoolTensor"}) {
+    for (const char* name : {"FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "LongTensor", "IntTensor",
+                             "ShortTensor", "CharTensor", "ByteTensor", "BoolTensor"}) {
       (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kTensorClass};
     }
     return m;
@@ -82,8 +97,7 @@ class PickleMachine {
 
  private:
   absl::Status Error(absl::string_view message) const {
-    return absl::InvalidArgumentError(
-        absl::StrCat("pickle in ", what_, " at byte ", op_pos_, ": ", message));
+    return absl::InvalidArgumentError(absl::StrCat("pickle in ", what_, " at byte ", op_pos_, ": ", message));
   }
   absl::StatusOr<PickleValue*> New(Kind kind) {
     if (result_->values_.size() >= limits_.max_values) return Error("too many values");
@@ -162,8 +176,7 @@ class PickleMachine {
   absl::Status SetItems(std::vector<const PickleValue*> kv);
   absl::Status Append(std::vector<const PickleValue*> items);
   absl::Status Reduce(const PickleValue* callable, const PickleValue* args);
-  absl::Status Call(const PickleValue* callable, const std::vector<const PickleValue*>& args,
-                    const PickleValue** out);
+  absl::Status Call(const PickleValue* callable, const std::vector<const PickleValue*>& args, const PickleValue** out);
   absl::StatusOr<const PickleValue*> MakeTensor(PickleGlobal kind, const std::vector<const PickleValue*>& args);
   absl::Status PersistentId(const PickleValue* pid);
 

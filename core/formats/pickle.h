@@ -28,19 +28,19 @@ namespace weightstore {
 // Allow-listed callables and classes a pickle may name.
 enum class PickleGlobal {
   kOrderedDict,
-  kRebuildTensor,       // torch._utils._rebuild_tensor
-  kRebuildTensorV2,     // torch._utils._rebuild_tensor_v2
-  kRebuildTensorV3,     // torch._utils._rebuild_tensor_v3
-  kRebuildParameter,    // torch._utils._rebuild_parameter
+  kRebuildTensor,     // torch._utils._rebuild_tensor
+  kRebuildTensorV2,   // torch._utils._rebuild_tensor_v2
+  kRebuildTensorV3,   // torch._utils._rebuild_tensor_v3
+  kRebuildParameter,  // torch._utils._rebuild_parameter
   kRebuildParameterWithState,
-  kRebuildFromTypeV2,   // torch._tensor._rebuild_from_type_v2
-  kTensorClass,         // torch.Tensor, torch.nn.parameter.Parameter
+  kRebuildFromTypeV2,  // torch._tensor._rebuild_from_type_v2
+  kTensorClass,        // torch.Tensor, torch.nn.parameter.Parameter
   kTorchSize,
   kCodecsEncode,
-  kSet,                 // builtins.set / frozenset
+  kSet,  // builtins.set / frozenset
   kBytearray,
-  kStorageClass,        // torch.FloatStorage, ... (dtype set), torch.UntypedStorage
-  kDTypeObject,         // torch.float32, ...
+  kStorageClass,  // torch.FloatStorage, ... (dtype set), torch.UntypedStorage
+  kDTypeObject,   // torch.float32, ...
 };
 
 struct PickleValue;
@@ -48,12 +48,12 @@ struct PickleValue;
 // A storage named by a persistent id ('storage', class, key, location, numel[, view]).
 struct PickleStorage {
   DType dtype = DType::kU8;
-  bool untyped = false;       // UntypedStorage: numel counts bytes, dtype from the tensor
+  bool untyped = false;  // UntypedStorage: numel counts bytes, dtype from the tensor
   std::string key;
   uint64_t numel = 0;
-  bool has_view = false;      // legacy view metadata (view_key, offset, size)
+  bool has_view = false;  // legacy view metadata (view_key, offset, size)
   std::string view_key;
-  uint64_t view_offset = 0;   // in elements of the root storage
+  uint64_t view_offset = 0;  // in elements of the root storage
   uint64_t view_size = 0;
 };
 
@@ -66,18 +66,31 @@ struct PickleTensor {
 };
 
 struct PickleValue {
-  enum class Kind { kNone, kBool, kInt, kFloat, kString, kBytes, kList, kTuple, kDict,
-                    kGlobal, kStorage, kTensor, kPersistentId };
+  enum class Kind {
+    kNone,
+    kBool,
+    kInt,
+    kFloat,
+    kString,
+    kBytes,
+    kList,
+    kTuple,
+    kDict,
+    kGlobal,
+    kStorage,
+    kTensor,
+    kPersistentId
+  };
   Kind kind = Kind::kNone;
   bool b = false;
   int64_t i = 0;
   double f = 0;
-  std::string s;                                   // string, bytes, persistent-id key
-  std::vector<const PickleValue*> items;           // list, tuple
+  std::string s;                                                        // string, bytes, persistent-id key
+  std::vector<const PickleValue*> items;                                // list, tuple
   std::vector<std::pair<const PickleValue*, const PickleValue*>> dict;  // in insertion order
   PickleGlobal global = PickleGlobal::kOrderedDict;
-  std::string global_name;                         // "module.name"
-  DType global_dtype = DType::kU8;                 // storage classes and dtype objects
+  std::string global_name;          // "module.name"
+  DType global_dtype = DType::kU8;  // storage classes and dtype objects
   bool global_untyped = false;
   PickleStorage storage;
   PickleTensor tensor;
@@ -112,8 +125,7 @@ class PickleResult {
 // receives the bytes read up to and including STOP. `what` names the source in
 // errors ("'model.pt' (data.pkl)").
 absl::StatusOr<std::unique_ptr<PickleResult>> Unpickle(absl::string_view data, absl::string_view what,
-                                                       const PickleLimits& limits = {},
-                                                       size_t* consumed = nullptr);
+                                                       const PickleLimits& limits = {}, size_t* consumed = nullptr);
 
 }  // namespace weightstore
 

@@ -38,7 +38,7 @@ TEST(PickleTest, RefusesOsSystemNamingTheGlobal) {
   PickleBuilder p;
   p.Proto(2).Global("posix", "system").Mark().Str("touch pwned").Tuple().Reduce().Stop();
   EXPECT_THAT(Unpickled(p.str()), StatusIs(absl::StatusCode::kInvalidArgument,
-                                     HasSubstr("global 'posix.system' is not on the allow-list")));
+                                           HasSubstr("global 'posix.system' is not on the allow-list")));
 }
 
 TEST(PickleTest, RefusesStackGlobalOutsideTheAllowList) {
@@ -47,7 +47,8 @@ TEST(PickleTest, RefusesStackGlobalOutsideTheAllowList) {
 }
 
 TEST(PickleTest, RefusesInstOfAnUnlistedClass) {
-  EXPECT_THAT(Unpickled("(S'ls'\nios\nsystem\n."), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'os.system'")));
+  EXPECT_THAT(Unpickled("(S'ls'\nios\nsystem\n."),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'os.system'")));
 }
 
 TEST(PickleTest, RefusesSetItemOnAList) {
@@ -73,7 +74,9 @@ TEST(PickleTest, RefusesTruncationAndStackUnderflow) {
   p.Proto(2).EmptyDict();
   EXPECT_THAT(Unpickled(p.str()), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("without STOP")));
   EXPECT_THAT(Unpickled("\x80\x02s."), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("underflow")));
-  EXPECT_THAT(Unpickled(std::string("\x80\x02X\x00\x10\x00\x00" "abc", 10)),
+  EXPECT_THAT(Unpickled(std::string("\x80\x02X\x00\x10\x00\x00"
+                                    "abc",
+                                    10)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("truncated")));
 }
 

@@ -12,11 +12,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/formats/byte_reader.h"
 #include "core/checked_math.h"
+#include "core/formats/byte_reader.h"
 #include "core/formats/pickle.h"
-#include "core/status_macros.h"
 #include "core/formats/zip_reader.h"
+#include "core/status_macros.h"
 
 namespace weightstore {
 namespace {
@@ -32,8 +32,7 @@ constexpr uint64_t kMaxNameBytesBuilt = uint64_t{256} << 20;
 constexpr uint64_t kMaxPickleBytes = uint64_t{256} << 20;
 
 // Returns a LazyStorage for a storage key, or an error naming it.
-using StorageResolver =
-    std::function<absl::StatusOr<std::shared_ptr<const LazyStorage>>(const PickleStorage& storage)>;
+using StorageResolver = std::function<absl::StatusOr<std::shared_ptr<const LazyStorage>>(const PickleStorage& storage)>;
 
 // TAR checkpoints: persistent id -> the tensor (or storage) it names.
 using PersistentTable = absl::flat_hash_map<std::string, const PickleValue*>;
@@ -46,7 +45,10 @@ absl::Status Bad(const std::string& path, absl::string_view what) {
 class Flattener {
  public:
   Flattener(const std::string& path, const OpenOptions& options, const PersistentTable* persistent)
-      : path_(path), max_tensors_(options.max_tensors), max_name_bytes_(options.max_name_bytes), persistent_(persistent) {}
+      : path_(path),
+        max_tensors_(options.max_tensors),
+        max_name_bytes_(options.max_name_bytes),
+        persistent_(persistent) {}
 
   absl::Status Walk(const PickleValue* value, const std::string& prefix, size_t depth) {
     if (++nodes_ > kMaxWalkNodes) return Bad(path_, "pickle structure is too large to flatten");
@@ -130,8 +132,9 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> BuildCheckpoint(const PickleVa
                                                                   const PersistentTable* persistent = nullptr) {
   Flattener flattener(path, options, persistent);
   if (root->kind != Kind::kDict) {
-    return Bad(path, "the pickle's root is not a dict (a full torch.save(model) is not supported; "
-                     "save model.state_dict() instead)");
+    return Bad(path,
+               "the pickle's root is not a dict (a full torch.save(model) is not supported; "
+               "save model.state_dict() instead)");
   }
   const PickleValue* start = root;
   if (!options.top_level_key.empty()) {
@@ -144,9 +147,9 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> BuildCheckpoint(const PickleVa
       if (key == options.top_level_key) start = value;
     }
     if (start == nullptr || start->kind != Kind::kDict) {
-      return absl::NotFoundError(absl::StrCat(
-          "'", path, "' has no dict under top-level key '", options.top_level_key, "'; dict-valued keys: ",
-          available.empty() ? "(none)" : absl::StrJoin(available, ", ")));
+      return absl::NotFoundError(
+          absl::StrCat("'", path, "' has no dict under top-level key '", options.top_level_key,
+                       "'; dict-valued keys: ", available.empty() ? "(none)" : absl::StrJoin(available, ", ")));
     }
   }
   WEIGHTSTORE_RETURN_IF_ERROR(flattener.Walk(start, "", 0));
@@ -159,7 +162,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> BuildCheckpoint(const PickleVa
     const PickleStorage& s = t.storage->storage;
     CheckpointEntry entry;
     entry.spec.name = name;
-    if (s.untyped && !t.dtype) return Bad(path, absl::StrCat("tensor '", name, "' has an untyped storage and no dtype"));
+    if (s.untyped && !t.dtype)
+      return Bad(path, absl::StrCat("tensor '", name, "' has an untyped storage and no dtype"));
     entry.spec.dtype = t.dtype.value_or(s.dtype);
     if (!s.untyped && t.dtype && *t.dtype != s.dtype) {
       return Bad(path, absl::StrCat("tensor '", name, "' has dtype ", DTypeName(*t.dtype), " but a ",
@@ -170,8 +174,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> BuildCheckpoint(const PickleVa
     if (it == storages.end()) {
       absl::StatusOr<std::shared_ptr<const LazyStorage>> storage = resolve(s);
       if (!storage.ok()) {
-        return absl::Status(storage.status().code(),
-                            absl::StrCat("tensor '", name, "': ", storage.status().message()));
+        return absl::Status(storage.status().code(), absl::StrCat("tensor '", name, "': ", storage.status().message()));
       }
       it = storages.emplace(t.storage, *storage).first;
     }
@@ -195,8 +198,8 @@ absl::StatusOr<uint64_t> DeclaredBytes(const PickleStorage& s, const std::string
 
 // Applies legacy view metadata: the storage is a window of its root storage.
 absl::StatusOr<std::shared_ptr<const LazyStorage>> ApplyView(const PickleStorage& s,
-                                                            std::shared_ptr<const LazyStorage> root,
-                                                            const std::string& path) {
+                                                             std::shared_ptr<const LazyStorage> root,
+                                                             const std::string& path) {
   if (!s.has_view) return root;
   const uint64_t elem = s.untyped ? 1 : DTypeSize(s.dtype);
   auto begin = CheckedMul(s.view_offset, elem), length = CheckedMul(s.view_size, elem);
@@ -227,8 +230,9 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseZip(SharedBytes bytes, co
   if (!found) return Bad(path, "zip archive has no data.pkl (not a torch.save checkpoint)");
   for (const ZipEntry& e : zip->entries()) {
     if (e.name == root + "constants.pkl" || absl::StartsWith(e.name, root + "code/")) {
-      return Bad(path, "is a TorchScript archive; only torch.save checkpoints are read "
-                       "(TorchScript would need its code to run)");
+      return Bad(path,
+                 "is a TorchScript archive; only torch.save checkpoints are read "
+                 "(TorchScript would need its code to run)");
     }
   }
   std::string detail = "zip";
@@ -269,9 +273,9 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseZip(SharedBytes bytes, co
       // into memory that lives as long as the version: bounded per checkpoint.
       deflated += entry->uncompressed_size;
       if (deflated > options.max_inflated_bytes) {
-        return Bad(path, absl::StrCat("storage record '", record, "' is compressed, and more than ",
-                                      options.max_inflated_bytes,
-                                      " bytes of compressed records would be inflated (torch.save stores them uncompressed)"));
+        return Bad(path, absl::StrCat(
+                             "storage record '", record, "' is compressed, and more than ", options.max_inflated_bytes,
+                             " bytes of compressed records would be inflated (torch.save stores them uncompressed)"));
       }
     }
     if (it != by_key.end()) {
@@ -279,8 +283,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseZip(SharedBytes bytes, co
     } else if (entry->method == 0 && !verify) {
       storage = LazyStorage::Ready(bytes.Subspan(entry->data_offset, entry->uncompressed_size));
     } else {
-      storage = LazyStorage::Deferred(entry->uncompressed_size,
-                                      [zip, entry, verify] { return zip->Read(*entry, verify); });
+      storage =
+          LazyStorage::Deferred(entry->uncompressed_size, [zip, entry, verify] { return zip->Read(*entry, verify); });
     }
     by_key[s.key] = storage;
     return ApplyView(s, storage, path);
@@ -423,9 +427,12 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseTar(SharedBytes bytes, co
     return result;
   };
   auto as_key = [](const PickleValue* v, std::string* out) {
-    if (v->kind == Kind::kString) *out = v->s;
-    else if (v->kind == Kind::kInt) *out = absl::StrCat(v->i);
-    else return false;
+    if (v->kind == Kind::kString)
+      *out = v->s;
+    else if (v->kind == Kind::kInt)
+      *out = absl::StrCat(v->i);
+    else
+      return false;
     return true;
   };
 
@@ -576,10 +583,11 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParsePyTorch(SharedBytes bytes
   }
   if (!data.empty() && static_cast<uint8_t>(data[0]) == 0x80) return ParsePlainPickle(std::move(bytes), path, options);
   // The file's bytes are not quoted: this message can reach a remote caller.
-  return absl::InvalidArgumentError(absl::StrCat(
-      "'", path, "' is not a SafeTensors, Burnpack or PyTorch checkpoint (",
-      data.empty() ? "the file is empty" : absl::StrCat("no known signature in its first bytes; ", data.size(), " bytes"),
-      ")"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", path, "' is not a SafeTensors, Burnpack or PyTorch checkpoint (",
+                   data.empty() ? "the file is empty"
+                                : absl::StrCat("no known signature in its first bytes; ", data.size(), " bytes"),
+                   ")"));
 }
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadPyTorch(std::shared_ptr<const MappedFile> file,

@@ -83,8 +83,13 @@ TEST(PyTorchTest, RefusesABroadcastViewThatExpandsFarBeyondItsStorage) {
   OpenOptions strict;
   strict.max_expansion = 1;
   PickleBuilder wide;  // 2 MiB served from 1 MiB read
-  wide.Proto(2).EmptyDict().Mark().Str("e").Tensor("FloatStorage", "0", 1u << 18, 0, {2, 1u << 18}, {0, 1})
-      .SetItems().Stop();
+  wide.Proto(2)
+      .EmptyDict()
+      .Mark()
+      .Str("e")
+      .Tensor("FloatStorage", "0", 1u << 18, 0, {2, 1u << 18}, {0, 1})
+      .SetItems()
+      .Stop();
   EXPECT_THAT(Parse(TorchZip(wide.str(), {{"0", std::string(1 << 20, '\0')}}), strict),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("more than 1x")));
 }
@@ -195,11 +200,13 @@ TEST(PyTorchTest, SelectsATopLevelKeyAndListsTheAlternatives) {
 TEST(PyTorchTest, RefusesARootThatIsNotADict) {
   PickleBuilder p;
   p.Proto(2).EmptyList().Stop();
-  EXPECT_THAT(Parse(TorchZip(p.str(), {})), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("root is not a dict")));
+  EXPECT_THAT(Parse(TorchZip(p.str(), {})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("root is not a dict")));
 }
 
 TEST(PyTorchTest, NamesUnrecognizedBytesAndEmptyFiles) {
-  EXPECT_THAT(Parse("abc"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no known signature in its first bytes; 3 bytes")));
+  EXPECT_THAT(Parse("abc"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     HasSubstr("no known signature in its first bytes; 3 bytes")));
   EXPECT_THAT(Parse(""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty")));
 }
 

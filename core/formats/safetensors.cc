@@ -8,8 +8,8 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "core/formats/byte_reader.h"
 #include "core/checked_math.h"
+#include "core/formats/byte_reader.h"
 #include "core/status_macros.h"
 
 namespace weightstore {
@@ -76,7 +76,8 @@ class HeaderSax {
         entries_.back().name = key_;
         return Enter(Context::kTensor);
       case Context::kTensor:
-        if (IsKnownField()) return Fail(absl::StrCat("field '", key_, "' of tensor '", entries_.back().name, "' has the wrong type"));
+        if (IsKnownField())
+          return Fail(absl::StrCat("field '", key_, "' of tensor '", entries_.back().name, "' has the wrong type"));
         return Enter(Context::kSkip);
       case Context::kSkip:
         return Enter(Context::kSkip);
@@ -101,7 +102,8 @@ class HeaderSax {
           entries_.back().has_offsets = true;
           return Enter(Context::kOffsets);
         }
-        if (IsKnownField()) return Fail(absl::StrCat("field '", key_, "' of tensor '", entries_.back().name, "' has the wrong type"));
+        if (IsKnownField())
+          return Fail(absl::StrCat("field '", key_, "' of tensor '", entries_.back().name, "' has the wrong type"));
         return Enter(Context::kSkip);
       case Context::kSkip:
         return Enter(Context::kSkip);
@@ -118,7 +120,8 @@ class HeaderSax {
     Context top = stack_.back();
     if (top == Context::kTop) {
       if (key.empty()) return Fail("a tensor has an empty name");
-      if (key.size() > kMaxNameBytes) return Fail(absl::StrCat("a tensor name is longer than ", kMaxNameBytes, " bytes"));
+      if (key.size() > kMaxNameBytes)
+        return Fail(absl::StrCat("a tensor name is longer than ", kMaxNameBytes, " bytes"));
       if (key.find('\0') != std::string::npos) return Fail("a tensor name contains NUL");
       if (!top_keys_.insert(key).second) return Fail(absl::StrCat("duplicate key '", key, "'"));
       if (entries_.size() >= max_tensors_) return Fail(absl::StrCat("more than ", max_tensors_, " tensors"));
@@ -168,7 +171,8 @@ class HeaderSax {
       case Context::kMetadata:
         return Fail(absl::StrCat("__metadata__ value for '", key_, "' is not a string"));
       case Context::kTensor:
-        if (IsKnownField()) return Fail(absl::StrCat("field '", key_, "' of tensor '", entries_.back().name, "' is ", what));
+        if (IsKnownField())
+          return Fail(absl::StrCat("field '", key_, "' of tensor '", entries_.back().name, "' is ", what));
         return true;  // unknown fields are ignored, as the reference reader does
       case Context::kShape:
       case Context::kOffsets:
@@ -201,8 +205,7 @@ bool IsSafeTensors(absl::string_view file) {
   return i < 8 + n && file[i] == '{';
 }
 
-absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes bytes,
-                                                                   const std::string& path,
+absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes bytes, const std::string& path,
                                                                    const OpenOptions& options) {
   auto bad = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a valid SafeTensors file: ", what));
@@ -217,8 +220,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes b
   absl::string_view header = file.substr(8, n);
 
   HeaderSax sax(options.max_tensors);
-  bool ok = nlohmann::json::sax_parse(header.begin(), header.end(), &sax,
-                                      nlohmann::json::input_format_t::json, /*strict=*/true);
+  bool ok = nlohmann::json::sax_parse(header.begin(), header.end(), &sax, nlohmann::json::input_format_t::json,
+                                      /*strict=*/true);
   if (!ok || !sax.error().empty()) return bad(sax.error().empty() ? "invalid JSON" : sax.error());
 
   // Validate sizes, then offsets: contiguous from 0 and covering the data exactly.
@@ -260,8 +263,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes b
   for (size_t i : by_offset) {
     const CheckpointEntry& e = entries[i];
     if (e.layout.offset != expected) {
-      return bad(absl::StrCat("tensor '", e.spec.name, "' starts at data offset ", e.layout.offset,
-                              ", expected ", expected, e.layout.offset < expected ? " (overlap)" : " (gap)"));
+      return bad(absl::StrCat("tensor '", e.spec.name, "' starts at data offset ", e.layout.offset, ", expected ",
+                              expected, e.layout.offset < expected ? " (overlap)" : " (gap)"));
     }
     expected += e.spec.byte_size();
   }
@@ -279,8 +282,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadSafeTensors(std::shared_pt
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenShardedSafeTensors(const std::string& index_path,
                                                                          const OpenOptions& options) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> index_file,
-                               OpenCheckpointFile(index_path, options));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> index_file, OpenCheckpointFile(index_path, options));
   auto bad = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("'", index_path, "' is not a valid SafeTensors index: ", what));
   };
@@ -299,9 +301,9 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenShardedSafeTensors(const s
     }
     return depth <= 8;
   };
-  nlohmann::json index = nlohmann::json::parse(index_file->bytes().view().begin(),
-                                               index_file->bytes().view().end(), on_event,
-                                               /*allow_exceptions=*/false);
+  nlohmann::json index =
+      nlohmann::json::parse(index_file->bytes().view().begin(), index_file->bytes().view().end(), on_event,
+                            /*allow_exceptions=*/false);
   if (index.is_discarded()) return bad("invalid JSON");
   if (!duplicate.empty()) return bad(absl::StrCat("duplicate key '", duplicate, "'"));
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
@@ -330,8 +332,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenShardedSafeTensors(const s
   std::vector<std::shared_ptr<const MappedFile>> files;
   for (const std::string& shard_name : shard_names) {
     std::string shard_path = (folder / shard_name).string();
-    WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> shard_file,
-                                 OpenCheckpointFile(shard_path, options));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> shard_file, OpenCheckpointFile(shard_path, options));
     files.push_back(shard_file);
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> shard,
                                  ParseSafeTensors(shard_file->bytes(), shard_path, options));

@@ -30,12 +30,11 @@ bool IsSafeTensors(absl::string_view file);
 
 // Parses and validates a whole SafeTensors file held in `bytes`; `path` names it
 // in errors. Tensors keep header order.
-absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes bytes,
-                                                                   const std::string& path,
+absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes bytes, const std::string& path,
                                                                    const OpenOptions& options);
 
-absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadSafeTensors(
-    std::shared_ptr<const MappedFile> file, const OpenOptions& options);
+absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadSafeTensors(std::shared_ptr<const MappedFile> file,
+                                                                  const OpenOptions& options);
 
 // Opens `model.safetensors.index.json` and its shards as one checkpoint. Every
 // tensor of the weight map must be in the shard it names, and every shard tensor
@@ -43,14 +42,13 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadSafeTensors(
 // The shard files `index_path` names, next to it; empty when it cannot be read.
 std::vector<std::string> ShardFilesOf(const std::string& index_path);
 
-absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenShardedSafeTensors(
-    const std::string& index_path, const OpenOptions& options);
+absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenShardedSafeTensors(const std::string& index_path,
+                                                                         const OpenOptions& options);
 
 // Lays out a SafeTensors file as the reference writer does: compact JSON with
 // "__metadata__" first, tensors ordered by dtype descending then name, header
 // padded with spaces to a multiple of 8, contiguous offsets.
-absl::StatusOr<WritePlan> PlanSafeTensors(const std::vector<TensorSpec>& tensors,
-                                          const Metadata& metadata);
+absl::StatusOr<WritePlan> PlanSafeTensors(const std::vector<TensorSpec>& tensors, const Metadata& metadata);
 
 }  // namespace weightstore
 

@@ -24,9 +24,8 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Parse(const std::string& bytes
   return ParseSafeTensors(SharedBytes::Copy(bytes), "t.safetensors", options);
 }
 
-const char kTwo[] =
-    R"({"__metadata__":{"format":"pt"},"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-    R"("a":{"dtype":"U8","shape":[],"data_offsets":[8,9]}})";
+const char kTwo[] = R"({"__metadata__":{"format":"pt"},"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                    R"("a":{"dtype":"U8","shape":[],"data_offsets":[8,9]}})";
 
 TEST(SafeTensorsTest, ReadsTensorsInHeaderOrderWithMetadata) {
   ASSERT_OK_AND_ASSIGN(auto c, Parse(File(kTwo, std::string("\0\0\x80?\0\0\0@\x07", 9))));
@@ -57,8 +56,9 @@ TEST(SafeTensorsTest, AcceptsJsonWhitespaceAroundTheHeaderObject) {
 }
 
 TEST(SafeTensorsTest, AcceptsZeroSizedTensorsAndScalars) {
-  EXPECT_OK(Parse(File(R"({"e":{"dtype":"F32","shape":[0,3],"data_offsets":[0,0]},"s":{"dtype":"F64","shape":[],"data_offsets":[0,8]}})",
-                       std::string(8, '\0'))));
+  EXPECT_OK(Parse(File(
+      R"({"e":{"dtype":"F32","shape":[0,3],"data_offsets":[0,0]},"s":{"dtype":"F64","shape":[],"data_offsets":[0,8]}})",
+      std::string(8, '\0'))));
 }
 
 TEST(SafeTensorsTest, IgnoresUnknownTensorFields) {
@@ -84,9 +84,11 @@ TEST(SafeTensorsTest, RejectsHeaderRunningPastTheEnd) {
 
 TEST(SafeTensorsTest, RejectsDuplicateTensorKeys) {
   // Same 4 bytes seen as U8[4] by one parser and F32[1] by another.
-  EXPECT_THAT(Parse(File(R"({"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
-                         "abcd")),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("duplicate key 'w'")));
+  EXPECT_THAT(
+      Parse(File(
+          R"({"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+          "abcd")),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("duplicate key 'w'")));
 }
 
 TEST(SafeTensorsTest, RejectsDuplicateMetadataKeys) {
@@ -116,8 +118,9 @@ TEST(SafeTensorsTest, RejectsByteSizeThatDisagreesWithShape) {
 
 TEST(SafeTensorsTest, RejectsShapeWhoseSizeOverflows) {
   // The safetensors-cpp overflow report: this product wraps to 4 in 64 bits.
-  EXPECT_THAT(Parse(File(R"({"a":{"dtype":"U8","shape":[4194305,4194305,211106198978564],"data_offsets":[0,4]}})", "abcd")),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overflows")));
+  EXPECT_THAT(
+      Parse(File(R"({"a":{"dtype":"U8","shape":[4194305,4194305,211106198978564],"data_offsets":[0,4]}})", "abcd")),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overflows")));
 }
 
 TEST(SafeTensorsTest, RejectsGapsBetweenTensors) {
@@ -126,9 +129,11 @@ TEST(SafeTensorsTest, RejectsGapsBetweenTensors) {
 }
 
 TEST(SafeTensorsTest, RejectsOverlappingTensors) {
-  EXPECT_THAT(Parse(File(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})",
-                         "zzz")),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(overlap)")));
+  EXPECT_THAT(
+      Parse(File(
+          R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})",
+          "zzz")),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(overlap)")));
 }
 
 TEST(SafeTensorsTest, RejectsTrailingBytesSoPolyglotsCannotHide) {
@@ -186,7 +191,8 @@ TEST(SafeTensorsWriterTest, OrdersByDTypeDescendingThenNameAndPadsTheHeader) {
   EXPECT_EQ(n % 8, 0u);
   std::string header = bytes.substr(8, n);
   EXPECT_EQ(header.rfind(R"({"__metadata__":{"k":"v"},"b":{"dtype":"I64","shape":[],"data_offsets":[0,8]},)"
-                         R"("a":{"dtype":"F32","shape":[1],"data_offsets":[8,12]},)", 0),
+                         R"("a":{"dtype":"F32","shape":[1],"data_offsets":[8,12]},)",
+                         0),
             0u)
       << header;
   ASSERT_OK_AND_ASSIGN(auto c, Parse(bytes));

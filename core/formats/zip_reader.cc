@@ -41,8 +41,7 @@ class Faults {
 absl::Status CheckName(absl::string_view name, const Faults& faults) {
   if (name.empty()) return faults.Bad("an entry has an empty name");
   if (name.find('\0') != absl::string_view::npos || name.find('\\') != absl::string_view::npos) {
-    return faults.Bad(absl::StrCat("entry name '", absl::CHexEscape(name),
-                                   "' contains a NUL or a backslash"));
+    return faults.Bad(absl::StrCat("entry name '", absl::CHexEscape(name), "' contains a NUL or a backslash"));
   }
   if (name.front() == '/') return faults.Bad(absl::StrCat("entry name '", name, "' is absolute"));
   for (absl::string_view part : absl::StrSplit(name, '/')) {
@@ -55,9 +54,9 @@ absl::Status CheckName(absl::string_view name, const Faults& faults) {
 
 // Reads the ZIP64 extended-information extra field: each value is present only
 // when its 32-bit counterpart in the fixed header is 0xFFFFFFFF.
-absl::Status ApplyZip64Extra(absl::string_view extra, bool need_usize, bool need_csize,
-                             bool need_offset, uint64_t* usize, uint64_t* csize,
-                             uint64_t* offset, absl::string_view name, const Faults& faults) {
+absl::Status ApplyZip64Extra(absl::string_view extra, bool need_usize, bool need_csize, bool need_offset,
+                             uint64_t* usize, uint64_t* csize, uint64_t* offset, absl::string_view name,
+                             const Faults& faults) {
   ByteReader reader(extra);
   while (reader.remaining() >= 4) {
     uint16_t id = 0, size = 0;
@@ -93,8 +92,7 @@ uint32_t Crc32(absl::string_view data) {
   return static_cast<uint32_t>(crc);
 }
 
-absl::StatusOr<ZipArchive> ZipArchive::Open(SharedBytes archive, absl::string_view path,
-                                            const ZipLimits& limits) {
+absl::StatusOr<ZipArchive> ZipArchive::Open(SharedBytes archive, absl::string_view path, const ZipLimits& limits) {
   Faults faults(path);
   absl::string_view data = archive.view();
   const uint64_t file_size = data.size();
@@ -105,8 +103,7 @@ absl::StatusOr<ZipArchive> ZipArchive::Open(SharedBytes archive, absl::string_vi
   int64_t eocd = -1;
   const int64_t lowest = std::max<int64_t>(0, static_cast<int64_t>(file_size - kEocdSize) - 65535);
   for (int64_t pos = static_cast<int64_t>(file_size - kEocdSize); pos >= lowest; --pos) {
-    if (LoadU32(data.data() + pos) == kEocdSig &&
-        pos + kEocdSize + LoadU16(data.data() + pos + 20) == file_size) {
+    if (LoadU32(data.data() + pos) == kEocdSig && pos + kEocdSize + LoadU16(data.data() + pos + 20) == file_size) {
       eocd = pos;
       break;
     }
@@ -119,8 +116,7 @@ absl::StatusOr<ZipArchive> ZipArchive::Open(SharedBytes archive, absl::string_vi
   uint64_t cd_size = LoadU32(e + 12), cd_offset = LoadU32(e + 16);
   uint64_t cd_limit = static_cast<uint64_t>(eocd);  // where the directory must end
 
-  bool zip64 = eocd >= static_cast<int64_t>(kZip64LocatorSize) &&
-               LoadU32(e - kZip64LocatorSize) == kZip64LocatorSig;
+  bool zip64 = eocd >= static_cast<int64_t>(kZip64LocatorSize) && LoadU32(e - kZip64LocatorSize) == kZip64LocatorSig;
   if (zip64) {
     const char* loc = e - kZip64LocatorSize;
     uint64_t z64_offset = LoadU64(loc + 8);
@@ -182,17 +178,15 @@ absl::StatusOr<ZipArchive> ZipArchive::Open(SharedBytes archive, absl::string_vi
     uint16_t name_len = LoadU16(h + 28), extra_len = LoadU16(h + 30), comment_len = LoadU16(h + 32);
     uint64_t local_offset = LoadU32(h + 42);
     absl::string_view name, extra, comment;
-    if (!cd.ReadBytes(name_len, &name) || !cd.ReadBytes(extra_len, &extra) ||
-        !cd.ReadBytes(comment_len, &comment)) {
+    if (!cd.ReadBytes(name_len, &name) || !cd.ReadBytes(extra_len, &extra) || !cd.ReadBytes(comment_len, &comment)) {
       return faults.Bad(absl::StrCat("central directory entry ", i, " overruns the directory"));
     }
     entry.name = std::string(name);
     absl::Status status = CheckName(entry.name, faults);
     if (!status.ok()) return status;
-    status = ApplyZip64Extra(extra, entry.uncompressed_size == 0xFFFFFFFF,
-                             entry.compressed_size == 0xFFFFFFFF, local_offset == 0xFFFFFFFF,
-                             &entry.uncompressed_size, &entry.compressed_size, &local_offset,
-                             entry.name, faults);
+    status = ApplyZip64Extra(extra, entry.uncompressed_size == 0xFFFFFFFF, entry.compressed_size == 0xFFFFFFFF,
+                             local_offset == 0xFFFFFFFF, &entry.uncompressed_size, &entry.compressed_size,
+                             &local_offset, entry.name, faults);
     if (!status.ok()) return status;
     if (flags & 0x1) return faults.Bad(absl::StrCat("'", entry.name, "' is encrypted"));
     if (entry.method != 0 && entry.method != 8) {
@@ -213,14 +207,11 @@ absl::StatusOr<ZipArchive> ZipArchive::Open(SharedBytes archive, absl::string_vi
     }
     uint64_t local_name_len = LoadU16(l + 26), local_extra_len = LoadU16(l + 28);
     if (LoadU16(l + 8) != entry.method) {
-      return faults.Bad(absl::StrCat("local and central headers of '", entry.name,
-                                     "' disagree on the method"));
+      return faults.Bad(absl::StrCat("local and central headers of '", entry.name, "' disagree on the method"));
     }
     uint64_t header_end = local_offset + kLocalHeaderSize + local_name_len + local_extra_len;
-    if (header_end > cd_offset ||
-        data.substr(local_offset + kLocalHeaderSize, local_name_len) != entry.name) {
-      return faults.Bad(absl::StrCat("local and central headers of '", entry.name,
-                                     "' disagree on the name"));
+    if (header_end > cd_offset || data.substr(local_offset + kLocalHeaderSize, local_name_len) != entry.name) {
+      return faults.Bad(absl::StrCat("local and central headers of '", entry.name, "' disagree on the name"));
     }
     entry.data_offset = header_end;
     if (entry.compressed_size > cd_offset - header_end) {
@@ -282,8 +273,8 @@ absl::StatusOr<SharedBytes> ZipArchive::Read(const ZipEntry& entry, bool verify_
   }
   // The output grows as data really inflates, so memory follows the bytes
   // produced, not the size the header declares.
-  std::vector<std::byte> out(std::min<uint64_t>(entry.uncompressed_size,
-                                                std::max<uint64_t>(64 << 10, entry.compressed_size * 4)));
+  std::vector<std::byte> out(
+      std::min<uint64_t>(entry.uncompressed_size, std::max<uint64_t>(64 << 10, entry.compressed_size * 4)));
   z_stream stream{};
   if (inflateInit2(&stream, -MAX_WBITS) != Z_OK) return absl::InternalError("inflateInit2 failed");
   const uint64_t kStep = std::numeric_limits<uInt>::max();

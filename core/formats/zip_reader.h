@@ -42,8 +42,7 @@ class ZipArchive {
  public:
   // Parses the directory of `archive`. `path` is used in error messages only.
   // Returns InvalidArgument, naming the file and the fault, for a malformed archive.
-  static absl::StatusOr<ZipArchive> Open(SharedBytes archive, absl::string_view path,
-                                         const ZipLimits& limits = {});
+  static absl::StatusOr<ZipArchive> Open(SharedBytes archive, absl::string_view path, const ZipLimits& limits = {});
 
   const std::vector<ZipEntry>& entries() const { return entries_; }
   // Returns the entry named exactly `name`, or nullptr.

@@ -93,7 +93,8 @@ TEST(ZipReaderTest, AnEntryThatInflatesToLessThanItDeclaresIsDataLossWithoutAllo
 TEST(ZipReaderTest, RejectsNamesThatEscapeTheArchive) {
   EXPECT_THAT(Open(BuildZip({{"a/../../etc/passwd", "x"}})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("escapes the archive")));
-  EXPECT_THAT(Open(BuildZip({{"/etc/passwd", "x"}})), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("absolute")));
+  EXPECT_THAT(Open(BuildZip({{"/etc/passwd", "x"}})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("absolute")));
   EXPECT_THAT(Open(BuildZip({{"a\\b", "x"}})), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("backslash")));
 }
 
@@ -106,8 +107,9 @@ TEST(ZipReaderTest, RejectsOverlappingEntries) {
   ZipBuildOptions options;
   options.overlap_entry = 1;
   EXPECT_THAT(Open(BuildZip({{"a", "same"}, {"a", "same"}}, options)), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(Open(BuildZip({{"a", "same"}, {"b", "same"}}, options)),
-              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::AnyOf(HasSubstr("overlap"), HasSubstr("disagree"))));
+  EXPECT_THAT(
+      Open(BuildZip({{"a", "same"}, {"b", "same"}}, options)),
+      StatusIs(absl::StatusCode::kInvalidArgument, ::testing::AnyOf(HasSubstr("overlap"), HasSubstr("disagree"))));
 }
 
 TEST(ZipReaderTest, RejectsUnsupportedCompressionMethods) {
@@ -129,7 +131,8 @@ TEST(ZipReaderTest, RejectsTruncatedAndRandomBytes) {
   std::string bytes = BuildZip({{"a", "payload"}});
   EXPECT_FALSE(Open(bytes.substr(0, bytes.size() - 5)).ok());
   EXPECT_FALSE(Open(bytes.substr(0, 30)).ok());
-  EXPECT_THAT(Open(std::string(100, '\x37')), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("end-of-central")));
+  EXPECT_THAT(Open(std::string(100, '\x37')),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("end-of-central")));
 }
 
 TEST(ZipReaderTest, RejectsCentralDirectoryPointingOutsideTheFile) {

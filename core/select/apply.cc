@@ -10,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "core/select/dtype_cast.h"
 #include "core/mapped_file.h"
+#include "core/select/dtype_cast.h"
 #include "core/status_macros.h"
 
 namespace weightstore {
@@ -118,8 +118,8 @@ void AddSuggestions(ApplyResult* result, const std::vector<TargetParameter>& par
 // A target comes with the request: bound what it makes Apply do.
 absl::Status CheckTarget(const TargetSchema& target, const SelectionLimits& limits) {
   if (target.parameters.size() > limits.max_paths) {
-    return absl::InvalidArgumentError(absl::StrCat("the target has ", target.parameters.size(),
-                                                   " parameters; at most ", limits.max_paths, " are allowed"));
+    return absl::InvalidArgumentError(absl::StrCat("the target has ", target.parameters.size(), " parameters; at most ",
+                                                   limits.max_paths, " are allowed"));
   }
   uint64_t bytes = 0;
   for (size_t i = 0; i < target.parameters.size(); ++i) {
@@ -134,8 +134,8 @@ absl::Status CheckTarget(const TargetSchema& target, const SelectionLimits& limi
     }
     bytes += p.path.size() + p.module.size();
     if (bytes > limits.max_total_name_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("the target's paths exceed ", limits.max_total_name_bytes,
-                                                     " bytes together"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("the target's paths exceed ", limits.max_total_name_bytes, " bytes together"));
     }
   }
   return absl::OkStatus();
@@ -193,7 +193,8 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
   WEIGHTSTORE_RETURN_IF_ERROR(CheckTarget(target, selection.limits()));
   // Names after the top-level key, rename and contiguous indices, before the filter.
   const std::vector<CheckpointEntry>& entries = checkpoint->entries();
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named, ResolveNames(*checkpoint, selection, /*applying_to_target=*/true));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named,
+                               ResolveNames(*checkpoint, selection, /*applying_to_target=*/true));
   absl::flat_hash_map<std::string, size_t> source;  // name -> entry index
   source.reserve(named.size());
   for (const NamedEntry& n : named) source.emplace(n.name, n.entry);
@@ -265,11 +266,13 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
 
   WEIGHTSTORE_ASSIGN_OR_RETURN(out.snapshot, Snapshot::Create(std::move(checkpoint), std::move(tensors)));
   if (options.validate && !result.errors.empty()) {
-    out.status = absl::FailedPreconditionError(absl::StrCat(result.errors.size(), " tensors could not be applied, e.g. '",
-                                                            result.errors[0].path, "': ", result.errors[0].message));
+    out.status =
+        absl::FailedPreconditionError(absl::StrCat(result.errors.size(), " tensors could not be applied, e.g. '",
+                                                   result.errors[0].path, "': ", result.errors[0].message));
   } else if (!options.allow_partial && !result.missing.empty()) {
-    out.status = absl::FailedPreconditionError(absl::StrCat(result.missing.size(), " target tensors are missing, e.g. '",
-                                                            result.missing[0], "' (use --allow-partial to load anyway)"));
+    out.status =
+        absl::FailedPreconditionError(absl::StrCat(result.missing.size(), " target tensors are missing, e.g. '",
+                                                   result.missing[0], "' (use --allow-partial to load anyway)"));
   }
   return out;
 }

@@ -34,9 +34,9 @@ namespace weightstore {
 
 struct TargetParameter {
   std::string path;
-  std::optional<DType> dtype;   // absent: any dtype is accepted
+  std::optional<DType> dtype;  // absent: any dtype is accepted
   std::vector<uint64_t> shape;
-  std::string module;           // "Linear", "BatchNorm", ... ("Struct:" prefix allowed)
+  std::string module;  // "Linear", "BatchNorm", ... ("Struct:" prefix allowed)
 };
 
 struct TargetSchema {

@@ -4,9 +4,9 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "core/formats/safetensors.h"
 #include "tests/util/checkpoints.h"
 #include "tests/util/status_matchers.h"
-#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
@@ -40,7 +40,8 @@ TEST(ApplyTest, ATargetPathLongerThanANameMayBeIsRefused) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("path of 800000 bytes; at most 4096")));
   TargetSchema deep = Target({"w"});
   deep.parameters[0].shape.assign(65, 1);
-  EXPECT_THAT(Apply(Named({"w"}), *selection, deep), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 65")));
+  EXPECT_THAT(Apply(Named({"w"}), *selection, deep),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 65")));
 }
 
 TEST(ApplyTest, SuggestionsForManyDottedNamesTakeLinearTime) {

@@ -2,9 +2,9 @@
 
 #include <algorithm>
 #include <bit>
-#include <limits>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
@@ -24,8 +24,8 @@ uint32_t EncodeFloat(double value, int exponent_bits, int mantissa_bits) {
   const int bias = (1 << (E - 1)) - 1;
   int target_exp = exp - 1023 + bias;
   const uint64_t significand = mant | (uint64_t{1} << 52);  // 53 bits, implicit 1
-  int shift = 52 - M;                                        // bits dropped for a normal result
-  if (target_exp < 1) {                                      // subnormal in the target
+  int shift = 52 - M;                                       // bits dropped for a normal result
+  if (target_exp < 1) {                                     // subnormal in the target
     shift += 1 - target_exp;
     target_exp = 0;
   }
@@ -35,7 +35,7 @@ uint32_t EncodeFloat(double value, int exponent_bits, int mantissa_bits) {
   const uint64_t half = uint64_t{1} << (shift - 1);
   if (rest > half || (rest == half && (kept & 1))) ++kept;
   if (target_exp == 0) return sign | static_cast<uint32_t>(kept);  // may carry into the smallest normal
-  if (kept >> (M + 1)) {  // rounding carried out of the significand
+  if (kept >> (M + 1)) {                                           // rounding carried out of the significand
     kept >>= 1;
     ++target_exp;
   }
@@ -113,19 +113,45 @@ bool IsCastFloat(DType d) { return d == DType::kF64 || d == DType::kF32 || d == 
 
 int64_t LoadSigned(DType dtype, const std::byte* p, size_t i) {
   switch (DTypeSize(dtype)) {
-    case 1: return static_cast<int8_t>(p[i]);
-    case 2: { int16_t v; std::memcpy(&v, p + 2 * i, 2); return v; }
-    case 4: { int32_t v; std::memcpy(&v, p + 4 * i, 4); return v; }
-    default: { int64_t v; std::memcpy(&v, p + 8 * i, 8); return v; }
+    case 1:
+      return static_cast<int8_t>(p[i]);
+    case 2: {
+      int16_t v;
+      std::memcpy(&v, p + 2 * i, 2);
+      return v;
+    }
+    case 4: {
+      int32_t v;
+      std::memcpy(&v, p + 4 * i, 4);
+      return v;
+    }
+    default: {
+      int64_t v;
+      std::memcpy(&v, p + 8 * i, 8);
+      return v;
+    }
   }
 }
 
 uint64_t LoadUnsigned(DType dtype, const std::byte* p, size_t i) {
   switch (DTypeSize(dtype)) {
-    case 1: return static_cast<uint8_t>(p[i]);
-    case 2: { uint16_t v; std::memcpy(&v, p + 2 * i, 2); return v; }
-    case 4: { uint32_t v; std::memcpy(&v, p + 4 * i, 4); return v; }
-    default: { uint64_t v; std::memcpy(&v, p + 8 * i, 8); return v; }
+    case 1:
+      return static_cast<uint8_t>(p[i]);
+    case 2: {
+      uint16_t v;
+      std::memcpy(&v, p + 2 * i, 2);
+      return v;
+    }
+    case 4: {
+      uint32_t v;
+      std::memcpy(&v, p + 4 * i, 4);
+      return v;
+    }
+    default: {
+      uint64_t v;
+      std::memcpy(&v, p + 8 * i, 8);
+      return v;
+    }
   }
 }
 
@@ -142,8 +168,8 @@ void CastOne(DType from, const std::byte* src, size_t i, DType to, std::byte* ds
   } else if (IsSigned(from)) {
     StoreInteger(to, dst, j, static_cast<uint64_t>(LoadSigned(from, src, i)));
   } else {  // unsigned or bool
-    StoreInteger(to, dst, j, from == DType::kBool ? static_cast<uint64_t>(src[i] != std::byte{0})
-                                                  : LoadUnsigned(from, src, i));
+    StoreInteger(to, dst, j,
+                 from == DType::kBool ? static_cast<uint64_t>(src[i] != std::byte{0}) : LoadUnsigned(from, src, i));
   }
 }
 
@@ -157,8 +183,8 @@ absl::Status CheckCast(DType from, DType to) {
   if (IsUnsigned(from) && IsUnsigned(to) && ts > fs) return absl::OkStatus();
   if (IsUnsigned(from) && IsSigned(to) && ts > fs) return absl::OkStatus();
   if (from == DType::kBool && to == DType::kU8) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("cannot cast ", DTypeName(from), " to ", DTypeName(to),
-                                                 " without losing data"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("cannot cast ", DTypeName(from), " to ", DTypeName(to), " without losing data"));
 }
 
 void CastElements(DType from, const std::byte* src, DType to, std::byte* dst, size_t count) {

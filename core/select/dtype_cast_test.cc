@@ -18,14 +18,14 @@ uint16_t BF16(double v) { return static_cast<uint16_t>(EncodeFloat(v, 8, 7)); }
 TEST(EncodeFloatTest, F16BoundariesRoundToNearestEven) {
   EXPECT_EQ(F16(1.0), 0x3C00);
   EXPECT_EQ(F16(-2.0), 0xC000);
-  EXPECT_EQ(F16(65504.0), 0x7BFF);                 // largest finite
-  EXPECT_EQ(F16(65519.99), 0x7BFF);                // rounds down below the halfway point
-  EXPECT_EQ(F16(65520.0), 0x7C00);                 // halfway to 2^16: ties to even = infinity
-  EXPECT_EQ(F16(std::ldexp(1.0, -24)), 0x0001);    // smallest subnormal
-  EXPECT_EQ(F16(std::ldexp(1.0, -25)), 0x0000);    // half of it: ties to even = 0
+  EXPECT_EQ(F16(65504.0), 0x7BFF);               // largest finite
+  EXPECT_EQ(F16(65519.99), 0x7BFF);              // rounds down below the halfway point
+  EXPECT_EQ(F16(65520.0), 0x7C00);               // halfway to 2^16: ties to even = infinity
+  EXPECT_EQ(F16(std::ldexp(1.0, -24)), 0x0001);  // smallest subnormal
+  EXPECT_EQ(F16(std::ldexp(1.0, -25)), 0x0000);  // half of it: ties to even = 0
   EXPECT_EQ(F16(std::ldexp(1.5, -25)), 0x0001);
-  EXPECT_EQ(F16(1.0 + std::ldexp(1.0, -11)), 0x3C00);      // tie, even stays
-  EXPECT_EQ(F16(1.0 + 3 * std::ldexp(1.0, -11)), 0x3C02);  // tie, odd rounds up
+  EXPECT_EQ(F16(1.0 + std::ldexp(1.0, -11)), 0x3C00);                             // tie, even stays
+  EXPECT_EQ(F16(1.0 + 3 * std::ldexp(1.0, -11)), 0x3C02);                         // tie, odd rounds up
   EXPECT_EQ(F16(std::ldexp(1023.0 / 1024, -14) + std::ldexp(1.0, -25)), 0x0400);  // carries into the first normal
   EXPECT_EQ(F16(-0.0), 0x8000);
 }

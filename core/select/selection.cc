@@ -54,7 +54,9 @@ absl::StatusOr<std::unique_ptr<re2::RE2>> CompilePattern(const std::string& patt
   return re;
 }
 
-bool IsIdentChar(char c) { return c == '_' || (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+bool IsIdentChar(char c) {
+  return c == '_' || (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
+}
 
 // Length of the UTF-8 character starting at s[i] (1 for invalid bytes).
 size_t CharLength(absl::string_view s, size_t i) {
@@ -123,7 +125,8 @@ ReplaceOutcome ReplaceAllBounded(const re2::RE2& re, absl::string_view text, abs
         auto it = re.NamedCapturingGroups().find(name);
         index = it == re.NamedCapturingGroups().end() ? -1 : it->second;
       }
-      if (index >= 0 && index <= groups && match[index].data() != nullptr) out.append(match[index].data(), match[index].size());
+      if (index >= 0 && index <= groups && match[index].data() != nullptr)
+        out.append(match[index].data(), match[index].size());
       i = next - 1;
       if (out.size() > max_bytes) return ReplaceOutcome::kTooLong;
     }
@@ -189,8 +192,8 @@ absl::Status CheckSizes(const SelectionOptions& options, const SelectionLimits& 
         absl::StrCat("the selection has ", patterns, " patterns; at most ", limits.max_patterns, " are allowed"));
   }
   if (options.paths.size() > limits.max_paths) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the selection has ", options.paths.size(), " exact paths; at most ", limits.max_paths, " are allowed"));
+    return absl::InvalidArgumentError(absl::StrCat("the selection has ", options.paths.size(), " exact paths; at most ",
+                                                   limits.max_paths, " are allowed"));
   }
   auto check = [&](absl::string_view role, size_t i, const std::string& value) -> absl::Status {
     if (value.size() <= limits.max_pattern_bytes) return absl::OkStatus();
@@ -198,8 +201,10 @@ absl::Status CheckSizes(const SelectionOptions& options, const SelectionLimits& 
                                                    limits.max_pattern_bytes, " are allowed"));
   };
   WEIGHTSTORE_RETURN_IF_ERROR(check("top_level_key", 0, options.top_level_key));
-  for (size_t i = 0; i < options.include.size(); ++i) WEIGHTSTORE_RETURN_IF_ERROR(check("include", i, options.include[i]));
-  for (size_t i = 0; i < options.exclude.size(); ++i) WEIGHTSTORE_RETURN_IF_ERROR(check("exclude", i, options.exclude[i]));
+  for (size_t i = 0; i < options.include.size(); ++i)
+    WEIGHTSTORE_RETURN_IF_ERROR(check("include", i, options.include[i]));
+  for (size_t i = 0; i < options.exclude.size(); ++i)
+    WEIGHTSTORE_RETURN_IF_ERROR(check("exclude", i, options.exclude[i]));
   for (size_t i = 0; i < options.paths.size(); ++i) WEIGHTSTORE_RETURN_IF_ERROR(check("paths", i, options.paths[i]));
   for (size_t i = 0; i < options.renames.size(); ++i) {
     WEIGHTSTORE_RETURN_IF_ERROR(check("renames.pattern", i, options.renames[i].pattern));
@@ -214,8 +219,8 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
                                                                     const SelectionLimits& limits) {
   WEIGHTSTORE_RETURN_IF_ERROR(CheckSizes(options, limits));
   if (options.dtype && !IsFloatingPoint(*options.dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("dtype ", DTypeName(*options.dtype),
-                                                   " is not a floating-point type (f16, bf16, f32, f64)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("dtype ", DTypeName(*options.dtype), " is not a floating-point type (f16, bf16, f32, f64)"));
   }
   if (options.dtype && (*options.dtype == DType::kF8E4M3 || *options.dtype == DType::kF8E5M2)) {
     return absl::InvalidArgumentError("casting to F8 types is not supported");
@@ -228,8 +233,10 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
   // memory budget is shared among them.
   const int64_t share = MemoryShare(limits, 2 + options.renames.size());
   if (share < kMinRegexMemory) {
-    return absl::InvalidArgumentError(absl::StrCat(options.renames.size(), " rename rules do not fit the regex memory "
-                                                   "budget of ", limits.max_regex_memory, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(options.renames.size(),
+                                                   " rename rules do not fit the regex memory "
+                                                   "budget of ",
+                                                   limits.max_regex_memory, " bytes"));
   }
   int64_t total_program = 0;
   auto spend = [&](const re2::RE2& re, absl::string_view role, const std::string& pattern) -> absl::Status {
@@ -240,8 +247,9 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
         " RE2 instructions together (the request's regex budget), reached at ", role, " pattern '", pattern, "'"));
   };
   // Each pattern alone first, so an error names the pattern at fault.
-  for (const auto& [role, list] : {std::pair<absl::string_view, const std::vector<std::string>*>{"include", &options.include},
-                                   {"exclude", &options.exclude}}) {
+  for (const auto& [role, list] :
+       {std::pair<absl::string_view, const std::vector<std::string>*>{"include", &options.include},
+        {"exclude", &options.exclude}}) {
     for (const std::string& p : *list) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(auto re, CompilePattern(p, role, limits.max_program_size, share));
       WEIGHTSTORE_RETURN_IF_ERROR(spend(*re, role, p));
@@ -261,8 +269,8 @@ Selection::~Selection() = default;
 
 absl::Status SelectionDeadline::CheckClock(absl::string_view what) const {
   if (std::chrono::steady_clock::now() < end_) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat("the selection took more than ", budget_.count(), " ms (", what,
-                                                   "); simplify its patterns"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("the selection took more than ", budget_.count(), " ms (", what, "); simplify its patterns"));
 }
 
 absl::StatusOr<std::string> Selection::Rename(absl::string_view name, const SelectionDeadline* deadline) const {

@@ -8,12 +8,11 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-
+#include "core/formats/pytorch.h"
+#include "core/formats/safetensors.h"
 #include "core/select/snapshot.h"
 #include "tests/util/checkpoints.h"
 #include "tests/util/status_matchers.h"
-#include "core/formats/safetensors.h"
-#include "core/formats/pytorch.h"
 
 namespace weightstore {
 namespace {
@@ -88,7 +87,7 @@ TEST(SelectionTest, IncludesAreOredExactPathsAddAndExcludesWin) {
   EXPECT_TRUE(s->Matches("encoder.0.weight"));
   EXPECT_TRUE(s->Matches("decoder.attn.weight"));  // unanchored
   EXPECT_TRUE(s->Matches("lm_head.weight"));
-  EXPECT_FALSE(s->Matches("lm_head.weight2"));      // exact means exact
+  EXPECT_FALSE(s->Matches("lm_head.weight2"));  // exact means exact
   EXPECT_FALSE(s->Matches("encoder.0.bias"));
   EXPECT_FALSE(s->Matches("decoder.mlp.weight"));
 }
@@ -107,7 +106,8 @@ TEST(SelectionTest, BadPatternsAreErrorsThatNameThem) {
   EXPECT_THAT(Selection::Compile(options), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'fc.('")));
   options.include = {};
   options.renames = {{"a)", "b"}};
-  EXPECT_THAT(Selection::Compile(options), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rename pattern 'a)'")));
+  EXPECT_THAT(Selection::Compile(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rename pattern 'a)'")));
 }
 
 TEST(SelectionTest, HostilePatternsAreBounded) {
@@ -183,7 +183,8 @@ TEST(ContiguousIndicesTest, NamesOfThousandsOfSegmentsCostLinearTime) {
   EXPECT_EQ(out.back(), expected);
 }
 
-std::shared_ptr<const Checkpoint> Names(const std::vector<std::string>& names, const FormatSpec& format = kPyTorchFormat) {
+std::shared_ptr<const Checkpoint> Names(const std::vector<std::string>& names,
+                                        const FormatSpec& format = kPyTorchFormat) {
   return testing::NamesOnlyCheckpoint(names, format);
 }
 
@@ -220,8 +221,8 @@ TEST(SnapshotSelectTest, TopLevelKeyKeepsOnlyThatSubtreeWithoutItsPrefix) {
   SelectionOptions options;
   options.top_level_key = "model";
   options.contiguous_indices = false;
-  ASSERT_OK_AND_ASSIGN(auto s, Snapshot::Select(Names({"model.fc.w", "optim.state.0", "model.b", "modelx.c"}),
-                                                *Compile(options)));
+  ASSERT_OK_AND_ASSIGN(
+      auto s, Snapshot::Select(Names({"model.fc.w", "optim.state.0", "model.b", "modelx.c"}), *Compile(options)));
   EXPECT_THAT(Selected(*s), ElementsAre("fc.w", "b"));
   options.top_level_key = "nope";
   EXPECT_THAT(Snapshot::Select(Names({"model.fc.w", "optim.state.0"}), *Compile(options)),
@@ -284,12 +285,9 @@ TEST(SnapshotReadRangeTest, EveryChunkingOfATransformedTensorMatchesTheWholeRead
   ASSERT_OK_AND_ASSIGN(auto checkpoint, Checkpoint::Create(kPyTorchFormat, "mem", {}, entries));
   auto entry = [&](int i) { return &checkpoint->entries()[i]; };
   std::vector<SnapshotTensor> served = {
-      {{"plain.t.bf16", DType::kBF16, {4, 6}}, entry(0), true},
-      {{"strided.t", DType::kF32, {6, 4}}, entry(1), true},
-      {{"strided.f64", DType::kF64, {4, 6}}, entry(1), false},
-      {{"offset.f16", DType::kF16, {5}}, entry(2), false},
-      {{"flags", DType::kBool, {2, 2}}, entry(3), false},
-      {{"flags.u8", DType::kU8, {2, 2}}, entry(3), false},
+      {{"plain.t.bf16", DType::kBF16, {4, 6}}, entry(0), true}, {{"strided.t", DType::kF32, {6, 4}}, entry(1), true},
+      {{"strided.f64", DType::kF64, {4, 6}}, entry(1), false},  {{"offset.f16", DType::kF16, {5}}, entry(2), false},
+      {{"flags", DType::kBool, {2, 2}}, entry(3), false},       {{"flags.u8", DType::kU8, {2, 2}}, entry(3), false},
   };
   ASSERT_OK_AND_ASSIGN(auto snapshot, Snapshot::Create(checkpoint, served));
   for (const SnapshotTensor& t : snapshot->tensors()) {

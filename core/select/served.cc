@@ -21,8 +21,7 @@ ServedTensorPlan PlanServedTensor(const Snapshot& snapshot, const SnapshotTensor
   plan.cast = tensor.spec.dtype != tensor.source->spec.dtype;
   plan.byte_size = tensor.spec.byte_size();
   // Entries number at most OpenOptions::max_tensors (far below 2^40).
-  plan.key = uint64_t{plan.entry} | (static_cast<uint64_t>(tensor.spec.dtype) << 40) |
-             (uint64_t{plan.transpose} << 48);
+  plan.key = uint64_t{plan.entry} | (static_cast<uint64_t>(tensor.spec.dtype) << 40) | (uint64_t{plan.transpose} << 48);
   return plan;
 }
 

@@ -18,7 +18,7 @@ namespace {
 std::shared_ptr<const Checkpoint> TwoViews() {
   auto values = std::make_shared<std::vector<float>>(std::vector<float>{1, 2, 3, 4, 5, 6});
   SharedBytes bytes(values, std::span<const std::byte>(reinterpret_cast<const std::byte*>(values->data()),
-                                                        values->size() * sizeof(float)));
+                                                       values->size() * sizeof(float)));
   auto storage = LazyStorage::Ready(bytes);
   std::vector<CheckpointEntry> entries(2);
   entries[0].spec = {"w", DType::kF32, {2, 3}};
@@ -31,8 +31,7 @@ std::shared_ptr<const Checkpoint> TwoViews() {
   return *checkpoint;
 }
 
-std::shared_ptr<const Snapshot> Serve(const std::shared_ptr<const Checkpoint>& c,
-                                      std::vector<SnapshotTensor> tensors) {
+std::shared_ptr<const Snapshot> Serve(const std::shared_ptr<const Checkpoint>& c, std::vector<SnapshotTensor> tensors) {
   auto snapshot = Snapshot::Create(c, std::move(tensors));
   EXPECT_OK(snapshot.status());
   return *snapshot;

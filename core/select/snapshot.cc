@@ -4,17 +4,17 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "absl/strings/str_cat.h"
-#include "core/select/dtype_cast.h"
 #include "core/host_buffer.h"
+#include "core/select/dtype_cast.h"
 #include "core/status_macros.h"
 
 namespace weightstore {
 
 absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection,
-                                                    bool applying_to_target) {
+                                                     bool applying_to_target) {
   const std::vector<CheckpointEntry>& entries = checkpoint.entries();
   const std::string& key = selection.options().top_level_key;
   std::vector<NamedEntry> named;
@@ -46,9 +46,9 @@ absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoin
       }
     }
     if (named.empty()) {
-      return absl::NotFoundError(absl::StrCat("'", checkpoint.path(), "' has no tensors under top-level key '", key,
-                                              "'; keys with tensors: ", keys.empty() ? "(none)" : absl::StrJoin(keys, ", "),
-                                              keys.size() >= 32 ? ", ..." : ""));
+      return absl::NotFoundError(
+          absl::StrCat("'", checkpoint.path(), "' has no tensors under top-level key '", key, "'; keys with tensors: ",
+                       keys.empty() ? "(none)" : absl::StrJoin(keys, ", "), keys.size() >= 32 ? ", ..." : ""));
     }
   }
   if (selection.UsesContiguousIndices(checkpoint.format(), applying_to_target)) {
@@ -73,7 +73,8 @@ absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoin
 
 absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr<const Checkpoint> checkpoint,
                                                                  const Selection& selection) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named, ResolveNames(*checkpoint, selection, /*applying_to_target=*/false));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named,
+                               ResolveNames(*checkpoint, selection, /*applying_to_target=*/false));
   std::vector<SnapshotTensor> tensors;
   tensors.reserve(named.size());
   const SelectionDeadline deadline(selection.limits().max_time);
@@ -127,7 +128,8 @@ const SnapshotTensor* Snapshot::Find(absl::string_view name) const {
 absl::StatusOr<SharedTensor> Snapshot::Read(absl::string_view name) const {
   const SnapshotTensor* t = Find(name);
   if (t == nullptr) {
-    return absl::NotFoundError(absl::StrCat("tensor '", name, "' not in this selection of '", checkpoint_->path(), "'"));
+    return absl::NotFoundError(
+        absl::StrCat("tensor '", name, "' not in this selection of '", checkpoint_->path(), "'"));
   }
   return Read(*t);
 }
@@ -220,7 +222,8 @@ absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, 
 
 absl::Status WriteSnapshot(const Snapshot& snapshot, const std::string& path, const FormatSpec& format,
                            const Metadata& metadata, const WriteOptions& options) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, CheckpointWriter::Create(path, format, options));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                               CheckpointWriter::Create(path, format, options));
   writer->SetMetadata(metadata);
   for (const SnapshotTensor& tensor : snapshot.tensors()) {
     WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(tensor.spec, [&snapshot, &tensor]() -> absl::StatusOr<SharedBytes> {

@@ -21,9 +21,9 @@
 namespace weightstore {
 
 struct SnapshotTensor {
-  TensorSpec spec;                         // name, dtype and shape as served
-  const CheckpointEntry* source = nullptr; // in the snapshot's checkpoint
-  bool transpose = false;                  // rank-2 [r, c] source served as [c, r]
+  TensorSpec spec;                          // name, dtype and shape as served
+  const CheckpointEntry* source = nullptr;  // in the snapshot's checkpoint
+  bool transpose = false;                   // rank-2 [r, c] source served as [c, r]
 
   bool is_identity() const { return !transpose && spec.dtype == source->spec.dtype; }
 };
@@ -39,7 +39,7 @@ struct NamedEntry {
 // the top-level key, and InvalidArgument naming both tensors when two get the
 // same name.
 absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection,
-                                                    bool applying_to_target);
+                                                     bool applying_to_target);
 
 class Snapshot {
  public:

@@ -70,8 +70,7 @@ absl::Status CheckSealed(int fd, absl::string_view what) {
   if (!(seals & F_SEAL_WRITE)) missing.push_back("WRITE");
   if (!(seals & F_SEAL_SEAL)) missing.push_back("SEAL");
   if (!missing.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(what, " is missing seals ", absl::StrJoin(missing, ", ")));
+    return absl::FailedPreconditionError(absl::StrCat(what, " is missing seals ", absl::StrJoin(missing, ", ")));
   }
   return absl::OkStatus();
 }

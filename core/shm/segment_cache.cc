@@ -85,7 +85,8 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> SegmentCache::GetOrCreate(
     }
     used_ += size;  // held while building
   }
-  absl::StatusOr<std::shared_ptr<const MappedFile>> segment = CreateSealedMemfd(absl::StrCat("weightstore:", what), size, fill);
+  absl::StatusOr<std::shared_ptr<const MappedFile>> segment =
+      CreateSealedMemfd(absl::StrCat("weightstore:", what), size, fill);
   absl::MutexLock lock(&mu_);
   if (!segment.ok()) {
     used_ -= size;

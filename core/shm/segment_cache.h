@@ -88,8 +88,7 @@ class SegmentCache {
   absl::flat_hash_map<std::string, std::shared_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
   // Built segments, most recently used first, with their sizes.
   std::list<std::pair<std::string, uint64_t>> lru_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::list<std::pair<std::string, uint64_t>>::iterator> lru_pos_
-      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::list<std::pair<std::string, uint64_t>>::iterator> lru_pos_ ABSL_GUARDED_BY(mu_);
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;  // segments + reservations + builds in progress
   uint64_t segment_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;

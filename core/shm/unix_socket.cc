@@ -138,8 +138,8 @@ absl::StatusOr<UniqueFd> ConnectUnixSocket(const std::string& path) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("socket path '", path, "' is longer than ",
-                                                   sizeof(addr.sun_path) - 1, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("socket path '", path, "' is longer than ", sizeof(addr.sun_path) - 1, " bytes"));
   }
   std::memcpy(addr.sun_path, path.data(), path.size());
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));

@@ -17,7 +17,8 @@ namespace {
 
 SharedBytes Bytes(const std::string& s) {
   auto owner = std::make_shared<std::string>(s);
-  return SharedBytes(owner, std::span<const std::byte>(reinterpret_cast<const std::byte*>(owner->data()), owner->size()));
+  return SharedBytes(owner,
+                     std::span<const std::byte>(reinterpret_cast<const std::byte*>(owner->data()), owner->size()));
 }
 
 std::string Flatten(const grpc::ByteBuffer& buffer) {
@@ -117,8 +118,8 @@ TEST(ChunkCodec, PayloadSliceIsTheCallersBytesNotACopy) {
 TEST(ChunkCodec, DecodesWhatEitherEncoderWrites) {
   for (const GoldenChunk& chunk : GoldenChunks()) {
     for (bool copying : {false, true}) {
-      grpc::ByteBuffer buffer = copying ? EncodeChunkCopying(chunk.header, Bytes(chunk.data))
-                                        : EncodeChunk(chunk.header, Bytes(chunk.data));
+      grpc::ByteBuffer buffer =
+          copying ? EncodeChunkCopying(chunk.header, Bytes(chunk.data)) : EncodeChunk(chunk.header, Bytes(chunk.data));
       std::string received(chunk.data.size(), '\0');
       ChunkFields fields;
       int calls = 0;
@@ -195,9 +196,10 @@ TEST(ChunkCodec, RefusesMalformedFramingWithDataLossNamingTheField) {
 TEST(ChunkCodec, ADestinationsErrorIsReturnedAsIs) {
   grpc::ByteBuffer buffer = EncodeChunk(GoldenChunks()[2].header, Bytes("payload"));
   ChunkFields fields;
-  absl::Status status = DecodeChunk(&buffer, &fields, [](const ChunkFields&, uint64_t) -> absl::StatusOr<std::span<std::byte>> {
-    return absl::ResourceExhaustedError("no room");
-  });
+  absl::Status status =
+      DecodeChunk(&buffer, &fields, [](const ChunkFields&, uint64_t) -> absl::StatusOr<std::span<std::byte>> {
+        return absl::ResourceExhaustedError("no room");
+      });
   EXPECT_EQ(status, absl::ResourceExhaustedError("no room"));
 }
 

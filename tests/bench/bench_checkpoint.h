@@ -10,8 +10,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/formats/checkpoint_writer.h"
-#include "core/status_macros.h"
 #include "core/formats/safetensors.h"
+#include "core/status_macros.h"
 
 namespace weightstore {
 

@@ -19,11 +19,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint.h"
+#include "core/formats/burnpack.h"
 #include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
 #include "core/select/selection.h"
 #include "core/select/snapshot.h"
-#include "core/formats/safetensors.h"
-#include "core/formats/burnpack.h"
 
 namespace weightstore {
 namespace {
@@ -139,8 +139,8 @@ double DdSeconds(const std::string& in, const std::string& out) {
 void SelectionBench() {
   auto storage = LazyStorage::Ready(SharedBytes());
   std::vector<CheckpointEntry> entries;
-  const char* parts[] = {"attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up", "mlp.down",
-                         "mlp.gate", "input_norm", "post_norm", "rotary"};
+  const char* parts[] = {"attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up",
+                         "mlp.down",    "mlp.gate",    "input_norm",  "post_norm",   "rotary"};
   for (int i = 0; entries.size() < 100000; ++i) {
     for (const char* p : parts) {
       CheckpointEntry e;
@@ -153,8 +153,11 @@ void SelectionBench() {
   Check(checkpoint.status(), "synthetic checkpoint");
   SelectionOptions options;
   for (int i = 0; i < 10; ++i) options.include.push_back(absl::StrCat(R"(^layers\.)", i, R"(\d*\.(attn|mlp)\.)"));
-  options.renames = {{R"(^model\.)", ""},          {R"(\.q_proj\.)", ".query."}, {R"(\.k_proj\.)", ".key."},
-                     {R"(\.v_proj\.)", ".value."}, {R"(^layers\.(\d+)\.)", "layers.$1."}};
+  options.renames = {{R"(^model\.)", ""},
+                     {R"(\.q_proj\.)", ".query."},
+                     {R"(\.k_proj\.)", ".key."},
+                     {R"(\.v_proj\.)", ".value."},
+                     {R"(^layers\.(\d+)\.)", "layers.$1."}};
   auto selection = Selection::Compile(options);
   Check(selection.status(), "compile");
   size_t kept = 0;
@@ -234,8 +237,8 @@ int main(int argc, char** argv) {
   std::printf("  %-42s %9.4f %8.2f %8.1fx\n", "torch.load (baseline)", torch_load, GBps(pt_bytes, torch_load), 1.0);
   std::printf("  %-42s %9.4f %8.2f %8.1fx\n", "weightstore ReadCopy (owned memory)", copy, GBps(pt_bytes, copy),
               torch_load / copy);
-  std::printf("  %-42s %9.4f %8.2f %8.1fx\n", "weightstore Read (zero-copy, pages touched)", view,
-              GBps(pt_bytes, view), torch_load / view);
+  std::printf("  %-42s %9.4f %8.2f %8.1fx\n", "weightstore Read (zero-copy, pages touched)", view, GBps(pt_bytes, view),
+              torch_load / view);
 
   SelectionBench();
 

@@ -12,8 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/cuda_materializer.h"
-#include "tests/bench/bench_checkpoint.h"
 #include "server/server.h"
+#include "tests/bench/bench_checkpoint.h"
 
 using namespace weightstore;
 using Clock = std::chrono::steady_clock;

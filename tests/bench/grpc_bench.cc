@@ -62,9 +62,13 @@ struct Daemon {
     pid = ::fork();
     if (pid == 0) {
       const char* binary = std::getenv("WEIGHTSTORED");  // another build's daemon, e.g. on a device machine
-      std::vector<std::string> args = {binary != nullptr ? binary : WEIGHTSTORED_PATH, "--models", models,
-                                       "--listen", "127.0.0.1:0",
-                                       "--port-file", port_file};
+      std::vector<std::string> args = {binary != nullptr ? binary : WEIGHTSTORED_PATH,
+                                       "--models",
+                                       models,
+                                       "--listen",
+                                       "127.0.0.1:0",
+                                       "--port-file",
+                                       port_file};
       if (copy_payloads) args.push_back("--copy-payloads");
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
@@ -103,9 +107,7 @@ client::RemoteOptions Options() {
   return o;
 }
 
-bool Pipelined(const client::RemoteOptions& o) {
-  return o.pipeline.value_or(client::AutomaticPipeline());
-}
+bool Pipelined(const client::RemoteOptions& o) { return o.pipeline.value_or(client::AutomaticPipeline()); }
 
 struct Run {
   double seconds, gbps, server_cpu_per_gb;
@@ -232,8 +234,8 @@ int main(int argc, char** argv) {
     other.pipeline = !Pipelined(other);
     Run flipped = Fetch(zero_copy, "big", 1, total, other);
     std::printf("  %-38s %8.2f %7.0f%% %12.3f\n",
-                *other.pipeline ? "zero-copy, 1 client, copy thread" : "zero-copy, 1 client, one thread",
-                flipped.gbps, 100 * flipped.gbps / tcp, flipped.server_cpu_per_gb);
+                *other.pipeline ? "zero-copy, 1 client, copy thread" : "zero-copy, 1 client, one thread", flipped.gbps,
+                100 * flipped.gbps / tcp, flipped.server_cpu_per_gb);
     for (int streams : {1, 4}) {
       Run all = FetchAllRun(zero_copy, "big", streams, total);
       std::printf("  %-38s %8.2f %7.0f%% %12.3f\n", absl::StrCat("1 client, FetchAll, ", streams, " stream(s)").c_str(),

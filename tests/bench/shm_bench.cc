@@ -22,9 +22,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
-#include "tests/bench/bench_checkpoint.h"
 #include "core/host_buffer.h"
 #include "core/mapped_file.h"
+#include "tests/bench/bench_checkpoint.h"
 #include "tests/util/daemon.h"
 
 namespace weightstore {

@@ -18,10 +18,10 @@
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
 #include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
 #include "core/registry.h"
 #include "tests/util/daemon.h"
 #include "tests/util/test_env.h"
-#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
@@ -80,7 +80,7 @@ TEST(ChaosTest, SixteenClientsThroughKillsRestartsAndReplacementsOnlyEverGetExac
   const std::string models = testing::MakeScratchDir("chaos");
   std::mutex mu;
   std::map<std::pair<int, std::string>, int> generation_of;  // (name, version) -> generation written
-  auto publish = [&](int name, int generation) {  // atomically, as operators must
+  auto publish = [&](int name, int generation) {             // atomically, as operators must
     const std::string path = absl::StrCat(models, "/", Name(name), ".safetensors");
     testing::WriteFileOrDie(path + ".next", Contents(name, generation));
     std::filesystem::rename(path + ".next", path);

@@ -7,10 +7,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/checkpoint.h"
+#include "core/formats/burnpack.h"
+#include "core/formats/safetensors.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
-#include "core/formats/safetensors.h"
-#include "core/formats/burnpack.h"
 
 namespace weightstore {
 namespace {
@@ -74,10 +74,14 @@ TEST(CliTest, ConvertFollowsTheExtensionAndAddsMetadata) {
   EXPECT_EQ(c->format(), kBurnpackFormat);
   EXPECT_EQ(c->metadata().at("producer"), "test");
   EXPECT_EQ(c->metadata().at("a"), "b=c");
-  ASSERT_EQ(Cli(absl::StrCat("convert --format safetensors ", dir, "/linear.bpk ", dir, "/linear.weights"), &out), 0) << out;
+  ASSERT_EQ(Cli(absl::StrCat("convert --format safetensors ", dir, "/linear.bpk ", dir, "/linear.weights"), &out), 0)
+      << out;
   ASSERT_OK_AND_ASSIGN(auto st, Checkpoint::Open(dir + "/linear.weights"));
   EXPECT_EQ(st->format(), kSafeTensorsFormat);
-  ASSERT_EQ(Cli(absl::StrCat("diff --exit-code ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir, "/linear.weights"), &out), 0)
+  ASSERT_EQ(
+      Cli(absl::StrCat("diff --exit-code ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir, "/linear.weights"),
+          &out),
+      0)
       << out;
 }
 
@@ -85,17 +89,24 @@ TEST(CliTest, ConvertNeverReplacesAnExistingFileUnlessAsked) {
   const std::string dir = testing::MakeScratchDir("cli");
   testing::WriteFileOrDie(dir + "/out.safetensors", "precious");
   std::string out;
-  EXPECT_EQ(Cli(absl::StrCat("convert ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir, "/out.safetensors"), &out), 1);
+  EXPECT_EQ(
+      Cli(absl::StrCat("convert ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir, "/out.safetensors"), &out),
+      1);
   EXPECT_THAT(out, HasSubstr("already exists"));
   EXPECT_EQ(testing::ReadFileOrEmpty(dir + "/out.safetensors"), "precious");
-  EXPECT_EQ(Cli(absl::StrCat("convert --overwrite ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir, "/out.safetensors"), &out), 0);
+  EXPECT_EQ(Cli(absl::StrCat("convert --overwrite ", ShellQuote(Burn("pytorch-models/linear.pt")), " ", dir,
+                             "/out.safetensors"),
+                &out),
+            0);
   EXPECT_OK(Checkpoint::Open(dir + "/out.safetensors"));
 }
 
 TEST(CliTest, FailedConversionLeavesNoFileBehind) {
   const std::string dir = testing::MakeScratchDir("cli");
   std::string out;
-  EXPECT_EQ(Cli(absl::StrCat("convert ", ShellQuote(Burn("pytorch-reader/broken.pt")), " ", dir, "/out.safetensors"), &out), 1);
+  EXPECT_EQ(
+      Cli(absl::StrCat("convert ", ShellQuote(Burn("pytorch-reader/broken.pt")), " ", dir, "/out.safetensors"), &out),
+      1);
   EXPECT_THAT(out, HasSubstr("broken.pt"));
   EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << "one message: " << out;
   EXPECT_EQ(CountFiles(dir), 0u);
@@ -158,13 +169,14 @@ TEST(CliSelectionTest, InspectShowsNamesAfterRenameAndFilter) {
 TEST(CliSelectionTest, ConvertAppliesRenameExcludeAndDTypeOnEveryFormat) {
   const std::string dir = testing::MakeScratchDir("cli-select");
   std::string out;
-  for (const char* in : {"pytorch-models/batch_norm2d.pt", "safetensors/multi_layer.safetensors", "burnpack/mnist.bpk"}) {
+  for (const char* in :
+       {"pytorch-models/batch_norm2d.pt", "safetensors/multi_layer.safetensors", "burnpack/mnist.bpk"}) {
     SCOPED_TRACE(in);
     std::string dst = dir + "/" + std::filesystem::path(in).stem().string() + ".safetensors";
-    ASSERT_EQ(Cli(absl::StrCat("convert --dtype bf16 --exclude 'running_' --rename '^=m.' ", ShellQuote(Burn(in)), " ",
-                               dst),
-                  &out),
-              0)
+    ASSERT_EQ(
+        Cli(absl::StrCat("convert --dtype bf16 --exclude 'running_' --rename '^=m.' ", ShellQuote(Burn(in)), " ", dst),
+            &out),
+        0)
         << out;
     ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Open(dst));
     ASSERT_OK_AND_ASSIGN(auto src, Checkpoint::Open(Burn(in)));
@@ -200,7 +212,8 @@ TEST(CliSelectionTest, ConvertWithATargetWritesTheTargetsNames) {
 
 TEST(CliSelectionTest, ApplyPrintsTheResultAndFailsWhenTensorsAreMissing) {
   std::string out;
-  EXPECT_EQ(Cli(absl::StrCat("apply --json --target ", Schema("conv2d"), " ", ShellQuote(Burn("pytorch-models/key_remap.pt"))),
+  EXPECT_EQ(Cli(absl::StrCat("apply --json --target ", Schema("conv2d"), " ",
+                             ShellQuote(Burn("pytorch-models/key_remap.pt"))),
                 &out, false),
             1);
   nlohmann::json doc = nlohmann::json::parse(out);

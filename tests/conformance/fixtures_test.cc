@@ -4,17 +4,16 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-
 #include <filesystem>
 #include <fstream>
 
 #include "core/checkpoint.h"
+#include "core/formats/burnpack.h"
 #include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
 #include "tests/util/expectations.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
-#include "core/formats/safetensors.h"
-#include "core/formats/burnpack.h"
 
 namespace weightstore {
 namespace {
@@ -69,7 +68,8 @@ TEST(FixturesTest, TopLevelKeySelectsTheNestedStateDict) {
   EXPECT_NE(c->Find("fc1.weight"), nullptr);
   EXPECT_EQ(c->Find("optimizer_state_dict.state.0.momentum_buffer"), nullptr);
   options.top_level_key = "my_state_dict";
-  EXPECT_THAT(Checkpoint::Open(Burn("pytorch-models/top_level_key.pt"), options), ::testing::Not(StatusIs(absl::StatusCode::kNotFound)));
+  EXPECT_THAT(Checkpoint::Open(Burn("pytorch-models/top_level_key.pt"), options),
+              ::testing::Not(StatusIs(absl::StatusCode::kNotFound)));
 }
 
 TEST(FixturesTest, HuggingFaceSafeTensorsFixtureKeepsItsHeaderOrder) {
@@ -115,8 +115,10 @@ TEST(FixturesTest, ShardedSafeTensorsOpenAsOneCheckpoint) {
     (i < 2 ? first : second).push_back(t);
     map[t.spec.name] = i < 2 ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
   }
-  testing::WriteFileOrDie(dir + "/model-00001-of-00002.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, first, {}));
-  testing::WriteFileOrDie(dir + "/model-00002-of-00002.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, second, {}));
+  testing::WriteFileOrDie(dir + "/model-00001-of-00002.safetensors",
+                          *SerializeCheckpoint(kSafeTensorsFormat, first, {}));
+  testing::WriteFileOrDie(dir + "/model-00002-of-00002.safetensors",
+                          *SerializeCheckpoint(kSafeTensorsFormat, second, {}));
   nlohmann::json index = {{"metadata", {{"total_size", 1234}}}, {"weight_map", map}};
   testing::WriteFileOrDie(dir + "/model.safetensors.index.json", index.dump());
   ASSERT_OK_AND_ASSIGN(auto c, Checkpoint::Open(dir));

@@ -255,17 +255,17 @@ TEST_F(StoreConformanceTest, ErrorsHaveTheSameCodesEverywhere) {
             absl::StatusCode::kInvalidArgument);
   Query collision;
   collision.selection.renames = {{".*", "same"}};
-  EXPECT_EQ(ExpectAllStoresAgree("safetensors/multi_layer", collision, "two tensors renamed to one name")
-                .list_status.code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      ExpectAllStoresAgree("safetensors/multi_layer", collision, "two tensors renamed to one name").list_status.code(),
+      absl::StatusCode::kInvalidArgument);
   Query bad_rename;
   bad_rename.selection.renames = {{"[z-a]", "x"}};
   EXPECT_EQ(ExpectAllStoresAgree("safetensors/multi_layer", bad_rename, "a rename pattern that does not compile")
                 .list_status.code(),
             absl::StatusCode::kInvalidArgument);
   Query missing_target;
-  ASSERT_OK_AND_ASSIGN(missing_target.target, TargetSchema::FromJson(
-                                                   R"({"parameters": [{"path": "no.such", "shape": [1]}]})", "test"));
+  ASSERT_OK_AND_ASSIGN(missing_target.target,
+                       TargetSchema::FromJson(R"({"parameters": [{"path": "no.such", "shape": [1]}]})", "test"));
   EXPECT_FALSE(ExpectAllStoresAgree("safetensors/multi_layer", missing_target, "a target nothing in the file fits")
                    .list_status.ok());
 }

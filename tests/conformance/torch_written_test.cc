@@ -9,7 +9,6 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-
 #include "core/checkpoint.h"
 #include "tests/util/expectations.h"
 #include "tests/util/status_matchers.h"

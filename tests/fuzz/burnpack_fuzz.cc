@@ -9,7 +9,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace weightstore;
   OpenOptions options;
   options.max_tensors = 10000;
-  ReadEverything(ParseBurnpack(SharedBytes::Copy(absl::string_view(reinterpret_cast<const char*>(data), size)),
-                                "fuzz", options));
+  ReadEverything(
+      ParseBurnpack(SharedBytes::Copy(absl::string_view(reinterpret_cast<const char*>(data), size)), "fuzz", options));
   return 0;
 }

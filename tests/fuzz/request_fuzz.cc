@@ -5,14 +5,13 @@
 // is parsed as its request message. Run with a memory and a time limit
 // (scripts/run-fuzzers.sh): an input that makes the daemon crash, allocate
 // past the limit or spin past the timeout is a finding.
+#include <google/protobuf/stubs/logging.h>
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
-
-#include <google/protobuf/stubs/logging.h>
 
 #include "core/shm/unix_socket.h"
 #include "server/log.h"

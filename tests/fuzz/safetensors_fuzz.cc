@@ -10,6 +10,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   OpenOptions options;
   options.max_tensors = 10000;
   ReadEverything(ParseSafeTensors(SharedBytes::Copy(absl::string_view(reinterpret_cast<const char*>(data), size)),
-                                "fuzz", options));
+                                  "fuzz", options));
   return 0;
 }

@@ -7,10 +7,10 @@
 #include "client/cuda_materializer.h"
 #include "client/materialize.h"
 #include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
 #include "server/server.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
-#include "core/formats/safetensors.h"
 
 namespace weightstore::client {
 namespace {
@@ -19,8 +19,8 @@ namespace {
 std::string Models() {
   const std::string dir = testing::MakeScratchDir("gpu-models");
   std::vector<SharedTensor> tensors;
-  const std::pair<DType, uint64_t> specs[] = {{DType::kF32, 9 << 18}, {DType::kBF16, 1000}, {DType::kU8, 1},
-                                              {DType::kI64, 0},        {DType::kF16, 1 << 20}, {DType::kF32, 70000}};
+  const std::pair<DType, uint64_t> specs[] = {{DType::kF32, 9 << 18}, {DType::kBF16, 1000},   {DType::kU8, 1},
+                                              {DType::kI64, 0},       {DType::kF16, 1 << 20}, {DType::kF32, 70000}};
   int i = 0;
   for (auto [dtype, n] : specs) {
     std::string bytes(n * DTypeSize(dtype), '\0');

@@ -24,20 +24,20 @@
 #include "absl/strings/str_split.h"
 #include "client/store.h"
 #include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/util/daemon.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
-#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
 
 namespace pb = ::weightstore::v1;
+using testing::Daemon;
 using ::testing::HasSubstr;
 using ::testing::Not;
-using testing::Daemon;
 using ::weightstore::testing::StatusIs;
 
 constexpr char kReadToken[] = "read-token-0123456789abcdef";
@@ -184,8 +184,8 @@ class TokenTest : public ::testing::Test {
   void SetUp() override {
     const std::string tokens = testing::MakeScratchDir("tokens") + "/tokens";
     testing::WriteFileOrDie(tokens, absl::StrCat("# scopes\nread ", kReadToken, "\nadmin ", kAdminToken, "\n"));
-    daemon_ = std::make_unique<Daemon>(Models(), std::vector<std::string>{"--tokens-file", tokens, "--health-listen",
-                                                                          "127.0.0.1:0"});
+    daemon_ = std::make_unique<Daemon>(
+        Models(), std::vector<std::string>{"--tokens-file", tokens, "--health-listen", "127.0.0.1:0"});
     ASSERT_NE(daemon_->port(), 0) << daemon_->log();
   }
   std::unique_ptr<client::Store> Connect(const std::string& token) {
@@ -232,8 +232,8 @@ TEST_F(TokenTest, TokensNeverReachTheLog) {
 
 TEST_F(TokenTest, HealthPortAnswersProbesWithoutAToken) {
   ASSERT_NE(daemon_->health_port(), 0) << daemon_->log();
-  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", daemon_->health_port()),
-                                     grpc::InsecureChannelCredentials());
+  auto channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", daemon_->health_port()), grpc::InsecureChannelCredentials());
   auto health = grpc::health::v1::Health::NewStub(channel);
   for (const char* service : {"", "weightstore.v1.WeightStore"}) {
     grpc::ClientContext ctx;
@@ -348,14 +348,18 @@ TEST_F(MetricsTest, CountsMatchAMixedLoadAndPassPromtool) {
   const std::string text = HttpGet(daemon_->metrics_port(), "/metrics");
   const std::string ws = "grpc_service=\"weightstore.v1.WeightStore\"";
   EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_handled_total{grpc_type=\"unary\",", ws,
-                                      ",grpc_method=\"ListCheckpoints\",grpc_code=\"OK\"}")), 3);
+                                      ",grpc_method=\"ListCheckpoints\",grpc_code=\"OK\"}")),
+            3);
   EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_handled_total{grpc_type=\"unary\",", ws,
-                                      ",grpc_method=\"GetCheckpoint\",grpc_code=\"NotFound\"}")), 2);
+                                      ",grpc_method=\"GetCheckpoint\",grpc_code=\"NotFound\"}")),
+            2);
   // FetchAll lists, then fetches: 4 of each.
   EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_started_total{grpc_type=\"server_stream\",", ws,
-                                      ",grpc_method=\"FetchTensors\"}")), 4);
+                                      ",grpc_method=\"FetchTensors\"}")),
+            4);
   EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_handling_seconds_count{grpc_type=\"server_stream\",", ws,
-                                      ",grpc_method=\"FetchTensors\"}")), 4);
+                                      ",grpc_method=\"FetchTensors\"}")),
+            4);
   EXPECT_EQ(Sample(text, "weightstore_served_bytes_total{transport=\"grpc\"}"), static_cast<double>(fetched));
   EXPECT_EQ(Sample(text, "weightstore_served_bytes_total{transport=\"socket\"}"), static_cast<double>(fetched / 4));
   EXPECT_EQ(Sample(text, "weightstore_checkpoints_loaded"), 1);
@@ -408,10 +412,10 @@ TEST_F(MetricsTest, ARealPrometheusScrapesTheEndpoint) {
   ASSERT_EQ(testing::RunCommand("promtool check config " + testing::ShellQuote(dir + "/prometheus.yml"), &out), 0)
       << out;
   const int port = FreePort();
-  const std::string command = absl::StrCat(
-      "exec prometheus --config.file=", testing::ShellQuote(dir + "/prometheus.yml"),
-      " --storage.tsdb.path=", testing::ShellQuote(dir + "/data"), " --web.listen-address=127.0.0.1:", port,
-      " > ", testing::ShellQuote(dir + "/log"), " 2>&1");
+  const std::string command =
+      absl::StrCat("exec prometheus --config.file=", testing::ShellQuote(dir + "/prometheus.yml"),
+                   " --storage.tsdb.path=", testing::ShellQuote(dir + "/data"),
+                   " --web.listen-address=127.0.0.1:", port, " > ", testing::ShellQuote(dir + "/log"), " 2>&1");
   pid_t pid = ::fork();
   if (pid == 0) {
     ::execl("/bin/sh", "sh", "-c", command.c_str(), nullptr);

@@ -17,8 +17,8 @@ TEST(PythonClientTest, LoadsIntoNumpyTorchAndModulesThroughSocketAndGrpc) {
   testing::Daemon daemon(models, {"--socket", socket});
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   const std::string command = absl::StrCat(
-      "WS_ADDRESS=", daemon.address(), " WS_SOCKET=", testing::ShellQuote(socket), " WS_MODELS=",
-      testing::ShellQuote(models), " PYTHONPATH=", testing::ShellQuote(WEIGHTSTORE_PYTHON_CLIENT_DIR),
+      "WS_ADDRESS=", daemon.address(), " WS_SOCKET=", testing::ShellQuote(socket),
+      " WS_MODELS=", testing::ShellQuote(models), " PYTHONPATH=", testing::ShellQuote(WEIGHTSTORE_PYTHON_CLIENT_DIR),
       " WEIGHTSTORE_PYTHON_STUBS=", testing::ShellQuote(WEIGHTSTORE_PYTHON_STUBS_DIR), " ",
       testing::ShellQuote(testing::TorchPython()), " ", testing::ShellQuote(WEIGHTSTORE_PYTHON_TEST));
   std::string output;

@@ -14,22 +14,22 @@
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
 #include "core/checkpoint.h"
-#include "core/formats/checkpoint_writer.h"
 #include "core/crc32c.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/util/daemon.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
-#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
 
 namespace fs = std::filesystem;
 namespace pb = ::weightstore::v1;
-using ::testing::HasSubstr;
 using testing::Daemon;
+using ::testing::HasSubstr;
 using ::weightstore::testing::StatusIs;
 
 // Writes a SafeTensors file of `count` F32 tensors of `floats` elements.
@@ -263,9 +263,9 @@ TEST_F(ServerTest, StreamsResumeFromAGivenTensorAndPinTheirVersion) {
 }
 
 TEST_F(ServerTest, OperatorsUseReflectionWithoutProtoFiles) {
-  const std::string tool = absl::StrCat(testing::ShellQuote(testing::TorchPython()), " ",
-                                        testing::ShellQuote(testing::ToolsDir() + "/grpc_reflect.py"), " ",
-                                        daemon_->address());
+  const std::string tool =
+      absl::StrCat(testing::ShellQuote(testing::TorchPython()), " ",
+                   testing::ShellQuote(testing::ToolsDir() + "/grpc_reflect.py"), " ", daemon_->address());
   std::string out;
   ASSERT_EQ(testing::RunCommand(tool + " list", &out, false), 0) << out;
   EXPECT_THAT(out, HasSubstr("weightstore.v1.WeightStore"));
@@ -275,17 +275,21 @@ TEST_F(ServerTest, OperatorsUseReflectionWithoutProtoFiles) {
   EXPECT_THAT(out, HasSubstr("FetchTensors"));
   ASSERT_EQ(testing::RunCommand(tool + " describe grpc.health.v1.Health", &out, false), 0) << out;
   EXPECT_THAT(out, HasSubstr("Check"));
-  ASSERT_EQ(testing::RunCommand(tool + " call grpc.health.v1.Health/Check '{\"service\": \"\"}'", &out, false), 0) << out;
+  ASSERT_EQ(testing::RunCommand(tool + " call grpc.health.v1.Health/Check '{\"service\": \"\"}'", &out, false), 0)
+      << out;
   EXPECT_THAT(out, HasSubstr("SERVING"));
-  ASSERT_EQ(testing::RunCommand(tool + " call weightstore.v1.WeightStore/ListTensors "
-                                       "'{\"name\": \"pytorch-models/linear\", \"selection\": {\"include\": [\"^fc1\"]}}'",
-                                &out, false),
-            0)
+  ASSERT_EQ(
+      testing::RunCommand(tool + " call weightstore.v1.WeightStore/ListTensors "
+                                 "'{\"name\": \"pytorch-models/linear\", \"selection\": {\"include\": [\"^fc1\"]}}'",
+                          &out, false),
+      0)
       << out;
   nlohmann::json doc = nlohmann::json::parse(out);
   ASSERT_EQ(doc["tensors"].size(), 2u);
   EXPECT_EQ(doc["tensors"][1]["name"], "fc1.bias");
-  ASSERT_EQ(testing::RunCommand(tool + " call weightstore.v1.WeightStore/GetCheckpoint '{\"name\": \"nope\"}'", &out, false), 3);
+  ASSERT_EQ(
+      testing::RunCommand(tool + " call weightstore.v1.WeightStore/GetCheckpoint '{\"name\": \"nope\"}'", &out, false),
+      3);
   EXPECT_THAT(out, HasSubstr("NOT_FOUND"));
 }
 
@@ -311,7 +315,8 @@ TEST_F(ServerTest, TheCliTalksToTheServer) {
                                 &out),
             0)
       << out;
-  EXPECT_NE(testing::RunCommand(absl::StrCat(cli, " fetch --server ", daemon_->address(), " nope ", dir, "/x.bpk"), &out), 0);
+  EXPECT_NE(
+      testing::RunCommand(absl::StrCat(cli, " fetch --server ", daemon_->address(), " nope ", dir, "/x.bpk"), &out), 0);
   EXPECT_FALSE(fs::exists(dir + "/x.bpk"));
 }
 
@@ -322,9 +327,9 @@ TEST(ServerLifecycleTest, ASecondDaemonOnTheSamePortFailsLoudly) {
   Daemon first(models);
   ASSERT_NE(first.port(), 0) << first.log();
   std::string out;
-  int rc = testing::RunCommand(absl::StrCat(testing::ShellQuote(testing::DaemonPath()), " --models ", models,
-                                            " --listen ", first.address()),
-                               &out);
+  int rc = testing::RunCommand(
+      absl::StrCat(testing::ShellQuote(testing::DaemonPath()), " --models ", models, " --listen ", first.address()),
+      &out);
   EXPECT_EQ(rc, 1) << out;
   EXPECT_THAT(out, HasSubstr("cannot listen"));
 }
@@ -591,7 +596,8 @@ TEST(ServerLifecycleTest, AdminCallsLoadUnloadUploadAndRescan) {
     writer->WritesDone();
     return writer->Finish();
   };
-  const std::string good = testing::ReadFileOrEmpty(testing::FixturesDir() + "/burn/safetensors/multi_layer.safetensors");
+  const std::string good =
+      testing::ReadFileOrEmpty(testing::FixturesDir() + "/burn/safetensors/multi_layer.safetensors");
   grpc::Status ok = upload("uploads/multi", good);
   ASSERT_TRUE(ok.ok()) << ok.error_message();
   EXPECT_EQ(testing::ReadFileOrEmpty(models + "/uploads/multi.safetensors"), good);

@@ -20,8 +20,9 @@
 #include "client/materialize.h"
 #include "client/store.h"
 #include "core/checkpoint.h"
-#include "core/formats/checkpoint_writer.h"
 #include "core/crc32c.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/shm/unix_socket.h"
 #include "tests/util/daemon.h"
@@ -29,15 +30,14 @@
 #include "tests/util/test_env.h"
 #include "weightstore/v1/shm.pb.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
-#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {
 
 namespace fs = std::filesystem;
 namespace pb = ::weightstore::v1;
-using ::testing::HasSubstr;
 using testing::Daemon;
+using ::testing::HasSubstr;
 using ::weightstore::testing::StatusIs;
 
 std::string ProbePath() { return WEIGHTSTORE_SHM_PROBE_PATH; }
@@ -179,8 +179,9 @@ TEST_F(ShmTest, TwoProcessesMapTheSameSegmentsAndSeeIdenticalBytes) {
     my_segments.insert(absl::StrCat(st.st_dev, ":", st.st_ino));
   }
   std::string out;
-  ASSERT_EQ(testing::RunCommand(absl::StrCat(ProbePath(), " ", server_->socket, " ", name, " --dtype f64"), &out, false),
-            0) << out;
+  ASSERT_EQ(
+      testing::RunCommand(absl::StrCat(ProbePath(), " ", server_->socket, " ", name, " --dtype f64"), &out, false), 0)
+      << out;
   std::map<std::string, uint32_t> theirs;
   std::set<std::string> their_segments;
   for (absl::string_view line : absl::StrSplit(out, '\n')) {
@@ -450,8 +451,7 @@ TEST(ShmLifetimeTest, BudgetHoldsForSegmentsAndPreloads) {
   const std::string models = testing::MakeScratchDir("models");
   WriteFloats(models + "/small.safetensors", 1, 1024, 1);      // 4 KiB
   WriteFloats(models + "/big.safetensors", 2, 256 * 1024, 2);  // 2 MiB
-  SocketDaemon server(models, {"--shm-budget", "1MiB", "--preload-checkpoint", "small",
-                               "--preload-checkpoint", "big"});
+  SocketDaemon server(models, {"--shm-budget", "1MiB", "--preload-checkpoint", "small", "--preload-checkpoint", "big"});
   ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
   // big does not fit the budget: not served, and the log says why.
   EXPECT_THAT(server.daemon->log(), HasSubstr("preloading 'big'"));

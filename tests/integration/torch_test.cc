@@ -6,10 +6,10 @@
 
 #include "client/torch_tensors.h"
 #include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
 #include "tests/util/daemon.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
-#include "core/formats/safetensors.h"
 
 namespace weightstore {
 namespace {

@@ -2,10 +2,10 @@
 // memory, or get stale bytes served. Each attack the issue lists runs against a
 // real daemon on 127.0.0.1 serving the bundled example models; after each one
 // the daemon must still serve everyone else, and its peak RSS stay under 1 GiB.
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -21,8 +21,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
 #include "core/atomic_file.h"
-#include "core/formats/checkpoint_writer.h"
 #include "core/crc32c.h"
+#include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/shm/unix_socket.h"
@@ -40,8 +40,8 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace pb = ::weightstore::v1;
-using ::testing::HasSubstr;
 using testing::Daemon;
+using ::testing::HasSubstr;
 using ::weightstore::testing::StatusIs;
 
 constexpr uint64_t kOneGiB = uint64_t{1} << 30;
@@ -84,11 +84,9 @@ grpc::Status Fetch(pb::WeightStore::Stub* stub, const pb::FetchTensorsRequest& r
 }
 
 // Starts a PutCheckpoint of <name>.<extension>: its header is sent.
-std::unique_ptr<grpc::ClientWriter<pb::PutCheckpointRequest>> StartUpload(pb::WeightStore::Stub* stub,
-                                                                        grpc::ClientContext* ctx,
-                                                                        pb::CheckpointInfo* info,
-                                                                        const std::string& name,
-                                                                        const std::string& extension = "safetensors") {
+std::unique_ptr<grpc::ClientWriter<pb::PutCheckpointRequest>> StartUpload(
+    pb::WeightStore::Stub* stub, grpc::ClientContext* ctx, pb::CheckpointInfo* info, const std::string& name,
+    const std::string& extension = "safetensors") {
   auto writer = stub->PutCheckpoint(ctx, info);
   pb::PutCheckpointRequest header;
   header.mutable_header()->set_name(name);
@@ -420,8 +418,8 @@ TEST(Issue11Test, ASocketPeerThatCouldWriteACheckpointGetsASealedCopyNotTheFile)
   const std::string dir = testing::MakeScratchDir("sock");
   ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
   const std::string socket = dir + "/ws.sock";
-  Daemon daemon(models, {"--socket", socket, "--socket-allow-uid", std::to_string(::geteuid()),
-                         "--socket-allow-uid", "65534"});
+  Daemon daemon(models,
+                {"--socket", socket, "--socket-allow-uid", std::to_string(::geteuid()), "--socket-allow-uid", "65534"});
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   ASSERT_OK_AND_ASSIGN(auto shm, client::ConnectSharedMemoryStore(socket));
   ASSERT_OK_AND_ASSIGN(auto mapped, shm->MapTensors("m", {}));
@@ -440,8 +438,8 @@ TEST(Issue11Test, ASocketPeerThatCouldWriteACheckpointGetsASealedCopyNotTheFile)
   // the file itself: nothing copied.
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run the probe as another uid";
   std::string out;
-  const std::string probe = absl::StrCat("setpriv --reuid 65534 --regid 0 --clear-groups ", WEIGHTSTORE_SHM_PROBE_PATH,
-                                         " ", socket, " m");
+  const std::string probe =
+      absl::StrCat("setpriv --reuid 65534 --regid 0 --clear-groups ", WEIGHTSTORE_SHM_PROBE_PATH, " ", socket, " m");
   EXPECT_EQ(testing::RunCommand(probe, &out), 0) << out;
   EXPECT_THAT(out, HasSubstr(" file\n"));
   EXPECT_THAT(out, ::testing::Not(HasSubstr(" sealed\n")));
@@ -653,8 +651,8 @@ TEST(Issue11Test, HostileFilesInTheModelsFolderAreReportedAndCostNothing) {
   deep.Stop();
   WriteZip(models + "/deep.pt", {{"deep/data.pkl", deep.str()}, {"deep/byteorder", "little"}});
   // Item 6: torch.ones(1).expand(1 << 29), written by PyTorch itself.
-  const std::string script = absl::StrCat("import torch; torch.save({'x': torch.ones(1).expand(1 << 29)}, '", models,
-                                          "/broadcast.pt')");
+  const std::string script =
+      absl::StrCat("import torch; torch.save({'x': torch.ones(1).expand(1 << 29)}, '", models, "/broadcast.pt')");
   const std::string command = absl::StrCat(testing::TorchPython(), " -c ", testing::ShellQuote(script));
   std::string out;
   ASSERT_EQ(testing::RunCommand(command, &out), 0) << out;
@@ -732,13 +730,15 @@ TEST(Issue11Test, LoadAndUploadStayInsideTheirFolders) {
     ctx.TryCancel();
   }
   size_t temporaries = 0;
-  for (const auto& e : fs::directory_iterator(models)) temporaries += IsAtomicFileTemporary(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(models))
+    temporaries += IsAtomicFileTemporary(e.path().filename().string());
   EXPECT_EQ(temporaries, 1u);
   daemon = std::make_unique<Daemon>(models, std::vector<std::string>{"--abandoned-upload-seconds", "0"});
   ASSERT_NE(daemon->port(), 0) << daemon->log();
   EXPECT_THAT(daemon->log(), HasSubstr("removed the abandoned upload"));
   temporaries = 0;
-  for (const auto& e : fs::directory_iterator(models)) temporaries += IsAtomicFileTemporary(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(models))
+    temporaries += IsAtomicFileTemporary(e.path().filename().string());
   EXPECT_EQ(temporaries, 0u);
   ExpectHealthy(*daemon);
 }
@@ -774,7 +774,8 @@ TEST(Issue11Test, UploadsAreSharedPerClientAndAStalledOneIsCancelled) {
   for (int i = 0; i < 100 && temporaries > 0; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     temporaries = 0;
-    for (const auto& e : fs::directory_iterator(models)) temporaries += IsAtomicFileTemporary(e.path().filename().string());
+    for (const auto& e : fs::directory_iterator(models))
+      temporaries += IsAtomicFileTemporary(e.path().filename().string());
   }
   EXPECT_EQ(temporaries, 0u);
   EXPECT_THAT(daemon.log(), HasSubstr("\"what\":\"PutCheckpoint uploads\""));

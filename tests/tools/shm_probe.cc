@@ -23,8 +23,8 @@
 #include "absl/strings/ascii.h"
 #include "client/store.h"
 #include "core/crc32c.h"
-#include "core/shm/sealed_memfd.h"
 #include "core/dtype.h"
+#include "core/shm/sealed_memfd.h"
 
 namespace {
 
@@ -35,8 +35,10 @@ void PrintMemory() {
   long rss = -1, pss = -1, value;
   std::string unit;
   while (in >> key) {
-    if (key == "Rss:" && in >> value >> unit) rss = value;
-    else if (key == "Pss:" && in >> value >> unit) pss = value;
+    if (key == "Rss:" && in >> value >> unit)
+      rss = value;
+    else if (key == "Pss:" && in >> value >> unit)
+      pss = value;
   }
   std::printf("memory rss_kb=%ld pss_kb=%ld\n", rss, pss);
 }

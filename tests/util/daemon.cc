@@ -35,8 +35,7 @@ Daemon::Daemon(const std::string& models_dir, std::vector<std::string> extra_arg
   dir_ = MakeScratchDir("daemon");
   log_path_ = dir_ + "/stderr.log";
   const std::string port_file = dir_ + "/port";
-  std::vector<std::string> args = {DaemonPath(), "--models", models_dir, "--listen", listen,
-                                   "--port-file", port_file};
+  std::vector<std::string> args = {DaemonPath(), "--models", models_dir, "--listen", listen, "--port-file", port_file};
   args.insert(args.end(), extra_args.begin(), extra_args.end());
   pid_ = ::fork();
   if (pid_ == 0) {

@@ -15,7 +15,8 @@ class Daemon {
  public:
   // Starts weightstored on `models_dir` with `extra_args`; waits until it serves.
   // port() is 0 if it did not start (see log()).
-  Daemon(const std::string& models_dir, std::vector<std::string> extra_args = {}, const std::string& listen = "127.0.0.1:0");
+  Daemon(const std::string& models_dir, std::vector<std::string> extra_args = {},
+         const std::string& listen = "127.0.0.1:0");
   ~Daemon();
 
   int port() const { return port_; }

@@ -16,8 +16,7 @@
 namespace weightstore::testing {
 
 // Adds a test failure for every name, dtype, shape or byte difference.
-inline void ExpectMatchesTorch(const Checkpoint& checkpoint, const nlohmann::json& expected,
-                               const std::string& what) {
+inline void ExpectMatchesTorch(const Checkpoint& checkpoint, const nlohmann::json& expected, const std::string& what) {
   const nlohmann::json& tensors = expected.at("tensors");
   std::set<std::string> want, got;
   for (const auto& [name, _] : tensors.items()) want.insert(name);

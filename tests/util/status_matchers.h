@@ -40,8 +40,10 @@ MATCHER_P(IsOkAndHolds, value_matcher, "") {
 
 }  // namespace weightstore::testing
 
-#define EXPECT_OK(expr) EXPECT_TRUE((::weightstore::testing::GetStatus(expr)).ok()) << ::weightstore::testing::GetStatus(expr)
-#define ASSERT_OK(expr) ASSERT_TRUE((::weightstore::testing::GetStatus(expr)).ok()) << ::weightstore::testing::GetStatus(expr)
+#define EXPECT_OK(expr) \
+  EXPECT_TRUE((::weightstore::testing::GetStatus(expr)).ok()) << ::weightstore::testing::GetStatus(expr)
+#define ASSERT_OK(expr) \
+  ASSERT_TRUE((::weightstore::testing::GetStatus(expr)).ok()) << ::weightstore::testing::GetStatus(expr)
 
 // Declares `lhs` from a StatusOr, failing the test on error.
 #define ASSERT_OK_AND_ASSIGN(lhs, rexpr) \

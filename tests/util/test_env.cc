@@ -48,7 +48,8 @@ std::string TorchPython() { return EnvOr("WEIGHTSTORE_TORCH_PYTHON", WEIGHTSTORE
 std::string MakeScratchDir(absl::string_view tag) {
   static std::once_flag once;
   std::call_once(once, [] { std::atexit(RemoveScratchDirs); });
-  std::string pattern = (std::filesystem::temp_directory_path() / absl::StrCat("weightstore-", tag, "-XXXXXX")).string();
+  std::string pattern =
+      (std::filesystem::temp_directory_path() / absl::StrCat("weightstore-", tag, "-XXXXXX")).string();
   std::vector<char> buf(pattern.begin(), pattern.end());
   buf.push_back('\0');
   if (::mkdtemp(buf.data()) == nullptr) {
@@ -100,8 +101,6 @@ int RunCommand(const std::string& command, std::string* output, bool merge_stder
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-std::string ShellQuote(absl::string_view s) {
-  return absl::StrCat("'", absl::StrReplaceAll(s, {{"'", "'\\''"}}), "'");
-}
+std::string ShellQuote(absl::string_view s) { return absl::StrCat("'", absl::StrReplaceAll(s, {{"'", "'\\''"}}), "'"); }
 
 }  // namespace weightstore::testing
