@@ -23,36 +23,52 @@ absl::Status ChunkAssembler::Begin(const pb::TensorInfo& info, TensorSink* sink)
 
 absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink) {
   wire::ChunkFields fields;
-  bool began = false;  // this chunk's info, if any, has started its tensor
-  auto destination = [&](const wire::ChunkFields& f, uint64_t length) -> absl::StatusOr<std::span<std::byte>> {
-    if (f.info.has_value()) {
-      WEIGHTSTORE_RETURN_IF_ERROR(Begin(*f.info, sink));
-      began = true;
+  bool began = false;           // this chunk's info, if any, has started its tensor
+  std::span<std::byte> landed;  // where this chunk's data was written
+  auto start = [&](const wire::ChunkFields& f) -> absl::Status {
+    if (!f.info.has_value() || began) return absl::OkStatus();
+    if (current_) {
+      return absl::DataLossError(
+          absl::StrCat("stream began tensor '", f.info->name(), "' before tensor '", current_->spec.name, "' ended"));
     }
+    if (f.tensor_index != next_index_) {
+      return absl::DataLossError(
+          absl::StrCat("stream sent tensor ", f.tensor_index, " where tensor ", next_index_, " was due"));
+    }
+    began = true;
+    return Begin(*f.info, sink);
+  };
+  auto destination = [&](const wire::ChunkFields& f, uint64_t length) -> absl::StatusOr<std::span<std::byte>> {
+    WEIGHTSTORE_RETURN_IF_ERROR(start(f));
     if (!current_) return absl::DataLossError("stream sent data before a tensor's description");
     InProgress& t = *current_;
     const uint64_t offset = f.offset.value_or(0);
-    if (offset != t.received || length > t.out.size() - t.received) {
+    if (offset != t.received || t.received > t.out.size() || length > t.out.size() - t.received) {
       return absl::DataLossError(
           absl::StrCat("tensor '", t.spec.name, "': chunk at offset ", offset, " does not follow byte ", t.received));
     }
-    return t.out.subspan(t.received, length);
+    landed = t.out.subspan(t.received, length);
+    return landed;
   };
   WEIGHTSTORE_RETURN_IF_ERROR(wire::DecodeChunk(buffer, &fields, destination));
   if (fields.version.has_value()) version_ = *fields.version;
-  if (fields.info.has_value() && !began) WEIGHTSTORE_RETURN_IF_ERROR(Begin(*fields.info, sink));
+  WEIGHTSTORE_RETURN_IF_ERROR(start(fields));
   if (!current_) {
     if (fields.data_bytes == 0 && fields.last) return absl::OkStatus();  // an empty selection
     return absl::DataLossError("stream sent data before a tensor's description");
   }
   InProgress& t = *current_;
-  if (fields.data_bytes == 0 && fields.offset.value_or(0) != t.received) {
+  if (fields.tensor_index != next_index_) {
+    return absl::DataLossError(
+        absl::StrCat("tensor '", t.spec.name, "' (", next_index_, ") got a chunk of tensor ", fields.tensor_index));
+  }
+  if (landed.size() != fields.data_bytes || (landed.empty() && fields.offset.value_or(0) != t.received)) {
     return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "': chunk at offset ", fields.offset.value_or(0),
                                             " does not follow byte ", t.received));
   }
-  t.crc = Crc32cExtend(t.crc,
-                       absl::string_view(reinterpret_cast<const char*>(t.out.data() + t.received), fields.data_bytes));
-  t.received += fields.data_bytes;
+  // The checksum covers exactly the bytes this chunk wrote.
+  t.crc = Crc32cExtend(t.crc, absl::string_view(reinterpret_cast<const char*>(landed.data()), landed.size()));
+  t.received += landed.size();
   if (!fields.last) return absl::OkStatus();
   if (t.received != t.out.size()) {
     return absl::DataLossError(
@@ -63,7 +79,7 @@ absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink)
                                             ", the server sent ", fields.crc32c, ")"));
   }
   WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
-  next_index_ = fields.tensor_index + 1;
+  ++next_index_;
   current_.reset();
   return absl::OkStatus();
 }

@@ -82,5 +82,62 @@ TEST(ChunkAssemblerTest, RefusesChunksOutOfOrderShortTensorsAndGarbage) {
   }
 }
 
+// A malicious server's sequence: a tensor begins, then one chunk carries its
+// data followed by a second tensor's description, so that the next chunk's
+// offset would land past the second tensor's buffer.
+TEST(ChunkAssemblerTest, RefusesADescriptionAfterTheDataItWouldPlace) {
+  ChunkAssembler a;
+  CollectingSink sink;
+  grpc::ByteBuffer begin = Buffer(Chunk("", 0, true, false));
+  ASSERT_OK(a.Consume(&begin, &sink));
+  v1::TensorInfo small;
+  small.set_name("x");
+  small.set_dtype("U8");
+  small.add_shape(1);
+  small.set_byte_size(1);
+  const std::string info = small.SerializeAsString();
+  // With and without an offset before the data: the decoder refuses a
+  // description after data it placed; the assembler one that comes while a
+  // tensor is in progress.
+  for (const std::string& head : {std::string("\x18\x00", 2), std::string()}) {
+    std::string wire = head;
+    wire += '\x22';  // data: 6 bytes
+    wire += '\x06';
+    wire += "abcdef";
+    wire += '\x0a';  // info, after the data
+    wire += static_cast<char>(info.size());
+    wire += info;
+    grpc::Slice slice(wire);
+    grpc::ByteBuffer attack(&slice, 1);
+    EXPECT_THAT(a.Consume(&attack, &sink), StatusIs(absl::StatusCode::kDataLoss)) << head.size();
+    EXPECT_TRUE(sink.tensors().empty());
+  }
+}
+
+TEST(ChunkAssemblerTest, RefusesANewTensorBeforeTheCurrentOneEnded) {
+  ChunkAssembler a;
+  CollectingSink sink;
+  grpc::ByteBuffer first = Buffer(Chunk("abc", 0, true, false));
+  ASSERT_OK(a.Consume(&first, &sink));
+  grpc::ByteBuffer again = Buffer(Chunk("", 0, true, false));
+  EXPECT_THAT(a.Consume(&again, &sink),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("began tensor 'w' before tensor 'w' ended")));
+}
+
+TEST(ChunkAssemblerTest, RefusesATensorIndexThatIsNotTheOneDue) {
+  ChunkAssembler a(/*first_index=*/5);
+  CollectingSink sink;
+  v1::TensorChunk skip = Chunk("abcdef", 0, true, true, Crc32c("abcdef"));
+  skip.set_tensor_index(9);
+  grpc::ByteBuffer buffer = Buffer(skip);
+  EXPECT_THAT(a.Consume(&buffer, &sink),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 9 where tensor 5 was due")));
+  v1::TensorChunk due = skip;
+  due.set_tensor_index(5);
+  grpc::ByteBuffer ok = Buffer(due);
+  ASSERT_OK(a.Consume(&ok, &sink));
+  EXPECT_EQ(a.next_index(), 6u);
+}
+
 }  // namespace
 }  // namespace weightstore::client

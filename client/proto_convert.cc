@@ -1,6 +1,7 @@
 #include "client/proto_convert.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/checked_math.h"
 
 namespace weightstore::client {
 
@@ -38,6 +39,11 @@ absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out) {
   out->spec.name = in.name();
   out->spec.dtype = *dtype;
   out->spec.shape.assign(in.shape().begin(), in.shape().end());
+  std::optional<uint64_t> numel = CheckedNumElements(out->spec.shape);
+  if (out->spec.shape.size() > kMaxRank || !numel || !CheckedMul(*numel, DTypeSize(*dtype))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", in.name(), "' has a shape whose byte size overflows or whose rank passes ", kMaxRank));
+  }
   if (out->spec.byte_size() != in.byte_size()) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", in.name(), "' declares ", in.byte_size(),
                                                    " bytes, but its shape and dtype make ", out->spec.byte_size()));

@@ -65,9 +65,9 @@ absl::Status DecodeChunk(grpc::ByteBuffer* buffer, ChunkFields* fields, DataDest
     auto expect = [&](WireFormatLite::WireType type) { return wire_type == type; };
     switch (field) {
       case v1::TensorChunk::kInfoFieldNumber: {
-        uint32_t length;
-        if (!expect(WireFormatLite::WIRETYPE_LENGTH_DELIMITED) || !in.ReadVarint32(&length) ||
-            length > kMaxChunkFieldBytes) {
+        uint64_t length;
+        if (!expect(WireFormatLite::WIRETYPE_LENGTH_DELIMITED) || !in.ReadVarint64(&length) ||
+            length > kMaxChunkFieldBytes || delivered) {
           return bad("info");
         }
         auto limit = in.PushLimit(static_cast<int>(length));
@@ -78,19 +78,19 @@ absl::Status DecodeChunk(grpc::ByteBuffer* buffer, ChunkFields* fields, DataDest
         break;
       }
       case v1::TensorChunk::kTensorIndexFieldNumber:
-        if (!expect(WireFormatLite::WIRETYPE_VARINT) || !in.ReadVarint64(&fields->tensor_index)) {
+        if (!expect(WireFormatLite::WIRETYPE_VARINT) || !in.ReadVarint64(&fields->tensor_index) || delivered) {
           return bad("tensor_index");
         }
         break;
       case v1::TensorChunk::kOffsetFieldNumber: {
         uint64_t offset;
-        if (!expect(WireFormatLite::WIRETYPE_VARINT) || !in.ReadVarint64(&offset)) return bad("offset");
+        if (!expect(WireFormatLite::WIRETYPE_VARINT) || !in.ReadVarint64(&offset) || delivered) return bad("offset");
         fields->offset = offset;
         break;
       }
       case v1::TensorChunk::kDataFieldNumber: {
-        uint32_t length;
-        if (!expect(WireFormatLite::WIRETYPE_LENGTH_DELIMITED) || !in.ReadVarint32(&length) ||
+        uint64_t length;
+        if (!expect(WireFormatLite::WIRETYPE_LENGTH_DELIMITED) || !in.ReadVarint64(&length) ||
             length > kMaxChunkFieldBytes || have_early || delivered) {
           return bad("data");
         }

@@ -59,8 +59,9 @@ struct ChunkFields {
 using DataDestination = absl::FunctionRef<absl::StatusOr<std::span<std::byte>>(const ChunkFields&, uint64_t)>;
 
 // Decodes one chunk into `fields` and copies its data (if any) to
-// `destination`. Returns DataLoss naming the fault for malformed framing, and
-// the destination's errors.
+// `destination`. Returns DataLoss naming the fault for malformed framing
+// (including info, tensor_index or offset after the data they would place),
+// and the destination's errors.
 absl::Status DecodeChunk(grpc::ByteBuffer* buffer, ChunkFields* fields, DataDestination destination);
 
 }  // namespace weightstore::wire
