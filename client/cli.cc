@@ -305,6 +305,11 @@ absl::Status RunLs(const LsArgs& args, std::FILE* out) {
 }
 
 absl::StatusOr<const FormatSpec*> OutputFormat(const std::string& flag, const std::string& output) {
+  if (IndexFormatForPath(output) != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot write '", output,
+                                                   "': an index of shards is not written here; write one file (",
+                                                   FormatExtensions(/*writable_only=*/true), ")"));
+  }
   const FormatSpec* f = flag.empty() ? FormatForPath(output) : FindFormat(flag);
   if (f == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("cannot tell the output format from '", output, "'; end it with ",

@@ -61,6 +61,7 @@ class LocalStore final : public Store {
     WEIGHTSTORE_RETURN_IF_ERROR(Resolve(*v, query, &snapshot, &result));
     for (const SnapshotTensor& t : snapshot->tensors()) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
+      WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
       WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(*snapshot, PlanServedTensor(*snapshot, t), 0, out));
       WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
     }

@@ -461,7 +461,9 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
           WEIGHTSTORE_RETURN_IF_ERROR(checksums.Store(derived[k].key, crc));
         }
       }
-      return absl::OkStatus();
+      // Checksums cached earlier vouch for the file as opened: so must these
+      // bytes, or the segment is not kept.
+      return checksums.CheckUnchanged();
     };
     absl::StatusOr<std::shared_ptr<const MappedFile>> segment = cache_->GetOrCreate(
         key, size, absl::StrCat(request.name(), ": ", derived.size(), " materialized tensors"), fill);
