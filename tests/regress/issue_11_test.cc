@@ -358,7 +358,9 @@ TEST(Issue11Test, OnlyACommitMessageStoresAnUploadNeverTheEndOfAStream) {
   EXPECT_EQ(no_commit.error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_THAT(no_commit.error_message(), HasSubstr("without a commit message; nothing was stored"));
   EXPECT_EQ(upload("corrupted", End::kWrongCrc).error_code(), grpc::StatusCode::DATA_LOSS);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let the cancelled call wind down
+  // The cancelled calls wind down (and remove their temporaries) on the
+  // daemon's threads: wait for that, up to 10 s on a loaded machine.
+  for (int i = 0; i < 200 && FilesUnder(models) != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(FilesUnder(models), 0u) << "nothing stored, no temporaries left";
   ASSERT_TRUE(upload("good", End::kCommit).ok());
   EXPECT_EQ(testing::ReadFileOrEmpty(models + "/good.safetensors"), bytes);
