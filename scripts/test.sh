@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Quick start, command 2 (and CI's .ci/run): installs the dependencies, builds
-# with warnings as errors and runs the whole CTest suite (unit, conformance over
+# Quick start, command 2 (and CI's .ci/run): installs the dependencies, checks
+# the shape of the code (scripts/lint.sh: include rules, clang-format, buf
+# lint), builds with warnings as errors and runs the whole CTest suite (unit, conformance over
 # ../shared/fixtures, CLI, integration, regressions, chaos); builds it all again
 # with clang under ASan + UBSan, runs every fuzz target briefly and the whole
 # suite once more; then checks the deployment files (deploy/validate) and the
