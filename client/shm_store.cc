@@ -119,7 +119,8 @@ class ShmStore final : public SharedMemoryStore {
       const SharedTensor& t = mapped.tensors[i];
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
-      std::memcpy(out.data(), t.bytes.data(), t.bytes.size());
+      // An empty tensor's view may be null: memcpy must not see it.
+      if (!t.bytes.empty()) std::memcpy(out.data(), t.bytes.data(), t.bytes.size());
       if (const auto& crc = mapped.descriptions[i].crc32c) {
         if (Crc32c(absl::string_view(reinterpret_cast<const char*>(out.data()), out.size())) != *crc) {
           return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' does not match its CRC32C"));

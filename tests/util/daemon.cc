@@ -39,7 +39,15 @@ Daemon::Daemon(const std::string& models_dir, std::vector<std::string> extra_arg
   args.insert(args.end(), extra_args.begin(), extra_args.end());
   pid_ = ::fork();
   if (pid_ == 0) {
+    // Holds none of the test's output pipes: ctest waits for them to close, so
+    // a daemon outliving a test that a sanitizer ended (without destructors)
+    // would hang the suite until its timeout. (Not PR_SET_PDEATHSIG: it fires
+    // when the forking thread exits, and some tests restart daemons from
+    // threads of their own.)
     int fd = ::open(log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int null = ::open("/dev/null", O_RDONLY);
+    ::dup2(null, 0);
+    ::dup2(fd, 1);
     ::dup2(fd, 2);
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
