@@ -69,9 +69,9 @@ int Report(const absl::Status& status) {
 int main(int argc, char** argv) {
   namespace cli = weightstore::cli;
   weightstore::client::TuneAllocatorForStreaming();
-  CLI::App app{
-      "weightstore: inspect, convert and compare model checkpoints "
-      "(SafeTensors, PyTorch .pt/.pth, Burnpack .bpk)"};
+  const std::string about = absl::StrCat("weightstore: inspect, convert and compare model checkpoints (", FormatNames(),
+                                         ": ", FormatExtensions(), ")");
+  CLI::App app{about};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
 

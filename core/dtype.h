@@ -44,10 +44,6 @@ uint64_t DTypeSize(DType dtype);
 
 bool IsFloatingPoint(DType dtype);
 
-// Rank of `dtype` in the SafeTensors crate's enum order, used by writers that sort
-// tensors "by dtype descending, then name" as the reference writer does.
-int SafeTensorsOrder(DType dtype);
-
 }  // namespace weightstore
 
 #endif  // WEIGHTSTORE_CORE_DTYPE_H_

@@ -13,7 +13,9 @@
 #include <fstream>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/format.h"
 #include "core/mapped_file.h"
 #include "server/log.h"
 #include "server/server.h"
@@ -27,7 +29,9 @@ int main(int argc, char** argv) {
   std::string port_file;
   double drain_seconds = 0, grace_seconds = 10;
 
-  CLI::App app{"weightstored: serves model checkpoints (SafeTensors, PyTorch, Burnpack) over gRPC"};
+  const std::string about =
+      absl::StrCat("weightstored: serves model checkpoints (", weightstore::FormatNames(), ") over gRPC");
+  CLI::App app{about};
   app.add_option("--models", options.registry.models_dir, "Folder of checkpoints to serve")->capture_default_str();
   app.add_option("--listen", options.listen, "Address to listen on (host:port; port 0 picks one)")
       ->capture_default_str();

@@ -15,6 +15,44 @@
 namespace weightstore {
 namespace {
 
+// The reference writer's dtype order (safetensors 0.7's enum): BOOL < U8 < I8 <
+// F8_E5M2 < F8_E4M3 < I16 < U16 < F16 < BF16 < I32 < U32 < F32 < F64 < I64 < U64.
+int DTypeOrder(DType dtype) {
+  switch (dtype) {
+    case DType::kBool:
+      return 0;
+    case DType::kU8:
+      return 1;
+    case DType::kI8:
+      return 2;
+    case DType::kF8E5M2:
+      return 3;
+    case DType::kF8E4M3:
+      return 4;
+    case DType::kI16:
+      return 5;
+    case DType::kU16:
+      return 6;
+    case DType::kF16:
+      return 7;
+    case DType::kBF16:
+      return 8;
+    case DType::kI32:
+      return 9;
+    case DType::kU32:
+      return 10;
+    case DType::kF32:
+      return 11;
+    case DType::kF64:
+      return 12;
+    case DType::kI64:
+      return 13;
+    case DType::kU64:
+      return 14;
+  }
+  return 15;
+}
+
 constexpr absl::string_view kMetadataKey = "__metadata__";
 constexpr size_t kMaxJsonDepth = 8;  // the format needs 3
 constexpr size_t kMaxNameBytes = 4096;
@@ -364,7 +402,7 @@ absl::StatusOr<WritePlan> PlanSafeTensors(const std::vector<TensorSpec>& tensors
   plan.order.resize(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) plan.order[i] = i;
   std::sort(plan.order.begin(), plan.order.end(), [&](size_t a, size_t b) {
-    int oa = SafeTensorsOrder(tensors[a].dtype), ob = SafeTensorsOrder(tensors[b].dtype);
+    int oa = DTypeOrder(tensors[a].dtype), ob = DTypeOrder(tensors[b].dtype);
     if (oa != ob) return oa > ob;
     return tensors[a].name < tensors[b].name;
   });
