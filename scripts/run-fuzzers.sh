@@ -28,6 +28,21 @@ printf '\x2b\x00\x0a\x0f\x0a\x01w\x12\x03F32\x1a\x01\x02\x20\x08\x10\x00\x18\x00
 # A regression: an empty tensor's null destination reached memcpy (UBSan).
 echo 'KwAgCBAAGAAo/DQAKwAKDwoBdxIDRjMyGgUCIAArCCEAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAYAAgQNQAEAAAAQA==' \
   | base64 -d > "$build/corpus/chunk_fuzz/empty_tensor_memcpy"
+# The codec's golden chunks as one stream, and the attack of a description
+# after the data it would place (fixed in ChunkAssembler; see its tests).
+python3 - tests/testdata/tensor_chunks.golden.json "$build/corpus/chunk_fuzz" <<'PY'
+import json, struct, sys
+golden, out = sys.argv[1], sys.argv[2]
+record = lambda b: struct.pack("<H", len(b)) + b
+chunks = [bytes.fromhex(c["hex"]) for c in json.load(open(golden))]
+open(out + "/golden_stream", "wb").write(b"".join(record(c) for c in chunks))
+info = lambda name, n: b"\x0a" + bytes([len(name)]) + name + b"\x12\x02U8\x1a\x01" + bytes([n]) + b"\x20" + bytes([n])
+field = lambda tag, b: bytes([tag, len(b)]) + b
+begin = field(0x0a, info(b"w", 6))
+attack = b"\x18\x00" + field(0x22, b"abcdef") + field(0x0a, info(b"x", 1))
+overflow = b"\x18\x06" + field(0x22, b"z" * 64)
+open(out + "/info_after_data", "wb").write(record(begin) + record(attack) + record(overflow))
+PY
 mkdir -p "$build/corpus/pickle_fuzz"
 python3 - "$fixtures" "$build/corpus/pickle_fuzz" <<'PY'
 import sys, zipfile, glob, os
