@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -64,6 +65,10 @@ std::optional<uint64_t> EffectiveCapabilities(pid_t pid) {
   return std::nullopt;
 }
 
+// Materialized tensors are produced into a buffer of this size, then written
+// into their segment: small enough to stay in cache, a multiple of every
+// element size.
+constexpr uint64_t kStagingBytes = 1 << 20;
 // Derived tensors start on this boundary inside their segment.
 constexpr uint64_t kAlignment = 64;
 
@@ -452,15 +457,47 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
       offsets.push_back(size);
       size += plan.byte_size;
     }
-    auto fill = [&](std::span<std::byte> memory) -> absl::Status {
-      for (size_t k = 0; k < derived.size(); ++k) {
-        std::span<std::byte> out = memory.subspan(offsets[k], derived[k].byte_size);
-        WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, derived[k], 0, out));
-        if (!checksums.Find(derived[k].key)) {
-          const uint32_t crc = Crc32c(absl::string_view(reinterpret_cast<const char*>(out.data()), out.size()));
-          WEIGHTSTORE_RETURN_IF_ERROR(checksums.Store(derived[k].key, crc));
+    // Written by pwrite, a staging buffer at a time (no page of the segment is
+    // mapped, so none faults), the CRC32C of each tensor taken on the way. Two
+    // workers take the tensors in turn, so one materializes while the other's
+    // bytes are copied into the segment.
+    auto fill = [&](SegmentWriter& writer) -> absl::Status {
+      std::atomic<bool> failed{false};
+      auto work = [&](size_t first, size_t step) -> absl::Status {
+        std::vector<std::byte> staging;
+        for (size_t k = first; k < derived.size() && !failed; k += step) {
+          const ServedTensorPlan& plan = derived[k];
+          uint32_t crc = 0;
+          if (plan.is_byte_range()) {  // stored bytes a peer may not map: copied as they are
+            WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes view, ReadServedView(snapshot, plan));
+            crc = Crc32c(view.view());
+            WEIGHTSTORE_RETURN_IF_ERROR(writer.Write(offsets[k], view.span()));
+          } else {
+            staging.resize(std::min<uint64_t>(kStagingBytes, plan.byte_size));
+            for (uint64_t at = 0; at < plan.byte_size; at += staging.size()) {
+              const std::span<std::byte> chunk(staging.data(), std::min<uint64_t>(staging.size(), plan.byte_size - at));
+              WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, chunk));
+              crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(chunk.data()), chunk.size()));
+              WEIGHTSTORE_RETURN_IF_ERROR(writer.Write(offsets[k] + at, chunk));
+            }
+          }
+          if (!checksums.Find(plan.key)) WEIGHTSTORE_RETURN_IF_ERROR(checksums.Store(plan.key, crc));
         }
-      }
+        return absl::OkStatus();
+      };
+      auto run = [&](size_t first, size_t step) {
+        absl::Status status = work(first, step);
+        if (!status.ok()) failed = true;
+        return status;
+      };
+      absl::Status helped;
+      std::thread helper;
+      const size_t workers = derived.size() > 1 && std::thread::hardware_concurrency() > 1 ? 2 : 1;
+      if (workers == 2) helper = std::thread([&] { helped = run(1, 2); });
+      absl::Status mine = run(0, workers);
+      if (helper.joinable()) helper.join();
+      WEIGHTSTORE_RETURN_IF_ERROR(mine);
+      WEIGHTSTORE_RETURN_IF_ERROR(helped);
       // Checksums cached earlier vouch for the file as opened: so must these
       // bytes, or the segment is not kept.
       return checksums.CheckUnchanged();

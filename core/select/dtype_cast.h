@@ -26,6 +26,10 @@ absl::Status CheckCast(DType from, DType to);
 // for `count` elements of their dtypes, and not overlapping.
 void CastElements(DType from, const std::byte* src, DType to, std::byte* dst, size_t count);
 
+// CastElements without its fast paths (F32 <-> F16, F32 <-> BF16): one element
+// at a time through double. The reference the fast paths are tested against.
+void CastElementsReference(DType from, const std::byte* src, DType to, std::byte* dst, size_t count);
+
 // Converts `count` elements read `stride` elements apart from `src` into
 // consecutive elements at `dst`. REQUIRES: as CastElements.
 void CastStrided(DType from, const std::byte* src, uint64_t stride, DType to, std::byte* dst, size_t count);

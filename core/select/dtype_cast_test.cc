@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "tests/util/status_matchers.h"
 
@@ -75,6 +76,86 @@ TEST(CastTest, TransposeCastFusesBothInOnePass) {
   TransposeCast(DType::kF32, reinterpret_cast<const std::byte*>(src), DType::kF64, reinterpret_cast<std::byte*>(dst), 2,
                 3);
   EXPECT_THAT(dst, ::testing::ElementsAre(1, 4, 2, 5, 3, 6));
+}
+
+// Every 16-bit input, and F32 inputs around every rounding boundary: each
+// combination of the upper 16 bits with low bits at and around the halfway
+// points, plus pseudo-random ones.
+std::vector<uint32_t> F32Patterns() {
+  std::vector<uint32_t> out;
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  for (uint32_t hi = 0; hi < 0x10000; ++hi) {
+    for (uint32_t lo :
+         {0x0000u, 0x0001u, 0x0FFFu, 0x1000u, 0x1001u, 0x1FFFu, 0x2000u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu}) {
+      out.push_back(hi << 16 | lo);
+    }
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    out.push_back(static_cast<uint32_t>(state >> 32));
+  }
+  return out;
+}
+
+template <typename From, typename To>
+void ExpectFastEqualsReference(DType from, DType to, const std::vector<From>& inputs) {
+  std::vector<To> fast(inputs.size()), reference(inputs.size());
+  const auto* src = reinterpret_cast<const std::byte*>(inputs.data());
+  CastElements(from, src, to, reinterpret_cast<std::byte*>(fast.data()), inputs.size());
+  CastElementsReference(from, src, to, reinterpret_cast<std::byte*>(reference.data()), inputs.size());
+  size_t mismatches = 0;
+  for (size_t i = 0; i < inputs.size() && mismatches < 5; ++i) {
+    if (fast[i] != reference[i]) {
+      ++mismatches;
+      ADD_FAILURE() << DTypeName(from) << " -> " << DTypeName(to) << " of 0x" << std::hex << inputs[i] << ": fast 0x"
+                    << fast[i] << ", reference 0x" << reference[i];
+    }
+  }
+}
+
+TEST(CastTest, FastFloatPathsEqualTheReferenceBitForBit) {
+  const std::vector<uint32_t> f32 = F32Patterns();
+  ExpectFastEqualsReference<uint32_t, uint16_t>(DType::kF32, DType::kF16, f32);
+  ExpectFastEqualsReference<uint32_t, uint16_t>(DType::kF32, DType::kBF16, f32);
+  std::vector<uint16_t> all16(0x10000);
+  for (uint32_t i = 0; i < all16.size(); ++i) all16[i] = static_cast<uint16_t>(i);
+  ExpectFastEqualsReference<uint16_t, uint32_t>(DType::kF16, DType::kF32, all16);
+  ExpectFastEqualsReference<uint16_t, uint32_t>(DType::kBF16, DType::kF32, all16);
+  // The element-at-a-time converters (strided reads, and the tails and NaN
+  // lanes of the vector path) on every other pattern.
+  std::vector<uint16_t> strided(f32.size() / 2), reference(f32.size() / 2);
+  for (DType to : {DType::kF16, DType::kBF16}) {
+    const auto* src = reinterpret_cast<const std::byte*>(f32.data());
+    CastStrided(DType::kF32, src, 2, to, reinterpret_cast<std::byte*>(strided.data()), strided.size());
+    for (size_t i = 0; i < reference.size(); ++i) {
+      CastElementsReference(DType::kF32, src + 8 * i, to, reinterpret_cast<std::byte*>(&reference[i]), 1);
+    }
+    EXPECT_EQ(strided, reference) << DTypeName(to);
+  }
+  // Runs whose length is not a multiple of the vector width.
+  for (size_t n : {1, 7, 9, 15, 17}) {
+    std::vector<uint32_t> few(f32.begin() + 1000, f32.begin() + 1000 + n);
+    ExpectFastEqualsReference<uint32_t, uint16_t>(DType::kF32, DType::kF16, few);
+  }
+}
+
+TEST(CastTest, StridedAndTransposedFastPathsEqualTheReference) {
+  std::vector<float> matrix(6 * 7);
+  for (size_t i = 0; i < matrix.size(); ++i) matrix[i] = 0.1f * static_cast<float>(i) - 1.7f;
+  const auto* src = reinterpret_cast<const std::byte*>(matrix.data());
+  std::vector<uint16_t> column(6), want(6);
+  CastStrided(DType::kF32, src + 4 * 3, 7, DType::kBF16, reinterpret_cast<std::byte*>(column.data()), 6);
+  for (size_t r = 0; r < 6; ++r) {
+    CastElementsReference(DType::kF32, src + 4 * (r * 7 + 3), DType::kBF16, reinterpret_cast<std::byte*>(&want[r]), 1);
+  }
+  EXPECT_EQ(column, want);
+  std::vector<uint16_t> transposed(42), expected(42);
+  TransposeCast(DType::kF32, src, DType::kF16, reinterpret_cast<std::byte*>(transposed.data()), 6, 7);
+  for (size_t r = 0; r < 6; ++r) {
+    for (size_t c = 0; c < 7; ++c) {
+      CastElementsReference(DType::kF32, src + 4 * (r * 7 + c), DType::kF16,
+                            reinterpret_cast<std::byte*>(&expected[c * 6 + r]), 1);
+    }
+  }
+  EXPECT_EQ(transposed, expected);
 }
 
 }  // namespace

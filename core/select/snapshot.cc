@@ -179,6 +179,11 @@ absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, 
   // The served tensor as a strided view of the source elements: the source's
   // own strides (row-major when it has none), swapped for a transpose.
   std::vector<uint64_t> shape = source.spec.shape, strides = source.layout.strides;
+  if (strides.empty() && !tensor.transpose && !shape.empty()) {
+    // Contiguous and not transposed: one run over every element, so a cast
+    // streams through CastElements' fast loops instead of row by row.
+    shape = {source.spec.num_elements()};
+  }
   if (strides.empty()) {
     strides.assign(shape.size(), 1);
     for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];

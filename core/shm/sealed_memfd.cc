@@ -31,9 +31,13 @@ class FdCloser {
 
 int RequiredSeals() { return F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL; }
 
-absl::StatusOr<std::shared_ptr<const MappedFile>> CreateSealedMemfd(
-    const std::string& name, uint64_t size, const std::function<absl::Status(std::span<std::byte>)>& fill,
-    std::string path) {
+namespace {
+
+// Creates and sizes a memfd, runs `fill` on its writable descriptor, seals it
+// and returns it mapped read-only.
+absl::StatusOr<std::shared_ptr<const MappedFile>> CreateAndSeal(const std::string& name, uint64_t size,
+                                                                const std::function<absl::Status(int fd)>& fill,
+                                                                std::string path) {
   int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return StatusFromErrno(errno, absl::StrCat("memfd_create '", name, "'"));
   FdCloser closer(fd);
@@ -41,14 +45,7 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> CreateSealedMemfd(
     return StatusFromErrno(errno, absl::StrCat("cannot size memfd '", name, "' to ", size, " bytes"));
   }
   if (size > 0) {
-    // MAP_POPULATE allocates every page in one call: far cheaper than a fault per page.
-    void* addr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-    if (addr == MAP_FAILED) return StatusFromErrno(errno, absl::StrCat("cannot map memfd '", name, "'"));
-    // Back the segment with huge pages where the kernel allows it (shmem_enabled).
-    ::madvise(addr, size, MADV_HUGEPAGE);
-    absl::Status filled = fill(std::span<std::byte>(static_cast<std::byte*>(addr), size));
-    ::munmap(addr, size);  // F_SEAL_WRITE fails while a writable mapping exists
-    if (!filled.ok()) return filled;
+    if (absl::Status filled = fill(fd); !filled.ok()) return filled;
   }
   if (::fcntl(fd, F_ADD_SEALS, RequiredSeals()) != 0) {
     return StatusFromErrno(errno, absl::StrCat("cannot seal memfd '", name, "'"));
@@ -57,6 +54,52 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> CreateSealedMemfd(
   absl::StatusOr<int> readonly = ReopenReadOnly(fd, name);
   if (!readonly.ok()) return readonly.status();
   return MappedFile::FromDescriptor(*readonly, path.empty() ? absl::StrCat("memfd:", name) : std::move(path));
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const MappedFile>> CreateSealedMemfd(
+    const std::string& name, uint64_t size, const std::function<absl::Status(std::span<std::byte>)>& fill,
+    std::string path) {
+  return CreateAndSeal(
+      name, size,
+      [&](int fd) -> absl::Status {
+        // MAP_POPULATE allocates every page in one call: far cheaper than a fault per page.
+        void* addr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+        if (addr == MAP_FAILED) return StatusFromErrno(errno, absl::StrCat("cannot map memfd '", name, "'"));
+        // Back the segment with huge pages where the kernel allows it (shmem_enabled).
+        ::madvise(addr, size, MADV_HUGEPAGE);
+        absl::Status filled = fill(std::span<std::byte>(static_cast<std::byte*>(addr), size));
+        ::munmap(addr, size);  // F_SEAL_WRITE fails while a writable mapping exists
+        return filled;
+      },
+      std::move(path));
+}
+
+absl::StatusOr<std::shared_ptr<const MappedFile>> CreateSealedMemfd(
+    const std::string& name, uint64_t size, const std::function<absl::Status(SegmentWriter&)>& fill, std::string path) {
+  return CreateAndSeal(
+      name, size,
+      [&](int fd) {
+        SegmentWriter writer(fd, size, name);
+        return fill(writer);
+      },
+      std::move(path));
+}
+
+absl::Status SegmentWriter::Write(uint64_t offset, std::span<const std::byte> bytes) {
+  if (offset > size_ || bytes.size() > size_ - offset) {
+    return absl::InternalError(absl::StrCat("a write of ", bytes.size(), " bytes at ", offset, " passes the end of '",
+                                            name_, "' (", size_, " bytes)"));
+  }
+  while (!bytes.empty()) {
+    const ssize_t n = ::pwrite(fd_, bytes.data(), bytes.size(), static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return StatusFromErrno(n < 0 ? errno : ENOSPC, absl::StrCat("cannot fill memfd '", name_, "'"));
+    bytes = bytes.subspan(static_cast<size_t>(n));
+    offset += static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckSealed(int fd, absl::string_view what) {

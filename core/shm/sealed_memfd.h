@@ -33,6 +33,30 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> CreateSealedMemfd(
     const std::string& name, uint64_t size, const std::function<absl::Status(std::span<std::byte>)>& fill,
     std::string path = "");
 
+// Writes a memfd being filled, by pwrite: no page of it is mapped while it is
+// filled, so nothing faults, and the kernel allocates pages as it copies (the
+// fastest way to fill shared memory; shm_bench measures it). Write() may be
+// called from several threads at once for disjoint ranges.
+class SegmentWriter {
+ public:
+  SegmentWriter(int fd, uint64_t size, std::string name) : fd_(fd), size_(size), name_(std::move(name)) {}
+  // Writes `bytes` at `offset`. Returns InternalError if they do not fit the
+  // segment, ResourceExhausted (or the errno's status) if memory runs out.
+  absl::Status Write(uint64_t offset, std::span<const std::byte> bytes);
+  uint64_t size() const { return size_; }
+
+ private:
+  int fd_;
+  uint64_t size_;
+  std::string name_;
+};
+
+// As above, but `fill` writes the segment through a SegmentWriter instead of a
+// mapping.
+absl::StatusOr<std::shared_ptr<const MappedFile>> CreateSealedMemfd(
+    const std::string& name, uint64_t size, const std::function<absl::Status(SegmentWriter&)>& fill,
+    std::string path = "");
+
 // Returns OK if `fd` is a memfd carrying every RequiredSeals(); otherwise
 // FailedPrecondition naming `what` and the missing seals.
 absl::Status CheckSealed(int fd, absl::string_view what);

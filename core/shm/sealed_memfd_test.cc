@@ -59,5 +59,21 @@ TEST(SealedMemfdTest, PreloadCopiesTheFileAndKeepsItsPathForMessages) {
   EXPECT_OK(CheckSealed(preloaded->fd(), path));
 }
 
+TEST(SealedMemfdTest, AWriterFillsBySegmentsAndRefusesWritesPastTheEnd) {
+  ASSERT_OK_AND_ASSIGN(auto segment, CreateSealedMemfd("test", 10, [](SegmentWriter& out) -> absl::Status {
+                         const std::string a = "01234", b = "56789";
+                         if (absl::Status s = out.Write(5, std::as_bytes(std::span(b))); !s.ok()) return s;
+                         return out.Write(0, std::as_bytes(std::span(a)));
+                       }));
+  EXPECT_EQ(segment->bytes().view(), "0123456789");
+  EXPECT_OK(CheckSealed(segment->fd(), "test"));
+  EXPECT_THAT(CreateSealedMemfd("test", 4,
+                                [](SegmentWriter& out) {
+                                  const std::string five = "12345";
+                                  return out.Write(0, std::as_bytes(std::span(five)));
+                                }),
+              ::weightstore::testing::StatusIs(absl::StatusCode::kInternal));
+}
+
 }  // namespace
 }  // namespace weightstore

@@ -57,7 +57,7 @@ absl::StatusOr<SegmentCache::Reservation> SegmentCache::Reserve(uint64_t bytes, 
 
 absl::StatusOr<std::shared_ptr<const MappedFile>> SegmentCache::GetOrCreate(
     const std::string& key, uint64_t size, absl::string_view what,
-    const std::function<absl::Status(std::span<std::byte>)>& fill) {
+    const std::function<absl::Status(SegmentWriter&)>& fill) {
   std::shared_ptr<Slot> slot;
   {
     absl::MutexLock lock(&mu_);

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/mapped_file.h"
+#include "core/shm/sealed_memfd.h"
 
 namespace weightstore {
 
@@ -56,13 +57,14 @@ class SegmentCache {
   SegmentCache& operator=(const SegmentCache&) = delete;
 
   // Returns the segment stored under `key`, or creates it: evicts until `size`
-  // bytes fit, then calls `fill` on a new sealed memfd of `size` bytes. Callers
+  // bytes fit, then lets `fill` write a new memfd of `size` bytes (by pwrite:
+  // core/shm/sealed_memfd.h) and seals it. Callers
   // asking for a key being built wait for it and share the result. Returns
   // ResourceExhausted, naming `what` and the budget, when `size` cannot fit even
   // after evicting everything; the error of `fill` otherwise.
   absl::StatusOr<std::shared_ptr<const MappedFile>> GetOrCreate(
       const std::string& key, uint64_t size, absl::string_view what,
-      const std::function<absl::Status(std::span<std::byte>)>& fill);
+      const std::function<absl::Status(SegmentWriter&)>& fill);
 
   // Holds `bytes` of the budget (evicting segments to make room) until the
   // returned Reservation is destroyed. ResourceExhausted naming `what` if they

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/shm/sealed_memfd.h"
@@ -24,10 +25,10 @@ using ::testing::HasSubstr;
 using ::weightstore::testing::StatusIs;
 
 auto FillWith(char c, std::atomic<int>* calls = nullptr) {
-  return [c, calls](std::span<std::byte> out) {
+  return [c, calls](SegmentWriter& out) {
     if (calls != nullptr) ++*calls;
-    std::memset(out.data(), c, out.size());
-    return absl::OkStatus();
+    const std::vector<std::byte> bytes(out.size(), static_cast<std::byte>(c));
+    return out.Write(0, bytes);
   };
 }
 
@@ -56,7 +57,7 @@ TEST(SegmentCacheTest, RefusesWhatCanNeverFitAndForgetsFailedBuilds) {
   SegmentCache cache(1000);
   EXPECT_THAT(cache.GetOrCreate("big", 1001, "model 'x'", FillWith('x')),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("model 'x' needs 1001 bytes")));
-  EXPECT_THAT(cache.GetOrCreate("bad", 10, "bad", [](std::span<std::byte>) { return absl::InternalError("boom"); }),
+  EXPECT_THAT(cache.GetOrCreate("bad", 10, "bad", [](SegmentWriter&) { return absl::InternalError("boom"); }),
               StatusIs(absl::StatusCode::kInternal));
   EXPECT_EQ(cache.stats().segment_bytes, 0u);
   EXPECT_OK(cache.GetOrCreate("bad", 10, "bad", FillWith('y')).status());
@@ -84,11 +85,10 @@ TEST(SegmentCacheTest, ConcurrentRequestsForOneKeyShareOneBuild) {
   std::vector<const MappedFile*> got(8);
   for (int i = 0; i < 8; ++i) {
     threads.emplace_back([&, i] {
-      auto s = cache.GetOrCreate("k", 4096, "k", [&](std::span<std::byte> out) {
+      auto s = cache.GetOrCreate("k", 4096, "k", [&](SegmentWriter& out) {
         ++calls;
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        std::memset(out.data(), 1, out.size());
-        return absl::OkStatus();
+        return out.Write(0, std::vector<std::byte>(out.size(), std::byte{1}));
       });
       got[i] = s.ok() ? s->get() : nullptr;
     });

@@ -1,7 +1,7 @@
 // core_bench: inspect, convert and read throughput of weightstore's core, with
 // baselines measured in the same run (dd conv=fsync, torch.load).
 //
-// Usage: core_bench [--dir DIR] [--large-gb N] [--selection-only]
+// Usage: core_bench [--dir DIR] [--large-gb N] [--selection-only] [--cast-only]
 // Writes its checkpoints under DIR (default: a folder in /tmp), removed at exit.
 #include <sys/resource.h>
 #include <unistd.h>
@@ -22,6 +22,7 @@
 #include "core/formats/burnpack.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
+#include "core/select/dtype_cast.h"
 #include "core/select/selection.h"
 #include "core/select/snapshot.h"
 
@@ -175,6 +176,32 @@ uint64_t FileSize(const std::string& path) { return std::filesystem::file_size(p
 
 double GBps(uint64_t bytes, double seconds) { return static_cast<double>(bytes) / seconds / 1e9; }
 
+// Casts of 64 MiB of F32 (and back) with the fast paths and with the
+// element-at-a-time reference, in GB/s of input: what every cast that is
+// served (gRPC chunks, socket segments) runs.
+void CastBench() {
+  constexpr size_t kCount = 16 << 20;
+  std::vector<float> f32(kCount);
+  for (size_t i = 0; i < kCount; ++i) f32[i] = static_cast<float>(i % 9973) * 0.37f - 1000.0f;
+  std::vector<uint16_t> half(kCount);
+  std::vector<float> back(kCount);
+  std::printf("\n%-36s %12s %14s %8s\n", "cast (64 MiB of F32)", "fast GB/s", "reference GB/s", "speedup");
+  for (DType to : {DType::kF16, DType::kBF16}) {
+    const auto* src = reinterpret_cast<const std::byte*>(f32.data());
+    auto* dst = reinterpret_cast<std::byte*>(half.data());
+    const double fast = MedianOf(3, [&] { CastElements(DType::kF32, src, to, dst, kCount); });
+    const double ref = MedianOf(1, [&] { CastElementsReference(DType::kF32, src, to, dst, kCount); });
+    std::printf("  %-34s %12.2f %14.2f %7.1fx\n", absl::StrCat("F32 -> ", DTypeName(to)).c_str(),
+                GBps(4 * kCount, fast), GBps(4 * kCount, ref), ref / fast);
+    const double up =
+        MedianOf(3, [&] { CastElements(to, dst, DType::kF32, reinterpret_cast<std::byte*>(back.data()), kCount); });
+    const double up_ref = MedianOf(
+        1, [&] { CastElementsReference(to, dst, DType::kF32, reinterpret_cast<std::byte*>(back.data()), kCount); });
+    std::printf("  %-34s %12.2f %14.2f %7.1fx\n", absl::StrCat(DTypeName(to), " -> F32").c_str(), GBps(2 * kCount, up),
+                GBps(2 * kCount, up_ref), up_ref / up);
+  }
+}
+
 }  // namespace
 }  // namespace weightstore
 
@@ -187,6 +214,10 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--large-gb") && i + 1 < argc) large_gb = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--selection-only")) {
       SelectionBench();
+      return 0;
+    }
+    if (!std::strcmp(argv[i], "--cast-only")) {
+      CastBench();
       return 0;
     }
   }
@@ -241,6 +272,7 @@ int main(int argc, char** argv) {
               torch_load / view);
 
   SelectionBench();
+  CastBench();
 
   struct rusage usage;
   ::getrusage(RUSAGE_SELF, &usage);
