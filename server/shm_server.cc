@@ -14,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <optional>
+#include <system_error>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -473,7 +474,11 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
             crc = Crc32c(view.view());
             WEIGHTSTORE_RETURN_IF_ERROR(writer.Write(offsets[k], view.span()));
           } else {
-            staging.resize(std::min<uint64_t>(kStagingBytes, plan.byte_size));
+            // A transposed tensor in whole rows of its served matrix, which
+            // are produced by tiles (Snapshot::ReadRange).
+            uint64_t unit = DTypeSize(plan.tensor->spec.dtype);
+            if (plan.transpose) unit *= plan.tensor->source->spec.shape[0];
+            staging.resize(std::min<uint64_t>(std::max<uint64_t>(1, kStagingBytes / unit) * unit, plan.byte_size));
             for (uint64_t at = 0; at < plan.byte_size; at += staging.size()) {
               const std::span<std::byte> chunk(staging.data(), std::min<uint64_t>(staging.size(), plan.byte_size - at));
               WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, chunk));
@@ -492,15 +497,22 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
       };
       absl::Status helped;
       std::thread helper;
-      const size_t workers = derived.size() > 1 && std::thread::hardware_concurrency() > 1 ? 2 : 1;
-      if (workers == 2) helper = std::thread([&] { helped = run(1, 2); });
+      size_t workers = derived.size() > 1 && std::thread::hardware_concurrency() > 1 ? 2 : 1;
+      if (workers == 2) {
+        try {
+          helper = std::thread([&] { helped = run(1, 2); });
+        } catch (const std::system_error&) {  // no thread to be had (a pids limit): one worker
+          workers = 1;
+        }
+      }
       absl::Status mine = run(0, workers);
       if (helper.joinable()) helper.join();
-      WEIGHTSTORE_RETURN_IF_ERROR(mine);
-      WEIGHTSTORE_RETURN_IF_ERROR(helped);
       // Checksums cached earlier vouch for the file as opened: so must these
-      // bytes, or the segment is not kept.
-      return checksums.CheckUnchanged();
+      // bytes, or the segment is not kept. A file truncated under a write from
+      // its mapping fails it with EFAULT: then this names the real cause.
+      WEIGHTSTORE_RETURN_IF_ERROR(checksums.CheckUnchanged());
+      WEIGHTSTORE_RETURN_IF_ERROR(mine);
+      return helped;
     };
     absl::StatusOr<std::shared_ptr<const MappedFile>> segment = cache_->GetOrCreate(
         key, size, absl::StrCat(request.name(), ": ", derived.size(), " materialized tensors"), fill);

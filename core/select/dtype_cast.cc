@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 #include <bit>
@@ -188,10 +189,19 @@ uint16_t F32ToF16(uint32_t x) {
   if (x >= 0x47800000u) {  // |x| >= 65536 (or Inf, NaN): past F16's range
     out = x > 0x7F800000u ? 0x7E00u : 0x7C00u;
   } else if (x < 0x38800000u) {  // |x| < 2^-14: an F16 subnormal or zero
-    // Adding 0.5 (2^-1) aligns the F16 subnormal's bits to the float's low
-    // mantissa bits; the float adder rounds them to nearest even.
-    const float aligned = std::bit_cast<float>(x) + 0.5f;
-    out = std::bit_cast<uint32_t>(aligned) - 0x3F000000u;
+    // In units of 2^-24 (F16's smallest subnormal), rounded to nearest even in
+    // integers: no dependence on the FPU's rounding mode or flush-to-zero.
+    const uint32_t exp = x >> 23;
+    if (exp < 102) {  // below 2^-25 (F32 subnormals included): rounds to zero
+      out = 0;
+    } else {
+      const uint32_t significand = (x & 0x7FFFFFu) | 0x800000u;  // value = significand x 2^(exp - 150)
+      const uint32_t shift = 126 - exp;                          // 14..24
+      uint32_t kept = significand >> shift;
+      const uint32_t rest = significand & ((1u << shift) - 1), half = 1u << (shift - 1);
+      if (rest > half || (rest == half && (kept & 1))) ++kept;
+      out = kept;  // may carry into 0x400, the smallest normal: the right encoding
+    }
   } else {
     const uint32_t odd = (x >> 13) & 1;
     x += 0xC8000FFFu + odd;  // rebias the exponent (-112 << 23), round half to even
@@ -209,8 +219,10 @@ uint32_t F16ToF32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
   if (exp == 0x1F) return sign | (mant != 0 ? 0x7FC00000u : 0x7F800000u);
-  if (exp == 0) {  // zero or subnormal: mant x 2^-24, exact in a float
-    return sign | std::bit_cast<uint32_t>(static_cast<float>(mant) * 5.9604644775390625e-8f);
+  if (exp == 0) {  // zero or subnormal: mant x 2^-24, a normal float (exact, in integers)
+    if (mant == 0) return sign;
+    const int lead = std::bit_width(mant) - 1;  // mant = 2^lead + rest, lead in 0..9
+    return sign | (static_cast<uint32_t>(lead + 103) << 23) | ((mant << (23 - lead)) & 0x7FFFFFu);
   }
   return sign | ((exp + 112) << 23) | (mant << 13);
 }
@@ -263,7 +275,12 @@ __attribute__((target("avx,f16c"))) void F32ToF16Run(const std::byte* src, std::
 }
 
 bool HaveF16C() {
-  static const bool have = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  // __builtin_cpu_supports("avx") also checks that the OS saves AVX state;
+  // clang 14 does not know "f16c" there, so its CPUID bit is read directly.
+  static const bool have = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __builtin_cpu_supports("avx") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+  }();
   return have;
 }
 #endif
@@ -340,21 +357,27 @@ void CastStrided(DType from, const std::byte* src, uint64_t stride, DType to, st
 }
 
 void TransposeCast(DType from, const std::byte* src, DType to, std::byte* dst, size_t rows, size_t cols) {
+  TransposeCastRows(from, src, to, dst, rows, cols, 0, cols);
+}
+
+void TransposeCastRows(DType from, const std::byte* src, DType to, std::byte* dst, size_t rows, size_t cols,
+                       size_t first, size_t end) {
   // Tiles keep both the reads and the writes within a few cache lines.
   constexpr size_t kTile = 32;
   const size_t fs = DTypeSize(from), ts = DTypeSize(to);
   const ElementCast fast = FastCast(from, to);
   for (size_t r0 = 0; r0 < rows; r0 += kTile) {
-    for (size_t c0 = 0; c0 < cols; c0 += kTile) {
-      const size_t r1 = std::min(rows, r0 + kTile), c1 = std::min(cols, c0 + kTile);
+    for (size_t c0 = first; c0 < end; c0 += kTile) {
+      const size_t r1 = std::min(rows, r0 + kTile), c1 = std::min(end, c0 + kTile);
       for (size_t r = r0; r < r1; ++r) {
         for (size_t c = c0; c < c1; ++c) {
+          const size_t out = (c - first) * rows + r;
           if (from == to) {
-            std::memcpy(dst + (c * rows + r) * ts, src + (r * cols + c) * fs, fs);
+            std::memcpy(dst + out * ts, src + (r * cols + c) * fs, fs);
           } else if (fast != nullptr) {
-            fast(src + (r * cols + c) * fs, dst + (c * rows + r) * ts);
+            fast(src + (r * cols + c) * fs, dst + out * ts);
           } else {
-            CastOne(from, src, r * cols + c, to, dst, c * rows + r);
+            CastOne(from, src, r * cols + c, to, dst, out);
           }
         }
       }

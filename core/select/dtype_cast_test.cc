@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -85,8 +86,10 @@ std::vector<uint32_t> F32Patterns() {
   std::vector<uint32_t> out;
   uint64_t state = 0x9E3779B97F4A7C15ull;
   for (uint32_t hi = 0; hi < 0x10000; ++hi) {
-    for (uint32_t lo :
-         {0x0000u, 0x0001u, 0x0FFFu, 0x1000u, 0x1001u, 0x1FFFu, 0x2000u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu}) {
+    // F16's halfway points in the low 13 bits (0x1000 with an even kept bit,
+    // 0x3000 with an odd one), BF16's in the low 16 (0x8000), and neighbours.
+    for (uint32_t lo : {0x0000u, 0x0001u, 0x0FFFu, 0x1000u, 0x1001u, 0x1FFFu, 0x2000u, 0x2FFFu, 0x3000u, 0x3001u,
+                        0x5000u, 0x6000u, 0x7FFFu, 0x8000u, 0x8001u, 0xA000u, 0xC000u, 0xFFFFu}) {
       out.push_back(hi << 16 | lo);
     }
     state = state * 6364136223846793005ull + 1442695040888963407ull;
@@ -123,12 +126,14 @@ TEST(CastTest, FastFloatPathsEqualTheReferenceBitForBit) {
   // lanes of the vector path) on every other pattern.
   std::vector<uint16_t> strided(f32.size() / 2), reference(f32.size() / 2);
   for (DType to : {DType::kF16, DType::kBF16}) {
-    const auto* src = reinterpret_cast<const std::byte*>(f32.data());
-    CastStrided(DType::kF32, src, 2, to, reinterpret_cast<std::byte*>(strided.data()), strided.size());
-    for (size_t i = 0; i < reference.size(); ++i) {
-      CastElementsReference(DType::kF32, src + 8 * i, to, reinterpret_cast<std::byte*>(&reference[i]), 1);
+    for (size_t start : {0, 1}) {  // the even patterns, then the odd ones
+      const auto* src = reinterpret_cast<const std::byte*>(f32.data() + start);
+      CastStrided(DType::kF32, src, 2, to, reinterpret_cast<std::byte*>(strided.data()), strided.size());
+      for (size_t i = 0; i < reference.size(); ++i) {
+        CastElementsReference(DType::kF32, src + 8 * i, to, reinterpret_cast<std::byte*>(&reference[i]), 1);
+      }
+      EXPECT_EQ(strided, reference) << DTypeName(to) << " from " << start;
     }
-    EXPECT_EQ(strided, reference) << DTypeName(to);
   }
   // Runs whose length is not a multiple of the vector width.
   for (size_t n : {1, 7, 9, 15, 17}) {
@@ -156,6 +161,19 @@ TEST(CastTest, StridedAndTransposedFastPathsEqualTheReference) {
     }
   }
   EXPECT_EQ(transposed, expected);
+}
+
+TEST(CastTest, TransposeCastRowsIsABandOfTheWholeTranspose) {
+  std::vector<float> matrix(37 * 45);
+  for (size_t i = 0; i < matrix.size(); ++i) matrix[i] = static_cast<float>(i) * 0.25f;
+  const auto* src = reinterpret_cast<const std::byte*>(matrix.data());
+  std::vector<uint16_t> whole(matrix.size());
+  TransposeCast(DType::kF32, src, DType::kBF16, reinterpret_cast<std::byte*>(whole.data()), 37, 45);
+  for (auto [first, end] : {std::pair<size_t, size_t>{0, 45}, {3, 4}, {10, 42}, {44, 45}}) {
+    std::vector<uint16_t> band((end - first) * 37);
+    TransposeCastRows(DType::kF32, src, DType::kBF16, reinterpret_cast<std::byte*>(band.data()), 37, 45, first, end);
+    EXPECT_TRUE(std::equal(band.begin(), band.end(), whole.begin() + first * 37)) << first << ".." << end;
+  }
 }
 
 }  // namespace

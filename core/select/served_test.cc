@@ -72,7 +72,8 @@ TEST(ServedTensorPlanTest, NamesEachTransformAndKeysTheServedBytes) {
 TEST(ServedTensorPlanTest, AnyElementAlignedRangeMaterializesAsPartOfTheWhole) {
   auto c = TwoViews();
   auto snapshot = Serve(c, {{{"gathered", DType::kF32, {3, 2}}, &c->entries()[1], false},
-                            {{"cast", DType::kF16, {2, 3}}, &c->entries()[0], false}});
+                            {{"cast", DType::kF16, {2, 3}}, &c->entries()[0], false},
+                            {{"transposed", DType::kBF16, {3, 2}}, &c->entries()[0], true}});
   for (const SnapshotTensor& t : snapshot->tensors()) {
     const ServedTensorPlan plan = PlanServedTensor(*snapshot, t);
     const std::vector<std::byte> whole = Whole(*snapshot, plan);
@@ -81,6 +82,15 @@ TEST(ServedTensorPlanTest, AnyElementAlignedRangeMaterializesAsPartOfTheWhole) {
       std::vector<std::byte> part(std::min<uint64_t>(2 * element, plan.byte_size - at));
       ASSERT_OK(MaterializeServed(*snapshot, plan, at, part));
       EXPECT_EQ(0, std::memcmp(part.data(), whole.data() + at, part.size())) << t.spec.name << " at " << at;
+    }
+    // Whole rows (a transpose's tiled path) as well as element pairs.
+    for (uint64_t rows = 1; rows <= t.spec.shape[0]; ++rows) {
+      const uint64_t row = plan.byte_size / t.spec.shape[0];
+      std::vector<std::byte> band(rows * row);
+      ASSERT_OK(
+          MaterializeServed(*snapshot, plan, row, std::span(band).first(std::min(band.size(), plan.byte_size - row))));
+      EXPECT_EQ(0, std::memcmp(band.data(), whole.data() + row, std::min(band.size(), plan.byte_size - row)))
+          << t.spec.name << " rows from 1, " << rows;
     }
     std::vector<std::byte> misaligned(element);
     EXPECT_EQ(MaterializeServed(*snapshot, plan, 1, misaligned).code(), absl::StatusCode::kInvalidArgument);

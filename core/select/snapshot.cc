@@ -176,6 +176,19 @@ absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, 
                         absl::StrCat("tensor '", source.spec.name, "': ", storage.status().message()));
   }
   const std::byte* base = storage->data() + source.layout.offset;
+  if (tensor.transpose && source.layout.strides.empty()) {
+    // Whole rows of the served [c, r] matrix: produced by tiles, as reads a
+    // column at a time would touch a cache line per element.
+    const uint64_t rows = source.spec.shape[0], cols = source.spec.shape[1], row_bytes = rows * out_size;
+    if (row_bytes > 0 && offset % row_bytes == 0 && out.size() % row_bytes == 0) {
+      TransposeCastRows(source.spec.dtype, base, tensor.spec.dtype, out.data(), rows, cols, offset / row_bytes,
+                        (offset + out.size()) / row_bytes);
+      if (source.layout.normalize_bool && tensor.spec.dtype == DType::kBool) {
+        for (std::byte& b : out) b = std::byte{b != std::byte{0}};
+      }
+      return absl::OkStatus();
+    }
+  }
   // The served tensor as a strided view of the source elements: the source's
   // own strides (row-major when it has none), swapped for a transpose.
   std::vector<uint64_t> shape = source.spec.shape, strides = source.layout.strides;
