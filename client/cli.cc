@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/file_sink.h"
@@ -61,6 +62,40 @@ absl::StatusOr<SelectionOptions> ParseSelection(const SelectionArgs& args) {
       return absl::InvalidArgumentError(absl::StrCat("--dtype '", args.dtype, "' is not one of f16, bf16, f32, f64"));
     }
     options.dtype = dtype;
+  }
+  if (!args.shard.empty()) {
+    const size_t slash = args.shard.find('/');
+    if (slash == std::string::npos ||
+        !absl::SimpleAtoi(absl::string_view(args.shard).substr(0, slash), &options.shard.rank) ||
+        !absl::SimpleAtoi(absl::string_view(args.shard).substr(slash + 1), &options.shard.world_size) ||
+        options.shard.world_size == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--shard '", args.shard, "' is not RANK/WORLD, e.g. 0/4"));
+    }
+  }
+  for (const std::string& rule : args.shard_dims) {
+    const size_t eq = rule.rfind('=');
+    if (eq == std::string::npos || eq == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--shard-dim '", rule, "' is not REGEX=DIM[xPARTS][:uneven]"));
+    }
+    absl::StatusOr<ShardSplit> split = ParseShardSplit(absl::string_view(rule).substr(eq + 1));
+    if (!split.ok()) return absl::InvalidArgumentError(absl::StrCat("--shard-dim: ", split.status().message()));
+    options.shard.rules.push_back({rule.substr(0, eq), *split});
+  }
+  if (!options.shard.rules.empty() && options.shard.world_size == 0) {
+    return absl::InvalidArgumentError("--shard-dim needs --shard RANK/WORLD");
+  }
+  if (options.shard.world_size > 0 && options.shard.rules.empty()) {
+    return absl::InvalidArgumentError(
+        "--shard needs at least one --shard-dim REGEX=DIM (otherwise every tensor is replicated)");
+  }
+  for (const std::string& slice : args.slices) {
+    const size_t eq = slice.rfind("=[");
+    if (eq == std::string::npos || eq == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--slice '", slice, "' is not NAME=[a:b, :]"));
+    }
+    absl::StatusOr<std::vector<SliceBound>> bounds = ParseSliceBounds(absl::string_view(slice).substr(eq + 1));
+    if (!bounds.ok()) return absl::InvalidArgumentError(absl::StrCat("--slice: ", bounds.status().message()));
+    options.slices.push_back({slice.substr(0, eq), *std::move(bounds)});
   }
   return options;
 }
@@ -163,6 +198,10 @@ void PrintInspect(const InspectView& v, bool json, std::FILE* out) {
       j["shape"] = t.spec.shape;
       j["bytes"] = t.spec.byte_size();
       if (t.source_name != t.spec.name) j["source"] = t.source_name;
+      if (!t.slice.empty()) {
+        j["slice"] = t.slice.ToString(t.unsliced_shape);
+        j["unsliced_shape"] = t.unsliced_shape;
+      }
       doc["tensors"].push_back(std::move(j));
     }
     std::fprintf(out, "%s\n", doc.dump(1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
@@ -189,6 +228,10 @@ void PrintInspect(const InspectView& v, bool json, std::FILE* out) {
     std::fprintf(out, "%-*s  %-7s  %-*s  %12llu", static_cast<int>(name_width), t.spec.name.c_str(),
                  std::string(DTypeName(t.spec.dtype)).c_str(), static_cast<int>(shape_width),
                  ShapeToString(t.spec.shape).c_str(), static_cast<unsigned long long>(t.spec.byte_size()));
+    if (!t.slice.empty()) {
+      std::fprintf(out, "  %s of %s", t.slice.ToString(t.unsliced_shape).c_str(),
+                   ShapeToString(t.unsliced_shape).c_str());
+    }
     if (t.source_name != t.spec.name) std::fprintf(out, "  <- %s", t.source_name.c_str());
     std::fprintf(out, "\n");
   }
@@ -243,7 +286,7 @@ absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
     const Checkpoint& c = *loaded.checkpoint;
     view = InspectView{c.path(), std::string(c.format().name), c.detail(), c.metadata(), c.size(), {}, {}};
     for (const SnapshotTensor& t : loaded.snapshot->tensors()) {
-      view.tensors.push_back({t.spec, t.source->spec.name, std::nullopt});
+      view.tensors.push_back(client::Describe(t));
     }
     if (loaded.applied) view.apply_result = loaded.applied->result;
   }

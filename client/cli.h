@@ -24,6 +24,9 @@ struct SelectionArgs {
   std::string dtype;    // "", "f16", "bf16", "f32", "f64"
   std::string target;   // target schema JSON
   bool allow_partial = false;
+  std::string shard;                    // "R/N": rank R of N
+  std::vector<std::string> shard_dims;  // REGEX=DIM[xK][:uneven]
+  std::vector<std::string> slices;      // NAME=[a:b, :]
 };
 
 // How to reach a remote weightstored (--server): TLS files and a bearer token

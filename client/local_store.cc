@@ -44,7 +44,7 @@ class LocalStore final : public Store {
     std::shared_ptr<const Snapshot> snapshot;
     WEIGHTSTORE_RETURN_IF_ERROR(Resolve(*v, query, &snapshot, &listing.apply_result));
     for (const SnapshotTensor& t : snapshot->tensors()) {
-      TensorDescription d{t.spec, t.source->spec.name, std::nullopt};
+      TensorDescription d = Describe(t);
       if (query.with_checksums) {
         WEIGHTSTORE_ASSIGN_OR_RETURN(d.crc32c,
                                      ServedChecksum(*snapshot, PlanServedTensor(*snapshot, t), v->checksums()));

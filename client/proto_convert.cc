@@ -20,6 +20,27 @@ void ToProto(const Query& in, pb::Selection* out) {
   if (s.adapter != Adapter::kNone) out->set_adapter(std::string(AdapterName(s.adapter)));
   if (s.dtype) out->set_dtype(std::string(DTypeName(*s.dtype)));
   out->set_allow_partial(in.allow_partial);
+  if (s.shard.world_size > 0 || !s.shard.rules.empty()) {
+    pb::Shard* shard = out->mutable_shard();
+    shard->set_rank(s.shard.rank);
+    shard->set_world_size(s.shard.world_size);
+    for (const ShardRule& r : s.shard.rules) {
+      pb::ShardRule* rule = shard->add_rules();
+      rule->set_pattern(r.pattern);
+      rule->set_dim(r.split.dim);
+      rule->set_parts(r.split.parts);
+      rule->set_uneven(r.split.uneven);
+    }
+  }
+  for (const NamedSlice& slice : s.slices) {
+    pb::TensorSliceSpec* spec = out->add_slices();
+    spec->set_name(slice.name);
+    for (const SliceBound& b : slice.bounds) {
+      pb::SliceBound* bound = spec->add_dims();
+      if (b.start) bound->set_start(*b.start);
+      if (b.stop) bound->set_stop(*b.stop);
+    }
+  }
   if (in.target) {
     pb::TargetSchema* target = out->mutable_target();
     for (const TargetParameter& p : in.target->parameters) {
@@ -51,6 +72,22 @@ absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out) {
   out->source_name = in.source_name().empty() ? in.name() : in.source_name();
   if (in.has_crc32c()) out->crc32c = in.crc32c();
   if (in.has_param_id()) out->spec.param_id = in.param_id();
+  out->unsliced_shape.clear();
+  out->slice = {};
+  if (in.slice_size() > 0 || in.unsliced_shape_size() > 0) {
+    out->unsliced_shape.assign(in.unsliced_shape().begin(), in.unsliced_shape().end());
+    for (const pb::DimRanges& dim : in.slice()) {
+      std::vector<IndexRange>& ranges = out->slice.dims.emplace_back();
+      for (const pb::IndexRange& r : dim.ranges()) ranges.push_back({r.start(), r.stop()});
+    }
+    // The slice must fit the whole tensor and give the served shape.
+    absl::Status fits = out->slice.Check(out->unsliced_shape, in.name());
+    if (fits.ok() && (out->slice.empty() || out->slice.Shape() != out->spec.shape)) {
+      fits = absl::InvalidArgumentError(
+          absl::StrCat("tensor '", in.name(), "': its slice does not give its shape ", ShapeToString(out->spec.shape)));
+    }
+    if (!fits.ok()) return fits;
+  }
   return absl::OkStatus();
 }
 

@@ -6,13 +6,16 @@
 #include <grpcpp/security/credentials.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "client/chunk_assembler.h"
 #include "client/proto_convert.h"
 #include "client/store.h"
@@ -31,6 +34,43 @@ bool Resumable(const grpc::Status& status) {
          status.error_code() == grpc::StatusCode::UNKNOWN ||
          status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
 }
+
+// While alive, cancels `ctx`'s call within about 20 ms of `cancel` being set,
+// a read blocked on a stalled stream included. Without `cancel` it is nothing
+// (no thread).
+class CancelWatch {
+ public:
+  CancelWatch(const std::shared_ptr<const std::atomic<bool>>& cancel, grpc::ClientContext* ctx) {
+    if (cancel == nullptr) return;
+    thread_ = std::thread([this, cancel, ctx] {
+      absl::MutexLock lock(&mu_);
+      while (!stop_) {
+        if (cancel->load()) {
+          ctx->TryCancel();
+          return;
+        }
+        mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(20));
+      }
+    });
+  }
+  CancelWatch(const CancelWatch&) = delete;
+  CancelWatch& operator=(const CancelWatch&) = delete;
+  ~CancelWatch() {
+    if (!thread_.joinable()) return;
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+bool Cancelled(const std::shared_ptr<const std::atomic<bool>>& cancel) { return cancel != nullptr && cancel->load(); }
 
 // Hands received chunks from the thread reading a stream to the thread copying
 // them into the sink; at most `depth` wait in between.
@@ -141,7 +181,7 @@ class RemoteStore final : public Store {
     req.set_name(name);
     req.set_version(query.version);
     ToProto(query, req.mutable_selection());
-    return FetchRange(channel_.get(), std::move(req), sink);
+    return FetchRange(channel_.get(), std::move(req), query.cancel, sink);
   }
 
   // With parallel_streams > 1: contiguous ranges of about equal bytes, each on a
@@ -165,7 +205,8 @@ class RemoteStore final : public Store {
     }
     bounds.push_back(n);
     std::vector<grpc::Channel*> channels = Channels(bounds.size() - 1);
-    std::vector<CollectingSink> sinks(bounds.size() - 1);
+    std::vector<CollectingSink> sinks;
+    for (size_t r = 0; r + 1 < bounds.size(); ++r) sinks.emplace_back(query.cancel);
     std::vector<absl::Status> results(bounds.size() - 1);
     std::vector<std::thread> workers;
     for (size_t r = 0; r + 1 < bounds.size(); ++r) {
@@ -176,7 +217,7 @@ class RemoteStore final : public Store {
         req.set_start_index(bounds[r]);
         req.set_end_index(bounds[r + 1]);
         ToProto(query, req.mutable_selection());
-        results[r] = FetchRange(channels[r], std::move(req), &sinks[r]);
+        results[r] = FetchRange(channels[r], std::move(req), query.cancel, &sinks[r]);
       });
     }
     for (auto& w : workers) w.join();
@@ -192,7 +233,14 @@ class RemoteStore final : public Store {
 
  private:
   // Fetches req's range over `channel` into `sink`, resuming broken streams.
-  absl::Status FetchRange(grpc::Channel* channel, pb::FetchTensorsRequest req, TensorSink* sink) {
+  // Once `cancel` is set, returns Cancelled within about 20 ms: mid-tensor,
+  // mid-read and mid-backoff alike.
+  absl::Status FetchRange(grpc::Channel* channel, pb::FetchTensorsRequest req,
+                          const std::shared_ptr<const std::atomic<bool>>& cancel, TensorSink* sink) {
+    const auto cancelled = [&] {
+      return absl::CancelledError(
+          absl::StrCat("the fetch of '", req.name(), "' was cancelled at tensor ", req.start_index()));
+    };
     if (options_.chunk_bytes > 0) req.set_chunk_bytes(options_.chunk_bytes);
     int resumes = 0;
     absl::Status first_break;  // why the stream first broke, for the final error
@@ -209,6 +257,7 @@ class RemoteStore final : public Store {
       }
       // The generated stub's reader, but over raw ByteBuffers: chunks are parsed
       // from gRPC's own slices while the next one is being received.
+      CancelWatch watch(cancel, &ctx);
       std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
           grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel, fetch_method_, &ctx, req));
       absl::Status local = Receive(reader.get(), &ctx, &assembler, sink);
@@ -216,10 +265,11 @@ class RemoteStore final : public Store {
       req.set_start_index(assembler.next_index());
       if (!local.ok()) {
         reader->Finish();
-        return local;
+        return Cancelled(cancel) ? cancelled() : local;
       }
       grpc::Status status = reader->Finish();
       if (status.ok()) return absl::OkStatus();
+      if (Cancelled(cancel)) return cancelled();
       if (!Resumable(status) || ++resumes > options_.max_resumes || req.version().empty()) {
         absl::Status failed = FromGrpcStatus(status);
         if (first_break.ok()) return failed;
@@ -231,7 +281,11 @@ class RemoteStore final : public Store {
       assembler.Restart();  // tensors before start_index are complete; the current one restarts
       const auto backoff = std::min<std::chrono::milliseconds>(
           options_.resume_backoff * (1 << std::min(resumes - 1, 10)), std::chrono::seconds(5));
-      std::this_thread::sleep_for(backoff);
+      for (auto slept = std::chrono::milliseconds(0); slept < backoff; slept += std::chrono::milliseconds(20)) {
+        if (Cancelled(cancel)) return cancelled();
+        std::this_thread::sleep_for(
+            std::min<std::chrono::milliseconds>(backoff - slept, std::chrono::milliseconds(20)));
+      }
       resume_until = std::chrono::system_clock::now() + options_.resume_window;
     }
   }

@@ -22,7 +22,8 @@ absl::Status FromResponse(const pb::ShmResponse& response) {
 }
 
 // Checks a received descriptor against its declared segment and maps it.
-absl::StatusOr<std::shared_ptr<const MappedFile>> MapSegment(UniqueFd fd, const pb::Segment& segment, size_t index) {
+absl::StatusOr<std::shared_ptr<const MappedFile>> MapSegment(UniqueFd fd, const pb::Segment& segment, size_t index,
+                                                             bool copy_on_write) {
   const std::string what = absl::StrCat("segment ", index, " ('", segment.description(), "')");
   struct stat st;
   if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -32,7 +33,10 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> MapSegment(UniqueFd fd, const 
     return absl::DataLossError(absl::StrCat(what, " has ", st.st_size, " bytes; the daemon declared ", segment.size()));
   }
   if (segment.kind() == pb::Segment::SEALED_MEMFD) WEIGHTSTORE_RETURN_IF_ERROR(CheckSealed(fd.get(), what));
-  return MappedFile::FromDescriptor(fd.release(), segment.description());
+  // Only the window the tensors lie in (FromDescriptor checks it fits), or all of it.
+  const bool whole = segment.map_offset() == 0 && segment.map_size() == 0;
+  return MappedFile::FromDescriptor(fd.release(), segment.description(), whole ? 0 : segment.map_offset(),
+                                    whole ? segment.size() : segment.map_size(), copy_on_write);
 }
 
 class ShmStore final : public SharedMemoryStore {
@@ -93,7 +97,7 @@ class ShmStore final : public SharedMemoryStore {
     out.version = map.version();
     for (int i = 0; i < map.segments_size(); ++i) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> segment,
-                                   MapSegment(std::move(reply.fds[i]), map.segments(i), i));
+                                   MapSegment(std::move(reply.fds[i]), map.segments(i), i, options_.copy_on_write));
       out.segments.push_back(std::move(segment));
     }
     out.tensors.reserve(map.tensors_size());
@@ -102,12 +106,15 @@ class ShmStore final : public SharedMemoryStore {
       const pb::MappedTensor& t = map.tensors(i);
       TensorDescription& d = out.descriptions[i];
       WEIGHTSTORE_RETURN_IF_ERROR(FromProto(t.info(), &d));
+      // Offsets count from the segment's start; the mapping from its window's.
       const uint64_t size = d.spec.byte_size();
-      if (t.segment() >= out.segments.size() || t.offset() > out.segments[t.segment()]->size() ||
-          size > out.segments[t.segment()]->size() - t.offset()) {
-        return absl::DataLossError(absl::StrCat("tensor '", d.spec.name, "' lies outside segment ", t.segment()));
+      const MappedFile* segment = t.segment() < out.segments.size() ? out.segments[t.segment()].get() : nullptr;
+      if (segment == nullptr || t.offset() < segment->offset() || t.offset() - segment->offset() > segment->size() ||
+          size > segment->size() - (t.offset() - segment->offset())) {
+        return absl::DataLossError(
+            absl::StrCat("tensor '", d.spec.name, "' lies outside segment ", t.segment(), "'s mapped bytes"));
       }
-      out.tensors.push_back({d.spec, out.segments[t.segment()]->bytes().Subspan(t.offset(), size)});
+      out.tensors.push_back({d.spec, out.segments[t.segment()]->bytes().Subspan(t.offset() - segment->offset(), size)});
     }
     if (map.has_apply_result()) FromProto(map.apply_result(), &out.apply_result.emplace());
     return out;

@@ -8,6 +8,9 @@
 namespace weightstore::client {
 
 absl::StatusOr<std::span<std::byte>> CollectingSink::Begin(const TensorSpec& spec) {
+  if (cancel_ != nullptr && cancel_->load()) {
+    return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
+  }
   WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(spec.byte_size()));
   current_ = std::move(buffer);
   return current_->span();
@@ -26,8 +29,17 @@ void TuneAllocatorForStreaming() {
   ::mallopt(M_TOP_PAD, 64 << 20);
 }
 
+TensorDescription Describe(const SnapshotTensor& tensor) {
+  TensorDescription d{tensor.spec, tensor.source->spec.name, std::nullopt};
+  if (!tensor.slice.empty()) {
+    d.unsliced_shape = tensor.unsliced_shape();
+    d.slice = tensor.slice;
+  }
+  return d;
+}
+
 absl::StatusOr<std::vector<SharedTensor>> Store::FetchAll(const std::string& name, const Query& query) {
-  CollectingSink sink;
+  CollectingSink sink(query.cancel);
   WEIGHTSTORE_RETURN_IF_ERROR(FetchTensors(name, query, &sink));
   return std::move(sink.tensors());
 }

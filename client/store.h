@@ -9,6 +9,7 @@
 #ifndef WEIGHTSTORE_CLIENT_STORE_H_
 #define WEIGHTSTORE_CLIENT_STORE_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -23,6 +24,8 @@
 #include "core/mapped_file.h"
 #include "core/select/apply.h"
 #include "core/select/selection.h"
+#include "core/select/slice.h"
+#include "core/select/snapshot.h"
 #include "core/tensor.h"
 
 namespace weightstore::client {
@@ -50,13 +53,23 @@ struct Query {
   // with ABORTED once it was replaced: a listing and the fetch that follows it
   // then describe the same bytes. Default: empty, the current version.
   std::string version;
+  // When set (by another thread), a fetch stops before its next tensor and
+  // returns Cancelled. Default: none.
+  std::shared_ptr<const std::atomic<bool>> cancel;
 };
 
 struct TensorDescription {
-  TensorSpec spec;          // as served (after renaming and casting)
+  TensorSpec spec;          // as served (after renaming, casting and slicing)
   std::string source_name;  // name in the file
   std::optional<uint32_t> crc32c;
+  // When part of the tensor is served (a shard or slice): the whole tensor's
+  // shape (after any transpose) and the part. Both empty otherwise.
+  std::vector<uint64_t> unsliced_shape;
+  TensorSlice slice;
 };
+
+// A snapshot's tensor as a listing describes it (no checksum).
+TensorDescription Describe(const SnapshotTensor& tensor);
 
 struct TensorListing {
   std::string version;
@@ -80,11 +93,14 @@ class TensorSink {
 // Collects tensors into HostBuffers (2 MiB-aligned, huge-page backed).
 class CollectingSink : public TensorSink {
  public:
+  // With `cancel`: Begin() returns Cancelled once it is set.
+  explicit CollectingSink(std::shared_ptr<const std::atomic<bool>> cancel = nullptr) : cancel_(std::move(cancel)) {}
   absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override;
   absl::Status End(const TensorSpec& spec) override;
   std::vector<SharedTensor>& tensors() { return tensors_; }
 
  private:
+  std::shared_ptr<const std::atomic<bool>> cancel_;
   std::optional<HostBuffer> current_;
   std::vector<SharedTensor> tensors_;
 };
@@ -169,9 +185,10 @@ void TuneAllocatorForStreaming();
 absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& address, RemoteOptions options = {});
 
 // Tensors mapped from weightstored's same-host socket. Each tensor's bytes point
-// into a read-only shared mapping (the checkpoint file, or a sealed memfd the
-// daemon filled) and keep it alive; nothing was copied. Mappings stay valid
-// after the daemon unloads the checkpoint, evicts the segment or dies.
+// into a read-only mapping of the checkpoint file or of a sealed memfd the
+// daemon filled (copy-on-write with SharedMemoryOptions::copy_on_write), and
+// keep it alive; nothing was copied. Mappings stay valid after the daemon
+// unloads the checkpoint, evicts the segment or dies.
 struct MappedTensors {
   std::string version;
   std::vector<SharedTensor> tensors;            // in listing order
@@ -189,6 +206,13 @@ struct SharedMemoryOptions {
   std::chrono::milliseconds timeout{60 * 1000};
   // Largest response accepted (tensor tables of huge checkpoints). Default: 256 MiB.
   uint32_t max_response_bytes = 256u << 20;
+  // Map segments private and copy-on-write instead of read-only: a write
+  // through a tensor's address (a Python tensor modified in place) copies the
+  // page for this process instead of crashing it; the daemon's bytes never
+  // change. Off by default: cudaHostRegister of such a mapping of a file hung
+  // on the H100 test machine (CUDA 13, driver 580), so the CUDA paths need the
+  // read-only mapping. The Python package turns it on. Default: false.
+  bool copy_on_write = false;
 };
 
 // A Store over weightstored's same-host socket (--socket). FetchTensors copies

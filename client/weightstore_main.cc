@@ -53,6 +53,13 @@ void AddSelectionFlags(CLI::App* cmd, weightstore::cli::SelectionArgs* s) {
                   "Target schema JSON ({\"parameters\": [{\"path\", \"shape\", \"dtype\", \"module\"}]}): "
                   "load into it and report applied/missing/unused");
   cmd->add_flag("--allow-partial", s->allow_partial, "With --target: missing tensors are not an error");
+  cmd->add_option("--shard", s->shard,
+                  "Tensor parallelism: serve rank R of N its shard of each tensor a --shard-dim rule matches (R/N)");
+  cmd->add_option("--shard-dim", s->shard_dims,
+                  "With --shard: REGEX=DIM shards the tensors the regex matches along DIM; REGEX=DIMxK when DIM "
+                  "holds K fused parts (QKV: x3); ':uneven' allows torch.tensor_split sizes (repeatable)");
+  cmd->add_option("--slice", s->slices,
+                  "Serve part of one tensor: NAME=[a:b, :] per dimension, by served name (repeatable)");
 }
 
 constexpr int kExitFailure = 1;

@@ -3,15 +3,18 @@
 // once however often and over whichever transport it is asked for.
 //
 // A checksum vouches for the bytes as they were opened: Store() keeps one only
-// while `check_unchanged` passes, and returns its error otherwise. Entries are
-// bounded by what a version can serve (entries x dtypes x transposes).
-// Thread-safe.
+// while `check_unchanged` passes, and returns its error otherwise. Requests
+// choose the keys (slices are unbounded in number), so at most `max_entries`
+// keys of at most `max_key_bytes` together are kept: a key that would pass
+// either bound empties the cache first (what was dropped is computed again
+// when next asked for). Thread-safe.
 #ifndef WEIGHTSTORE_CORE_CHECKSUM_CACHE_H_
 #define WEIGHTSTORE_CORE_CHECKSUM_CACHE_H_
 
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -22,30 +25,51 @@ namespace weightstore {
 
 class ChecksumCache {
  public:
+  static constexpr size_t kDefaultMaxEntries = 1 << 18;
+  static constexpr size_t kDefaultMaxKeyBytes = 16 << 20;
+
   // `check_unchanged` (may be empty: always OK) says whether the source is
   // still as opened.
-  explicit ChecksumCache(std::function<absl::Status()> check_unchanged = {})
-      : check_unchanged_(std::move(check_unchanged)) {}
+  explicit ChecksumCache(std::function<absl::Status()> check_unchanged = {}, size_t max_entries = kDefaultMaxEntries,
+                         size_t max_key_bytes = kDefaultMaxKeyBytes)
+      : check_unchanged_(std::move(check_unchanged)), max_entries_(max_entries), max_key_bytes_(max_key_bytes) {}
 
-  std::optional<uint32_t> Find(uint64_t key) const {
+  std::optional<uint32_t> Find(const std::string& key) const {
     absl::MutexLock lock(&mu_);
     auto it = crc_.find(key);
     if (it == crc_.end()) return std::nullopt;
     return it->second;
   }
   // Keeps `crc` for `key` once CheckUnchanged() passes; returns its error else.
-  absl::Status Store(uint64_t key, uint32_t crc) const {
+  absl::Status Store(const std::string& key, uint32_t crc) const {
     if (absl::Status unchanged = CheckUnchanged(); !unchanged.ok()) return unchanged;
     absl::MutexLock lock(&mu_);
-    crc_[key] = crc;
+    if (auto it = crc_.find(key); it != crc_.end()) {
+      it->second = crc;
+      return absl::OkStatus();
+    }
+    if (crc_.size() >= max_entries_ || key_bytes_ + key.size() > max_key_bytes_) {
+      crc_.clear();
+      key_bytes_ = 0;
+    }
+    if (key.size() <= max_key_bytes_) {
+      crc_.emplace(key, crc);
+      key_bytes_ += key.size();
+    }
     return absl::OkStatus();
+  }
+  size_t size() const {
+    absl::MutexLock lock(&mu_);
+    return crc_.size();
   }
   absl::Status CheckUnchanged() const { return check_unchanged_ ? check_unchanged_() : absl::OkStatus(); }
 
  private:
   std::function<absl::Status()> check_unchanged_;
+  const size_t max_entries_, max_key_bytes_;
   mutable absl::Mutex mu_;
-  mutable absl::flat_hash_map<uint64_t, uint32_t> crc_ ABSL_GUARDED_BY(mu_);
+  mutable size_t key_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable absl::flat_hash_map<std::string, uint32_t> crc_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace weightstore

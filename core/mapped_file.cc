@@ -149,6 +149,11 @@ MappedFile::~MappedFile() {
 }
 
 absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::FromDescriptor(int fd, std::string path) {
+  return FromDescriptor(fd, std::move(path), 0, UINT64_MAX);
+}
+
+absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::FromDescriptor(int fd, std::string path, uint64_t offset,
+                                                                             uint64_t length, bool copy_on_write) {
   std::shared_ptr<MappedFile> file(new MappedFile());
   file->path_ = std::move(path);
   file->fd_ = fd;  // closed by ~MappedFile from here on
@@ -157,7 +162,16 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::FromDescriptor(int
   if (!S_ISREG(st.st_mode)) {
     return absl::FailedPreconditionError(absl::StrCat("'", file->path_, "' is not a regular file or memfd"));
   }
-  file->size_ = static_cast<uint64_t>(st.st_size);
+  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  if (length == UINT64_MAX && offset == 0) length = file_size;  // the whole file
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  if (offset % page != 0 || offset > file_size || length > file_size - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("bytes [", offset, ", +", length,
+                                                   ") are not a page-aligned window of '", file->path_, "' (",
+                                                   file_size, " bytes)"));
+  }
+  file->size_ = length;
+  file->offset_ = offset;
   file->device_ = st.st_dev;
   file->inode_ = st.st_ino;
   file->mtime_ns_ = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
@@ -165,7 +179,8 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::FromDescriptor(int
   if (file->size_ == 0) return std::shared_ptr<const MappedFile>(std::move(file));
   try {
     auto mapping = std::make_unique<Mapping>();
-    mapping->region = bip::mapped_region(DescriptorMappable(fd), bip::read_only, 0, file->size_);
+    mapping->region = bip::mapped_region(DescriptorMappable(fd), copy_on_write ? bip::copy_on_write : bip::read_only,
+                                         static_cast<bip::offset_t>(offset), file->size_);
     file->data_ = static_cast<const std::byte*>(mapping->region.get_address());
     file->mapping_ = std::move(mapping);
     file->mapped_ = true;

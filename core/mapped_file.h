@@ -44,6 +44,14 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
   // its size), taking ownership of it; `path` names it in errors. Used for sealed
   // memfds and for descriptors received over a socket. Closes `fd` on error.
   static absl::StatusOr<std::shared_ptr<const MappedFile>> FromDescriptor(int fd, std::string path);
+  // As above, mapping only bytes [offset, offset + length) of the file:
+  // bytes() and size() are that window. InvalidArgument unless `offset` is a
+  // multiple of the page size and the window lies inside the file. With
+  // `copy_on_write`, the mapping is private and writable: a write through it
+  // (by code given its address, as Python's tensors are) copies the page for
+  // this process and never reaches the file; without, such a write faults.
+  static absl::StatusOr<std::shared_ptr<const MappedFile>> FromDescriptor(int fd, std::string path, uint64_t offset,
+                                                                          uint64_t length, bool copy_on_write = false);
 
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
@@ -51,6 +59,8 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
 
   const std::string& path() const { return path_; }
   uint64_t size() const { return size_; }
+  // Where bytes() starts in the file: 0 unless a window was mapped.
+  uint64_t offset() const { return offset_; }
   bool is_mapped() const { return mapped_; }
   // The open file descriptor (valid while this object lives).
   int fd() const { return fd_; }
@@ -83,6 +93,7 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
   std::string path_;
   int fd_ = -1;
   uint64_t size_ = 0;
+  uint64_t offset_ = 0;
   bool mapped_ = false;
   dev_t device_ = 0;
   ino_t inode_ = 0;

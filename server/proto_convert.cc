@@ -1,11 +1,34 @@
 #include "server/proto_convert.h"
 
+#include <algorithm>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 
 namespace weightstore {
 
-absl::Status FromProto(const pb::Selection& in, SelectionRequest* out) {
+absl::Status FromProto(const pb::Selection& in, const SelectionLimits& limits, SelectionRequest* out) {
+  // Counts first: a request's message is bounded, but its repeated fields
+  // would be copied before Selection::Compile sees them.
+  const size_t patterns =
+      static_cast<size_t>(in.include_size()) + in.exclude_size() + in.renames_size() + in.shard().rules_size();
+  if (patterns > limits.max_patterns) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the selection has ", patterns, " patterns; at most ", limits.max_patterns, " are allowed"));
+  }
+  if (static_cast<size_t>(in.paths_size()) > limits.max_paths ||
+      static_cast<size_t>(in.slices_size()) > limits.max_paths) {
+    return absl::InvalidArgumentError(absl::StrCat("the selection has ", in.paths_size(), " exact paths and ",
+                                                   in.slices_size(), " slices; at most ", limits.max_paths,
+                                                   " of each are allowed"));
+  }
+  for (const pb::TensorSliceSpec& slice : in.slices()) {
+    if (static_cast<size_t>(slice.dims_size()) > kMaxRank) {
+      return absl::InvalidArgumentError(absl::StrCat("selection.slices: the slice of '", slice.name().substr(0, 256),
+                                                     "' has ", slice.dims_size(), " dimensions; at most ", kMaxRank,
+                                                     " are allowed"));
+    }
+  }
   SelectionOptions& o = out->options;
   o.top_level_key = in.top_level_key();
   o.include.assign(in.include().begin(), in.include().end());
@@ -22,6 +45,20 @@ absl::Status FromProto(const pb::Selection& in, SelectionRequest* out) {
     std::optional<DType> dtype = ParseDType(absl::AsciiStrToUpper(in.dtype()));
     if (!dtype) return absl::InvalidArgumentError(absl::StrCat("selection.dtype '", in.dtype(), "' is unknown"));
     o.dtype = dtype;
+  }
+  o.shard.rank = in.shard().rank();
+  o.shard.world_size = in.shard().world_size();
+  for (const pb::ShardRule& r : in.shard().rules()) {
+    o.shard.rules.push_back({r.pattern(), ShardSplit{r.dim(), std::max<uint32_t>(r.parts(), 1), r.uneven()}});
+  }
+  for (const pb::TensorSliceSpec& slice : in.slices()) {
+    NamedSlice& named = o.slices.emplace_back();
+    named.name = slice.name();
+    for (const pb::SliceBound& b : slice.dims()) {
+      SliceBound& bound = named.bounds.emplace_back();
+      if (b.has_start()) bound.start = b.start();
+      if (b.has_stop()) bound.stop = b.stop();
+    }
   }
   out->allow_partial = in.allow_partial();
   if (in.has_target()) {
@@ -51,13 +88,24 @@ absl::Status FromProto(const pb::Selection& in, SelectionRequest* out) {
   return absl::OkStatus();
 }
 
-void ToProto(const TensorSpec& spec, const std::string& source_name, pb::TensorInfo* out) {
+void ToProto(const SnapshotTensor& tensor, pb::TensorInfo* out) {
+  const TensorSpec& spec = tensor.spec;
   out->set_name(spec.name);
   out->set_dtype(std::string(DTypeName(spec.dtype)));
   for (uint64_t d : spec.shape) out->add_shape(d);
   out->set_byte_size(spec.byte_size());
-  if (source_name != spec.name) out->set_source_name(source_name);
+  if (tensor.source->spec.name != spec.name) out->set_source_name(tensor.source->spec.name);
   if (spec.param_id) out->set_param_id(*spec.param_id);
+  if (tensor.slice.empty()) return;
+  for (uint64_t d : tensor.unsliced_shape()) out->add_unsliced_shape(d);
+  for (const std::vector<IndexRange>& ranges : tensor.slice.dims) {
+    pb::DimRanges* dim = out->add_slice();
+    for (const IndexRange& r : ranges) {
+      pb::IndexRange* range = dim->add_ranges();
+      range->set_start(r.start);
+      range->set_stop(r.stop);
+    }
+  }
 }
 
 void ToProto(const ApplyResult& in, pb::ApplyResult* out) {

@@ -22,9 +22,12 @@ struct SelectionRequest {
   bool allow_partial = false;
 };
 
-// Returns InvalidArgument naming the field for an unknown adapter or dtype.
-absl::Status FromProto(const pb::Selection& in, SelectionRequest* out);
-void ToProto(const TensorSpec& spec, const std::string& source_name, pb::TensorInfo* out);
+// Returns InvalidArgument naming the field for an unknown adapter or dtype, or
+// for more rules, slices or slice dimensions than `limits` allow (checked
+// before anything is converted).
+absl::Status FromProto(const pb::Selection& in, const SelectionLimits& limits, SelectionRequest* out);
+// The tensor as served: name, dtype, shape, source name, and its slice if any.
+void ToProto(const SnapshotTensor& tensor, pb::TensorInfo* out);
 void ToProto(const ApplyResult& in, pb::ApplyResult* out);
 
 }  // namespace weightstore

@@ -13,7 +13,7 @@ absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::
   if (!version.ok()) return version.status();
   r.version = *std::move(version);
   SelectionRequest request;
-  absl::Status status = FromProto(selection, &request);
+  absl::Status status = FromProto(selection, limits, &request);
   if (!status.ok()) return status;
   auto compiled = Selection::Compile(request.options, limits);
   if (!compiled.ok()) return compiled.status();

@@ -137,7 +137,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       }
       cached_crc_ = resolved_.version->checksums().Find(plan_.key);
       crc_ = 0;
-      ToProto(plan_.tensor->spec, plan_.tensor->source->spec.name, chunk.mutable_info());
+      ToProto(*plan_.tensor, chunk.mutable_info());
       if (!sent_any_) chunk.set_version(resolved_.version->version());
     }
     const uint64_t size = plan_.byte_size;
@@ -280,7 +280,7 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
     resp->set_version(resolved.version->version());
     for (const SnapshotTensor& t : snapshot.tensors()) {
       v1::TensorInfo* info = resp->add_tensors();
-      ToProto(t.spec, t.source->spec.name, info);
+      ToProto(t, info);
       if (!req->with_checksums()) continue;
       WEIGHTSTORE_ASSIGN_OR_RETURN(
           uint32_t crc, ServedChecksum(snapshot, PlanServedTensor(snapshot, t), resolved.version->checksums()));

@@ -414,7 +414,7 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
     const SnapshotTensor& t = snapshot.tensors()[i];
     const ServedTensorPlan plan = PlanServedTensor(snapshot, t);
     v1::MappedTensor* out = response->add_tensors();
-    ToProto(t.spec, t.source->spec.name, out->mutable_info());
+    ToProto(t, out->mutable_info());
     bytes += plan.byte_size;
     if (request.table_only()) {
       if (!request.skip_checksums()) {
@@ -453,7 +453,7 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
     std::vector<uint64_t> offsets;
     uint64_t size = 0;
     for (const ServedTensorPlan& plan : derived) {
-      absl::StrAppend(&key, "|", plan.KeyString());
+      absl::StrAppend(&key, "|", plan.key);
       size = (size + kAlignment - 1) / kAlignment * kAlignment;
       offsets.push_back(size);
       size += plan.byte_size;
@@ -477,7 +477,7 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
             // A transposed tensor in whole rows of its served matrix, which
             // are produced by tiles (Snapshot::ReadRange).
             uint64_t unit = DTypeSize(plan.tensor->spec.dtype);
-            if (plan.transpose) unit *= plan.tensor->source->spec.shape[0];
+            if (plan.transpose) unit *= plan.tensor->spec.shape[1];  // a served row (of the slice, if any)
             staging.resize(std::min<uint64_t>(std::max<uint64_t>(1, kStagingBytes / unit) * unit, plan.byte_size));
             for (uint64_t at = 0; at < plan.byte_size; at += staging.size()) {
               const std::span<std::byte> chunk(staging.data(), std::min<uint64_t>(staging.size(), plan.byte_size - at));
@@ -541,12 +541,28 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
   }
   // Checksums and materialized bytes vouch for the files as opened.
   WEIGHTSTORE_RETURN_IF_ERROR(resolved->version->CheckUnchanged());
-  for (const auto& segment : *segments) {
+  // Each segment's window: the pages its tensors lie in.
+  static const uint64_t kPageBytes = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<std::pair<uint64_t, uint64_t>> window(segments->size(), {UINT64_MAX, 0});
+  for (const v1::MappedTensor& t : response->tensors()) {
+    if (request.table_only() || t.segment() >= window.size()) continue;  // a table: no segments
+    auto& [begin, end] = window[t.segment()];
+    begin = std::min(begin, t.offset());
+    end = std::max(end, t.offset() + t.info().byte_size());
+  }
+  for (size_t i = 0; i < segments->size(); ++i) {
+    const std::shared_ptr<const MappedFile>& segment = (*segments)[i];
     v1::Segment* s = response->add_segments();
     const bool sealed = CheckSealed(segment->fd(), segment->path()).ok();
     s->set_kind(sealed ? v1::Segment::SEALED_MEMFD : v1::Segment::FILE);
     s->set_size(segment->size());
     s->set_description(segment->path());
+    const auto [begin, end] = window[i];
+    const uint64_t map_offset = begin == UINT64_MAX ? 0 : begin / kPageBytes * kPageBytes;
+    if (begin != UINT64_MAX && (map_offset > 0 || end < segment->size())) {
+      s->set_map_offset(map_offset);
+      s->set_map_size(end - map_offset);
+    }
   }
   if (!request.table_only()) bytes_mapped_ += bytes;
   return absl::OkStatus();

@@ -233,6 +233,7 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
       result.skipped.push_back(param.path);
       continue;
     }
+    WEIGHTSTORE_RETURN_IF_ERROR(SliceTensor(selection, deadline, &t));
     if (t.spec.shape != param.shape) {
       result.errors.push_back({ApplyError::Kind::kShapeMismatch, param.path,
                                absl::StrCat("shape ", ShapeToString(t.spec.shape), " in the source, ",
@@ -265,6 +266,8 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
   AddSuggestions(&result, target.parameters, by_path, selection, transposable);
 
   WEIGHTSTORE_ASSIGN_OR_RETURN(out.snapshot, Snapshot::Create(std::move(checkpoint), std::move(tensors)));
+  WEIGHTSTORE_RETURN_IF_ERROR(selection.CheckSlicesUsed(
+      [&](absl::string_view name) { return out.snapshot->Find(name) != nullptr || by_path.contains(name); }));
   if (options.validate && !result.errors.empty()) {
     out.status =
         absl::FailedPreconditionError(absl::StrCat(result.errors.size(), " tensors could not be applied, e.g. '",

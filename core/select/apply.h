@@ -11,8 +11,10 @@
 //      gamma <-> weight, beta <-> bias); if still absent, P is missing;
 //   2. adapt: a rank-2 `weight` of a Linear module is transposed (PyTorch stores
 //      [out, in], Burn [in, out]; both adapters transpose);
-//   3. if the filter excludes P, P is skipped;
-//   4. the served shape must equal the target's, else a shape-mismatch error;
+//   3. if the filter excludes P, P is skipped; else P is sliced (its shard or
+//      explicit slice, named by its path; core/select/selection.h);
+//   4. the served shape must equal the target's, else a shape-mismatch error
+//      (so a rank's target describes its shards);
 //   5. P is applied with the file's dtype, or the selection's --dtype, or the
 //      target's dtype when cast_to_target is set.
 // Unused: selection names no parameter used, sorted. Unlike burn-store, a

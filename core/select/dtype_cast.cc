@@ -361,7 +361,8 @@ void TransposeCast(DType from, const std::byte* src, DType to, std::byte* dst, s
 }
 
 void TransposeCastRows(DType from, const std::byte* src, DType to, std::byte* dst, size_t rows, size_t cols,
-                       size_t first, size_t end) {
+                       size_t first, size_t end, size_t row_stride) {
+  if (row_stride != 0) cols = row_stride;  // below, `cols` is only the distance between source rows
   // Tiles keep both the reads and the writes within a few cache lines.
   constexpr size_t kTile = 32;
   const size_t fs = DTypeSize(from), ts = DTypeSize(to);

@@ -38,9 +38,11 @@ void CastStrided(DType from, const std::byte* src, uint64_t stride, DType to, st
 // a row-major [cols, rows] matrix of `to` elements, in one pass.
 void TransposeCast(DType from, const std::byte* src, DType to, std::byte* dst, size_t rows, size_t cols);
 // Rows [first, end) of that transpose only (columns [first, end) of `src`),
-// written from `dst` on: a transposed tensor produced a band at a time.
+// written from `dst` on: a transposed tensor produced a band at a time. With
+// `row_stride` (in elements; 0: `cols`), `src`'s rows lie that far apart: the
+// transpose of a block of a larger matrix (a slice of it).
 void TransposeCastRows(DType from, const std::byte* src, DType to, std::byte* dst, size_t rows, size_t cols,
-                       size_t first, size_t end);
+                       size_t first, size_t end, size_t row_stride = 0);
 
 // Encodes `value` in a binary floating-point format with `exponent_bits` and
 // `mantissa_bits` (F16: 5, 10; BF16: 8, 7; F32: 8, 23), rounding to nearest even.

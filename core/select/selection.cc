@@ -186,10 +186,15 @@ absl::StatusOr<std::unique_ptr<re2::RE2>> CompileAny(const std::vector<std::stri
 
 // Checks the sizes and counts a request controls before anything is compiled.
 absl::Status CheckSizes(const SelectionOptions& options, const SelectionLimits& limits) {
-  const size_t patterns = options.include.size() + options.exclude.size() + options.renames.size();
+  const size_t patterns =
+      options.include.size() + options.exclude.size() + options.renames.size() + options.shard.rules.size();
   if (patterns > limits.max_patterns) {
     return absl::InvalidArgumentError(
         absl::StrCat("the selection has ", patterns, " patterns; at most ", limits.max_patterns, " are allowed"));
+  }
+  if (options.slices.size() > limits.max_paths) {
+    return absl::InvalidArgumentError(absl::StrCat("the selection has ", options.slices.size(),
+                                                   " explicit slices; at most ", limits.max_paths, " are allowed"));
   }
   if (options.paths.size() > limits.max_paths) {
     return absl::InvalidArgumentError(absl::StrCat("the selection has ", options.paths.size(), " exact paths; at most ",
@@ -210,6 +215,54 @@ absl::Status CheckSizes(const SelectionOptions& options, const SelectionLimits& 
     WEIGHTSTORE_RETURN_IF_ERROR(check("renames.pattern", i, options.renames[i].pattern));
     WEIGHTSTORE_RETURN_IF_ERROR(check("renames.replacement", i, options.renames[i].replacement));
   }
+  for (size_t i = 0; i < options.shard.rules.size(); ++i) {
+    WEIGHTSTORE_RETURN_IF_ERROR(check("shard.rules.pattern", i, options.shard.rules[i].pattern));
+  }
+  for (size_t i = 0; i < options.slices.size(); ++i) {
+    WEIGHTSTORE_RETURN_IF_ERROR(check("slices.name", i, options.slices[i].name));
+  }
+  return absl::OkStatus();
+}
+
+// Checks the shard spec and the explicit slices, naming the field at fault.
+absl::Status CheckShardAndSlices(const SelectionOptions& options, const SelectionLimits& limits) {
+  const ShardSpec& shard = options.shard;
+  if (shard.world_size == 0 && !shard.rules.empty()) {
+    return absl::InvalidArgumentError("shard rules need a world size (shard.world_size)");
+  }
+  if (shard.world_size > limits.max_world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard.world_size ", shard.world_size, " exceeds the limit of ", limits.max_world_size));
+  }
+  if (shard.world_size > 0 && shard.rank >= shard.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("shard.rank ", shard.rank, " is out of range for world size ",
+                                                   shard.world_size, " (ranks are 0 to ", shard.world_size - 1, ")"));
+  }
+  for (size_t i = 0; i < shard.rules.size(); ++i) {
+    const ShardSplit& split = shard.rules[i].split;
+    if (split.dim >= kMaxRank) {
+      return absl::InvalidArgumentError(absl::StrCat("shard rule '", shard.rules[i].pattern, "': dimension ", split.dim,
+                                                     " is past the largest rank (", kMaxRank, ")"));
+    }
+    if (split.parts == 0 || split.parts > limits.max_fused_parts) {
+      return absl::InvalidArgumentError(absl::StrCat("shard rule '", shard.rules[i].pattern, "': ", split.parts,
+                                                     " fused parts; 1 to ", limits.max_fused_parts, " are allowed"));
+    }
+  }
+  for (size_t i = 0; i < options.slices.size(); ++i) {
+    const NamedSlice& slice = options.slices[i];
+    if (slice.bounds.size() > kMaxRank) {
+      return absl::InvalidArgumentError(absl::StrCat("the slice of '", slice.name, "' has ", slice.bounds.size(),
+                                                     " dimensions; at most ", kMaxRank, " are allowed"));
+    }
+    for (size_t d = 0; d < slice.bounds.size(); ++d) {
+      const SliceBound& b = slice.bounds[d];
+      if (b.start && b.stop && *b.start > *b.stop) {
+        return absl::InvalidArgumentError(absl::StrCat("the slice of '", slice.name, "' starts dimension ", d, " at ",
+                                                       *b.start, ", past its stop ", *b.stop));
+      }
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -218,6 +271,7 @@ absl::Status CheckSizes(const SelectionOptions& options, const SelectionLimits& 
 absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const SelectionOptions& options,
                                                                     const SelectionLimits& limits) {
   WEIGHTSTORE_RETURN_IF_ERROR(CheckSizes(options, limits));
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckShardAndSlices(options, limits));
   if (options.dtype && !IsFloatingPoint(*options.dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat("dtype ", DTypeName(*options.dtype), " is not a floating-point type (f16, bf16, f32, f64)"));
@@ -229,14 +283,18 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
   selection->options_ = options;
   selection->limits_ = limits;
   selection->paths_.insert(options.paths.begin(), options.paths.end());
-  // Kept objects: the include and exclude alternations and one per rename; the
-  // memory budget is shared among them.
-  const int64_t share = MemoryShare(limits, 2 + options.renames.size());
+  for (size_t i = 0; i < options.slices.size(); ++i) {
+    if (!selection->slices_.emplace(options.slices[i].name, i).second) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", options.slices[i].name, "' has two explicit slices"));
+    }
+  }
+  // Kept objects: the include and exclude alternations and one per rename and
+  // shard rule; the memory budget is shared among them.
+  const int64_t share = MemoryShare(limits, 2 + options.renames.size() + options.shard.rules.size());
   if (share < kMinRegexMemory) {
-    return absl::InvalidArgumentError(absl::StrCat(options.renames.size(),
-                                                   " rename rules do not fit the regex memory "
-                                                   "budget of ",
-                                                   limits.max_regex_memory, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(options.renames.size(), " rename rules and ", options.shard.rules.size(),
+                     " shard rules do not fit the regex memory budget of ", limits.max_regex_memory, " bytes"));
   }
   int64_t total_program = 0;
   auto spend = [&](const re2::RE2& re, absl::string_view role, const std::string& pattern) -> absl::Status {
@@ -259,6 +317,11 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto re, CompilePattern(rule.pattern, "rename", limits.max_program_size, share));
     WEIGHTSTORE_RETURN_IF_ERROR(spend(*re, "rename", rule.pattern));
     selection->rename_.push_back(std::move(re));
+  }
+  for (const ShardRule& rule : options.shard.rules) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto re, CompilePattern(rule.pattern, "shard rule", limits.max_program_size, share));
+    WEIGHTSTORE_RETURN_IF_ERROR(spend(*re, "shard rule", rule.pattern));
+    selection->shard_rules_.push_back(std::move(re));
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(selection->include_any_, CompileAny(options.include, "include", limits, share));
   WEIGHTSTORE_ASSIGN_OR_RETURN(selection->exclude_any_, CompileAny(options.exclude, "exclude", limits, share));
@@ -294,6 +357,46 @@ bool Selection::Matches(absl::string_view name) const {
   if (!keep) keep = paths_.contains(name);
   if (!keep) return false;
   return exclude_any_ == nullptr || !re2::RE2::PartialMatch(piece, *exclude_any_);
+}
+
+absl::StatusOr<TensorSlice> Selection::SliceOf(absl::string_view name, std::span<const uint64_t> shape,
+                                               const SelectionDeadline* deadline) const {
+  const ShardSpec& shard = options_.shard;
+  // The first rule that matches, and any other that disagrees with it.
+  const ShardRule* rule = nullptr;
+  const re2::StringPiece piece(name.data(), name.size());
+  for (size_t i = 0; i < shard_rules_.size(); ++i) {
+    if (deadline != nullptr) WEIGHTSTORE_RETURN_IF_ERROR(deadline->Check("matching shard rules", name.size() + 1));
+    if (!re2::RE2::PartialMatch(piece, *shard_rules_[i])) continue;
+    const ShardRule& match = shard.rules[i];
+    if (rule == nullptr) {
+      rule = &match;
+    } else if (!(rule->split == match.split)) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' matches shard rules '", rule->pattern, "=",
+                                                     ShardSplitToString(rule->split), "' and '", match.pattern, "=",
+                                                     ShardSplitToString(match.split), "', which disagree"));
+    }
+  }
+  if (auto it = slices_.find(name); it != slices_.end()) {
+    if (rule != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name,
+                                                     "' has an explicit slice and matches shard rule '", rule->pattern,
+                                                     "'; give it one or the other"));
+    }
+    return ExplicitSlice(shape, options_.slices[it->second].bounds, name);
+  }
+  if (rule == nullptr) return TensorSlice{};
+  return ShardSlice(shape, rule->split, shard.rank, shard.world_size, name);
+}
+
+absl::Status Selection::CheckSlicesUsed(const std::function<bool(absl::string_view)>& served) const {
+  for (const NamedSlice& slice : options_.slices) {
+    if (!served(slice.name)) {
+      return absl::NotFoundError(
+          absl::StrCat("the selection has a slice of '", slice.name, "', but serves no tensor of that name"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 bool Selection::UsesContiguousIndices(const FormatSpec& format, bool applying_to_target) const {

@@ -10,23 +10,29 @@
 //      (by default only when a PyTorch source is applied to a target);
 //   3. filter: kept if it matches any include regex (unanchored) or exact path,
 //      or if there are none; then dropped if it matches any exclude regex;
-//   4. dtype: floating-point tensors cast to `dtype` (integers are left alone).
+//   4. dtype: floating-point tensors cast to `dtype` (integers are left alone);
+//   5. slice: a tensor named by an explicit slice, or matched by a shard rule,
+//      is served in part (core/select/slice.h); the rest are served whole.
 // Adapters need to know module types, so they run when a selection is applied
 // to a target schema (core/apply.h).
 #ifndef WEIGHTSTORE_CORE_SELECT_SELECTION_H_
 #define WEIGHTSTORE_CORE_SELECT_SELECTION_H_
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/checkpoint.h"
 #include "core/dtype.h"
+#include "core/select/slice.h"
 
 namespace re2 {
 class RE2;
@@ -37,6 +43,25 @@ namespace weightstore {
 struct RenameRule {
   std::string pattern;      // RE2 syntax, unanchored
   std::string replacement;  // $1, ${1}, $name, ${name}, $$
+};
+
+// Tensor parallelism: rank `rank` of `world_size` receives, of each tensor a
+// rule matches, its shard along the rule's dimension; tensors no rule matches
+// are served whole (replicated).
+struct ShardRule {
+  std::string pattern;  // RE2, unanchored, on the served name (after renaming)
+  ShardSplit split;
+};
+struct ShardSpec {
+  uint32_t rank = 0;
+  uint32_t world_size = 0;  // 0: no sharding
+  std::vector<ShardRule> rules;
+};
+
+// An explicit slice of one tensor, by its served name.
+struct NamedSlice {
+  std::string name;
+  std::vector<SliceBound> bounds;  // one per leading dimension; the rest whole
 };
 
 enum class Adapter { kNone, kPyTorchToBurn, kBurnToPyTorch };
@@ -61,10 +86,16 @@ struct SelectionOptions {
   Adapter adapter = Adapter::kNone;
   // Cast floating-point tensors to this dtype. Default: keep the file's dtype.
   std::optional<DType> dtype;
+  // Serve each rank its shard. Default: off.
+  ShardSpec shard;
+  // Serve these tensors in part. A tensor may have an explicit slice or match
+  // shard rules, not both. Default: none.
+  std::vector<NamedSlice> slices;
 
   bool empty() const {
     return top_level_key.empty() && include.empty() && paths.empty() && exclude.empty() && renames.empty() &&
-           !contiguous_indices.has_value() && adapter == Adapter::kNone && !dtype.has_value();
+           !contiguous_indices.has_value() && adapter == Adapter::kNone && !dtype.has_value() &&
+           shard.world_size == 0 && shard.rules.empty() && slices.empty();
   }
 };
 
@@ -84,8 +115,13 @@ struct SelectionLimits {
   // Memory RE2 may use for every pattern of the selection together (programs
   // and match caches). Default: 16 MiB.
   int64_t max_regex_memory = 16 << 20;
-  // Most exact paths. Default: 100,000 (a checkpoint's tensor limit).
+  // Most exact paths, and most explicit slices. Default: 100,000 (a
+  // checkpoint's tensor limit).
   size_t max_paths = 100000;
+  // Largest tensor-parallel world size. Default: 65,536.
+  uint32_t max_world_size = 65536;
+  // Most fused parts a shard rule may name. Default: 64.
+  uint32_t max_fused_parts = 64;
   // Longest tensor name a rename may produce. Default: 4096 bytes.
   size_t max_name_bytes = 4096;
   // Bytes of every selected name together (after renaming); also bounds the
@@ -142,6 +178,15 @@ class Selection {
   // Whether contiguous indices apply to a checkpoint of `format`, read on its
   // own or applied to a target.
   bool UsesContiguousIndices(const FormatSpec& format, bool applying_to_target) const;
+  // The part of tensor `name` (served, `shape` before slicing) to serve: its
+  // explicit slice, or its shard under the rule that matches it; empty (the
+  // whole tensor) when neither applies. InvalidArgument naming the tensor when
+  // the slice does not fit it, a dimension is not divisible, or the tensor has
+  // an explicit slice and matches a rule, or matches rules that disagree.
+  absl::StatusOr<TensorSlice> SliceOf(absl::string_view name, std::span<const uint64_t> shape,
+                                      const SelectionDeadline* deadline = nullptr) const;
+  // NotFound naming the first explicit slice for which `served` is false.
+  absl::Status CheckSlicesUsed(const std::function<bool(absl::string_view)>& served) const;
 
  private:
   Selection() = default;
@@ -152,6 +197,8 @@ class Selection {
   std::unique_ptr<re2::RE2> include_any_, exclude_any_;
   absl::flat_hash_set<std::string> paths_;
   std::vector<std::unique_ptr<re2::RE2>> rename_;
+  std::vector<std::unique_ptr<re2::RE2>> shard_rules_;  // one per options_.shard.rules
+  absl::flat_hash_map<std::string, size_t> slices_;     // name -> index into options_.slices
 };
 
 // Renumbers every numeric path segment, per original prefix, to 0, 1, 2...

@@ -8,20 +8,17 @@
 
 namespace weightstore {
 
-std::string ServedTensorPlan::KeyString() const {
-  return absl::StrCat(entry, ":", DTypeName(tensor->spec.dtype), transpose ? ":T" : "");
-}
-
 ServedTensorPlan PlanServedTensor(const Snapshot& snapshot, const SnapshotTensor& tensor) {
   ServedTensorPlan plan;
   plan.tensor = &tensor;
   plan.entry = static_cast<size_t>(tensor.source - snapshot.checkpoint().entries().data());
-  plan.gather = !Checkpoint::IsZeroCopy(*tensor.source);
   plan.transpose = tensor.transpose;
   plan.cast = tensor.spec.dtype != tensor.source->spec.dtype;
+  plan.gather =
+      !Checkpoint::IsZeroCopy(*tensor.source) || !tensor.slice.ContiguousStart(tensor.unsliced_shape()).has_value();
   plan.byte_size = tensor.spec.byte_size();
-  // Entries number at most OpenOptions::max_tensors (far below 2^40).
-  plan.key = uint64_t{plan.entry} | (static_cast<uint64_t>(tensor.spec.dtype) << 40) | (uint64_t{plan.transpose} << 48);
+  plan.key = absl::StrCat(plan.entry, ":", DTypeName(tensor.spec.dtype), plan.transpose ? ":T" : "",
+                          tensor.slice.empty() ? "" : ":", tensor.slice.ToString(tensor.unsliced_shape()));
   return plan;
 }
 

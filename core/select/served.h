@@ -23,20 +23,19 @@ struct ServedTensorPlan {
   const SnapshotTensor* tensor = nullptr;  // in the snapshot the plan was made for
   size_t entry = 0;                        // index into the checkpoint's entries()
   // The transforms from stored to served bytes, applied in one pass.
-  bool gather = false;     // the stored tensor is strided (PyTorch views)
+  bool gather = false;     // not one run of the stored bytes: a strided tensor
+                           // (PyTorch views) or a slice of scattered elements
   bool transpose = false;  // stored rank-2 [r, c], served [c, r]
   bool cast = false;       // the served dtype is not the stored one
   uint64_t byte_size = 0;  // of the served bytes
   // Names the served bytes within one checkpoint version: the entry, the served
-  // dtype and the transpose. The checksum cache and the socket's segment cache
-  // are keyed by it.
-  uint64_t key = 0;
+  // dtype, the transpose and the slice, e.g. "12:F16:T" or "3:F32:[0:512, :]".
+  // The checksum cache and the socket's segment cache are keyed by it.
+  std::string key;
 
   // No transform: the served bytes are one byte range of the tensor's storage,
   // served as a view of it (of the file mapping, when the storage is a file).
   bool is_byte_range() const { return !gather && !transpose && !cast; }
-  // key as text, e.g. "12:F16:T": a part of a segment's key.
-  std::string KeyString() const;
 };
 
 // The plan for `tensor`, one of `snapshot`'s.

@@ -64,7 +64,7 @@ TEST(ServedTensorPlanTest, NamesEachTransformAndKeysTheServedBytes) {
   }
   auto renamed = Serve(c, {{{"other_name", DType::kF16, {2, 3}}, &w, false}});
   EXPECT_EQ(PlanServedTensor(*renamed, renamed->tensors()[0]).key, plans[2].key);
-  EXPECT_EQ(plans[3].KeyString(), "0:F32:T");
+  EXPECT_EQ(plans[3].key, "0:F32:T");
   // A transpose of w and a gather of its transposed view serve the same floats.
   EXPECT_EQ(Whole(*snapshot, plans[1]), Whole(*snapshot, plans[3]));
 }

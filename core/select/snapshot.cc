@@ -1,5 +1,6 @@
 #include "core/select/snapshot.h"
 
+#include <algorithm>
 #include <set>
 
 #include "absl/status/status.h"
@@ -12,6 +13,25 @@
 #include "core/status_macros.h"
 
 namespace weightstore {
+
+std::vector<uint64_t> SnapshotTensor::unsliced_shape() const {
+  std::vector<uint64_t> shape = source->spec.shape;
+  if (transpose && shape.size() == 2) std::swap(shape[0], shape[1]);
+  return shape;
+}
+
+std::optional<uint64_t> SnapshotTensor::ByteRangeStart() const {
+  if (transpose || spec.dtype != source->spec.dtype || !Checkpoint::IsZeroCopy(*source)) return std::nullopt;
+  std::optional<uint64_t> first = slice.ContiguousStart(source->spec.shape);
+  if (!first) return std::nullopt;
+  return *first * DTypeSize(spec.dtype);
+}
+
+absl::Status SliceTensor(const Selection& selection, const SelectionDeadline& deadline, SnapshotTensor* tensor) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(tensor->slice, selection.SliceOf(tensor->spec.name, tensor->spec.shape, &deadline));
+  if (!tensor->slice.empty()) tensor->spec.shape = tensor->slice.Shape();
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection,
                                                      bool applying_to_target) {
@@ -89,9 +109,14 @@ absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr
       WEIGHTSTORE_RETURN_IF_ERROR(CheckCast(t.spec.dtype, *selection.options().dtype));
       t.spec.dtype = *selection.options().dtype;
     }
+    WEIGHTSTORE_RETURN_IF_ERROR(SliceTensor(selection, deadline, &t));
     tensors.push_back(std::move(t));
   }
-  return Create(std::move(checkpoint), std::move(tensors));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Snapshot> snapshot,
+                               Create(std::move(checkpoint), std::move(tensors)));
+  WEIGHTSTORE_RETURN_IF_ERROR(
+      selection.CheckSlicesUsed([&](absl::string_view name) { return snapshot->Find(name) != nullptr; }));
+  return snapshot;
 }
 
 absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Create(std::shared_ptr<const Checkpoint> checkpoint,
@@ -101,9 +126,14 @@ absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Create(std::shared_ptr
   snapshot->by_name_.reserve(snapshot->tensors_.size());
   for (size_t i = 0; i < snapshot->tensors_.size(); ++i) {
     const SnapshotTensor& t = snapshot->tensors_[i];
-    if (t.transpose && (t.source->spec.shape.size() != 2 ||
-                        t.spec.shape != std::vector<uint64_t>{t.source->spec.shape[1], t.source->spec.shape[0]})) {
+    if (t.transpose && t.source->spec.shape.size() != 2) {
       return absl::InternalError(absl::StrCat("tensor '", t.spec.name, "': transpose needs a rank-2 source"));
+    }
+    const std::vector<uint64_t> unsliced = t.unsliced_shape();
+    WEIGHTSTORE_RETURN_IF_ERROR(t.slice.Check(unsliced, t.spec.name));
+    if (t.spec.shape != (t.slice.empty() ? unsliced : t.slice.Shape())) {
+      return absl::InternalError(absl::StrCat("tensor '", t.spec.name, "': served shape ", ShapeToString(t.spec.shape),
+                                              " is not that of its source and slice"));
     }
     WEIGHTSTORE_RETURN_IF_ERROR(CheckCast(t.source->spec.dtype, t.spec.dtype));
     if (!snapshot->by_name_.emplace(t.spec.name, i).second) {
@@ -135,9 +165,11 @@ absl::StatusOr<SharedTensor> Snapshot::Read(absl::string_view name) const {
 }
 
 absl::StatusOr<SharedTensor> Snapshot::Read(const SnapshotTensor& tensor) const {
-  if (tensor.is_identity()) {
+  std::optional<uint64_t> start;
+  if (tensor.is_identity() || (start = tensor.ByteRangeStart())) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, checkpoint_->Read(*tensor.source));
     t.spec = tensor.spec;
+    if (start) t.bytes = t.bytes.Subspan(*start, tensor.spec.byte_size());
     return t;
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(tensor.spec.byte_size()));
@@ -148,6 +180,7 @@ absl::StatusOr<SharedTensor> Snapshot::Read(const SnapshotTensor& tensor) const 
 absl::Status Snapshot::ReadInto(const SnapshotTensor& tensor, std::span<std::byte> out) const {
   if (tensor.is_identity()) return checkpoint_->ReadInto(*tensor.source, out);
   WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(tensor.spec, out.size()));
+  if (!tensor.slice.empty()) return ReadRange(tensor, 0, out);
   // Source bytes (a view when contiguous), then one pass of transpose and cast.
   WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor source, checkpoint_->Read(*tensor.source));
   const DType from = tensor.source->spec.dtype, to = tensor.spec.dtype;
@@ -159,6 +192,25 @@ absl::Status Snapshot::ReadInto(const SnapshotTensor& tensor, std::span<std::byt
   }
   return absl::OkStatus();
 }
+
+namespace {
+
+// One served dimension as the odometer walks it: served index i lies in range
+// k (served_start[k] <= i < served_start[k + 1]) and reads source index
+// source_start[k] + (i - served_start[k]), `stride` elements apart.
+struct DimWalk {
+  uint64_t size = 0;
+  uint64_t stride = 0;
+  std::vector<uint64_t> served_start, source_start;
+
+  size_t RangeOf(uint64_t i) const {
+    return static_cast<size_t>(std::upper_bound(served_start.begin(), served_start.end(), i) - served_start.begin()) -
+           1;
+  }
+  uint64_t RangeEnd(size_t k) const { return k + 1 < served_start.size() ? served_start[k + 1] : size; }
+};
+
+}  // namespace
 
 absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, std::span<std::byte> out) const {
   const CheckpointEntry& source = *tensor.source;
@@ -176,13 +228,19 @@ absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, 
                         absl::StrCat("tensor '", source.spec.name, "': ", storage.status().message()));
   }
   const std::byte* base = storage->data() + source.layout.offset;
-  if (tensor.transpose && source.layout.strides.empty()) {
-    // Whole rows of the served [c, r] matrix: produced by tiles, as reads a
+  // A transposed tensor is 2-D, so its slice (if any) has two dimensions.
+  if (tensor.transpose && source.layout.strides.empty() &&
+      (tensor.slice.empty() || (tensor.slice.dims[0].size() == 1 && tensor.slice.dims[1].size() == 1))) {
+    // Whole rows of the served [c, r] matrix (of the block a slice keeps:
+    // source rows [r0, r1), columns [c0, c1)): produced by tiles, as reads a
     // column at a time would touch a cache line per element.
-    const uint64_t rows = source.spec.shape[0], cols = source.spec.shape[1], row_bytes = rows * out_size;
+    const uint64_t cols = source.spec.shape[1];
+    const IndexRange c = tensor.slice.empty() ? IndexRange{0, cols} : tensor.slice.dims[0][0];
+    const IndexRange r = tensor.slice.empty() ? IndexRange{0, source.spec.shape[0]} : tensor.slice.dims[1][0];
+    const uint64_t rows = r.size(), row_bytes = rows * out_size;
     if (row_bytes > 0 && offset % row_bytes == 0 && out.size() % row_bytes == 0) {
-      TransposeCastRows(source.spec.dtype, base, tensor.spec.dtype, out.data(), rows, cols, offset / row_bytes,
-                        (offset + out.size()) / row_bytes);
+      TransposeCastRows(source.spec.dtype, base + r.start * cols * in_size, tensor.spec.dtype, out.data(), rows, cols,
+                        c.start + offset / row_bytes, c.start + (offset + out.size()) / row_bytes, cols);
       if (source.layout.normalize_bool && tensor.spec.dtype == DType::kBool) {
         for (std::byte& b : out) b = std::byte{b != std::byte{0}};
       }
@@ -190,13 +248,9 @@ absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, 
     }
   }
   // The served tensor as a strided view of the source elements: the source's
-  // own strides (row-major when it has none), swapped for a transpose.
+  // own strides (row-major when it has none), swapped for a transpose, walked
+  // through the slice's ranges.
   std::vector<uint64_t> shape = source.spec.shape, strides = source.layout.strides;
-  if (strides.empty() && !tensor.transpose && !shape.empty()) {
-    // Contiguous and not transposed: one run over every element, so a cast
-    // streams through CastElements' fast loops instead of row by row.
-    shape = {source.spec.num_elements()};
-  }
   if (strides.empty()) {
     strides.assign(shape.size(), 1);
     for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
@@ -205,28 +259,58 @@ absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, 
     std::swap(shape[0], shape[1]);
     std::swap(strides[0], strides[1]);
   }
+  std::vector<DimWalk> dims(shape.size());
+  for (size_t d = 0; d < shape.size(); ++d) {
+    DimWalk& w = dims[d];
+    w.stride = strides[d];
+    if (tensor.slice.empty()) {
+      w.size = shape[d];
+      w.served_start = {0};
+      w.source_start = {0};
+      continue;
+    }
+    for (const IndexRange& r : tensor.slice.dims[d]) {
+      if (r.size() == 0) continue;  // serves nothing (a non-empty `out` means every dimension has some)
+      w.served_start.push_back(w.size);
+      w.source_start.push_back(r.start);
+      w.size += r.size();
+    }
+  }
+  if (source.layout.strides.empty() && !tensor.transpose) {
+    if (std::optional<uint64_t> start = tensor.slice.ContiguousStart(source.spec.shape)) {
+      // The served elements are consecutive in the source: one run, so a cast
+      // streams through CastElements' fast loops instead of row by row.
+      base += *start * in_size;
+      dims = {DimWalk{tensor.spec.num_elements(), 1, {0}, {0}}};
+    }
+  }
   uint64_t first = offset / out_size, count = out.size() / out_size;
   std::byte* dst = out.data();
-  if (shape.empty()) {  // a scalar
+  if (dims.empty()) {  // a scalar
     CastElements(source.spec.dtype, base, tensor.spec.dtype, dst, 1);
   } else {
     // The odometer starts at element `first`; each step covers a run of the
-    // innermost dimension.
-    const size_t rank = shape.size();
+    // innermost dimension within one of its ranges.
+    const size_t rank = dims.size();
     std::vector<uint64_t> index(rank);
     for (size_t d = rank, rest = first; d-- > 0;) {
-      index[d] = rest % shape[d];
-      rest /= shape[d];
+      index[d] = rest % dims[d].size;
+      rest /= dims[d].size;
     }
     while (count > 0) {
       uint64_t at = 0;
-      for (size_t d = 0; d < rank; ++d) at += index[d] * strides[d];
-      const uint64_t run = std::min(count, shape[rank - 1] - index[rank - 1]);
-      CastStrided(source.spec.dtype, base + at * in_size, strides[rank - 1], tensor.spec.dtype, dst, run);
+      size_t k = 0;
+      for (size_t d = 0; d < rank; ++d) {
+        k = dims[d].RangeOf(index[d]);
+        at += (dims[d].source_start[k] + index[d] - dims[d].served_start[k]) * dims[d].stride;
+      }
+      const DimWalk& inner = dims[rank - 1];
+      const uint64_t run = std::min(count, inner.RangeEnd(k) - index[rank - 1]);
+      CastStrided(source.spec.dtype, base + at * in_size, inner.stride, tensor.spec.dtype, dst, run);
       dst += run * out_size;
       count -= run;
       index[rank - 1] += run;
-      for (size_t d = rank - 1; d > 0 && index[d] == shape[d]; --d) {
+      for (size_t d = rank - 1; d > 0 && index[d] == dims[d].size; --d) {
         index[d] = 0;
         ++index[d - 1];
       }

@@ -8,6 +8,7 @@
 #define WEIGHTSTORE_CORE_SELECT_SNAPSHOT_H_
 
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "core/checkpoint.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/select/selection.h"
+#include "core/select/slice.h"
 
 namespace weightstore {
 
@@ -24,8 +26,17 @@ struct SnapshotTensor {
   TensorSpec spec;                          // name, dtype and shape as served
   const CheckpointEntry* source = nullptr;  // in the snapshot's checkpoint
   bool transpose = false;                   // rank-2 [r, c] source served as [c, r]
+  // The part served of the (transposed) source; empty: all of it.
+  TensorSlice slice;
 
-  bool is_identity() const { return !transpose && spec.dtype == source->spec.dtype; }
+  // The shape before slicing: the source's, transposed when asked.
+  std::vector<uint64_t> unsliced_shape() const;
+  // The served bytes are the stored bytes, unchanged.
+  bool is_identity() const { return !transpose && spec.dtype == source->spec.dtype && slice.empty(); }
+  // When the served bytes are one run of the stored bytes of a contiguous
+  // source (no transpose, no cast; a slice whose elements are consecutive):
+  // the run's first byte, counted from the tensor's first. nullopt otherwise.
+  std::optional<uint64_t> ByteRangeStart() const;
 };
 
 // A checkpoint entry under its selected name.
@@ -33,6 +44,10 @@ struct NamedEntry {
   std::string name;  // after top-level key, rename and contiguous indices
   size_t entry;      // index into checkpoint.entries()
 };
+
+// Step 5 of the pipeline: sets `tensor`'s slice from `selection` and its
+// served shape from the slice. REQUIRES: tensor->spec.shape unsliced.
+absl::Status SliceTensor(const Selection& selection, const SelectionDeadline& deadline, SnapshotTensor* tensor);
 
 // Steps 0-2 of the pipeline (top-level key, rename, contiguous indices), before
 // the filter. Returns NotFound listing the available keys when no tensor is under
@@ -43,12 +58,14 @@ absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoin
 
 class Snapshot {
  public:
-  // Applies `selection` (rename, contiguous indices, filter, dtype) to every
-  // tensor of `checkpoint`. Returns InvalidArgument naming both tensors when two
-  // are renamed to the same name.
+  // Applies `selection` (rename, contiguous indices, filter, dtype, slices) to
+  // every tensor of `checkpoint`. Returns InvalidArgument naming both tensors
+  // when two are renamed to the same name, or naming the tensor a slice does
+  // not fit; NotFound naming an explicit slice no served tensor has.
   static absl::StatusOr<std::shared_ptr<const Snapshot>> Select(std::shared_ptr<const Checkpoint> checkpoint,
                                                                 const Selection& selection);
-  // Builds a snapshot from chosen tensors (used by Apply). Names must be unique.
+  // Builds a snapshot from chosen tensors (used by Apply). Names must be
+  // unique; each spec's shape must be its slice's (InternalError else).
   static absl::StatusOr<std::shared_ptr<const Snapshot>> Create(std::shared_ptr<const Checkpoint> checkpoint,
                                                                 std::vector<SnapshotTensor> tensors);
 

@@ -1,5 +1,7 @@
 #include "core/shm/segment_cache.h"
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
 #include "core/shm/sealed_memfd.h"
 
@@ -21,15 +23,26 @@ SegmentCache::Reservation::~Reservation() {
   if (cache_ != nullptr) cache_->Release(bytes_);
 }
 
-bool SegmentCache::MakeRoom(uint64_t bytes) {
+namespace {
+
+// What a segment of `size` bytes under `key` costs the budget.
+uint64_t Charge(uint64_t size, const std::string& key) {
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t pages = size / page + (size % page != 0 || size == 0 ? 1 : 0);
+  return pages * page + 3 * key.size();
+}
+
+}  // namespace
+
+bool SegmentCache::MakeRoom(uint64_t bytes, bool new_segment) {
   if (bytes > budget_) return false;
-  while (used_ + bytes > budget_ && !lru_.empty()) {
-    auto [key, size] = lru_.back();
+  while ((used_ + bytes > budget_ || (new_segment && lru_.size() >= max_segments_)) && !lru_.empty()) {
+    const Held& oldest = lru_.back();
+    used_ -= oldest.charge;
+    segment_bytes_ -= oldest.size;
+    lru_pos_.erase(oldest.key);
+    slots_.erase(oldest.key);
     lru_.pop_back();
-    lru_pos_.erase(key);
-    slots_.erase(key);
-    used_ -= size;
-    segment_bytes_ -= size;
     ++evictions_;
   }
   return used_ + bytes <= budget_;
@@ -75,37 +88,38 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> SegmentCache::GetOrCreate(
   auto forget = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (auto it = slots_.find(key); it != slots_.end() && it->second == slot) slots_.erase(it);
   };
+  const uint64_t charge = Charge(size, key);
   {
     absl::MutexLock lock(&mu_);
     ++misses_;
-    if (!MakeRoom(size)) {
+    if (!MakeRoom(charge, /*new_segment=*/true)) {
       forget();
       return absl::ResourceExhaustedError(absl::StrCat(what, " needs ", size, " bytes of shared memory; the budget is ",
                                                        budget_, " bytes and ", used_, " are in use"));
     }
-    used_ += size;  // held while building
+    used_ += charge;  // held while building
   }
   absl::StatusOr<std::shared_ptr<const MappedFile>> segment =
       CreateSealedMemfd(absl::StrCat("weightstore:", what), size, fill);
   absl::MutexLock lock(&mu_);
   if (!segment.ok()) {
-    used_ -= size;
+    used_ -= charge;
     forget();
     return segment.status();
   }
   slot->segment = *segment;
   segment_bytes_ += size;
-  lru_.emplace_front(key, size);  // a slot being built is never evicted
+  lru_.push_front({key, size, charge});  // a slot being built is never evicted
   lru_pos_[key] = lru_.begin();
   return slot->segment;
 }
 
 void SegmentCache::Clear() {
   absl::MutexLock lock(&mu_);
-  for (const auto& [key, size] : lru_) {
-    slots_.erase(key);
-    used_ -= size;
-    segment_bytes_ -= size;
+  for (const Held& held : lru_) {
+    slots_.erase(held.key);
+    used_ -= held.charge;
+    segment_bytes_ -= held.size;
     ++evictions_;
   }
   lru_.clear();

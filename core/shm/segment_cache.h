@@ -52,7 +52,15 @@ class SegmentCache {
     uint64_t hits = 0, misses = 0, evictions = 0;
   };
 
-  explicit SegmentCache(uint64_t budget_bytes) : budget_(budget_bytes) {}
+  // Default most segments held: each holds a descriptor and a mapping.
+  static constexpr size_t kDefaultMaxSegments = 1024;
+
+  // A segment is charged its size rounded up to whole pages (at least one),
+  // plus its key's bytes (kept three times): requests choose keys (slices make them unbounded in
+  // number), so even empty segments count. At most `max_segments` are held;
+  // past that the least recently used goes.
+  explicit SegmentCache(uint64_t budget_bytes, size_t max_segments = kDefaultMaxSegments)
+      : budget_(budget_bytes), max_segments_(max_segments) {}
   SegmentCache(const SegmentCache&) = delete;
   SegmentCache& operator=(const SegmentCache&) = delete;
 
@@ -80,17 +88,23 @@ class SegmentCache {
     absl::Mutex mu;  // held while the segment is built
     std::shared_ptr<const MappedFile> segment ABSL_GUARDED_BY(mu);
   };
-  // Evicts least recently used segments until `bytes` more fit. False if they
-  // cannot.
-  bool MakeRoom(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts least recently used segments until `bytes` more fit (and, with
+  // `new_segment`, until one more segment may be held). False if they cannot.
+  bool MakeRoom(uint64_t bytes, bool new_segment = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Release(uint64_t bytes);
 
   const uint64_t budget_;
+  const size_t max_segments_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
-  // Built segments, most recently used first, with their sizes.
-  std::list<std::pair<std::string, uint64_t>> lru_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::list<std::pair<std::string, uint64_t>>::iterator> lru_pos_ ABSL_GUARDED_BY(mu_);
+  // A built segment's key, size, and what it is charged against the budget.
+  struct Held {
+    std::string key;
+    uint64_t size = 0, charge = 0;
+  };
+  // Built segments, most recently used first.
+  std::list<Held> lru_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::list<Held>::iterator> lru_pos_ ABSL_GUARDED_BY(mu_);
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;  // segments + reservations + builds in progress
   uint64_t segment_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -32,50 +32,69 @@ auto FillWith(char c, std::atomic<int>* calls = nullptr) {
   };
 }
 
+// Sizes in pages: a segment is charged its size in whole pages, plus 3 bytes
+// for each byte of its key.
+const uint64_t kPage = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+
 TEST(SegmentCacheTest, BuildsOnceAndEvictsLeastRecentlyUsed) {
-  SegmentCache cache(3000);
+  SegmentCache cache(3 * kPage + 16);
   std::atomic<int> calls{0};
-  ASSERT_OK_AND_ASSIGN(auto a, cache.GetOrCreate("a", 1000, "a", FillWith('a', &calls)));
-  ASSERT_OK_AND_ASSIGN(auto b, cache.GetOrCreate("b", 1000, "b", FillWith('b', &calls)));
-  ASSERT_OK_AND_ASSIGN(auto a2, cache.GetOrCreate("a", 1000, "a", FillWith('a', &calls)));  // a is now newest
+  ASSERT_OK_AND_ASSIGN(auto a, cache.GetOrCreate("a", kPage, "a", FillWith('a', &calls)));
+  ASSERT_OK_AND_ASSIGN(auto b, cache.GetOrCreate("b", kPage, "b", FillWith('b', &calls)));
+  ASSERT_OK_AND_ASSIGN(auto a2, cache.GetOrCreate("a", kPage, "a", FillWith('a', &calls)));  // a is now newest
   EXPECT_EQ(a2.get(), a.get());
   EXPECT_EQ(calls.load(), 2);
-  ASSERT_OK_AND_ASSIGN(auto c, cache.GetOrCreate("c", 1500, "c", FillWith('c', &calls)));  // evicts b
+  ASSERT_OK_AND_ASSIGN(auto c, cache.GetOrCreate("c", kPage + kPage / 2, "c", FillWith('c', &calls)));  // evicts b
   SegmentCache::Stats s = cache.stats();
   EXPECT_EQ(s.segments, 2u);
-  EXPECT_EQ(s.segment_bytes, 2500u);
+  EXPECT_EQ(s.segment_bytes, 2 * kPage + kPage / 2);
   EXPECT_EQ(s.evictions, 1u);
   EXPECT_EQ(s.hits, 1u);
   // b's holders keep valid bytes; asking again rebuilds it.
-  EXPECT_EQ(b->bytes().view(), std::string(1000, 'b'));
-  ASSERT_OK_AND_ASSIGN(auto b2, cache.GetOrCreate("b", 1000, "b", FillWith('b', &calls)));
+  EXPECT_EQ(b->bytes().view(), std::string(kPage, 'b'));
+  ASSERT_OK_AND_ASSIGN(auto b2, cache.GetOrCreate("b", kPage, "b", FillWith('b', &calls)));
   EXPECT_NE(b2.get(), b.get());
   EXPECT_EQ(calls.load(), 4);
 }
 
 TEST(SegmentCacheTest, RefusesWhatCanNeverFitAndForgetsFailedBuilds) {
-  SegmentCache cache(1000);
-  EXPECT_THAT(cache.GetOrCreate("big", 1001, "model 'x'", FillWith('x')),
-              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("model 'x' needs 1001 bytes")));
+  SegmentCache cache(kPage + 16);
+  EXPECT_THAT(cache.GetOrCreate("big", kPage + 1, "model 'x'", FillWith('x')),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr(absl::StrCat("model 'x' needs ", kPage + 1))));
   EXPECT_THAT(cache.GetOrCreate("bad", 10, "bad", [](SegmentWriter&) { return absl::InternalError("boom"); }),
               StatusIs(absl::StatusCode::kInternal));
   EXPECT_EQ(cache.stats().segment_bytes, 0u);
   EXPECT_OK(cache.GetOrCreate("bad", 10, "bad", FillWith('y')).status());
 }
 
+TEST(SegmentCacheTest, EmptyAndTinySegmentsStillCostAPageAndTheirCountIsBounded) {
+  // An attacker's stream of distinct keys for empty segments (a cast of a
+  // [k:k] slice) neither escapes the budget nor piles up descriptors.
+  SegmentCache cache(64 * kPage, /*max_segments=*/8);
+  for (int k = 0; k < 100; ++k) {
+    ASSERT_OK(cache.GetOrCreate(absl::StrCat("v|0:F16:[", k, ":", k, "]"), 0, "empty", FillWith('e')).status());
+    SegmentCache::Stats s = cache.stats();
+    EXPECT_LE(s.segments, 8u);
+  }
+  EXPECT_EQ(cache.stats().evictions, 92u);
+  SegmentCache small(4 * kPage);  // one-byte segments: at most 4 fit
+  for (int k = 0; k < 10; ++k) ASSERT_OK(small.GetOrCreate(absl::StrCat(k), 1, "tiny", FillWith('t')).status());
+  EXPECT_LE(small.stats().segments, 3u);  // 4 pages, less the keys' bytes
+}
+
 TEST(SegmentCacheTest, ReservationsAreNeverEvictedAndReleaseOnDestruction) {
-  SegmentCache cache(1000);
-  ASSERT_OK(cache.GetOrCreate("s", 600, "s", FillWith('s')).status());
+  SegmentCache cache(4 * kPage);
+  ASSERT_OK(cache.GetOrCreate("s", 2 * kPage, "s", FillWith('s')).status());
   {
-    ASSERT_OK_AND_ASSIGN(SegmentCache::Reservation r, cache.Reserve(700, "preloading 'p'"));  // evicts s
+    ASSERT_OK_AND_ASSIGN(SegmentCache::Reservation r, cache.Reserve(3 * kPage, "preloading 'p'"));  // evicts s
     EXPECT_EQ(cache.stats().segments, 0u);
-    EXPECT_EQ(cache.stats().reserved_bytes, 700u);
+    EXPECT_EQ(cache.stats().reserved_bytes, 3 * kPage);
     EXPECT_THAT(cache.GetOrCreate("t", 400, "t", FillWith('t')), StatusIs(absl::StatusCode::kResourceExhausted));
-    EXPECT_THAT(cache.Reserve(301, "preloading 'q'"),
+    EXPECT_THAT(cache.Reserve(kPage + 1, "preloading 'q'"),
                 StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("preloading 'q'")));
   }
   EXPECT_EQ(cache.stats().reserved_bytes, 0u);
-  EXPECT_OK(cache.GetOrCreate("t", 1000, "t", FillWith('t')).status());
+  EXPECT_OK(cache.GetOrCreate("t", 3 * kPage, "t", FillWith('t')).status());
 }
 
 TEST(SegmentCacheTest, ConcurrentRequestsForOneKeyShareOneBuild) {

@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -114,7 +115,7 @@ struct Run {
 };
 
 Run Fetch(const Daemon& daemon, const std::string& name, int clients, uint64_t total_bytes,
-          const client::RemoteOptions& options = Options()) {
+          const client::RemoteOptions& options = Options(), const client::Query& query = {}) {
   const double cpu_before = daemon.CpuSeconds();
   const auto start = Clock::now();
   std::vector<std::thread> threads;
@@ -123,7 +124,7 @@ Run Fetch(const Daemon& daemon, const std::string& name, int clients, uint64_t t
       // Each client gets its own connection (a distinct channel argument).
       auto store = client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon.port), options);
       ReusedBufferSink sink;
-      absl::Status s = (*store)->FetchTensors(name, {}, &sink);
+      absl::Status s = (*store)->FetchTensors(name, query, &sink);
       if (!s.ok() || sink.bytes() != total_bytes) {
         std::fprintf(stderr, "grpc_bench: client %d: %s\n", c, std::string(s.message()).c_str());
         std::exit(1);
@@ -208,7 +209,9 @@ int main(int argc, char** argv) {
   const std::string models = dir + "/models";
   std::filesystem::create_directories(models);
   const uint64_t count = (static_cast<uint64_t>(gb) << 30) / kTensorBytes;
-  if (absl::Status s = WriteBenchCheckpoint(models + "/big.safetensors", count, kTensorBytes); !s.ok()) {
+  // [1024, 1024] matrices, so the tensor-parallel runs can shard them.
+  if (absl::Status s = WriteBenchCheckpoint(models + "/big.safetensors", count, kTensorBytes, std::byte{7}, 1024);
+      !s.ok()) {
     std::fprintf(stderr, "bench: %s\n", s.ToString().c_str());
     return 1;
   }
@@ -241,6 +244,33 @@ int main(int argc, char** argv) {
       std::printf("  %-38s %8.2f %7.0f%% %12.3f\n", absl::StrCat("1 client, FetchAll, ", streams, " stream(s)").c_str(),
                   all.gbps, 100 * all.gbps / tcp, all.server_cpu_per_gb);
     }
+    // Tensor parallelism: one rank of N fetches its shard. Tensors w.<even>
+    // are column parallel (dim 0, zero-copy byte ranges), w.<1,3,5,7> row
+    // parallel (dim 1, gathered as they are streamed), w.<..9> replicated.
+    uint64_t replicated = 0;
+    for (uint64_t i = 0; i < count; ++i) replicated += i % 10 == 9 ? kTensorBytes : 0;
+    const double replicated_share = static_cast<double>(replicated) / static_cast<double>(total);
+    std::printf(
+        "\none rank of N fetching its shard (1 client; %.1f%% of the bytes replicated), against the full "
+        "fetch (%.0f ms):\n",
+        100 * replicated_share, one.seconds * 1e3);
+    std::printf("  %-4s %12s %12s %12s %10s %12s\n", "N", "payload MiB", "of full", "time ms", "target ms",
+                "time/target");
+    for (auto [world, rows_only] : {std::pair{2u, false}, {4u, false}, {8u, false}, {8u, true}}) {
+      client::Query shard;
+      shard.selection.shard = {0, world, {{"^w\\.[0-9]*[02468]$", {0}}, {"^w\\.[0-9]*[1357]$", {rows_only ? 0u : 1u}}}};
+      const uint64_t bytes = replicated + (total - replicated) / world;
+      Fetch(zero_copy, "big", 1, bytes, Options(), shard);  // the daemon's CRC32C of each shard, once
+      std::vector<double> seconds;
+      for (int r = 0; r < 3; ++r) seconds.push_back(Fetch(zero_copy, "big", 1, bytes, Options(), shard).seconds);
+      std::sort(seconds.begin(), seconds.end());
+      const double target = 1.25 * (one.seconds / world * (1 - replicated_share) + one.seconds * replicated_share);
+      std::printf("  %-4s %12.1f %11.1f%% %12.1f %10.1f %11.2fx\n", absl::StrCat(world, rows_only ? "*" : "").c_str(),
+                  static_cast<double>(bytes) / (1 << 20),
+                  100.0 * static_cast<double>(bytes) / static_cast<double>(total), seconds[1] * 1e3, target * 1e3,
+                  seconds[1] / target);
+    }
+    std::printf("  (*: every shard on dim 0, all byte ranges served zero-copy)\n");
     Daemon naive(models, /*copy_payloads=*/true);
     Fetch(naive, "big", 1, total);
     Run copy = Fetch(naive, "big", 1, total);

@@ -92,7 +92,9 @@ int main(int argc, char** argv) {
   const std::string models = dir + "/models", socket = dir + "/ws.sock";
   std::filesystem::create_directories(models);
   const uint64_t count = (static_cast<uint64_t>(gb) << 30) / kTensorBytes;
-  if (absl::Status s = WriteBenchCheckpoint(models + "/big.safetensors", count, kTensorBytes); !s.ok()) {
+  // [1024, 1024] matrices, so the tensor-parallel runs can shard them.
+  if (absl::Status s = WriteBenchCheckpoint(models + "/big.safetensors", count, kTensorBytes, std::byte{7}, 1024);
+      !s.ok()) {
     std::fprintf(stderr, "bench: %s\n", s.ToString().c_str());
     return 1;
   }
@@ -182,21 +184,24 @@ int main(int argc, char** argv) {
     // time, from memory already written (the machine's speed for shared memory).
     const uint64_t half = total / 2;
     std::vector<std::byte> source(half, std::byte{1});
-    std::vector<double> fill_ms;
-    for (int r = 0; r < 3; ++r) {
-      const auto start = Clock::now();
-      const int fd = ::memfd_create("shm_bench", MFD_CLOEXEC);
-      if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(half)) != 0) return 1;
-      for (uint64_t at = 0; at < half; at += 1 << 20) {
-        const size_t n = static_cast<size_t>(std::min<uint64_t>(1 << 20, half - at));
-        if (::pwrite(fd, source.data() + at, n, static_cast<off_t>(at)) != static_cast<ssize_t>(n)) return 1;
+    // Median of 3 fills of `bytes` (at most `half`); -1 on failure.
+    auto pwrite_fill_ms = [&](uint64_t bytes) -> double {
+      std::vector<double> fill_ms;
+      for (int r = 0; r < 3; ++r) {
+        const auto start = Clock::now();
+        const int fd = ::memfd_create("shm_bench", MFD_CLOEXEC);
+        if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) return -1;
+        for (uint64_t at = 0; at < bytes; at += 1 << 20) {
+          const size_t n = static_cast<size_t>(std::min<uint64_t>(1 << 20, bytes - at));
+          if (::pwrite(fd, source.data() + at, n, static_cast<off_t>(at)) != static_cast<ssize_t>(n)) return -1;
+        }
+        ::close(fd);
+        fill_ms.push_back(Ms(Clock::now() - start));
       }
-      ::close(fd);
-      fill_ms.push_back(Ms(Clock::now() - start));
-    }
-    source.clear();
-    source.shrink_to_fit();
-    const double baseline_ms = Median(fill_ms);
+      return Median(fill_ms);
+    };
+    const double baseline_ms = pwrite_fill_ms(half);
+    if (baseline_ms < 0) return 1;
     std::printf("\nfilling a %llu MiB memfd with pwrite from memory (baseline): %.1f ms, %.2f GB/s\n",
                 static_cast<unsigned long long>(half >> 20), baseline_ms,
                 static_cast<double>(half) / baseline_ms / 1e6);
@@ -216,6 +221,55 @@ int main(int argc, char** argv) {
           "baseline); later requests map it in %.2f ms\n",
           std::string(DTypeName(dtype)).c_str(), static_cast<unsigned long long>(half >> 20), build_ms,
           static_cast<double>(half) / build_ms / 1e6, 100.0 * baseline_ms / build_ms, hit_ms);
+    }
+    // Tensor parallelism: rank 0 of N maps its shard of every tensor. A dim-0
+    // shard is a byte range of the file: mapped, nothing built. A dim-1 shard
+    // is gathered once into a sealed segment (the first request builds it).
+    std::printf("\ntensor-parallel shards of every tensor, rank 0 of N (whole checkpoint: %.2f ms to map):\n",
+                Median(shm_all));
+    for (uint32_t world : {2u, 4u, 8u}) {
+      client::Query rows;
+      rows.selection.shard = {0, world, {{"^w\\.", {0}}}};
+      std::vector<double> map_ms;
+      for (int r = 0; r < 5; ++r) {
+        const auto start = Clock::now();
+        auto store = client::ConnectSharedMemoryStore(socket);
+        auto mapped = store.ok() ? (*store)->MapTensors("big", rows) : store.status();
+        if (!mapped.ok()) return 1;
+        map_ms.push_back(Ms(Clock::now() - start));
+      }
+      // Each rank's first build of its dim-1 shard, against pwrite fills of the
+      // same size measured just before: one into a memfd kept open across the
+      // build (new pages, as the segment's are: on this VM, memory that stays
+      // allocated costs the host's first touch, 0.4-2.6 GB/s), and the median
+      // of 3 into memfds closed at once (recycled pages: the fastest fill).
+      const uint64_t bytes = total / world;
+      std::printf(
+          "  N=%u: dim-0 shard mapped in %.2f ms (connect + map, median of 5); dim-1 shard segments of %llu MiB:\n",
+          world, Median(map_ms), static_cast<unsigned long long>(bytes >> 20));
+      for (uint32_t rank = 0; rank < std::min(world, 2u); ++rank) {
+        const double recycled_ms = pwrite_fill_ms(bytes);
+        const auto fresh_start = Clock::now();
+        const int fresh = ::memfd_create("shm_bench_fresh", MFD_CLOEXEC);
+        if (fresh < 0 || ::ftruncate(fresh, static_cast<off_t>(bytes)) != 0) return 1;
+        for (uint64_t at = 0; at < bytes; at += 1 << 20) {
+          if (::pwrite(fresh, source.data() + at, 1 << 20, static_cast<off_t>(at)) != 1 << 20) return 1;
+        }
+        const double fresh_ms = Ms(Clock::now() - fresh_start);
+        client::Query cols;
+        cols.selection.shard = {rank, world, {{"^w\\.", {1}}}};
+        auto store = client::ConnectSharedMemoryStore(socket);
+        const auto start = Clock::now();
+        auto built = store.ok() ? (*store)->MapTensors("big", cols) : store.status();
+        const double build_ms = Ms(Clock::now() - start);
+        ::close(fresh);
+        if (!built.ok() || recycled_ms < 0) return 1;
+        std::printf(
+            "    rank %u: first build %.1f ms, %.2f GB/s = %.0f%% of a kept pwrite fill (%.1f ms), %.0f%% of a "
+            "recycled one (%.1f ms)\n",
+            rank, build_ms, static_cast<double>(bytes) / build_ms / 1e6, 100.0 * fresh_ms / build_ms, fresh_ms,
+            100.0 * recycled_ms / build_ms, recycled_ms);
+      }
     }
   }
   std::printf("client RSS growth from mapping alone: %ld KiB (tensor bytes are not copied)\n", rss_growth_kb);

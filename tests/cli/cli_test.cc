@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -225,6 +227,81 @@ TEST(CliSelectionTest, ApplyPrintsTheResultAndFailsWhenTensorsAreMissing) {
                 &out),
             0);
   EXPECT_THAT(out, HasSubstr("did you mean 'conv.conv1.weight'"));
+}
+
+TEST(CliShardTest, InspectShowsEachShardAndSliceWithItsSourceRanges) {
+  std::string out;
+  ASSERT_EQ(Cli("inspect --json --shard 1/4 --shard-dim 'fc1\\.weight$=0' --shard-dim 'conv1\\.(weight|bias)$=0' "
+                "--slice 'fc1.bias=[4:12]' " +
+                    ShellQuote(Burn("safetensors/multi_layer.safetensors")),
+                &out, false),
+            0)
+      << out;
+  nlohmann::json doc = nlohmann::json::parse(out);
+  std::map<std::string, nlohmann::json> by_name;
+  for (const auto& t : doc["tensors"]) by_name[t["name"]] = t;
+  EXPECT_EQ(by_name["fc1.weight"]["shape"], nlohmann::json({4, 256}));
+  EXPECT_EQ(by_name["fc1.weight"]["slice"], "[4:8, :]");
+  EXPECT_EQ(by_name["fc1.weight"]["unsliced_shape"], nlohmann::json({16, 256}));
+  EXPECT_EQ(by_name["conv1.weight"]["shape"], nlohmann::json({1, 3, 3, 3}));
+  EXPECT_EQ(by_name["fc1.bias"]["shape"], nlohmann::json({8}));
+  EXPECT_FALSE(by_name["norm1.weight"].contains("slice"));  // replicated
+  // The table says it too.
+  ASSERT_EQ(Cli("inspect --shard 1/4 --shard-dim 'fc1\\.weight$=0' " +
+                    ShellQuote(Burn("safetensors/multi_layer.safetensors")),
+                &out),
+            0);
+  EXPECT_THAT(out, HasSubstr("[4:8, :] of [16, 256]"));
+}
+
+TEST(CliShardTest, ConvertWritesTheRanksShardAndApplyLoadsItIntoAShardedTarget) {
+  const std::string dir = testing::MakeScratchDir("cli-shard");
+  const std::string in = Burn("safetensors/multi_layer.safetensors");
+  std::string out;
+  ASSERT_EQ(Cli(absl::StrCat("convert --shard 1/2 --shard-dim 'fc1\\.weight$=1' --dtype bf16 ", ShellQuote(in), " ",
+                             dir, "/rank1.safetensors"),
+                &out),
+            0)
+      << out;
+  ASSERT_OK_AND_ASSIGN(auto shard, Checkpoint::Open(dir + "/rank1.safetensors"));
+  ASSERT_NE(shard->Find("fc1.weight"), nullptr);
+  EXPECT_EQ(shard->Find("fc1.weight")->spec.shape, (std::vector<uint64_t>{16, 128}));
+  EXPECT_EQ(shard->Find("fc1.weight")->spec.dtype, DType::kBF16);
+  EXPECT_EQ(shard->Find("fc1.bias")->spec.shape, (std::vector<uint64_t>{16}));
+  // A rank's model describes its shards: the target's shapes are the shards'.
+  const std::string schema = dir + "/rank1.json";
+  {
+    std::ofstream f(schema);
+    f << R"({"parameters": [{"path": "fc1.weight", "shape": [8, 256], "module": "Linear"},
+                            {"path": "fc1.bias", "shape": [16]}]})";
+  }
+  ASSERT_EQ(Cli(absl::StrCat("apply --json --allow-partial --shard 1/2 --shard-dim 'fc1\\.weight$=0' --target ", schema,
+                             " ", ShellQuote(in)),
+                &out, false),
+            0)
+      << out;
+  nlohmann::json doc = nlohmann::json::parse(out);
+  EXPECT_EQ(doc["applied"], nlohmann::json({"fc1.weight", "fc1.bias"}));
+  EXPECT_EQ(doc["ok"], true);
+}
+
+TEST(CliShardTest, BadShardsAndSlicesAreClearErrors) {
+  const std::string in = ShellQuote(Burn("safetensors/multi_layer.safetensors"));
+  std::string out;
+  EXPECT_EQ(Cli("inspect --shard 4/4 --shard-dim 'fc1=0' " + in, &out), 1);
+  EXPECT_THAT(out, HasSubstr("shard.rank 4 is out of range for world size 4"));
+  EXPECT_EQ(Cli("inspect --shard 1 --shard-dim 'fc1=0' " + in, &out), 1);
+  EXPECT_THAT(out, HasSubstr("RANK/WORLD"));
+  EXPECT_EQ(Cli("inspect --shard 0/2 " + in, &out), 1);
+  EXPECT_THAT(out, HasSubstr("--shard-dim"));
+  EXPECT_EQ(Cli("inspect --shard 0/2 --shard-dim 'fc1=zero' " + in, &out), 1);
+  EXPECT_THAT(out, HasSubstr("'zero' is not a shard split"));
+  EXPECT_EQ(Cli("inspect --shard 0/3 --shard-dim 'fc1\\.weight=0' " + in, &out), 1);
+  EXPECT_THAT(out, HasSubstr("tensor 'fc1.weight': dimension 0 (16) is not divisible by the world size 3"));
+  EXPECT_EQ(Cli("inspect --slice 'fc1.bias=4:12' " + in, &out), 1);
+  EXPECT_THAT(out, HasSubstr("NAME=[a:b, :]"));
+  EXPECT_EQ(Cli("inspect --slice 'fc1.bias=[4:99]' " + in, &out), 1);
+  EXPECT_THAT(out, HasSubstr("tensor 'fc1.bias' of shape [16]"));
 }
 
 TEST(CliSelectionTest, BadSelectionsAreClearErrors) {

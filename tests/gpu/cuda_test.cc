@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "client/cuda_materializer.h"
 #include "client/materialize.h"
@@ -158,6 +160,40 @@ TEST_F(CudaTest, MaterializeOntoTheGpuFromEveryStore) {
       device.push_back({t.spec, t.device.index, t.memory});
     }
     ExpectSameOnDevice(want, device);
+  }
+}
+
+TEST_F(CudaTest, EachRanksShardLandsOnTheGpuFromEveryStore) {
+  server::ServerOptions options = SocketServerOptions();
+  options.socket.file_segments = server::FileSegments::kAlways;  // the file's window itself, not a sealed copy
+  ASSERT_OK_AND_ASSIGN(auto server, server::WeightStoreServer::Start(options));
+  ASSERT_OK_AND_ASSIGN(auto local, OpenLocalStore(options.registry.models_dir));
+  auto socket = *ConnectSharedMemoryStore(options.socket.path);
+  auto remote = *ConnectRemoteStore(absl::StrCat("127.0.0.1:", server->port()));
+  MaterializeOptions on_gpu;
+  on_gpu.device = Device::Cuda(0);
+  for (uint32_t rank = 0; rank < 4; ++rank) {
+    SCOPED_TRACE(absl::StrCat("rank ", rank, " of 4"));
+    Query query;
+    query.selection.shard = {rank, 4, {{"^t[05]$", {0}}}};  // t0 and t5 cut in 4, the rest replicated
+    ASSERT_OK_AND_ASSIGN(auto want, local->FetchAll("mixed", query));
+    auto t0 = std::find_if(want.begin(), want.end(), [](const SharedTensor& t) { return t.spec.name == "t0"; });
+    ASSERT_NE(t0, want.end());
+    EXPECT_EQ(t0->spec.shape, (std::vector<uint64_t>{(9 << 18) / 4}));
+    for (Store* store : {local.get(), static_cast<Store*>(socket.get()), remote.get()}) {
+      ASSERT_OK_AND_ASSIGN(auto got, Materialize(*store, "mixed", query, on_gpu));
+      std::vector<DeviceTensor> device;
+      for (auto& t : got) device.push_back({t.spec, t.device.index, t.memory});
+      ExpectSameOnDevice(want, device);
+    }
+    // Straight from the socket's window of the file, registered for DMA.
+    ASSERT_OK_AND_ASSIGN(MappedTensors mapped, socket->MapTensors("mixed", query));
+    ASSERT_EQ(mapped.segments.size(), 1u);
+    PinnedMappings pinned;
+    CopyToDeviceOptions keep;
+    keep.pinned = &pinned;
+    ASSERT_OK_AND_ASSIGN(auto direct, CopyToDevice(mapped, keep));
+    ExpectSameOnDevice(want, direct);
   }
 }
 

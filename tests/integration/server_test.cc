@@ -467,6 +467,95 @@ TEST_P(BrokenStreamTest, AStreamThatCannotResumeSaysWhyItFirstBroke) {
   EXPECT_THAT(status.message(), HasSubstr("resuming at tensor "));
 }
 
+// A sink that runs `after_first` once the first tensor is complete.
+struct AfterFirstTensorSink : client::CollectingSink {
+  std::function<void()> after_first;
+  int ended = 0;
+  absl::Status End(const TensorSpec& spec) override {
+    if (++ended == 1) after_first();
+    return CollectingSink::End(spec);
+  }
+};
+
+// Sets `flag` after `delay` on a thread of its own, and records when.
+class DelayedCancel {
+ public:
+  DelayedCancel(std::shared_ptr<std::atomic<bool>> flag, std::chrono::milliseconds delay)
+      : thread_([this, flag, delay] {
+          std::this_thread::sleep_for(delay);
+          set_at_ = std::chrono::steady_clock::now();
+          flag->store(true);
+        }) {}
+  ~DelayedCancel() { Join(); }
+  void Join() {
+    if (thread_.joinable()) thread_.join();
+  }
+  // Milliseconds from the cancel to now (after Join()).
+  int64_t MillisSinceCancel() const {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - set_at_).count();
+  }
+
+ private:
+  std::chrono::steady_clock::time_point set_at_;
+  std::thread thread_;
+};
+
+TEST_P(BrokenStreamTest, ACancelEndsAReadBlockedOnAStalledDaemonInMilliseconds) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteBig(models + "/big.safetensors", 64, 1 << 18, 7.0f);  // 64 MiB: more than any window holds
+  Daemon daemon(models);
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto cancel = std::make_shared<std::atomic<bool>>(false);
+  std::unique_ptr<DelayedCancel> canceller;
+  AfterFirstTensorSink sink;
+  sink.after_first = [&] {  // the daemon stops sending (SIGSTOP) but keeps the connection
+    daemon.Signal(SIGSTOP);
+    canceller = std::make_unique<DelayedCancel>(cancel, std::chrono::milliseconds(300));
+  };
+  client::RemoteOptions options;
+  options.pipeline = GetParam();
+  auto store = *client::ConnectRemoteStore(daemon.address(), options);
+  client::Query query;
+  query.cancel = cancel;
+  absl::Status status = store->FetchTensors("big", query, &sink);
+  ASSERT_NE(canceller, nullptr);
+  canceller->Join();
+  const int64_t after = canceller->MillisSinceCancel();
+  daemon.Signal(SIGCONT);
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kCancelled, HasSubstr("'big' was cancelled at tensor ")));
+  // Without the watch, the read would wait for the call's deadline (a minute).
+  EXPECT_LT(after, 2000) << "a cancelled fetch returned " << after << " ms after the cancel";
+  EXPECT_LT(sink.ended, 64);
+  ASSERT_OK(store->FetchAll("big", {}).status());  // the daemon and the store both still work
+}
+
+TEST_P(BrokenStreamTest, ACancelEndsTheWaitBeforeAResumeInMilliseconds) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteBig(models + "/big.safetensors", 64, 1 << 18, 8.0f);
+  auto daemon = std::make_unique<Daemon>(models);
+  ASSERT_NE(daemon->port(), 0) << daemon->log();
+  auto cancel = std::make_shared<std::atomic<bool>>(false);
+  std::unique_ptr<DelayedCancel> canceller;
+  AfterFirstTensorSink sink;
+  sink.after_first = [&] {  // kill -9: the stream breaks and the client waits to resume
+    daemon->Signal(SIGKILL);
+    daemon->WaitExit(5000);
+    canceller = std::make_unique<DelayedCancel>(cancel, std::chrono::milliseconds(300));
+  };
+  client::RemoteOptions options;
+  options.resume_backoff = std::chrono::seconds(10);
+  options.pipeline = GetParam();
+  auto store = *client::ConnectRemoteStore(daemon->address(), options);
+  client::Query query;
+  query.cancel = cancel;
+  absl::Status status = store->FetchTensors("big", query, &sink);
+  ASSERT_NE(canceller, nullptr);
+  canceller->Join();
+  const int64_t after = canceller->MillisSinceCancel();
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kCancelled, HasSubstr("was cancelled at tensor ")));
+  EXPECT_LT(after, 2000) << "a cancelled fetch returned " << after << " ms after the cancel (the backoff is 10 s)";
+}
+
 INSTANTIATE_TEST_SUITE_P(CopyThread, BrokenStreamTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "Pipelined" : "OneThread";

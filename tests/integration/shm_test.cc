@@ -376,7 +376,7 @@ TEST(ShmAccessTest, ASupplementaryGroupOnTheListLetsAPeerIn) {
 
 // Runs on checkpoints written by the test: the checks below try to write, and a
 // root test process could otherwise damage a shared fixture if one ever passed.
-TEST(ShmSealTest, ClientCannotWriteThroughItsMappingOrReopenASegmentWritable) {
+TEST(ShmSealTest, ClientWritesStayInItsOwnPagesAndNoSegmentReopensWritable) {
   const std::string models = testing::MakeScratchDir("models");
   WriteFloats(models + "/m.safetensors", 2, 4096, 3);
   SocketDaemon server(models, {"--socket-file-segments", "always"});
@@ -392,9 +392,6 @@ TEST(ShmSealTest, ClientCannotWriteThroughItsMappingOrReopenASegmentWritable) {
     const MappedFile& segment = *mapped->segments[0];
     SCOPED_TRACE(segment.path());
     EXPECT_EQ(::fcntl(segment.fd(), F_GETFL) & O_ACCMODE, O_RDONLY);
-    const long page = ::sysconf(_SC_PAGESIZE);
-    void* page_start = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(segment.bytes().data()) & ~(page - 1));
-    EXPECT_NE(::mprotect(page_start, page, PROT_READ | PROT_WRITE), 0);
     EXPECT_EQ(::mmap(nullptr, segment.size(), PROT_READ | PROT_WRITE, MAP_SHARED, segment.fd(), 0), MAP_FAILED);
     EXPECT_LT(::write(segment.fd(), "x", 1), 0);
     EXPECT_NE(::ftruncate(segment.fd(), 0), 0);
@@ -408,6 +405,27 @@ TEST(ShmSealTest, ClientCannotWriteThroughItsMappingOrReopenASegmentWritable) {
   EXPECT_NE(::ftruncate(rw, 1), 0);
   EXPECT_NE(::fcntl(rw, F_ADD_SEALS, F_SEAL_FUTURE_WRITE), 0);  // F_SEAL_SEAL: no seal can change
   ::close(rw);
+  EXPECT_OK(memfd.Verify());
+  EXPECT_OK(file.Verify());
+  // By default a client cannot even write to its own mapping.
+  const MappedFile& segment = *file.segments[0];
+  const long page = ::sysconf(_SC_PAGESIZE);
+  void* page_start = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(segment.bytes().data()) & ~(page - 1));
+  EXPECT_NE(::mprotect(page_start, page, PROT_READ | PROT_WRITE), 0);
+  // With copy-on-write mappings (the Python package's), a write through one
+  // copies the page for this process, and the daemon's bytes, and every other
+  // mapping of them, stay as served.
+  client::SharedMemoryOptions cow;
+  cow.copy_on_write = true;
+  ASSERT_OK_AND_ASSIGN(auto cow_store, client::ConnectSharedMemoryStore(server.socket, cow));
+  for (const client::Query& query : {client::Query{}, CastTo(DType::kBF16)}) {
+    ASSERT_OK_AND_ASSIGN(client::MappedTensors scratch, cow_store->MapTensors("m", query));
+    auto* byte = const_cast<std::byte*>(scratch.tensors[0].bytes.data());
+    *byte = ~*byte;
+    EXPECT_FALSE(scratch.Verify().ok());
+    ASSERT_OK_AND_ASSIGN(client::MappedTensors again, cow_store->MapTensors("m", query));
+    EXPECT_OK(again.Verify());
+  }
   EXPECT_OK(memfd.Verify());
   EXPECT_OK(file.Verify());
 }
