@@ -13,9 +13,12 @@ packages=(
   prometheus-cpp-dev
   # formats: JSON (SafeTensors headers), CBOR (Burnpack), zlib (zip CRC-32)
   nlohmann-json3-dev libcbor-dev zlib1g-dev libcli11-dev
+  # the Python package: its extension (pybind11), and offline installs into a
+  # venv with Debian's build backend
+  pybind11-dev python3-pybind11 python3-dev python3-venv python3-pip python3-setuptools python3-wheel
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev
-  python3 python3-torch python3-numpy python3-grpcio python3-crc32c libtorch-dev \
+  python3 python3-torch python3-numpy python3-grpcio libtorch-dev \
   prometheus openssl
   # style checks (scripts/lint.sh)
   clang-format

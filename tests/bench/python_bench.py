@@ -1,9 +1,10 @@
 """python_bench: loading a 1 GiB checkpoint into framework tensors from a running
 weightstored, beside torch.load of the same weights saved as .pt, in one run.
 
-Rows: torch.load; the Python client through the same-host socket (zero-copy
-torch tensors) and over gRPC; a C++ process (tests/shm_probe) through the
-socket and over gRPC. The daemon serves the very .pt file torch.load reads.
+Rows: torch.load; the `weightstore` package (the C++ client's extension, from
+<build>/python) through the same-host socket (zero-copy torch tensors) and over
+gRPC; a C++ process (tests/shm_probe) through the socket and over gRPC. The
+last line is this process's peak RSS. The daemon serves the very .pt file torch.load reads.
 The page cache is warm for every row. Medians of --repeat runs.
 
 Usage: /usr/bin/python3 tests/bench/python_bench.py [--build build] [--gb 1] [--repeat 3]
@@ -28,9 +29,8 @@ def main():
     parser.add_argument("--gb", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    os.environ.setdefault("WEIGHTSTORE_PYTHON_STUBS", os.path.join(args.build, "python"))
-    sys.path.insert(0, os.path.join(ROOT, "client", "python"))
-    from weightstore_client import RemoteClient, SocketClient
+    sys.path.insert(0, os.path.join(args.build, "python"))  # the package as built (or pip-install it)
+    import weightstore
 
     work = tempfile.mkdtemp(prefix="weightstore-py-bench-")
     models, socket_path, port_file = f"{work}/models", f"{work}/ws.sock", f"{work}/port"
@@ -71,14 +71,27 @@ def main():
                 runs.append(float(line.split()[0].split("=")[1]))
             return statistics.median(runs)
 
-        SocketClient(socket_path).fetch("big")  # the daemon's first request computes checksums once
-        rows = [
-            ("torch.load(.pt)", timed(lambda: torch.load(path))),
-            ("Python, socket: SocketClient.fetch (zero-copy)", timed(lambda: SocketClient(socket_path).fetch("big"))),
-            ("Python, gRPC: RemoteClient.fetch", timed(lambda: RemoteClient(address).fetch("big"))),
+        weightstore.connect("unix:" + socket_path).tensors("big")  # the daemon computes checksums once
+        rows = [("torch.load(.pt)", timed(lambda: torch.load(path)))]
+        weightstore.tune_allocator_for_streaming()  # as the C++ probe does (after torch.load's row)
+        rows += [
+            ("Python, socket: weightstore tensors() (zero-copy)",
+             timed(lambda: weightstore.connect("unix:" + socket_path).tensors("big"))),
+            ("Python, gRPC: weightstore tensors()", timed(lambda: weightstore.connect(address).tensors("big"))),
             ("C++, socket: MapTensors (shm_probe)", probe_ms()),
             ("C++, gRPC: FetchAll (shm_probe --remote)", probe_ms("--remote", address)),
         ]
+        # Peak RSS of a fresh Python process that fetches everything over gRPC.
+        # (VmHWM, not ru_maxrss: that one carries the forking parent's peak across exec.)
+        script = ("import sys, torch, weightstore\n"
+                  "def hwm():\n"
+                  "    return int([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1])\n"
+                  "before = hwm()\n"
+                  "t = weightstore.connect(sys.argv[1]).tensors('big')\n"
+                  "print(before, hwm())\n")
+        out = subprocess.run([sys.executable, "-c", script, address], check=True, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": os.path.join(args.build, "python")})
+        rss_before_kib, rss_peak_kib = map(int, out.stdout.split())
     finally:
         daemon.terminate()
         daemon.wait()
@@ -90,6 +103,9 @@ def main():
     print(f"{'path':52} {'ms':>10} {'GB/s':>8} {'vs torch.load':>14}")
     for label, ms in rows:
         print(f"  {label:50} {ms:10.2f} {size_mib / 1024 * 1.073741824 / (ms / 1e3):8.2f} {baseline / ms:13.1f}x")
+    print(f"\npeak RSS of a Python process fetching all {size_mib} MiB over gRPC: {rss_peak_kib / 1024:.0f} MiB "
+          f"({rss_before_kib / 1024:.0f} MiB after importing torch and weightstore; the fetch added "
+          f"{(rss_peak_kib - rss_before_kib) / 1024 / size_mib:.2f}x the checkpoint)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,396 @@
+// weightstore._native: the C++ client (client/store.h) for Python. The
+// `weightstore` package (client/python/weightstore) wraps it; this file only
+// converts between Python objects and the client's types.
+//
+// Bytes never pass through Python objects: a fetched tensor is a Buffer that
+// shares its C++ owner (a HostBuffer, or a copy-on-write mapping of the
+// daemon's socket) and exposes it through the buffer protocol, so numpy and torch view
+// it without a copy and keep it alive. The GIL is released while bytes move; a
+// fetch runs on a worker thread while the calling thread waits for signals, so
+// Ctrl-C cancels it and raises KeyboardInterrupt: within about 20 ms over gRPC
+// (mid-tensor and mid-retry too), before the next tensor on local files.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/store.h"
+#include "core/dtype.h"
+
+namespace py = pybind11;
+
+namespace weightstore::python {
+namespace {
+
+// Raises weightstore.Error(code, message): `code` is the gRPC status name
+// ("INVALID_ARGUMENT", ...), as the daemon's clients in other languages see it.
+[[noreturn]] void Raise(const absl::Status& status) {
+  py::object error = py::module_::import("weightstore._errors").attr("Error");
+  py::object instance = error(absl::StatusCodeToString(status.code()), std::string(status.message()));
+  PyErr_SetObject(error.ptr(), instance.ptr());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T Unwrap(absl::StatusOr<T> value) {
+  if (!value.ok()) Raise(value.status());
+  return *std::move(value);
+}
+
+// Bytes shared with their C++ owner, exposed through the buffer protocol.
+class Buffer {
+ public:
+  Buffer(SharedBytes bytes, bool writable) : bytes_(std::move(bytes)), writable_(writable) {}
+  py::buffer_info Info() const {
+    // Writable when writes stay in this process: a fetch's own memory, or a
+    // socket's copy-on-write mapping.
+    return py::buffer_info(const_cast<std::byte*>(bytes_.data()), 1, py::format_descriptor<uint8_t>::format(), 1,
+                           {static_cast<py::ssize_t>(bytes_.size())}, {1}, !writable_);
+  }
+  size_t size() const { return bytes_.size(); }
+  bool writable() const { return writable_; }
+
+ private:
+  SharedBytes bytes_;
+  bool writable_;
+};
+
+// Runs `work` on a worker thread with the GIL released, checking for signals
+// every 20 ms; on one (Ctrl-C), sets `cancel`, waits for the worker to stop,
+// and raises the signal's exception.
+template <typename T>
+T RunInterruptibly(const std::shared_ptr<std::atomic<bool>>& cancel, std::function<T()> work) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::optional<T> result;
+  std::thread worker([&] {
+    // Nothing may escape the thread (std::terminate): failures become statuses.
+    T value = absl::InternalError("the fetch failed");
+    try {
+      value = work();
+    } catch (const std::bad_alloc&) {
+      value = absl::ResourceExhaustedError("out of memory while fetching");
+    } catch (const std::exception& e) {
+      value = absl::InternalError(absl::StrCat("the fetch failed: ", e.what()));
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    result.emplace(std::move(value));
+    done = true;
+    cv.notify_all();
+  });
+  while (true) {
+    {
+      py::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(mu);
+      if (cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return done; })) break;
+    }
+    if (PyErr_CheckSignals() != 0) {
+      cancel->store(true);
+      {
+        py::gil_scoped_release release;
+        worker.join();
+      }
+      throw py::error_already_set();
+    }
+  }
+  worker.join();
+  return *std::move(result);
+}
+
+std::vector<std::string> Strings(const py::dict& d, const char* key) {
+  if (!d.contains(key) || d[key].is_none()) return {};
+  return d[key].cast<std::vector<std::string>>();
+}
+
+// The query a Python selection dict describes (keys as weightstore.Store's
+// keyword arguments, normalized by the package).
+client::Query ToQuery(const py::dict& s) {
+  client::Query q;
+  SelectionOptions& o = q.selection;
+  if (s.contains("top_level_key")) o.top_level_key = s["top_level_key"].cast<std::string>();
+  o.include = Strings(s, "include");
+  o.exclude = Strings(s, "exclude");
+  o.paths = Strings(s, "paths");
+  if (s.contains("renames")) {
+    for (auto [pattern, replacement] : s["renames"].cast<std::vector<std::pair<std::string, std::string>>>()) {
+      o.renames.push_back({pattern, replacement});
+    }
+  }
+  if (s.contains("contiguous_indices") && !s["contiguous_indices"].is_none()) {
+    o.contiguous_indices = s["contiguous_indices"].cast<bool>();
+  }
+  if (s.contains("adapter")) {
+    const std::string name = s["adapter"].cast<std::string>();
+    std::optional<Adapter> adapter = ParseAdapter(name);
+    if (!adapter) Raise(absl::InvalidArgumentError(absl::StrCat("adapter '", name, "' is unknown")));
+    o.adapter = *adapter;
+  }
+  if (s.contains("dtype") && !s["dtype"].is_none()) {
+    const std::string name = s["dtype"].cast<std::string>();
+    std::optional<DType> dtype = ParseDType(name);
+    if (!dtype) Raise(absl::InvalidArgumentError(absl::StrCat("dtype '", name, "' is unknown")));
+    o.dtype = dtype;
+  }
+  if (s.contains("shard") && !s["shard"].is_none()) {
+    auto [rank, world, rules] =
+        s["shard"]
+            .cast<std::tuple<uint32_t, uint32_t, std::vector<std::tuple<std::string, uint32_t, uint32_t, bool>>>>();
+    o.shard.rank = rank;
+    o.shard.world_size = world;
+    for (auto& [pattern, dim, parts, uneven] : rules)
+      o.shard.rules.push_back({pattern, ShardSplit{dim, parts, uneven}});
+  }
+  if (s.contains("slices")) {
+    using Bound = std::pair<std::optional<uint64_t>, std::optional<uint64_t>>;
+    for (auto& [name, bounds] : s["slices"].cast<std::vector<std::pair<std::string, std::vector<Bound>>>>()) {
+      NamedSlice& slice = o.slices.emplace_back();
+      slice.name = name;
+      for (auto& [start, stop] : bounds) slice.bounds.push_back({start, stop});
+    }
+  }
+  if (s.contains("version")) q.version = s["version"].cast<std::string>();
+  if (s.contains("allow_partial")) q.allow_partial = s["allow_partial"].cast<bool>();
+  if (s.contains("with_checksums")) q.with_checksums = s["with_checksums"].cast<bool>();
+  if (s.contains("target") && !s["target"].is_none()) {
+    TargetSchema schema;
+    for (const py::handle item : s["target"]) {
+      const py::dict p = py::reinterpret_borrow<py::dict>(item);
+      TargetParameter param;
+      param.path = p["path"].cast<std::string>();
+      param.shape = p["shape"].cast<std::vector<uint64_t>>();
+      if (p.contains("dtype") && !p["dtype"].is_none()) param.dtype = ParseDType(p["dtype"].cast<std::string>());
+      if (p.contains("module")) param.module = p["module"].cast<std::string>();
+      schema.parameters.push_back(std::move(param));
+    }
+    q.target = std::move(schema);
+  }
+  return q;
+}
+
+py::dict ToDict(const client::CheckpointSummary& c) {
+  py::dict d;
+  d["name"] = c.name;
+  d["format"] = c.format;
+  d["container"] = c.container;
+  d["path"] = c.path;
+  d["total_bytes"] = c.total_bytes;
+  d["tensor_count"] = c.tensor_count;
+  d["metadata"] = py::cast(c.metadata);
+  d["version"] = c.version;
+  return d;
+}
+
+py::dict ToDict(const client::TensorDescription& t) {
+  py::dict d;
+  d["name"] = t.spec.name;
+  d["dtype"] = std::string(DTypeName(t.spec.dtype));
+  d["shape"] = py::tuple(py::cast(t.spec.shape));
+  d["byte_size"] = t.spec.byte_size();
+  d["source_name"] = t.source_name;
+  d["crc32c"] = t.crc32c ? py::cast(*t.crc32c) : py::none();
+  if (t.slice.empty()) {
+    d["unsliced_shape"] = py::none();
+    d["slice"] = py::none();
+  } else {
+    d["unsliced_shape"] = py::tuple(py::cast(t.unsliced_shape));
+    py::list dims;
+    for (const auto& ranges : t.slice.dims) {
+      py::list r;
+      for (const IndexRange& range : ranges) r.append(py::make_tuple(range.start, range.stop));
+      dims.append(py::tuple(r));
+    }
+    d["slice"] = py::tuple(dims);
+  }
+  return d;
+}
+
+py::object ToPython(const std::optional<ApplyResult>& r) {
+  if (!r) return py::none();
+  py::dict d;
+  d["applied"] = py::cast(r->applied);
+  d["skipped"] = py::cast(r->skipped);
+  d["missing"] = py::cast(r->missing);
+  d["unused"] = py::cast(r->unused);
+  py::list errors;
+  for (const ApplyError& e : r->errors) errors.append(absl::StrCat(e.path, ": ", e.message));
+  d["errors"] = errors;
+  d["suggestions"] = py::cast(r->suggestions);
+  return d;
+}
+
+// (name, dtype, shape, Buffer) for each tensor.
+py::list ToTensors(std::vector<SharedTensor> tensors, bool writable) {
+  py::list out;
+  for (SharedTensor& t : tensors) {
+    out.append(py::make_tuple(t.spec.name, std::string(DTypeName(t.spec.dtype)), py::tuple(py::cast(t.spec.shape)),
+                              Buffer(std::move(t.bytes), writable)));
+  }
+  return out;
+}
+
+class Store {
+ public:
+  Store(std::unique_ptr<client::Store> store, client::SharedMemoryStore* shm, std::string kind)
+      : store_(std::move(store)), shm_(shm), kind_(std::move(kind)) {}
+
+  const std::string& kind() const { return kind_; }
+
+  py::list List() {
+    absl::StatusOr<std::vector<client::CheckpointSummary>> list;
+    {
+      py::gil_scoped_release release;
+      list = store_->ListCheckpoints();
+    }
+    py::list out;
+    for (const auto& c : Unwrap(std::move(list))) out.append(ToDict(c));
+    return out;
+  }
+
+  py::dict Info(const std::string& name) {
+    absl::StatusOr<client::CheckpointSummary> c;
+    {
+      py::gil_scoped_release release;
+      c = store_->GetCheckpoint(name);
+    }
+    return ToDict(Unwrap(std::move(c)));
+  }
+
+  py::dict Listing(const std::string& name, const py::dict& selection) {
+    const client::Query query = ToQuery(selection);
+    absl::StatusOr<client::TensorListing> listing;
+    {
+      py::gil_scoped_release release;
+      listing = store_->ListTensors(name, query);
+    }
+    if (!listing.ok()) Raise(listing.status());
+    py::dict out;
+    out["version"] = listing->version;
+    py::list tensors;
+    for (const auto& t : listing->tensors) tensors.append(ToDict(t));
+    out["tensors"] = tensors;
+    out["apply_result"] = ToPython(listing->apply_result);
+    return out;
+  }
+
+  // Every selected tensor: mapped without a copy through a socket (read-only
+  // buffers), else fetched into owned memory (writable buffers). With a
+  // target, the apply result too; a failing load raises FAILED_PRECONDITION.
+  py::dict Fetch(const std::string& name, const py::dict& selection) {
+    client::Query query = ToQuery(selection);
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    query.cancel = cancel;
+    py::dict out;
+    if (shm_ != nullptr) {
+      absl::StatusOr<client::MappedTensors> mapped;
+      {
+        py::gil_scoped_release release;
+        mapped = shm_->MapTensors(name, query);
+      }
+      if (!mapped.ok()) Raise(mapped.status());
+      out["version"] = mapped->version;
+      // Copy-on-write mappings (client/store.h): a write copies the page.
+      out["tensors"] = ToTensors(std::move(mapped->tensors), /*writable=*/true);
+      out["apply_result"] = ToPython(mapped->apply_result);
+      return out;
+    }
+    // The apply result comes with the listing; the fetch follows it, pinned to
+    // the listed version.
+    std::optional<ApplyResult> applied;
+    if (query.target) {
+      client::TensorListing listing = Unwrap(RunInterruptibly<absl::StatusOr<client::TensorListing>>(
+          cancel, [&] { return store_->ListTensors(name, query); }));
+      query.version = listing.version;
+      applied = std::move(listing.apply_result);
+    }
+    std::vector<SharedTensor> tensors = Unwrap(RunInterruptibly<absl::StatusOr<std::vector<SharedTensor>>>(
+        cancel, [&] { return store_->FetchAll(name, query); }));
+    out["version"] = query.version;
+    out["tensors"] = ToTensors(std::move(tensors), /*writable=*/true);
+    out["apply_result"] = ToPython(applied);
+    return out;
+  }
+
+ private:
+  std::unique_ptr<client::Store> store_;
+  client::SharedMemoryStore* shm_;  // store_ itself, when it is a socket store
+  std::string kind_;
+};
+
+// "file:/models" (or a path), "unix:/run/ws.sock", or "host:port".
+Store Connect(const std::string& url, const std::string& token, const std::string& tls_ca, const std::string& tls_cert,
+              const std::string& tls_key, int parallel_streams, std::optional<bool> pipeline, int max_resumes,
+              double timeout_seconds) {
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  if (absl::StartsWith(url, "file:") || absl::StartsWith(url, "/") || absl::StartsWith(url, ".")) {
+    const std::string path = absl::StartsWith(url, "file:") ? url.substr(5) : url;
+    absl::StatusOr<std::unique_ptr<client::Store>> local;
+    {
+      py::gil_scoped_release release;
+      local = client::OpenLocalStore(path);
+    }
+    return Store(Unwrap(std::move(local)), nullptr, "local");
+  }
+  if (absl::StartsWith(url, "unix:")) {
+    client::SharedMemoryOptions options;
+    options.timeout = timeout;
+    options.copy_on_write = true;  // tensors written in place get private pages, not a crash
+    absl::StatusOr<std::unique_ptr<client::SharedMemoryStore>> shm;
+    {
+      py::gil_scoped_release release;
+      shm = client::ConnectSharedMemoryStore(url.substr(5), options);
+    }
+    std::unique_ptr<client::SharedMemoryStore> store = Unwrap(std::move(shm));
+    client::SharedMemoryStore* raw = store.get();
+    return Store(std::move(store), raw, "socket");
+  }
+  client::RemoteOptions options;
+  options.deadline = timeout;
+  options.token = token;
+  options.tls_ca_file = tls_ca;
+  options.tls_cert_file = tls_cert;
+  options.tls_key_file = tls_key;
+  options.parallel_streams = parallel_streams;
+  options.pipeline = pipeline;
+  options.max_resumes = max_resumes;
+  const std::string address = absl::StartsWith(url, "grpc://") ? url.substr(7) : url;
+  absl::StatusOr<std::unique_ptr<client::Store>> remote;
+  {
+    py::gil_scoped_release release;
+    remote = client::ConnectRemoteStore(address, options);
+  }
+  return Store(Unwrap(std::move(remote)), nullptr, "remote");
+}
+
+}  // namespace
+}  // namespace weightstore::python
+
+PYBIND11_MODULE(_native, m) {
+  using namespace weightstore::python;
+  m.doc() = "weightstore's C++ client; use the weightstore package";
+  py::class_<Buffer>(m, "Buffer", py::buffer_protocol())
+      .def_buffer(&Buffer::Info)
+      .def("__len__", &Buffer::size)
+      .def_property_readonly("writable", &Buffer::writable);
+  py::class_<Store>(m, "Store")
+      .def_property_readonly("kind", &Store::kind)
+      .def("list", &Store::List)
+      .def("info", &Store::Info, py::arg("name"))
+      .def("listing", &Store::Listing, py::arg("name"), py::arg("selection"))
+      .def("fetch", &Store::Fetch, py::arg("name"), py::arg("selection"));
+  m.def("connect", &Connect, py::arg("url"), py::arg("token") = "", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
+        py::arg("tls_key") = "", py::arg("parallel_streams") = 0, py::arg("pipeline") = py::none(),
+        py::arg("max_resumes") = 3, py::arg("timeout") = 600.0);
+  m.def("tune_allocator_for_streaming", &weightstore::client::TuneAllocatorForStreaming);
+}

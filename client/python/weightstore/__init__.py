@@ -1,0 +1,287 @@
+"""weightstore: model weights from weightstored (or local files), as torch or
+numpy tensors, through the C++ client.
+
+    import weightstore
+    store = weightstore.connect("host:50051")        # or "unix:/run/ws.sock", "file:/models"
+    tensors = store.tensors("llama/8b", include=[r"^model\\.layers\\.0\\."], dtype="bf16")
+    result = store.load_into(model, "llama/8b", rename=[(r"^model\\.", "")])
+
+Tensors come without a copy: a fetch lands in memory the tensors own, and a
+socket store maps the daemon's shared memory copy-on-write (a tensor written
+in place gets private pages; the daemon's bytes never change). Failures raise
+weightstore.Error with the gRPC status code.
+"""
+import dataclasses
+import re
+
+from weightstore._errors import Error
+
+try:
+    from weightstore import _native
+except ImportError as e:  # the stubs in weightstore.v1 stay usable without the extension
+    _native, _native_error = None, e
+
+__all__ = ["connect", "Store", "Error", "TensorInfo", "LoadResult", "tune_allocator_for_streaming"]
+
+# SafeTensors dtype -> torch's name for it. torch has the unsigned 16-64 bit
+# types from 2.3 and the F8 types from 2.1; an older torch lacks them, and
+# _as_tensor says what to do instead.
+_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
+                 "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+                 "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "?"}
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    name: str           # as served (after renaming)
+    dtype: str          # "F32", "BF16", ...
+    shape: tuple
+    byte_size: int
+    source_name: str    # in the file
+    crc32c: int = None  # when asked for
+    # Set when part of the tensor is served (a shard or slice): the whole
+    # tensor's shape, and per dimension the (start, stop) ranges served.
+    unsliced_shape: tuple = None
+    slice: tuple = None
+
+
+@dataclasses.dataclass
+class LoadResult:
+    """burn-store's load result."""
+    applied: list
+    skipped: list
+    missing: list
+    unused: list
+    errors: list
+    suggestions: list
+
+    @property
+    def ok(self):
+        return not self.errors
+
+
+def connect(url, *, token=None, tls_ca="", tls_cert="", tls_key="", parallel_streams=0, pipeline=None,
+            max_resumes=3, timeout=600.0):
+    """A store: "host:port" (gRPC; TLS with tls_ca, a bearer token from `token`
+    or $WEIGHTSTORE_TOKEN), "unix:/path" (the daemon's same-host socket), or
+    "file:/path" (files read in this process)."""
+    if _native is None:
+        raise ImportError(f"weightstore's extension is not built: {_native_error}")
+    if not isinstance(parallel_streams, int) or not 0 <= parallel_streams <= 64:
+        raise ValueError(f"parallel_streams={parallel_streams!r}: 0 (automatic) to 64")
+    if not isinstance(max_resumes, int) or not 0 <= max_resumes <= 100:
+        raise ValueError(f"max_resumes={max_resumes!r}: 0 to 100")
+    if not 0 < float(timeout) <= 86400 * 365:
+        raise ValueError(f"timeout={timeout!r}: seconds, more than 0 and at most a year")
+    if token is None:
+        import os
+        token = os.environ.get("WEIGHTSTORE_TOKEN", "")
+    return Store(_native.connect(url, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                 parallel_streams=parallel_streams, pipeline=pipeline, max_resumes=max_resumes,
+                                 timeout=timeout))
+
+
+def tune_allocator_for_streaming():
+    """Opt-in, process-wide: glibc keeps freed large blocks instead of unmapping
+    them, so repeated fetches reuse memory rather than fault in new pages (the
+    C++ client's TuneAllocatorForStreaming). Call once, early."""
+    if _native is None:
+        raise ImportError(f"weightstore's extension is not built: {_native_error}")
+    _native.tune_allocator_for_streaming()
+
+
+def _split(pattern, split):
+    """A shard rule's split: a dimension (0), "DIMxPARTS[:uneven]", or (dim, parts[, uneven])."""
+    if isinstance(split, int) and not isinstance(split, bool):
+        return (pattern, split, 1, False)
+    if isinstance(split, tuple):
+        return (pattern, split[0], split[1] if len(split) > 1 else 1, bool(split[2]) if len(split) > 2 else False)
+    match = re.fullmatch(r"([0-9]+)(?:x([0-9]+))?(:uneven)?", str(split).strip())
+    if match is None:
+        raise ValueError(f"shard rule '{pattern}': '{split}' is not DIM, DIMxPARTS or DIMxPARTS:uneven")
+    return (pattern, int(match[1]), int(match[2] or 1), bool(match[3]))
+
+
+def _bounds(name, spec):
+    """A slice: Python slices ((slice(0, 512), slice(None))) or text ("[0:512, :]")."""
+    if isinstance(spec, str):
+        body = spec.strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            raise ValueError(f"slice of '{name}': '{spec}' is not like '[0:512, :]'")
+        out = []
+        for dim in filter(None, body[1:-1].split(",")) if body[1:-1].strip() else []:
+            match = re.fullmatch(r"\s*([0-9]*)\s*:\s*([0-9]*)\s*", dim)
+            if match is None:
+                raise ValueError(f"slice of '{name}': '{dim.strip()}' is not start:stop")
+            out.append((int(match[1]) if match[1] else None, int(match[2]) if match[2] else None))
+        return out
+    out = []
+    for dim in spec if isinstance(spec, (tuple, list)) else (spec,):
+        if not isinstance(dim, slice) or dim.step not in (None, 1):
+            raise ValueError(f"slice of '{name}': {dim!r} is not a slice without a step")
+        for end in (dim.start, dim.stop):
+            if end is not None and (not isinstance(end, int) or not 0 <= end < 2**64):
+                raise ValueError(f"slice of '{name}': {dim!r} needs non-negative integer ends")
+        out.append((dim.start, dim.stop))
+    return out
+
+
+def _strings(name, values):
+    """A list of strings; a lone string is refused (list("ab") would be ["a", "b"])."""
+    if isinstance(values, (str, bytes)) or not all(isinstance(v, str) for v in values):
+        raise TypeError(f"{name} takes a list of strings, e.g. {name}=[r\"^model\\.\"]")
+    return list(values)
+
+
+def _selection(include=(), exclude=(), paths=(), rename=(), top_level_key="", contiguous_indices=None, adapter=None,
+               dtype=None, shard=None, slices=None, version="", allow_partial=False, with_checksums=False,
+               target=None):
+    include, exclude, paths = _strings("include", include), _strings("exclude", exclude), _strings("paths", paths)
+    if isinstance(rename, (str, bytes)) or not all(
+            isinstance(r, (tuple, list)) and len(r) == 2 and all(isinstance(x, str) for x in r) for r in rename):
+        raise TypeError("rename takes a list of (regex, replacement) pairs")
+    if not isinstance(version, str) or not isinstance(top_level_key, str):
+        raise TypeError("version and top_level_key are strings")
+    s = {"include": list(include), "exclude": list(exclude), "paths": list(paths),
+         "renames": [tuple(r) for r in rename], "top_level_key": top_level_key,
+         "contiguous_indices": contiguous_indices, "version": version, "allow_partial": allow_partial,
+         "with_checksums": with_checksums, "target": target}
+    if adapter:
+        s["adapter"] = adapter
+    if dtype:
+        # "bf16", "BF16" or torch.bfloat16 alike.
+        name = str(dtype).replace("torch.", "")
+        s["dtype"] = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32",
+                      "float64": "F64", "double": "F64"}.get(name, name.upper())
+    if shard is not None:
+        rank, world, rules = shard
+        if not all(isinstance(v, int) and 0 <= v < 2**32 for v in (rank, world)):
+            raise ValueError(f"shard=({rank!r}, {world!r}, ...): rank and world size are non-negative integers")
+        items = rules.items() if isinstance(rules, dict) else rules
+        s["shard"] = (rank, world, [_split(pattern, split) for pattern, split in items])
+    if slices:
+        s["slices"] = [(name, _bounds(name, spec)) for name, spec in slices.items()]
+    return s
+
+
+def _as_tensor(name, dtype, shape, buffer, as_):
+    """A view of `buffer` (no copy) as a torch or numpy tensor."""
+    if as_ == "numpy":
+        import numpy as np
+        if dtype not in _NUMPY_DTYPES:
+            raise Error("UNIMPLEMENTED", f"tensor '{name}' is {dtype}, which numpy has no dtype for: ask for torch "
+                                         "tensors, or cast it with dtype='f32'")
+        return np.frombuffer(buffer, dtype=_NUMPY_DTYPES[dtype]).reshape(shape)
+    import torch
+    torch_dtype = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
+    if not isinstance(torch_dtype, torch.dtype):
+        instead = "as_='numpy'" if dtype in _NUMPY_DTYPES else "a cast with dtype='f32'"
+        raise Error("UNIMPLEMENTED", f"tensor '{name}' is {dtype}, which torch {torch.__version__} has no dtype for: "
+                                     f"ask for {instead}")
+    if len(buffer) == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    return torch.frombuffer(buffer, dtype=torch_dtype).reshape(shape)
+
+
+def _device(device, as_):
+    """The torch device tensors are moved to, or None for the CPU (checked
+    before anything is fetched)."""
+    if str(device) == "cpu":
+        return None
+    if as_ != "torch":
+        raise ValueError(f"device={device!r}: numpy arrays live on the CPU; ask for as_='torch'")
+    import torch
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r}: {e}") from None
+    if target.type != "cuda":
+        raise ValueError(f"device={device!r}: 'cpu', 'cuda' or 'cuda:N'")
+    if not torch.cuda.is_available():
+        raise Error("FAILED_PRECONDITION", f"device '{device}': this torch ({torch.__version__}) has no CUDA "
+                                           "device (torch.cuda.is_available() is False)")
+    if target.index is not None and target.index >= torch.cuda.device_count():
+        raise Error("FAILED_PRECONDITION", f"device '{device}': torch sees {torch.cuda.device_count()} CUDA devices")
+    return target
+
+
+def _target_schema(module):
+    """The target schema of a torch module: every entry of its state dict (parameters and persistent buffers;
+    not, say, a rotary embedding's inv_freq) with its shape, dtype and module type."""
+    owners = {name: type(m).__name__ for name, m in module.named_modules()}
+    schema = []
+    for path, tensor in module.state_dict(keep_vars=True).items():
+        owner = path.rpartition(".")[0]
+        dtype = str(tensor.dtype).replace("torch.", "")
+        name = {v: k for k, v in _TORCH_DTYPES.items()}.get(dtype)
+        schema.append({"path": path, "shape": list(tensor.shape), "dtype": name, "module": owners.get(owner, "")})
+    return schema
+
+
+class Store:
+    """A connected store (weightstore.connect)."""
+
+    def __init__(self, native):
+        self._native = native
+
+    @property
+    def kind(self):
+        """"remote", "socket" or "local"."""
+        return self._native.kind
+
+    def list(self):
+        """Every checkpoint served: dicts of name, format, path, total_bytes, tensor_count, metadata, version."""
+        return self._native.list()
+
+    def info(self, name):
+        return self._native.info(name)
+
+    def describe(self, name, with_checksums=False, **selection):
+        """The selected tensors, without their data: a list of TensorInfo."""
+        listing = self._native.listing(name, _selection(with_checksums=with_checksums, **selection))
+        return [TensorInfo(**t) for t in listing["tensors"]]
+
+    def tensors(self, name, as_="torch", device="cpu", **selection):
+        """Every selected tensor by served name, in listing order: torch tensors
+        (as_="torch") or numpy arrays (as_="numpy"), viewing memory they own.
+        device="cuda:N" moves torch tensors to that GPU, one at a time, with
+        torch's own copy (the C++ client's registered-memory CUDA paths are not
+        wired to Python yet); it is an Error when torch has no CUDA.
+        Selection keywords: include, exclude, paths, rename=[(regex, replacement)],
+        top_level_key, contiguous_indices, dtype ("f16", "bf16", "f32", "f64"),
+        shard=(rank, world, rules), slices={name: slices}, version."""
+        if as_ not in ("torch", "numpy"):
+            raise ValueError(f"as_={as_!r}: 'torch' or 'numpy'")
+        target = _device(device, as_)
+        fetched = self._native.fetch(name, _selection(**selection))
+        if target is None:
+            return {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in fetched["tensors"]}
+        # One tensor at a time through host memory (torch's own copy), each
+        # host buffer freed once its copy is made: host memory peaks at the
+        # largest tensor, not the checkpoint.
+        items, out = fetched["tensors"], {}
+        items.reverse()
+        while items:
+            n, dtype, shape, buffer = items.pop()
+            out[n] = _as_tensor(n, dtype, shape, buffer, as_).to(target)
+            del buffer
+        return out
+
+    def load_into(self, module, name, allow_partial=False, **selection):
+        """Loads `name` into a torch module's parameters and buffers (burn-store's
+        apply: its target is the module) and returns the LoadResult. A failing
+        load raises Error (FAILED_PRECONDITION) and leaves the module untouched."""
+        import torch
+        # Contiguous indices default off: a PyTorch module keeps the gaps its
+        # parameter-free layers leave (Sequential's ReLU at index 2).
+        selection.setdefault("contiguous_indices", False)
+        s = _selection(allow_partial=allow_partial, target=_target_schema(module), **selection)
+        fetched = self._native.fetch(name, s)
+        tensors = {n: _as_tensor(n, dtype, shape, buffer, "torch") for n, dtype, shape, buffer in fetched["tensors"]}
+        targets = module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for n, tensor in tensors.items():
+                targets[n].copy_(tensor)
+        return LoadResult(**fetched["apply_result"])

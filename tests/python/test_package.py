@@ -1,0 +1,303 @@
+"""The `weightstore` package (the C++ client's extension) against a live
+weightstored over gRPC, through its socket, and on local files. Run by
+tests/integration/python_package_test.cc, which starts the daemon and passes
+WS_ADDRESS, WS_SOCKET and WS_MODELS; the package comes from PYTHONPATH (the
+build tree) or from a venv it was pip-installed into."""
+import glob
+import os
+import signal
+import threading
+import time
+import unittest
+
+import numpy as np
+import torch
+
+import grpc
+import weightstore
+from weightstore.v1 import weight_store_pb2, weight_store_pb2_grpc
+
+ADDRESS, SOCKET, MODELS = os.environ["WS_ADDRESS"], os.environ["WS_SOCKET"], os.environ["WS_MODELS"]
+
+
+def same_bytes(a, b):
+    """Bit equality (NaN == NaN), any dtype."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                      b.reshape(-1).view(torch.uint8))
+
+
+def make_model():
+    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.BatchNorm1d(48), torch.nn.ReLU(),
+                               torch.nn.Linear(48, 8))
+
+
+class PackageTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        torch.manual_seed(11)
+        cls.model = make_model()
+        cls.model[1].running_mean.uniform_()
+        os.makedirs(os.path.join(MODELS, "pkg"), exist_ok=True)
+        torch.save(cls.model.state_dict(), os.path.join(MODELS, "pkg", "mlp.pt"))
+        # 256 MiB in 64 tensors: a fetch long enough to be interrupted.
+        torch.save({f"w.{i}": torch.full((1024, 1024), float(i)) for i in range(64)},
+                   os.path.join(MODELS, "pkg", "big.pt"))
+        # 512 MiB in one tensor: Ctrl-C must not wait for the tensor's end.
+        torch.save({"w": torch.ones(128 << 20)}, os.path.join(MODELS, "pkg", "one.pt"))
+        # Unsigned types that numpy has and torch before 2.3 does not, written
+        # as a SafeTensors file by hand (8-byte header size, JSON, data).
+        cls.uints = np.arange(6, dtype="<u4") * 0x01010101
+        header = ('{"u": {"dtype": "U32", "shape": [2, 3], "data_offsets": [0, 24]}}').encode()
+        with open(os.path.join(MODELS, "pkg", "uints.safetensors"), "wb") as f:
+            f.write(len(header).to_bytes(8, "little") + header + cls.uints.tobytes())
+        with grpc.insecure_channel(ADDRESS) as channel:  # serve the new file now
+            weight_store_pb2_grpc.WeightStoreStub(channel).Rescan(weight_store_pb2.RescanRequest(), timeout=60)
+        cls.local = weightstore.connect("file:" + MODELS)
+        cls.remote = weightstore.connect(ADDRESS)
+        cls.socket = weightstore.connect("unix:" + SOCKET)
+
+    def stores(self):
+        return {"grpc": self.remote, "socket": self.socket, "local": self.local}
+
+    def test_the_package_is_the_installed_one_with_its_extension(self):
+        self.assertTrue(os.path.exists(weightstore.__file__))
+        self.assertIsNotNone(weightstore._native)
+        self.assertEqual([self.remote.kind, self.socket.kind, self.local.kind], ["remote", "socket", "local"])
+
+    def test_every_store_lists_the_same_checkpoints(self):
+        names = [c["name"] for c in self.remote.list()]
+        self.assertIn("pkg/mlp", names)
+        self.assertEqual(names, [c["name"] for c in self.socket.list()])
+        self.assertEqual(names, [c["name"] for c in self.local.list()])
+        self.assertEqual(self.socket.info("pkg/mlp")["format"], "pytorch")
+
+    def test_every_fixture_is_the_same_bytes_through_every_store(self):
+        for c in self.remote.list():
+            if c["name"] in ("pkg/big", "pkg/one", "pkg/uints"):
+                continue  # the Ctrl-C and dtype tests'; compared there
+            with self.subTest(c["name"]):
+                want = self.local.tensors(c["name"])
+                for label in ("grpc", "socket"):
+                    got = self.stores()[label].tensors(c["name"])
+                    self.assertEqual(list(got), list(want), label)
+                    for name in want:
+                        self.assertTrue(same_bytes(got[name], want[name]), (label, name))
+
+    def test_pytorch_fixtures_match_torch_load(self):
+        checked = 0
+        for path in sorted(glob.glob(os.path.join(MODELS, "pytorch-models", "*.pt"))):
+            loaded = torch.load(path, map_location="cpu")
+            if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+                continue
+            name = os.path.relpath(path, MODELS)[:-3]
+            for label, store in self.stores().items():
+                with self.subTest(name=name, transport=label):
+                    got = store.tensors(name)
+                    self.assertEqual(set(got), set(loaded))
+                    for key, want in loaded.items():
+                        self.assertTrue(torch.equal(got[key], want.contiguous()), key)
+            checked += 1
+        self.assertGreater(checked, 3)
+
+    def test_fetched_tensors_are_writable_and_outlive_their_store(self):
+        store = weightstore.connect(ADDRESS)
+        got = store.tensors("pkg/mlp")
+        del store
+        got["0.weight"][0, 0] = 42.0  # owned memory: no copy was needed to write
+        self.assertEqual(got["0.weight"][0, 0].item(), 42.0)
+        self.assertTrue(torch.equal(got["0.bias"], self.model.state_dict()["0.bias"]))
+
+    def test_socket_tensors_are_copy_on_write_views_and_numpy_works_too(self):
+        arrays = self.socket.tensors("pkg/mlp", as_="numpy")
+        want = self.model.state_dict()
+        for name, array in arrays.items():
+            np.testing.assert_array_equal(array, want[name].numpy())
+        # A write lands in this process's private copy of the page, never in the
+        # daemon's bytes: a second mapping still reads the original.
+        arrays["0.weight"][0, 0] = 1234.5
+        tensors = self.socket.tensors("pkg/mlp")
+        tensors["0.bias"].add_(1.0)  # in place, through torch: no crash
+        again = self.socket.tensors("pkg/mlp")
+        self.assertTrue(torch.equal(again["0.weight"], want["0.weight"]))
+        self.assertTrue(torch.equal(again["0.bias"], want["0.bias"]))
+        self.assertEqual(arrays["0.weight"][0, 0], 1234.5)
+
+    def test_bad_arguments_are_type_or_value_errors_naming_the_argument(self):
+        with self.assertRaises(TypeError):
+            self.remote.tensors("pkg/mlp", include=r"^0\.")  # a string, not a list
+        with self.assertRaises(TypeError):
+            self.remote.tensors("pkg/mlp", rename=[("a",)])
+        with self.assertRaises(ValueError):
+            self.remote.tensors("pkg/mlp", shard=(-1, 2, {"x": 0}))
+        with self.assertRaises(ValueError):
+            self.remote.tensors("pkg/mlp", as_="np")
+        with self.assertRaises(ValueError):
+            weightstore.connect(ADDRESS, parallel_streams=100000)
+        with self.assertRaises(ValueError):
+            weightstore.connect(ADDRESS, timeout=float("nan"))
+
+    def test_unsigned_tensors_reach_numpy_and_torch_says_what_to_ask_for_instead(self):
+        for label, store in self.stores().items():
+            with self.subTest(transport=label):
+                np.testing.assert_array_equal(store.tensors("pkg/uints", as_="numpy")["u"], self.uints.reshape(2, 3))
+                if hasattr(torch, "uint32"):  # torch >= 2.3
+                    got = store.tensors("pkg/uints")["u"]
+                    self.assertEqual(got.dtype, torch.uint32)
+                    continue
+                with self.assertRaises(weightstore.Error) as e:
+                    store.tensors("pkg/uints")
+                self.assertEqual(e.exception.code, "UNIMPLEMENTED")
+                self.assertIn("'u' is U32", e.exception.message)
+                self.assertIn("as_='numpy'", e.exception.message)
+
+    def test_devices_are_checked_before_fetching_and_cuda_needs_torch_with_cuda(self):
+        with self.assertRaises(ValueError):
+            self.remote.tensors("pkg/mlp", device="mps")
+        with self.assertRaises(ValueError):
+            self.remote.tensors("pkg/mlp", device="cuda:0", as_="numpy")
+        with self.assertRaises(ValueError):
+            self.remote.tensors("pkg/mlp", device="cuda:zero")
+        self.assertTrue(torch.equal(self.remote.tensors("pkg/mlp", device=torch.device("cpu"))["0.bias"],
+                                    self.model.state_dict()["0.bias"]))
+        for label, store in self.stores().items():
+            with self.subTest(transport=label):
+                if not torch.cuda.is_available():
+                    with self.assertRaises(weightstore.Error) as e:
+                        store.tensors("pkg/mlp", device="cuda:0")
+                    self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+                    self.assertIn("'cuda:0'", e.exception.message)
+                    continue
+                got = store.tensors("pkg/mlp", device="cuda:0")
+                for name, want in self.model.state_dict().items():
+                    self.assertEqual(got[name].device, torch.device("cuda:0"))
+                    self.assertTrue(torch.equal(got[name].cpu(), want), name)
+
+    def test_load_into_ignores_buffers_outside_the_state_dict(self):
+        model = make_model()
+        model.register_buffer("inv_freq", torch.ones(3), persistent=False)  # as rotary embeddings do
+        result = self.remote.load_into(model, "pkg/mlp")
+        self.assertTrue(result.ok)
+        self.assertEqual(result.missing, [])
+
+    def test_casts_match_torch(self):
+        for dtype, torch_dtype in (("f16", torch.float16), ("bf16", torch.bfloat16), ("f64", torch.float64)):
+            for label, store in self.stores().items():
+                with self.subTest(dtype=dtype, transport=label):
+                    got = store.tensors("pkg/mlp", dtype=dtype)
+                    for name, want in self.model.state_dict().items():
+                        want = want.to(torch_dtype) if want.is_floating_point() else want
+                        self.assertTrue(torch.equal(got[name], want), name)
+        got = self.remote.tensors("pkg/mlp", dtype=torch.bfloat16)  # torch's dtypes name casts too
+        self.assertEqual(got["0.weight"].dtype, torch.bfloat16)
+
+    def test_selections_filter_and_rename_on_the_server(self):
+        for label, store in self.stores().items():
+            with self.subTest(transport=label):
+                got = store.tensors("pkg/mlp", rename=[(r"^0\.", "encoder.")], include=[r"^encoder\."])
+                self.assertEqual(sorted(got), ["encoder.bias", "encoder.weight"])
+                infos = store.describe("pkg/mlp", with_checksums=True, include=[r"^3\."])
+                self.assertEqual([t.name for t in infos], ["3.weight", "3.bias"])
+                self.assertTrue(all(t.crc32c is not None for t in infos))
+
+    def test_each_rank_receives_torchs_chunk_of_its_shard(self):
+        rules = {r"^0\.(weight|bias)$": 0, r"^3\.weight$": "1"}
+        state = self.model.state_dict()
+        for world in (2, 4):
+            for rank in range(world):
+                for label, store in self.stores().items():
+                    with self.subTest(world=world, rank=rank, transport=label):
+                        got = store.tensors("pkg/mlp", shard=(rank, world, rules))
+                        self.assertTrue(same_bytes(got["0.weight"], state["0.weight"].chunk(world, 0)[rank]))
+                        self.assertTrue(same_bytes(got["3.weight"],
+                                                   state["3.weight"].chunk(world, 1)[rank].contiguous()))
+                        self.assertTrue(same_bytes(got["1.running_mean"], state["1.running_mean"]))
+        info = {t.name: t for t in self.remote.describe("pkg/mlp", shard=(1, 4, rules))}["3.weight"]
+        self.assertEqual((info.shape, info.unsliced_shape, info.slice), ((8, 12), (8, 48), (((0, 8),), ((12, 24),))))
+        got = self.socket.tensors("pkg/mlp", paths=["0.weight"], slices={"0.weight": (slice(4, 20),)})
+        self.assertTrue(same_bytes(got["0.weight"], state["0.weight"][4:20].contiguous()))
+
+    def test_load_into_a_module_with_one_call(self):
+        for label, store in self.stores().items():
+            with self.subTest(transport=label):
+                fresh = make_model()
+                result = store.load_into(fresh, "pkg/mlp")
+                self.assertTrue(result.ok)
+                self.assertEqual(sorted(result.applied), sorted(self.model.state_dict()))
+                for name, want in self.model.state_dict().items():
+                    self.assertTrue(torch.equal(fresh.state_dict()[name], want), name)
+
+    def test_partial_and_failing_loads_report_burn_store_results(self):
+        for label, store in self.stores().items():
+            with self.subTest(transport=label):
+                result = store.load_into(make_model(), "pkg/mlp", allow_partial=True, exclude=[r"^3\."])
+                self.assertEqual(sorted(result.skipped), ["3.bias", "3.weight"])
+                wrong = torch.nn.Sequential(torch.nn.Linear(24, 47))
+                before = [p.clone() for p in wrong.parameters()]
+                with self.assertRaises(weightstore.Error) as e:
+                    store.load_into(wrong, "pkg/mlp")
+                self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+                self.assertIn("0.weight", e.exception.message)
+                for p, b in zip(wrong.parameters(), before):
+                    self.assertTrue(torch.equal(p, b))  # untouched
+
+    def test_errors_carry_the_status_code_and_name_what_was_wrong(self):
+        for label, store in self.stores().items():
+            with self.subTest(transport=label):
+                with self.assertRaises(weightstore.Error) as e:
+                    store.tensors("no/such")
+                self.assertEqual(e.exception.code, "NOT_FOUND")
+                self.assertIn("no/such", e.exception.message)
+                with self.assertRaises(weightstore.Error) as e:
+                    store.tensors("pkg/mlp", include=["(unclosed"])
+                self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+                self.assertIn("(unclosed", e.exception.message)
+                with self.assertRaises(weightstore.Error) as e:
+                    store.tensors("pkg/mlp", shard=(0, 5, {r"^0\.weight$": 0}))
+                self.assertIn("'0.weight'", e.exception.message)
+        with self.assertRaises(weightstore.Error) as e:
+            weightstore.connect("unix:/nonexistent/ws.sock")
+        self.assertIn(e.exception.code, ("NOT_FOUND", "UNAVAILABLE"))
+        self.assertIn("/nonexistent/ws.sock", e.exception.message)
+        with self.assertRaises(ValueError):
+            self.remote.tensors("pkg/mlp", slices={"0.weight": "[-1:]"})
+
+    def test_ctrl_c_cancels_a_fetch_in_flight_and_the_store_keeps_working(self):
+        self.remote.tensors("pkg/big")  # warm: the page cache, the daemon's checksums
+        start = time.perf_counter()
+        self.remote.tensors("pkg/big")
+        whole = time.perf_counter() - start
+        # A real SIGINT (Ctrl-C) a tenth of the way in.
+        timer = threading.Timer(whole / 10, lambda: os.kill(os.getpid(), signal.SIGINT))
+        start = time.perf_counter()
+        timer.start()
+        with self.assertRaises(KeyboardInterrupt):
+            self.remote.tensors("pkg/big")
+        interrupted = time.perf_counter() - start
+        timer.join()
+        print(f"\nCtrl-C: a {whole * 1e3:.0f} ms fetch interrupted at {whole * 100:.0f} ms returned after "
+              f"{interrupted * 1e3:.0f} ms")
+        self.assertLess(interrupted, whole * 0.8)
+        got = self.remote.tensors("pkg/big", paths=["w.63"])
+        self.assertEqual(got["w.63"][0, 0].item(), 63.0)
+
+    def test_ctrl_c_cancels_a_fetch_in_the_middle_of_one_large_tensor(self):
+        store = weightstore.connect(ADDRESS, parallel_streams=1)
+        store.tensors("pkg/one")  # warm
+        start = time.perf_counter()
+        self.assertEqual(store.tensors("pkg/one")["w"].numel(), 128 << 20)
+        whole = time.perf_counter() - start
+        timer = threading.Timer(whole / 4, lambda: os.kill(os.getpid(), signal.SIGINT))
+        start = time.perf_counter()
+        timer.start()
+        with self.assertRaises(KeyboardInterrupt):
+            store.tensors("pkg/one")
+        interrupted = time.perf_counter() - start
+        timer.join()
+        print(f"\nCtrl-C: a {whole * 1e3:.0f} ms one-tensor fetch interrupted at {whole * 250:.0f} ms returned "
+              f"after {interrupted * 1e3:.0f} ms")
+        self.assertLess(interrupted, whole * 0.8)
+        self.assertEqual(store.tensors("pkg/one")["w"][-1].item(), 1.0)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
