@@ -244,6 +244,14 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
     auto version =
         std::make_shared<CheckpointVersion>(name, path, std::move(checkpoint), after, std::move(id), NowUnixSeconds());
     version->SetRelativePath(RelativePath(path));
+    if (options_.tensor_digests) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const CheckpointManifest> manifest,
+                                   ComputeManifest(*version->checkpoint(), version->version()));
+      // The digests vouch for the bytes as opened: a file written meanwhile is
+      // opened again.
+      if (!version->CheckUnchanged().ok()) continue;
+      version->SetManifest(std::move(manifest));
+    }
     if (preload) version->HoldReservation(std::move(reservation));
     version->SetOnStale([watcher = std::weak_ptr<FileWatcher>(watcher_)] {
       if (auto w = watcher.lock()) w->Poke();  // a rescan soon reopens it
@@ -343,25 +351,97 @@ ScanReport CheckpointRegistry::Rescan() {
     }
   }
   if (!watch_error_.empty()) report.errors.push_back(std::exchange(watch_error_, ""));
-  absl::MutexLock lock(&mu_);
-  for (auto& [name, version] : opened) {
-    auto [cur, inserted] = served_.try_emplace(name);
-    (inserted ? report.added : report.replaced).push_back(name);
-    if (std::string error = Watch(name, *version); !error.empty()) report.errors.push_back(error);
-    const bool pinned = !inserted && cur->second.pinned && !found.contains(name);
-    cur->second.current = std::move(version);
-    cur->second.pinned = pinned;
-  }
-  for (auto cur = served_.begin(); cur != served_.end();) {
-    if (complete && !cur->second.pinned && !found.contains(cur->first)) {
-      if (watcher_ != nullptr) watcher_->Remove(cur->first);
-      report.removed.push_back(cur->first);
-      cur = served_.erase(cur);
-    } else {
-      ++cur;
+  std::vector<std::string> changed;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [name, version] : opened) {
+      auto [cur, inserted] = served_.try_emplace(name);
+      (inserted ? report.added : report.replaced).push_back(name);
+      if (std::string error = Watch(name, *version); !error.empty()) report.errors.push_back(error);
+      const bool pinned = !inserted && cur->second.pinned && !found.contains(name);
+      Published(name, version.get());
+      cur->second.current = std::move(version);
+      cur->second.pinned = pinned;
+      changed.push_back(name);
+    }
+    for (auto cur = served_.begin(); cur != served_.end();) {
+      if (complete && !cur->second.pinned && !found.contains(cur->first)) {
+        if (watcher_ != nullptr) watcher_->Remove(cur->first);
+        report.removed.push_back(cur->first);
+        Published(cur->first, nullptr);
+        changed.push_back(cur->first);
+        cur = served_.erase(cur);
+      } else {
+        ++cur;
+      }
     }
   }
+  Notify(changed);
   return report;
+}
+
+void CheckpointRegistry::Published(const std::string& name, const CheckpointVersion* version) {
+  if (version == nullptr) {  // no longer served: nothing to compare with
+    auto it = kept_.find(name);
+    if (it == kept_.end()) return;
+    for (const auto& m : it->second) kept_bytes_ -= m->memory_bytes();
+    kept_.erase(it);
+    return;
+  }
+  if (version->manifest() == nullptr) return;
+  auto& kept = kept_[name];
+  kept.push_back(version->manifest());
+  kept_bytes_ += version->manifest()->memory_bytes();
+  while (kept.size() > std::max<size_t>(options_.kept_versions, 1)) {
+    kept_bytes_ -= kept.front()->memory_bytes();
+    kept.pop_front();
+  }
+  // Over the byte bound: drop earlier versions' manifests, the oldest of each
+  // name first, until it fits (each current one stays).
+  for (bool dropped = true; kept_bytes_ > options_.kept_manifest_bytes && dropped;) {
+    dropped = false;
+    for (auto& [other, manifests] : kept_) {
+      if (manifests.size() < 2 || kept_bytes_ <= options_.kept_manifest_bytes) continue;
+      kept_bytes_ -= manifests.front()->memory_bytes();
+      manifests.pop_front();
+      dropped = true;
+    }
+  }
+}
+
+void CheckpointRegistry::Notify(const std::vector<std::string>& names) {
+  if (names.empty()) return;
+  std::vector<std::shared_ptr<const std::function<void(const std::string&)>>> listeners;
+  {
+    absl::MutexLock lock(&listeners_mu_);
+    for (const auto& [id, listener] : listeners_) listeners.push_back(listener);
+  }
+  for (const auto& listener : listeners) {
+    for (const std::string& name : names) (*listener)(name);
+  }
+}
+
+uint64_t CheckpointRegistry::AddListener(std::function<void(const std::string& name)> listener) {
+  absl::MutexLock lock(&listeners_mu_);
+  const uint64_t id = next_listener_++;
+  listeners_.emplace(id, std::make_shared<const std::function<void(const std::string&)>>(std::move(listener)));
+  return id;
+}
+
+void CheckpointRegistry::RemoveListener(uint64_t id) {
+  absl::MutexLock lock(&listeners_mu_);
+  listeners_.erase(id);
+}
+
+std::shared_ptr<const CheckpointManifest> CheckpointRegistry::FindManifest(const std::string& name,
+                                                                           const std::string& version) const {
+  absl::MutexLock lock(&mu_);
+  auto it = kept_.find(name);
+  if (it == kept_.end()) return nullptr;
+  for (const auto& m : it->second) {
+    if (m->version() == version) return m;
+  }
+  return nullptr;
 }
 
 std::shared_ptr<const CheckpointVersion> CheckpointRegistry::Get(const std::string& name) const {
@@ -439,19 +519,27 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
                                                    "' (a relative path of letters, digits, '-', '_', '.' and '/')"));
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, OpenVersion(served_name, canonical.string()));
-  absl::MutexLock lock(&mu_);
-  (void)Watch(served_name, *version);  // best effort: the synchronous checks remain
-  Entry& entry = served_[served_name];
-  entry.current = version;
-  entry.pinned = !in_models;
+  {
+    absl::MutexLock lock(&mu_);
+    (void)Watch(served_name, *version);  // best effort: the synchronous checks remain
+    Entry& entry = served_[served_name];
+    Published(served_name, version.get());
+    entry.current = version;
+    entry.pinned = !in_models;
+  }
+  Notify({served_name});
   return version;
 }
 
 absl::Status CheckpointRegistry::Unload(const std::string& name) {
   WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(name, options_.max_name_bytes));
-  absl::MutexLock lock(&mu_);
-  if (served_.erase(name) == 0) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
-  if (watcher_ != nullptr) watcher_->Remove(name);
+  {
+    absl::MutexLock lock(&mu_);
+    if (served_.erase(name) == 0) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
+    if (watcher_ != nullptr) watcher_->Remove(name);
+    Published(name, nullptr);
+  }
+  Notify({name});
   return absl::OkStatus();
 }
 

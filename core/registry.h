@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -30,6 +31,7 @@
 #include "core/checkpoint.h"
 #include "core/checksum_cache.h"
 #include "core/file_watcher.h"
+#include "core/manifest.h"
 #include "core/shm/segment_cache.h"
 
 namespace weightstore {
@@ -72,6 +74,12 @@ class CheckpointVersion {
   // as this version lives. Called once, before the version is published.
   void HoldReservation(SegmentCache::Reservation reservation) { preload_ = std::move(reservation); }
 
+  // Every tensor's digest (core/manifest.h), computed when the version was
+  // opened; nullptr when the registry computes none (RegistryOptions).
+  const std::shared_ptr<const CheckpointManifest>& manifest() const { return manifest_; }
+  // Called once, before the version is published.
+  void SetManifest(std::shared_ptr<const CheckpointManifest> manifest) { manifest_ = std::move(manifest); }
+
   // CRC32C of its tensors as served, by served-tensor plan (core/select/served.h).
   // Keeps a checksum only while CheckUnchanged() passes.
   const ChecksumCache& checksums() const { return checksums_; }
@@ -96,6 +104,7 @@ class CheckpointVersion {
   std::string file_version_, version_;
   int64_t loaded_at_;
   SegmentCache::Reservation preload_;
+  std::shared_ptr<const CheckpointManifest> manifest_;
   std::function<void()> on_stale_;
   mutable std::atomic<bool> modified_{false};
   ChecksumCache checksums_{[this] { return CheckUnchanged(); }};
@@ -128,6 +137,17 @@ struct RegistryOptions {
   bool preload_all = false;
   std::set<std::string> preload;
   SegmentCache* shm = nullptr;
+  // Digest every tensor of each version as it is opened (core/manifest.h), for
+  // weight updates: watch events name the tensors that changed, and a fetch
+  // since an earlier version sends only those. Costs one read of every byte at
+  // load. Default: off (the daemon turns it on).
+  bool tensor_digests = false;
+  // Manifests kept per checkpoint, the current version's included: the
+  // versions a delta can start from. Default: 8.
+  size_t kept_versions = 8;
+  // Bytes all kept manifests may hold; past it the oldest earlier versions'
+  // are dropped first (a current version's never). Default: 256 MiB.
+  uint64_t kept_manifest_bytes = uint64_t{256} << 20;
   // Called after every attempt to open a checkpoint version (metrics).
   std::function<void(const std::string& name, double seconds, const absl::Status& status)> on_load;
 };
@@ -194,6 +214,20 @@ class CheckpointRegistry {
   // nothing is left behind.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> FinishPut(std::unique_ptr<PutSession> session);
 
+  // The manifest of `name` at `version`: the current one's, or a kept earlier
+  // one's. nullptr when it is not kept (or digests are off).
+  std::shared_ptr<const CheckpointManifest> FindManifest(const std::string& name, const std::string& version) const;
+
+  // Calls `listener` with a checkpoint's name after each change of what is
+  // served under it (added, replaced, removed), on the thread that made it and
+  // outside the registry's locks; it may call the registry, and must be quick.
+  // Listeners are called in no particular order across names. Returns an id
+  // for RemoveListener. A call that began before RemoveListener may still be
+  // running after it: what a listener uses must outlive that (hold it by
+  // shared_ptr).
+  uint64_t AddListener(std::function<void(const std::string& name)> listener);
+  void RemoveListener(uint64_t id);
+
   const RegistryOptions& options() const { return options_; }
 
  private:
@@ -216,10 +250,22 @@ class CheckpointRegistry {
   std::string Watch(const std::string& name, const CheckpointVersion& version);
   // The file watcher's report: `names` were written in place.
   void OnFilesModified(const std::set<std::string>& names);
+  // Records that `name` now serves `version` (nullptr: nothing), keeping its
+  // manifest within the bounds.
+  void Published(const std::string& name, const CheckpointVersion* version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the listeners about `names`. Called without mu_.
+  void Notify(const std::vector<std::string>& names);
 
   RegistryOptions options_;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> served_ ABSL_GUARDED_BY(mu_);
+  // Manifests of the versions each name served, oldest first, the current last.
+  std::map<std::string, std::deque<std::shared_ptr<const CheckpointManifest>>> kept_ ABSL_GUARDED_BY(mu_);
+  uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable absl::Mutex listeners_mu_;
+  std::map<uint64_t, std::shared_ptr<const std::function<void(const std::string&)>>> listeners_
+      ABSL_GUARDED_BY(listeners_mu_);
+  uint64_t next_listener_ ABSL_GUARDED_BY(listeners_mu_) = 1;
   absl::Mutex scan_mu_;  // one scan at a time
   // Reopened versions whose file identity did not change get a new version
   // string all the same, mixed with this.

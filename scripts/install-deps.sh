@@ -13,6 +13,8 @@ packages=(
   prometheus-cpp-dev
   # formats: JSON (SafeTensors headers), CBOR (Burnpack), zlib (zip CRC-32)
   nlohmann-json3-dev libcbor-dev zlib1g-dev libcli11-dev
+  # weight updates: XXH3-128 tensor digests
+  libxxhash-dev
   # the Python package: its extension (pybind11), and offline installs into a
   # venv with Debian's build backend
   pybind11-dev python3-pybind11 python3-dev python3-venv python3-pip python3-setuptools python3-wheel

@@ -1,0 +1,119 @@
+#include "core/manifest.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+
+namespace weightstore {
+
+std::string TensorDigest::Hex() const { return absl::StrFormat("%016x%016x", high, low); }
+
+std::optional<TensorDigest> TensorDigest::FromHex(absl::string_view hex) {
+  if (hex.size() != 32) return std::nullopt;
+  uint64_t half[2] = {0, 0};
+  for (size_t i = 0; i < 32; ++i) {
+    const char c = hex[i];
+    int v;
+    if (c >= '0' && c <= '9') {
+      v = c - '0';
+    } else if (c >= 'a' && c <= 'f') {
+      v = c - 'a' + 10;
+    } else {
+      return std::nullopt;
+    }
+    half[i / 16] = (half[i / 16] << 4) | static_cast<uint64_t>(v);
+  }
+  return TensorDigest{half[0], half[1]};
+}
+
+TensorDigest DigestBytes(std::span<const std::byte> bytes) {
+  const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
+  return TensorDigest{h.high64, h.low64};
+}
+
+CheckpointManifest::CheckpointManifest(std::string version, std::vector<ManifestTensor> tensors)
+    : version_(std::move(version)), tensors_(std::move(tensors)) {
+  by_name_.reserve(tensors_.size());
+  memory_bytes_ = sizeof(*this) + version_.size();
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    by_name_.emplace(tensors_[i].name, i);
+    // The tensor, its name twice (here and as a key) and its shape.
+    memory_bytes_ += sizeof(ManifestTensor) + 2 * tensors_[i].name.size() + 8 * tensors_[i].shape.size() + 16;
+  }
+}
+
+const ManifestTensor* CheckpointManifest::Find(absl::string_view name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &tensors_[it->second];
+}
+
+absl::StatusOr<std::shared_ptr<const CheckpointManifest>> ComputeManifest(const Checkpoint& checkpoint,
+                                                                          std::string version) {
+  const std::vector<CheckpointEntry>& entries = checkpoint.entries();
+  std::vector<ManifestTensor> tensors(entries.size());
+  // Tensors are digested by a few threads taking the next one in turn: the cost
+  // is reading the bytes (first-touch faults of the mapping), which spreads.
+  std::atomic<size_t> next{0};
+  absl::Mutex mu;
+  absl::Status failure;
+  auto work = [&] {
+    for (size_t i = next++; i < entries.size(); i = next++) {
+      const CheckpointEntry& entry = entries[i];
+      absl::StatusOr<SharedTensor> tensor = checkpoint.Read(entry);
+      if (!tensor.ok()) {
+        absl::MutexLock lock(&mu);
+        if (failure.ok()) {
+          failure = absl::DataLossError(absl::StrCat("cannot digest tensor '", entry.spec.name, "' of '",
+                                                     checkpoint.path(), "': ", tensor.status().message()));
+        }
+        next = entries.size();
+        return;
+      }
+      tensors[i] =
+          ManifestTensor{entry.spec.name, entry.spec.dtype, entry.spec.shape, DigestBytes(tensor->bytes.span())};
+    }
+  };
+  const uint64_t total = checkpoint.total_bytes();
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  // One thread per 64 MiB, at most 4 and at most the cores: small checkpoints
+  // are not worth a thread.
+  const size_t threads = std::min<uint64_t>({uint64_t{4}, cores, 1 + total / (uint64_t{64} << 20), entries.size()});
+  std::vector<std::thread> helpers;
+  for (size_t t = 1; t < threads; ++t) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // no thread to spare: the caller's does it all
+    }
+  }
+  work();
+  for (std::thread& t : helpers) t.join();
+  if (!failure.ok()) return failure;
+  return std::make_shared<const CheckpointManifest>(std::move(version), std::move(tensors));
+}
+
+ManifestDiff DiffManifests(const CheckpointManifest& base, const CheckpointManifest& current) {
+  ManifestDiff diff;
+  for (const ManifestTensor& t : current.tensors()) {
+    const ManifestTensor* before = base.Find(t.name);
+    if (before == nullptr) {
+      diff.added.push_back(t.name);
+    } else if (!before->SameContentAs(t)) {
+      diff.changed.push_back(t.name);
+    } else {
+      ++diff.unchanged;
+    }
+  }
+  for (const ManifestTensor& t : base.tensors()) {
+    if (current.Find(t.name) == nullptr) diff.removed.push_back(t.name);
+  }
+  return diff;
+}
+
+}  // namespace weightstore

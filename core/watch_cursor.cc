@@ -1,0 +1,90 @@
+#include "core/watch_cursor.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace weightstore {
+
+bool WatchScope::Contains(const std::string& checkpoint) const {
+  if (!name.empty()) return checkpoint == name;
+  return absl::StartsWith(checkpoint, prefix);
+}
+
+WatchCursor::WatchCursor(const CheckpointRegistry* registry, WatchScope scope, std::map<std::string, std::string> known)
+    : registry_(registry), scope_(std::move(scope)) {
+  for (auto& [name, version] : known) {
+    if (scope_.Contains(name)) known_.emplace(name, std::move(version));
+  }
+}
+
+void WatchCursor::Start() {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, version] : known_) owed_.insert(name);
+  for (const auto& version : registry_->List()) {
+    if (scope_.Contains(version->name())) owed_.insert(version->name());
+  }
+}
+
+bool WatchCursor::MarkChanged(const std::string& name) {
+  if (!scope_.Contains(name)) return false;
+  absl::MutexLock lock(&mu_);
+  const bool was_idle = owed_.empty() && synced_;
+  owed_.insert(name);
+  return was_idle;
+}
+
+std::optional<CheckpointUpdate> WatchCursor::Next() {
+  while (true) {
+    std::string name;
+    {
+      absl::MutexLock lock(&mu_);
+      if (owed_.empty()) {
+        if (synced_) return std::nullopt;
+        synced_ = true;
+        return CheckpointUpdate{};  // kSynced
+      }
+      name = *owed_.begin();
+      owed_.erase(owed_.begin());
+    }
+    if (std::optional<CheckpointUpdate> update = UpdateFor(name)) return update;
+  }
+}
+
+std::optional<CheckpointUpdate> WatchCursor::UpdateFor(const std::string& name) {
+  std::shared_ptr<const CheckpointVersion> current = registry_->Get(name);
+  auto known = known_.find(name);
+  CheckpointUpdate update;
+  update.name = name;
+  if (current == nullptr) {
+    if (known == known_.end()) return std::nullopt;
+    update.kind = CheckpointUpdate::Kind::kRemoved;
+    update.old_version = known->second;
+    known_.erase(known);
+    return update;
+  }
+  // A version written in place is being reopened: its successor is reported
+  // when published.
+  if (current->stale()) return std::nullopt;
+  update.new_version = current->version();
+  if (known == known_.end()) {
+    update.kind = CheckpointUpdate::Kind::kAdded;
+    known_.emplace(name, current->version());
+    return update;
+  }
+  if (known->second == current->version()) return std::nullopt;
+  update.kind = CheckpointUpdate::Kind::kReplaced;
+  update.old_version = known->second;
+  known->second = current->version();
+  std::shared_ptr<const CheckpointManifest> base = registry_->FindManifest(name, update.old_version);
+  if (current->manifest() == nullptr) {
+    update.full_reason = "this daemon computes no tensor digests (weightstored --tensor-digests=false)";
+  } else if (base == nullptr) {
+    update.full_reason =
+        absl::StrCat("version ", update.old_version, " of '", name, "' is not one this daemon keeps digests of");
+  } else {
+    update.diff = DiffManifests(*base, *current->manifest());
+  }
+  return update;
+}
+
+}  // namespace weightstore
