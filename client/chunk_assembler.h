@@ -26,6 +26,9 @@ class ChunkAssembler {
   // Parses one TensorChunk. Returns DataLoss for a malformed chunk, a chunk out
   // of order, a short tensor or a CRC mismatch, and the sink's own errors.
   absl::Status Consume(grpc::ByteBuffer* chunk, TensorSink* sink);
+  // Accepts a tensor later than the next one due (a delta fetch leaves out
+  // the unchanged ones); indices still only go up.
+  void AllowSkips() { allow_skips_ = true; }
   // Forgets a tensor in progress (its stream broke); it will start again.
   void Restart() { current_.reset(); }
 
@@ -47,6 +50,7 @@ class ChunkAssembler {
   std::optional<InProgress> current_;
   std::string version_;
   uint64_t next_index_ = 0;
+  bool allow_skips_ = false;
 };
 
 }  // namespace weightstore::client

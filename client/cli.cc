@@ -382,14 +382,31 @@ absl::Status RunFetch(const FetchArgs& args, std::FILE* out) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(const FormatSpec* format, OutputFormat(args.format, args.output));
   WEIGHTSTORE_ASSIGN_OR_RETURN(Metadata extra, ParseMetadataFlags(args.metadata));
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::Query query, QueryFor(args.selection));
+  query.since_version = args.since;
   WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, args.socket, args.remote));
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, store->GetCheckpoint(args.name));
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing listing, store->ListTensors(args.name, query));
+  query.version = listing.version;  // the file holds what was listed
   Metadata metadata = summary.metadata;
   for (auto& [k, v] : extra) metadata[k] = v;
+  const bool delta = listing.delta.has_value() && listing.delta->delta;
+  if (!args.since.empty()) {
+    metadata["weightstore.version"] = listing.version;
+    if (delta) metadata["weightstore.since_version"] = args.since;
+    if (delta) {
+      std::fprintf(out, "delta of '%s' from %s to %s: %llu changed tensors, %llu unchanged left out\n",
+                   args.name.c_str(), args.since.c_str(), listing.version.c_str(),
+                   static_cast<unsigned long long>(listing.delta->changed_tensors),
+                   static_cast<unsigned long long>(listing.delta->unchanged_tensors));
+    } else {
+      std::fprintf(out, "full fetch of '%s' at %s: %s\n", args.name.c_str(), listing.version.c_str(),
+                   listing.delta ? listing.delta->full_reason.c_str() : "this store does not tell what changed");
+    }
+  }
   std::vector<TensorSpec> specs;
   uint64_t total = 0;
   for (const auto& t : listing.tensors) {
+    if (delta && t.unchanged) continue;
     specs.push_back(t.spec);
     total += t.spec.byte_size();
   }
@@ -399,6 +416,46 @@ absl::Status RunFetch(const FetchArgs& args, std::FILE* out) {
   sink->set_progress([&bar](uint64_t done, uint64_t all) { bar.Update(done, all); });
   WEIGHTSTORE_RETURN_IF_ERROR(store->FetchTensors(args.name, query, sink.get()));
   return sink->Finish();
+}
+
+absl::Status RunWatch(const WatchArgs& args, std::FILE* out) {
+  if (!args.name.empty() && !args.prefix.empty()) return absl::InvalidArgumentError("give NAME or --prefix, not both");
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, "", args.remote));
+  int seen = 0;
+  return store->Watch({.name = args.name, .prefix = args.prefix}, [&](const client::CheckpointEvent& e) {
+    static constexpr const char* kKinds[] = {"added", "replaced", "removed", "synced"};
+    const char* kind = kKinds[static_cast<int>(e.kind)];
+    if (args.json) {
+      nlohmann::ordered_json doc = {{"event", kind}};
+      if (!e.name.empty()) doc["name"] = e.name;
+      if (!e.old_version.empty()) doc["old_version"] = e.old_version;
+      if (!e.new_version.empty()) doc["new_version"] = e.new_version;
+      if (e.kind == client::CheckpointEvent::Kind::kReplaced) {
+        doc["delta"] = e.delta;
+        if (!e.delta) doc["full_reason"] = e.full_reason;
+        doc["changed"] = e.changed;
+        doc["added"] = e.added;
+        doc["removed"] = e.removed;
+        doc["unchanged_count"] = e.unchanged_count;
+        if (e.names_omitted) doc["names_omitted"] = true;
+      }
+      std::fprintf(out, "%s\n", doc.dump().c_str());
+    } else if (e.kind == client::CheckpointEvent::Kind::kSynced) {
+      std::fprintf(out, "synced\n");
+    } else if (e.kind == client::CheckpointEvent::Kind::kReplaced && e.delta) {
+      std::fprintf(out, "replaced %s %s -> %s: %llu changed, %llu added, %llu removed, %llu unchanged\n",
+                   e.name.c_str(), e.old_version.c_str(), e.new_version.c_str(),
+                   static_cast<unsigned long long>(e.changed_count), static_cast<unsigned long long>(e.added_count),
+                   static_cast<unsigned long long>(e.removed_count),
+                   static_cast<unsigned long long>(e.unchanged_count));
+    } else {
+      std::fprintf(out, "%s %s %s%s%s%s\n", kind, e.name.c_str(), e.old_version.c_str(),
+                   e.old_version.empty() || e.new_version.empty() ? "" : " -> ", e.new_version.c_str(),
+                   e.full_reason.empty() ? "" : absl::StrCat(" (full: ", e.full_reason, ")").c_str());
+    }
+    std::fflush(out);
+    return args.count == 0 || ++seen < args.count;
+  });
 }
 
 absl::Status RunApply(const ApplyArgs& args, std::FILE* out) {

@@ -67,11 +67,26 @@ struct LsArgs {
   bool json = false;
 };
 
+struct WatchArgs {
+  std::string server;
+  RemoteArgs remote;
+  std::string name;    // one checkpoint; empty: every one under prefix
+  std::string prefix;  // with no name
+  bool json = false;   // one JSON object per line
+  int count = 0;       // exit after this many events; 0: never
+};
+
+// Follows checkpoints as they change, printing one line per event.
+absl::Status RunWatch(const WatchArgs& args, std::FILE* out);
+
 struct FetchArgs {
   std::string server;
   std::string socket;
   RemoteArgs remote;
   std::string name;
+  // Write only the tensors changed since this version (a delta); a version
+  // the daemon keeps no digests of writes them all, and says so.
+  std::string since;
   std::string output;
   std::string format;  // "", "safetensors" or "burnpack"
   bool overwrite = false;

@@ -72,6 +72,8 @@ absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out) {
   out->source_name = in.source_name().empty() ? in.name() : in.source_name();
   if (in.has_crc32c()) out->crc32c = in.crc32c();
   if (in.has_param_id()) out->spec.param_id = in.param_id();
+  out->digest = in.digest();
+  out->unchanged = in.unchanged();
   out->unsliced_shape.clear();
   out->slice = {};
   if (in.slice_size() > 0 || in.unsliced_shape_size() > 0) {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <thread>
 
@@ -71,6 +72,46 @@ class CancelWatch {
 };
 
 bool Cancelled(const std::shared_ptr<const std::atomic<bool>>& cancel) { return cancel != nullptr && cancel->load(); }
+
+// Sleeps `duration` in 20 ms steps; false as soon as `cancel` is set.
+bool SleepUnlessCancelled(std::chrono::milliseconds duration, const std::shared_ptr<const std::atomic<bool>>& cancel) {
+  for (auto slept = std::chrono::milliseconds(0); slept < duration; slept += std::chrono::milliseconds(20)) {
+    if (Cancelled(cancel)) return false;
+    std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(duration - slept, std::chrono::milliseconds(20)));
+  }
+  return !Cancelled(cancel);
+}
+
+CheckpointEvent EventFromProto(const pb::CheckpointEvent& in) {
+  CheckpointEvent out;
+  switch (in.kind()) {
+    case pb::CheckpointEvent::ADDED:
+      out.kind = CheckpointEvent::Kind::kAdded;
+      break;
+    case pb::CheckpointEvent::REPLACED:
+      out.kind = CheckpointEvent::Kind::kReplaced;
+      break;
+    case pb::CheckpointEvent::REMOVED:
+      out.kind = CheckpointEvent::Kind::kRemoved;
+      break;
+    default:
+      out.kind = CheckpointEvent::Kind::kSynced;
+  }
+  out.name = in.name();
+  out.old_version = in.old_version();
+  out.new_version = in.new_version();
+  out.delta = in.delta();
+  out.full_reason = in.full_reason();
+  out.changed.assign(in.changed_tensors().begin(), in.changed_tensors().end());
+  out.added.assign(in.added_tensors().begin(), in.added_tensors().end());
+  out.removed.assign(in.removed_tensors().begin(), in.removed_tensors().end());
+  out.changed_count = in.changed_count();
+  out.added_count = in.added_count();
+  out.removed_count = in.removed_count();
+  out.unchanged_count = in.unchanged_count();
+  out.names_omitted = in.tensor_names_omitted();
+  return out;
+}
 
 // Hands received chunks from the thread reading a stream to the thread copying
 // them into the sink; at most `depth` wait in between.
@@ -156,6 +197,7 @@ class RemoteStore final : public Store {
     req.set_name(name);
     req.set_with_checksums(query.with_checksums);
     req.set_version(query.version);
+    req.set_since_version(query.since_version);
     ToProto(query, req.mutable_selection());
     pb::ListTensorsResponse resp;
     WEIGHTSTORE_RETURN_IF_ERROR(FromGrpcStatus(stub_->ListTensors(&ctx, req, &resp)));
@@ -170,6 +212,11 @@ class RemoteStore final : public Store {
       listing.apply_result.emplace();
       FromProto(resp.apply_result(), &*listing.apply_result);
     }
+    if (resp.has_delta()) {
+      const pb::DeltaInfo& d = resp.delta();
+      listing.delta =
+          DeltaInfo{d.since_version(), d.delta(), d.full_reason(), d.changed_tensors(), d.unchanged_tensors()};
+    }
     return listing;
   }
 
@@ -180,6 +227,7 @@ class RemoteStore final : public Store {
     pb::FetchTensorsRequest req;
     req.set_name(name);
     req.set_version(query.version);
+    req.set_since_version(query.since_version);
     ToProto(query, req.mutable_selection());
     return FetchRange(channel_.get(), std::move(req), query.cancel, sink);
   }
@@ -188,7 +236,8 @@ class RemoteStore final : public Store {
   // connection of its own, pinned to the version the listing saw.
   absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query) override {
     const int parallel = options_.parallel_streams > 0 ? options_.parallel_streams : AutomaticParallelStreams();
-    if (parallel <= 1) return Store::FetchAll(name, query);
+    // A delta is one stream: it is the changed part of a checkpoint.
+    if (parallel <= 1 || !query.since_version.empty()) return Store::FetchAll(name, query);
     Query listing_query = query;
     listing_query.with_checksums = false;
     WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, ListTensors(name, listing_query));
@@ -231,6 +280,66 @@ class RemoteStore final : public Store {
     return out;
   }
 
+  // Reopens a broken watch with the versions the caller holds by then, after
+  // resume_backoff (doubling, at most 5 s), for as long as the daemon answers
+  // within resume_window.
+  absl::Status Watch(const WatchOptions& options,
+                     const std::function<bool(const CheckpointEvent&)>& on_event) override {
+    pb::WatchCheckpointsRequest req;
+    req.set_name(options.name);
+    req.set_prefix(options.prefix);
+    std::map<std::string, std::string> known = options.known;
+    int breaks = 0;
+    auto reachable_until = std::chrono::system_clock::now() + options_.resume_window;
+    while (true) {
+      req.clear_known();
+      for (const auto& [name, version] : known) {
+        pb::KnownVersion* k = req.add_known();
+        k->set_name(name);
+        k->set_version(version);
+      }
+      grpc::ClientContext ctx;
+      if (!options_.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options_.token);
+      if (breaks > 0) {
+        ctx.set_wait_for_ready(true);
+        ctx.set_deadline(reachable_until);
+      }
+      CancelWatch watch(options.cancel, &ctx);
+      std::unique_ptr<grpc::ClientReader<pb::CheckpointEvent>> reader = stub_->WatchCheckpoints(&ctx, req);
+      pb::CheckpointEvent event;
+      bool stopped = false;
+      while (!stopped && reader->Read(&event)) {
+        breaks = 0;  // the daemon answered
+        CheckpointEvent e = EventFromProto(event);
+        if (e.kind == CheckpointEvent::Kind::kRemoved) {
+          known.erase(e.name);
+        } else if (e.kind != CheckpointEvent::Kind::kSynced) {
+          known[e.name] = e.new_version;
+        }
+        stopped = !on_event(e);
+      }
+      if (stopped) {
+        ctx.TryCancel();
+        reader->Finish();
+        return absl::OkStatus();
+      }
+      grpc::Status status = reader->Finish();
+      if (Cancelled(options.cancel)) return absl::CancelledError("the watch was cancelled");
+      // A stream only ends in error: the daemon went away (or is shutting
+      // down), or refused the request.
+      if (status.error_code() != grpc::StatusCode::UNAVAILABLE && status.error_code() != grpc::StatusCode::INTERNAL &&
+          status.error_code() != grpc::StatusCode::UNKNOWN) {
+        return FromGrpcStatus(status);
+      }
+      if (breaks == 0) reachable_until = std::chrono::system_clock::now() + options_.resume_window;
+      if (std::chrono::system_clock::now() >= reachable_until) return FromGrpcStatus(status);
+      const auto backoff = std::min<std::chrono::milliseconds>(options_.resume_backoff * (1 << std::min(breaks, 10)),
+                                                               std::chrono::seconds(5));
+      ++breaks;
+      if (!SleepUnlessCancelled(backoff, options.cancel)) return absl::CancelledError("the watch was cancelled");
+    }
+  }
+
  private:
   // Fetches req's range over `channel` into `sink`, resuming broken streams.
   // Once `cancel` is set, returns Cancelled within about 20 ms: mid-tensor,
@@ -245,6 +354,7 @@ class RemoteStore final : public Store {
     int resumes = 0;
     absl::Status first_break;  // why the stream first broke, for the final error
     ChunkAssembler assembler(req.start_index());
+    if (!req.since_version().empty()) assembler.AllowSkips();  // a delta leaves out what is unchanged
     std::chrono::system_clock::time_point resume_until;
     while (true) {
       grpc::ClientContext ctx;
@@ -281,11 +391,7 @@ class RemoteStore final : public Store {
       assembler.Restart();  // tensors before start_index are complete; the current one restarts
       const auto backoff = std::min<std::chrono::milliseconds>(
           options_.resume_backoff * (1 << std::min(resumes - 1, 10)), std::chrono::seconds(5));
-      for (auto slept = std::chrono::milliseconds(0); slept < backoff; slept += std::chrono::milliseconds(20)) {
-        if (Cancelled(cancel)) return cancelled();
-        std::this_thread::sleep_for(
-            std::min<std::chrono::milliseconds>(backoff - slept, std::chrono::milliseconds(20)));
-      }
+      if (!SleepUnlessCancelled(backoff, cancel)) return cancelled();
       resume_until = std::chrono::system_clock::now() + options_.resume_window;
     }
   }

@@ -38,6 +38,10 @@ TensorDescription Describe(const SnapshotTensor& tensor) {
   return d;
 }
 
+absl::Status Store::Watch(const WatchOptions&, const std::function<bool(const CheckpointEvent&)>&) {
+  return absl::UnimplementedError("only a daemon's checkpoints can be watched: connect to it over gRPC");
+}
+
 absl::StatusOr<std::vector<SharedTensor>> Store::FetchAll(const std::string& name, const Query& query) {
   CollectingSink sink(query.cancel);
   WEIGHTSTORE_RETURN_IF_ERROR(FetchTensors(name, query, &sink));

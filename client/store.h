@@ -12,6 +12,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -56,6 +58,12 @@ struct Query {
   // When set (by another thread), a fetch stops before its next tensor and
   // returns Cancelled. Default: none.
   std::shared_ptr<const std::atomic<bool>> cancel;
+  // The version the caller holds (weight updates): listings mark the tensors
+  // unchanged since, and a remote fetch leaves them out. A version the daemon
+  // keeps no digests of makes every tensor changed (TensorListing::delta says
+  // so). Only the remote store honours it; the others list and send every
+  // tensor as changed. Default: empty, off.
+  std::string since_version;
 };
 
 struct TensorDescription {
@@ -66,15 +74,30 @@ struct TensorDescription {
   // shape (after any transpose) and the part. Both empty otherwise.
   std::vector<uint64_t> unsliced_shape;
   TensorSlice slice;
+  // The source tensor's digest (core/manifest.h), when the daemon computes them.
+  std::string digest;
+  // With Query::since_version: the same as in that version.
+  bool unchanged = false;
 };
 
 // A snapshot's tensor as a listing describes it (no checksum).
 TensorDescription Describe(const SnapshotTensor& tensor);
 
+// How a listing used Query::since_version.
+struct DeltaInfo {
+  std::string since_version;
+  // True: `unchanged` marks what the caller holds. False: every tensor is to be
+  // fetched, for `full_reason`.
+  bool delta = false;
+  std::string full_reason;
+  uint64_t changed_tensors = 0, unchanged_tensors = 0;
+};
+
 struct TensorListing {
   std::string version;
   std::vector<TensorDescription> tensors;
   std::optional<ApplyResult> apply_result;  // with a target
+  std::optional<DeltaInfo> delta;           // with Query::since_version
 };
 
 // Where fetched tensors go. Begin() may be called again for a tensor whose
@@ -105,6 +128,31 @@ class CollectingSink : public TensorSink {
   std::vector<SharedTensor> tensors_;
 };
 
+// A change of what a daemon serves, relative to what the watcher holds
+// (WatchCheckpoints in proto/weightstore/v1/weight_store.proto).
+struct CheckpointEvent {
+  enum class Kind { kAdded, kReplaced, kRemoved, kSynced };
+  Kind kind = Kind::kSynced;
+  std::string name, old_version, new_version;
+  // kReplaced: the tensor lists are known, and a fetch with since_version =
+  // old_version sends only what changed. Else fetch in full, for full_reason.
+  bool delta = false;
+  std::string full_reason;
+  // By file name; empty with names_omitted when there were too many to send.
+  std::vector<std::string> changed, added, removed;
+  uint64_t changed_count = 0, added_count = 0, removed_count = 0, unchanged_count = 0;
+  bool names_omitted = false;
+};
+
+struct WatchOptions {
+  // One checkpoint by name, or every one whose name starts with `prefix`.
+  std::string name, prefix;
+  // The versions the caller holds: events start from them.
+  std::map<std::string, std::string> known;
+  // Set by another thread to end the watch (Cancelled) within about 20 ms.
+  std::shared_ptr<const std::atomic<bool>> cancel;
+};
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -122,6 +170,15 @@ class Store {
   virtual absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query);
   // One tensor by its served name (after the query's renaming).
   absl::StatusOr<SharedTensor> FetchTensor(const std::string& name, const std::string& tensor, Query query = {});
+
+  // Follows checkpoints as they change: calls `on_event` with each event until
+  // it returns false (then OK), the cancel flag is set (Cancelled), or the
+  // daemon refuses the watch (its error). A broken stream is reopened saying
+  // which versions the caller now holds, so a change made while disconnected
+  // arrives once it reconnects, as one event per checkpoint; SYNCED follows
+  // each (re)connection's catch-up. Only a remote store can watch; the others
+  // return Unimplemented.
+  virtual absl::Status Watch(const WatchOptions& options, const std::function<bool(const CheckpointEvent&)>& on_event);
 };
 
 // Reads the checkpoints under `models_dir` (or the single file or sharded

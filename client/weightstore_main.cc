@@ -158,6 +158,20 @@ int main(int argc, char** argv) {
   fetch_cmd->add_option("--metadata", fetch.metadata, "Add or replace a metadata entry (KEY=VALUE, repeatable)");
   fetch_cmd->add_flag("!--no-progress", fetch.progress, "Never draw a progress bar");
   AddSelectionFlags(fetch_cmd, &fetch.selection);
+  fetch_cmd->add_option("--since", fetch.since,
+                        "Write only the tensors changed since this version (from 'ls' or 'watch'); a version the "
+                        "daemon keeps no digests of writes them all, and says so");
+
+  cli::WatchArgs watch;
+  CLI::App* watch_cmd = app.add_subcommand(
+      "watch", "Follow checkpoints as they are added, replaced (naming the tensors that changed) and removed");
+  watch_cmd->add_option("--server", watch.server, "weightstored address, host:port")->required();
+  watch_cmd->add_option("NAME", watch.name, "Watch this checkpoint only");
+  watch_cmd->add_option("--prefix", watch.prefix, "Watch the checkpoints whose names start with this");
+  watch_cmd->add_flag("--json", watch.json, "Print one JSON object per event and line");
+  watch_cmd->add_option("--count", watch.count, "Exit after this many events (synced included)")
+      ->check(CLI::NonNegativeNumber);
+  AddRemoteFlags(watch_cmd, &watch.remote);
 
   cli::DiffArgs diff;
   CLI::App* diff_cmd = app.add_subcommand(
@@ -179,6 +193,7 @@ int main(int argc, char** argv) {
   if (*ls_cmd) return Report(cli::RunLs(ls, stdout));
   if (*health_cmd) return Report(cli::RunHealth(health, stdout));
   if (*fetch_cmd) return Report(cli::RunFetch(fetch, stdout));
+  if (*watch_cmd) return Report(cli::RunWatch(watch, stdout));
   if (*apply_cmd) {
     absl::Status status = cli::RunApply(apply, stdout);
     if (absl::IsFailedPrecondition(status)) {

@@ -17,6 +17,14 @@
 
 namespace weightstore::server {
 
+// WatchCheckpoints streams (server/watch.h).
+struct WatchLimits {
+  // Streams open at once; more are refused RESOURCE_EXHAUSTED. Default: 256.
+  int max_watches = 256;
+  // Versions one request may say it holds. Default: 10,000.
+  int max_known = 10000;
+};
+
 struct ServiceOptions {
   // Largest tensor chunk payload. Default: 1 MiB (tensorstore's read chunk).
   uint32_t chunk_bytes = 1 << 20;
@@ -38,6 +46,8 @@ struct ServiceOptions {
   // protobuf message and serializes it, as a typed handler would: only for
   // measuring what zero-copy saves. Default: true.
   bool zero_copy = true;
+  // WatchCheckpoints streams.
+  WatchLimits watches;
 };
 
 // How the socket hands out tensors stored as-is in a checkpoint file.

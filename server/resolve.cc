@@ -1,17 +1,68 @@
 #include "server/resolve.h"
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "server/proto_convert.h"
 
 namespace weightstore::server {
 
+namespace {
+
+size_t EntryIndex(const Resolved& r, const SnapshotTensor& tensor) {
+  return static_cast<size_t>(tensor.source - r.version->checkpoint()->entries().data());
+}
+
+}  // namespace
+
+const ManifestTensor* Resolved::Digest(const SnapshotTensor& tensor) const {
+  const CheckpointManifest* manifest = version->manifest().get();
+  if (manifest == nullptr) return nullptr;
+  return &manifest->tensors()[EntryIndex(*this, tensor)];
+}
+
+bool Resolved::Unchanged(const SnapshotTensor& tensor) const {
+  if (since == nullptr) return false;
+  const ManifestTensor* now = Digest(tensor);
+  if (now == nullptr) return false;
+  const ManifestTensor* before = since->Find(now->name);
+  return before != nullptr && before->SameContentAs(*now);
+}
+
+v1::DeltaInfo Resolved::DeltaInfo(size_t begin, size_t end) const {
+  v1::DeltaInfo info;
+  info.set_since_version(since_version);
+  info.set_delta(since != nullptr);
+  info.set_full_reason(full_reason);
+  uint64_t unchanged = 0;
+  for (size_t i = begin; i < end; ++i) unchanged += Unchanged(snapshot->tensors()[i]) ? 1 : 0;
+  info.set_unchanged_tensors(unchanged);
+  info.set_changed_tensors(end - begin - unchanged);
+  return info;
+}
+
 absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,
                                  const v1::Selection& selection, const std::string& pinned_version,
-                                 const SelectionLimits& limits) {
+                                 const SelectionLimits& limits, const std::string& since_version) {
   Resolved r;
   auto version = registry.Find(name, pinned_version);
   if (!version.ok()) return version.status();
   r.version = *std::move(version);
+  if (!since_version.empty()) {
+    if (since_version.size() > 64) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("since_version of ", since_version.size(), " bytes is not one this daemon issues"));
+    }
+    r.since_version = since_version;
+    if (r.version->manifest() == nullptr) {
+      r.full_reason = "this daemon computes no tensor digests (weightstored --tensor-digests=false)";
+    } else {
+      r.since = registry.FindManifest(name, since_version);
+      if (r.since == nullptr) {
+        r.full_reason = absl::StrCat("version '", absl::CHexEscape(since_version), "' of '", name,
+                                     "' is not one this daemon keeps digests of");
+      }
+    }
+  }
   SelectionRequest request;
   absl::Status status = FromProto(selection, limits, &request);
   if (!status.ok()) return status;

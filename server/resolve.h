@@ -20,16 +20,32 @@ struct Resolved {
   std::shared_ptr<const CheckpointVersion> version;
   std::shared_ptr<const Snapshot> snapshot;
   std::optional<ApplyResult> apply_result;  // with a target
+
+  // With a since_version: the manifest of that version, when kept (else why
+  // not, and every tensor counts as changed).
+  std::string since_version;
+  std::shared_ptr<const CheckpointManifest> since;
+  std::string full_reason;
+
+  // True when `tensor` (one of the snapshot's) has the same source tensor in
+  // the since version: the same served bytes under the same request.
+  bool Unchanged(const SnapshotTensor& tensor) const;
+  // The source tensor's digest; nullptr without digests.
+  const ManifestTensor* Digest(const SnapshotTensor& tensor) const;
+  // DeltaInfo for the snapshot's tensors in [begin, end).
+  v1::DeltaInfo DeltaInfo(size_t begin, size_t end) const;
 };
 
 // Returns NotFound for an unknown checkpoint, Aborted when `pinned_version` is
 // set and no longer current, InvalidArgument for a bad selection (naming the
 // field or pattern), FailedPrecondition with the load summary when applying to
 // a target fails.
-// `limits` bound what the selection may cost (core/selection.h).
+// `limits` bound what the selection may cost (core/selection.h). A
+// `since_version` (may be empty) the daemon keeps no digests of is not an
+// error: every tensor is then changed.
 absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,
                                  const v1::Selection& selection, const std::string& pinned_version,
-                                 const SelectionLimits& limits);
+                                 const SelectionLimits& limits, const std::string& since_version = "");
 
 }  // namespace weightstore::server
 

@@ -241,6 +241,7 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
   }
   if (drain.count() > 0) std::this_thread::sleep_for(drain);
   if (shm_server_ != nullptr) shm_server_->Stop();  // mappings handed out stay valid
+  service_->StopWatches();                          // they never end by themselves
   const auto deadline = std::chrono::system_clock::now() + grace;
   // gRPC's Shutdown closes each connection once its calls are done, even with
   // their last bytes still queued (tcp_linger.h): let the WeightStore calls

@@ -82,7 +82,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (!request_.ParseFromString(bytes)) return absl::InvalidArgumentError("request is not a FetchTensorsRequest");
     Annotate(ctx, request_.name());
     auto resolved = Resolve(*service_->registry_, request_.name(), request_.selection(), request_.version(),
-                            service_->options_.selection_limits);
+                            service_->options_.selection_limits, request_.since_version());
     if (!resolved.ok()) return resolved.status();
     resolved_ = *std::move(resolved);
     chunk_bytes_ = request_.chunk_bytes() == 0 ? service_->options_.chunk_bytes
@@ -107,10 +107,13 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       return;
     }
     const Snapshot& snapshot = *resolved_.snapshot;
+    if (offset_ == 0) {  // a delta leaves out what the client holds
+      while (index_ < end_ && resolved_.Unchanged(snapshot.tensors()[index_])) ++index_;
+    }
     if (index_ >= end_) {
       if (!sent_any_) {  // an empty selection still tells the client its version
         v1::TensorChunk chunk;
-        chunk.set_version(resolved_.version->version());
+        SetStreamFields(&chunk);
         chunk.set_last(true);
         buffer_ = wire::EncodeChunk(chunk, SharedBytes());
         sent_any_ = true;
@@ -138,7 +141,10 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       cached_crc_ = resolved_.version->checksums().Find(plan_.key);
       crc_ = 0;
       ToProto(*plan_.tensor, chunk.mutable_info());
-      if (!sent_any_) chunk.set_version(resolved_.version->version());
+      if (const ManifestTensor* digest = resolved_.Digest(*plan_.tensor)) {
+        chunk.mutable_info()->set_digest(digest->digest.Hex());
+      }
+      if (!sent_any_) SetStreamFields(&chunk);
     }
     const uint64_t size = plan_.byte_size;
     const uint64_t n = std::min<uint64_t>(chunk_bytes_, size - offset_);
@@ -181,6 +187,15 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       offset_ += n;
     }
     StartWrite(&buffer_);
+  }
+
+  // What a stream's first chunk carries: its version, and how a since_version
+  // was used.
+  void SetStreamFields(v1::TensorChunk* chunk) const {
+    chunk->set_version(resolved_.version->version());
+    if (!resolved_.since_version.empty()) {
+      *chunk->mutable_delta() = resolved_.DeltaInfo(request_.start_index(), end_);
+    }
   }
 
   // The next `n` bytes of a transformed tensor, in one of two chunk buffers
@@ -237,7 +252,8 @@ WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOpti
       options_(options),
       auth_(auth != nullptr ? auth : &no_auth_),
       streams_(options.streams),
-      uploads_(options.uploads) {}
+      uploads_(options.uploads),
+      watches_(registry, auth_, options.watches, [this](const absl::Status& s) { return ClientStatus(s); }) {}
 
 template <typename Body>
 grpc::ServerUnaryReactor* WeightStoreService::Unary(grpc::CallbackServerContext* ctx, Scope scope,
@@ -274,13 +290,16 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
                                                           v1::ListTensorsResponse* resp) {
   return Unary(ctx, Scope::kRead, req->name(), [&]() -> absl::Status {
     WEIGHTSTORE_ASSIGN_OR_RETURN(Resolved resolved, Resolve(*registry_, req->name(), req->selection(), req->version(),
-                                                            options_.selection_limits));
+                                                            options_.selection_limits, req->since_version()));
     const Snapshot& snapshot = *resolved.snapshot;
     resp->set_name(req->name());
     resp->set_version(resolved.version->version());
+    if (!resolved.since_version.empty()) *resp->mutable_delta() = resolved.DeltaInfo(0, snapshot.size());
     for (const SnapshotTensor& t : snapshot.tensors()) {
       v1::TensorInfo* info = resp->add_tensors();
       ToProto(t, info);
+      if (const ManifestTensor* digest = resolved.Digest(t)) info->set_digest(digest->digest.Hex());
+      info->set_unchanged(resolved.Unchanged(t));
       if (!req->with_checksums()) continue;
       WEIGHTSTORE_ASSIGN_OR_RETURN(
           uint32_t crc, ServedChecksum(snapshot, PlanServedTensor(snapshot, t), resolved.version->checksums()));
@@ -322,6 +341,11 @@ grpc::ServerUnaryReactor* WeightStoreService::Rescan(grpc::CallbackServerContext
     for (const auto& s : report.removed) resp->add_removed(s);
     return absl::OkStatus();
   });
+}
+
+grpc::ServerWriteReactor<v1::CheckpointEvent>* WeightStoreService::WatchCheckpoints(
+    grpc::CallbackServerContext* ctx, const v1::WatchCheckpointsRequest* req) {
+  return watches_.Start(ctx, req);
 }
 
 // Receives an upload into a temporary file; validates and stores it when its

@@ -18,6 +18,7 @@
 #include "server/auth.h"
 #include "server/options.h"
 #include "server/stream_governor.h"
+#include "server/watch.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore::server {
@@ -51,6 +52,13 @@ class WeightStoreService final : public ServiceBase {
                                                                    v1::CheckpointInfo* resp) override;
   grpc::ServerUnaryReactor* Rescan(grpc::CallbackServerContext* ctx, const v1::RescanRequest* req,
                                    v1::RescanResponse* resp) override;
+  grpc::ServerWriteReactor<v1::CheckpointEvent>* WatchCheckpoints(grpc::CallbackServerContext* ctx,
+                                                                  const v1::WatchCheckpointsRequest* req) override;
+
+  // Ends every WatchCheckpoints stream (UNAVAILABLE) and refuses new ones:
+  // the first step of shutting down, as watches never end by themselves.
+  void StopWatches() { watches_.Stop(); }
+  int active_watches() const { return watches_.active(); }
 
   // Streams being served now, and those cancelled for stalling.
   int active_fetches() const { return streams_.active(); }
@@ -74,6 +82,7 @@ class WeightStoreService final : public ServiceBase {
   const Authenticator* auth_;
   StreamGovernor streams_;
   StreamGovernor uploads_;
+  WatchHub watches_;  // last: its streams end first
 };
 
 // Fills `out` from a served version.

@@ -131,6 +131,22 @@ int main(int argc, char** argv) {
                  "Shared memory for materialized segments and preloads (bytes, or with a unit: 8GiB)")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
+  bool tensor_digests = true;
+  app.add_option("--tensor-digests", tensor_digests,
+                 "Digest every tensor (XXH3-128) as a version is loaded, for watch events and delta fetches "
+                 "(one read of every byte at load)")
+      ->capture_default_str();
+  app.add_option("--kept-versions", options.registry.kept_versions,
+                 "Versions of each checkpoint whose digests are kept: the versions a delta fetch can start from")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
+  app.add_option("--kept-digest-bytes", options.registry.kept_manifest_bytes,
+                 "Memory all kept digests may hold (bytes, or with a unit); the oldest go first")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--max-watches", options.service.watches.max_watches, "WatchCheckpoints streams at once")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
   bool preload_all = false;
   app.add_flag("--preload", preload_all,
                "Read every checkpoint into sealed shared memory when loaded (models on network storage)");
@@ -193,6 +209,7 @@ int main(int argc, char** argv) {
   options.socket.allowed_uids.insert(allow_uids.begin(), allow_uids.end());
   options.socket.allowed_gids.insert(allow_gids.begin(), allow_gids.end());
   options.registry.preload_all = preload_all;
+  options.registry.tensor_digests = tensor_digests;
   options.registry.preload.insert(preload.begin(), preload.end());
 
   // Signals are taken by one thread with sigwait; block them everywhere first.

@@ -1,0 +1,45 @@
+// Weight updates on the client: bring tensors fetched earlier up to a
+// checkpoint's current version, fetching only what changed (the daemon leaves
+// out tensors whose source digest, dtype and shape are those of the version
+// the caller holds; core/manifest.h).
+#ifndef WEIGHTSTORE_CLIENT_UPDATES_H_
+#define WEIGHTSTORE_CLIENT_UPDATES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/store.h"
+
+namespace weightstore::client {
+
+// Tensors fetched by one query, at one version.
+struct HeldTensors {
+  std::string version;                // empty: nothing held yet
+  std::vector<SharedTensor> tensors;  // in listing order
+};
+
+struct UpdateResult {
+  std::string old_version, new_version;
+  // True when only the changed tensors were fetched; false for a full fetch,
+  // for `full_reason`.
+  bool delta = false;
+  std::string full_reason;
+  // By served name: fetched again, fetched for the first time, dropped.
+  std::vector<std::string> changed, added, removed;
+  uint64_t fetched_bytes = 0;
+  uint64_t fetched_tensors = 0;
+};
+
+// Brings `held` (tensors `query` fetched earlier from `name`, or nothing) to
+// the current version. Lists with Query::since_version = held->version, then
+// fetches, pinned to the listed version, only the tensors not unchanged; the
+// unchanged ones keep their memory. Falls back to a full fetch, and says why,
+// when the store or daemon cannot tell what changed, or when `held` is not
+// what `query` selects. On error `held` is left as it was.
+absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name, Query query, HeldTensors* held);
+
+}  // namespace weightstore::client
+
+#endif  // WEIGHTSTORE_CLIENT_UPDATES_H_

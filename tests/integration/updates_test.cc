@@ -1,0 +1,378 @@
+// Weight updates against a real weightstored: a trainer publishes versions of a
+// GPT-style checkpoint, each changing a different 10% of its tensors; watchers
+// hear of each and bring their tensors up to date with delta fetches, which
+// must equal a full fetch of the same version bit for bit.
+#include "client/updates.h"
+
+#include <gmock/gmock.h>
+#include <grpcpp/create_channel.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "client/store.h"
+#include "core/checkpoint.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
+#include "tests/util/daemon.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
+#include "weightstore/v1/weight_store.grpc.pb.h"
+
+namespace weightstore {
+namespace {
+
+namespace pb = ::weightstore::v1;
+using client::CheckpointEvent;
+using testing::Daemon;
+using ::testing::HasSubstr;
+using ::testing::UnorderedElementsAreArray;
+using ::weightstore::testing::StatusIs;
+
+// A small GPT-style state dict: embeddings, then per layer attention and MLP
+// weights and norms; 4 + 8 * layers tensors.
+class Model {
+ public:
+  explicit Model(int layers) {
+    Add("wte.weight", {64, 32});
+    Add("wpe.weight", {16, 32});
+    for (int l = 0; l < layers; ++l) {
+      const std::string p = absl::StrCat("h.", l, ".");
+      Add(p + "ln_1.weight", {32});
+      Add(p + "attn.c_attn.weight", {32, 96});
+      Add(p + "attn.c_attn.bias", {96});
+      Add(p + "attn.c_proj.weight", {32, 32});
+      Add(p + "ln_2.weight", {32});
+      Add(p + "mlp.c_fc.weight", {32, 128});
+      Add(p + "mlp.c_proj.weight", {128, 32});
+      Add(p + "mlp.c_proj.bias", {32});
+    }
+    Add("ln_f.weight", {32});
+    Add("ln_f.bias", {32});
+  }
+  size_t size() const { return tensors_.size(); }
+  const std::string& name(size_t i) const { return tensors_[i].spec.name; }
+  // New values for tensor i.
+  void Change(size_t i) { tensors_[i] = Random(tensors_[i].spec.name, tensors_[i].spec.shape); }
+  // Writes the model as a trainer publishes: a temporary renamed over `path`.
+  void Publish(const std::string& path) const {
+    // Timestamps are coarse and freed inode numbers come back: keep two
+    // versions from looking like one file.
+    std::this_thread::sleep_for(std::chrono::milliseconds(15));
+    const std::string temporary = path + ".tmp-publish";
+    testing::WriteFileOrDie(temporary, *SerializeCheckpoint(kSafeTensorsFormat, tensors_, {}));
+    ASSERT_EQ(std::rename(temporary.c_str(), path.c_str()), 0);
+  }
+
+ private:
+  void Add(const std::string& name, std::vector<uint64_t> shape) { tensors_.push_back(Random(name, shape)); }
+  SharedTensor Random(const std::string& name, const std::vector<uint64_t>& shape) {
+    uint64_t n = 1;
+    for (uint64_t d : shape) n *= d;
+    std::vector<std::byte> bytes(n * 4);
+    std::normal_distribution<float> normal(0, 0.02f);
+    for (uint64_t k = 0; k < n; ++k) {
+      const float v = normal(rng_);
+      std::memcpy(bytes.data() + 4 * k, &v, 4);
+    }
+    return SharedTensor{{name, DType::kF32, shape}, SharedBytes::FromVector(std::move(bytes))};
+  }
+  std::mt19937 rng_{42};
+  std::vector<SharedTensor> tensors_;
+};
+
+// Collects a watch's events on a thread of its own.
+class Watcher {
+ public:
+  Watcher(client::Store* store, client::WatchOptions options) {
+    options.cancel = cancel_;
+    thread_ = std::thread([this, store, options] {
+      absl::Status status = store->Watch(options, [this](const CheckpointEvent& e) {
+        absl::MutexLock lock(&mu_);
+        events_.push_back(e);
+        return true;
+      });
+      absl::MutexLock lock(&mu_);
+      status_ = status;
+      done_ = true;
+    });
+  }
+  ~Watcher() { (void)Stop(); }
+  absl::Status Stop() {
+    *cancel_ = true;
+    if (thread_.joinable()) thread_.join();
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+  // Waits up to 10 s for an event `match` accepts, and returns it.
+  std::optional<CheckpointEvent> WaitFor(const std::function<bool(const CheckpointEvent&)>& match) {
+    absl::MutexLock lock(&mu_);
+    auto found = [&] {
+      for (; seen_ < events_.size(); ++seen_) {
+        if (match(events_[seen_])) return true;
+      }
+      return done_;
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&found), absl::Seconds(10)) || seen_ >= events_.size()) {
+      return std::nullopt;
+    }
+    return events_[seen_++];
+  }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> cancel_ = std::make_shared<std::atomic<bool>>(false);
+  absl::Mutex mu_;
+  std::vector<CheckpointEvent> events_ ABSL_GUARDED_BY(mu_);
+  size_t seen_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+bool IsReplacement(const CheckpointEvent& e) { return e.kind == CheckpointEvent::Kind::kReplaced; }
+bool IsSynced(const CheckpointEvent& e) { return e.kind == CheckpointEvent::Kind::kSynced; }
+
+void ExpectSameTensors(const std::vector<SharedTensor>& got, const std::vector<SharedTensor>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].spec, want[i].spec);
+    EXPECT_EQ(got[i].bytes.view(), want[i].bytes.view()) << got[i].spec.name;
+  }
+}
+
+class UpdatesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    models_ = testing::MakeScratchDir("updates");
+    path_ = models_ + "/gpt.safetensors";
+    model_.Publish(path_);
+    daemon_ = std::make_unique<Daemon>(models_, std::vector<std::string>{"--kept-versions", "8"});
+    ASSERT_NE(daemon_->port(), 0) << daemon_->log();
+    store_ = *client::ConnectRemoteStore(daemon_->address());
+  }
+  // Publishes the model with tensors [first, first + count) changed, and has
+  // the daemon rescan. Returns the changed names. `committed`: when the new
+  // file was in place.
+  std::vector<std::string> PublishChanging(size_t first, size_t count,
+                                           std::chrono::steady_clock::time_point* committed = nullptr) {
+    std::vector<std::string> names;
+    for (size_t i = first; i < first + count; ++i) {
+      model_.Change(i % model_.size());
+      names.push_back(model_.name(i % model_.size()));
+    }
+    model_.Publish(path_);
+    if (committed != nullptr) *committed = std::chrono::steady_clock::now();
+    Rescan();
+    return names;
+  }
+  void Rescan() {
+    auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    pb::RescanResponse resp;
+    ASSERT_TRUE(stub->Rescan(&ctx, pb::RescanRequest(), &resp).ok());
+  }
+  std::string Version() { return store_->GetCheckpoint("gpt")->version; }
+
+  Model model_{6};  // 52 tensors: 10% is 5
+  std::string models_, path_;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<client::Store> store_;
+};
+
+TEST_F(UpdatesTest, ListingsCarryEachTensorsDigestAndMarkWhatIsUnchanged) {
+  ASSERT_OK_AND_ASSIGN(client::TensorListing before, store_->ListTensors("gpt", {}));
+  ASSERT_EQ(before.tensors.size(), model_.size());
+  for (const auto& t : before.tensors) EXPECT_EQ(t.digest.size(), 32u) << t.spec.name;
+  EXPECT_FALSE(before.delta.has_value());
+  const std::vector<std::string> changed = PublishChanging(0, 5);
+  client::Query since;
+  since.since_version = before.version;
+  ASSERT_OK_AND_ASSIGN(client::TensorListing after, store_->ListTensors("gpt", since));
+  ASSERT_TRUE(after.delta.has_value());
+  EXPECT_TRUE(after.delta->delta) << after.delta->full_reason;
+  EXPECT_EQ(after.delta->changed_tensors, 5u);
+  EXPECT_EQ(after.delta->unchanged_tensors, model_.size() - 5);
+  std::vector<std::string> marked_changed;
+  for (size_t i = 0; i < after.tensors.size(); ++i) {
+    if (!after.tensors[i].unchanged) marked_changed.push_back(after.tensors[i].spec.name);
+    EXPECT_EQ(after.tensors[i].unchanged, after.tensors[i].digest == before.tensors[i].digest);
+  }
+  EXPECT_THAT(marked_changed, UnorderedElementsAreArray(changed));
+}
+
+TEST_F(UpdatesTest, TwoWatchersFollowFiveVersionsWithDeltasEqualToFullFetches) {
+  // One watcher applies the daemon's deltas as they come; the other fetches
+  // with a selection (renamed, cast to F16), as an inference engine would.
+  client::Query renamed;
+  renamed.selection.renames = {{"^h\\.", "layers."}};
+  renamed.selection.dtype = DType::kF16;
+  client::HeldTensors plain, cast;
+  ASSERT_OK(client::UpdateTensors(*store_, "gpt", {}, &plain).status());
+  ASSERT_OK(client::UpdateTensors(*store_, "gpt", renamed, &cast).status());
+  auto other = *client::ConnectRemoteStore(daemon_->address());
+  Watcher watcher(store_.get(), {.name = "gpt", .known = {{"gpt", plain.version}}});
+  Watcher prefix_watcher(other.get(), {.prefix = "g", .known = {{"gpt", cast.version}}});
+  ASSERT_TRUE(watcher.WaitFor(IsSynced));
+  ASSERT_TRUE(prefix_watcher.WaitFor(IsSynced));
+  for (int v = 0; v < 5; ++v) {
+    SCOPED_TRACE(absl::StrCat("version ", v + 2));
+    std::chrono::steady_clock::time_point committed;
+    const std::vector<std::string> changed = PublishChanging(5 * v + 3, 5, &committed);
+    for (Watcher* w : {&watcher, &prefix_watcher}) {
+      std::optional<CheckpointEvent> event = w->WaitFor(IsReplacement);
+      ASSERT_TRUE(event.has_value());
+      std::printf("version %d: the event came %.1f ms after the file was in place (rescan and digests included)\n",
+                  v + 2,
+                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - committed).count());
+      EXPECT_TRUE(event->delta) << event->full_reason;
+      EXPECT_THAT(event->changed, UnorderedElementsAreArray(changed));
+      EXPECT_TRUE(event->added.empty() && event->removed.empty());
+      EXPECT_EQ(event->unchanged_count, model_.size() - 5);
+      EXPECT_EQ(event->new_version, Version());
+    }
+    ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store_, "gpt", {}, &plain));
+    EXPECT_TRUE(r.delta) << r.full_reason;
+    EXPECT_THAT(r.changed, UnorderedElementsAreArray(changed));
+    EXPECT_EQ(r.fetched_tensors, 5u);
+    ASSERT_OK_AND_ASSIGN(client::UpdateResult rc, client::UpdateTensors(*store_, "gpt", renamed, &cast));
+    EXPECT_TRUE(rc.delta) << rc.full_reason;
+    EXPECT_EQ(rc.fetched_tensors, 5u);
+    client::Query pinned;
+    pinned.version = plain.version;
+    ASSERT_OK_AND_ASSIGN(auto full, store_->FetchAll("gpt", pinned));
+    ExpectSameTensors(plain.tensors, full);
+    renamed.version = cast.version;
+    ASSERT_OK_AND_ASSIGN(auto full_cast, store_->FetchAll("gpt", renamed));
+    renamed.version.clear();
+    ExpectSameTensors(cast.tensors, full_cast);
+  }
+  EXPECT_THAT(watcher.Stop(), StatusIs(absl::StatusCode::kCancelled));
+}
+
+TEST_F(UpdatesTest, AWatcherAwayForThreeVersionsCatchesUpInOneStep) {
+  client::HeldTensors held;
+  ASSERT_OK(client::UpdateTensors(*store_, "gpt", {}, &held).status());
+  std::vector<std::string> changed;
+  for (int v = 0; v < 3; ++v) {
+    for (const std::string& n : PublishChanging(10 * v, 5)) changed.push_back(n);
+  }
+  Watcher watcher(store_.get(), {.name = "gpt", .known = {{"gpt", held.version}}});
+  std::optional<CheckpointEvent> event = watcher.WaitFor([](const CheckpointEvent&) { return true; });
+  ASSERT_TRUE(event.has_value());
+  EXPECT_EQ(event->kind, CheckpointEvent::Kind::kReplaced);
+  EXPECT_EQ(event->old_version, held.version);
+  EXPECT_THAT(event->changed, UnorderedElementsAreArray(changed));
+  ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store_, "gpt", {}, &held));
+  EXPECT_TRUE(r.delta);
+  EXPECT_EQ(r.fetched_tensors, 15u);
+  ASSERT_OK_AND_ASSIGN(auto full, store_->FetchAll("gpt", {}));
+  ExpectSameTensors(held.tensors, full);
+}
+
+TEST_F(UpdatesTest, ABaseVersionTheDaemonDoesNotKeepIsAFullFetchThatSaysSo) {
+  client::HeldTensors held;
+  ASSERT_OK(client::UpdateTensors(*store_, "gpt", {}, &held).status());
+  held.version = "0123456789abcdef";
+  ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store_, "gpt", {}, &held));
+  EXPECT_FALSE(r.delta);
+  EXPECT_THAT(r.full_reason, HasSubstr("0123456789abcdef"));
+  EXPECT_EQ(r.fetched_tensors, model_.size());
+  // Tensors held from another selection are fetched again, not trusted.
+  client::HeldTensors wrong = held;
+  wrong.tensors.resize(3);
+  PublishChanging(0, 1);
+  ASSERT_OK_AND_ASSIGN(client::UpdateResult w, client::UpdateTensors(*store_, "gpt", {}, &wrong));
+  EXPECT_FALSE(w.delta);
+  EXPECT_THAT(w.full_reason, HasSubstr("is not held"));
+  ASSERT_OK_AND_ASSIGN(auto full, store_->FetchAll("gpt", {}));
+  ExpectSameTensors(wrong.tensors, full);
+}
+
+TEST_F(UpdatesTest, RemovalAndReturnAreEventsAndWatchRequestsAreChecked) {
+  Watcher watcher(store_.get(), {});
+  ASSERT_TRUE(watcher.WaitFor([](const CheckpointEvent& e) { return e.kind == CheckpointEvent::Kind::kAdded; }));
+  ASSERT_TRUE(watcher.WaitFor(IsSynced));
+  std::filesystem::remove(path_);
+  Rescan();
+  std::optional<CheckpointEvent> removed = watcher.WaitFor([](const CheckpointEvent&) { return true; });
+  ASSERT_TRUE(removed.has_value());
+  EXPECT_EQ(removed->kind, CheckpointEvent::Kind::kRemoved);
+  EXPECT_EQ(removed->name, "gpt");
+
+  auto refused = [&](client::WatchOptions o) { return store_->Watch(o, [](const CheckpointEvent&) { return false; }); };
+  EXPECT_THAT(refused({.name = std::string(600, 'x')}), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(refused({.known = {{"gpt", std::string(65, 'v')}}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("known version of 'gpt'")));
+  EXPECT_THAT(refused({.known = {{"gpt", ""}}}), StatusIs(absl::StatusCode::kInvalidArgument));
+  std::map<std::string, std::string> many;
+  for (int i = 0; i < 10001; ++i) many[absl::StrCat("m", i)] = "v";
+  EXPECT_THAT(refused({.known = many}), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("10000")));
+  EXPECT_OK(refused({.name = "gpt"}));  // the callback's false ends it
+}
+
+TEST_F(UpdatesTest, TheCliWatchesAndFetchesOnlyWhatChangedSinceAVersion) {
+  const std::string cli = testing::ShellQuote(testing::CliPath());
+  const std::string v1 = Version();
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(cli, " watch --server ", daemon_->address(), " gpt --json --count 2"),
+                                &out, false),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("{\"event\":\"added\",\"name\":\"gpt\",\"new_version\":\"", v1)));
+  EXPECT_THAT(out, HasSubstr("{\"event\":\"synced\"}"));
+  const std::vector<std::string> changed = PublishChanging(7, 5);
+  const std::string file = testing::MakeScratchDir("cli-delta") + "/delta.safetensors";
+  ASSERT_EQ(testing::RunCommand(
+                absl::StrCat(cli, " fetch --server ", daemon_->address(), " gpt ", file, " --no-progress --since ", v1),
+                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("5 changed tensors, 47 unchanged left out"));
+  ASSERT_OK_AND_ASSIGN(auto delta, Checkpoint::Open(file));
+  std::vector<std::string> names;
+  for (const auto& e : delta->entries()) names.push_back(e.spec.name);
+  EXPECT_THAT(names, UnorderedElementsAreArray(changed));
+  EXPECT_EQ(delta->metadata().at("weightstore.since_version"), v1);
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(cli, " fetch --server ", daemon_->address(), " gpt ", file,
+                                             " --overwrite --no-progress --since 00ff"),
+                                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("full fetch of 'gpt'"));
+  EXPECT_EQ((*Checkpoint::Open(file))->size(), model_.size());
+}
+
+TEST(UpdatesLimitsTest, WatchesAreCappedAuthenticatedAndEndedAtShutdown) {
+  const std::string models = testing::MakeScratchDir("watch-limits");
+  Model(1).Publish(models + "/m.safetensors");
+  const std::string tokens = testing::MakeScratchDir("watch-tokens") + "/tokens";
+  testing::WriteFileOrDie(tokens, "read read-token-0123456789\nadmin admin-token-0123456789\n");
+  Daemon daemon(models, {"--max-watches", "1", "--tokens-file", tokens, "--grace-seconds", "20"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  client::RemoteOptions o;
+  o.token = "read-token-0123456789";
+  auto store = *client::ConnectRemoteStore(daemon.address(), o);
+  auto anonymous = *client::ConnectRemoteStore(daemon.address());
+  EXPECT_THAT(anonymous->Watch({}, [](const CheckpointEvent&) { return true; }),
+              StatusIs(absl::StatusCode::kUnauthenticated));
+  Watcher first(store.get(), {});
+  ASSERT_TRUE(first.WaitFor(IsSynced));
+  EXPECT_THAT(store->Watch({}, [](const CheckpointEvent&) { return true; }),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("--max-watches")));
+  // An open watch must not hold the daemon for its 20 s grace.
+  const auto start = std::chrono::steady_clock::now();
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.WaitExit(10000), 0) << daemon.log();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+}  // namespace
+}  // namespace weightstore
