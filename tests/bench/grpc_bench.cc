@@ -3,7 +3,10 @@
 // payloads into protobuf messages, all measured in one run. Prints server CPU
 // seconds per GB and the client's peak RSS.
 //
-// Usage: grpc_bench [--gb N]   ($WEIGHTSTORED overrides the daemon binary)
+// With --updates, weight updates instead: digest cost, watch latency and a
+// delta fetch against a full one (RunUpdates).
+//
+// Usage: grpc_bench [--gb N] [--updates]   ($WEIGHTSTORED overrides the daemon binary)
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -23,8 +26,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "client/store.h"
+#include "client/updates.h"
 #include "client/usable_cores.h"
+#include "core/crc32c.h"
+#include "core/manifest.h"
 #include "tests/bench/bench_checkpoint.h"
 
 namespace weightstore {
@@ -197,18 +204,143 @@ double RawTcpGBps(uint64_t total_bytes) {
 }  // namespace
 }  // namespace weightstore
 
+namespace weightstore {
+namespace {
+
+// Writes `count` tensors "w.i" of kTensorBytes as SafeTensors to `path`
+// (through a temporary renamed over it, as a trainer publishes): tensor i is
+// filled with byte 1 + i % 16, or 200 + `version` when i % 10 == 3 and
+// `version` > 1, so each version after the first changes a tenth of them.
+absl::Status WriteVersion(const std::string& path, uint64_t count, int version) {
+  std::vector<SharedBytes> blocks;
+  for (int f = 0; f < 16; ++f) {
+    blocks.push_back(SharedBytes::FromVector(std::vector<std::byte>(kTensorBytes, std::byte(1 + f))));
+  }
+  SharedBytes changed = SharedBytes::FromVector(std::vector<std::byte>(kTensorBytes, std::byte(200 + version)));
+  const std::string temporary = path + ".tmp-bench";
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(temporary, kSafeTensorsFormat));
+  for (uint64_t i = 0; i < count; ++i) {
+    SharedBytes block = version > 1 && i % 10 == 3 ? changed : blocks[i % 16];
+    WEIGHTSTORE_RETURN_IF_ERROR(writer->Add({absl::StrCat("w.", i), DType::kF32, {kTensorBytes / 4}},
+                                            [block] { return absl::StatusOr<SharedBytes>(block); }));
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(writer->Finish());
+  std::filesystem::rename(temporary, path);
+  return absl::OkStatus();
+}
+
+// Weight updates (issue 15): digests at load beside CRC32C of the same bytes;
+// the time from a new version's file to a watcher's event; a delta fetch after
+// a tenth of the tensors changed beside a full fetch of the same version.
+int RunUpdates(const std::string& models, uint64_t count) {
+  const std::string path = models + "/big.safetensors";
+  if (absl::Status s = WriteVersion(path, count, 1); !s.ok()) {
+    std::fprintf(stderr, "bench: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  const uint64_t total = count * kTensorBytes;
+  std::printf("grpc_bench --updates: %llu MiB checkpoint (%llu tensors of 4 MiB), loopback, page cache warm\n\n",
+              static_cast<unsigned long long>(total >> 20), static_cast<unsigned long long>(count));
+  {
+    auto checkpoint = *Checkpoint::Open(path);
+    for (int run = 0; run < 2; ++run) {  // the first run also faults the mapping in
+      auto start = Clock::now();
+      auto manifest = ComputeManifest(*checkpoint, "v");
+      const double digest_s = Since(start);
+      start = Clock::now();
+      uint32_t crc = 0;
+      for (const CheckpointEntry& e : checkpoint->entries()) crc ^= Crc32c(checkpoint->Read(e)->bytes.view());
+      const double crc_s = Since(start);
+      std::printf("digests at load (XXH3-128, run %d): %.2f GB/s; CRC32C of the same bytes: %.2f GB/s%s\n", run + 1,
+                  total / digest_s / 1e9, total / crc_s / 1e9, manifest.ok() && crc != 1 ? "" : " (failed)");
+    }
+  }
+  Daemon daemon(models, false);
+  if (daemon.port == 0) return 1;
+  auto store = *client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon.port), Options());
+  auto watcher_store = *client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon.port), Options());
+  client::HeldTensors held;
+  auto start = Clock::now();
+  auto first = client::UpdateTensors(*store, "big", {}, &held);
+  if (!first.ok()) {
+    std::fprintf(stderr, "bench: %s\n", first.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("first fetch (full): %.2f GB/s\n", total / Since(start) / 1e9);
+  for (int version = 2; version <= 4; ++version) {
+    absl::Mutex mu;
+    std::optional<Clock::time_point> event_at;
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    std::thread watcher([&] {
+      (void)watcher_store->Watch({.name = "big", .known = {{"big", held.version}}, .cancel = cancel},
+                                 [&](const client::CheckpointEvent& e) {
+                                   if (e.kind != client::CheckpointEvent::Kind::kReplaced) return true;
+                                   absl::MutexLock lock(&mu);
+                                   event_at = Clock::now();
+                                   return false;
+                                 });
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the watch is open
+    if (absl::Status s = WriteVersion(path, count, version); !s.ok()) return 1;
+    const auto committed = Clock::now();
+    ::kill(daemon.pid, SIGHUP);  // rescan
+    {
+      absl::MutexLock lock(&mu);
+      mu.AwaitWithTimeout(absl::Condition(
+                              +[](std::optional<Clock::time_point>* t) { return t->has_value(); }, &event_at),
+                          absl::Seconds(60));
+    }
+    *cancel = true;
+    watcher.join();
+    if (!event_at) return 1;
+    const double event_ms = std::chrono::duration<double, std::milli>(*event_at - committed).count();
+    start = Clock::now();
+    auto delta = client::UpdateTensors(*store, "big", {}, &held);
+    const double delta_s = Since(start);
+    if (!delta.ok() || !delta->delta) return 1;
+    client::Query pinned;
+    pinned.version = held.version;
+    start = Clock::now();
+    auto full = store->FetchAll("big", pinned);
+    const double full_s = Since(start);
+    if (!full.ok()) return 1;
+    std::printf(
+        "version %d: event %.1f ms after the file was in place (rescan and digests of %llu MiB included); delta %llu "
+        "tensors %llu MiB in %.3f s, full %llu MiB in %.3f s: %.1f%% of the bytes, %.1f%% of the time\n",
+        version, event_ms, static_cast<unsigned long long>(total >> 20),
+        static_cast<unsigned long long>(delta->fetched_tensors),
+        static_cast<unsigned long long>(delta->fetched_bytes >> 20), delta_s,
+        static_cast<unsigned long long>(total >> 20), full_s, 100.0 * delta->fetched_bytes / total,
+        100.0 * delta_s / full_s);
+  }
+  struct rusage usage;
+  ::getrusage(RUSAGE_SELF, &usage);
+  std::printf("client peak RSS: %.0f MiB\n", usage.ru_maxrss / 1024.0);
+  return 0;
+}
+
+}  // namespace
+}  // namespace weightstore
+
 int main(int argc, char** argv) {
   using namespace weightstore;
   client::TuneAllocatorForStreaming();  // this process is the client; the daemons keep glibc's defaults
   int gb = 1;
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (!std::strcmp(argv[i], "--gb")) gb = std::atoi(argv[i + 1]);
+  bool updates = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--gb") && i + 1 < argc) gb = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--updates")) updates = true;
   }
   char tmpl[] = "/tmp/weightstore-grpc-bench-XXXXXX";
   const std::string dir = ::mkdtemp(tmpl);
   const std::string models = dir + "/models";
   std::filesystem::create_directories(models);
   const uint64_t count = (static_cast<uint64_t>(gb) << 30) / kTensorBytes;
+  if (updates) {
+    const int status = RunUpdates(models, count);
+    std::filesystem::remove_all(dir);
+    return status;
+  }
   // [1024, 1024] matrices, so the tensor-parallel runs can shard them.
   if (absl::Status s = WriteBenchCheckpoint(models + "/big.safetensors", count, kTensorBytes, std::byte{7}, 1024);
       !s.ok()) {
