@@ -119,6 +119,10 @@ bool MappedFile::ChangedOnDisk() const {
   if (::fstat(fd_, &st) != 0) return true;
   const int64_t mtime = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
   const int64_t ctime = static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
+  // A file replaced by a rename (how new versions are published) loses its
+  // last link, which changes its ctime but not its bytes: only size and mtime
+  // tell then.
+  if (st.st_nlink == 0) return static_cast<uint64_t>(st.st_size) != size_ || mtime != mtime_ns_;
   return static_cast<uint64_t>(st.st_size) != size_ || mtime != mtime_ns_ || ctime != ctime_ns_;
 }
 

@@ -55,6 +55,20 @@ TEST(MappedFileTest, ARewriteInPlaceIsAChangeOnDisk) {
   EXPECT_EQ(file->bytes().data()[10], std::byte{'y'}) << "a shared mapping sees the write: hence the check";
 }
 
+TEST(MappedFileTest, AFileReplacedByARenameIsNotAChangeOnDisk) {
+  // A new version published by rename leaves the old file's bytes as they
+  // were: streams on the old version must finish, not fail as if it had been
+  // written in place (its ctime changes as it loses its last link).
+  const std::string path = WriteFile("w.bin", 'x');
+  ASSERT_OK_AND_ASSIGN(auto file, MappedFile::Open(path));
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));  // past the timestamp granularity
+  const std::string next = path + ".next";
+  testing::WriteFileOrDie(next, std::string(kSize, 'y'));
+  ASSERT_EQ(::rename(next.c_str(), path.c_str()), 0);
+  EXPECT_FALSE(file->ChangedOnDisk());
+  EXPECT_EQ(file->bytes().data()[10], std::byte{'x'});
+}
+
 TEST(MappedFileTest, ASigbusOutsideOurMappingsStillEndsTheProcess) {
   const std::string path = WriteFile("other.bin", 'z');
   const pid_t child = ::fork();
