@@ -37,6 +37,26 @@ TensorDigest DigestBytes(std::span<const std::byte> bytes) {
   return TensorDigest{h.high64, h.low64};
 }
 
+struct DigestBuilder::State {
+  XXH3_state_t* xxh = XXH3_createState();
+  ~State() { XXH3_freeState(xxh); }
+};
+
+DigestBuilder::DigestBuilder() : state_(std::make_unique<State>()) {
+  if (state_->xxh == nullptr) throw std::bad_alloc();
+  XXH3_128bits_reset(state_->xxh);
+}
+DigestBuilder::~DigestBuilder() = default;
+DigestBuilder::DigestBuilder(DigestBuilder&&) noexcept = default;
+DigestBuilder& DigestBuilder::operator=(DigestBuilder&&) noexcept = default;
+
+void DigestBuilder::Update(absl::string_view bytes) { XXH3_128bits_update(state_->xxh, bytes.data(), bytes.size()); }
+
+TensorDigest DigestBuilder::Finish() const {
+  const XXH128_hash_t h = XXH3_128bits_digest(state_->xxh);
+  return TensorDigest{h.high64, h.low64};
+}
+
 CheckpointManifest::CheckpointManifest(std::string version, std::vector<ManifestTensor> tensors)
     : version_(std::move(version)), tensors_(std::move(tensors)) {
   by_name_.reserve(tensors_.size());
@@ -53,17 +73,34 @@ const ManifestTensor* CheckpointManifest::Find(absl::string_view name) const {
   return it == by_name_.end() ? nullptr : &tensors_[it->second];
 }
 
-absl::StatusOr<std::shared_ptr<const CheckpointManifest>> ComputeManifest(const Checkpoint& checkpoint,
-                                                                          std::string version) {
+namespace {
+
+// Digests the entries of `checkpoint` that `known` (may be null) does not
+// give, into `tensors` (one per entry).
+absl::StatusOr<std::shared_ptr<const CheckpointManifest>> Digest(const Checkpoint& checkpoint, std::string version,
+                                                                 const CheckpointManifest* known) {
   const std::vector<CheckpointEntry>& entries = checkpoint.entries();
   std::vector<ManifestTensor> tensors(entries.size());
+  std::vector<size_t> todo;
+  uint64_t total = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const TensorSpec& spec = entries[i].spec;
+    const ManifestTensor* k = known != nullptr ? known->Find(spec.name) : nullptr;
+    if (k != nullptr && k->dtype == spec.dtype && k->shape == spec.shape) {
+      tensors[i] = *k;
+    } else {
+      todo.push_back(i);
+      total += spec.byte_size();
+    }
+  }
   // Tensors are digested by a few threads taking the next one in turn: the cost
   // is reading the bytes (first-touch faults of the mapping), which spreads.
   std::atomic<size_t> next{0};
   absl::Mutex mu;
   absl::Status failure;
   auto work = [&] {
-    for (size_t i = next++; i < entries.size(); i = next++) {
+    for (size_t t = next++; t < todo.size(); t = next++) {
+      const size_t i = todo[t];
       const CheckpointEntry& entry = entries[i];
       absl::StatusOr<SharedTensor> tensor = checkpoint.Read(entry);
       if (!tensor.ok()) {
@@ -72,18 +109,17 @@ absl::StatusOr<std::shared_ptr<const CheckpointManifest>> ComputeManifest(const 
           failure = absl::DataLossError(absl::StrCat("cannot digest tensor '", entry.spec.name, "' of '",
                                                      checkpoint.path(), "': ", tensor.status().message()));
         }
-        next = entries.size();
+        next = todo.size();
         return;
       }
       tensors[i] =
           ManifestTensor{entry.spec.name, entry.spec.dtype, entry.spec.shape, DigestBytes(tensor->bytes.span())};
     }
   };
-  const uint64_t total = checkpoint.total_bytes();
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   // One thread per 64 MiB, at most 4 and at most the cores: small checkpoints
   // are not worth a thread.
-  const size_t threads = std::min<uint64_t>({uint64_t{4}, cores, 1 + total / (uint64_t{64} << 20), entries.size()});
+  const size_t threads = std::min<uint64_t>({uint64_t{4}, cores, 1 + total / (uint64_t{64} << 20), todo.size()});
   std::vector<std::thread> helpers;
   for (size_t t = 1; t < threads; ++t) {
     try {
@@ -96,6 +132,19 @@ absl::StatusOr<std::shared_ptr<const CheckpointManifest>> ComputeManifest(const 
   for (std::thread& t : helpers) t.join();
   if (!failure.ok()) return failure;
   return std::make_shared<const CheckpointManifest>(std::move(version), std::move(tensors));
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const CheckpointManifest>> ComputeManifest(const Checkpoint& checkpoint,
+                                                                          std::string version) {
+  return Digest(checkpoint, std::move(version), nullptr);
+}
+
+absl::StatusOr<std::shared_ptr<const CheckpointManifest>> ComputeManifest(const Checkpoint& checkpoint,
+                                                                          std::string version,
+                                                                          const CheckpointManifest& known) {
+  return Digest(checkpoint, std::move(version), &known);
 }
 
 ManifestDiff DiffManifests(const CheckpointManifest& base, const CheckpointManifest& current) {

@@ -42,6 +42,21 @@ struct TensorDigest {
 // The digest of `bytes`.
 TensorDigest DigestBytes(std::span<const std::byte> bytes);
 
+// The digest of bytes that arrive in pieces: equal to DigestBytes of them all.
+class DigestBuilder {
+ public:
+  DigestBuilder();
+  ~DigestBuilder();
+  DigestBuilder(DigestBuilder&&) noexcept;
+  DigestBuilder& operator=(DigestBuilder&&) noexcept;
+  void Update(absl::string_view bytes);
+  TensorDigest Finish() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
 struct ManifestTensor {
   std::string name;  // in the checkpoint file
   DType dtype = DType::kF32;
@@ -73,6 +88,13 @@ class CheckpointManifest {
   absl::flat_hash_map<std::string, size_t> by_name_;
   uint64_t memory_bytes_ = 0;
 };
+
+// The manifest of `checkpoint` under `version`, taking each tensor's digest
+// from `known` (by name) where its dtype and shape match there, and computing
+// the others: for a file written from tensors whose digests are known.
+absl::StatusOr<std::shared_ptr<const CheckpointManifest>> ComputeManifest(const Checkpoint& checkpoint,
+                                                                          std::string version,
+                                                                          const CheckpointManifest& known);
 
 // Reads every tensor of `checkpoint` once and digests it. DataLoss naming the
 // tensor if its bytes cannot be read.

@@ -204,9 +204,10 @@ std::string CheckpointRegistry::Watch(const std::string& name, const CheckpointV
 }
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersion(
-    const std::string& name, const std::string& path, const CheckpointVersion* previous) const {
+    const std::string& name, const std::string& path, const CheckpointVersion* previous,
+    const CheckpointManifest* known) const {
   const auto start = std::chrono::steady_clock::now();
-  auto version = OpenVersionUntimed(name, path, previous);
+  auto version = OpenVersionUntimed(name, path, previous, known);
   if (options_.on_load) {
     options_.on_load(name, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
                      version.status());
@@ -215,7 +216,8 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
 }
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersionUntimed(
-    const std::string& name, const std::string& path, const CheckpointVersion* previous) const {
+    const std::string& name, const std::string& path, const CheckpointVersion* previous,
+    const CheckpointManifest* known) const {
   const bool preload = options_.preload_all || options_.preload.contains(name);
   OpenOptions open = options_.open;
   SegmentCache::Reservation reservation;
@@ -246,7 +248,9 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
     version->SetRelativePath(RelativePath(path));
     if (options_.tensor_digests) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const CheckpointManifest> manifest,
-                                   ComputeManifest(*version->checkpoint(), version->version()));
+                                   known != nullptr
+                                       ? ComputeManifest(*version->checkpoint(), version->version(), *known)
+                                       : ComputeManifest(*version->checkpoint(), version->version()));
       // The digests vouch for the bytes as opened: a file written meanwhile is
       // opened again.
       if (!version->CheckUnchanged().ok()) continue;
@@ -262,6 +266,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
 }
 
 ScanReport CheckpointRegistry::Rescan() {
+  NotifyOnExit notify(this);
   absl::MutexLock scan_lock(&scan_mu_);
   ScanReport report;
   // Find candidates: (name, path), indexes first so their shards are excluded.
@@ -351,7 +356,6 @@ ScanReport CheckpointRegistry::Rescan() {
     }
   }
   if (!watch_error_.empty()) report.errors.push_back(std::exchange(watch_error_, ""));
-  std::vector<std::string> changed;
   {
     absl::MutexLock lock(&mu_);
     for (auto& [name, version] : opened) {
@@ -362,21 +366,20 @@ ScanReport CheckpointRegistry::Rescan() {
       Published(name, version.get());
       cur->second.current = std::move(version);
       cur->second.pinned = pinned;
-      changed.push_back(name);
+      notify.Add(name);
     }
     for (auto cur = served_.begin(); cur != served_.end();) {
       if (complete && !cur->second.pinned && !found.contains(cur->first)) {
         if (watcher_ != nullptr) watcher_->Remove(cur->first);
         report.removed.push_back(cur->first);
         Published(cur->first, nullptr);
-        changed.push_back(cur->first);
+        notify.Add(cur->first);
         cur = served_.erase(cur);
       } else {
         ++cur;
       }
     }
   }
-  Notify(changed);
   return report;
 }
 
@@ -390,6 +393,7 @@ void CheckpointRegistry::Published(const std::string& name, const CheckpointVers
   }
   if (version->manifest() == nullptr) return;
   auto& kept = kept_[name];
+  if (!kept.empty() && kept.back()->version() == version->version()) return;  // loaded again, unchanged
   kept.push_back(version->manifest());
   kept_bytes_ += version->manifest()->memory_bytes();
   while (kept.size() > std::max<size_t>(options_.kept_versions, 1)) {
@@ -481,6 +485,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
                                                                                   const std::string& name) {
   // One at a time with scans: a rescan that started before this load must not
   // undo it (remove an upload just committed, or put back an older version).
+  NotifyOnExit notify(this);
   absl::MutexLock scan_lock(&scan_mu_);
   if (path.empty() || path.size() > 4096 || path.find('\0') != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("path of ", path.size(), " bytes is not a path to load"));
@@ -527,7 +532,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
     entry.current = version;
     entry.pinned = !in_models;
   }
-  Notify({served_name});
+  notify.Add(served_name);
   return version;
 }
 

@@ -32,6 +32,7 @@
 #include "core/checksum_cache.h"
 #include "core/file_watcher.h"
 #include "core/manifest.h"
+#include "core/push.h"
 #include "core/shm/segment_cache.h"
 
 namespace weightstore {
@@ -214,6 +215,19 @@ class CheckpointRegistry {
   // nothing is left behind.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> FinishPut(std::unique_ptr<PutSession> session);
 
+  // Starts a push (core/push.h): a new version of `name` from its current
+  // version, options.base_version, and the tensors pushed. NotFound for a name
+  // not served, Aborted when the base is no longer current, FailedPrecondition
+  // for a checkpoint a push cannot rewrite (a multi-file index, a format
+  // without a writer, one loaded from a load root), InvalidArgument for a
+  // removed tensor the base lacks.
+  absl::StatusOr<std::unique_ptr<PushSession>> BeginPush(const std::string& name, PushOptions options);
+  // Writes the whole checkpoint in the base's format, atomically, over its
+  // file, and publishes it as the new version (digests of unchanged tensors
+  // taken from the base's). Aborted, publishing nothing, if the base was
+  // replaced meanwhile. On error nothing is left behind.
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> FinishPush(std::unique_ptr<PushSession> session);
+
   // The manifest of `name` at `version`: the current one's, or a kept earlier
   // one's. nullptr when it is not kept (or digests are off).
   std::shared_ptr<const CheckpointManifest> FindManifest(const std::string& name, const std::string& version) const;
@@ -237,11 +251,15 @@ class CheckpointRegistry {
   };
   // Opens `path` as a new version of `name`. `previous`, when it is the stale
   // version being replaced, keeps the new one from reusing its id.
-  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersion(
-      const std::string& name, const std::string& path, const CheckpointVersion* previous = nullptr) const;
+  // `known`: digests of tensors written from known bytes (a push), taken
+  // instead of computed where name, dtype and shape match.
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersion(const std::string& name, const std::string& path,
+                                                                       const CheckpointVersion* previous = nullptr,
+                                                                       const CheckpointManifest* known = nullptr) const;
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersionUntimed(const std::string& name,
                                                                               const std::string& path,
-                                                                              const CheckpointVersion* previous) const;
+                                                                              const CheckpointVersion* previous,
+                                                                              const CheckpointManifest* known) const;
   // `path` relative to the models folder or the load root it lies in (its file
   // name alone if neither).
   std::string RelativePath(const std::string& path) const;
@@ -253,8 +271,20 @@ class CheckpointRegistry {
   // Records that `name` now serves `version` (nullptr: nothing), keeping its
   // manifest within the bounds.
   void Published(const std::string& name, const CheckpointVersion* version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Tells the listeners about `names`. Called without mu_.
+  // Tells the listeners about `names`. Called without mu_ or scan_mu_.
   void Notify(const std::vector<std::string>& names);
+  // Collects names and tells the listeners about them when it goes out of
+  // scope: declared before a scan lock, that is after the lock is released.
+  class NotifyOnExit {
+   public:
+    explicit NotifyOnExit(CheckpointRegistry* registry) : registry_(registry) {}
+    ~NotifyOnExit() { registry_->Notify(names_); }
+    void Add(const std::string& name) { names_.push_back(name); }
+
+   private:
+    CheckpointRegistry* registry_;
+    std::vector<std::string> names_;
+  };
 
   RegistryOptions options_;
   mutable absl::Mutex mu_;

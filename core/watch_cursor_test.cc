@@ -130,7 +130,9 @@ TEST_F(WatchCursorTest, AVersionNoLongerKeptIsAFullUpdateThatSaysWhy) {
   // A version no daemon issued reads the same way.
   WatchCursor forged(&registry_, {.name = "m"}, {{"m", "not-a-version"}});
   forged.Start();
-  EXPECT_THAT(forged.Next()->full_reason, HasSubstr("not-a-version"));
+  std::optional<CheckpointUpdate> update = forged.Next();
+  ASSERT_TRUE(update.has_value());
+  EXPECT_THAT(update->full_reason, HasSubstr("not-a-version"));
 }
 
 TEST_F(WatchCursorTest, ARemovedCheckpointIsReportedOnceAndForgotten) {
@@ -156,6 +158,7 @@ TEST_F(WatchCursorTest, ListenersHearEveryPublishedChangeOutsideTheRegistryLock)
   const uint64_t id = registry_.AddListener([&](const std::string& name) {
     heard.push_back(name);
     (void)registry_.Get(name);  // calling back in must not deadlock
+    (void)registry_.List();
   });
   Publish(models_ + "/m.safetensors", {F32("a", 0)});
   registry_.Rescan();
@@ -194,7 +197,9 @@ TEST(RegistryManifestTest, WithoutDigestsNoManifestIsComputed) {
   EXPECT_EQ(registry.Get("m")->manifest(), nullptr);
   WatchCursor cursor(&registry, {}, {{"m", "old"}});
   cursor.Start();
-  EXPECT_THAT(cursor.Next()->full_reason, HasSubstr("--tensor-digests"));
+  std::optional<CheckpointUpdate> update = cursor.Next();
+  ASSERT_TRUE(update.has_value());
+  EXPECT_THAT(update->full_reason, HasSubstr("--tensor-digests"));
 }
 
 }  // namespace

@@ -1,0 +1,85 @@
+// PushSession: a new version of a served checkpoint in the making, from its
+// current version (the base) and the tensors that changed. Pushed bytes go to
+// a temporary file beside the checkpoint (an AtomicFile temporary that is
+// never committed: a killed daemon's is cleaned up by a rescan); when the push
+// finishes (CheckpointRegistry::FinishPush), the whole checkpoint is written
+// in the base's format, atomically, from the base's bytes and the pushed ones,
+// and published as a new version.
+#ifndef WEIGHTSTORE_CORE_PUSH_H_
+#define WEIGHTSTORE_CORE_PUSH_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "core/atomic_file.h"
+#include "core/manifest.h"
+#include "core/tensor.h"
+
+namespace weightstore {
+
+class CheckpointVersion;
+
+struct PushOptions {
+  // The version the push was made against: it must still be the current one
+  // when the push finishes (else Aborted, and nothing is published).
+  std::string base_version;
+  // Tensors of the base left out of the new version.
+  std::vector<std::string> remove;
+  // Tensors the base does not have may be pushed (they go last, in push
+  // order). Default: false, every pushed tensor must replace one of the
+  // base's, with its dtype and shape.
+  bool allow_new_tensors = false;
+};
+
+class PushSession {
+ public:
+  // Starts a pushed tensor, whose `spec.byte_size()` bytes follow through
+  // Append, with CRC32C `crc32c`. InvalidArgument naming the tensor unless it
+  // replaces a base tensor of the same dtype and shape (or is new, when
+  // allowed), is not removed and was not pushed before; ResourceExhausted past
+  // the push's byte or tensor bounds.
+  absl::Status BeginTensor(const TensorSpec& spec, uint32_t crc32c);
+  // Appends bytes of the current tensor; InvalidArgument past its size.
+  absl::Status Append(absl::string_view data);
+
+  const std::string& name() const { return name_; }
+  uint64_t bytes() const { return bytes_; }
+  size_t tensors() const { return pushed_.size(); }
+
+ private:
+  friend class CheckpointRegistry;
+  // Ends the current tensor: all its bytes, and its checksum.
+  absl::Status EndTensor();
+
+  struct Pushed {
+    TensorSpec spec;
+    uint64_t offset = 0;  // in the staging file
+    TensorDigest digest;
+  };
+  struct Current {
+    size_t index = 0;  // into pushed_
+    uint64_t received = 0;
+    uint32_t crc = 0, expected_crc = 0;
+    DigestBuilder digest;
+  };
+  std::string name_;
+  std::shared_ptr<const CheckpointVersion> base_;
+  PushOptions options_;
+  absl::flat_hash_set<std::string> removed_;
+  uint64_t max_bytes_ = 0, bytes_ = 0;
+  size_t max_tensors_ = 0, max_name_bytes_ = 0;
+  std::unique_ptr<AtomicFile> staging_;
+  std::vector<Pushed> pushed_;
+  absl::flat_hash_map<std::string, size_t> by_name_;
+  std::optional<Current> current_;
+};
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_PUSH_H_
