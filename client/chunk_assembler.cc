@@ -31,7 +31,9 @@ absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink)
       return absl::DataLossError(
           absl::StrCat("stream began tensor '", f.info->name(), "' before tensor '", current_->spec.name, "' ended"));
     }
-    if (f.tensor_index != next_index_ && !(allow_skips_ && f.tensor_index > next_index_)) {
+    // (The last index is never a tensor's: ++ past it would wrap.)
+    if ((f.tensor_index != next_index_ && !(allow_skips_ && f.tensor_index > next_index_)) ||
+        f.tensor_index == UINT64_MAX) {
       return absl::DataLossError(
           absl::StrCat("stream sent tensor ", f.tensor_index, " where tensor ", next_index_, " was due"));
     }

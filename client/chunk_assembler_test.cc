@@ -139,5 +139,23 @@ TEST(ChunkAssemblerTest, RefusesATensorIndexThatIsNotTheOneDue) {
   EXPECT_EQ(a.next_index(), 6u);
 }
 
+TEST(ChunkAssemblerTest, ADeltaStreamMaySkipAheadButNeverBackNorToTheLastIndex) {
+  ChunkAssembler a(/*first_index=*/2);
+  a.AllowSkips();
+  CollectingSink sink;
+  v1::TensorChunk chunk = Chunk("abcdef", 0, true, true, Crc32c("abcdef"));
+  chunk.set_tensor_index(7);
+  grpc::ByteBuffer ahead = Buffer(chunk);
+  ASSERT_OK(a.Consume(&ahead, &sink));
+  EXPECT_EQ(a.next_index(), 8u);
+  chunk.set_tensor_index(4);
+  grpc::ByteBuffer back = Buffer(chunk);
+  EXPECT_THAT(a.Consume(&back, &sink), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 4 where tensor 8")));
+  chunk.set_tensor_index(UINT64_MAX);
+  grpc::ByteBuffer last = Buffer(chunk);
+  EXPECT_THAT(a.Consume(&last, &sink), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_EQ(sink.tensors().size(), 1u);
+}
+
 }  // namespace
 }  // namespace weightstore::client

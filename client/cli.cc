@@ -10,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -19,6 +20,7 @@
 #include "client/store.h"
 #include "core/checkpoint.h"
 #include "core/formats/checkpoint_writer.h"
+#include "core/manifest.h"
 #include "core/pem.h"
 #include "core/select/apply.h"
 #include "core/select/selection.h"
@@ -456,6 +458,48 @@ absl::Status RunWatch(const WatchArgs& args, std::FILE* out) {
     std::fflush(out);
     return args.count == 0 || ++seen < args.count;
   });
+}
+
+absl::Status RunPush(const PushArgs& args, std::FILE* out) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> file, Checkpoint::Open(args.file));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, "", args.remote));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing base, store->ListTensors(args.name, {}));
+  absl::flat_hash_map<std::string, const client::TensorDescription*> in_base;
+  bool digests = true;
+  for (const auto& t : base.tensors) {
+    in_base.emplace(t.spec.name, &t);
+    digests &= !t.digest.empty();
+  }
+  std::shared_ptr<const CheckpointManifest> manifest;
+  if (args.only_changed && digests) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(manifest, ComputeManifest(*file, ""));
+  } else if (args.only_changed) {
+    std::fprintf(out, "the daemon computes no tensor digests: pushing every tensor\n");
+  }
+  client::PushRequest request;
+  request.base_version = base.version;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < file->size(); ++i) {
+    const CheckpointEntry& entry = file->entries()[i];
+    auto b = in_base.find(entry.spec.name);
+    if (b == in_base.end()) {
+      request.allow_new_tensors = true;
+    } else if (manifest != nullptr && b->second->spec.dtype == entry.spec.dtype &&
+               b->second->spec.shape == entry.spec.shape && b->second->digest == manifest->tensors()[i].digest.Hex()) {
+      continue;  // unchanged
+    }
+    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, file->Read(entry));
+    bytes += t.bytes.size();
+    request.tensors.push_back(std::move(t));
+  }
+  for (const auto& t : base.tensors) {
+    if (file->Find(t.spec.name) == nullptr) request.remove.push_back(t.spec.name);
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary pushed, store->Push(args.name, request));
+  std::fprintf(out, "pushed %zu of %zu tensors (%s), removed %zu: '%s' is now version %s (was %s)\n",
+               request.tensors.size(), file->size(), HumanBytes(bytes).c_str(), request.remove.size(),
+               args.name.c_str(), pushed.version.c_str(), base.version.c_str());
+  return absl::OkStatus();
 }
 
 absl::Status RunApply(const ApplyArgs& args, std::FILE* out) {

@@ -95,6 +95,19 @@ struct FetchArgs {
   SelectionArgs selection;
 };
 
+struct PushArgs {
+  std::string server;
+  RemoteArgs remote;
+  std::string name;           // the served checkpoint (the base)
+  std::string file;           // the new version, a checkpoint file of any format
+  bool only_changed = false;  // push only tensors whose digest, dtype or shape differ
+};
+
+// Publishes FILE as the next version of NAME: its tensors (with
+// --only-changed, those that differ from the served version), the base's
+// tensors FILE lacks removed, and new ones added.
+absl::Status RunPush(const PushArgs& args, std::FILE* out);
+
 struct DiffArgs {
   std::string a;
   std::string b;

@@ -14,6 +14,7 @@
 #include <memory>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -21,6 +22,7 @@
 #include "client/proto_convert.h"
 #include "client/store.h"
 #include "client/usable_cores.h"
+#include "core/crc32c.h"
 #include "core/pem.h"
 #include "core/status_macros.h"
 #include "proto/codec/status.h"
@@ -72,6 +74,10 @@ class CancelWatch {
 };
 
 bool Cancelled(const std::shared_ptr<const std::atomic<bool>>& cancel) { return cancel != nullptr && cancel->load(); }
+
+// Versions a watch says it holds when it reconnects: weightstored's default
+// bound (WatchLimits::max_known).
+constexpr size_t kMaxKnownVersions = 10000;
 
 // Sleeps `duration` in 20 ms steps; false as soon as `cancel` is set.
 bool SleepUnlessCancelled(std::chrono::milliseconds duration, const std::shared_ptr<const std::atomic<bool>>& cancel) {
@@ -298,12 +304,20 @@ class RemoteStore final : public Store {
         k->set_name(name);
         k->set_version(version);
       }
+      if (breaks > 0) {
+        // Wait for the daemon (it may be restarting), then watch with no
+        // deadline: a watch lasts as long as the caller wants it.
+        while (!channel_->WaitForConnected(
+            std::min(reachable_until, std::chrono::system_clock::now() + std::chrono::milliseconds(100)))) {
+          if (Cancelled(options.cancel)) return absl::CancelledError("the watch was cancelled");
+          if (std::chrono::system_clock::now() >= reachable_until) {
+            return absl::UnavailableError(absl::StrCat("the watch broke and the daemon did not come back within ",
+                                                       options_.resume_window.count(), " ms"));
+          }
+        }
+      }
       grpc::ClientContext ctx;
       if (!options_.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options_.token);
-      if (breaks > 0) {
-        ctx.set_wait_for_ready(true);
-        ctx.set_deadline(reachable_until);
-      }
       CancelWatch watch(options.cancel, &ctx);
       std::unique_ptr<grpc::ClientReader<pb::CheckpointEvent>> reader = stub_->WatchCheckpoints(&ctx, req);
       pb::CheckpointEvent event;
@@ -311,9 +325,13 @@ class RemoteStore final : public Store {
       while (!stopped && reader->Read(&event)) {
         breaks = 0;  // the daemon answered
         CheckpointEvent e = EventFromProto(event);
+        // What to say on reconnecting: only checkpoints in scope, and no more
+        // than a daemon accepts (those left out come back as ADDED).
+        const bool in_scope = options.name.empty() ? absl::StartsWith(e.name, options.prefix) : e.name == options.name;
         if (e.kind == CheckpointEvent::Kind::kRemoved) {
           known.erase(e.name);
-        } else if (e.kind != CheckpointEvent::Kind::kSynced) {
+        } else if (e.kind != CheckpointEvent::Kind::kSynced && in_scope &&
+                   (known.size() < kMaxKnownVersions || known.contains(e.name))) {
           known[e.name] = e.new_version;
         }
         stopped = !on_event(e);
@@ -338,6 +356,48 @@ class RemoteStore final : public Store {
       ++breaks;
       if (!SleepUnlessCancelled(backoff, options.cancel)) return absl::CancelledError("the watch was cancelled");
     }
+  }
+
+  // One stream: the header, each tensor's description and its bytes in
+  // chunks of at most 1 MiB, the commit.
+  absl::StatusOr<CheckpointSummary> Push(const std::string& name, const PushRequest& request) override {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    pb::CheckpointInfo info;
+    std::unique_ptr<grpc::ClientWriter<pb::PushCheckpointRequest>> writer = stub_->PushCheckpoint(&ctx, &info);
+    pb::PushCheckpointRequest msg;
+    pb::PushHeader* header = msg.mutable_header();
+    header->set_name(name);
+    header->set_base_version(request.base_version);
+    for (const std::string& r : request.remove) header->add_remove(r);
+    header->set_allow_new_tensors(request.allow_new_tensors);
+    bool sent = writer->Write(msg);
+    constexpr size_t kChunk = 1 << 20;
+    for (const SharedTensor& t : request.tensors) {
+      if (!sent) break;
+      msg.Clear();
+      pb::PushTensor* tensor = msg.mutable_tensor();
+      tensor->set_name(t.spec.name);
+      tensor->set_dtype(std::string(DTypeName(t.spec.dtype)));
+      for (uint64_t d : t.spec.shape) tensor->add_shape(d);
+      tensor->set_crc32c(Crc32c(t.bytes.view()));
+      sent = writer->Write(msg);
+      for (size_t offset = 0; sent && offset < t.bytes.size(); offset += kChunk) {
+        msg.Clear();
+        msg.set_data(std::string(t.bytes.view().substr(offset, kChunk)));
+        sent = writer->Write(msg);
+      }
+    }
+    if (sent) {
+      msg.Clear();
+      msg.mutable_commit()->set_tensors(request.tensors.size());
+      writer->Write(msg);
+    }
+    writer->WritesDone();
+    WEIGHTSTORE_RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+    CheckpointSummary out;
+    FromProto(info, &out);
+    return out;
   }
 
  private:

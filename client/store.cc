@@ -42,6 +42,10 @@ absl::Status Store::Watch(const WatchOptions&, const std::function<bool(const Ch
   return absl::UnimplementedError("only a daemon's checkpoints can be watched: connect to it over gRPC");
 }
 
+absl::StatusOr<CheckpointSummary> Store::Push(const std::string&, const PushRequest&) {
+  return absl::UnimplementedError("only a daemon's checkpoints can be pushed to: connect to it over gRPC");
+}
+
 absl::StatusOr<std::vector<SharedTensor>> Store::FetchAll(const std::string& name, const Query& query) {
   CollectingSink sink(query.cancel);
   WEIGHTSTORE_RETURN_IF_ERROR(FetchTensors(name, query, &sink));

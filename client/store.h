@@ -153,6 +153,20 @@ struct WatchOptions {
   std::shared_ptr<const std::atomic<bool>> cancel;
 };
 
+// A new version of a served checkpoint, as changes to its current one
+// (PushCheckpoint in proto/weightstore/v1/weight_store.proto).
+struct PushRequest {
+  // The version the changes were made against; the push is refused (Aborted)
+  // if it is no longer current when it commits.
+  std::string base_version;
+  // Tensors that replace the base's (same dtype and shape), or new ones.
+  std::vector<SharedTensor> tensors;
+  // Base tensors to leave out.
+  std::vector<std::string> remove;
+  // Allow tensors the base does not have.
+  bool allow_new_tensors = false;
+};
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -179,6 +193,12 @@ class Store {
   // each (re)connection's catch-up. Only a remote store can watch; the others
   // return Unimplemented.
   virtual absl::Status Watch(const WatchOptions& options, const std::function<bool(const CheckpointEvent&)>& on_event);
+
+  // Admin: publishes a new version of `name` from request.base_version and
+  // the tensors that changed; the daemon writes the whole checkpoint
+  // atomically and serves it. Returns the new version's summary. Only a
+  // remote store can push; the others return Unimplemented.
+  virtual absl::StatusOr<CheckpointSummary> Push(const std::string& name, const PushRequest& request);
 };
 
 // Reads the checkpoints under `models_dir` (or the single file or sharded

@@ -46,11 +46,13 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
   absl::flat_hash_set<std::string> listed;
   for (const TensorDescription& d : listing.tensors) {
     listed.insert(d.spec.name);
-    const bool kept = result.delta && d.unchanged;
     auto f = fetched.find(d.spec.name);
-    if (kept == (f != fetched.end())) {
-      return absl::DataLossError(absl::StrCat("update of '", name, "': tensor '", d.spec.name, "' was ",
-                                              kept ? "sent although unchanged" : "not sent although changed"));
+    // An unchanged tensor may come all the same: the daemon dropped the
+    // since version's digests between the listing and the fetch.
+    const bool kept = result.delta && d.unchanged && f == fetched.end();
+    if (!kept && f == fetched.end()) {
+      return absl::DataLossError(
+          absl::StrCat("update of '", name, "': tensor '", d.spec.name, "' was not sent although changed"));
     }
     if (kept) {
       next.tensors.push_back(*by_name.at(d.spec.name));
@@ -60,13 +62,15 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
       return absl::DataLossError(
           absl::StrCat("update of '", name, "': tensor '", d.spec.name, "' arrived unlike its listing"));
     }
-    (by_name.contains(d.spec.name) ? result.changed : result.added).push_back(d.spec.name);
+    if (!(result.delta && d.unchanged)) {
+      (by_name.contains(d.spec.name) ? result.changed : result.added).push_back(d.spec.name);
+    }
     result.fetched_bytes += f->second->bytes.size();
     ++result.fetched_tensors;
     next.tensors.push_back(std::move(*f->second));
   }
-  if (fetched.size() != result.fetched_tensors) {
-    return absl::DataLossError(absl::StrCat("update of '", name, "': the daemon sent ", fetched.size(),
+  if (sink.tensors().size() != result.fetched_tensors) {
+    return absl::DataLossError(absl::StrCat("update of '", name, "': the daemon sent ", sink.tensors().size(),
                                             " tensors where the listing called for ", result.fetched_tensors));
   }
   for (const SharedTensor& t : held->tensors) {

@@ -162,6 +162,18 @@ int main(int argc, char** argv) {
                         "Write only the tensors changed since this version (from 'ls' or 'watch'); a version the "
                         "daemon keeps no digests of writes them all, and says so");
 
+  cli::PushArgs push;
+  CLI::App* push_cmd = app.add_subcommand(
+      "push",
+      "Publish FILE as the next version of the served checkpoint NAME (admin), written by the daemon "
+      "atomically in NAME's format");
+  push_cmd->add_option("--server", push.server, "weightstored address, host:port")->required();
+  push_cmd->add_option("NAME", push.name, "The served checkpoint (see 'weightstore ls')")->required();
+  push_cmd->add_option("FILE", push.file, "The new version: a checkpoint file of any format")->required();
+  push_cmd->add_flag("--only-changed", push.only_changed,
+                     "Send only the tensors whose bytes, dtype or shape differ from the served version (by digest)");
+  AddRemoteFlags(push_cmd, &push.remote);
+
   cli::WatchArgs watch;
   CLI::App* watch_cmd = app.add_subcommand(
       "watch", "Follow checkpoints as they are added, replaced (naming the tensors that changed) and removed");
@@ -194,6 +206,7 @@ int main(int argc, char** argv) {
   if (*health_cmd) return Report(cli::RunHealth(health, stdout));
   if (*fetch_cmd) return Report(cli::RunFetch(fetch, stdout));
   if (*watch_cmd) return Report(cli::RunWatch(watch, stdout));
+  if (*push_cmd) return Report(cli::RunPush(push, stdout));
   if (*apply_cmd) {
     absl::Status status = cli::RunApply(apply, stdout);
     if (absl::IsFailedPrecondition(status)) {

@@ -19,8 +19,10 @@ namespace weightstore::server {
 
 // WatchCheckpoints streams (server/watch.h).
 struct WatchLimits {
-  // Streams open at once; more are refused RESOURCE_EXHAUSTED. Default: 256.
+  // Streams open at once, and from one client address; more are refused
+  // RESOURCE_EXHAUSTED. Default: 256 and 32.
   int max_watches = 256;
+  int max_watches_per_peer = 32;
   // Versions one request may say it holds. Default: 10,000.
   int max_known = 10000;
 };

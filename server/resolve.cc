@@ -68,6 +68,25 @@ absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::
   if (!status.ok()) return status;
   auto compiled = Selection::Compile(request.options, limits);
   if (!compiled.ok()) return compiled.status();
+  // A served name maps to its source tensor by the name alone (filters,
+  // renames, top-level key, shards and slices are functions of it and the
+  // shape), unless contiguous indices renumber or a target's adapter matches
+  // by the whole set of names: then a tensor added or removed can move a
+  // served name to another source, and the delta holds only when the two
+  // versions have the same tensor names.
+  if (r.since != nullptr && (request.target || request.options.contiguous_indices.value_or(false))) {
+    const CheckpointManifest& now = *r.version->manifest();
+    bool same_names = now.tensors().size() == r.since->tensors().size();
+    for (size_t i = 0; same_names && i < now.tensors().size(); ++i) {
+      same_names = r.since->Find(now.tensors()[i].name) != nullptr;
+    }
+    if (!same_names) {
+      r.full_reason = absl::StrCat("tensors were added or removed since version ", r.since->version(),
+                                   ", and this selection (contiguous indices or a target) may serve a name from "
+                                   "another tensor than before");
+      r.since = nullptr;
+    }
+  }
   if (!request.target) {
     auto snapshot = Snapshot::Select(r.version->checkpoint(), **compiled);
     if (!snapshot.ok()) return snapshot.status();

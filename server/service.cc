@@ -434,4 +434,104 @@ grpc::ServerReadReactor<v1::PutCheckpointRequest>* WeightStoreService::PutCheckp
   return new PutReactor(this, resp, ctx);
 }
 
+// Receives a push: the header starts a PushSession on the base, each tensor's
+// bytes go to its staging file, and only the commit message publishes.
+// Admitted and timed like an upload.
+class PushReactor : public grpc::ServerReadReactor<v1::PushCheckpointRequest> {
+ public:
+  PushReactor(WeightStoreService* service, v1::CheckpointInfo* response, grpc::CallbackServerContext* ctx)
+      : service_(service), response_(response), ctx_(ctx) {
+    absl::Status status = service->auth_->Check(*ctx, Scope::kAdmin);
+    if (status.ok()) {
+      absl::StatusOr<uint64_t> ticket = service->uploads_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); });
+      if (ticket.ok()) ticket_ = *ticket;
+      status = ticket.status();
+    }
+    if (!status.ok()) {
+      Finish(service->ClientStatus(status));
+      return;
+    }
+    StartRead(&request_);
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      return Fail(absl::CancelledError(
+          absl::StrCat("the push", session_ == nullptr ? "" : absl::StrCat(" to '", session_->name(), "'"),
+                       " ended without a commit message; nothing was published")));
+    }
+    service_->uploads_.Progress(ticket_, request_.ByteSizeLong());
+    switch (request_.part_case()) {
+      case v1::PushCheckpointRequest::kHeader: {
+        if (session_ != nullptr) return Fail(absl::InvalidArgumentError("a second header"));
+        const v1::PushHeader& h = request_.header();
+        Annotate(ctx_, h.name());
+        PushOptions options{h.base_version(), {h.remove().begin(), h.remove().end()}, h.allow_new_tensors()};
+        auto session = service_->registry_->BeginPush(h.name(), std::move(options));
+        if (!session.ok()) return Fail(session.status());
+        session_ = *std::move(session);
+        break;
+      }
+      case v1::PushCheckpointRequest::kTensor: {
+        if (session_ == nullptr) return Fail(absl::InvalidArgumentError("a tensor before the header"));
+        const v1::PushTensor& t = request_.tensor();
+        std::optional<DType> dtype = ParseDType(t.dtype());
+        if (!dtype) {
+          return Fail(absl::InvalidArgumentError(absl::StrCat("push to '", session_->name(), "': tensor '",
+                                                              t.name().substr(0, 256), "' has unknown dtype '",
+                                                              t.dtype().substr(0, 32), "'")));
+        }
+        if (t.shape_size() > static_cast<int>(kMaxRank)) {
+          return Fail(absl::InvalidArgumentError(absl::StrCat("push to '", session_->name(), "': tensor '",
+                                                              t.name().substr(0, 256), "' has rank ", t.shape_size(),
+                                                              ", more than ", kMaxRank)));
+        }
+        TensorSpec spec{t.name(), *dtype, {t.shape().begin(), t.shape().end()}};
+        if (absl::Status s = session_->BeginTensor(spec, t.crc32c()); !s.ok()) return Fail(s);
+        break;
+      }
+      case v1::PushCheckpointRequest::kData:
+        if (session_ == nullptr) return Fail(absl::InvalidArgumentError("data before the header"));
+        if (absl::Status s = session_->Append(request_.data()); !s.ok()) return Fail(s);
+        break;
+      case v1::PushCheckpointRequest::kCommit: {
+        if (session_ == nullptr) return Fail(absl::InvalidArgumentError("a commit before the header"));
+        if (request_.commit().tensors() != session_->tensors()) {
+          return Fail(absl::DataLossError(absl::StrCat("push to '", session_->name(), "': the commit says ",
+                                                       request_.commit().tensors(), " tensors, ", session_->tensors(),
+                                                       " arrived; nothing was published")));
+        }
+        auto version = service_->registry_->FinishPush(std::move(session_));
+        if (!version.ok()) return Fail(version.status());
+        ToProto(**version, response_);
+        Finish(grpc::Status::OK);
+        return;
+      }
+      default:
+        return Fail(absl::InvalidArgumentError("a PushCheckpointRequest with no part"));
+    }
+    StartRead(&request_);
+  }
+  void OnDone() override {
+    if (ticket_ != 0) service_->uploads_.Release(ticket_);
+    delete this;
+  }
+
+ private:
+  void Fail(const absl::Status& status) {
+    session_.reset();  // removes the staging file
+    Finish(service_->ClientStatus(status));
+  }
+  WeightStoreService* service_;
+  v1::CheckpointInfo* response_;
+  grpc::CallbackServerContext* ctx_;
+  v1::PushCheckpointRequest request_;
+  std::unique_ptr<PushSession> session_;
+  uint64_t ticket_ = 0;
+};
+
+grpc::ServerReadReactor<v1::PushCheckpointRequest>* WeightStoreService::PushCheckpoint(grpc::CallbackServerContext* ctx,
+                                                                                       v1::CheckpointInfo* resp) {
+  return new PushReactor(this, resp, ctx);
+}
+
 }  // namespace weightstore::server

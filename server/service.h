@@ -25,6 +25,8 @@ namespace weightstore::server {
 
 using ::weightstore::CheckpointRegistry;
 using ::weightstore::CheckpointVersion;
+using ::weightstore::PushOptions;
+using ::weightstore::PushSession;
 using ::weightstore::PutSession;
 using ::weightstore::RegistryOptions;
 using ::weightstore::ScanReport;
@@ -52,6 +54,8 @@ class WeightStoreService final : public ServiceBase {
                                                                    v1::CheckpointInfo* resp) override;
   grpc::ServerUnaryReactor* Rescan(grpc::CallbackServerContext* ctx, const v1::RescanRequest* req,
                                    v1::RescanResponse* resp) override;
+  grpc::ServerReadReactor<v1::PushCheckpointRequest>* PushCheckpoint(grpc::CallbackServerContext* ctx,
+                                                                     v1::CheckpointInfo* resp) override;
   grpc::ServerWriteReactor<v1::CheckpointEvent>* WatchCheckpoints(grpc::CallbackServerContext* ctx,
                                                                   const v1::WatchCheckpointsRequest* req) override;
 
@@ -76,6 +80,7 @@ class WeightStoreService final : public ServiceBase {
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Scope scope, absl::string_view checkpoint,
                                   Body body);
   friend class PutReactor;
+  friend class PushReactor;
   CheckpointRegistry* registry_;
   ServiceOptions options_;
   Authenticator no_auth_;

@@ -52,7 +52,7 @@ void ToProto(const CheckpointUpdate& update, v1::CheckpointEvent* out, size_t ma
 class WatchReactor : public grpc::ServerWriteReactor<v1::CheckpointEvent> {
  public:
   WatchReactor(WatchHub* hub, grpc::CallbackServerContext* ctx, const v1::WatchCheckpointsRequest* request)
-      : hub_(hub) {
+      : hub_(hub), ctx_(ctx) {
     absl::Status status = Begin(*ctx, *request);
     if (!status.ok()) {
       FinishOnce(hub_->client_status_(status));
@@ -61,18 +61,28 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::CheckpointEvent> {
     Pump();
   }
 
-  // Ends the stream (the daemon is shutting down).
-  void Stop() { FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the daemon is shutting down")); }
+  // Ends the stream (the daemon is shutting down). A write its watcher is not
+  // reading is cancelled, so the stream ends now, not when it reads.
+  void Stop() {
+    FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the daemon is shutting down"));
+    ctx_->TryCancel();
+  }
 
   void OnWriteDone(bool ok) override {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (pending_finish_) {  // Finish waited for this write
+        finished_ = true;
+        Finish(*pending_finish_);
+        return;
+      }
+    }
     if (!ok) {
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the watcher went away"));
       return;
     }
-    {
-      absl::MutexLock lock(&mu_);
-      writing_ = false;
-    }
+    hub_->streams_.Progress(ticket_, event_bytes_);
     Pump();
   }
   void OnCancel() override { FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")); }
@@ -82,7 +92,7 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::CheckpointEvent> {
       handle_->reactor = nullptr;
     }
     if (listener_ != 0) hub_->registry_->RemoveListener(listener_);
-    if (added_) hub_->Remove(this);
+    if (ticket_ != 0) hub_->Remove(this, ticket_);
     delete this;
   }
 
@@ -118,9 +128,7 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::CheckpointEvent> {
         return absl::InvalidArgumentError(absl::StrCat("known lists '", k.name(), "' twice"));
       }
     }
-    absl::Status admitted;
-    if (!hub_->Add(this, &admitted)) return admitted;
-    added_ = true;
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, hub_->Add(this, ctx.peer()));
     cursor_ =
         std::make_unique<WatchCursor>(hub_->registry_, WatchScope{request.name(), request.prefix()}, std::move(known));
     {
@@ -136,42 +144,69 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::CheckpointEvent> {
   }
 
   // Writes the next event the watcher is owed, unless a write is under way.
+  // StartWrite and Finish are called under mu_, so neither can come between
+  // the other's decision and its call (gRPC runs the reactions they cause on
+  // its own threads, never inline).
   void Pump() {
-    {
-      absl::MutexLock lock(&mu_);
-      if (writing_ || finished_) return;
-      std::optional<CheckpointUpdate> update = cursor_->Next();
-      if (!update) return;
-      event_.Clear();
-      ToProto(*update, &event_);
-      writing_ = true;
-    }
+    absl::MutexLock lock(&mu_);
+    if (writing_ || finished_ || pending_finish_) return;
+    std::optional<CheckpointUpdate> update = cursor_->Next();
+    if (!update) return;
+    event_.Clear();
+    ToProto(*update, &event_);
+    event_bytes_ = event_.ByteSizeLong();
+    writing_ = true;
     StartWrite(&event_);
   }
 
+  // Finishes with `status` once: now, or when the write in flight completes.
   void FinishOnce(const grpc::Status& status) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (finished_) return;
-      finished_ = true;
+    absl::MutexLock lock(&mu_);
+    if (finished_ || pending_finish_) return;
+    if (writing_) {
+      pending_finish_ = status;
+      return;
     }
+    finished_ = true;
     Finish(status);
   }
 
   WatchHub* hub_;
+  grpc::CallbackServerContext* ctx_;
   std::shared_ptr<Handle> handle_ = std::make_shared<Handle>();
   std::unique_ptr<WatchCursor> cursor_;
   uint64_t listener_ = 0;
-  bool added_ = false;
+  uint64_t ticket_ = 0;  // from the hub's governor, once admitted
   absl::Mutex mu_;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> pending_finish_ ABSL_GUARDED_BY(mu_);
   v1::CheckpointEvent event_;  // the write in flight
+  uint64_t event_bytes_ = 0;
 };
+
+namespace {
+
+// Watches idle for as long as nothing changes: never reclaimed for stalling
+// (min_bytes 0); a watcher that stops reading holds one event.
+StreamLimits GovernorLimits(const WatchLimits& limits) {
+  return StreamLimits{.total = limits.max_watches,
+                      .per_peer = limits.max_watches_per_peer,
+                      .min_bytes = 0,
+                      .what = "WatchCheckpoints streams",
+                      .total_flag = "--max-watches",
+                      .per_peer_flag = "--max-watches-per-peer"};
+}
+
+}  // namespace
 
 WatchHub::WatchHub(CheckpointRegistry* registry, const Authenticator* auth, WatchLimits limits,
                    std::function<grpc::Status(const absl::Status&)> client_status)
-    : registry_(registry), auth_(auth), limits_(limits), client_status_(std::move(client_status)) {}
+    : registry_(registry),
+      auth_(auth),
+      limits_(limits),
+      client_status_(std::move(client_status)),
+      streams_(GovernorLimits(limits)) {}
 
 WatchHub::~WatchHub() { Stop(); }
 
@@ -180,22 +215,16 @@ grpc::ServerWriteReactor<v1::CheckpointEvent>* WatchHub::Start(grpc::CallbackSer
   return new WatchReactor(this, ctx, request);
 }
 
-bool WatchHub::Add(WatchReactor* reactor, absl::Status* status) {
+absl::StatusOr<uint64_t> WatchHub::Add(WatchReactor* reactor, absl::string_view peer) {
   absl::MutexLock lock(&mu_);
-  if (stopped_) {
-    *status = absl::UnavailableError("the daemon is shutting down");
-    return false;
-  }
-  if (static_cast<int>(reactors_.size()) >= limits_.max_watches) {
-    *status = absl::ResourceExhaustedError(
-        absl::StrCat("this daemon serves ", limits_.max_watches, " watches at once (weightstored --max-watches)"));
-    return false;
-  }
+  if (stopped_) return absl::UnavailableError("the daemon is shutting down");
+  WEIGHTSTORE_ASSIGN_OR_RETURN(uint64_t ticket, streams_.Admit(peer, [] {}));
   reactors_.insert(reactor);
-  return true;
+  return ticket;
 }
 
-void WatchHub::Remove(WatchReactor* reactor) {
+void WatchHub::Remove(WatchReactor* reactor, uint64_t ticket) {
+  streams_.Release(ticket);
   absl::MutexLock lock(&mu_);
   reactors_.erase(reactor);
 }

@@ -15,6 +15,7 @@
 #include "core/watch_cursor.h"
 #include "server/auth.h"
 #include "server/options.h"
+#include "server/stream_governor.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore::server {
@@ -37,14 +38,16 @@ class WatchHub {
 
  private:
   friend class WatchReactor;
-  // Admits `reactor` (false: refused, with `*status` set).
-  bool Add(WatchReactor* reactor, absl::Status* status);
-  void Remove(WatchReactor* reactor);
+  // Admits `reactor`, from `peer`: a governor ticket, or ResourceExhausted
+  // naming the limit (Unavailable once stopped).
+  absl::StatusOr<uint64_t> Add(WatchReactor* reactor, absl::string_view peer);
+  void Remove(WatchReactor* reactor, uint64_t ticket);
 
   CheckpointRegistry* registry_;
   const Authenticator* auth_;
   const WatchLimits limits_;
   std::function<grpc::Status(const absl::Status&)> client_status_;
+  StreamGovernor streams_;  // counts, per client address too
   mutable absl::Mutex mu_;
   std::set<WatchReactor*> reactors_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;

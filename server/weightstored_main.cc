@@ -147,6 +147,10 @@ int main(int argc, char** argv) {
   app.add_option("--max-watches", options.service.watches.max_watches, "WatchCheckpoints streams at once")
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
+  app.add_option("--max-watches-per-peer", options.service.watches.max_watches_per_peer,
+                 "WatchCheckpoints streams at once from one client address")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
   bool preload_all = false;
   app.add_flag("--preload", preload_all,
                "Read every checkpoint into sealed shared memory when loaded (models on network storage)");

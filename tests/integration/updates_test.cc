@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <thread>
 
@@ -59,6 +60,7 @@ class Model {
     Add("ln_f.bias", {32});
   }
   size_t size() const { return tensors_.size(); }
+  const std::vector<SharedTensor>& tensors() const { return tensors_; }
   const std::string& name(size_t i) const { return tensors_[i].spec.name; }
   // New values for tensor i.
   void Change(size_t i) { tensors_[i] = Random(tensors_[i].spec.name, tensors_[i].spec.shape); }
@@ -98,6 +100,7 @@ class Watcher {
       absl::Status status = store->Watch(options, [this](const CheckpointEvent& e) {
         absl::MutexLock lock(&mu_);
         events_.push_back(e);
+        last_event_at_ = std::chrono::steady_clock::now();
         return true;
       });
       absl::MutexLock lock(&mu_);
@@ -111,6 +114,11 @@ class Watcher {
     if (thread_.joinable()) thread_.join();
     absl::MutexLock lock(&mu_);
     return status_;
+  }
+  // When the last event arrived.
+  std::chrono::steady_clock::time_point last_event_at() {
+    absl::MutexLock lock(&mu_);
+    return last_event_at_;
   }
   // Waits up to 10 s for an event `match` accepts, and returns it.
   std::optional<CheckpointEvent> WaitFor(const std::function<bool(const CheckpointEvent&)>& match) {
@@ -132,6 +140,7 @@ class Watcher {
   absl::Mutex mu_;
   std::vector<CheckpointEvent> events_ ABSL_GUARDED_BY(mu_);
   size_t seen_ ABSL_GUARDED_BY(mu_) = 0;
+  std::chrono::steady_clock::time_point last_event_at_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
@@ -140,11 +149,16 @@ class Watcher {
 bool IsReplacement(const CheckpointEvent& e) { return e.kind == CheckpointEvent::Kind::kReplaced; }
 bool IsSynced(const CheckpointEvent& e) { return e.kind == CheckpointEvent::Kind::kSynced; }
 
+// The same tensors, by name (a written file may order them otherwise).
 void ExpectSameTensors(const std::vector<SharedTensor>& got, const std::vector<SharedTensor>& want) {
   ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_EQ(got[i].spec, want[i].spec);
-    EXPECT_EQ(got[i].bytes.view(), want[i].bytes.view()) << got[i].spec.name;
+  std::map<std::string, const SharedTensor*> wanted;
+  for (const SharedTensor& t : want) wanted[t.spec.name] = &t;
+  for (const SharedTensor& t : got) {
+    auto it = wanted.find(t.spec.name);
+    ASSERT_NE(it, wanted.end()) << t.spec.name;
+    EXPECT_EQ(t.spec, it->second->spec);
+    EXPECT_EQ(t.bytes.view(), it->second->bytes.view()) << t.spec.name;
   }
 }
 
@@ -350,6 +364,113 @@ TEST_F(UpdatesTest, TheCliWatchesAndFetchesOnlyWhatChangedSinceAVersion) {
   EXPECT_EQ((*Checkpoint::Open(file))->size(), model_.size());
 }
 
+TEST_F(UpdatesTest, ATrainerPushesFiveVersionsAndTwoWatchersApplyEachDeltaBitForBit) {
+  // The trainer holds the model and pushes only what it changed; one watcher
+  // over gRPC, one following a prefix from another connection.
+  client::HeldTensors a, b;
+  ASSERT_OK(client::UpdateTensors(*store_, "gpt", {}, &a).status());
+  b = a;
+  auto other = *client::ConnectRemoteStore(daemon_->address());
+  Watcher watcher(store_.get(), {.name = "gpt", .known = {{"gpt", a.version}}});
+  Watcher prefix_watcher(other.get(), {.prefix = "gp", .known = {{"gpt", b.version}}});
+  ASSERT_TRUE(watcher.WaitFor(IsSynced));
+  ASSERT_TRUE(prefix_watcher.WaitFor(IsSynced));
+  std::string base = a.version;
+  for (int v = 0; v < 5; ++v) {
+    SCOPED_TRACE(absl::StrCat("push ", v + 1));
+    client::PushRequest push{.base_version = base};
+    std::vector<std::string> changed;
+    for (size_t i = 5 * static_cast<size_t>(v) + 1; i < 5 * static_cast<size_t>(v) + 6; ++i) {
+      model_.Change(i);
+      push.tensors.push_back(model_.tensors()[i]);
+      changed.push_back(model_.name(i));
+    }
+    const auto began = std::chrono::steady_clock::now();
+    ASSERT_OK_AND_ASSIGN(client::CheckpointSummary pushed, store_->Push("gpt", push));
+    const double push_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
+    EXPECT_NE(pushed.version, base);
+    base = pushed.version;
+    for (Watcher* w : {&watcher, &prefix_watcher}) {
+      std::optional<CheckpointEvent> event = w->WaitFor(IsReplacement);
+      ASSERT_TRUE(event.has_value());
+      std::printf("push %d: the push took %.1f ms; the watcher had its event %.1f ms after the push began\n", v + 1,
+                  push_ms, std::chrono::duration<double, std::milli>(w->last_event_at() - began).count());
+      EXPECT_EQ(event->new_version, pushed.version);
+      EXPECT_THAT(event->changed, UnorderedElementsAreArray(changed));
+    }
+    for (client::HeldTensors* held : {&a, &b}) {
+      ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store_, "gpt", {}, held));
+      EXPECT_TRUE(r.delta) << r.full_reason;
+      EXPECT_THAT(r.changed, UnorderedElementsAreArray(changed));
+      ExpectSameTensors(held->tensors, model_.tensors());  // the trainer's state, bit for bit
+    }
+  }
+}
+
+TEST_F(UpdatesTest, BadPushesAreRefusedWithClearErrorsAndChangeNothing) {
+  const std::string v1 = Version();
+  const std::string bytes_before = testing::ReadFileOrEmpty(path_);
+  SharedTensor t = model_.tensors()[3];
+  SharedTensor wrong_shape{{t.spec.name, DType::kF32, {t.spec.shape[0] / 2, t.spec.shape[1] * 2}}, t.bytes};
+  EXPECT_THAT(store_->Push("gpt", {.base_version = v1, .tensors = {wrong_shape}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(t.spec.name)));
+  SharedTensor wrong_dtype{{t.spec.name, DType::kI32, t.spec.shape}, t.bytes};
+  EXPECT_THAT(store_->Push("gpt", {.base_version = v1, .tensors = {wrong_dtype}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is I32")));
+  EXPECT_THAT(store_->Push("gpt", {.base_version = "0123abcd", .tensors = {t}}),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("0123abcd")));
+  EXPECT_THAT(store_->Push("nope", {.base_version = v1, .tensors = {t}}), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(Version(), v1);
+  EXPECT_EQ(testing::ReadFileOrEmpty(path_), bytes_before);
+  for (const auto& e : std::filesystem::directory_iterator(models_)) {
+    EXPECT_EQ(e.path().filename(), "gpt.safetensors");  // no staging file left behind
+  }
+}
+
+TEST_F(UpdatesTest, ADeltaUnderContiguousIndicesFallsBackWhenTensorsComeOrGo) {
+  // h.1's tensors are removed: with contiguous indices, "h.2..." is then
+  // served as "h.1...", from a tensor the client does not hold under that name.
+  client::Query contiguous;
+  contiguous.selection.contiguous_indices = true;
+  client::HeldTensors held;
+  ASSERT_OK(client::UpdateTensors(*store_, "gpt", contiguous, &held).status());
+  std::vector<std::string> remove;
+  for (size_t i = 0; i < model_.size(); ++i) {
+    if (model_.name(i).rfind("h.1.", 0) == 0) remove.push_back(model_.name(i));
+  }
+  ASSERT_OK(store_->Push("gpt", {.base_version = held.version, .remove = remove}).status());
+  ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store_, "gpt", contiguous, &held));
+  EXPECT_FALSE(r.delta);
+  EXPECT_THAT(r.full_reason, HasSubstr("contiguous indices"));
+  ASSERT_OK_AND_ASSIGN(auto full, store_->FetchAll("gpt", contiguous));
+  ExpectSameTensors(held.tensors, full);
+  // Without renumbering the same push is a delta.
+  client::HeldTensors plain;
+  ASSERT_OK(client::UpdateTensors(*store_, "gpt", {}, &plain).status());
+  model_.Change(0);
+  ASSERT_OK(store_->Push("gpt", {.base_version = plain.version, .tensors = {model_.tensors()[0]}}).status());
+  ASSERT_OK_AND_ASSIGN(client::UpdateResult p, client::UpdateTensors(*store_, "gpt", {}, &plain));
+  EXPECT_TRUE(p.delta) << p.full_reason;
+  EXPECT_EQ(p.fetched_tensors, 1u);
+}
+
+TEST_F(UpdatesTest, TheCliPushesOnlyTheTensorsThatChanged) {
+  const std::string cli = testing::ShellQuote(testing::CliPath());
+  const std::string v1 = Version();
+  for (size_t i : {2, 9, 17}) model_.Change(i);
+  const std::string file = testing::MakeScratchDir("cli-push") + "/next.safetensors";
+  model_.Publish(file);
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(
+                absl::StrCat(cli, " push --server ", daemon_->address(), " gpt ", file, " --only-changed"), &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("pushed 3 of ", model_.size(), " tensors")));
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("(was ", v1, ")")));
+  ASSERT_OK_AND_ASSIGN(auto served, store_->FetchAll("gpt", {}));
+  ExpectSameTensors(served, model_.tensors());
+}
+
 TEST(UpdatesLimitsTest, WatchesAreCappedAuthenticatedAndEndedAtShutdown) {
   const std::string models = testing::MakeScratchDir("watch-limits");
   Model(1).Publish(models + "/m.safetensors");
@@ -363,6 +484,15 @@ TEST(UpdatesLimitsTest, WatchesAreCappedAuthenticatedAndEndedAtShutdown) {
   auto anonymous = *client::ConnectRemoteStore(daemon.address());
   EXPECT_THAT(anonymous->Watch({}, [](const CheckpointEvent&) { return true; }),
               StatusIs(absl::StatusCode::kUnauthenticated));
+  // Pushing takes the admin scope.
+  const std::string v1 = store->GetCheckpoint("m")->version;
+  Model model(1);
+  model.Change(0);
+  EXPECT_THAT(store->Push("m", {.base_version = v1, .tensors = {model.tensors()[0]}}),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(anonymous->Push("m", {.base_version = v1, .tensors = {model.tensors()[0]}}),
+              StatusIs(absl::StatusCode::kUnauthenticated));
+  EXPECT_EQ(store->GetCheckpoint("m")->version, v1);
   Watcher first(store.get(), {});
   ASSERT_TRUE(first.WaitFor(IsSynced));
   EXPECT_THAT(store->Watch({}, [](const CheckpointEvent&) { return true; }),
@@ -370,8 +500,8 @@ TEST(UpdatesLimitsTest, WatchesAreCappedAuthenticatedAndEndedAtShutdown) {
   // An open watch must not hold the daemon for its 20 s grace.
   const auto start = std::chrono::steady_clock::now();
   daemon.Signal(SIGTERM);
-  EXPECT_EQ(daemon.WaitExit(10000), 0) << daemon.log();
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(daemon.WaitExit(15000), 0) << daemon.log();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
 
 }  // namespace
