@@ -229,6 +229,42 @@ absl::Status WriteVersion(const std::string& path, uint64_t count, int version) 
   return absl::OkStatus();
 }
 
+// Times the first REPLACED event of checkpoint "big" after `version`, on a
+// watch of its own thread, open once constructed.
+class EventTimer {
+ public:
+  EventTimer(client::Store* store, const std::string& version) {
+    thread_ = std::thread([this, store, version] {
+      (void)store->Watch({.name = "big", .known = {{"big", version}}, .cancel = cancel_},
+                         [this](const client::CheckpointEvent& e) {
+                           if (e.kind != client::CheckpointEvent::Kind::kReplaced) return true;
+                           absl::MutexLock lock(&mu_);
+                           event_at_ = Clock::now();
+                           return false;
+                         });
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the watch is open
+  }
+  ~EventTimer() {
+    *cancel_ = true;
+    thread_.join();
+  }
+  // When the event came; nullopt if it did not within 60 s.
+  std::optional<Clock::time_point> Wait() {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(
+                             +[](std::optional<Clock::time_point>* t) { return t->has_value(); }, &event_at_),
+                         absl::Seconds(60));
+    return event_at_;
+  }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> cancel_ = std::make_shared<std::atomic<bool>>(false);
+  absl::Mutex mu_;
+  std::optional<Clock::time_point> event_at_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
 // Weight updates (issue 15): digests at load beside CRC32C of the same bytes;
 // the time from a new version's file to a watcher's event; a delta fetch after
 // a tenth of the tensors changed beside a full fetch of the same version.
@@ -268,30 +304,11 @@ int RunUpdates(const std::string& models, uint64_t count) {
   }
   std::printf("first fetch (full): %.2f GB/s\n", total / Since(start) / 1e9);
   for (int version = 2; version <= 4; ++version) {
-    absl::Mutex mu;
-    std::optional<Clock::time_point> event_at;
-    auto cancel = std::make_shared<std::atomic<bool>>(false);
-    std::thread watcher([&] {
-      (void)watcher_store->Watch({.name = "big", .known = {{"big", held.version}}, .cancel = cancel},
-                                 [&](const client::CheckpointEvent& e) {
-                                   if (e.kind != client::CheckpointEvent::Kind::kReplaced) return true;
-                                   absl::MutexLock lock(&mu);
-                                   event_at = Clock::now();
-                                   return false;
-                                 });
-    });
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the watch is open
+    EventTimer timer(watcher_store.get(), held.version);
     if (absl::Status s = WriteVersion(path, count, version); !s.ok()) return 1;
     const auto committed = Clock::now();
     ::kill(daemon.pid, SIGHUP);  // rescan
-    {
-      absl::MutexLock lock(&mu);
-      mu.AwaitWithTimeout(absl::Condition(
-                              +[](std::optional<Clock::time_point>* t) { return t->has_value(); }, &event_at),
-                          absl::Seconds(60));
-    }
-    *cancel = true;
-    watcher.join();
+    std::optional<Clock::time_point> event_at = timer.Wait();
     if (!event_at) return 1;
     const double event_ms = std::chrono::duration<double, std::milli>(*event_at - committed).count();
     start = Clock::now();
@@ -312,6 +329,36 @@ int RunUpdates(const std::string& models, uint64_t count) {
         static_cast<unsigned long long>(delta->fetched_bytes >> 20), delta_s,
         static_cast<unsigned long long>(total >> 20), full_s, 100.0 * delta->fetched_bytes / total,
         100.0 * delta_s / full_s);
+  }
+  // Pushes: the changed tensors only, from this process; the daemon writes the
+  // whole checkpoint and digests only what was pushed.
+  for (int version = 5; version <= 7; ++version) {
+    client::PushRequest push{.base_version = held.version};
+    SharedBytes changed = SharedBytes::FromVector(std::vector<std::byte>(kTensorBytes, std::byte(200 + version)));
+    for (uint64_t i = 3; i < count; i += 10) {
+      push.tensors.push_back({{absl::StrCat("w.", i), DType::kF32, {kTensorBytes / 4}}, changed});
+    }
+    EventTimer timer(watcher_store.get(), held.version);
+    const auto began = Clock::now();
+    auto pushed = store->Push("big", push);
+    const auto returned = Clock::now();
+    if (!pushed.ok()) {
+      std::fprintf(stderr, "bench: %s\n", pushed.status().ToString().c_str());
+      return 1;
+    }
+    std::optional<Clock::time_point> event_at = timer.Wait();
+    if (!event_at) return 1;
+    auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+    start = Clock::now();
+    auto delta = client::UpdateTensors(*store, "big", {}, &held);
+    const double delta_s = Since(start);
+    if (!delta.ok() || !delta->delta) return 1;
+    std::printf(
+        "push %d: %zu tensors, %llu MiB sent; the push took %.0f ms (the daemon rewrites %llu MiB); the event came "
+        "%.1f ms after it returned (%.0f ms after it began); the delta fetch took %.3f s\n",
+        version - 4, push.tensors.size(), static_cast<unsigned long long>(push.tensors.size() * kTensorBytes >> 20),
+        ms(returned - began), static_cast<unsigned long long>(total >> 20), ms(*event_at - returned),
+        ms(*event_at - began), delta_s);
   }
   struct rusage usage;
   ::getrusage(RUSAGE_SELF, &usage);
