@@ -2,7 +2,13 @@
 #include "core/push.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "core/checked_math.h"
@@ -14,6 +20,7 @@
 #include "core/status_util.h"
 
 namespace weightstore {
+namespace fs = std::filesystem;
 
 absl::Status PushSession::BeginTensor(const TensorSpec& spec, uint32_t crc32c) {
   if (current_) WEIGHTSTORE_RETURN_IF_ERROR(EndTensor());
@@ -26,22 +33,34 @@ absl::Status PushSession::BeginTensor(const TensorSpec& spec, uint32_t crc32c) {
   if (spec.shape.size() > kMaxRank || !numel || !CheckedMul(*numel, DTypeSize(spec.dtype))) {
     return absl::InvalidArgumentError(absl::StrCat(where, " has a shape whose byte size overflows"));
   }
-  if (pushed_.size() >= max_tensors_) {
-    return absl::ResourceExhaustedError(absl::StrCat(where, ": more than ", max_tensors_, " tensors pushed"));
-  }
   if (by_name_.contains(spec.name)) return absl::InvalidArgumentError(absl::StrCat(where, " was pushed twice"));
-  if (removed_.contains(spec.name)) return absl::InvalidArgumentError(absl::StrCat(where, " is also removed"));
-  const CheckpointEntry* before = base_->checkpoint()->Find(spec.name);
-  if (before == nullptr && !options_.allow_new_tensors) {
+  // A removed tensor pushed again is redefined: another dtype or shape.
+  const bool redefined = removed_.contains(spec.name);
+  if (redefined && !options_.allow_new_tensors) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, " is not in version ", base_->version(), " (pushing new tensors needs allow_new_tensors)"));
+        absl::StrCat(where, " is also removed (redefining a tensor needs allow_new_tensors)"));
+  }
+  const CheckpointEntry* before = redefined ? nullptr : base_->checkpoint()->Find(spec.name);
+  if (before == nullptr && !redefined) {
+    if (!options_.allow_new_tensors) {
+      return absl::InvalidArgumentError(absl::StrCat(where, " is not in version ", base_->version(),
+                                                     " (pushing new tensors needs allow_new_tensors)"));
+    }
+    // The new version's tensor count: the base's, less the removed, plus the new.
+    if (base_->checkpoint()->size() - removed_.size() + new_tensors_ >= max_tensors_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(where, ": the new version would have more than ", max_tensors_, " tensors"));
+    }
+    ++new_tensors_;
   }
   if (before != nullptr && (before->spec.dtype != spec.dtype || before->spec.shape != spec.shape)) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, " is ", DTypeName(spec.dtype), " ", ShapeToString(spec.shape), ", but ", DTypeName(before->spec.dtype),
         " ", ShapeToString(before->spec.shape), " in version ", base_->version()));
   }
-  if (spec.byte_size() > max_bytes_ - bytes_) {
+  // Names count too: a push of many empty tensors still costs their names.
+  const uint64_t cost = spec.byte_size() + spec.name.size();
+  if (cost > max_bytes_ - bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(where, ": the push passes ", max_bytes_, " bytes"));
   }
   by_name_.emplace(spec.name, pushed_.size());
@@ -49,7 +68,7 @@ absl::Status PushSession::BeginTensor(const TensorSpec& spec, uint32_t crc32c) {
   current_.emplace();
   current_->index = pushed_.size() - 1;
   current_->expected_crc = crc32c;
-  bytes_ += spec.byte_size();
+  bytes_ += cost;
   return absl::OkStatus();
 }
 
@@ -84,6 +103,34 @@ absl::Status PushSession::EndTensor() {
   return absl::OkStatus();
 }
 
+namespace {
+
+int64_t NowUnixSeconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// The path of a file named like an AtomicFile temporary beside `path` (so a
+// rescan neither serves it nor, while it is young or locked, removes it).
+std::string PushedFilePath(const std::string& path) {
+  static std::atomic<uint64_t> counter{0};
+  const fs::path p(path);
+  return (p.parent_path() / absl::StrCat(".", p.filename().string(), ".new.", ::getpid(), "-", ++counter, ".tmp"))
+      .string();
+}
+
+// OpenOptions that read the checkpoint from `fd` (duplicated), whatever path
+// it is opened under.
+OpenOptions FromDescriptor(OpenOptions open, int fd) {
+  open.open_file = [fd](const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
+    const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (copy < 0) return StatusFromErrno(errno, absl::StrCat("cannot read '", path, "'"));
+    return MappedFile::FromDescriptor(copy, path);
+  };
+  return open;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<PushSession>> CheckpointRegistry::BeginPush(const std::string& name,
                                                                            PushOptions options) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const CheckpointVersion> base, Find(name));
@@ -93,6 +140,10 @@ absl::StatusOr<std::unique_ptr<PushSession>> CheckpointRegistry::BeginPush(const
                                            base->version()));
   }
   const Checkpoint& checkpoint = *base->checkpoint();
+  if (base->preloaded_bytes() > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("push to '", name, "': it is preloaded into memory (--preload); pushes rewrite files"));
+  }
   if (!checkpoint.format().writable() || checkpoint.files().size() != 1) {
     return absl::FailedPreconditionError(absl::StrCat(
         "push to '", name, "': it is ", checkpoint.files().size() == 1 ? "" : "a multi-file ", checkpoint.format().name,
@@ -104,6 +155,21 @@ absl::StatusOr<std::unique_ptr<PushSession>> CheckpointRegistry::BeginPush(const
     if (it != served_.end() && it->second.pinned) {
       return absl::FailedPreconditionError(
           absl::StrCat("push to '", name, "': it was loaded from outside the models folder"));
+    }
+  }
+  {
+    // The file is written where it lies: under the models folder, through no
+    // symlink (which could lead out of it), and not a symlink itself.
+    std::error_code ec;
+    const fs::path models = fs::canonical(options_.models_dir, ec);
+    const fs::path file = fs::absolute(base->path(), ec).lexically_normal();
+    const fs::path relative = file.lexically_relative(fs::absolute(options_.models_dir, ec).lexically_normal());
+    const fs::path real = fs::canonical(file, ec);
+    if (ec || relative.empty() || *relative.begin() == ".." || real != models / relative ||
+        fs::is_symlink(fs::symlink_status(file, ec))) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "push to '", name,
+          "': its file is reached through a symlink; pushes rewrite only real files in the models folder"));
     }
   }
   if (options.remove.size() > checkpoint.size()) {
@@ -134,47 +200,39 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   WEIGHTSTORE_RETURN_IF_ERROR(session->EndTensor());
   const std::string& name = session->name_;
   const CheckpointVersion& base = *session->base_;
-  // One at a time with scans and loads: the base must still be current when
-  // the new version replaces it.
-  NotifyOnExit notify(this);
-  absl::MutexLock scan_lock(&scan_mu_);
-  std::shared_ptr<const CheckpointVersion> current = Get(name);
-  if (current == nullptr || current->version() != base.version()) {
-    return absl::AbortedError(absl::StrCat("push to '", name, "': version ", base.version(),
-                                           " was replaced while the push was sent; nothing was published"));
+  if (session->pushed_.empty() && session->removed_.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("push to '", name, "' changes nothing: no tensor was pushed or removed"));
   }
   WEIGHTSTORE_RETURN_IF_ERROR(session->staging_->Flush());
   const int fd = ::fcntl(session->staging_->fd(), F_DUPFD_CLOEXEC, 0);
   if (fd < 0) return StatusFromErrno(errno, absl::StrCat("cannot read '", session->staging_->temp_path(), "'"));
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> staged,
                                MappedFile::FromDescriptor(fd, session->staging_->temp_path()));
+
+  // 1. The new file, written beside the base without the scan lock (scans,
+  //    loads and other checkpoints' pushes go on), under a temporary's name.
   const Checkpoint& checkpoint = *base.checkpoint();
-  // The unchanged tensors are read from the base while the file is written:
-  // it must still be as opened once they all are, before the file replaces it
-  // (after, the replaced file's link count, and so its ctime, has changed).
-  WEIGHTSTORE_ASSIGN_OR_RETURN(
-      auto writer, CheckpointWriter::Create(base.path(), checkpoint.format(), {.overwrite = true, .before_commit = [&] {
-                                                                                 return base.CheckUnchanged();
-                                                                               }}));
+  const std::string written_path = PushedFilePath(base.path());
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(written_path, checkpoint.format()));
   writer->SetMetadata(checkpoint.metadata());
-  // The known digests of what is written: the base's, and the pushed ones.
-  std::vector<ManifestTensor> known;
+  std::vector<ManifestTensor> known;  // digests of what is written: the base's and the pushed
   auto push_bytes = [&](const PushSession::Pushed& p) -> BytesProducer {
     known.push_back({p.spec.name, p.spec.dtype, p.spec.shape, p.digest});
     SharedBytes bytes = staged->bytes().Subspan(p.offset, p.spec.byte_size());
     return [bytes] { return absl::StatusOr<SharedBytes>(bytes); };
   };
   for (const CheckpointEntry& entry : checkpoint.entries()) {
-    if (session->removed_.contains(entry.spec.name)) continue;
-    TensorSpec spec = entry.spec;
-    if (auto p = session->by_name_.find(spec.name); p != session->by_name_.end()) {
-      WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(std::move(spec), push_bytes(session->pushed_[p->second])));
+    if (auto p = session->by_name_.find(entry.spec.name); p != session->by_name_.end()) {  // replaced or redefined
+      const PushSession::Pushed& pushed = session->pushed_[p->second];
+      WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(pushed.spec, push_bytes(pushed)));
       continue;
     }
-    if (base.manifest() != nullptr) known.push_back(*base.manifest()->Find(spec.name));
+    if (session->removed_.contains(entry.spec.name)) continue;
+    if (base.manifest() != nullptr) known.push_back(*base.manifest()->Find(entry.spec.name));
     std::shared_ptr<const Checkpoint> source = base.checkpoint();
     const CheckpointEntry* e = &entry;
-    WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(std::move(spec), [source, e]() -> absl::StatusOr<SharedBytes> {
+    WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(entry.spec, [source, e]() -> absl::StatusOr<SharedBytes> {
       WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, source->Read(*e));
       return std::move(t.bytes);
     }));
@@ -182,9 +240,70 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   for (const PushSession::Pushed& p : session->pushed_) {
     if (checkpoint.Find(p.spec.name) == nullptr) WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(p.spec, push_bytes(p)));
   }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, writer->Plan());
+  struct statvfs disk;
+  if (::statvfs(fs::path(base.path()).parent_path().c_str(), &disk) == 0 &&
+      static_cast<uint64_t>(disk.f_bavail) * disk.f_frsize < plan.file_size) {
+    return absl::ResourceExhaustedError(absl::StrCat("push to '", name, "': the new file needs ", plan.file_size,
+                                                     " bytes; its disk has ",
+                                                     static_cast<uint64_t>(disk.f_bavail) * disk.f_frsize));
+  }
   WEIGHTSTORE_RETURN_IF_ERROR(writer->Finish());
-  const CheckpointManifest known_manifest("", std::move(known));
-  WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, OpenVersion(name, base.path(), current.get(), &known_manifest));
+  // From here the written file is removed unless it is published. A shared
+  // lock keeps a rescan from taking it for an abandoned temporary.
+  struct Written {
+    std::string path;
+    int fd = -1;
+    bool published = false;
+    ~Written() {
+      if (!published) ::unlink(path.c_str());
+      if (fd >= 0) ::close(fd);
+    }
+  } written{written_path};
+  written.fd = ::open(written_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (written.fd < 0 || ::flock(written.fd, LOCK_SH) != 0) {
+    return StatusFromErrno(errno, absl::StrCat("cannot open '", written_path, "'"));
+  }
+  // It must open as a checkpoint before it replaces anything.
+  WEIGHTSTORE_RETURN_IF_ERROR(Checkpoint::Open(base.path(), FromDescriptor(options_.open, written.fd)).status());
+
+  // 2. Under the scan lock: the base must still be served, unchanged and the
+  //    file at its path; then the new file replaces it and is published.
+  NotifyOnExit notify(this);
+  absl::MutexLock scan_lock(&scan_mu_);
+  if (Get(name).get() != &base) {
+    return absl::AbortedError(absl::StrCat("push to '", name, "': version ", base.version(),
+                                           " was replaced or unloaded while the push was sent; nothing was published"));
+  }
+  absl::StatusOr<std::string> on_disk = FileVersion(base.path());
+  if (!base.CheckUnchanged().ok() || !on_disk.ok() || *on_disk != base.file_version()) {
+    return absl::AbortedError(absl::StrCat("push to '", name,
+                                           "': its file was written or replaced outside weightstored while the push "
+                                           "was sent; nothing was published"));
+  }
+  if (::rename(written_path.c_str(), base.path().c_str()) != 0) {
+    return StatusFromErrno(errno, absl::StrCat("cannot put the new version of '", name, "' in place"));
+  }
+  written.published = true;
+  if (const int folder = ::open(fs::path(base.path()).parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+      folder >= 0) {
+    ::fsync(folder);
+    ::close(folder);
+  }
+  // The version is the file written (opened from its descriptor, not by path
+  // again), so the digests carried over describe its bytes.
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> opened,
+                               Checkpoint::Open(base.path(), FromDescriptor(options_.open, written.fd)));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::string file_version, FileVersion(base.path()));
+  auto version = std::make_shared<CheckpointVersion>(name, base.path(), std::move(opened), file_version, file_version,
+                                                     NowUnixSeconds());
+  Prepare(version.get());
+  if (options_.tensor_digests) {
+    const CheckpointManifest known_manifest("", std::move(known));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const CheckpointManifest> manifest,
+                                 ComputeManifest(*version->checkpoint(), version->version(), known_manifest));
+    version->SetManifest(std::move(manifest));
+  }
   {
     absl::MutexLock lock(&mu_);
     (void)Watch(name, *version);  // best effort: the synchronous checks remain
@@ -192,7 +311,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
     served_[name].current = version;
   }
   notify.Add(name);
-  return version;
+  return std::shared_ptr<const CheckpointVersion>(std::move(version));
 }
 
 }  // namespace weightstore

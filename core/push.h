@@ -29,7 +29,8 @@ struct PushOptions {
   // The version the push was made against: it must still be the current one
   // when the push finishes (else Aborted, and nothing is published).
   std::string base_version;
-  // Tensors of the base left out of the new version.
+  // Tensors of the base left out of the new version. One also pushed (with
+  // allow_new_tensors) is redefined: another dtype or shape, in its place.
   std::vector<std::string> remove;
   // Tensors the base does not have may be pushed (they go last, in push
   // order). Default: false, every pushed tensor must replace one of the
@@ -74,6 +75,7 @@ class PushSession {
   absl::flat_hash_set<std::string> removed_;
   uint64_t max_bytes_ = 0, bytes_ = 0;
   size_t max_tensors_ = 0, max_name_bytes_ = 0;
+  size_t new_tensors_ = 0;  // pushed tensors the base does not have
   std::unique_ptr<AtomicFile> staging_;
   std::vector<Pushed> pushed_;
   absl::flat_hash_map<std::string, size_t> by_name_;

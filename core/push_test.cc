@@ -48,6 +48,25 @@ class PushTest : public ::testing::Test {
     }
     return registry_.FinishPush(std::move(session));
   }
+  // A push of new values for "b", not yet finished.
+  std::unique_ptr<PushSession> PushOfB() {
+    auto session = registry_.BeginPush("m", {.base_version = base_->version()});
+    EXPECT_OK(session.status());
+    SharedTensor b = F32("b", {30, 40});
+    EXPECT_OK((*session)->BeginTensor(b.spec, Crc32c(b.bytes.view())));
+    EXPECT_OK((*session)->Append(b.bytes.view()));
+    return *std::move(session);
+  }
+  // Replaces the checkpoint file the way someone else would (by rename), with
+  // a one-tensor checkpoint; returns its bytes.
+  std::string ReplaceFromOutside() {
+    std::this_thread::sleep_for(std::chrono::milliseconds(15));  // coarse timestamps
+    const std::string temporary = path() + ".tmp-other";
+    const std::string theirs = *SerializeCheckpoint(kSafeTensorsFormat, {F32("a", {0, 0})}, {});
+    testing::WriteFileOrDie(temporary, theirs);
+    EXPECT_EQ(std::rename(temporary.c_str(), path().c_str()), 0);
+    return theirs;
+  }
   // The folder holds the checkpoint alone (no staging or writer temporaries),
   // and it still holds the base's bytes.
   void ExpectNothingChanged() {
@@ -133,22 +152,62 @@ TEST_F(PushTest, BadPushesAreRefusedNamingTheTensorAndChangeNothing) {
 }
 
 TEST_F(PushTest, APushWhoseBaseWasReplacedMeanwhilePublishesNothing) {
-  ASSERT_OK_AND_ASSIGN(auto session, registry_.BeginPush("m", {.base_version = base_->version()}));
-  SharedTensor b = F32("b", {30, 40});
-  ASSERT_OK(session->BeginTensor(b.spec, Crc32c(b.bytes.view())));
-  ASSERT_OK(session->Append(b.bytes.view()));
-  std::this_thread::sleep_for(std::chrono::milliseconds(15));  // coarse timestamps
-  const std::string temporary = path() + ".tmp-other";
-  testing::WriteFileOrDie(temporary, *SerializeCheckpoint(kSafeTensorsFormat, {F32("a", {0, 0})}, {}));
-  ASSERT_EQ(std::rename(temporary.c_str(), path().c_str()), 0);
+  std::unique_ptr<PushSession> session = PushOfB();
+  const std::string theirs = ReplaceFromOutside();
   registry_.Rescan();
   auto other = registry_.Get("m");
   ASSERT_NE(other, base_);
   EXPECT_THAT(registry_.FinishPush(std::move(session)),
-              StatusIs(absl::StatusCode::kAborted, HasSubstr("was replaced while the push was sent")));
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("was replaced or unloaded while the push was sent")));
   EXPECT_EQ(registry_.Get("m"), other);
-  ASSERT_OK_AND_ASSIGN(auto reopened, Checkpoint::Open(path()));
-  EXPECT_EQ(reopened->size(), 1u);
+  EXPECT_EQ(testing::ReadFileOrEmpty(path()), theirs);
+}
+
+TEST_F(PushTest, AFileReplacedOutsideTheDaemonDuringAPushIsNotOverwritten) {
+  // An operator's `mv` the daemon has not rescanned yet: the push must not
+  // silently undo it.
+  std::unique_ptr<PushSession> session = PushOfB();
+  const std::string theirs = ReplaceFromOutside();
+  EXPECT_THAT(registry_.FinishPush(std::move(session)),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("replaced outside weightstored")));
+  EXPECT_EQ(testing::ReadFileOrEmpty(path()), theirs);
+  EXPECT_EQ(registry_.Get("m"), base_);
+  std::vector<std::string> files;  // no staged or written file left behind
+  for (const auto& e : std::filesystem::directory_iterator(models_)) files.push_back(e.path().filename());
+  EXPECT_THAT(files, ElementsAre("m.safetensors"));
+}
+
+TEST_F(PushTest, APushToACheckpointUnloadedMeanwhileDoesNotBringItBack) {
+  std::unique_ptr<PushSession> session = PushOfB();
+  ASSERT_OK(registry_.Unload("m"));
+  EXPECT_THAT(registry_.FinishPush(std::move(session)), StatusIs(absl::StatusCode::kAborted, HasSubstr("unloaded")));
+  EXPECT_EQ(registry_.Get("m"), nullptr);
+}
+
+TEST_F(PushTest, AnEmptyPushIsRefusedAndARemovedTensorCanBeRedefined) {
+  EXPECT_THAT(Push({}, {.base_version = base_->version()}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("changes nothing")));
+  SharedTensor wider{{"b", DType::kF32, {3}}, F32("b", {7, 8, 9}).bytes};
+  ASSERT_OK_AND_ASSIGN(auto pushed,
+                       Push({wider}, {.base_version = base_->version(), .remove = {"b"}, .allow_new_tensors = true}));
+  std::vector<std::string> names;
+  for (const auto& e : pushed->checkpoint()->entries()) names.push_back(e.spec.name);
+  EXPECT_THAT(names, ElementsAre("a", "b", "c"));  // in its place
+  EXPECT_EQ(pushed->checkpoint()->Find("b")->spec.shape, std::vector<uint64_t>{3});
+  EXPECT_THAT(DiffManifests(*base_->manifest(), *pushed->manifest()).changed, ElementsAre("b"));
+}
+
+TEST(PushPathTest, ACheckpointReachedThroughASymlinkIsNotRewritten) {
+  const std::string models = testing::MakeScratchDir("push-link");
+  const std::string elsewhere = testing::MakeScratchDir("push-elsewhere");
+  testing::WriteFileOrDie(elsewhere + "/real.safetensors",
+                          *SerializeCheckpoint(kSafeTensorsFormat, {F32("a", {1})}, {}));
+  std::filesystem::create_symlink(elsewhere + "/real.safetensors", models + "/m.safetensors");
+  CheckpointRegistry registry({.models_dir = models});
+  registry.Rescan();
+  ASSERT_NE(registry.Get("m"), nullptr);
+  EXPECT_THAT(registry.BeginPush("m", {.base_version = registry.Get("m")->version()}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("symlink")));
 }
 
 TEST(PushFormatTest, APyTorchCheckpointCannotBePushedTo) {

@@ -204,10 +204,9 @@ std::string CheckpointRegistry::Watch(const std::string& name, const CheckpointV
 }
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersion(
-    const std::string& name, const std::string& path, const CheckpointVersion* previous,
-    const CheckpointManifest* known) const {
+    const std::string& name, const std::string& path, const CheckpointVersion* previous) const {
   const auto start = std::chrono::steady_clock::now();
-  auto version = OpenVersionUntimed(name, path, previous, known);
+  auto version = OpenVersionUntimed(name, path, previous);
   if (options_.on_load) {
     options_.on_load(name, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
                      version.status());
@@ -216,8 +215,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
 }
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::OpenVersionUntimed(
-    const std::string& name, const std::string& path, const CheckpointVersion* previous,
-    const CheckpointManifest* known) const {
+    const std::string& name, const std::string& path, const CheckpointVersion* previous) const {
   const bool preload = options_.preload_all || options_.preload.contains(name);
   OpenOptions open = options_.open;
   SegmentCache::Reservation reservation;
@@ -245,24 +243,26 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
     }
     auto version =
         std::make_shared<CheckpointVersion>(name, path, std::move(checkpoint), after, std::move(id), NowUnixSeconds());
-    version->SetRelativePath(RelativePath(path));
+    Prepare(version.get());
     if (options_.tensor_digests) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const CheckpointManifest> manifest,
-                                   known != nullptr
-                                       ? ComputeManifest(*version->checkpoint(), version->version(), *known)
-                                       : ComputeManifest(*version->checkpoint(), version->version()));
+                                   ComputeManifest(*version->checkpoint(), version->version()));
       // The digests vouch for the bytes as opened: a file written meanwhile is
       // opened again.
       if (!version->CheckUnchanged().ok()) continue;
       version->SetManifest(std::move(manifest));
     }
     if (preload) version->HoldReservation(std::move(reservation));
-    version->SetOnStale([watcher = std::weak_ptr<FileWatcher>(watcher_)] {
-      if (auto w = watcher.lock()) w->Poke();  // a rescan soon reopens it
-    });
     return std::shared_ptr<const CheckpointVersion>(std::move(version));
   }
   return absl::UnavailableError(absl::StrCat("'", path, "' keeps changing while it is opened"));
+}
+
+void CheckpointRegistry::Prepare(CheckpointVersion* version) const {
+  version->SetRelativePath(RelativePath(version->path()));
+  version->SetOnStale([watcher = std::weak_ptr<FileWatcher>(watcher_)] {
+    if (auto w = watcher.lock()) w->Poke();  // a rescan soon reopens it
+  });
 }
 
 ScanReport CheckpointRegistry::Rescan() {
@@ -487,6 +487,12 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
   // undo it (remove an upload just committed, or put back an older version).
   NotifyOnExit notify(this);
   absl::MutexLock scan_lock(&scan_mu_);
+  return LoadLocked(path, name, &notify);
+}
+
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::LoadLocked(const std::string& path,
+                                                                                        const std::string& name,
+                                                                                        NotifyOnExit* notify) {
   if (path.empty() || path.size() > 4096 || path.find('\0') != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("path of ", path.size(), " bytes is not a path to load"));
   }
@@ -532,19 +538,19 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
     entry.current = version;
     entry.pinned = !in_models;
   }
-  notify.Add(served_name);
+  notify->Add(served_name);
   return version;
 }
 
 absl::Status CheckpointRegistry::Unload(const std::string& name) {
   WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(name, options_.max_name_bytes));
-  {
-    absl::MutexLock lock(&mu_);
-    if (served_.erase(name) == 0) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
-    if (watcher_ != nullptr) watcher_->Remove(name);
-    Published(name, nullptr);
-  }
-  Notify({name});
+  NotifyOnExit notify(this);
+  absl::MutexLock scan_lock(&scan_mu_);  // a push or load in progress publishes first, or not at all
+  absl::MutexLock lock(&mu_);
+  if (served_.erase(name) == 0) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
+  if (watcher_ != nullptr) watcher_->Remove(name);
+  Published(name, nullptr);
+  notify.Add(name);
   return absl::OkStatus();
 }
 
@@ -632,8 +638,12 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
     return absl::InvalidArgumentError(
         absl::StrCat("upload of '", session->name_, "' is not a valid checkpoint: ", check.status().message()));
   }
+  // Committed and served under the scan lock, so that a push or rescan sees
+  // either the old file or the new one served.
+  NotifyOnExit notify(this);
+  absl::MutexLock scan_lock(&scan_mu_);
   WEIGHTSTORE_RETURN_IF_ERROR(session->file_->Commit());
-  return Load(session->path_, session->name_);
+  return LoadLocked(session->path_, session->name_, &notify);
 }
 
 }  // namespace weightstore

@@ -251,15 +251,14 @@ class CheckpointRegistry {
   };
   // Opens `path` as a new version of `name`. `previous`, when it is the stale
   // version being replaced, keeps the new one from reusing its id.
-  // `known`: digests of tensors written from known bytes (a push), taken
-  // instead of computed where name, dtype and shape match.
-  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersion(const std::string& name, const std::string& path,
-                                                                       const CheckpointVersion* previous = nullptr,
-                                                                       const CheckpointManifest* known = nullptr) const;
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersion(
+      const std::string& name, const std::string& path, const CheckpointVersion* previous = nullptr) const;
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> OpenVersionUntimed(const std::string& name,
                                                                               const std::string& path,
-                                                                              const CheckpointVersion* previous,
-                                                                              const CheckpointManifest* known) const;
+                                                                              const CheckpointVersion* previous) const;
+  // Sets what every version has besides its files, before it is published:
+  // its relative path, and how it asks to be reopened once stale.
+  void Prepare(CheckpointVersion* version) const;
   // `path` relative to the models folder or the load root it lies in (its file
   // name alone if neither).
   std::string RelativePath(const std::string& path) const;
@@ -285,6 +284,10 @@ class CheckpointRegistry {
     CheckpointRegistry* registry_;
     std::vector<std::string> names_;
   };
+  // Load(), with scan_mu_ held; the name published goes to `notify`.
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> LoadLocked(const std::string& path, const std::string& name,
+                                                                      NotifyOnExit* notify)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(scan_mu_);
 
   RegistryOptions options_;
   mutable absl::Mutex mu_;

@@ -65,6 +65,11 @@ void StreamGovernor::Progress(uint64_t ticket, uint64_t bytes) {
   if (auto it = streams_.find(ticket); it != streams_.end()) it->second.period_bytes += bytes;
 }
 
+void StreamGovernor::Busy(uint64_t ticket) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = streams_.find(ticket); it != streams_.end()) it->second.busy = true;
+}
+
 void StreamGovernor::Release(uint64_t ticket) {
   absl::MutexLock lock(&mu_);
   auto it = streams_.find(ticket);
@@ -92,7 +97,7 @@ void StreamGovernor::Watch() {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::FromChrono(period));
     const Clock::time_point now = Clock::now();
     for (auto& [ticket, stream] : streams_) {
-      if (stream.cancelling || now - stream.period_start < limits_.idle) continue;
+      if (stream.cancelling || stream.busy || now - stream.period_start < limits_.idle) continue;
       if (stream.period_bytes >= limits_.min_bytes) {  // moving: a new period
         stream.period_start = now;
         stream.period_bytes = 0;

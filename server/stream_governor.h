@@ -48,6 +48,9 @@ class StreamGovernor {
   absl::StatusOr<uint64_t> Admit(absl::string_view peer, std::function<void()> cancel);
   // `bytes` of the stream moved (a write or a read completed).
   void Progress(uint64_t ticket, uint64_t bytes);
+  // The stream is busy on the server's side (a push being written) and must
+  // not be taken for stalled: it keeps its slot, and is never cancelled.
+  void Busy(uint64_t ticket);
   // The stream is over; `cancel` is never called after this returns.
   void Release(uint64_t ticket);
 
@@ -63,6 +66,7 @@ class StreamGovernor {
     Clock::time_point period_start;  // of the current `idle` period
     uint64_t period_bytes = 0;
     bool cancelling = false;
+    bool busy = false;  // not checked for stalling
   };
   void Watch();
 

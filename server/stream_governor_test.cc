@@ -49,6 +49,17 @@ TEST(StreamGovernorTest, CancelsAStreamThatStopsMakingProgressAndOnlyThatOne) {
   EXPECT_EQ(governor.active(), 0);
 }
 
+TEST(StreamGovernorTest, AStreamBusyOnTheServersSideIsNeverTakenForStalled) {
+  StreamGovernor governor({.total = 1, .per_peer = 1, .idle = std::chrono::milliseconds(50), .min_bytes = 1000});
+  std::atomic<int> cancels{0};
+  ASSERT_OK_AND_ASSIGN(uint64_t committing, governor.Admit("ipv4:1.1.1.1:1", [&] { ++cancels; }));
+  governor.Busy(committing);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(cancels.load(), 0);
+  EXPECT_FALSE(governor.Admit("ipv4:1.1.1.1:2", [] {}).ok()) << "it keeps its slot";
+  governor.Release(committing);
+}
+
 TEST(StreamGovernorTest, PeerAddressDropsThePort) {
   EXPECT_EQ(PeerAddress("ipv4:127.0.0.1:54321"), "ipv4:127.0.0.1");
   EXPECT_EQ(PeerAddress("ipv6:[::1]:443"), "ipv6:[::]/64");

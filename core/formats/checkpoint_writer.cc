@@ -114,7 +114,6 @@ absl::Status CheckpointWriter::Finish() {
   WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, Plan());
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file, AtomicFile::Create(path_, options_.overwrite));
   WEIGHTSTORE_RETURN_IF_ERROR(WritePlanned(plan, specs_, producers_, options_, *file));
-  if (options_.before_commit) WEIGHTSTORE_RETURN_IF_ERROR(options_.before_commit());
   return file->Commit();
 }
 

@@ -27,9 +27,6 @@ struct WriteOptions {
   bool overwrite = false;
   // Called after each tensor with (bytes written, total bytes). Default: none.
   std::function<void(uint64_t, uint64_t)> progress;
-  // Called once every byte is written, before the file is made visible; an
-  // error abandons the write (no file) and is Finish()'s. Default: none.
-  std::function<absl::Status()> before_commit;
 };
 
 // Produces one tensor's bytes; called once, during Finish().
