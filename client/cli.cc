@@ -484,8 +484,10 @@ absl::Status RunPush(const PushArgs& args, std::FILE* out) {
     auto b = in_base.find(entry.spec.name);
     if (b == in_base.end()) {
       request.allow_new_tensors = true;
-    } else if (manifest != nullptr && b->second->spec.dtype == entry.spec.dtype &&
-               b->second->spec.shape == entry.spec.shape && b->second->digest == manifest->tensors()[i].digest.Hex()) {
+    } else if (b->second->spec.dtype != entry.spec.dtype || b->second->spec.shape != entry.spec.shape) {
+      request.remove.push_back(entry.spec.name);  // redefined: removed and pushed anew
+      request.allow_new_tensors = true;
+    } else if (manifest != nullptr && b->second->digest == manifest->tensors()[i].digest.Hex()) {
       continue;  // unchanged
     }
     WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, file->Read(entry));
@@ -496,9 +498,11 @@ absl::Status RunPush(const PushArgs& args, std::FILE* out) {
     if (file->Find(t.spec.name) == nullptr) request.remove.push_back(t.spec.name);
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary pushed, store->Push(args.name, request));
+  size_t removed = 0;  // not counting the redefined
+  for (const std::string& r : request.remove) removed += file->Find(r) == nullptr ? 1 : 0;
   std::fprintf(out, "pushed %zu of %zu tensors (%s), removed %zu: '%s' is now version %s (was %s)\n",
-               request.tensors.size(), file->size(), HumanBytes(bytes).c_str(), request.remove.size(),
-               args.name.c_str(), pushed.version.c_str(), base.version.c_str());
+               request.tensors.size(), file->size(), HumanBytes(bytes).c_str(), removed, args.name.c_str(),
+               pushed.version.c_str(), base.version.c_str());
   return absl::OkStatus();
 }
 

@@ -500,6 +500,8 @@ class PushReactor : public grpc::ServerReadReactor<v1::PushCheckpointRequest> {
                                                        request_.commit().tensors(), " tensors, ", session_->tensors(),
                                                        " arrived; nothing was published")));
         }
+        // Writing the new version can take long; the client is not stalled.
+        service_->uploads_.Busy(ticket_);
         auto version = service_->registry_->FinishPush(std::move(session_));
         if (!version.ok()) return Fail(version.status());
         ToProto(**version, response_);

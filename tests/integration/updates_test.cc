@@ -398,8 +398,8 @@ TEST_F(UpdatesTest, ATrainerPushesFiveVersionsAndTwoWatchersApplyEachDeltaBitFor
       EXPECT_EQ(event->new_version, pushed.version);
       EXPECT_THAT(event->changed, UnorderedElementsAreArray(changed));
     }
-    for (client::HeldTensors* held : {&a, &b}) {
-      ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store_, "gpt", {}, held));
+    for (auto [held, store] : {std::pair{&a, store_.get()}, std::pair{&b, other.get()}}) {
+      ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store, "gpt", {}, held));
       EXPECT_TRUE(r.delta) << r.full_reason;
       EXPECT_THAT(r.changed, UnorderedElementsAreArray(changed));
       ExpectSameTensors(held->tensors, model_.tensors());  // the trainer's state, bit for bit

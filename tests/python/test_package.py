@@ -298,6 +298,96 @@ class PackageTest(unittest.TestCase):
         self.assertLess(interrupted, whole * 0.8)
         self.assertEqual(store.tensors("pkg/one")["w"][-1].item(), 1.0)
 
+    def publish(self, name, state):
+        """Writes `state` as MODELS/<name>.pt the way a trainer publishes (a
+        temporary renamed over it) and has the daemon rescan."""
+        path = os.path.join(MODELS, name + ".pt")
+        time.sleep(0.015)  # coarse timestamps: keep two versions apart
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        with grpc.insecure_channel(ADDRESS) as channel:
+            weight_store_pb2_grpc.WeightStoreStub(channel).Rescan(weight_store_pb2.RescanRequest(), timeout=60)
+
+    def test_update_fetches_only_the_changed_tensors_into_a_dict(self):
+        weights = {f"layer.{i}.weight": torch.randn(64, 64) for i in range(10)}
+        self.publish("pkg/upd", weights)
+        state = {}
+        first = self.remote.update(state, "pkg/upd")
+        self.assertFalse(first.delta)
+        self.assertEqual(sorted(first.added), sorted(weights))
+        weights["layer.3.weight"] = torch.randn(64, 64)
+        weights["layer.7.weight"] = torch.randn(64, 64)
+        del weights["layer.9.weight"]
+        weights["head.weight"] = torch.randn(8, 64)
+        self.publish("pkg/upd", weights)
+        second = self.remote.update(state, "pkg/upd", since=first.version)
+        self.assertTrue(second.delta, second.full_reason)
+        self.assertEqual(sorted(second.changed), ["layer.3.weight", "layer.7.weight"])
+        self.assertEqual(second.added, ["head.weight"])
+        self.assertEqual(second.removed, ["layer.9.weight"])
+        self.assertEqual(second.fetched_bytes, (2 * 64 + 8) * 64 * 4)
+        self.assertEqual(sorted(state), sorted(weights))
+        for n, t in weights.items():
+            self.assertTrue(same_bytes(state[n], t), n)
+        # A version the daemon keeps no digests of is a full fetch that says so.
+        third = self.remote.update(state, "pkg/upd", since="0123456789abcdef")
+        self.assertFalse(third.delta)
+        self.assertIn("0123456789abcdef", third.full_reason)
+        # Over the socket every update is a full (zero-copy) map.
+        mapped = {}
+        self.socket.update(mapped, "pkg/upd")
+        again = self.socket.update(mapped, "pkg/upd", since=second.version)
+        self.assertFalse(again.delta)
+        self.assertIn("does not tell", again.full_reason)
+
+    def test_update_copies_the_changed_tensors_into_a_module_in_place(self):
+        torch.manual_seed(5)
+        trained = make_model()
+        self.publish("pkg/updmlp", trained.state_dict())
+        serving = make_model()
+        first = self.remote.update(serving, "pkg/updmlp")
+        weight = serving[0].weight
+        with torch.no_grad():
+            trained[3].weight.add_(1.0)
+        self.publish("pkg/updmlp", trained.state_dict())
+        second = self.remote.update(serving, "pkg/updmlp", since=first.version)
+        self.assertTrue(second.delta, second.full_reason)
+        self.assertEqual(second.changed, ["3.weight"])
+        self.assertIs(serving[0].weight, weight)  # in place: the same parameter objects
+        for n, t in trained.state_dict().items():
+            self.assertTrue(same_bytes(serving.state_dict()[n], t), n)
+        # A checkpoint that does not fit is refused before anything is copied.
+        other = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.BatchNorm1d(48), torch.nn.ReLU(),
+                                    torch.nn.Linear(48, 9))
+        before = {n: t.clone() for n, t in other.state_dict().items()}
+        with self.assertRaises(weightstore.Error) as e:
+            self.remote.update(other, "pkg/updmlp")
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("3.weight: shape (8, 48), the module has (9, 48)", e.exception.message)
+        for n, t in other.state_dict().items():
+            self.assertTrue(same_bytes(t, before[n]), n)
+
+    def test_watch_reports_each_new_version_with_the_tensors_that_changed(self):
+        weights = {f"w.{i}": torch.full((16,), float(i)) for i in range(4)}
+        self.publish("pkg/watched", weights)
+        events = []
+
+        def on_event(event):
+            events.append(event)
+            if event["kind"] == "synced":
+                weights["w.2"] = torch.zeros(16)
+                threading.Thread(target=self.publish, args=("pkg/watched", weights)).start()
+            return event["kind"] != "replaced"
+
+        self.remote.watch(on_event, name="pkg/watched")
+        self.assertEqual([e["kind"] for e in events], ["added", "synced", "replaced"])
+        self.assertEqual(events[2]["changed"], ["w.2"])
+        self.assertTrue(events[2]["delta"])
+        self.assertEqual(events[2]["old_version"], events[0]["new_version"])
+        with self.assertRaises(weightstore.Error) as e:
+            self.local.watch(on_event)
+        self.assertEqual(e.exception.code, "UNIMPLEMENTED")
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -322,6 +322,81 @@ class Store {
     return out;
   }
 
+  // What changed since version `since` (empty: everything): the listing's
+  // version, whether it is a delta (else why not), every selected name in
+  // listing order, those unchanged, and the tensors fetched (the rest),
+  // pinned to the listed version. Only a remote store leaves unchanged
+  // tensors out; the others send everything.
+  py::dict Delta(const std::string& name, const py::dict& selection, const std::string& since) {
+    client::Query query = ToQuery(selection);
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    query.cancel = cancel;
+    query.since_version = since;
+    client::TensorListing listing = Unwrap(RunInterruptibly<absl::StatusOr<client::TensorListing>>(
+        cancel, [&] { return store_->ListTensors(name, query); }));
+    const bool delta = listing.delta.has_value() && listing.delta->delta;
+    query.version = listing.version;
+    if (!delta) query.since_version.clear();
+    std::vector<SharedTensor> tensors;
+    if (!delta || listing.delta->changed_tensors > 0) {
+      tensors = Unwrap(RunInterruptibly<absl::StatusOr<std::vector<SharedTensor>>>(cancel, [&]() {
+        client::CollectingSink sink(query.cancel);
+        absl::Status status = store_->FetchTensors(name, query, &sink);
+        return status.ok() ? absl::StatusOr<std::vector<SharedTensor>>(std::move(sink.tensors()))
+                           : absl::StatusOr<std::vector<SharedTensor>>(status);
+      }));
+    }
+    py::dict out;
+    out["version"] = listing.version;
+    out["delta"] = delta;
+    out["full_reason"] = since.empty()    ? "nothing was held"
+                         : !listing.delta ? "this store does not tell which tensors changed"
+                                          : listing.delta->full_reason;
+    py::list names, unchanged;
+    for (const auto& t : listing.tensors) {
+      names.append(t.spec.name);
+      if (delta && t.unchanged) unchanged.append(t.spec.name);
+    }
+    out["names"] = names;
+    out["unchanged"] = unchanged;
+    out["tensors"] = ToTensors(std::move(tensors), /*writable=*/true);
+    return out;
+  }
+
+  // Follows checkpoints: calls `callback` with each event (a dict) until it
+  // returns False. Ctrl-C ends it (the signal's exception); an exception in
+  // the callback ends it and is raised.
+  void Watch(const std::string& name, const std::string& prefix, const std::map<std::string, std::string>& known,
+             const py::function& callback) {
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    std::optional<py::error_already_set> raised;
+    absl::Status status = RunInterruptibly<absl::Status>(cancel, [&]() {
+      return store_->Watch({.name = name, .prefix = prefix, .known = known, .cancel = cancel},
+                           [&](const client::CheckpointEvent& e) {
+                             py::gil_scoped_acquire acquire;
+                             static constexpr const char* kKinds[] = {"added", "replaced", "removed", "synced"};
+                             py::dict event;
+                             event["kind"] = kKinds[static_cast<int>(e.kind)];
+                             event["name"] = e.name;
+                             event["old_version"] = e.old_version;
+                             event["new_version"] = e.new_version;
+                             event["delta"] = e.delta;
+                             event["full_reason"] = e.full_reason;
+                             event["changed"] = py::cast(e.changed);
+                             event["added"] = py::cast(e.added);
+                             event["removed"] = py::cast(e.removed);
+                             try {
+                               return callback(event).cast<bool>();
+                             } catch (py::error_already_set& error) {
+                               raised.emplace(std::move(error));
+                               return false;
+                             }
+                           });
+    });
+    if (raised) throw std::move(*raised);
+    if (!status.ok()) Raise(status);
+  }
+
  private:
   std::unique_ptr<client::Store> store_;
   client::SharedMemoryStore* shm_;  // store_ itself, when it is a socket store
@@ -388,7 +463,9 @@ PYBIND11_MODULE(_native, m) {
       .def("list", &Store::List)
       .def("info", &Store::Info, py::arg("name"))
       .def("listing", &Store::Listing, py::arg("name"), py::arg("selection"))
-      .def("fetch", &Store::Fetch, py::arg("name"), py::arg("selection"));
+      .def("fetch", &Store::Fetch, py::arg("name"), py::arg("selection"))
+      .def("delta", &Store::Delta, py::arg("name"), py::arg("selection"), py::arg("since"))
+      .def("watch", &Store::Watch, py::arg("name"), py::arg("prefix"), py::arg("known"), py::arg("callback"));
   m.def("connect", &Connect, py::arg("url"), py::arg("token") = "", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
         py::arg("tls_key") = "", py::arg("parallel_streams") = 0, py::arg("pipeline") = py::none(),
         py::arg("max_resumes") = 3, py::arg("timeout") = 600.0);

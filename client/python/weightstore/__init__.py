@@ -5,6 +5,7 @@ numpy tensors, through the C++ client.
     store = weightstore.connect("host:50051")        # or "unix:/run/ws.sock", "file:/models"
     tensors = store.tensors("llama/8b", include=[r"^model\\.layers\\.0\\."], dtype="bf16")
     result = store.load_into(model, "llama/8b", rename=[(r"^model\\.", "")])
+    update = store.update(model, "llama/8b", since=held_version)  # only what changed since
 
 Tensors come without a copy: a fetch lands in memory the tensors own, and a
 socket store maps the daemon's shared memory copy-on-write (a tensor written
@@ -21,7 +22,7 @@ try:
 except ImportError as e:  # the stubs in weightstore.v1 stay usable without the extension
     _native, _native_error = None, e
 
-__all__ = ["connect", "Store", "Error", "TensorInfo", "LoadResult", "tune_allocator_for_streaming"]
+__all__ = ["connect", "Store", "Error", "TensorInfo", "LoadResult", "Update", "tune_allocator_for_streaming"]
 
 # SafeTensors dtype -> torch's name for it. torch has the unsigned 16-64 bit
 # types from 2.3 and the F8 types from 2.1; an older torch lacks them, and
@@ -60,6 +61,18 @@ class LoadResult:
     @property
     def ok(self):
         return not self.errors
+
+
+@dataclasses.dataclass
+class Update:
+    """What Store.update did."""
+    version: str        # now held: pass it as `since` next time
+    delta: bool         # only the changed tensors were fetched
+    full_reason: str    # when not a delta, why
+    changed: list       # served names fetched again
+    added: list         # served names fetched for the first time
+    removed: list       # served names no longer selected (dropped from a dict)
+    fetched_bytes: int
 
 
 def connect(url, *, token=None, tls_ca="", tls_cert="", tls_key="", parallel_streams=0, pipeline=None,
@@ -285,3 +298,67 @@ class Store:
             for n, tensor in tensors.items():
                 targets[n].copy_(tensor)
         return LoadResult(**fetched["apply_result"])
+
+    def update(self, state, name, since=None, as_="torch", **selection):
+        """Brings `state` to the current version of `name`: a dict of tensors
+        by served name (from an earlier update or tensors() with the same
+        selection) or a torch.nn.Module, changed in place. Only the tensors
+        changed since version `since` (the last Update.version; None: nothing
+        held) are fetched from a remote store; the others send everything.
+        A dict gets new tensors and loses those no longer selected; a module's
+        parameters and buffers are copied into, and every fetched name must be
+        one of them with the same shape, checked before anything is copied
+        (Error FAILED_PRECONDITION otherwise, the module untouched).
+        Returns an Update."""
+        if as_ not in ("torch", "numpy"):
+            raise ValueError(f"as_={as_!r}: 'torch' or 'numpy'")
+        is_module = not isinstance(state, dict)
+        if is_module:
+            as_ = "torch"
+            held = state.state_dict(keep_vars=True)
+        else:
+            held = state
+        got = self._native.delta(name, _selection(**selection), since or "")
+        delta, full_reason = got["delta"], got["full_reason"]
+        unchanged = set(got["unchanged"])
+        if delta and any(n not in held for n in unchanged):
+            # What the daemon calls unchanged must be held: else `state` came
+            # from another selection, and everything is fetched.
+            got = self._native.delta(name, _selection(**selection), "")
+            delta, unchanged = False, set()
+            full_reason = "the state does not hold every tensor the selection keeps"
+        fetched = {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in got["tensors"]}
+        names = got["names"]
+        listed = set(names)
+        changed = [n for n in names if n in fetched and n in held]
+        added = [n for n in names if n in fetched and n not in held]
+        removed = [n for n in held if n not in listed]
+        nbytes = sum(t.nbytes if as_ == "numpy" else t.element_size() * t.nelement() for t in fetched.values())
+        if is_module:
+            import torch
+            problems = [f"{n}: not a parameter or buffer of the module" for n in added]
+            problems += [f"{n}: shape {tuple(fetched[n].shape)}, the module has {tuple(held[n].shape)}"
+                         for n in changed if tuple(fetched[n].shape) != tuple(held[n].shape)]
+            if problems:
+                raise Error("FAILED_PRECONDITION",
+                            f"update of '{name}' does not fit the module: " + "; ".join(problems[:8]))
+            with torch.no_grad():
+                for n in changed:
+                    held[n].copy_(fetched[n])
+            removed = []  # a module keeps its parameters
+        else:
+            for n in removed:
+                del state[n]
+            state.update(fetched)
+        return Update(version=got["version"], delta=delta, full_reason="" if delta else full_reason,
+                      changed=changed, added=added, removed=removed, fetched_bytes=nbytes)
+
+    def watch(self, on_event, name="", prefix="", known=None):
+        """Follows checkpoints (one by name, or those under a prefix; all by
+        default) as they are added, replaced and removed: calls on_event(event)
+        with a dict (kind: "added", "replaced", "removed" or "synced"; name,
+        old_version, new_version; for "replaced", delta and the changed,
+        added and removed tensor names, or full_reason) until it returns
+        False. `known`: {name: version} held already. A broken connection is
+        reopened by itself; Ctrl-C ends the watch."""
+        self._native.watch(name, prefix, dict(known or {}), on_event)
