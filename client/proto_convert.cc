@@ -118,4 +118,8 @@ void FromProto(const pb::CheckpointInfo& in, CheckpointSummary* out) {
   out->loaded_at_unix_seconds = in.loaded_at_unix_seconds();
 }
 
+DeltaInfo FromProto(const pb::DeltaInfo& in) {
+  return DeltaInfo{in.since_version(), in.delta(), in.full_reason(), in.changed_tensors(), in.unchanged_tensors()};
+}
+
 }  // namespace weightstore::client

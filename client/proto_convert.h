@@ -16,6 +16,7 @@ void ToProto(const Query& in, pb::Selection* out);
 absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out);
 void FromProto(const pb::ApplyResult& in, ApplyResult* out);
 void FromProto(const pb::CheckpointInfo& in, CheckpointSummary* out);
+DeltaInfo FromProto(const pb::DeltaInfo& in);
 
 }  // namespace weightstore::client
 

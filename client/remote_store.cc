@@ -218,11 +218,7 @@ class RemoteStore final : public Store {
       listing.apply_result.emplace();
       FromProto(resp.apply_result(), &*listing.apply_result);
     }
-    if (resp.has_delta()) {
-      const pb::DeltaInfo& d = resp.delta();
-      listing.delta =
-          DeltaInfo{d.since_version(), d.delta(), d.full_reason(), d.changed_tensors(), d.unchanged_tensors()};
-    }
+    if (resp.has_delta()) listing.delta = FromProto(resp.delta());
     return listing;
   }
 

@@ -81,6 +81,7 @@ class ShmStore final : public SharedMemoryStore {
       WEIGHTSTORE_RETURN_IF_ERROR(FromProto(map.tensors(i).info(), &listing.tensors[i]));
     }
     if (map.has_apply_result()) FromProto(map.apply_result(), &listing.apply_result.emplace());
+    listing.delta = DeltaFromProto(map);
     return listing;
   }
 
@@ -106,6 +107,13 @@ class ShmStore final : public SharedMemoryStore {
       const pb::MappedTensor& t = map.tensors(i);
       TensorDescription& d = out.descriptions[i];
       WEIGHTSTORE_RETURN_IF_ERROR(FromProto(t.info(), &d));
+      if (d.unchanged) {  // the caller keeps what it mapped
+        if (query.since_version.empty()) {
+          return absl::DataLossError(absl::StrCat("tensor '", d.spec.name, "' came unchanged, unasked"));
+        }
+        out.tensors.push_back({d.spec, SharedBytes()});
+        continue;
+      }
       // Offsets count from the segment's start; the mapping from its window's.
       const uint64_t size = d.spec.byte_size();
       const MappedFile* segment = t.segment() < out.segments.size() ? out.segments[t.segment()].get() : nullptr;
@@ -117,6 +125,7 @@ class ShmStore final : public SharedMemoryStore {
       out.tensors.push_back({d.spec, out.segments[t.segment()]->bytes().Subspan(t.offset() - segment->offset(), size)});
     }
     if (map.has_apply_result()) FromProto(map.apply_result(), &out.apply_result.emplace());
+    out.delta = DeltaFromProto(map);
     return out;
   }
 
@@ -124,6 +133,7 @@ class ShmStore final : public SharedMemoryStore {
     WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, MapTensors(name, query));
     for (size_t i = 0; i < mapped.tensors.size(); ++i) {
       const SharedTensor& t = mapped.tensors[i];
+      if (mapped.descriptions[i].unchanged) continue;  // a delta leaves it out
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
       // An empty tensor's view may be null: memcpy must not see it.
@@ -147,7 +157,13 @@ class ShmStore final : public SharedMemoryStore {
   static void Fill(const std::string& name, const Query& query, pb::MapTensorsRequest* out) {
     out->set_name(name);
     out->set_version(query.version);
+    out->set_since_version(query.since_version);
     ToProto(query, out->mutable_selection());
+  }
+
+  static std::optional<DeltaInfo> DeltaFromProto(const pb::MapTensorsResponse& map) {
+    if (!map.has_delta()) return std::nullopt;
+    return FromProto(map.delta());
   }
 
   absl::Status ConnectLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

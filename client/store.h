@@ -59,10 +59,11 @@ struct Query {
   // returns Cancelled. Default: none.
   std::shared_ptr<const std::atomic<bool>> cancel;
   // The version the caller holds (weight updates): listings mark the tensors
-  // unchanged since, and a remote fetch leaves them out. A version the daemon
-  // keeps no digests of makes every tensor changed (TensorListing::delta says
-  // so). Only the remote store honours it; the others list and send every
-  // tensor as changed. Default: empty, off.
+  // unchanged since, and a fetch leaves them out (MapTensors maps only the
+  // others). A version the daemon keeps no digests of makes every tensor
+  // changed (TensorListing::delta says so). The remote and socket stores
+  // honour it; the local store lists and sends every tensor as changed.
+  // Default: empty, off.
   std::string since_version;
 };
 
@@ -271,6 +272,10 @@ struct MappedTensors {
   std::vector<SharedTensor> tensors;            // in listing order
   std::vector<TensorDescription> descriptions;  // the same order: source names, CRC32C
   std::optional<ApplyResult> apply_result;      // with a target
+  // With Query::since_version: how it was used. A tensor unchanged since
+  // (descriptions[i].unchanged) is not mapped again: its entry in `tensors`
+  // has the spec and no bytes, and the caller keeps the mapping it holds.
+  std::optional<DeltaInfo> delta;
   std::vector<std::shared_ptr<const MappedFile>> segments;
 
   // Reads every byte once and checks each tensor's CRC32C (DataLoss naming the

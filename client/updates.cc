@@ -6,6 +6,45 @@
 #include "core/status_macros.h"
 
 namespace weightstore::client {
+namespace {
+
+// What one round of an update received: the listing (each tensor marked
+// unchanged or not) and the tensors sent, the changed ones when a delta.
+struct Received {
+  std::string version;
+  std::optional<DeltaInfo> delta;
+  std::vector<TensorDescription> listed;
+  std::vector<SharedTensor> sent;
+};
+
+// Through the socket the changed tensors are mapped (MapTensors leaves out
+// the unchanged, whose mappings the caller keeps); elsewhere they are fetched,
+// pinned to the version listed.
+absl::StatusOr<Received> Receive(Store& store, const std::string& name, Query query) {
+  Received r;
+  if (auto* shm = dynamic_cast<SharedMemoryStore*>(&store)) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, shm->MapTensors(name, query));
+    r.version = std::move(mapped.version);
+    r.delta = std::move(mapped.delta);
+    for (size_t i = 0; i < mapped.tensors.size(); ++i) {
+      if (!mapped.descriptions[i].unchanged) r.sent.push_back(std::move(mapped.tensors[i]));
+    }
+    r.listed = std::move(mapped.descriptions);
+    return r;
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, store.ListTensors(name, query));
+  query.version = listing.version;  // fetch what was listed, or fail ABORTED
+  if (!listing.delta || !listing.delta->delta) query.since_version.clear();
+  CollectingSink sink(query.cancel);
+  WEIGHTSTORE_RETURN_IF_ERROR(store.FetchTensors(name, query, &sink));
+  r.version = std::move(listing.version);
+  r.delta = std::move(listing.delta);
+  r.listed = std::move(listing.tensors);
+  r.sent = std::move(sink.tensors());
+  return r;
+}
+
+}  // namespace
 
 absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name, Query query, HeldTensors* held) {
   UpdateResult result;
@@ -14,43 +53,41 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
   for (const SharedTensor& t : held->tensors) by_name.emplace(t.spec.name, &t);
 
   query.since_version = held->version;
-  WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, store.ListTensors(name, query));
-  result.delta = listing.delta.has_value() && listing.delta->delta;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(Received r, Receive(store, name, query));
+  result.delta = r.delta.has_value() && r.delta->delta;
   if (held->version.empty()) {
     result.full_reason = "nothing was held";
-  } else if (!listing.delta.has_value()) {
+  } else if (!r.delta.has_value()) {
     result.full_reason = "this store does not tell which tensors changed";
-  } else if (!listing.delta->delta) {
-    result.full_reason = listing.delta->full_reason;
+  } else if (!r.delta->delta) {
+    result.full_reason = r.delta->full_reason;
   }
-  // What the listing calls unchanged must be held as listed: else the held
-  // tensors came from another query, and everything is fetched.
-  for (const TensorDescription& d : listing.tensors) {
+  // What the daemon calls unchanged must be held as listed: else the held
+  // tensors came from another query, and everything is received again.
+  for (const TensorDescription& d : r.listed) {
     if (!result.delta || !d.unchanged) continue;
     auto it = by_name.find(d.spec.name);
     if (it == by_name.end() || it->second->spec.dtype != d.spec.dtype || it->second->spec.shape != d.spec.shape) {
       result.delta = false;
       result.full_reason = absl::StrCat("tensor '", d.spec.name, "' is not held as the query selects it");
+      query.since_version.clear();
+      WEIGHTSTORE_ASSIGN_OR_RETURN(r, Receive(store, name, query));
       break;
     }
   }
-  query.version = listing.version;  // fetch what was listed, or fail ABORTED
-  if (!result.delta) query.since_version.clear();
-  CollectingSink sink(query.cancel);
-  WEIGHTSTORE_RETURN_IF_ERROR(store.FetchTensors(name, query, &sink));
 
-  absl::flat_hash_map<std::string, SharedTensor*> fetched;
-  for (SharedTensor& t : sink.tensors()) fetched.emplace(t.spec.name, &t);
-  HeldTensors next{listing.version, {}};
-  next.tensors.reserve(listing.tensors.size());
+  absl::flat_hash_map<std::string, SharedTensor*> sent;
+  for (SharedTensor& t : r.sent) sent.emplace(t.spec.name, &t);
+  HeldTensors next{r.version, {}};
+  next.tensors.reserve(r.listed.size());
   absl::flat_hash_set<std::string> listed;
-  for (const TensorDescription& d : listing.tensors) {
+  for (const TensorDescription& d : r.listed) {
     listed.insert(d.spec.name);
-    auto f = fetched.find(d.spec.name);
+    auto f = sent.find(d.spec.name);
     // An unchanged tensor may come all the same: the daemon dropped the
     // since version's digests between the listing and the fetch.
-    const bool kept = result.delta && d.unchanged && f == fetched.end();
-    if (!kept && f == fetched.end()) {
+    const bool kept = result.delta && d.unchanged && f == sent.end();
+    if (!kept && f == sent.end()) {
       return absl::DataLossError(
           absl::StrCat("update of '", name, "': tensor '", d.spec.name, "' was not sent although changed"));
     }
@@ -69,8 +106,8 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
     ++result.fetched_tensors;
     next.tensors.push_back(std::move(*f->second));
   }
-  if (sink.tensors().size() != result.fetched_tensors) {
-    return absl::DataLossError(absl::StrCat("update of '", name, "': the daemon sent ", sink.tensors().size(),
+  if (r.sent.size() != result.fetched_tensors) {
+    return absl::DataLossError(absl::StrCat("update of '", name, "': the daemon sent ", r.sent.size(),
                                             " tensors where the listing called for ", result.fetched_tensors));
   }
   for (const SharedTensor& t : held->tensors) {

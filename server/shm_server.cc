@@ -396,14 +396,15 @@ void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::S
 absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const ShmPeer& peer,
                                    v1::MapTensorsResponse* response,
                                    std::vector<std::shared_ptr<const MappedFile>>* segments) {
-  absl::StatusOr<Resolved> resolved =
-      Resolve(*registry_, request.name(), request.selection(), request.version(), options_.selection_limits);
+  absl::StatusOr<Resolved> resolved = Resolve(*registry_, request.name(), request.selection(), request.version(),
+                                              options_.selection_limits, request.since_version());
   if (!resolved.ok()) return resolved.status();
   const Snapshot& snapshot = *resolved->snapshot;
   const Checkpoint& checkpoint = snapshot.checkpoint();
   response->set_name(request.name());
   response->set_version(resolved->version->version());
   if (resolved->apply_result) ToProto(*resolved->apply_result, response->mutable_apply_result());
+  if (!resolved->since_version.empty()) *response->mutable_delta() = resolved->DeltaInfo(0, snapshot.size());
 
   const ChecksumCache& checksums = resolved->version->checksums();
   absl::flat_hash_map<const MappedFile*, uint32_t> segment_of;
@@ -415,6 +416,11 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
     const ServedTensorPlan plan = PlanServedTensor(snapshot, t);
     v1::MappedTensor* out = response->add_tensors();
     ToProto(t, out->mutable_info());
+    if (const ManifestTensor* digest = resolved->Digest(t)) out->mutable_info()->set_digest(digest->digest.Hex());
+    if (resolved->Unchanged(t)) {  // the caller keeps what it mapped
+      out->mutable_info()->set_unchanged(true);
+      continue;
+    }
     bytes += plan.byte_size;
     if (request.table_only()) {
       if (!request.skip_checksums()) {

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -168,7 +169,8 @@ class UpdatesTest : public ::testing::Test {
     models_ = testing::MakeScratchDir("updates");
     path_ = models_ + "/gpt.safetensors";
     model_.Publish(path_);
-    daemon_ = std::make_unique<Daemon>(models_, std::vector<std::string>{"--kept-versions", "8"});
+    socket_ = testing::MakeScratchDir("updates-socket") + "/ws.sock";
+    daemon_ = std::make_unique<Daemon>(models_, std::vector<std::string>{"--kept-versions", "8", "--socket", socket_});
     ASSERT_NE(daemon_->port(), 0) << daemon_->log();
     store_ = *client::ConnectRemoteStore(daemon_->address());
   }
@@ -196,7 +198,7 @@ class UpdatesTest : public ::testing::Test {
   std::string Version() { return store_->GetCheckpoint("gpt")->version; }
 
   Model model_{6};  // 52 tensors: 10% is 5
-  std::string models_, path_;
+  std::string models_, path_, socket_;
   std::unique_ptr<Daemon> daemon_;
   std::unique_ptr<client::Store> store_;
 };
@@ -365,11 +367,14 @@ TEST_F(UpdatesTest, TheCliWatchesAndFetchesOnlyWhatChangedSinceAVersion) {
 }
 
 TEST_F(UpdatesTest, ATrainerPushesFiveVersionsAndTwoWatchersApplyEachDeltaBitForBit) {
-  // The trainer holds the model and pushes only what it changed; one watcher
-  // over gRPC, one following a prefix from another connection.
+  // The trainer holds the model and pushes only what it changed. One watcher
+  // fetches its deltas over gRPC; the other follows a prefix on a connection
+  // of its own and maps its deltas through the socket, keeping the mappings
+  // of what did not change.
   client::HeldTensors a, b;
   ASSERT_OK(client::UpdateTensors(*store_, "gpt", {}, &a).status());
-  b = a;
+  ASSERT_OK_AND_ASSIGN(auto mapper, client::ConnectSharedMemoryStore(socket_));
+  ASSERT_OK(client::UpdateTensors(*mapper, "gpt", {}, &b).status());
   auto other = *client::ConnectRemoteStore(daemon_->address());
   Watcher watcher(store_.get(), {.name = "gpt", .known = {{"gpt", a.version}}});
   Watcher prefix_watcher(other.get(), {.prefix = "gp", .known = {{"gpt", b.version}}});
@@ -398,11 +403,19 @@ TEST_F(UpdatesTest, ATrainerPushesFiveVersionsAndTwoWatchersApplyEachDeltaBitFor
       EXPECT_EQ(event->new_version, pushed.version);
       EXPECT_THAT(event->changed, UnorderedElementsAreArray(changed));
     }
-    for (auto [held, store] : {std::pair{&a, store_.get()}, std::pair{&b, other.get()}}) {
+    std::map<std::string, const std::byte*> mapped_before;
+    for (const SharedTensor& t : b.tensors) mapped_before[t.spec.name] = t.bytes.data();
+    for (auto [held, store] : {std::pair<client::HeldTensors*, client::Store*>{&a, store_.get()},
+                               std::pair<client::HeldTensors*, client::Store*>{&b, mapper.get()}}) {
       ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store, "gpt", {}, held));
       EXPECT_TRUE(r.delta) << r.full_reason;
       EXPECT_THAT(r.changed, UnorderedElementsAreArray(changed));
+      EXPECT_EQ(r.fetched_tensors, changed.size());
       ExpectSameTensors(held->tensors, model_.tensors());  // the trainer's state, bit for bit
+    }
+    for (const SharedTensor& t : b.tensors) {
+      const bool was_changed = std::find(changed.begin(), changed.end(), t.spec.name) != changed.end();
+      EXPECT_EQ(t.bytes.data() == mapped_before[t.spec.name], !was_changed) << t.spec.name << ": mapping kept?";
     }
   }
 }

@@ -333,12 +333,25 @@ class PackageTest(unittest.TestCase):
         third = self.remote.update(state, "pkg/upd", since="0123456789abcdef")
         self.assertFalse(third.delta)
         self.assertIn("0123456789abcdef", third.full_reason)
-        # Over the socket every update is a full (zero-copy) map.
+        # Through the socket the changed tensors are mapped, and the others
+        # keep their mappings.
         mapped = {}
-        self.socket.update(mapped, "pkg/upd")
-        again = self.socket.update(mapped, "pkg/upd", since=second.version)
-        self.assertFalse(again.delta)
-        self.assertIn("does not tell", again.full_reason)
+        first_map = self.socket.update(mapped, "pkg/upd")
+        kept = mapped["layer.1.weight"]
+        weights["layer.0.weight"] = torch.randn(64, 64)
+        self.publish("pkg/upd", weights)
+        again = self.socket.update(mapped, "pkg/upd", since=first_map.version)
+        self.assertTrue(again.delta, again.full_reason)
+        self.assertEqual(again.changed, ["layer.0.weight"])
+        self.assertIs(mapped["layer.1.weight"], kept)
+        for n, t in weights.items():
+            self.assertTrue(same_bytes(mapped[n], t), n)
+        # A local store tells nothing: a full read that says so.
+        files, local = weightstore.connect("file:" + MODELS), {}  # opened after the file was written
+        files.update(local, "pkg/upd")
+        full = files.update(local, "pkg/upd", since=again.version)
+        self.assertFalse(full.delta)
+        self.assertIn("does not tell", full.full_reason)
 
     def test_update_copies_the_changed_tensors_into_a_module_in_place(self):
         torch.manual_seed(5)

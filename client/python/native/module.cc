@@ -324,36 +324,53 @@ class Store {
 
   // What changed since version `since` (empty: everything): the listing's
   // version, whether it is a delta (else why not), every selected name in
-  // listing order, those unchanged, and the tensors fetched (the rest),
-  // pinned to the listed version. Only a remote store leaves unchanged
-  // tensors out; the others send everything.
+  // listing order, those unchanged, and the tensors received (the rest):
+  // fetched pinned to the listed version, or through a socket mapped. The
+  // local store sends everything.
   py::dict Delta(const std::string& name, const py::dict& selection, const std::string& since) {
     client::Query query = ToQuery(selection);
     auto cancel = std::make_shared<std::atomic<bool>>(false);
     query.cancel = cancel;
     query.since_version = since;
-    client::TensorListing listing = Unwrap(RunInterruptibly<absl::StatusOr<client::TensorListing>>(
-        cancel, [&] { return store_->ListTensors(name, query); }));
-    const bool delta = listing.delta.has_value() && listing.delta->delta;
-    query.version = listing.version;
-    if (!delta) query.since_version.clear();
+    std::string version;
+    std::optional<client::DeltaInfo> delta_info;
+    std::vector<client::TensorDescription> listed;
     std::vector<SharedTensor> tensors;
-    if (!delta || listing.delta->changed_tensors > 0) {
-      tensors = Unwrap(RunInterruptibly<absl::StatusOr<std::vector<SharedTensor>>>(cancel, [&]() {
-        client::CollectingSink sink(query.cancel);
-        absl::Status status = store_->FetchTensors(name, query, &sink);
-        return status.ok() ? absl::StatusOr<std::vector<SharedTensor>>(std::move(sink.tensors()))
-                           : absl::StatusOr<std::vector<SharedTensor>>(status);
-      }));
+    if (shm_ != nullptr) {  // the changed tensors mapped; the unchanged keep theirs
+      client::MappedTensors mapped = Unwrap(RunInterruptibly<absl::StatusOr<client::MappedTensors>>(
+          cancel, [&] { return shm_->MapTensors(name, query); }));
+      for (size_t i = 0; i < mapped.tensors.size(); ++i) {
+        if (!mapped.descriptions[i].unchanged) tensors.push_back(std::move(mapped.tensors[i]));
+      }
+      version = std::move(mapped.version);
+      delta_info = std::move(mapped.delta);
+      listed = std::move(mapped.descriptions);
+    } else {
+      client::TensorListing listing = Unwrap(RunInterruptibly<absl::StatusOr<client::TensorListing>>(
+          cancel, [&] { return store_->ListTensors(name, query); }));
+      query.version = listing.version;
+      if (!listing.delta || !listing.delta->delta) query.since_version.clear();
+      if (!listing.delta || !listing.delta->delta || listing.delta->changed_tensors > 0) {
+        tensors = Unwrap(RunInterruptibly<absl::StatusOr<std::vector<SharedTensor>>>(cancel, [&]() {
+          client::CollectingSink sink(query.cancel);
+          absl::Status status = store_->FetchTensors(name, query, &sink);
+          return status.ok() ? absl::StatusOr<std::vector<SharedTensor>>(std::move(sink.tensors()))
+                             : absl::StatusOr<std::vector<SharedTensor>>(status);
+        }));
+      }
+      version = std::move(listing.version);
+      delta_info = std::move(listing.delta);
+      listed = std::move(listing.tensors);
     }
+    const bool delta = delta_info.has_value() && delta_info->delta;
     py::dict out;
-    out["version"] = listing.version;
+    out["version"] = version;
     out["delta"] = delta;
-    out["full_reason"] = since.empty()    ? "nothing was held"
-                         : !listing.delta ? "this store does not tell which tensors changed"
-                                          : listing.delta->full_reason;
+    out["full_reason"] = since.empty() ? "nothing was held"
+                         : !delta_info ? "this store does not tell which tensors changed"
+                                       : delta_info->full_reason;
     py::list names, unchanged;
-    for (const auto& t : listing.tensors) {
+    for (const auto& t : listed) {
       names.append(t.spec.name);
       if (delta && t.unchanged) unchanged.append(t.spec.name);
     }

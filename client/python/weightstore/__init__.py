@@ -304,7 +304,8 @@ class Store:
         by served name (from an earlier update or tensors() with the same
         selection) or a torch.nn.Module, changed in place. Only the tensors
         changed since version `since` (the last Update.version; None: nothing
-        held) are fetched from a remote store; the others send everything.
+        held) are fetched from a remote store, or mapped through a socket
+        (the others keep their mappings); a local store reads everything.
         A dict gets new tensors and loses those no longer selected; a module's
         parameters and buffers are copied into, and every fetched name must be
         one of them with the same shape, checked before anything is copied
