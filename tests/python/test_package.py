@@ -380,6 +380,35 @@ class PackageTest(unittest.TestCase):
         for n, t in other.state_dict().items():
             self.assertTrue(same_bytes(t, before[n]), n)
 
+    def test_two_watchers_keep_torch_models_equal_to_each_new_version(self):
+        # A trainer publishes five versions, each changing another parameter;
+        # two watchers hear of each over gRPC (events come only that way) and
+        # apply the delta to a torch model of their own: one fetching over
+        # gRPC, the other mapping through the socket.
+        torch.manual_seed(7)
+        trainer = make_model()
+        self.publish("pkg/followed", trainer.state_dict())
+        stores = {"grpc": self.remote, "socket": self.socket}
+        models = {label: make_model() for label in stores}
+        versions = {label: store.update(models[label], "pkg/followed").version for label, store in stores.items()}
+        params = [n for n, _ in trainer.named_parameters()]
+        for v in range(5):
+            with torch.no_grad():
+                dict(trainer.named_parameters())[params[v % len(params)]].add_(0.5)
+            self.publish("pkg/followed", trainer.state_dict())
+            for label, store in stores.items():
+                seen = []
+                self.remote.watch(lambda e: seen.append(e) or e["kind"] != "replaced", name="pkg/followed",
+                                  known={"pkg/followed": versions[label]})
+                self.assertEqual(seen[0]["changed"], [params[v % len(params)]], label)
+                u = store.update(models[label], "pkg/followed", since=versions[label])
+                self.assertTrue(u.delta, u.full_reason)
+                self.assertEqual(u.changed, [params[v % len(params)]])
+                versions[label] = u.version
+                full = self.remote.tensors("pkg/followed", version=u.version)
+                for n, t in models[label].state_dict().items():
+                    self.assertTrue(same_bytes(t, full[n]), f"{label} {n} after version {v + 2}")
+
     def test_watch_reports_each_new_version_with_the_tensors_that_changed(self):
         weights = {f"w.{i}": torch.full((16,), float(i)) for i in range(4)}
         self.publish("pkg/watched", weights)
