@@ -65,9 +65,7 @@ absl::Status PushSession::BeginTensor(const TensorSpec& spec, uint32_t crc32c) {
   }
   by_name_.emplace(spec.name, pushed_.size());
   pushed_.push_back({spec, staging_->bytes_written(), {}});
-  current_.emplace();
-  current_->index = pushed_.size() - 1;
-  current_->expected_crc = crc32c;
+  current_.emplace(Current{pushed_.size() - 1, 0, 0, crc32c, DigestBuilder()});
   bytes_ += cost;
   return absl::OkStatus();
 }

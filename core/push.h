@@ -63,10 +63,12 @@ class PushSession {
     uint64_t offset = 0;  // in the staging file
     TensorDigest digest;
   };
+  // (No default member initializers: clang decides std::optional<Current>
+  // is not default-constructible while the enclosing class is incomplete.)
   struct Current {
-    size_t index = 0;  // into pushed_
-    uint64_t received = 0;
-    uint32_t crc = 0, expected_crc = 0;
+    size_t index;  // into pushed_
+    uint64_t received;
+    uint32_t crc, expected_crc;
     DigestBuilder digest;
   };
   std::string name_;

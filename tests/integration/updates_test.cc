@@ -124,7 +124,7 @@ class Watcher {
   // Waits up to 10 s for an event `match` accepts, and returns it.
   std::optional<CheckpointEvent> WaitFor(const std::function<bool(const CheckpointEvent&)>& match) {
     absl::MutexLock lock(&mu_);
-    auto found = [&] {
+    auto found = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       for (; seen_ < events_.size(); ++seen_) {
         if (match(events_[seen_])) return true;
       }
