@@ -6,45 +6,39 @@
 #include "core/status_macros.h"
 
 namespace weightstore::client {
-namespace {
-
-// What one round of an update received: the listing (each tensor marked
-// unchanged or not) and the tensors sent, the changed ones when a delta.
-struct Received {
-  std::string version;
+absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& name, Query query) {
+  ChangedTensors r;
+  const bool asked = !query.since_version.empty();
   std::optional<DeltaInfo> delta;
-  std::vector<TensorDescription> listed;
-  std::vector<SharedTensor> sent;
-};
-
-// Through the socket the changed tensors are mapped (MapTensors leaves out
-// the unchanged, whose mappings the caller keeps); elsewhere they are fetched,
-// pinned to the version listed.
-absl::StatusOr<Received> Receive(Store& store, const std::string& name, Query query) {
-  Received r;
   if (auto* shm = dynamic_cast<SharedMemoryStore*>(&store)) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, shm->MapTensors(name, query));
-    r.version = std::move(mapped.version);
-    r.delta = std::move(mapped.delta);
     for (size_t i = 0; i < mapped.tensors.size(); ++i) {
-      if (!mapped.descriptions[i].unchanged) r.sent.push_back(std::move(mapped.tensors[i]));
+      if (!mapped.descriptions[i].unchanged) r.received.push_back(std::move(mapped.tensors[i]));
     }
+    r.version = std::move(mapped.version);
+    delta = std::move(mapped.delta);
     r.listed = std::move(mapped.descriptions);
-    return r;
+  } else {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, store.ListTensors(name, query));
+    query.version = listing.version;  // fetch what was listed, or fail ABORTED
+    if (!listing.delta || !listing.delta->delta) query.since_version.clear();
+    if (!listing.delta || !listing.delta->delta || listing.delta->changed_tensors > 0) {
+      CollectingSink sink(query.cancel);
+      WEIGHTSTORE_RETURN_IF_ERROR(store.FetchTensors(name, query, &sink));
+      r.received = std::move(sink.tensors());
+    }
+    r.version = std::move(listing.version);
+    delta = std::move(listing.delta);
+    r.listed = std::move(listing.tensors);
   }
-  WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, store.ListTensors(name, query));
-  query.version = listing.version;  // fetch what was listed, or fail ABORTED
-  if (!listing.delta || !listing.delta->delta) query.since_version.clear();
-  CollectingSink sink(query.cancel);
-  WEIGHTSTORE_RETURN_IF_ERROR(store.FetchTensors(name, query, &sink));
-  r.version = std::move(listing.version);
-  r.delta = std::move(listing.delta);
-  r.listed = std::move(listing.tensors);
-  r.sent = std::move(sink.tensors());
+  r.delta = delta.has_value() && delta->delta;
+  if (!r.delta) {
+    r.full_reason = !asked   ? "nothing was held"
+                    : !delta ? "this store does not tell which tensors changed"
+                             : delta->full_reason;
+  }
   return r;
 }
-
-}  // namespace
 
 absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name, Query query, HeldTensors* held) {
   UpdateResult result;
@@ -53,15 +47,9 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
   for (const SharedTensor& t : held->tensors) by_name.emplace(t.spec.name, &t);
 
   query.since_version = held->version;
-  WEIGHTSTORE_ASSIGN_OR_RETURN(Received r, Receive(store, name, query));
-  result.delta = r.delta.has_value() && r.delta->delta;
-  if (held->version.empty()) {
-    result.full_reason = "nothing was held";
-  } else if (!r.delta.has_value()) {
-    result.full_reason = "this store does not tell which tensors changed";
-  } else if (!r.delta->delta) {
-    result.full_reason = r.delta->full_reason;
-  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(ChangedTensors r, FetchChanged(store, name, query));
+  result.delta = r.delta;
+  result.full_reason = r.full_reason;
   // What the daemon calls unchanged must be held as listed: else the held
   // tensors came from another query, and everything is received again.
   for (const TensorDescription& d : r.listed) {
@@ -71,13 +59,13 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
       result.delta = false;
       result.full_reason = absl::StrCat("tensor '", d.spec.name, "' is not held as the query selects it");
       query.since_version.clear();
-      WEIGHTSTORE_ASSIGN_OR_RETURN(r, Receive(store, name, query));
+      WEIGHTSTORE_ASSIGN_OR_RETURN(r, FetchChanged(store, name, query));
       break;
     }
   }
 
   absl::flat_hash_map<std::string, SharedTensor*> sent;
-  for (SharedTensor& t : r.sent) sent.emplace(t.spec.name, &t);
+  for (SharedTensor& t : r.received) sent.emplace(t.spec.name, &t);
   HeldTensors next{r.version, {}};
   next.tensors.reserve(r.listed.size());
   absl::flat_hash_set<std::string> listed;
@@ -106,8 +94,8 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
     ++result.fetched_tensors;
     next.tensors.push_back(std::move(*f->second));
   }
-  if (r.sent.size() != result.fetched_tensors) {
-    return absl::DataLossError(absl::StrCat("update of '", name, "': the daemon sent ", r.sent.size(),
+  if (r.received.size() != result.fetched_tensors) {
+    return absl::DataLossError(absl::StrCat("update of '", name, "': the daemon sent ", r.received.size(),
                                             " tensors where the listing called for ", result.fetched_tensors));
   }
   for (const SharedTensor& t : held->tensors) {

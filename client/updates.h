@@ -32,6 +32,24 @@ struct UpdateResult {
   uint64_t fetched_tensors = 0;
 };
 
+// The tensors changed since query.since_version (empty: all of them): the
+// listing, each tensor marked unchanged or not, and the tensors received.
+struct ChangedTensors {
+  std::string version;  // the version listed and received
+  // True when only the changed tensors were received; else all were, for
+  // `full_reason`.
+  bool delta = false;
+  std::string full_reason;
+  std::vector<TensorDescription> listed;
+  std::vector<SharedTensor> received;  // the changed ones (all, without a delta), in listing order
+};
+
+// Through a socket store the changed tensors are mapped (the unchanged get
+// no mapping: the caller keeps its own); from the others they are fetched,
+// pinned to the version listed. A local store tells nothing: all of them.
+// What UpdateTensors and the Python package's update() are made of.
+absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& name, Query query);
+
 // Brings `held` (tensors `query` fetched earlier from `name`, or nothing) to
 // the current version. Lists with Query::since_version = held->version, then
 // fetches, pinned to the listed version, only the tensors not unchanged; the

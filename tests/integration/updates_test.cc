@@ -224,6 +224,69 @@ TEST_F(UpdatesTest, ListingsCarryEachTensorsDigestAndMarkWhatIsUnchanged) {
   EXPECT_THAT(marked_changed, UnorderedElementsAreArray(changed));
 }
 
+TEST_F(UpdatesTest, AFetchSinceAVersionSkipsTheUnchangedIndicesAndSaysSoOnItsFirstChunk) {
+  // What a client of the raw API (grpcurl, another language) sees.
+  const std::string v1 = Version();
+  const std::vector<std::string> changed = PublishChanging(20, 3);
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials()));
+  auto fetch = [&](const std::string& since) {
+    grpc::ClientContext ctx;
+    pb::FetchTensorsRequest req;
+    req.set_name("gpt");
+    req.set_since_version(since);
+    auto reader = stub->FetchTensors(&ctx, req);
+    std::vector<pb::TensorChunk> firsts;  // each tensor's first chunk
+    pb::TensorChunk chunk;
+    while (reader->Read(&chunk)) {
+      if (chunk.has_info()) firsts.push_back(chunk);
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    return firsts;
+  };
+  std::vector<pb::TensorChunk> firsts = fetch(v1);
+  ASSERT_EQ(firsts.size(), 3u);
+  EXPECT_TRUE(firsts[0].delta().delta());
+  EXPECT_EQ(firsts[0].delta().since_version(), v1);
+  EXPECT_EQ(firsts[0].delta().changed_tensors(), 3u);
+  EXPECT_EQ(firsts[0].delta().unchanged_tensors(), model_.size() - 3);
+  std::vector<std::string> names;
+  for (const auto& c : firsts) {
+    names.push_back(c.info().name());
+    EXPECT_EQ(c.info().digest().size(), 32u);
+  }
+  EXPECT_THAT(names, UnorderedElementsAreArray(changed));
+  EXPECT_LT(firsts[0].tensor_index(), firsts[1].tensor_index());
+  std::vector<pb::TensorChunk> all = fetch("not-kept");
+  ASSERT_EQ(all.size(), model_.size());
+  EXPECT_FALSE(all[0].delta().delta());
+  EXPECT_THAT(all[0].delta().full_reason(), HasSubstr("not-kept"));
+  grpc::ClientContext ctx;
+  pb::FetchTensorsRequest req;
+  req.set_name("gpt");
+  req.set_since_version(std::string(65, 'v'));
+  auto reader = stub->FetchTensors(&ctx, req);
+  pb::TensorChunk chunk;
+  while (reader->Read(&chunk)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST(UpdatesDigestsOffTest, ADaemonWithoutDigestsServesFullFetchesAndSaysWhy) {
+  const std::string models = testing::MakeScratchDir("no-digests");
+  Model model(1);
+  model.Publish(models + "/m.safetensors");
+  Daemon daemon(models, {"--tensor-digests=false"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto store = *client::ConnectRemoteStore(daemon.address());
+  client::HeldTensors held;
+  ASSERT_OK(client::UpdateTensors(*store, "m", {}, &held).status());
+  ASSERT_OK_AND_ASSIGN(client::TensorListing listing, store->ListTensors("m", {}));
+  EXPECT_TRUE(listing.tensors[0].digest.empty());
+  ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store, "m", {}, &held));
+  EXPECT_FALSE(r.delta);
+  EXPECT_THAT(r.full_reason, HasSubstr("--tensor-digests"));
+}
+
 TEST_F(UpdatesTest, TwoWatchersFollowFiveVersionsWithDeltasEqualToFullFetches) {
   // One watcher applies the daemon's deltas as they come; the other fetches
   // with a selection (renamed, cast to F16), as an inference engine would.

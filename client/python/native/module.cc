@@ -26,6 +26,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
+#include "client/updates.h"
 #include "core/dtype.h"
 
 namespace py = pybind11;
@@ -332,51 +333,20 @@ class Store {
     auto cancel = std::make_shared<std::atomic<bool>>(false);
     query.cancel = cancel;
     query.since_version = since;
-    std::string version;
-    std::optional<client::DeltaInfo> delta_info;
-    std::vector<client::TensorDescription> listed;
-    std::vector<SharedTensor> tensors;
-    if (shm_ != nullptr) {  // the changed tensors mapped; the unchanged keep theirs
-      client::MappedTensors mapped = Unwrap(RunInterruptibly<absl::StatusOr<client::MappedTensors>>(
-          cancel, [&] { return shm_->MapTensors(name, query); }));
-      for (size_t i = 0; i < mapped.tensors.size(); ++i) {
-        if (!mapped.descriptions[i].unchanged) tensors.push_back(std::move(mapped.tensors[i]));
-      }
-      version = std::move(mapped.version);
-      delta_info = std::move(mapped.delta);
-      listed = std::move(mapped.descriptions);
-    } else {
-      client::TensorListing listing = Unwrap(RunInterruptibly<absl::StatusOr<client::TensorListing>>(
-          cancel, [&] { return store_->ListTensors(name, query); }));
-      query.version = listing.version;
-      if (!listing.delta || !listing.delta->delta) query.since_version.clear();
-      if (!listing.delta || !listing.delta->delta || listing.delta->changed_tensors > 0) {
-        tensors = Unwrap(RunInterruptibly<absl::StatusOr<std::vector<SharedTensor>>>(cancel, [&]() {
-          client::CollectingSink sink(query.cancel);
-          absl::Status status = store_->FetchTensors(name, query, &sink);
-          return status.ok() ? absl::StatusOr<std::vector<SharedTensor>>(std::move(sink.tensors()))
-                             : absl::StatusOr<std::vector<SharedTensor>>(status);
-        }));
-      }
-      version = std::move(listing.version);
-      delta_info = std::move(listing.delta);
-      listed = std::move(listing.tensors);
-    }
-    const bool delta = delta_info.has_value() && delta_info->delta;
+    client::ChangedTensors changed = Unwrap(RunInterruptibly<absl::StatusOr<client::ChangedTensors>>(
+        cancel, [&] { return client::FetchChanged(*store_, name, query); }));
     py::dict out;
-    out["version"] = version;
-    out["delta"] = delta;
-    out["full_reason"] = since.empty() ? "nothing was held"
-                         : !delta_info ? "this store does not tell which tensors changed"
-                                       : delta_info->full_reason;
+    out["version"] = changed.version;
+    out["delta"] = changed.delta;
+    out["full_reason"] = changed.full_reason;
     py::list names, unchanged;
-    for (const auto& t : listed) {
+    for (const auto& t : changed.listed) {
       names.append(t.spec.name);
-      if (delta && t.unchanged) unchanged.append(t.spec.name);
+      if (changed.delta && t.unchanged) unchanged.append(t.spec.name);
     }
     out["names"] = names;
     out["unchanged"] = unchanged;
-    out["tensors"] = ToTensors(std::move(tensors), /*writable=*/true);
+    out["tensors"] = ToTensors(std::move(changed.received), /*writable=*/true);
     return out;
   }
 
