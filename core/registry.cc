@@ -462,6 +462,14 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
         absl::StrCat("version of ", pinned_version.size(), " bytes is not one this daemon issues"));
   }
   std::shared_ptr<const CheckpointVersion> current = Get(name);
+  if (read_through_ != nullptr) {
+    if (current == nullptr) {
+      WEIGHTSTORE_RETURN_IF_ERROR(read_through_->Pull(name).status());
+      current = Get(name);
+    } else {
+      read_through_->Touch(name);
+    }
+  }
   if (current == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
   if (current->stale()) {
     return absl::UnavailableError(
@@ -644,6 +652,44 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   absl::MutexLock scan_lock(&scan_mu_);
   WEIGHTSTORE_RETURN_IF_ERROR(session->file_->Commit());
   return LoadLocked(session->path_, session->name_, &notify);
+}
+
+absl::StatusOr<std::vector<StoredFile>> StoredFiles(const CheckpointVersion& version) {
+  if (version.preloaded_bytes() > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint '", version.name(), "' is preloaded into memory; its files are not served as stored"));
+  }
+  const fs::path main(version.path());
+  const std::string file_name = main.filename().string();
+  const std::optional<std::string> stem = NameForPath(file_name);
+  if (!stem) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint '", version.name(), "' is served from a file of no known extension"));
+  }
+  std::vector<StoredFile> files;
+  const MappedFile* main_mapping = nullptr;
+  for (const auto& f : version.checkpoint()->files()) {
+    const fs::path p(f->path());
+    if (p == main) {
+      main_mapping = f.get();
+      continue;
+    }
+    if (p.parent_path() != main.parent_path()) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", version.name(), "' has a shard '",
+                                                        p.filename().string(), "' outside its index's folder"));
+    }
+    files.push_back({p.filename().string(), f->path(), false, f->size(), f.get()});
+  }
+  StoredFile m{file_name.substr(stem->size()), version.path(), true, 0, main_mapping};
+  if (main_mapping != nullptr) {
+    m.size = main_mapping->size();
+  } else {
+    std::error_code ec;
+    m.size = fs::file_size(main, ec);
+    if (ec) return absl::NotFoundError(absl::StrCat("checkpoint '", version.name(), "': ", ec.message()));
+  }
+  files.push_back(std::move(m));
+  return files;
 }
 
 }  // namespace weightstore

@@ -32,6 +32,7 @@
 #include "core/checksum_cache.h"
 #include "core/file_watcher.h"
 #include "core/manifest.h"
+#include "core/pull.h"
 #include "core/push.h"
 #include "core/shm/segment_cache.h"
 
@@ -189,7 +190,8 @@ class CheckpointRegistry {
   // Returns the current version of `name`, or nullptr.
   std::shared_ptr<const CheckpointVersion> Get(const std::string& name) const;
   // The current version of `name`: InvalidArgument for a name no checkpoint can
-  // have (CheckCheckpointName), NotFound when it is not served, Unavailable
+  // have (CheckCheckpointName), NotFound when it is not served (and, with a
+  // read-through puller, could not be pulled: its error), Unavailable
   // while it is stale (written in place, being reopened), Aborted when
   // `pinned_version` is given and is no longer the current one.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> Find(const std::string& name,
@@ -244,6 +246,12 @@ class CheckpointRegistry {
 
   const RegistryOptions& options() const { return options_; }
 
+  // Read-through (origin/node_cache.h): Find() of a name not served asks
+  // `puller` to pull the checkpoint, and waits; Find() of a served name tells
+  // it of the use. Not owned. Call before the registry is shared between
+  // threads.
+  void SetReadThrough(Puller* puller) { read_through_ = puller; }
+
  private:
   struct Entry {
     std::shared_ptr<const CheckpointVersion> current;
@@ -290,6 +298,7 @@ class CheckpointRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(scan_mu_);
 
   RegistryOptions options_;
+  Puller* read_through_ = nullptr;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> served_ ABSL_GUARDED_BY(mu_);
   // Manifests of the versions each name served, oldest first, the current last.
@@ -306,6 +315,24 @@ class CheckpointRegistry {
   std::string watch_error_;               // why files are not watched, reported by Rescan once
   std::shared_ptr<FileWatcher> watcher_;  // last: stopped first
 };
+
+// One file a checkpoint version is stored in (StoredFiles).
+struct StoredFile {
+  // The main file (the one the checkpoint is served from: an index, or its
+  // only file) lies at the name plus this suffix (".safetensors"); a shard is
+  // its file name, in the main file's folder.
+  std::string path;
+  std::string local_path;  // where it is on this machine
+  bool main = false;
+  uint64_t size = 0;
+  // The version's mapping of it; nullptr for an index, which is read by path.
+  const MappedFile* mapped = nullptr;
+};
+
+// The files `version` is stored in, as stored, its main file last: what a node
+// pulling from this daemon copies. FailedPrecondition for a version held in
+// memory (preloaded) or whose shards lie outside its index's folder.
+absl::StatusOr<std::vector<StoredFile>> StoredFiles(const CheckpointVersion& version);
 
 // Returns the version string of the file(s) behind `path`: a hash of device,
 // inode, size, mtime and ctime (for an index, of the index and its shards).

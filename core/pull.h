@@ -1,0 +1,56 @@
+// Puller: how the daemon (and the registry's read-through) asks for a
+// checkpoint it does not have. The node cache (origin/node_cache.h) is the one
+// implementation; the server sees only this.
+#ifndef WEIGHTSTORE_CORE_PULL_H_
+#define WEIGHTSTORE_CORE_PULL_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace weightstore {
+
+struct PullResult {
+  // Bytes this call transferred from the origin: 0 when the checkpoint was
+  // already there, or when the call waited on another caller's transfer.
+  uint64_t bytes_pulled = 0;
+  // Bytes of the checkpoint's tensors.
+  uint64_t bytes = 0;
+  bool already_present = false;
+  // This call joined a transfer another call had started.
+  bool joined = false;
+  double seconds = 0;
+};
+
+// Figures for metrics, read at scrape time.
+struct PullStats {
+  std::string origin;  // Describe() of the origin
+  uint64_t bytes_pulled = 0;
+  uint64_t pulls = 0, pull_errors = 0;
+  uint64_t pulls_in_flight = 0;
+  uint64_t hits = 0, misses = 0;  // read-through lookups
+  uint64_t cache_bytes = 0, cache_budget_bytes = 0;
+  uint64_t evictions = 0;
+};
+
+class Puller {
+ public:
+  virtual ~Puller() = default;
+  // Makes checkpoint `name` served, pulling its files from the origin unless
+  // they are already here. Concurrent calls for one name share one transfer and
+  // its outcome. Blocks until then.
+  virtual absl::StatusOr<PullResult> Pull(const std::string& name) = 0;
+  // Notes that `name`, pulled earlier, was just used (least recently used
+  // eviction).
+  virtual void Touch(const std::string& name) = 0;
+  virtual PullStats Stats() const = 0;
+  // Ends the transfers in progress (their callers get Unavailable) as soon as
+  // their next bytes arrive, and refuses new pulls. For shutdown.
+  virtual void Shutdown() = 0;
+};
+
+}  // namespace weightstore
+
+#endif  // WEIGHTSTORE_CORE_PULL_H_
