@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/channel.h"
 #include "client/chunk_assembler.h"
 #include "client/proto_convert.h"
 #include "client/store.h"
@@ -540,7 +541,8 @@ bool AutomaticPipeline() {
   return on;
 }
 
-absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& address, RemoteOptions options) {
+absl::StatusOr<std::function<std::shared_ptr<grpc::Channel>()>> ChannelMaker(const std::string& address,
+                                                                             const RemoteOptions& options) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, Credentials(options));
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(16 << 20);
@@ -550,7 +552,12 @@ absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& add
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (options.stream_window_bytes > 0) args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, options.stream_window_bytes);
   // Each channel has its own subchannel pool, hence a connection of its own.
-  auto make_channel = [address, credentials, args] { return grpc::CreateCustomChannel(address, credentials, args); };
+  return std::function<std::shared_ptr<grpc::Channel>()>(
+      [address, credentials, args] { return grpc::CreateCustomChannel(address, credentials, args); });
+}
+
+absl::StatusOr<std::unique_ptr<Store>> ConnectRemoteStore(const std::string& address, RemoteOptions options) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto make_channel, ChannelMaker(address, options));
   return std::unique_ptr<Store>(new RemoteStore(std::move(make_channel), options));
 }
 

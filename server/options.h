@@ -7,6 +7,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
@@ -123,6 +125,12 @@ struct ServerOptions {
   } tls;
   // Bearer tokens (server/auth.h). Off when empty: keep the port private.
   std::string tokens_file;
+  // The origin tier: makes the puller (origin/node_cache.h) once the registry
+  // exists. A name not served is then pulled on first use (read-through), and
+  // PullCheckpoint works. Off when empty.
+  std::function<absl::StatusOr<std::unique_ptr<Puller>>(CheckpointRegistry*)> make_puller;
+  // Checkpoints to pull in the background once serving (weightstored --pull).
+  std::vector<std::string> prefetch;
 };
 
 }  // namespace weightstore::server

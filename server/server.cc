@@ -139,6 +139,36 @@ void AddScrapedFamilies(ServerMetrics* metrics, const CheckpointRegistry* regist
                One([service] { return static_cast<double>(service->stalled_fetches()); }));
 }
 
+// The origin tier's families (core/pull.h), when the daemon has an origin.
+void AddPullFamilies(ServerMetrics* metrics, const Puller* puller) {
+  using metrics::One;
+  using metrics::Sample;
+  metrics::ScrapedFamilies& f = metrics->scraped();
+  const std::string origin = puller->Stats().origin;
+  f.AddCounter("weightstore_origin_pulled_bytes_total", "Bytes read from the origin by pulls.", [puller, origin] {
+    return std::vector<Sample>{{{{"origin", origin}}, static_cast<double>(puller->Stats().bytes_pulled)}};
+  });
+  f.AddCounter("weightstore_origin_pulls_total", "Pulls from the origin, by outcome.", [puller] {
+    const PullStats s = puller->Stats();
+    return std::vector<Sample>{{{{"outcome", "ok"}}, static_cast<double>(s.pulls - s.pull_errors)},
+                               {{{"outcome", "error"}}, static_cast<double>(s.pull_errors)}};
+  });
+  f.AddGauge("weightstore_origin_pulls_in_flight", "Checkpoints being pulled now.",
+             One([puller] { return static_cast<double>(puller->Stats().pulls_in_flight); }));
+  f.AddCounter("weightstore_node_cache_lookups_total",
+               "Lookups through the node cache: hit (served here), miss (pulled, or waited on a pull).", [puller] {
+                 const PullStats s = puller->Stats();
+                 return std::vector<Sample>{{{{"result", "hit"}}, static_cast<double>(s.hits)},
+                                            {{{"result", "miss"}}, static_cast<double>(s.misses)}};
+               });
+  f.AddGauge("weightstore_node_cache_bytes", "Bytes of pulled checkpoints on disk.",
+             One([puller] { return static_cast<double>(puller->Stats().cache_bytes); }));
+  f.AddGauge("weightstore_node_cache_budget_bytes", "The disk budget for pulled checkpoints (0: none).",
+             One([puller] { return static_cast<double>(puller->Stats().cache_budget_bytes); }));
+  f.AddCounter("weightstore_node_cache_evictions_total", "Pulled checkpoints evicted to fit the budget.",
+               One([puller] { return static_cast<double>(puller->Stats().evictions); }));
+}
+
 }  // namespace
 
 WeightStoreServer::WeightStoreServer() = default;
@@ -162,13 +192,20 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
     metrics->ObserveLoad(seconds, status.ok());
   };
   s->registry_ = std::make_unique<CheckpointRegistry>(options.registry);
+  if (options.make_puller) {
+    auto puller = options.make_puller(s->registry_.get());
+    if (!puller.ok()) return puller.status();
+    s->puller_ = *std::move(puller);
+    s->registry_->SetReadThrough(s->puller_.get());
+  }
   ScanReport report = s->registry_->Rescan();
   for (const std::string& e : report.errors) std::fprintf(stderr, "weightstored: not serving %s\n", e.c_str());
   for (const std::string& c : report.cleaned) {
     std::fprintf(stderr, "weightstored: removed the abandoned upload %s\n", c.c_str());
   }
   for (const std::string& folder : RegistryFolders(options.registry)) options.service.hidden_folders.push_back(folder);
-  s->service_ = std::make_unique<WeightStoreService>(s->registry_.get(), options.service, s->auth_.get());
+  s->service_ =
+      std::make_unique<WeightStoreService>(s->registry_.get(), options.service, s->auth_.get(), s->puller_.get());
 
   // The default health service is implemented without protobuf; touching the
   // generated descriptor registers grpc.health.v1 so reflection can describe it.
@@ -212,6 +249,7 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   }
   AddScrapedFamilies(s->metrics_.get(), s->registry_.get(), s->segments_.get(), s->shm_server_.get(),
                      s->service_.get());
+  if (s->puller_ != nullptr) AddPullFamilies(s->metrics_.get(), s->puller_.get());
   if (!options.metrics_listen.empty()) {
     auto http = MetricsHttpServer::Start(options.metrics_listen, *s->metrics_);
     if (!http.ok()) return http.status();
@@ -223,6 +261,21 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
     grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
     health->SetServingStatus("", true);
     health->SetServingStatus(v1::WeightStore::service_full_name(), true);
+  }
+  if (s->puller_ != nullptr && !options.prefetch.empty()) {
+    s->prefetch_ = std::thread([puller = s->puller_.get(), names = options.prefetch] {
+      for (const std::string& name : names) {
+        absl::StatusOr<PullResult> pulled = puller->Pull(name);
+        if (pulled.ok()) {
+          std::fprintf(stderr, "weightstored: pulled '%s': %llu bytes in %.2f s%s\n", name.c_str(),
+                       static_cast<unsigned long long>(pulled->bytes_pulled), pulled->seconds,
+                       pulled->already_present ? " (already here)" : "");
+        } else {
+          std::fprintf(stderr, "weightstored: cannot pull '%s': %s\n", name.c_str(),
+                       std::string(pulled.status().message()).c_str());
+        }
+      }
+    });
   }
   return s;
 }
@@ -240,6 +293,8 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
     }
   }
   if (drain.count() > 0) std::this_thread::sleep_for(drain);
+  if (puller_ != nullptr) puller_->Shutdown();  // pulls in progress end, Unavailable
+  if (prefetch_.joinable()) prefetch_.join();
   if (shm_server_ != nullptr) shm_server_->Stop();  // mappings handed out stay valid
   service_->StopWatches();                          // they never end by themselves
   const auto deadline = std::chrono::system_clock::now() + grace;

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "core/registry.h"
@@ -68,6 +69,8 @@ class WeightStoreServer {
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<SegmentCache> segments_;
   std::unique_ptr<CheckpointRegistry> registry_;
+  std::unique_ptr<Puller> puller_;  // after the registry it reads through: destroyed first
+  std::thread prefetch_;
   std::unique_ptr<WeightStoreService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<ShmServer> shm_server_;

@@ -14,18 +14,15 @@
 #include "server/observability.h"
 #include "server/proto_convert.h"
 #include "server/resolve.h"
+#include "server/stored_files.h"
 
 namespace weightstore::server {
-namespace {
 
-// Names the checkpoint of a call for the request log (server/observability.h).
 // The name comes from the request: gRPC aborts the process on a metadata value
 // that is not printable ASCII, so it is encoded first (TrailerValue).
 void Annotate(grpc::CallbackServerContext* ctx, const std::string& checkpoint) {
   if (!checkpoint.empty()) ctx->AddTrailingMetadata(kCheckpointTrailer, TrailerValue(checkpoint));
 }
-
-}  // namespace
 
 void ToProto(const CheckpointVersion& version, v1::CheckpointInfo* out) {
   const Checkpoint& c = *version.checkpoint();
@@ -247,8 +244,10 @@ grpc::ServerUnaryReactor* WeightStoreService::Reply(grpc::CallbackServerContext*
   return reactor;
 }
 
-WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOptions options, const Authenticator* auth)
+WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOptions options, const Authenticator* auth,
+                                       Puller* puller)
     : registry_(registry),
+      puller_(puller),
       options_(options),
       auth_(auth != nullptr ? auth : &no_auth_),
       streams_(options.streams),
@@ -340,6 +339,33 @@ grpc::ServerUnaryReactor* WeightStoreService::Rescan(grpc::CallbackServerContext
     for (const auto& s : report.replaced) resp->add_replaced(s);
     for (const auto& s : report.removed) resp->add_removed(s);
     return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* WeightStoreService::PullCheckpoint(grpc::CallbackServerContext* ctx,
+                                                             const v1::PullCheckpointRequest* req,
+                                                             v1::PullCheckpointResponse* resp) {
+  return Unary(ctx, Scope::kAdmin, req->name(), [&]() -> absl::Status {
+    if (puller_ == nullptr) {
+      return absl::FailedPreconditionError("this daemon has no origin to pull from (weightstored --origin)");
+    }
+    WEIGHTSTORE_ASSIGN_OR_RETURN(PullResult pulled, puller_->Pull(req->name()));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name()));
+    ToProto(*version, resp->mutable_checkpoint());
+    resp->set_already_present(pulled.already_present);
+    resp->set_joined(pulled.joined);
+    resp->set_bytes_pulled(pulled.bytes_pulled);
+    resp->set_seconds(pulled.seconds);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* WeightStoreService::ListCheckpointFiles(grpc::CallbackServerContext* ctx,
+                                                                  const v1::ListCheckpointFilesRequest* req,
+                                                                  v1::ListCheckpointFilesResponse* resp) {
+  return Unary(ctx, Scope::kRead, req->name(), [&]() -> absl::Status {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name(), req->version()));
+    return DescribeStoredFiles(*version, resp);
   });
 }
 

@@ -36,7 +36,10 @@ using ServiceBase = v1::WeightStore::WithRawCallbackMethod_FetchTensors<v1::Weig
 class WeightStoreService final : public ServiceBase {
  public:
   // `auth` (may be null: no tokens) must outlive the service.
-  WeightStoreService(CheckpointRegistry* registry, ServiceOptions options, const Authenticator* auth = nullptr);
+  // `puller` (may be null: no origin) serves PullCheckpoint; it must outlive
+  // the service.
+  WeightStoreService(CheckpointRegistry* registry, ServiceOptions options, const Authenticator* auth = nullptr,
+                     Puller* puller = nullptr);
 
   grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* ctx, const v1::ListCheckpointsRequest* req,
                                             v1::ListCheckpointsResponse* resp) override;
@@ -58,6 +61,15 @@ class WeightStoreService final : public ServiceBase {
                                                                      v1::CheckpointInfo* resp) override;
   grpc::ServerWriteReactor<v1::CheckpointEvent>* WatchCheckpoints(grpc::CallbackServerContext* ctx,
                                                                   const v1::WatchCheckpointsRequest* req) override;
+  // The origin tier (server/stored_files.cc): pulls into this daemon, and the
+  // API a node pulls from it through.
+  grpc::ServerUnaryReactor* PullCheckpoint(grpc::CallbackServerContext* ctx, const v1::PullCheckpointRequest* req,
+                                           v1::PullCheckpointResponse* resp) override;
+  grpc::ServerUnaryReactor* ListCheckpointFiles(grpc::CallbackServerContext* ctx,
+                                                const v1::ListCheckpointFilesRequest* req,
+                                                v1::ListCheckpointFilesResponse* resp) override;
+  grpc::ServerWriteReactor<v1::CheckpointFileChunk>* ReadCheckpointFile(
+      grpc::CallbackServerContext* ctx, const v1::ReadCheckpointFileRequest* req) override;
 
   // Ends every WatchCheckpoints stream (UNAVAILABLE) and refuses new ones:
   // the first step of shutting down, as watches never end by themselves.
@@ -80,8 +92,10 @@ class WeightStoreService final : public ServiceBase {
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Scope scope, absl::string_view checkpoint,
                                   Body body);
   friend class PutReactor;
+  friend class FileReadReactor;
   friend class PushReactor;
   CheckpointRegistry* registry_;
+  Puller* puller_;
   ServiceOptions options_;
   Authenticator no_auth_;
   const Authenticator* auth_;
@@ -89,6 +103,9 @@ class WeightStoreService final : public ServiceBase {
   StreamGovernor uploads_;
   WatchHub watches_;  // last: its streams end first
 };
+
+// Names the checkpoint of a call for the request log (server/observability.h).
+void Annotate(grpc::CallbackServerContext* ctx, const std::string& checkpoint);
 
 // Fills `out` from a served version.
 void ToProto(const CheckpointVersion& version, v1::CheckpointInfo* out);

@@ -1,5 +1,7 @@
 #include "server/shm_server.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -35,6 +37,21 @@
 
 namespace weightstore::server {
 namespace {
+
+// A descriptor of `file` for one client: a new open file description (through
+// /proc/self/fd) holding a shared flock. The client's mapping keeps the
+// description, and so the lock, alive until it is unmapped and closed, which
+// is how the node cache (origin/node_cache.h) tells a file still mapped on
+// this host. Falls back to a duplicate of the daemon's own descriptor.
+UniqueFd LeaseDescriptor(const MappedFile& file) {
+  UniqueFd fd(::open(absl::StrCat("/proc/self/fd/", file.fd()).c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.valid()) {
+    while (::flock(fd.get(), LOCK_SH) != 0 && errno == EINTR) {
+    }
+    return fd;
+  }
+  return UniqueFd(::fcntl(file.fd(), F_DUPFD_CLOEXEC, 0));
+}
 
 // The peer's primary group and, where the kernel reports them (SO_PEERGROUPS,
 // Linux 4.13), its supplementary groups, as they were when it connected.
@@ -310,7 +327,7 @@ void ShmServer::Serve(int connection, const ShmPeer& peer) {
     ++requests_;
     const auto start = std::chrono::steady_clock::now();
     v1::ShmRequest request;
-    std::vector<int> fds;
+    std::vector<UniqueFd> fds;
     std::vector<std::shared_ptr<const MappedFile>> keep;
     if (!received.empty()) {
       SetStatus(absl::InvalidArgumentError("requests must not carry file descriptors"), &response);
@@ -321,7 +338,9 @@ void ShmServer::Serve(int connection, const ShmPeer& peer) {
       Handle(request, peer, &response, &fds, &keep);
     }
     LogRequest(request, response, peer.name, std::chrono::steady_clock::now() - start);
-    if (!SendFrame(connection, response.SerializeAsString(), fds).ok()) return;
+    std::vector<int> sent;
+    for (const UniqueFd& fd : fds) sent.push_back(fd.get());
+    if (!SendFrame(connection, response.SerializeAsString(), sent).ok()) return;
   }
 }
 
@@ -360,7 +379,7 @@ void ShmServer::LogRequest(const v1::ShmRequest& request, const v1::ShmResponse&
 }
 
 void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::ShmResponse* response,
-                       std::vector<int>* fds, std::vector<std::shared_ptr<const MappedFile>>* keep) {
+                       std::vector<UniqueFd>* fds, std::vector<std::shared_ptr<const MappedFile>>* keep) {
   absl::Status status;
   switch (request.request_case()) {
     case v1::ShmRequest::kListCheckpoints:
@@ -380,7 +399,7 @@ void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::S
     case v1::ShmRequest::kMapTensors:
       status = MapTensors(request.map_tensors(), peer, response->mutable_map_tensors(), keep);
       if (status.ok()) {
-        for (const auto& segment : *keep) fds->push_back(segment->fd());
+        for (const auto& segment : *keep) fds->push_back(LeaseDescriptor(*segment));
       }
       break;
     default:

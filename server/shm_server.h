@@ -85,7 +85,7 @@ class ShmServer {
   void AcceptLoop();
   // Answers one request: fills `response` and the descriptors to send with it
   // (owned by the segments `keep` holds alive).
-  void Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::ShmResponse* response, std::vector<int>* fds,
+  void Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::ShmResponse* response, std::vector<UniqueFd>* fds,
               std::vector<std::shared_ptr<const MappedFile>>* keep);
   void Serve(int connection, const ShmPeer& peer);
   // One structured log line per request (server/log.h).

@@ -1,0 +1,180 @@
+#include "server/stored_files.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/crc32c.h"
+#include "core/shm/unix_socket.h"
+#include "core/status_macros.h"
+#include "server/service.h"
+
+namespace weightstore::server {
+
+namespace {
+
+constexpr uint64_t kFileChunkBytes = uint64_t{1} << 20;
+
+// Reads `file` (`length` bytes from `offset`) into `out`: from the version's
+// mapping, or, for an index, from the file by path, after checking that the
+// version's files are those it opened.
+absl::Status ReadStored(const CheckpointVersion& version, const StoredFile& file, uint64_t offset, uint64_t length,
+                        std::string* out) {
+  out->resize(length);
+  if (file.mapped != nullptr) {
+    const SharedBytes bytes = file.mapped->bytes();
+    if (offset + length > bytes.size()) return absl::OutOfRangeError("read past the end of a stored file");
+    std::memcpy(out->data(), bytes.data() + offset, length);
+    // A file truncated under the mapping reads as zeros (the SIGBUS guard):
+    // such bytes are never sent.
+    return version.CheckUnchanged();
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::string now, FileVersion(version.path()));
+  if (now != version.file_version()) {
+    return absl::AbortedError(absl::StrCat("checkpoint '", version.name(), "' was replaced on disk; list it again"));
+  }
+  UniqueFd fd(::open(file.local_path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return absl::NotFoundError(absl::StrCat("cannot open '", file.path, "': ", std::strerror(errno)));
+  for (uint64_t done = 0; done < length;) {
+    const ssize_t n = ::pread(fd.get(), out->data() + done, length - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return absl::DataLossError(absl::StrCat("'", file.path, "' is shorter than when it was listed"));
+    done += static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint32_t> StoredCrc(const CheckpointVersion& version, const StoredFile& file) {
+  const std::string key = absl::StrCat("stored-file:", file.path);
+  if (std::optional<uint32_t> crc = version.checksums().Find(key)) return *crc;
+  uint32_t crc = 0;
+  std::string block;
+  for (uint64_t offset = 0; offset < file.size; offset += kFileChunkBytes) {
+    WEIGHTSTORE_RETURN_IF_ERROR(
+        ReadStored(version, file, offset, std::min(kFileChunkBytes, file.size - offset), &block));
+    crc = Crc32cExtend(crc, block);
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(version.checksums().Store(key, crc));
+  return crc;
+}
+
+}  // namespace
+
+absl::Status DescribeStoredFiles(const CheckpointVersion& version, v1::ListCheckpointFilesResponse* out) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<StoredFile> files, StoredFiles(version));
+  out->set_version(version.version());
+  for (const StoredFile& f : files) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(uint32_t crc, StoredCrc(version, f));
+    v1::StoredFile* s = out->add_files();
+    s->set_path(f.path);
+    s->set_main(f.main);
+    s->set_size(f.size);
+    s->set_crc32c(absl::StrFormat("%08x", crc));
+  }
+  return absl::OkStatus();
+}
+
+// Streams one ReadCheckpointFile response, one chunk in flight at a time,
+// admitted and paced by the fetch streams' governor.
+class FileReadReactor : public grpc::ServerWriteReactor<v1::CheckpointFileChunk> {
+ public:
+  FileReadReactor(WeightStoreService* service, grpc::CallbackServerContext* ctx,
+                  const v1::ReadCheckpointFileRequest* request)
+      : service_(service) {
+    absl::Status status = Start(ctx, *request);
+    if (!status.ok()) {
+      Finish(service_->ClientStatus(status));
+      return;
+    }
+    Next();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      return;
+    }
+    service_->streams_.Progress(ticket_, chunk_.data().size());
+    Next();
+  }
+  void OnCancel() override { cancelled_ = true; }
+  void OnDone() override {
+    if (ticket_ != 0) service_->streams_.Release(ticket_);
+    delete this;
+  }
+
+ private:
+  absl::Status Start(grpc::CallbackServerContext* ctx, const v1::ReadCheckpointFileRequest& request) {
+    if (absl::Status s = service_->auth_->Check(*ctx, Scope::kRead); !s.ok()) return s;
+    Annotate(ctx, request.name());
+    if (request.version().empty()) {
+      return absl::InvalidArgumentError("version is required: take it from ListCheckpointFiles");
+    }
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, service_->streams_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); }));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(version_, service_->registry_->Find(request.name(), request.version()));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<StoredFile> files, StoredFiles(*version_));
+    for (StoredFile& f : files) {
+      if (f.path == request.path()) file_ = std::move(f);
+    }
+    if (file_.local_path.empty()) {
+      return absl::NotFoundError(absl::StrCat("checkpoint '", request.name(), "' has no stored file '",
+                                              absl::CHexEscape(request.path().substr(0, 256)), "'"));
+    }
+    if (request.offset() > file_.size) {
+      return absl::OutOfRangeError(
+          absl::StrCat("offset ", request.offset(), " is past the end of '", file_.path, "' (", file_.size, " bytes)"));
+    }
+    cursor_ = request.offset();
+    const uint64_t left = file_.size - cursor_;
+    end_ = cursor_ + (request.length() == 0 ? left : std::min(request.length(), left));
+    if (request.length() > left) {
+      return absl::OutOfRangeError(absl::StrCat("offset ", request.offset(), " + length ", request.length(),
+                                                " is past the end of '", file_.path, "' (", file_.size, " bytes)"));
+    }
+    return absl::OkStatus();
+  }
+
+  void Next() {
+    if (cancelled_) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      return;
+    }
+    if (cursor_ >= end_) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    const uint64_t n = std::min(kFileChunkBytes, end_ - cursor_);
+    absl::Status read = ReadStored(*version_, file_, cursor_, n, chunk_.mutable_data());
+    if (!read.ok()) {
+      Finish(service_->ClientStatus(read));
+      return;
+    }
+    chunk_.set_offset(cursor_);
+    chunk_.set_crc32c(Crc32c(chunk_.data()));
+    cursor_ += n;
+    StartWrite(&chunk_);
+  }
+
+  WeightStoreService* service_;
+  uint64_t ticket_ = 0;
+  std::shared_ptr<const CheckpointVersion> version_;
+  StoredFile file_;
+  uint64_t cursor_ = 0, end_ = 0;
+  v1::CheckpointFileChunk chunk_;
+  std::atomic<bool> cancelled_{false};
+};
+
+grpc::ServerWriteReactor<v1::CheckpointFileChunk>* WeightStoreService::ReadCheckpointFile(
+    grpc::CallbackServerContext* ctx, const v1::ReadCheckpointFileRequest* req) {
+  return new FileReadReactor(this, ctx, req);
+}
+
+}  // namespace weightstore::server

@@ -1,0 +1,19 @@
+// The origin API a node tier pulls through (ListCheckpointFiles,
+// ReadCheckpointFile): a checkpoint's files exactly as stored, with CRC32C.
+#ifndef WEIGHTSTORE_SERVER_STORED_FILES_H_
+#define WEIGHTSTORE_SERVER_STORED_FILES_H_
+
+#include "absl/status/status.h"
+#include "core/registry.h"
+#include "weightstore/v1/weight_store.pb.h"
+
+namespace weightstore::server {
+
+// Fills `out` with the stored files of `version` and the CRC32C of each,
+// computed once per version (kept in its checksum cache while its files are
+// unchanged).
+absl::Status DescribeStoredFiles(const CheckpointVersion& version, v1::ListCheckpointFilesResponse* out);
+
+}  // namespace weightstore::server
+
+#endif  // WEIGHTSTORE_SERVER_STORED_FILES_H_
