@@ -15,21 +15,28 @@ packages=(
   nlohmann-json3-dev libcbor-dev zlib1g-dev libcli11-dev
   # weight updates: XXH3-128 tensor digests
   libxxhash-dev
+  # origins: S3 over libcurl (SigV4 signing), its XML replies parsed with expat
+  libcurl4-openssl-dev libexpat1-dev
   # the Python package: its extension (pybind11), and offline installs into a
   # venv with Debian's build backend
   pybind11-dev python3-pybind11 python3-dev python3-venv python3-pip python3-setuptools python3-wheel
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev
-  python3 python3-torch python3-numpy python3-grpcio libtorch-dev \
+  python3 python3-torch python3-numpy python3-grpcio libtorch-dev bc \
   prometheus openssl
   # style checks (scripts/lint.sh)
   clang-format
-  # deployment checks (deploy/validate, docker/check.sh)
+  # deployment checks (deploy/validate, docker/check.sh); kubernetes-client
+  # (kubectl kustomize) is added below
   systemd util-linux
 )
 # npm comes from Debian unless a node.js with its own npm is already installed
 # (Debian's npm package would conflict with it).
 command -v npm > /dev/null || packages+=(npm)
+# kubectl likewise comes from Debian (kubernetes-client) unless one is already
+# installed: another package's kubectl (a cloud SDK's) owns /usr/bin/kubectl,
+# which dpkg would refuse to overwrite.
+command -v kubectl > /dev/null || packages+=(kubernetes-client)
 
 sudo=""
 if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
@@ -48,4 +55,9 @@ fi
 tools="$(cd "$(dirname "$0")/.." && pwd)/build-tools"
 if [ ! -x "$tools/node_modules/.bin/buf" ]; then
   npm install --prefix "$tools" --no-audit --no-fund --loglevel=error @bufbuild/buf@1.75.0
+fi
+# s3rver is the S3-protocol server the S3 origin's tests run on loopback
+# (origin/s3_origin_test.cc); from npm, into build-tools/ as well.
+if [ ! -x "$tools/node_modules/.bin/s3rver" ]; then
+  npm install --prefix "$tools" --no-audit --no-fund --loglevel=error s3rver@3.7.1
 fi

@@ -13,12 +13,74 @@
 #include <fstream>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "client/store.h"
 #include "core/format.h"
 #include "core/mapped_file.h"
+#include "origin/grpc_origin.h"
+#include "origin/node_cache.h"
+#include "origin/s3_origin.h"
 #include "server/log.h"
 #include "server/server.h"
+
+namespace {
+
+// The config as --check-config prints it, with every secret's value removed.
+std::string RedactSecrets(const std::string& config) {
+  std::string out;
+  for (absl::string_view line : absl::StrSplit(config, '\n')) {
+    if (absl::StartsWith(line, "aws-secret-access-key") || absl::StartsWith(line, "aws-session-token") ||
+        absl::StartsWith(line, "aws-access-key-id")) {
+      line = line.substr(0, line.find('='));
+      out.append(absl::StrCat(absl::StripTrailingAsciiWhitespace(line), "=\"(redacted)\"\n"));
+      continue;
+    }
+    if (!line.empty()) absl::StrAppend(&out, line, "\n");
+  }
+  return out;
+}
+
+// What makes the daemon's puller once its registry exists: the origin named
+// by `url`, and the node cache over the models folder.
+absl::StatusOr<std::function<absl::StatusOr<std::unique_ptr<weightstore::Puller>>(weightstore::CheckpointRegistry*)>>
+MakePuller(const std::string& url, const std::string& token_file, const std::string& ca_file,
+           weightstore::origin::S3Config s3, weightstore::origin::NodeCacheOptions cache) {
+  using weightstore::origin::Origin;
+  std::unique_ptr<Origin> origin;
+  if (absl::StartsWith(url, "s3://")) {
+    weightstore::origin::FillFromEnvironment(&s3);
+    if (cache.parallel_reads > 0) s3.parallel_reads = cache.parallel_reads;
+    auto opened = weightstore::origin::S3Origin::Create(url, std::move(s3));
+    if (!opened.ok()) return opened.status();
+    origin = *std::move(opened);
+  } else {
+    weightstore::client::RemoteOptions remote;
+    remote.tls_ca_file = ca_file;
+    if (!token_file.empty()) {
+      std::ifstream in(token_file);
+      if (!in || !std::getline(in, remote.token) || remote.token.empty()) {
+        return absl::NotFoundError(absl::StrCat("--origin-token-file: cannot read a token from '", token_file, "'"));
+      }
+    }
+    auto opened = weightstore::origin::OpenGrpcOrigin(url, std::move(remote),
+                                                      cache.parallel_reads > 0 ? cache.parallel_reads : 4);
+    if (!opened.ok()) return opened.status();
+    origin = *std::move(opened);
+  }
+  auto shared = std::make_shared<std::unique_ptr<Origin>>(std::move(origin));
+  return [shared,
+          cache](weightstore::CheckpointRegistry* registry) -> absl::StatusOr<std::unique_ptr<weightstore::Puller>> {
+    auto opened = weightstore::origin::NodeCache::Open(registry, std::move(*shared), cache);
+    if (!opened.ok()) return opened.status();
+    return std::unique_ptr<weightstore::Puller>(*std::move(opened));
+  };
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace weightstore::server;
@@ -170,6 +232,39 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level, "debug, info, warning or error")
       ->check(CLI::IsMember({"debug", "info", "warning", "warn", "error"}))
       ->capture_default_str();
+  // The origin tier (origin/node_cache.h).
+  std::string origin_url, origin_token_file, origin_ca_file;
+  weightstore::origin::NodeCacheOptions cache;
+  weightstore::origin::S3Config s3;
+  std::vector<std::string> pull;
+  app.add_option("--origin", origin_url,
+                 "Pull checkpoints this node lacks from here: s3://BUCKET[/PREFIX] or grpc[s]://HOST:PORT (an upstream "
+                 "weightstored); the models folder must be writable (off when empty)");
+  app.add_option("--origin-token-file", origin_token_file,
+                 "File whose first line is the token sent to a grpc:// origin (its read scope)");
+  app.add_option("--origin-ca-file", origin_ca_file, "CA certificate (PEM) of a grpcs:// origin");
+  app.add_option("--origin-parallel-reads", cache.parallel_reads,
+                 "Byte ranges a pull reads at once (0: 8 from S3, 4 from a daemon)")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  app.add_option("--cache-max-bytes", cache.max_bytes,
+                 "Disk budget for pulled checkpoints (least recently used evicted; 0: no limit)")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--max-pulls", cache.max_concurrent_pulls, "Distinct checkpoints pulled at once")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--pull", pull, "Pull this checkpoint from the origin once serving (repeatable)");
+  // S3 credentials: the AWS SDKs' environment variables, or these keys in the
+  // config file (never on the command line, where ps shows them). Neither is
+  // ever printed or logged.
+  app.add_option("--aws-access-key-id", s3.access_key_id, "S3 access key (else AWS_ACCESS_KEY_ID)");
+  app.add_option("--aws-secret-access-key", s3.secret_access_key,
+                 "S3 secret key (else AWS_SECRET_ACCESS_KEY); put it in the config file, not on the command line");
+  app.add_option("--aws-session-token", s3.session_token, "S3 session token (else AWS_SESSION_TOKEN)");
+  app.add_option("--aws-region", s3.region, "S3 region (else AWS_REGION, AWS_DEFAULT_REGION, us-east-1)");
+  app.add_option("--aws-endpoint-url", s3.endpoint,
+                 "S3-compatible endpoint, path-style (else AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL; empty: AWS)");
   bool check_config = false;
   app.add_flag("--check-config", check_config,
                "Check the options (models folder, tokens and TLS files, socket folder), print them, and exit");
@@ -204,7 +299,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "weightstored: %s\n", std::string(status.message()).c_str());
       return 1;
     }
-    std::printf("%s", app.config_to_str(/*default_also=*/true, /*write_description=*/false).c_str());
+    std::printf("%s", RedactSecrets(app.config_to_str(/*default_also=*/true, /*write_description=*/false)).c_str());
     return 0;
   }
   options.socket.file_segments = file_segments == "always"  ? FileSegments::kAlways
@@ -221,6 +316,19 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   for (int s : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&signals, s);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  if (!origin_url.empty()) {
+    auto make = MakePuller(origin_url, origin_token_file, origin_ca_file, s3, cache);
+    if (!make.ok()) {
+      std::fprintf(stderr, "weightstored: %s\n", std::string(make.status().message()).c_str());
+      return 1;
+    }
+    options.make_puller = *std::move(make);
+    options.prefetch = pull;
+  } else if (!pull.empty()) {
+    std::fprintf(stderr, "weightstored: --pull needs --origin\n");
+    return 1;
+  }
 
   auto server = WeightStoreServer::Start(options);
   if (!server.ok()) {

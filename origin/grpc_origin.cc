@@ -1,0 +1,146 @@
+#include "origin/grpc_origin.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <filesystem>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/channel.h"
+#include "core/crc32c.h"
+#include "core/status_macros.h"
+#include "proto/codec/status.h"
+#include "weightstore/v1/weight_store.grpc.pb.h"
+
+namespace weightstore::origin {
+
+namespace {
+
+class GrpcOrigin : public Origin {
+ public:
+  GrpcOrigin(std::string url, client::RemoteOptions options, std::vector<std::shared_ptr<grpc::Channel>> channels)
+      : url_(std::move(url)), options_(std::move(options)) {
+    for (auto& c : channels) stubs_.push_back(v1::WeightStore::NewStub(c));
+  }
+
+  std::string Describe() const override { return url_; }
+  int parallel_reads() const override { return static_cast<int>(stubs_.size()); }
+
+  absl::StatusOr<OriginCheckpoint> Find(const std::string& name) override {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::ListCheckpointFilesRequest request;
+    request.set_name(name);
+    v1::ListCheckpointFilesResponse response;
+    absl::Status status = FromGrpcStatus(stubs_[0]->ListCheckpointFiles(&ctx, request, &response));
+    if (!status.ok()) return status;
+    if (response.files().empty() || !response.files().rbegin()->main()) {
+      return absl::DataLossError(absl::StrCat("it lists no main file for '", name, "'"));
+    }
+    OriginCheckpoint checkpoint;
+    checkpoint.name = name;
+    checkpoint.version = response.version();
+    const std::string folder = std::filesystem::path(name).parent_path().string();
+    for (const v1::StoredFile& f : response.files()) {
+      OriginFile file;
+      // The node places the main file at the name plus its suffix, and shards
+      // beside it; the node cache checks both are paths it may create.
+      file.path = f.main() ? absl::StrCat(name, f.path()) : (folder.empty() ? f.path() : folder + "/" + f.path());
+      if (!f.main() && absl::StrContains(f.path(), '/')) {
+        return absl::DataLossError(absl::StrCat("it names a shard '", absl::CHexEscape(f.path().substr(0, 256)),
+                                                "' outside its index's folder"));
+      }
+      file.checkpoint = name;
+      file.key = f.path();
+      file.size = f.size();
+      file.etag = response.version();
+      file.crc32c = f.crc32c();
+      checkpoint.files.push_back(std::move(file));
+    }
+    return checkpoint;
+  }
+
+  absl::Status Read(const OriginFile& file, uint64_t offset, uint64_t length, const ByteSink& sink) override {
+    if (length == 0) return absl::OkStatus();
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::ReadCheckpointFileRequest request;
+    request.set_name(file.checkpoint);
+    request.set_version(file.etag);
+    request.set_path(file.key);
+    request.set_offset(offset);
+    request.set_length(length);
+    const size_t stub = next_stub_.fetch_add(1) % stubs_.size();
+    std::unique_ptr<grpc::ClientReader<v1::CheckpointFileChunk>> reader =
+        stubs_[stub]->ReadCheckpointFile(&ctx, request);
+    v1::CheckpointFileChunk chunk;
+    uint64_t cursor = offset;
+    const uint64_t end = offset + length;
+    absl::Status failed;
+    while (failed.ok() && reader->Read(&chunk)) {
+      if (chunk.offset() != cursor || chunk.data().size() > end - cursor) {
+        failed = absl::DataLossError(absl::StrCat("a chunk of '", file.path, "' at offset ", chunk.offset(), " (",
+                                                  chunk.data().size(), " bytes) where ", cursor, " was due"));
+      } else if (Crc32c(chunk.data()) != chunk.crc32c()) {
+        failed =
+            absl::DataLossError(absl::StrCat("the chunk of '", file.path, "' at offset ", cursor, " fails its CRC32C"));
+      } else {
+        failed = sink(chunk.data());
+        cursor += chunk.data().size();
+      }
+    }
+    if (!failed.ok()) {
+      ctx.TryCancel();
+      (void)reader->Finish();
+      return failed;
+    }
+    absl::Status status = FromGrpcStatus(reader->Finish());
+    if (!status.ok()) return status;
+    if (cursor != end) {
+      return absl::DataLossError(
+          absl::StrCat("it sent ", cursor - offset, " of ", length, " bytes of '", file.path, "'"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  void Prepare(grpc::ClientContext* ctx) const {
+    ctx->set_deadline(std::chrono::system_clock::now() + options_.deadline);
+    if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
+  }
+
+  const std::string url_;
+  const client::RemoteOptions options_;
+  std::vector<std::unique_ptr<v1::WeightStore::Stub>> stubs_;
+  std::atomic<size_t> next_stub_{0};
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Origin>> OpenGrpcOrigin(const std::string& url, client::RemoteOptions options,
+                                                       int parallel_reads) {
+  std::string address;
+  const bool tls = absl::StartsWith(url, "grpcs://");
+  if (absl::StartsWith(url, "grpc://")) {
+    address = url.substr(7);
+  } else if (tls) {
+    address = url.substr(8);
+  }
+  if (address.empty() || absl::StrContains(address, '/')) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("origin '", absl::CHexEscape(url), "' is not grpc://HOST:PORT or grpcs://HOST:PORT"));
+  }
+  if (tls && options.tls_ca_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("origin '", url, "' uses TLS: give its CA (--origin-ca-file)"));
+  }
+  if (!tls) options.tls_ca_file.clear();
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto make_channel, client::ChannelMaker(address, options));
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int i = 0; i < std::max(1, parallel_reads); ++i) channels.push_back(make_channel());
+  return std::unique_ptr<Origin>(new GrpcOrigin(url, std::move(options), std::move(channels)));
+}
+
+}  // namespace weightstore::origin

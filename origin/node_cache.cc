@@ -1,0 +1,639 @@
+#include "origin/node_cache.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <openssl/sha.h>
+#include <stdio.h>
+#include <sys/file.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "core/atomic_file.h"
+#include "core/crc32c.h"
+#include "core/shm/unix_socket.h"
+#include "core/status_macros.h"
+#include "core/status_util.h"
+#include "nlohmann/json.hpp"
+
+namespace weightstore::origin {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kStateFolder[] = ".weightstore-cache";
+constexpr size_t kVerifyBlock = size_t{8} << 20;
+constexpr absl::Duration kProgressEvery = absl::Seconds(2);
+
+int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
+
+std::string Errno(const std::string& what, const std::string& path) {
+  return absl::StrCat(what, " '", path, "': ", std::strerror(errno));
+}
+
+// A path the node may create under its models folder: relative, no "." or
+// ".." or hidden part, letters, digits, '-', '_', '.' and '/'.
+bool PlaceablePath(absl::string_view path) {
+  if (path.empty() || path.size() > 4096 || path.front() == '/') return false;
+  for (absl::string_view part : absl::StrSplit(path, '/')) {
+    if (part.empty() || part.front() == '.' || part.size() > 255) return false;
+  }
+  for (char c : path) {
+    if (!(absl::ascii_isalnum(c) || c == '/' || c == '-' || c == '_' || c == '.')) return false;
+  }
+  return true;
+}
+
+std::string Sha256Hex(absl::string_view data) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), digest);
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
+}
+
+// The MD5 an S3 ETag states for an object uploaded in one part ("<32 hex>"),
+// or "" (multipart uploads' ETags are no digest of the bytes).
+std::string EtagMd5(const std::string& etag) {
+  std::string e = etag;
+  if (e.size() >= 2 && e.front() == '"' && e.back() == '"') e = e.substr(1, e.size() - 2);
+  if (e.size() != 32) return "";
+  for (char c : e) {
+    if (!absl::ascii_isxdigit(c)) return "";
+  }
+  return absl::AsciiStrToLower(e);
+}
+
+absl::Status WriteAtomically(const std::string& path, const std::string& content) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file, AtomicFile::Create(path, /*overwrite=*/true));
+  WEIGHTSTORE_RETURN_IF_ERROR(file->Append(content));
+  return file->Commit();
+}
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_bytes) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  std::string out(max_bytes + 1, '\0');
+  in.read(out.data(), static_cast<std::streamsize>(out.size()));
+  out.resize(static_cast<size_t>(in.gcount()));
+  if (out.size() > max_bytes) return absl::DataLossError(absl::StrCat("'", path, "' is over ", max_bytes, " bytes"));
+  return out;
+}
+
+absl::Status FsyncFolder(const std::string& folder) {
+  UniqueFd fd(::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd.valid() || ::fsync(fd.get()) != 0) return absl::InternalError(Errno("cannot fsync", folder));
+  return absl::OkStatus();
+}
+
+// Checks the whole of `fd` (the file `what`, `size` bytes) against what the
+// origin stated of it: its CRC32C, or the MD5 of a single-part S3 ETag.
+absl::Status VerifyWhole(int fd, const OriginFile& file, const std::string& what) {
+  const std::string md5 = EtagMd5(file.etag);
+  if (file.crc32c.empty() && md5.empty()) return absl::OkStatus();
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), &EVP_MD_CTX_free);
+  if (!md5.empty() && (ctx == nullptr || EVP_DigestInit_ex(ctx.get(), EVP_md5(), nullptr) != 1)) {
+    return absl::InternalError("cannot start an MD5 digest");
+  }
+  std::string block(kVerifyBlock, '\0');
+  uint32_t crc = 0;
+  for (uint64_t offset = 0; offset < file.size;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(block.size(), file.size - offset));
+    const ssize_t got = ::pread(fd, block.data(), n, static_cast<off_t>(offset));
+    if (got <= 0) return absl::DataLossError(Errno("cannot read back", what));
+    const absl::string_view bytes(block.data(), static_cast<size_t>(got));
+    if (!file.crc32c.empty()) crc = Crc32cExtend(crc, bytes);
+    if (!md5.empty()) EVP_DigestUpdate(ctx.get(), bytes.data(), bytes.size());
+    offset += static_cast<uint64_t>(got);
+  }
+  if (!file.crc32c.empty()) {
+    const std::string got = absl::StrFormat("%08x", crc);
+    if (got != absl::AsciiStrToLower(file.crc32c)) {
+      return absl::DataLossError(absl::StrCat(what, ": CRC32C of the bytes received is ", got, ", the origin states ",
+                                              absl::CHexEscape(file.crc32c.substr(0, 16))));
+    }
+  }
+  if (!md5.empty()) {
+    unsigned char digest[EVP_MAX_MD_SIZE];
+    unsigned int length = 0;
+    EVP_DigestFinal_ex(ctx.get(), digest, &length);
+    const std::string got = absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(digest), length));
+    if (got != md5) {
+      return absl::DataLossError(
+          absl::StrCat(what, ": MD5 of the bytes received is ", got, ", the origin's ETag states ", md5));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// How far a pull got: bytes written and verified from the start of each part
+// of each file, persisted so a later pull of the same version resumes.
+struct Progress {
+  std::string name, version;
+  std::vector<OriginFile> files;
+  std::vector<std::vector<uint64_t>> done;  // [file][part]
+
+  bool Matches(const OriginCheckpoint& c) const {
+    if (name != c.name || version != c.version || files.size() != c.files.size()) return false;
+    for (size_t i = 0; i < files.size(); ++i) {
+      if (files[i].path != c.files[i].path || files[i].size != c.files[i].size || files[i].etag != c.files[i].etag) {
+        return false;
+      }
+    }
+    return true;
+  }
+  std::string ToJson() const {
+    nlohmann::json j;
+    j["name"] = name;
+    j["version"] = version;
+    for (size_t i = 0; i < files.size(); ++i) {
+      j["files"].push_back(
+          {{"path", files[i].path}, {"size", files[i].size}, {"etag", files[i].etag}, {"done", done[i]}});
+    }
+    return j.dump();
+  }
+  static std::optional<Progress> FromJson(const std::string& text, uint64_t part_bytes) {
+    nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("files") || !j["files"].is_array()) return std::nullopt;
+    Progress p;
+    try {
+      p.name = j.at("name").get<std::string>();
+      p.version = j.at("version").get<std::string>();
+      for (const auto& f : j["files"]) {
+        OriginFile file;
+        file.path = f.at("path").get<std::string>();
+        file.size = f.at("size").get<uint64_t>();
+        file.etag = f.at("etag").get<std::string>();
+        std::vector<uint64_t> done = f.at("done").get<std::vector<uint64_t>>();
+        const uint64_t parts = (file.size + part_bytes - 1) / part_bytes;
+        if (done.size() != parts) return std::nullopt;
+        for (uint64_t k = 0; k < parts; ++k) {
+          if (done[k] > std::min(part_bytes, file.size - k * part_bytes)) return std::nullopt;
+        }
+        p.files.push_back(std::move(file));
+        p.done.push_back(std::move(done));
+      }
+    } catch (const nlohmann::json::exception&) {
+      return std::nullopt;
+    }
+    return p;
+  }
+};
+
+}  // namespace
+
+struct NodeCache::Flight {
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+  std::atomic<uint64_t> pulled{0};
+};
+
+NodeCache::NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options)
+    : registry_(registry),
+      origin_(std::move(origin)),
+      options_(std::move(options)),
+      models_dir_(registry->options().models_dir),
+      state_dir_((fs::path(registry->options().models_dir) / kStateFolder).string()) {}
+
+NodeCache::~NodeCache() {
+  absl::MutexLock lock(&mu_);
+  (void)SaveLedger();  // keeps the last uses for the next run's evictions
+}
+
+absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* registry, std::unique_ptr<Origin> origin,
+                                                           NodeCacheOptions options) {
+  if (options.part_bytes == 0 || options.max_concurrent_pulls < 1) {
+    return absl::InvalidArgumentError("node cache: part_bytes and max_concurrent_pulls must be positive");
+  }
+  std::unique_ptr<NodeCache> cache(new NodeCache(registry, std::move(origin), std::move(options)));
+  std::error_code ec;
+  fs::create_directories(fs::path(cache->state_dir_) / "partial", ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create the node cache's folder '", cache->state_dir_,
+                     "' (the models folder must be writable to pull): ", ec.message()));
+  }
+  absl::MutexLock lock(&cache->mu_);
+  auto text = ReadSmallFile((fs::path(cache->state_dir_) / "ledger.json").string(), size_t{64} << 20);
+  if (!text.ok()) return cache;  // a first run
+  nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return cache;  // unreadable: forget it (pulled files stay, as the operator's)
+  for (const auto& [name, entry] : j.items()) {
+    try {
+      Cached c;
+      c.paths = entry.at("paths").get<std::vector<std::string>>();
+      c.last_used_unix_ms = entry.at("last_used_unix_ms").get<int64_t>();
+      c.version = entry.value("version", "");
+      bool present = !c.paths.empty();
+      for (const std::string& p : c.paths) {
+        std::error_code size_ec;
+        const uint64_t size = PlaceablePath(p) ? fs::file_size(fs::path(cache->models_dir_) / p, size_ec) : 0;
+        present = present && PlaceablePath(p) && !size_ec;
+        c.bytes += size;
+      }
+      if (!present) continue;
+      cache->cached_bytes_ += c.bytes;
+      cache->ledger_[name] = std::move(c);
+    } catch (const nlohmann::json::exception&) {
+      continue;
+    }
+  }
+  return cache;
+}
+
+absl::Status NodeCache::SaveLedger() {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [name, c] : ledger_) {
+    j[name] = {
+        {"paths", c.paths}, {"bytes", c.bytes}, {"last_used_unix_ms", c.last_used_unix_ms}, {"version", c.version}};
+  }
+  return WriteAtomically((fs::path(state_dir_) / "ledger.json").string(), j.dump(1));
+}
+
+void NodeCache::Touch(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = ledger_.find(name);
+  if (it != ledger_.end()) it->second.last_used_unix_ms = NowMs();
+}
+
+PullStats NodeCache::Stats() const {
+  PullStats s;
+  s.origin = origin_->Describe();
+  s.bytes_pulled = bytes_pulled_.load();
+  s.pulls = pulls_.load();
+  s.pull_errors = pull_errors_.load();
+  s.hits = hits_.load();
+  s.misses = misses_.load();
+  s.evictions = evictions_.load();
+  s.cache_budget_bytes = options_.max_bytes;
+  absl::MutexLock lock(&mu_);
+  s.pulls_in_flight = flights_.size();
+  s.cache_bytes = cached_bytes_;
+  return s;
+}
+
+absl::StatusOr<PullResult> NodeCache::Pull(const std::string& name) {
+  const absl::Time start = absl::Now();
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(name, registry_->options().max_name_bytes));
+  PullResult result;
+  if (auto version = registry_->Get(name); version != nullptr) {
+    Touch(name);
+    hits_.fetch_add(1);
+    result.already_present = true;
+    result.bytes = version->checkpoint()->total_bytes();
+    return result;
+  }
+  misses_.fetch_add(1);
+  if (!PlaceablePath(name)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint '", name,
+                                            "' is not served, and cannot be pulled: a pulled checkpoint's name is a "
+                                            "relative path of letters, digits, '-', '_', '.' and '/'"));
+  }
+  if (stopping_)
+    return absl::UnavailableError(absl::StrCat("checkpoint '", name, "' is not here, and the daemon is stopping"));
+  std::shared_ptr<Flight> flight;
+  bool leader = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = not_found_.find(name); it != not_found_.end()) {
+      if (absl::Now() < it->second) {
+        return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served, and ", origin_->Describe(),
+                                                " did not have it moments ago"));
+      }
+      not_found_.erase(it);
+    }
+    if (auto it = flights_.find(name); it != flights_.end()) {
+      flight = it->second;
+    } else {
+      if (flights_.size() >= static_cast<size_t>(options_.max_concurrent_pulls)) {
+        return absl::ResourceExhaustedError(absl::StrCat("checkpoint '", name, "' is not here, and ", flights_.size(),
+                                                         " pulls already run (the most at once); retry later"));
+      }
+      flight = std::make_shared<Flight>();
+      flights_[name] = flight;
+      leader = true;
+    }
+  }
+  absl::Status status;
+  if (leader) {
+    pulls_.fetch_add(1);
+    status = Transfer(name, &flight->pulled);
+    if (!status.ok()) {
+      pull_errors_.fetch_add(1);
+      status = absl::Status(status.code(),
+                            absl::StrCat("pulling '", name, "' from ", origin_->Describe(), ": ", status.message()));
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      flights_.erase(name);
+      if (absl::IsNotFound(status)) {
+        if (not_found_.size() >= options_.max_not_found) not_found_.clear();
+        not_found_[name] = absl::Now() + options_.not_found_ttl;
+      }
+    }
+    absl::MutexLock lock(&flight->mu);
+    flight->status = status;
+    flight->done = true;
+    result.bytes_pulled = flight->pulled.load();
+  } else {
+    result.joined = true;
+    absl::MutexLock lock(&flight->mu);
+    flight->mu.Await(absl::Condition(&flight->done));
+    status = flight->status;
+  }
+  if (!status.ok()) return status;
+  auto version = registry_->Get(name);
+  if (version == nullptr) {
+    return absl::UnavailableError(absl::StrCat("checkpoint '", name, "' was pulled, then unloaded; retry"));
+  }
+  result.bytes = version->checkpoint()->total_bytes();
+  result.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  return result;
+}
+
+absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>* pulled) {
+  if (registry_->Get(name) != nullptr) return absl::OkStatus();  // a flight that just ended placed it
+  WEIGHTSTORE_ASSIGN_OR_RETURN(OriginCheckpoint checkpoint, origin_->Find(name));
+  if (checkpoint.files.empty() || checkpoint.files.size() > options_.max_files) {
+    return absl::DataLossError(
+        absl::StrCat("the origin lists ", checkpoint.files.size(), " files (1 to ", options_.max_files, " accepted)"));
+  }
+  for (const OriginFile& f : checkpoint.files) {
+    if (!PlaceablePath(f.path)) {
+      return absl::DataLossError(absl::StrCat("the origin names a file '", absl::CHexEscape(f.path.substr(0, 256)),
+                                              "' this node will not create"));
+    }
+  }
+  const OriginFile& main = checkpoint.files.back();
+  if (NameForPath(main.path) != name) {
+    return absl::DataLossError(absl::StrCat("the origin's file '", main.path, "' is not served as '", name, "'"));
+  }
+  const uint64_t total = checkpoint.total_bytes();
+  if (total > options_.max_checkpoint_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("it has ", total, " bytes, over this node's limit of ", options_.max_checkpoint_bytes));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    WEIGHTSTORE_RETURN_IF_ERROR(MakeRoom(name, total));
+    reserved_bytes_ += total;
+  }
+  absl::Cleanup release = [&] {
+    absl::MutexLock lock(&mu_);
+    reserved_bytes_ -= total;
+  };
+
+  // Where this pull's partial files and progress live.
+  const std::string folder = (fs::path(state_dir_) / "partial" / Sha256Hex(name)).string();
+  const std::string state_path = (fs::path(folder) / "progress.json").string();
+  std::error_code ec;
+  fs::create_directories(folder, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create '", folder, "': ", ec.message()));
+  Progress progress;
+  if (auto text = ReadSmallFile(state_path, size_t{64} << 20); text.ok()) {
+    std::optional<Progress> saved = Progress::FromJson(*text, options_.part_bytes);
+    if (saved && saved->Matches(checkpoint)) progress = std::move(*saved);
+  }
+  if (progress.files.empty()) {  // nothing to resume: start clean
+    fs::remove_all(folder, ec);
+    fs::create_directories(folder, ec);
+    progress.name = name;
+    progress.version = checkpoint.version;
+    progress.files = checkpoint.files;
+    for (const OriginFile& f : checkpoint.files) {
+      progress.done.emplace_back((f.size + options_.part_bytes - 1) / options_.part_bytes, 0);
+    }
+  }
+  for (size_t i = 0; i < checkpoint.files.size(); ++i) progress.files[i].crc32c = checkpoint.files[i].crc32c;
+
+  // Room on the disk for what is still to come.
+  uint64_t missing = 0;
+  for (size_t i = 0; i < checkpoint.files.size(); ++i) {
+    uint64_t have = 0;
+    for (uint64_t d : progress.done[i]) have += d;
+    missing += checkpoint.files[i].size - have;
+  }
+  struct statvfs disk;
+  if (::statvfs(folder.c_str(), &disk) == 0 && uint64_t{disk.f_bavail} * disk.f_frsize < missing) {
+    return absl::ResourceExhaustedError(absl::StrCat("it needs ", missing, " more bytes on disk and '", models_dir_,
+                                                     "' has ", uint64_t{disk.f_bavail} * disk.f_frsize, " free"));
+  }
+
+  std::vector<UniqueFd> fds;
+  std::vector<std::string> partial_paths;
+  for (size_t i = 0; i < checkpoint.files.size(); ++i) {
+    partial_paths.push_back((fs::path(folder) / std::to_string(i)).string());
+    UniqueFd fd(::open(partial_paths[i].c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+    if (!fd.valid()) return absl::InternalError(Errno("cannot create", partial_paths[i]));
+    if (::ftruncate(fd.get(), static_cast<off_t>(checkpoint.files[i].size)) != 0) {
+      return absl::ResourceExhaustedError(Errno("cannot size", partial_paths[i]));
+    }
+    fds.push_back(std::move(fd));
+  }
+
+  // Every part not yet complete, read by a few threads at once.
+  struct Part {
+    size_t file;
+    uint64_t index, begin, end;  // the part's bytes [begin, end)
+  };
+  std::deque<Part> parts;
+  for (size_t i = 0; i < checkpoint.files.size(); ++i) {
+    const uint64_t size = checkpoint.files[i].size;
+    for (uint64_t k = 0; k < progress.done[i].size(); ++k) {
+      const uint64_t begin = k * options_.part_bytes, end = std::min(size, begin + options_.part_bytes);
+      if (progress.done[i][k] < end - begin) parts.push_back({i, k, begin, end});
+    }
+  }
+  absl::Mutex work_mu;
+  absl::Time last_save = absl::Now();
+  absl::Status first_error;
+  std::atomic<bool> failed{false};
+  auto save = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(work_mu) { return WriteAtomically(state_path, progress.ToJson()); };
+  auto worker = [&] {
+    while (true) {
+      Part part;
+      {
+        absl::MutexLock lock(&work_mu);
+        if (parts.empty() || failed.load()) return;
+        part = parts.front();
+        parts.pop_front();
+      }
+      const OriginFile& file = checkpoint.files[part.file];
+      const int fd = fds[part.file].get();
+      uint64_t cursor;
+      {
+        absl::MutexLock lock(&work_mu);
+        cursor = part.begin + progress.done[part.file][part.index];
+      }
+      const std::string what = absl::StrCat("'", file.path, "'");
+      absl::Status status = origin_->Read(file, cursor, part.end - cursor, [&](absl::string_view bytes) {
+        if (failed.load()) return absl::CancelledError("another part of the pull failed");
+        if (stopping_) return absl::UnavailableError("the daemon is stopping");
+        if (bytes.size() > part.end - cursor) return absl::DataLossError(absl::StrCat(what, ": more bytes than asked"));
+        while (!bytes.empty()) {
+          const ssize_t n = ::pwrite(fd, bytes.data(), bytes.size(), static_cast<off_t>(cursor));
+          if (n < 0 && errno == EINTR) continue;
+          if (n <= 0) return absl::ResourceExhaustedError(Errno("cannot write", partial_paths[part.file]));
+          bytes.remove_prefix(static_cast<size_t>(n));
+          cursor += static_cast<uint64_t>(n);
+          pulled->fetch_add(static_cast<uint64_t>(n));
+          bytes_pulled_.fetch_add(static_cast<uint64_t>(n));
+        }
+        return absl::OkStatus();
+      });
+      if (status.ok() && cursor != part.end) {
+        status = absl::DataLossError(absl::StrCat(what, ": the origin sent ", cursor - part.begin, " of ",
+                                                  part.end - part.begin, " bytes of a part"));
+      }
+      absl::MutexLock lock(&work_mu);
+      progress.done[part.file][part.index] = cursor - part.begin;
+      // What was written is recorded for the next attempt once it is durable:
+      // at most every few seconds (a sync per part would bound the pull by the
+      // disk's flush rate), and whenever a read fails.
+      if (!status.ok() || absl::Now() - last_save >= kProgressEvery) {
+        for (const UniqueFd& f : fds) {
+          if (::fdatasync(f.get()) != 0 && status.ok()) status = absl::InternalError(Errno("cannot sync", folder));
+        }
+        if (status.ok()) status = save();
+        last_save = absl::Now();
+      }
+      if (!status.ok()) {
+        if (!failed.exchange(true) || absl::IsCancelled(first_error)) {
+          if (first_error.ok() || absl::IsCancelled(first_error)) first_error = status;
+        }
+        for (const UniqueFd& f : fds) (void)::fdatasync(f.get());
+        (void)save();
+        return;
+      }
+    }
+  };
+  const int threads = std::max(1, options_.parallel_reads > 0 ? options_.parallel_reads : origin_->parallel_reads());
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(worker);
+  for (std::thread& t : pool) t.join();
+  if (!first_error.ok()) {
+    for (const UniqueFd& f : fds) (void)::fdatasync(f.get());
+    absl::MutexLock lock(&work_mu);
+    (void)save();  // parts finished after the first failure count too
+    return first_error;
+  }
+
+  // Every byte is in: check each file whole before it is placed.
+  for (size_t i = 0; i < checkpoint.files.size(); ++i) {
+    absl::Status verified =
+        VerifyWhole(fds[i].get(), checkpoint.files[i], absl::StrCat("'", checkpoint.files[i].path, "'"));
+    if (!verified.ok()) {
+      std::fill(progress.done[i].begin(), progress.done[i].end(), 0);  // refetch this file in full next time
+      (void)WriteAtomically(state_path, progress.ToJson());
+      return verified;
+    }
+    if (::fsync(fds[i].get()) != 0) return absl::InternalError(Errno("cannot sync", partial_paths[i]));
+  }
+  fds.clear();
+
+  // Place the file the name is served from first: an index in place before its
+  // shards keeps a rescan in between from serving a shard on its own.
+  std::vector<size_t> order;
+  order.push_back(checkpoint.files.size() - 1);
+  for (size_t i = 0; i + 1 < checkpoint.files.size(); ++i) order.push_back(i);
+  std::vector<std::string> placed;
+  auto unplace = [&] {
+    for (const std::string& p : placed) ::unlink((fs::path(models_dir_) / p).c_str());
+  };
+  for (size_t i : order) {
+    const fs::path target = fs::path(models_dir_) / checkpoint.files[i].path;
+    fs::create_directories(target.parent_path(), ec);
+    if (::renameat2(AT_FDCWD, partial_paths[i].c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE) != 0) {
+      const int e = errno;
+      unplace();
+      if (e == EEXIST) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("'", target.string(), "' exists and is not served; this node does not replace it"));
+      }
+      errno = e;
+      return absl::InternalError(Errno("cannot place", target.string()));
+    }
+    placed.push_back(checkpoint.files[i].path);
+    WEIGHTSTORE_RETURN_IF_ERROR(FsyncFolder(target.parent_path().string()));
+  }
+  auto version = registry_->Load((fs::path(models_dir_) / main.path).string(), name);
+  if (!version.ok()) {
+    unplace();
+    fs::remove_all(folder, ec);
+    return absl::DataLossError(absl::StrCat("the pulled files do not open: ", version.status().message()));
+  }
+  fs::remove_all(folder, ec);
+  absl::MutexLock lock(&mu_);
+  Cached& c = ledger_[name];
+  c.paths.clear();
+  for (const OriginFile& f : checkpoint.files) c.paths.push_back(f.path);
+  c.bytes = total;
+  c.last_used_unix_ms = NowMs();
+  c.version = checkpoint.version;
+  cached_bytes_ += total;
+  return SaveLedger();
+}
+
+bool NodeCache::InUse(const std::string& name, const Cached& cached) const {
+  // The registry holds one reference and so does this call: any other is a
+  // stream or a request.
+  if (auto version = registry_->Get(name); version != nullptr && version.use_count() > 2) return true;
+  for (const std::string& p : cached.paths) {
+    UniqueFd fd(::open((fs::path(models_dir_) / p).c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) continue;
+    if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return true;  // a same-host mapping holds it shared
+  }
+  return false;
+}
+
+absl::Status NodeCache::MakeRoom(const std::string& name, uint64_t bytes) {
+  if (options_.max_bytes == 0) return absl::OkStatus();
+  if (bytes > options_.max_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("it has ", bytes, " bytes, over the cache budget of ", options_.max_bytes));
+  }
+  std::vector<std::pair<int64_t, std::string>> by_age;
+  for (const auto& [n, c] : ledger_) by_age.emplace_back(c.last_used_unix_ms, n);
+  std::sort(by_age.begin(), by_age.end());
+  std::vector<std::string> busy;
+  for (const auto& [age, victim] : by_age) {
+    if (cached_bytes_ + reserved_bytes_ + bytes <= options_.max_bytes) break;
+    if (victim == name || flights_.contains(victim)) continue;
+    const Cached& c = ledger_.at(victim);
+    if (InUse(victim, c)) {
+      busy.push_back(victim);
+      continue;
+    }
+    // Unload under mu_ is safe: the registry calls this cache (Touch, Pull)
+    // only from Find, never while it publishes.
+    absl::Status unloaded = registry_->Unload(victim);
+    if (!unloaded.ok() && !absl::IsNotFound(unloaded)) continue;
+    for (const std::string& p : c.paths) ::unlink((fs::path(models_dir_) / p).c_str());
+    cached_bytes_ -= c.bytes;
+    ledger_.erase(victim);
+    evictions_.fetch_add(1);
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
+  if (cached_bytes_ + reserved_bytes_ + bytes <= options_.max_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "it needs ", bytes, " bytes; the cache budget is ", options_.max_bytes, ", ", cached_bytes_ + reserved_bytes_,
+      " in use or being pulled", busy.empty() ? "" : absl::StrCat(" (in use: ", absl::StrJoin(busy, ", "), ")")));
+}
+
+}  // namespace weightstore::origin

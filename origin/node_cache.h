@@ -1,0 +1,121 @@
+// NodeCache: pulls checkpoints the node does not have from an Origin into the
+// models folder, and serves them through the registry like any other file.
+//
+// A pull reads each file in parts, several at once, into a partial file under
+// <models>/.weightstore-cache/partial/ (hidden from the registry's scans), and
+// records after every part and on every error how many bytes of each part were
+// written and verified, so a failed or interrupted pull (origin down, daemon
+// killed) resumes from there as long as the origin still has the same version.
+// Once every byte is in, each file is checked whole (CRC32C when the origin
+// gives one, the MD5 of a single-part S3 ETag), fsynced, renamed into place
+// (never over an existing file) and the checkpoint loaded; if it does not open,
+// its files are removed. Nothing is served before that.
+//
+// Concurrent pulls of one name share one transfer (single flight): every
+// caller gets its outcome. Pulled checkpoints are listed in a ledger
+// (<models>/.weightstore-cache/ledger.json) with their size and last use;
+// when a pull needs room under the disk budget, the least recently used are
+// evicted, whole, and never one in use: a stream holding its version, or a
+// same-host process mapping one of its files (the socket hands out
+// descriptors that carry a shared flock; see server/shm_server.cc). Files the
+// operator put in the models folder are never evicted and do not count.
+//
+// Thread-safe.
+#ifndef WEIGHTSTORE_ORIGIN_NODE_CACHE_H_
+#define WEIGHTSTORE_ORIGIN_NODE_CACHE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/pull.h"
+#include "core/registry.h"
+#include "origin/origin.h"
+
+namespace weightstore::origin {
+
+struct NodeCacheOptions {
+  // Disk budget for pulled checkpoints; 0: no limit (the disk's free space
+  // still is one).
+  uint64_t max_bytes = 0;
+  // Distinct checkpoints pulled at once; a pull past it is ResourceExhausted.
+  int max_concurrent_pulls = 4;
+  // Unit of parallel reads, of fsync, and of the progress record.
+  uint64_t part_bytes = uint64_t{64} << 20;
+  // Ranges read at once per pull; 0: the origin's parallel_reads().
+  int parallel_reads = 0;
+  // How long a name the origin does not have is answered NotFound without
+  // asking it again, and how many such names are remembered.
+  absl::Duration not_found_ttl = absl::Seconds(10);
+  size_t max_not_found = 10000;
+  // Largest checkpoint a pull accepts (the origin's listing says its size).
+  uint64_t max_checkpoint_bytes = uint64_t{4} << 40;
+  // Most files one checkpoint may have (shards and index).
+  size_t max_files = 10000;
+};
+
+class NodeCache : public Puller {
+ public:
+  // Opens the cache of `registry`'s models folder, reading its ledger (and
+  // dropping entries whose files are gone). `registry` must outlive it.
+  static absl::StatusOr<std::unique_ptr<NodeCache>> Open(CheckpointRegistry* registry, std::unique_ptr<Origin> origin,
+                                                         NodeCacheOptions options);
+  ~NodeCache() override;
+
+  // Puller. Errors name the checkpoint and what failed: the origin's status
+  // codes (NotFound, Unavailable, Unauthenticated, PermissionDenied, Aborted),
+  // DataLoss for bytes that fail a check, ResourceExhausted when it does not
+  // fit the budget or the disk, or too many pulls run.
+  absl::StatusOr<PullResult> Pull(const std::string& name) override;
+  void Touch(const std::string& name) override;
+  PullStats Stats() const override;
+  void Shutdown() override { stopping_ = true; }
+
+  const Origin& origin() const { return *origin_; }
+
+ private:
+  struct Flight;
+  struct Cached {
+    std::vector<std::string> paths;  // relative to the models folder
+    uint64_t bytes = 0;
+    int64_t last_used_unix_ms = 0;
+    std::string version;  // the origin's
+  };
+
+  NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options);
+  // The transfer one flight runs. `pulled` counts its bytes from the origin.
+  absl::Status Transfer(const std::string& name, std::atomic<uint64_t>* pulled);
+  // Frees room for `bytes` more under the budget, evicting the least recently
+  // used that are not in use. ResourceExhausted if it cannot.
+  absl::Status MakeRoom(const std::string& name, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // True when a stream or a mapping uses a file of `name`.
+  bool InUse(const std::string& name, const Cached& cached) const;
+  absl::Status SaveLedger() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  CheckpointRegistry* registry_;
+  std::unique_ptr<Origin> origin_;
+  const NodeCacheOptions options_;
+  const std::string models_dir_, state_dir_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Flight>> flights_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Cached> ledger_ ABSL_GUARDED_BY(mu_);
+  uint64_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of pulls in flight
+  absl::flat_hash_map<std::string, absl::Time> not_found_ ABSL_GUARDED_BY(mu_);
+
+  std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> bytes_pulled_{0}, pulls_{0}, pull_errors_{0}, hits_{0}, misses_{0}, evictions_{0};
+};
+
+}  // namespace weightstore::origin
+
+#endif  // WEIGHTSTORE_ORIGIN_NODE_CACHE_H_

@@ -1,0 +1,281 @@
+#include "origin/node_cache.h"
+
+#include <fcntl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <map>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "core/checkpoint.h"
+#include "core/crc32c.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
+
+namespace weightstore::origin {
+namespace {
+
+using ::testing::HasSubstr;
+using ::weightstore::testing::StatusIs;
+namespace fs = std::filesystem;
+
+// A safetensors file of `count` F32 tensors of `floats` values each.
+std::string Model(int count, size_t floats, int seed) {
+  std::vector<SharedTensor> tensors;
+  for (int i = 0; i < count; ++i) {
+    std::vector<std::byte> bytes(floats * 4);
+    for (size_t k = 0; k < bytes.size(); ++k) bytes[k] = std::byte((k * 31 + i * 7 + seed) & 0xff);
+    tensors.push_back(
+        {{absl::StrCat("layer.", i, ".weight"), DType::kF32, {floats}}, SharedBytes::FromVector(std::move(bytes))});
+  }
+  return *SerializeCheckpoint(kSafeTensorsFormat, tensors, {});
+}
+
+// An origin in memory: one single-file checkpoint per name. Counts the bytes
+// it sends; can corrupt a byte, or fail once after some bytes.
+class FakeOrigin : public Origin {
+ public:
+  void Put(const std::string& name, std::string bytes) {
+    absl::MutexLock lock(&mu_);
+    files_[name] = std::move(bytes);
+  }
+  std::string Describe() const override { return "fake://origin"; }
+  int parallel_reads() const override { return 3; }
+  absl::StatusOr<OriginCheckpoint> Find(const std::string& name) override {
+    finds_.fetch_add(1);
+    absl::MutexLock lock(&mu_);
+    auto it = files_.find(name);
+    if (it == files_.end()) return absl::NotFoundError(absl::StrCat("no '", name, "' here"));
+    OriginFile f;
+    f.checkpoint = name;
+    f.path = name + ".safetensors";
+    f.key = name;
+    f.size = it->second.size();
+    f.etag = "v1";
+    f.crc32c = absl::StrFormat("%08x", Crc32c(it->second));
+    return OriginCheckpoint{name, "v1", {f}};
+  }
+  absl::Status Read(const OriginFile& file, uint64_t offset, uint64_t length, const ByteSink& sink) override {
+    std::string bytes;
+    {
+      absl::MutexLock lock(&mu_);
+      bytes = files_.at(file.key).substr(offset, length);
+    }
+    if (corrupt_at_ >= offset && corrupt_at_ < offset + length) bytes[corrupt_at_ - offset] ^= 0x01;
+    for (size_t done = 0; done < bytes.size(); done += 4096) {
+      if (fail_after_ >= 0 && sent_.load() >= static_cast<uint64_t>(fail_after_)) {
+        fail_after_ = -1;
+        return absl::UnavailableError("the origin went away");
+      }
+      if (delay_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      const absl::string_view piece = absl::string_view(bytes).substr(done, 4096);
+      if (absl::Status s = sink(piece); !s.ok()) return s;
+      sent_.fetch_add(piece.size());  // what the node took
+    }
+    return absl::OkStatus();
+  }
+
+  std::atomic<uint64_t> sent_{0};
+  std::atomic<int> finds_{0};
+  std::atomic<bool> delay_{false};
+  uint64_t corrupt_at_ = UINT64_MAX;
+  std::atomic<int64_t> fail_after_{-1};
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::string> files_;
+};
+
+class NodeCacheTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    models_ = testing::MakeScratchDir("node-cache");
+    RegistryOptions options;
+    options.models_dir = models_;
+    registry_ = std::make_unique<CheckpointRegistry>(options);
+    auto origin = std::make_unique<FakeOrigin>();
+    origin_ = origin.get();
+    NodeCacheOptions cache_options;
+    cache_options.part_bytes = 64 << 10;  // several parts per file
+    cache_options.max_bytes = budget_;
+    auto cache = NodeCache::Open(registry_.get(), std::move(origin), cache_options);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    cache_ = *std::move(cache);
+    registry_->SetReadThrough(cache_.get());
+  }
+
+  uint64_t budget_ = 0;
+  std::string models_;
+  std::unique_ptr<CheckpointRegistry> registry_;
+  FakeOrigin* origin_ = nullptr;
+  std::unique_ptr<NodeCache> cache_;
+};
+
+TEST_F(NodeCacheTest, ConcurrentRequestsForAMissingCheckpointShareOneTransfer) {
+  const std::string model = Model(8, 20000, 1);  // 640 KB: ten parts
+  origin_->Put("llama/tiny", model);
+  origin_->delay_ = true;
+  std::vector<std::thread> clients;
+  std::atomic<int> ok{0}, joined{0};
+  for (int i = 0; i < 8; ++i) {
+    clients.emplace_back([&] {
+      auto pulled = cache_->Pull("llama/tiny");
+      if (pulled.ok()) ++ok;
+      if (pulled.ok() && pulled->joined) ++joined;
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(ok.load(), 8);
+  EXPECT_GE(joined.load(), 1);
+  EXPECT_EQ(origin_->sent_.load(), model.size());  // every byte once
+  EXPECT_EQ(origin_->finds_.load(), 1);
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/llama/tiny.safetensors"), model);
+  // Read-through: Find of the name serves it, and the next pull is a hit.
+  ASSERT_TRUE(registry_->Find("llama/tiny").ok());
+  auto again = cache_->Pull("llama/tiny");
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->already_present);
+  EXPECT_EQ(cache_->Stats().cache_bytes, model.size());
+}
+
+TEST_F(NodeCacheTest, ReadThroughPullsOnFindAndANameTheOriginLacksIsNotFound) {
+  origin_->Put("m", Model(2, 1000, 2));
+  auto version = registry_->Find("m");
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ((*version)->checkpoint()->size(), 2u);
+  EXPECT_THAT(registry_->Find("absent").status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("fake://origin")));
+  // Asked again at once: answered without asking the origin.
+  const int finds = origin_->finds_.load();
+  EXPECT_THAT(registry_->Find("absent").status(), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(origin_->finds_.load(), finds);
+  // A name that cannot be a path is refused before the origin is asked.
+  EXPECT_THAT(cache_->Pull("../escape").status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("cannot be pulled")));
+  EXPECT_EQ(origin_->finds_.load(), finds);
+  EXPECT_FALSE(fs::exists(fs::path(models_).parent_path() / "escape.safetensors"));
+}
+
+TEST_F(NodeCacheTest, AnInterruptedPullResumesFromItsLastVerifiedByte) {
+  const std::string model = Model(8, 20000, 3);
+  origin_->Put("m", model);
+  origin_->fail_after_ = 300000;
+  EXPECT_THAT(cache_->Pull("m").status(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("went away")));
+  EXPECT_EQ(registry_->Get("m"), nullptr);  // nothing half-written is served
+  EXPECT_FALSE(fs::exists(models_ + "/m.safetensors"));
+  const uint64_t before = origin_->sent_.load();
+  EXPECT_GE(before, 300000u);
+  EXPECT_LT(before, model.size());
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  // Only what was missing came again: every byte sent was kept.
+  EXPECT_EQ(origin_->sent_.load(), model.size());
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), model);
+}
+
+TEST_F(NodeCacheTest, APullResumesAfterTheDaemonRestarts) {
+  const std::string model = Model(8, 20000, 4);
+  origin_->Put("m", model);
+  origin_->fail_after_ = 200000;
+  EXPECT_FALSE(cache_->Pull("m").ok());
+  const uint64_t before = origin_->sent_.load();
+  // A new cache on the same folder (the daemon restarted) with a new origin.
+  registry_->SetReadThrough(nullptr);
+  cache_.reset();
+  auto origin = std::make_unique<FakeOrigin>();
+  FakeOrigin* second = origin.get();
+  second->Put("m", model);
+  auto reopened = NodeCache::Open(registry_.get(), std::move(origin), NodeCacheOptions{.part_bytes = 64 << 10});
+  ASSERT_TRUE(reopened.ok());
+  ASSERT_TRUE((*reopened)->Pull("m").ok());
+  EXPECT_EQ(before + second->sent_.load(), model.size());
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), model);
+}
+
+TEST_F(NodeCacheTest, ACorruptedByteFromTheOriginIsCaughtAndNeverServed) {
+  const std::string model = Model(4, 20000, 5);
+  origin_->Put("m", model);
+  origin_->corrupt_at_ = 123456;
+  EXPECT_THAT(cache_->Pull("m").status(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("CRC32C")));
+  EXPECT_EQ(registry_->Get("m"), nullptr);
+  EXPECT_FALSE(fs::exists(models_ + "/m.safetensors"));
+  EXPECT_EQ(registry_->Rescan().added.size(), 0u);
+  // The next pull fetches the file afresh, and a sound copy is served.
+  origin_->corrupt_at_ = UINT64_MAX;
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), model);
+}
+
+TEST_F(NodeCacheTest, AFileTheOperatorPutThereIsNeverReplaced) {
+  origin_->Put("m", Model(2, 1000, 6));
+  testing::WriteFileOrDie(models_ + "/m.safetensors", "not a checkpoint");
+  EXPECT_THAT(cache_->Pull("m").status(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("exists")));
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), "not a checkpoint");
+}
+
+class NodeCacheBudgetTest : public NodeCacheTest {
+ protected:
+  void SetUp() override {
+    model_ = Model(4, 20000, 7);      // 320 KB
+    budget_ = model_.size() * 5 / 2;  // two fit, three do not
+    NodeCacheTest::SetUp();
+    for (const char* name : {"a", "b", "c", "d"}) origin_->Put(name, model_);
+  }
+  std::string model_;
+};
+
+TEST_F(NodeCacheBudgetTest, TheLeastRecentlyUsedIsEvictedAndNeverOneInUse) {
+  ASSERT_TRUE(cache_->Pull("a").ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_TRUE(cache_->Pull("b").ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // "a" is in use by a stream: it holds its version.
+  auto held = registry_->Find("a");
+  ASSERT_TRUE(held.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_TRUE(registry_->Find("b").ok());  // "b" is now the most recently used, but "a" is held
+  ASSERT_TRUE(cache_->Pull("c").ok());
+  EXPECT_NE(registry_->Get("a"), nullptr);
+  EXPECT_EQ(registry_->Get("b"), nullptr);
+  EXPECT_FALSE(fs::exists(models_ + "/b.safetensors"));
+  EXPECT_EQ(cache_->Stats().evictions, 1u);
+  held = absl::NotFoundError("dropped");
+
+  // A same-host process maps "c": its descriptor carries a shared flock.
+  int mapped = ::open((models_ + "/c.safetensors").c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(mapped, 0);
+  ASSERT_EQ(::flock(mapped, LOCK_SH), 0);
+  ASSERT_TRUE(cache_->Pull("d").ok());  // "a" goes: no longer held
+  EXPECT_EQ(registry_->Get("a"), nullptr);
+  EXPECT_NE(registry_->Get("c"), nullptr);
+  // Now "c" (mapped) and "d" fill the budget and neither can go.
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  auto held_d = registry_->Find("d");
+  EXPECT_THAT(cache_->Pull("a").status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("in use: c, d")));
+  ::close(mapped);
+}
+
+TEST_F(NodeCacheBudgetTest, ACheckpointLargerThanTheBudgetIsRefusedBeforeAnyTransfer) {
+  origin_->Put("huge", Model(12, 20000, 8));
+  EXPECT_THAT(cache_->Pull("huge").status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("budget")));
+  EXPECT_EQ(origin_->sent_.load(), 0u);
+}
+
+TEST_F(NodeCacheBudgetTest, TheLedgerSurvivesARestart) {
+  ASSERT_TRUE(cache_->Pull("a").ok());
+  registry_->SetReadThrough(nullptr);
+  cache_.reset();
+  auto origin = std::make_unique<FakeOrigin>();
+  auto reopened = NodeCache::Open(registry_.get(), std::move(origin), NodeCacheOptions{.max_bytes = budget_});
+  ASSERT_TRUE(reopened.ok());
+  EXPECT_EQ((*reopened)->Stats().cache_bytes, model_.size());
+}
+
+}  // namespace
+}  // namespace weightstore::origin

@@ -1,0 +1,88 @@
+// Origin: where a node's checkpoints come from when it does not have them (an
+// S3-compatible bucket, an upstream weightstored). One interface for all of
+// them: find the stored files of a checkpoint by name, and read a byte range of
+// one. The node cache (origin/node_cache.h) is written against it.
+#ifndef WEIGHTSTORE_ORIGIN_ORIGIN_H_
+#define WEIGHTSTORE_ORIGIN_ORIGIN_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace weightstore::origin {
+
+// One stored file of a checkpoint at the origin.
+struct OriginFile {
+  // Where the node places it, relative to its models folder: the checkpoint's
+  // name plus the file's extension ("llama/7b.safetensors"), or a shard beside
+  // its index ("x/model-00001-of-00002.safetensors"). A relative path of
+  // letters, digits, '-', '_', '.' and '/', checked by the origin.
+  std::string path;
+  // The checkpoint it belongs to (its served name), and the origin's key for
+  // it (an object key, a stored file's path).
+  std::string checkpoint;
+  std::string key;
+  uint64_t size = 0;
+  // What identifies this content at the origin: an S3 ETag (quoted, as sent),
+  // an upstream daemon's version id. A read is refused (Aborted) once the
+  // object no longer has it, so one pull never mixes two versions.
+  std::string etag;
+  // CRC32C of the whole file when the origin knows it, else empty.
+  std::string crc32c;
+};
+
+// What a pull transfers: every file of one checkpoint, the one its name is
+// served from (an index, a single file) last.
+struct OriginCheckpoint {
+  std::string name;
+  // The origin's id of this content (an upstream daemon's version, or a hash
+  // of the objects' ETags): a resumed pull continues only for the same one.
+  std::string version;
+  std::vector<OriginFile> files;
+  uint64_t total_bytes() const {
+    uint64_t n = 0;
+    for (const OriginFile& f : files) n += f.size;
+    return n;
+  }
+};
+
+// Receives a range's bytes in order, as they arrive. A non-OK return stops the
+// read with that status.
+using ByteSink = std::function<absl::Status(absl::string_view bytes)>;
+
+// Thread-safe: a pull reads several ranges at once.
+//
+// Errors: NotFound for a checkpoint or object the origin does not have,
+// Unavailable when it cannot be reached (retrying may help),
+// Unauthenticated / PermissionDenied for refused credentials, Aborted when an
+// object changed (its etag) mid-pull, DataLoss for bytes that fail a check.
+class Origin {
+ public:
+  virtual ~Origin() = default;
+
+  // How logs and metrics name it: "s3://bucket/prefix", "grpc://host:port".
+  // Never a secret.
+  virtual std::string Describe() const = 0;
+
+  // The stored files of checkpoint `name` (a served name: "llama/7b"). Tries
+  // the formats the registry serves, and for a sharded SafeTensors index
+  // returns its shards as well.
+  virtual absl::StatusOr<OriginCheckpoint> Find(const std::string& name) = 0;
+
+  // Reads `length` bytes of `file` from `offset` into `sink`. Fails with
+  // DataLoss when fewer bytes arrive, Aborted when the file's etag changed.
+  virtual absl::Status Read(const OriginFile& file, uint64_t offset, uint64_t length, const ByteSink& sink) = 0;
+
+  // How many ranges a pull should read at once from this origin.
+  virtual int parallel_reads() const { return 4; }
+};
+
+}  // namespace weightstore::origin
+
+#endif  // WEIGHTSTORE_ORIGIN_ORIGIN_H_
