@@ -54,27 +54,6 @@ std::string Models() {
   return dir;
 }
 
-// GET http://127.0.0.1:<port><path>; returns the body ("" on failure).
-std::string HttpGet(int port, const std::string& path) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return "";
-  }
-  std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-  (void)!::write(fd, request.data(), request.size());
-  std::string response;
-  char buf[65536];
-  for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) response.append(buf, static_cast<size_t>(n));
-  ::close(fd);
-  size_t body = response.find("\r\n\r\n");
-  return body == std::string::npos ? "" : response.substr(body + 4);
-}
-
 // The value of the sample `series` (exact text up to the value) in `text`, or -1.
 // A series as name plus its labels in name order: the exposition may order
 // labels any way (prometheus-cpp sorts them). Label values here hold no ','.
@@ -277,7 +256,7 @@ TEST(ConfigTest, ConfigFileSetsOptionsAndErrorsNameTheKey) {
   Daemon good(Models(), {"--config", dir + "/good.toml"});
   ASSERT_NE(good.port(), 0) << good.log();
   EXPECT_NE(good.metrics_port(), 0);
-  EXPECT_THAT(HttpGet(good.metrics_port(), "/metrics"), HasSubstr("weightstore_shm_budget_bytes 67108864"));
+  EXPECT_THAT(testing::HttpGet(good.metrics_port(), "/metrics"), HasSubstr("weightstore_shm_budget_bytes 67108864"));
 
   testing::WriteFileOrDie(dir + "/unknown.toml", "listen = \"127.0.0.1:0\"\nmax-conncurrent-fetches = 3\n");
   Daemon unknown(Models(), {"--config", dir + "/unknown.toml"});
@@ -345,7 +324,7 @@ TEST_F(MetricsTest, CountsMatchAMixedLoadAndPassPromtool) {
   auto shm = *client::ConnectSharedMemoryStore(socket_);
   ASSERT_OK(shm->MapTensors("m", {}).status());
 
-  const std::string text = HttpGet(daemon_->metrics_port(), "/metrics");
+  const std::string text = testing::HttpGet(daemon_->metrics_port(), "/metrics");
   const std::string ws = "grpc_service=\"weightstore.v1.WeightStore\"";
   EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_handled_total{grpc_type=\"unary\",", ws,
                                       ",grpc_method=\"ListCheckpoints\",grpc_code=\"OK\"}")),
@@ -424,11 +403,12 @@ TEST_F(MetricsTest, ARealPrometheusScrapesTheEndpoint) {
   ASSERT_OK(client::ConnectRemoteStore(daemon_->address()).value()->ListCheckpoints().status());
   std::string result;
   for (int i = 0; i < 150; ++i) {  // up to 30 s for startup and two scrapes
-    result = HttpGet(port, "/api/v1/query?query=grpc_server_handled_total%7Bgrpc_method%3D%22ListCheckpoints%22%7D");
+    result = testing::HttpGet(port,
+                              "/api/v1/query?query=grpc_server_handled_total%7Bgrpc_method%3D%22ListCheckpoints%22%7D");
     if (absl::StrContains(result, "\"value\"")) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  std::string up = HttpGet(port, "/api/v1/query?query=up%7Bjob%3D%22weightstored%22%7D");
+  std::string up = testing::HttpGet(port, "/api/v1/query?query=up%7Bjob%3D%22weightstored%22%7D");
   ::kill(pid, SIGTERM);
   ::waitpid(pid, nullptr, 0);
   EXPECT_THAT(result, HasSubstr("\"grpc_code\":\"OK\"")) << testing::ReadFileOrEmpty(dir + "/log");

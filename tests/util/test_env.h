@@ -33,6 +33,9 @@ std::string ReadFileOrEmpty(const std::string& path);
 // Writes a whole file (test setup; aborts the test binary on failure).
 void WriteFileOrDie(const std::string& path, absl::string_view data);
 
+// GET http://127.0.0.1:<port><path>; returns the body ("" on failure).
+std::string HttpGet(int port, const std::string& path);
+
 // Runs `command` through /bin/sh; returns its exit status and captures stdout
 // (and stderr, when `merge_stderr`) into `*output`.
 int RunCommand(const std::string& command, std::string* output, bool merge_stderr = true);

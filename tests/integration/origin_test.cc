@@ -1,0 +1,253 @@
+// The origin tier with real daemons on loopback: an origin weightstored and
+// nodes pulling from it (weightstored --origin grpc://...).
+#include <gmock/gmock.h>
+#include <grpcpp/create_channel.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <filesystem>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/store.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
+#include "tests/util/daemon.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
+#include "weightstore/v1/weight_store.grpc.pb.h"
+
+namespace weightstore {
+namespace {
+
+namespace pb = ::weightstore::v1;
+using testing::Daemon;
+using ::testing::HasSubstr;
+using ::weightstore::testing::StatusIs;
+
+std::vector<SharedTensor> Tensors(int count, size_t floats, int seed) {
+  std::vector<SharedTensor> tensors;
+  for (int i = 0; i < count; ++i) {
+    std::vector<std::byte> bytes(floats * 4);
+    for (size_t k = 0; k < bytes.size(); ++k) bytes[k] = std::byte((k * 13 + i * 5 + seed) & 0xff);
+    tensors.push_back(
+        {{absl::StrCat("blocks.", i, ".w"), DType::kF32, {floats}}, SharedBytes::FromVector(std::move(bytes))});
+  }
+  return tensors;
+}
+
+// Writes `tensors` as a sharded SafeTensors checkpoint: two shards and the
+// index, in `folder` as <stem>.safetensors.index.json.
+void WriteSharded(const std::string& folder, const std::string& stem, const std::vector<SharedTensor>& tensors) {
+  std::string map;
+  const size_t half = tensors.size() / 2;
+  for (int s = 0; s < 2; ++s) {
+    std::vector<SharedTensor> part(tensors.begin() + (s == 0 ? 0 : half),
+                                   s == 0 ? tensors.begin() + half : tensors.end());
+    const std::string file = absl::StrCat(stem, "-0000", s + 1, "-of-00002.safetensors");
+    testing::WriteFileOrDie(folder + "/" + file, *SerializeCheckpoint(kSafeTensorsFormat, part, {}));
+    for (const SharedTensor& t : part)
+      absl::StrAppend(&map, map.empty() ? "" : ",", "\"", t.spec.name, "\":\"", file, "\"");
+  }
+  testing::WriteFileOrDie(folder + "/" + stem + ".safetensors.index.json",
+                          absl::StrCat("{\"metadata\":{},\"weight_map\":{", map, "}}"));
+}
+
+// The value of a sample in the Prometheus text, -1 if absent.
+double Sample(const std::string& text, absl::string_view series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (!absl::StartsWith(line, series) || line.size() <= series.size() || line[series.size()] != ' ') continue;
+    double v = -1;
+    if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+  }
+  return -1;
+}
+
+// Every tensor of `name` from `address`, by name.
+std::map<std::string, std::string> FetchAll(const std::string& address, const std::string& name, absl::Status* status) {
+  std::map<std::string, std::string> out;
+  auto store = client::ConnectRemoteStore(address);
+  if (!store.ok()) {
+    *status = store.status();
+    return out;
+  }
+  auto fetched = (*store)->FetchAll(name, client::Query());
+  if (!fetched.ok()) {
+    *status = fetched.status();
+    return out;
+  }
+  for (const auto& t : *fetched) {
+    out[t.spec.name] = std::string(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
+  }
+  *status = absl::OkStatus();
+  return out;
+}
+
+class OriginTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    origin_models_ = testing::MakeScratchDir("origin-models");
+    std::filesystem::create_directories(origin_models_ + "/llm");
+    single_ = Tensors(16, 64 << 10, 1);  // 4 MiB
+    testing::WriteFileOrDie(origin_models_ + "/llm/small.safetensors",
+                            *SerializeCheckpoint(kSafeTensorsFormat, single_, {}));
+    sharded_ = Tensors(12, 48 << 10, 2);
+    WriteSharded(origin_models_ + "/llm", "sharded", sharded_);
+    StartOrigin();
+  }
+  void StartOrigin(const std::string& listen = "127.0.0.1:0") {
+    origin_ = std::make_unique<Daemon>(origin_models_, std::vector<std::string>{}, listen);
+    ASSERT_NE(origin_->port(), 0) << origin_->log();
+  }
+  std::unique_ptr<Daemon> StartNode(std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"--origin", absl::StrCat("grpc://", origin_->address()), "--metrics-listen",
+                                     "127.0.0.1:0"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto node = std::make_unique<Daemon>(testing::MakeScratchDir("node-models"), args);
+    EXPECT_NE(node->port(), 0) << node->log();
+    return node;
+  }
+  static double PulledBytes(Daemon& node, const std::string& origin) {
+    return Sample(testing::HttpGet(node.metrics_port(), "/metrics"),
+                  absl::StrCat("weightstore_origin_pulled_bytes_total{origin=\"grpc://", origin, "\"}"));
+  }
+  static std::map<std::string, std::string> Expected(const std::vector<SharedTensor>& tensors) {
+    std::map<std::string, std::string> out;
+    for (const SharedTensor& t : tensors) {
+      out[t.spec.name] = std::string(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
+    }
+    return out;
+  }
+  static uint64_t FolderBytes(const std::string& folder) {
+    uint64_t n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(folder)) {
+      if (e.is_regular_file()) n += e.file_size();
+    }
+    return n;
+  }
+
+  std::string origin_models_;
+  std::vector<SharedTensor> single_, sharded_;
+  std::unique_ptr<Daemon> origin_;
+};
+
+TEST_F(OriginTest, EightClientsOnEachOfTwoNodesGetByteExactTensorsAndEachNodeReadsEachByteOnce) {
+  auto node_a = StartNode();
+  auto node_b = StartNode();
+  for (const auto& [name, tensors] : std::vector<std::pair<std::string, std::vector<SharedTensor>*>>{
+           {"llm/small", &single_}, {"llm/sharded", &sharded_}}) {
+    const auto expected = Expected(*tensors);
+    std::vector<std::thread> clients;
+    std::atomic<int> exact{0};
+    std::vector<std::string> errors(16);
+    for (int i = 0; i < 16; ++i) {
+      Daemon* node = i % 2 == 0 ? node_a.get() : node_b.get();
+      clients.emplace_back([&, node, i, name = name] {
+        absl::Status status;
+        auto got = FetchAll(node->address(), name, &status);
+        if (!status.ok()) errors[i] = std::string(status.message());
+        if (got == expected) ++exact;
+      });
+    }
+    for (auto& t : clients) t.join();
+    EXPECT_EQ(exact.load(), 16) << name << ": " << absl::StrJoin(errors, " | ");
+  }
+  // Each node read the origin's files once: exactly their bytes.
+  const double stored = static_cast<double>(FolderBytes(origin_models_ + "/llm"));
+  EXPECT_EQ(PulledBytes(*node_a, origin_->address()), stored);
+  EXPECT_EQ(PulledBytes(*node_b, origin_->address()), stored);
+  const std::string text = testing::HttpGet(node_a->metrics_port(), "/metrics");
+  EXPECT_EQ(Sample(text, "weightstore_origin_pulls_total{outcome=\"ok\"}"), 2);
+  EXPECT_GE(Sample(text, "weightstore_node_cache_lookups_total{result=\"miss\"}"), 2);
+}
+
+TEST_F(OriginTest, AnAdminPullPrefetchesAndTheFlagPullsAtStart) {
+  auto node = StartNode({"--pull", "llm/sharded"});
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(node->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  pb::PullCheckpointRequest request;
+  request.set_name("llm/small");
+  pb::PullCheckpointResponse response;
+  ASSERT_TRUE(stub->PullCheckpoint(&ctx, request, &response).ok());
+  EXPECT_FALSE(response.already_present());
+  EXPECT_EQ(response.checkpoint().tensor_count(), 16u);
+  EXPECT_GT(response.bytes_pulled(), 4u << 20);
+  // --pull ran in the background: wait for it to be served.
+  for (int i = 0;
+       i < 200 &&
+       testing::HttpGet(node->metrics_port(), "/metrics").find("weightstore_checkpoints_loaded 2") == std::string::npos;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  grpc::ClientContext list_ctx;
+  pb::ListCheckpointsResponse listed;
+  ASSERT_TRUE(stub->ListCheckpoints(&list_ctx, pb::ListCheckpointsRequest(), &listed).ok());
+  EXPECT_EQ(listed.checkpoints_size(), 2) << node->log();
+  // A name the origin lacks is NOT_FOUND, naming the origin.
+  absl::Status status;
+  FetchAll(node->address(), "llm/absent", &status);
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kNotFound, HasSubstr("grpc://")));
+}
+
+TEST_F(OriginTest, AKilledOriginFailsClientsClearlyAndTheNodeResumesOnceItIsBack) {
+  // Big enough that the pull is caught in flight.
+  const auto big = Tensors(64, 1 << 20, 3);  // 256 MiB
+  testing::WriteFileOrDie(origin_models_ + "/llm/big.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, big, {}));
+  const std::string origin_address = origin_->address();
+  origin_.reset();
+  StartOrigin(origin_address);
+  auto node = StartNode({"--origin-parallel-reads", "1"});
+  absl::Status first;
+  std::thread client([&] { FetchAll(node->address(), "llm/big", &first); });
+  double seen = 0;
+  for (int i = 0; i < 20000 && seen <= 0; ++i) {
+    seen = PulledBytes(*node, origin_address);
+    if (seen <= 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  origin_->Signal(SIGKILL);
+  origin_->WaitExit(5000);
+  client.join();
+  const double at_kill = PulledBytes(*node, origin_address);
+  const double stored = static_cast<double>(std::filesystem::file_size(origin_models_ + "/llm/big.safetensors"));
+  ASSERT_GT(at_kill, 0);
+  if (at_kill < stored) {  // caught mid-pull (else the pull beat the kill)
+    EXPECT_THAT(first, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("pulling 'llm/big' from grpc://")));
+  }
+  // Back on the same port, with the same files: the pull resumes.
+  StartOrigin(origin_address);
+  absl::Status second;
+  auto got = FetchAll(node->address(), "llm/big", &second);
+  ASSERT_TRUE(second.ok()) << second;
+  EXPECT_TRUE(got == Expected(big));
+  EXPECT_EQ(PulledBytes(*node, origin_address), stored);  // nothing read twice
+}
+
+TEST_F(OriginTest, TheBudgetEvictsButNeverACheckpointMappedThroughTheSocket) {
+  const std::string socket = testing::MakeScratchDir("origin-socket") + "/ws.sock";
+  // Room for the small checkpoint (4 MiB) or the sharded one (2.3 MiB), not both.
+  // Files themselves are passed (a client of another uid gets them so; this
+  // one, of the daemon's uid, would otherwise get a sealed copy).
+  auto node = StartNode({"--cache-max-bytes", "5000000", "--socket", socket, "--socket-file-segments", "always"});
+  auto mapper = client::ConnectSharedMemoryStore(socket);
+  ASSERT_TRUE(mapper.ok()) << mapper.status();
+  auto mapped = (*mapper)->MapTensors("llm/small", client::Query());
+  ASSERT_TRUE(mapped.ok()) << mapped.status();
+  absl::Status status;
+  FetchAll(node->address(), "llm/sharded", &status);
+  EXPECT_THAT(status, StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("in use: llm/small")));
+  // Unmapped, it can go.
+  mapped = absl::CancelledError("dropped");
+  FetchAll(node->address(), "llm/sharded", &status);
+  EXPECT_TRUE(status.ok()) << status;
+  const std::string text = testing::HttpGet(node->metrics_port(), "/metrics");
+  EXPECT_EQ(Sample(text, "weightstore_node_cache_evictions_total"), 1);
+  EXPECT_EQ(Sample(text, "weightstore_node_cache_budget_bytes"), 5000000);
+}
+
+}  // namespace
+}  // namespace weightstore
