@@ -38,19 +38,21 @@
 namespace weightstore::server {
 namespace {
 
-// A descriptor of `file` for one client: a new open file description (through
-// /proc/self/fd) holding a shared flock. The client's mapping keeps the
-// description, and so the lock, alive until it is unmapped and closed, which
-// is how the node cache (origin/node_cache.h) tells a file still mapped on
-// this host. Falls back to a duplicate of the daemon's own descriptor.
-UniqueFd LeaseDescriptor(const MappedFile& file) {
+// The descriptor of `file` to send one client. A checkpoint file goes out as a
+// new open file description (through /proc/self/fd) holding a shared flock,
+// kept in `leases` until sent: the client's mapping keeps the description, and
+// so the lock, alive until it is unmapped and closed, which is how the node
+// cache (origin/node_cache.h) tells a file still mapped on this host. A sealed
+// memfd (a segment, evicted by the segment cache on its own terms) goes out as
+// it is.
+int LeaseDescriptor(const MappedFile& file, std::vector<UniqueFd>* leases) {
+  if (::fcntl(file.fd(), F_GET_SEALS) >= 0) return file.fd();
   UniqueFd fd(::open(absl::StrCat("/proc/self/fd/", file.fd()).c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.valid()) {
-    while (::flock(fd.get(), LOCK_SH) != 0 && errno == EINTR) {
-    }
-    return fd;
+  if (!fd.valid()) return file.fd();
+  while (::flock(fd.get(), LOCK_SH) != 0 && errno == EINTR) {
   }
-  return UniqueFd(::fcntl(file.fd(), F_DUPFD_CLOEXEC, 0));
+  leases->push_back(std::move(fd));
+  return leases->back().get();
 }
 
 // The peer's primary group and, where the kernel reports them (SO_PEERGROUPS,
@@ -327,7 +329,8 @@ void ShmServer::Serve(int connection, const ShmPeer& peer) {
     ++requests_;
     const auto start = std::chrono::steady_clock::now();
     v1::ShmRequest request;
-    std::vector<UniqueFd> fds;
+    std::vector<int> fds;
+    std::vector<UniqueFd> leases;
     std::vector<std::shared_ptr<const MappedFile>> keep;
     if (!received.empty()) {
       SetStatus(absl::InvalidArgumentError("requests must not carry file descriptors"), &response);
@@ -335,12 +338,10 @@ void ShmServer::Serve(int connection, const ShmPeer& peer) {
       SetStatus(absl::InvalidArgumentError(absl::StrCat("a ", frame.size(), "-byte frame that is not a ShmRequest")),
                 &response);
     } else {
-      Handle(request, peer, &response, &fds, &keep);
+      Handle(request, peer, &response, &fds, &leases, &keep);
     }
     LogRequest(request, response, peer.name, std::chrono::steady_clock::now() - start);
-    std::vector<int> sent;
-    for (const UniqueFd& fd : fds) sent.push_back(fd.get());
-    if (!SendFrame(connection, response.SerializeAsString(), sent).ok()) return;
+    if (!SendFrame(connection, response.SerializeAsString(), fds).ok()) return;
   }
 }
 
@@ -379,7 +380,8 @@ void ShmServer::LogRequest(const v1::ShmRequest& request, const v1::ShmResponse&
 }
 
 void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::ShmResponse* response,
-                       std::vector<UniqueFd>* fds, std::vector<std::shared_ptr<const MappedFile>>* keep) {
+                       std::vector<int>* fds, std::vector<UniqueFd>* leases,
+                       std::vector<std::shared_ptr<const MappedFile>>* keep) {
   absl::Status status;
   switch (request.request_case()) {
     case v1::ShmRequest::kListCheckpoints:
@@ -399,7 +401,7 @@ void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::S
     case v1::ShmRequest::kMapTensors:
       status = MapTensors(request.map_tensors(), peer, response->mutable_map_tensors(), keep);
       if (status.ok()) {
-        for (const auto& segment : *keep) fds->push_back(LeaseDescriptor(*segment));
+        for (const auto& segment : *keep) fds->push_back(LeaseDescriptor(*segment, leases));
       }
       break;
     default:
@@ -407,6 +409,7 @@ void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::S
   }
   if (!status.ok()) {
     fds->clear();
+    leases->clear();
     keep->clear();
     SetStatus(WithoutPaths(status, options_.hidden_folders), response);
   }

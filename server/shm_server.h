@@ -84,9 +84,10 @@ class ShmServer {
       : registry_(registry), cache_(cache), options_(std::move(options)) {}
   void AcceptLoop();
   // Answers one request: fills `response` and the descriptors to send with it
-  // (owned by the segments `keep` holds alive).
-  void Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::ShmResponse* response, std::vector<UniqueFd>* fds,
-              std::vector<std::shared_ptr<const MappedFile>>* keep);
+  // (owned by the segments `keep` holds alive, or by `leases`: the per-client
+  // descriptors of checkpoint files).
+  void Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::ShmResponse* response, std::vector<int>* fds,
+              std::vector<UniqueFd>* leases, std::vector<std::shared_ptr<const MappedFile>>* keep);
   void Serve(int connection, const ShmPeer& peer);
   // One structured log line per request (server/log.h).
   static void LogRequest(const v1::ShmRequest& request, const v1::ShmResponse& response, const std::string& peer,
