@@ -1,10 +1,11 @@
-// Puller: how the daemon (and the registry's read-through) asks for a
-// checkpoint it does not have. The node cache (origin/node_cache.h) is the one
-// implementation; the server sees only this.
+// Puller: how the daemon asks for a checkpoint it does not have (read-through:
+// a request naming it, PullCheckpoint, --pull). The node cache
+// (origin/node_cache.h) is the one implementation; the server sees only this.
 #ifndef WEIGHTSTORE_CORE_PULL_H_
 #define WEIGHTSTORE_CORE_PULL_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -37,17 +38,22 @@ struct PullStats {
 
 class Puller {
  public:
+  using Done = std::function<void(absl::StatusOr<PullResult>)>;
   virtual ~Puller() = default;
   // Makes checkpoint `name` served, pulling its files from the origin unless
-  // they are already here. Concurrent calls for one name share one transfer and
-  // its outcome. Blocks until then.
-  virtual absl::StatusOr<PullResult> Pull(const std::string& name) = 0;
-  // Notes that `name`, pulled earlier, was just used (least recently used
-  // eviction).
+  // they are already here, and calls `done` with the outcome: at once (on this
+  // thread) when nothing is to be transferred or the pull is refused, else on
+  // the transfer's own thread once it ends. Concurrent calls for one name share
+  // one transfer and its outcome. Never blocks on the transfer: gRPC handlers
+  // call it.
+  virtual void PullAsync(const std::string& name, Done done) = 0;
+  // PullAsync, waiting for the outcome.
+  absl::StatusOr<PullResult> Pull(const std::string& name);
+  // Notes that `name` was just used (least recently used eviction).
   virtual void Touch(const std::string& name) = 0;
   virtual PullStats Stats() const = 0;
-  // Ends the transfers in progress (their callers get Unavailable) as soon as
-  // their next bytes arrive, and refuses new pulls. For shutdown.
+  // Ends the transfers in progress (their callers get Unavailable), cancelling
+  // the origin's reads, and refuses new pulls. For shutdown.
   virtual void Shutdown() = 0;
 };
 

@@ -462,14 +462,6 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
         absl::StrCat("version of ", pinned_version.size(), " bytes is not one this daemon issues"));
   }
   std::shared_ptr<const CheckpointVersion> current = Get(name);
-  if (read_through_ != nullptr) {
-    if (current == nullptr) {
-      WEIGHTSTORE_RETURN_IF_ERROR(read_through_->Pull(name).status());
-      current = Get(name);
-    } else {
-      read_through_->Touch(name);
-    }
-  }
   if (current == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served"));
   if (current->stale()) {
     return absl::UnavailableError(

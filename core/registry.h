@@ -32,7 +32,6 @@
 #include "core/checksum_cache.h"
 #include "core/file_watcher.h"
 #include "core/manifest.h"
-#include "core/pull.h"
 #include "core/push.h"
 #include "core/shm/segment_cache.h"
 
@@ -190,8 +189,7 @@ class CheckpointRegistry {
   // Returns the current version of `name`, or nullptr.
   std::shared_ptr<const CheckpointVersion> Get(const std::string& name) const;
   // The current version of `name`: InvalidArgument for a name no checkpoint can
-  // have (CheckCheckpointName), NotFound when it is not served (and, with a
-  // read-through puller, could not be pulled: its error), Unavailable
+  // have (CheckCheckpointName), NotFound when it is not served, Unavailable
   // while it is stale (written in place, being reopened), Aborted when
   // `pinned_version` is given and is no longer the current one.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> Find(const std::string& name,
@@ -246,12 +244,6 @@ class CheckpointRegistry {
 
   const RegistryOptions& options() const { return options_; }
 
-  // Read-through (origin/node_cache.h): Find() of a name not served asks
-  // `puller` to pull the checkpoint, and waits; Find() of a served name tells
-  // it of the use. Not owned. Call before the registry is shared between
-  // threads.
-  void SetReadThrough(Puller* puller) { read_through_ = puller; }
-
  private:
   struct Entry {
     std::shared_ptr<const CheckpointVersion> current;
@@ -298,7 +290,6 @@ class CheckpointRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(scan_mu_);
 
   RegistryOptions options_;
-  Puller* read_through_ = nullptr;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> served_ ABSL_GUARDED_BY(mu_);
   // Manifests of the versions each name served, oldest first, the current last.

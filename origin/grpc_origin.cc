@@ -6,12 +6,15 @@
 #include <filesystem>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "client/channel.h"
 #include "core/crc32c.h"
 #include "core/status_macros.h"
+#include "proto/codec/chunk_codec.h"
 #include "proto/codec/status.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
@@ -22,16 +25,23 @@ namespace {
 class GrpcOrigin : public Origin {
  public:
   GrpcOrigin(std::string url, client::RemoteOptions options, std::vector<std::shared_ptr<grpc::Channel>> channels)
-      : url_(std::move(url)), options_(std::move(options)) {
-    for (auto& c : channels) stubs_.push_back(v1::WeightStore::NewStub(c));
+      : url_(std::move(url)), options_(std::move(options)), channels_(std::move(channels)) {
+    for (auto& c : channels_) stubs_.push_back(v1::WeightStore::NewStub(c));
   }
 
   std::string Describe() const override { return url_; }
-  int parallel_reads() const override { return static_cast<int>(stubs_.size()); }
+  int parallel_reads() const override { return static_cast<int>(channels_.size()); }
+  bool verifies_reads() const override { return true; }
+
+  void Cancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();
+  }
 
   absl::StatusOr<OriginCheckpoint> Find(const std::string& name) override {
     grpc::ClientContext ctx;
-    Prepare(&ctx);
+    Tracked tracked(this, &ctx);
     v1::ListCheckpointFilesRequest request;
     request.set_name(name);
     v1::ListCheckpointFilesResponse response;
@@ -66,31 +76,44 @@ class GrpcOrigin : public Origin {
   absl::Status Read(const OriginFile& file, uint64_t offset, uint64_t length, const ByteSink& sink) override {
     if (length == 0) return absl::OkStatus();
     grpc::ClientContext ctx;
-    Prepare(&ctx);
+    Tracked tracked(this, &ctx);
     v1::ReadCheckpointFileRequest request;
     request.set_name(file.checkpoint);
     request.set_version(file.etag);
     request.set_path(file.key);
     request.set_offset(offset);
     request.set_length(length);
-    const size_t stub = next_stub_.fetch_add(1) % stubs_.size();
-    std::unique_ptr<grpc::ClientReader<v1::CheckpointFileChunk>> reader =
-        stubs_[stub]->ReadCheckpointFile(&ctx, request);
-    v1::CheckpointFileChunk chunk;
+    // Over raw ByteBuffers: each chunk's data is checked and handed to the
+    // sink as views of gRPC's own slices, never copied into a message.
+    const size_t channel = next_channel_.fetch_add(1) % channels_.size();
+    grpc::internal::RpcMethod method("/weightstore.v1.WeightStore/ReadCheckpointFile",
+                                     grpc::internal::RpcMethod::SERVER_STREAMING, channels_[channel]);
+    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channels_[channel].get(), method, &ctx, request));
+    grpc::ByteBuffer buffer;
+    wire::FileChunkView chunk;
     uint64_t cursor = offset;
     const uint64_t end = offset + length;
     absl::Status failed;
-    while (failed.ok() && reader->Read(&chunk)) {
-      if (chunk.offset() != cursor || chunk.data().size() > end - cursor) {
-        failed = absl::DataLossError(absl::StrCat("a chunk of '", file.path, "' at offset ", chunk.offset(), " (",
-                                                  chunk.data().size(), " bytes) where ", cursor, " was due"));
-      } else if (Crc32c(chunk.data()) != chunk.crc32c()) {
+    while (failed.ok() && reader->Read(&buffer)) {
+      failed = wire::DecodeFileChunk(&buffer, &chunk);
+      if (!failed.ok()) break;
+      if (chunk.offset != cursor || chunk.data_bytes > end - cursor) {
+        failed = absl::DataLossError(absl::StrCat("a chunk of '", file.path, "' at offset ", chunk.offset, " (",
+                                                  chunk.data_bytes, " bytes) where ", cursor, " was due"));
+        break;
+      }
+      uint32_t crc = 0;
+      for (absl::string_view piece : chunk.data) crc = Crc32cExtend(crc, piece);
+      if (crc != chunk.crc32c) {
         failed =
             absl::DataLossError(absl::StrCat("the chunk of '", file.path, "' at offset ", cursor, " fails its CRC32C"));
-      } else {
-        failed = sink(chunk.data());
-        cursor += chunk.data().size();
+        break;
       }
+      for (absl::string_view piece : chunk.data) {
+        if (failed = sink(piece); !failed.ok()) break;
+      }
+      cursor += chunk.data_bytes;
     }
     if (!failed.ok()) {
       ctx.TryCancel();
@@ -107,15 +130,35 @@ class GrpcOrigin : public Origin {
   }
 
  private:
-  void Prepare(grpc::ClientContext* ctx) const {
-    ctx->set_deadline(std::chrono::system_clock::now() + options_.deadline);
-    if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
-  }
+  // Sets a call's deadline and token, and keeps it cancellable by Cancel()
+  // while `ctx` lives (Tracked).
+  class Tracked {
+   public:
+    Tracked(GrpcOrigin* origin, grpc::ClientContext* ctx) : origin_(origin), ctx_(ctx) {
+      ctx->set_deadline(std::chrono::system_clock::now() + origin->options_.deadline);
+      if (!origin->options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + origin->options_.token);
+      absl::MutexLock lock(&origin->mu_);
+      if (origin->cancelled_) ctx->TryCancel();
+      origin->calls_.insert(ctx);
+    }
+    ~Tracked() {
+      absl::MutexLock lock(&origin_->mu_);
+      origin_->calls_.erase(ctx_);
+    }
+
+   private:
+    GrpcOrigin* origin_;
+    grpc::ClientContext* ctx_;
+  };
 
   const std::string url_;
   const client::RemoteOptions options_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;  // one connection each
   std::vector<std::unique_ptr<v1::WeightStore::Stub>> stubs_;
-  std::atomic<size_t> next_stub_{0};
+  std::atomic<size_t> next_channel_{0};
+  absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

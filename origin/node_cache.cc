@@ -197,10 +197,14 @@ struct Progress {
 
 }  // namespace
 
+// One transfer, and who waits for its outcome (the caller that started it
+// first). Its waiters are guarded by NodeCache::mu_.
 struct NodeCache::Flight {
-  absl::Mutex mu;
-  bool done ABSL_GUARDED_BY(mu) = false;
-  absl::Status status ABSL_GUARDED_BY(mu);
+  struct Waiter {
+    Done done;
+    absl::Time start;
+  };
+  std::vector<Waiter> waiters;
   std::atomic<uint64_t> pulled{0};
 };
 
@@ -212,8 +216,21 @@ NodeCache::NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origi
       state_dir_((fs::path(registry->options().models_dir) / kStateFolder).string()) {}
 
 NodeCache::~NodeCache() {
-  absl::MutexLock lock(&mu_);
+  Shutdown();
+  {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](int* transfers) { return *transfers == 0; }, &transfers_));
+  }
   (void)SaveLedger();  // keeps the last uses for the next run's evictions
+}
+
+void NodeCache::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  origin_->Cancel();
 }
 
 absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* registry, std::unique_ptr<Origin> origin,
@@ -258,12 +275,24 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
 }
 
 absl::Status NodeCache::SaveLedger() {
-  nlohmann::json j = nlohmann::json::object();
-  for (const auto& [name, c] : ledger_) {
-    j[name] = {
-        {"paths", c.paths}, {"bytes", c.bytes}, {"last_used_unix_ms", c.last_used_unix_ms}, {"version", c.version}};
+  std::string text;
+  uint64_t sequence;
+  {
+    absl::MutexLock lock(&mu_);
+    nlohmann::json j = nlohmann::json::object();
+    for (const auto& [name, c] : ledger_) {
+      j[name] = {
+          {"paths", c.paths}, {"bytes", c.bytes}, {"last_used_unix_ms", c.last_used_unix_ms}, {"version", c.version}};
+    }
+    text = j.dump(1);
+    sequence = ++ledger_sequence_;
   }
-  return WriteAtomically((fs::path(state_dir_) / "ledger.json").string(), j.dump(1));
+  // Written (and fsynced) outside mu_, which every Find takes to note a use;
+  // a snapshot older than one already written is dropped.
+  absl::MutexLock lock(&ledger_file_mu_);
+  if (sequence < ledger_written_) return absl::OkStatus();
+  ledger_written_ = sequence;
+  return WriteAtomically((fs::path(state_dir_) / "ledger.json").string(), text);
 }
 
 void NodeCache::Touch(const std::string& name) {
@@ -288,83 +317,94 @@ PullStats NodeCache::Stats() const {
   return s;
 }
 
-absl::StatusOr<PullResult> NodeCache::Pull(const std::string& name) {
+void NodeCache::PullAsync(const std::string& name, Done done) {
   const absl::Time start = absl::Now();
-  WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(name, registry_->options().max_name_bytes));
-  PullResult result;
+  if (absl::Status valid = CheckCheckpointName(name, registry_->options().max_name_bytes); !valid.ok()) {
+    done(valid);
+    return;
+  }
   if (auto version = registry_->Get(name); version != nullptr) {
     Touch(name);
     hits_.fetch_add(1);
+    PullResult result;
     result.already_present = true;
     result.bytes = version->checkpoint()->total_bytes();
-    return result;
+    done(result);
+    return;
   }
   misses_.fetch_add(1);
   if (!PlaceablePath(name)) {
-    return absl::NotFoundError(absl::StrCat("checkpoint '", name,
-                                            "' is not served, and cannot be pulled: a pulled checkpoint's name is a "
-                                            "relative path of letters, digits, '-', '_', '.' and '/'"));
+    done(absl::NotFoundError(absl::StrCat("checkpoint '", name,
+                                          "' is not served, and cannot be pulled: a pulled checkpoint's name is a "
+                                          "relative path of letters, digits, '-', '_', '.' and '/'")));
+    return;
   }
-  if (stopping_)
-    return absl::UnavailableError(absl::StrCat("checkpoint '", name, "' is not here, and the daemon is stopping"));
-  std::shared_ptr<Flight> flight;
-  bool leader = false;
+  absl::Status refused;
   {
     absl::MutexLock lock(&mu_);
-    if (auto it = not_found_.find(name); it != not_found_.end()) {
-      if (absl::Now() < it->second) {
-        return absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served, and ", origin_->Describe(),
-                                                " did not have it moments ago"));
-      }
-      not_found_.erase(it);
-    }
-    if (auto it = flights_.find(name); it != flights_.end()) {
-      flight = it->second;
+    auto nf = not_found_.find(name);
+    if (stopping_) {
+      refused = absl::UnavailableError(absl::StrCat("checkpoint '", name, "' is not here, and the daemon is stopping"));
+    } else if (nf != not_found_.end() && absl::Now() < nf->second) {
+      refused = absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served, and ", origin_->Describe(),
+                                                 " did not have it moments ago"));
+    } else if (auto it = flights_.find(name); it != flights_.end()) {
+      it->second->waiters.push_back({std::move(done), start});  // joins the transfer under way
+      return;
+    } else if (flights_.size() >= static_cast<size_t>(options_.max_concurrent_pulls)) {
+      refused = absl::ResourceExhaustedError(absl::StrCat("checkpoint '", name, "' is not here, and ", flights_.size(),
+                                                          " pulls already run (the most at once); retry later"));
     } else {
-      if (flights_.size() >= static_cast<size_t>(options_.max_concurrent_pulls)) {
-        return absl::ResourceExhaustedError(absl::StrCat("checkpoint '", name, "' is not here, and ", flights_.size(),
-                                                         " pulls already run (the most at once); retry later"));
-      }
-      flight = std::make_shared<Flight>();
+      if (nf != not_found_.end()) not_found_.erase(nf);
+      auto flight = std::make_shared<Flight>();
+      flight->waiters.push_back({std::move(done), start});
       flights_[name] = flight;
-      leader = true;
+      ++transfers_;
+      // The transfer has a thread of its own: callers (gRPC handlers) never
+      // wait on it, and it ends when its outcome is delivered.
+      std::thread([this, name, flight] { RunFlight(name, flight); }).detach();
+      return;
     }
   }
-  absl::Status status;
-  if (leader) {
-    pulls_.fetch_add(1);
-    status = Transfer(name, &flight->pulled);
+  done(refused);
+}
+
+void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>& flight) {
+  pulls_.fetch_add(1);
+  absl::Status status = Transfer(name, &flight->pulled);
+  if (!status.ok()) {
+    pull_errors_.fetch_add(1);
+    status = absl::Status(status.code(),
+                          absl::StrCat("pulling '", name, "' from ", origin_->Describe(), ": ", status.message()));
+  }
+  std::vector<Flight::Waiter> waiters;
+  {
+    absl::MutexLock lock(&mu_);
+    flights_.erase(name);
+    if (absl::IsNotFound(status)) {
+      if (not_found_.size() >= options_.max_not_found) not_found_.clear();
+      not_found_[name] = absl::Now() + options_.not_found_ttl;
+    }
+    waiters.swap(flight->waiters);  // no one joins a flight once it is erased
+  }
+  std::shared_ptr<const CheckpointVersion> version = status.ok() ? registry_->Get(name) : nullptr;
+  if (status.ok() && version == nullptr) {
+    status = absl::UnavailableError(absl::StrCat("checkpoint '", name, "' was pulled, then unloaded; retry"));
+  }
+  for (size_t i = 0; i < waiters.size(); ++i) {
     if (!status.ok()) {
-      pull_errors_.fetch_add(1);
-      status = absl::Status(status.code(),
-                            absl::StrCat("pulling '", name, "' from ", origin_->Describe(), ": ", status.message()));
+      waiters[i].done(status);
+      continue;
     }
-    {
-      absl::MutexLock lock(&mu_);
-      flights_.erase(name);
-      if (absl::IsNotFound(status)) {
-        if (not_found_.size() >= options_.max_not_found) not_found_.clear();
-        not_found_[name] = absl::Now() + options_.not_found_ttl;
-      }
-    }
-    absl::MutexLock lock(&flight->mu);
-    flight->status = status;
-    flight->done = true;
-    result.bytes_pulled = flight->pulled.load();
-  } else {
-    result.joined = true;
-    absl::MutexLock lock(&flight->mu);
-    flight->mu.Await(absl::Condition(&flight->done));
-    status = flight->status;
+    PullResult result;
+    result.joined = i > 0;
+    result.bytes_pulled = i == 0 ? flight->pulled.load() : 0;
+    result.bytes = version->checkpoint()->total_bytes();
+    result.seconds = absl::ToDoubleSeconds(absl::Now() - waiters[i].start);
+    waiters[i].done(result);
   }
-  if (!status.ok()) return status;
-  auto version = registry_->Get(name);
-  if (version == nullptr) {
-    return absl::UnavailableError(absl::StrCat("checkpoint '", name, "' was pulled, then unloaded; retry"));
-  }
-  result.bytes = version->checkpoint()->total_bytes();
-  result.seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  return result;
+  absl::MutexLock lock(&mu_);
+  --transfers_;
 }
 
 absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>* pulled) {
@@ -389,10 +429,15 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     return absl::ResourceExhaustedError(
         absl::StrCat("it has ", total, " bytes, over this node's limit of ", options_.max_checkpoint_bytes));
   }
+  std::vector<std::pair<std::string, Cached>> victims;
   {
     absl::MutexLock lock(&mu_);
-    WEIGHTSTORE_RETURN_IF_ERROR(MakeRoom(name, total));
+    WEIGHTSTORE_RETURN_IF_ERROR(ChooseVictims(name, total, &victims));
     reserved_bytes_ += total;
+  }
+  if (!victims.empty()) {
+    Evict(victims);
+    WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
   }
   absl::Cleanup release = [&] {
     absl::MutexLock lock(&mu_);
@@ -441,7 +486,13 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     partial_paths.push_back((fs::path(folder) / std::to_string(i)).string());
     UniqueFd fd(::open(partial_paths[i].c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
     if (!fd.valid()) return absl::InternalError(Errno("cannot create", partial_paths[i]));
-    if (::ftruncate(fd.get(), static_cast<off_t>(checkpoint.files[i].size)) != 0) {
+    // The disk space is reserved up front, so a disk that fills meanwhile
+    // fails the pull here rather than midway.
+    const off_t size = static_cast<off_t>(checkpoint.files[i].size);
+    if (size > 0 && ::fallocate(fd.get(), 0, 0, size) != 0 && errno != EOPNOTSUPP) {
+      return absl::ResourceExhaustedError(Errno("cannot reserve disk space for", partial_paths[i]));
+    }
+    if (::ftruncate(fd.get(), size) != 0) {
       return absl::ResourceExhaustedError(Errno("cannot size", partial_paths[i]));
     }
     fds.push_back(std::move(fd));
@@ -453,6 +504,10 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     uint64_t index, begin, end;  // the part's bytes [begin, end)
   };
   std::deque<Part> parts;
+  std::vector<bool> resumed(checkpoint.files.size());  // some bytes came in an earlier attempt
+  for (size_t i = 0; i < checkpoint.files.size(); ++i) {
+    for (uint64_t d : progress.done[i]) resumed[i] = resumed[i] || d > 0;
+  }
   for (size_t i = 0; i < checkpoint.files.size(); ++i) {
     const uint64_t size = checkpoint.files[i].size;
     for (uint64_t k = 0; k < progress.done[i].size(); ++k) {
@@ -484,7 +539,7 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
       const std::string what = absl::StrCat("'", file.path, "'");
       absl::Status status = origin_->Read(file, cursor, part.end - cursor, [&](absl::string_view bytes) {
         if (failed.load()) return absl::CancelledError("another part of the pull failed");
-        if (stopping_) return absl::UnavailableError("the daemon is stopping");
+        if (stopping_.load()) return absl::UnavailableError("the daemon is stopping");
         if (bytes.size() > part.end - cursor) return absl::DataLossError(absl::StrCat(what, ": more bytes than asked"));
         while (!bytes.empty()) {
           const ssize_t n = ::pwrite(fd, bytes.data(), bytes.size(), static_cast<off_t>(cursor));
@@ -534,10 +589,13 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     return first_error;
   }
 
-  // Every byte is in: check each file whole before it is placed.
+  // Every byte is in: check each file whole before it is placed, unless the
+  // origin checked every byte of it as it arrived in this pull.
   for (size_t i = 0; i < checkpoint.files.size(); ++i) {
     absl::Status verified =
-        VerifyWhole(fds[i].get(), checkpoint.files[i], absl::StrCat("'", checkpoint.files[i].path, "'"));
+        origin_->verifies_reads() && !resumed[i]
+            ? absl::OkStatus()
+            : VerifyWhole(fds[i].get(), checkpoint.files[i], absl::StrCat("'", checkpoint.files[i].path, "'"));
     if (!verified.ok()) {
       std::fill(progress.done[i].begin(), progress.done[i].end(), 0);  // refetch this file in full next time
       (void)WriteAtomically(state_path, progress.ToJson());
@@ -579,14 +637,16 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     return absl::DataLossError(absl::StrCat("the pulled files do not open: ", version.status().message()));
   }
   fs::remove_all(folder, ec);
-  absl::MutexLock lock(&mu_);
-  Cached& c = ledger_[name];
-  c.paths.clear();
-  for (const OriginFile& f : checkpoint.files) c.paths.push_back(f.path);
-  c.bytes = total;
-  c.last_used_unix_ms = NowMs();
-  c.version = checkpoint.version;
-  cached_bytes_ += total;
+  {
+    absl::MutexLock lock(&mu_);
+    Cached& c = ledger_[name];
+    c.paths.clear();
+    for (const OriginFile& f : checkpoint.files) c.paths.push_back(f.path);
+    c.bytes = total;
+    c.last_used_unix_ms = NowMs();
+    c.version = checkpoint.version;
+    cached_bytes_ += total;
+  }
   return SaveLedger();
 }
 
@@ -602,7 +662,8 @@ bool NodeCache::InUse(const std::string& name, const Cached& cached) const {
   return false;
 }
 
-absl::Status NodeCache::MakeRoom(const std::string& name, uint64_t bytes) {
+absl::Status NodeCache::ChooseVictims(const std::string& name, uint64_t bytes,
+                                      std::vector<std::pair<std::string, Cached>>* victims) {
   if (options_.max_bytes == 0) return absl::OkStatus();
   if (bytes > options_.max_bytes) {
     return absl::ResourceExhaustedError(
@@ -611,29 +672,40 @@ absl::Status NodeCache::MakeRoom(const std::string& name, uint64_t bytes) {
   std::vector<std::pair<int64_t, std::string>> by_age;
   for (const auto& [n, c] : ledger_) by_age.emplace_back(c.last_used_unix_ms, n);
   std::sort(by_age.begin(), by_age.end());
-  std::vector<std::string> busy;
+  std::vector<std::string> chosen, busy;
+  uint64_t used = cached_bytes_ + reserved_bytes_;
   for (const auto& [age, victim] : by_age) {
-    if (cached_bytes_ + reserved_bytes_ + bytes <= options_.max_bytes) break;
+    if (used + bytes <= options_.max_bytes) break;
     if (victim == name || flights_.contains(victim)) continue;
-    const Cached& c = ledger_.at(victim);
-    if (InUse(victim, c)) {
+    if (InUse(victim, ledger_.at(victim))) {
       busy.push_back(victim);
       continue;
     }
-    // Unload under mu_ is safe: the registry calls this cache (Touch, Pull)
-    // only from Find, never while it publishes.
-    absl::Status unloaded = registry_->Unload(victim);
-    if (!unloaded.ok() && !absl::IsNotFound(unloaded)) continue;
-    for (const std::string& p : c.paths) ::unlink((fs::path(models_dir_) / p).c_str());
-    cached_bytes_ -= c.bytes;
-    ledger_.erase(victim);
+    chosen.push_back(victim);
+    used -= ledger_.at(victim).bytes;
+  }
+  if (used + bytes > options_.max_bytes) {  // evicting would not be enough: evict nothing
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "it needs ", bytes, " bytes; the cache budget is ", options_.max_bytes, ", ", cached_bytes_ + reserved_bytes_,
+        " in use or being pulled", busy.empty() ? "" : absl::StrCat(" (in use: ", absl::StrJoin(busy, ", "), ")")));
+  }
+  for (const std::string& victim : chosen) {
+    auto it = ledger_.find(victim);
+    cached_bytes_ -= it->second.bytes;
+    victims->emplace_back(victim, std::move(it->second));
+    ledger_.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+void NodeCache::Evict(const std::vector<std::pair<std::string, Cached>>& victims) {
+  for (const auto& [name, cached] : victims) {
+    // A request that took the version meanwhile keeps its mapping: the files
+    // go, their bytes stay until it drops them.
+    (void)registry_->Unload(name);
+    for (const std::string& p : cached.paths) ::unlink((fs::path(models_dir_) / p).c_str());
     evictions_.fetch_add(1);
   }
-  WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
-  if (cached_bytes_ + reserved_bytes_ + bytes <= options_.max_bytes) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "it needs ", bytes, " bytes; the cache budget is ", options_.max_bytes, ", ", cached_bytes_ + reserved_bytes_,
-      " in use or being pulled", busy.empty() ? "" : absl::StrCat(" (in use: ", absl::StrJoin(busy, ", "), ")")));
 }
 
 }  // namespace weightstore::origin

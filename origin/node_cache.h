@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -70,14 +71,16 @@ class NodeCache : public Puller {
                                                          NodeCacheOptions options);
   ~NodeCache() override;
 
-  // Puller. Errors name the checkpoint and what failed: the origin's status
+  // Puller. Transfers run on threads of their own, at most
+  // max_concurrent_pulls; the destructor waits for them (after Shutdown).
+  // Errors name the checkpoint and what failed: the origin's status
   // codes (NotFound, Unavailable, Unauthenticated, PermissionDenied, Aborted),
   // DataLoss for bytes that fail a check, ResourceExhausted when it does not
   // fit the budget or the disk, or too many pulls run.
-  absl::StatusOr<PullResult> Pull(const std::string& name) override;
+  void PullAsync(const std::string& name, Done done) override;
   void Touch(const std::string& name) override;
   PullStats Stats() const override;
-  void Shutdown() override { stopping_ = true; }
+  void Shutdown() override;
 
   const Origin& origin() const { return *origin_; }
 
@@ -91,14 +94,21 @@ class NodeCache : public Puller {
   };
 
   NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options);
+  // Runs one flight's transfer and delivers its outcome to its waiters.
+  void RunFlight(const std::string& name, const std::shared_ptr<Flight>& flight) ABSL_LOCKS_EXCLUDED(mu_);
   // The transfer one flight runs. `pulled` counts its bytes from the origin.
   absl::Status Transfer(const std::string& name, std::atomic<uint64_t>* pulled);
-  // Frees room for `bytes` more under the budget, evicting the least recently
-  // used that are not in use. ResourceExhausted if it cannot.
-  absl::Status MakeRoom(const std::string& name, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Chooses what to evict so `bytes` more fit under the budget: the least
+  // recently used not in use, moved out of the ledger into `victims` (the
+  // caller evicts them outside mu_: unloading notifies the registry's
+  // listeners). ResourceExhausted, choosing nothing, when that is not enough.
+  absl::Status ChooseVictims(const std::string& name, uint64_t bytes,
+                             std::vector<std::pair<std::string, Cached>>* victims) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Evict(const std::vector<std::pair<std::string, Cached>>& victims) ABSL_LOCKS_EXCLUDED(mu_);
   // True when a stream or a mapping uses a file of `name`.
   bool InUse(const std::string& name, const Cached& cached) const;
-  absl::Status SaveLedger() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes the ledger as it is now.
+  absl::Status SaveLedger() ABSL_LOCKS_EXCLUDED(mu_, ledger_file_mu_);
 
   CheckpointRegistry* registry_;
   std::unique_ptr<Origin> origin_;
@@ -111,7 +121,11 @@ class NodeCache : public Puller {
   uint64_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of pulls in flight
   absl::flat_hash_map<std::string, absl::Time> not_found_ ABSL_GUARDED_BY(mu_);
+  uint64_t ledger_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Mutex ledger_file_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  uint64_t ledger_written_ ABSL_GUARDED_BY(ledger_file_mu_) = 0;
 
+  int transfers_ ABSL_GUARDED_BY(mu_) = 0;  // threads running a flight
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> bytes_pulled_{0}, pulls_{0}, pull_errors_{0}, hits_{0}, misses_{0}, evictions_{0};
 };

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "core/checkpoint.h"
 #include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"
@@ -50,6 +51,7 @@ class FakeOrigin : public Origin {
   }
   std::string Describe() const override { return "fake://origin"; }
   int parallel_reads() const override { return 3; }
+  void Cancel() override { cancelled_ = true; }
   absl::StatusOr<OriginCheckpoint> Find(const std::string& name) override {
     finds_.fetch_add(1);
     absl::MutexLock lock(&mu_);
@@ -77,6 +79,8 @@ class FakeOrigin : public Origin {
         return absl::UnavailableError("the origin went away");
       }
       if (delay_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      while (stall_.load() && !cancelled_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (cancelled_.load()) return absl::CancelledError("cancelled");
       const absl::string_view piece = absl::string_view(bytes).substr(done, 4096);
       if (absl::Status s = sink(piece); !s.ok()) return s;
       sent_.fetch_add(piece.size());  // what the node took
@@ -87,6 +91,8 @@ class FakeOrigin : public Origin {
   std::atomic<uint64_t> sent_{0};
   std::atomic<int> finds_{0};
   std::atomic<bool> delay_{false};
+  std::atomic<bool> stall_{false};  // sends nothing until cancelled
+  std::atomic<bool> cancelled_{false};
   uint64_t corrupt_at_ = UINT64_MAX;
   std::atomic<int64_t> fail_after_{-1};
 
@@ -110,7 +116,6 @@ class NodeCacheTest : public ::testing::Test {
     auto cache = NodeCache::Open(registry_.get(), std::move(origin), cache_options);
     ASSERT_TRUE(cache.ok()) << cache.status();
     cache_ = *std::move(cache);
-    registry_->SetReadThrough(cache_.get());
   }
 
   uint64_t budget_ = 0;
@@ -139,7 +144,7 @@ TEST_F(NodeCacheTest, ConcurrentRequestsForAMissingCheckpointShareOneTransfer) {
   EXPECT_EQ(origin_->sent_.load(), model.size());  // every byte once
   EXPECT_EQ(origin_->finds_.load(), 1);
   EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/llama/tiny.safetensors"), model);
-  // Read-through: Find of the name serves it, and the next pull is a hit.
+  // It is served now, and the next pull is a hit.
   ASSERT_TRUE(registry_->Find("llama/tiny").ok());
   auto again = cache_->Pull("llama/tiny");
   ASSERT_TRUE(again.ok());
@@ -147,20 +152,62 @@ TEST_F(NodeCacheTest, ConcurrentRequestsForAMissingCheckpointShareOneTransfer) {
   EXPECT_EQ(cache_->Stats().cache_bytes, model.size());
 }
 
-TEST_F(NodeCacheTest, ReadThroughPullsOnFindAndANameTheOriginLacksIsNotFound) {
+TEST_F(NodeCacheTest, ANameTheOriginLacksIsNotFoundAndRememberedForAWhile) {
   origin_->Put("m", Model(2, 1000, 2));
+  ASSERT_TRUE(cache_->Pull("m").ok());
   auto version = registry_->Find("m");
   ASSERT_TRUE(version.ok()) << version.status();
   EXPECT_EQ((*version)->checkpoint()->size(), 2u);
-  EXPECT_THAT(registry_->Find("absent").status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("fake://origin")));
+  EXPECT_THAT(cache_->Pull("absent").status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("fake://origin")));
   // Asked again at once: answered without asking the origin.
   const int finds = origin_->finds_.load();
-  EXPECT_THAT(registry_->Find("absent").status(), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(cache_->Pull("absent").status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("moments ago")));
   EXPECT_EQ(origin_->finds_.load(), finds);
   // A name that cannot be a path is refused before the origin is asked.
   EXPECT_THAT(cache_->Pull("../escape").status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("cannot be pulled")));
   EXPECT_EQ(origin_->finds_.load(), finds);
   EXPECT_FALSE(fs::exists(fs::path(models_).parent_path() / "escape.safetensors"));
+  EXPECT_THAT(cache_->Pull(std::string("bad\0name", 8)).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(NodeCacheTest, PullAsyncReturnsAtOnceAndDeliversTheOutcomeOnTheTransfersThread) {
+  origin_->Put("m", Model(8, 20000, 10));
+  origin_->delay_ = true;  // about 50 ms
+  absl::Mutex mu;
+  std::vector<absl::StatusOr<PullResult>> outcomes;
+  const auto before = std::chrono::steady_clock::now();
+  for (int i = 0; i < 3; ++i) {
+    cache_->PullAsync("m", [&](absl::StatusOr<PullResult> r) {
+      absl::MutexLock lock(&mu);
+      outcomes.push_back(std::move(r));
+    });
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - before, std::chrono::milliseconds(20));  // nobody waited
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(
+      +[](std::vector<absl::StatusOr<PullResult>>* o) { return o->size() == 3; }, &outcomes));
+  int joined = 0;
+  for (const auto& r : outcomes) {
+    ASSERT_TRUE(r.ok()) << r.status();
+    joined += r->joined ? 1 : 0;
+  }
+  EXPECT_EQ(joined, 2);
+}
+
+TEST_F(NodeCacheTest, ShutdownEndsAStalledPullAndRefusesNewOnes) {
+  origin_->Put("m", Model(8, 20000, 11));
+  origin_->stall_ = true;
+  absl::Notification done;
+  absl::Status status;
+  cache_->PullAsync("m", [&](absl::StatusOr<PullResult> r) {
+    status = r.status();
+    done.Notify();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  cache_->Shutdown();
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_FALSE(status.ok());
+  EXPECT_THAT(cache_->Pull("m").status(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("stopping")));
 }
 
 TEST_F(NodeCacheTest, AnInterruptedPullResumesFromItsLastVerifiedByte) {
@@ -186,7 +233,6 @@ TEST_F(NodeCacheTest, APullResumesAfterTheDaemonRestarts) {
   EXPECT_FALSE(cache_->Pull("m").ok());
   const uint64_t before = origin_->sent_.load();
   // A new cache on the same folder (the daemon restarted) with a new origin.
-  registry_->SetReadThrough(nullptr);
   cache_.reset();
   auto origin = std::make_unique<FakeOrigin>();
   FakeOrigin* second = origin.get();
@@ -261,6 +307,17 @@ TEST_F(NodeCacheBudgetTest, TheLeastRecentlyUsedIsEvictedAndNeverOneInUse) {
   ::close(mapped);
 }
 
+TEST_F(NodeCacheBudgetTest, WhenEvictingCouldNotMakeRoomNothingIsEvicted) {
+  ASSERT_TRUE(cache_->Pull("a").ok());
+  ASSERT_TRUE(cache_->Pull("b").ok());
+  auto held = registry_->Find("b");  // in use
+  ASSERT_TRUE(held.ok());
+  origin_->Put("double", Model(8, 20000, 9));  // fits the budget, but only with "b" gone too
+  EXPECT_THAT(cache_->Pull("double").status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("in use: b")));
+  EXPECT_NE(registry_->Get("a"), nullptr);  // not evicted for nothing
+  EXPECT_EQ(cache_->Stats().evictions, 0u);
+}
+
 TEST_F(NodeCacheBudgetTest, ACheckpointLargerThanTheBudgetIsRefusedBeforeAnyTransfer) {
   origin_->Put("huge", Model(12, 20000, 8));
   EXPECT_THAT(cache_->Pull("huge").status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("budget")));
@@ -269,7 +326,6 @@ TEST_F(NodeCacheBudgetTest, ACheckpointLargerThanTheBudgetIsRefusedBeforeAnyTran
 
 TEST_F(NodeCacheBudgetTest, TheLedgerSurvivesARestart) {
   ASSERT_TRUE(cache_->Pull("a").ok());
-  registry_->SetReadThrough(nullptr);
   cache_.reset();
   auto origin = std::make_unique<FakeOrigin>();
   auto reopened = NodeCache::Open(registry_.get(), std::move(origin), NodeCacheOptions{.max_bytes = budget_});

@@ -81,6 +81,15 @@ class Origin {
 
   // How many ranges a pull should read at once from this origin.
   virtual int parallel_reads() const { return 4; }
+
+  // True when Read checks every byte against a checksum the origin computed
+  // before the sink sees it (an upstream daemon's per-chunk CRC32C): a file
+  // read whole in one pull then needs no second read to be verified.
+  virtual bool verifies_reads() const { return false; }
+
+  // Ends the reads in progress (Cancelled, or Unavailable) and fails new ones:
+  // shutdown, with a read that may be stalled on the network.
+  virtual void Cancel() {}
 };
 
 }  // namespace weightstore::origin

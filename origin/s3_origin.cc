@@ -508,12 +508,27 @@ absl::Status S3Origin::Perform(const std::string& url, const std::vector<std::st
     curl_easy_setopt(curl, CURLOPT_PASSWORD, config_.secret_access_key.c_str());
   }
 
+  // Cancel() ends a transfer through the progress callback, which libcurl
+  // calls about once a second even while nothing arrives.
+  curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
+  curl_easy_setopt(curl, CURLOPT_XFERINFODATA, &cancelled_);
+  curl_easy_setopt(
+      curl, CURLOPT_XFERINFOFUNCTION, +[](void* cancelled, curl_off_t, curl_off_t, curl_off_t, curl_off_t) -> int {
+        return static_cast<const std::atomic<bool>*>(cancelled)->load() ? 1 : 0;
+      });
+  if (cancelled_.load()) {
+    ReleaseHandle(std::move(handle));
+    return absl::CancelledError(absl::StrCat(what, ": the daemon is stopping"));
+  }
   reply->curl_code = curl_easy_perform(curl);
   std::string curl_error = handle->error_buffer()[0] != '\0' ? std::string(handle->error_buffer())
                                                              : std::string(curl_easy_strerror(reply->curl_code));
   ReleaseHandle(std::move(handle));
 
   if (!reply->stopped.ok()) return reply->stopped;
+  if (reply->curl_code == CURLE_ABORTED_BY_CALLBACK) {
+    return absl::CancelledError(absl::StrCat(what, ": the daemon is stopping"));
+  }
   if (reply->curl_code != CURLE_OK) {
     if (IsTransportError(reply->curl_code)) {
       return absl::UnavailableError(absl::StrCat("cannot reach ", what, " (", Describe(), "): ", curl_error));

@@ -11,6 +11,7 @@
 #ifndef WEIGHTSTORE_ORIGIN_S3_ORIGIN_H_
 #define WEIGHTSTORE_ORIGIN_S3_ORIGIN_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -89,6 +90,9 @@ class S3Origin final : public Origin {
   absl::Status Read(const OriginFile& file, uint64_t offset, uint64_t length, const ByteSink& sink) override;
 
   int parallel_reads() const override { return config_.parallel_reads; }
+  // Aborts the transfers in progress (within about a second: libcurl's
+  // progress callback) and fails new ones, Cancelled.
+  void Cancel() override { cancelled_ = true; }
 
  private:
   struct Reply;
@@ -116,6 +120,7 @@ class S3Origin final : public Origin {
   const S3Config config_;
   absl::Mutex mu_;
   std::vector<std::unique_ptr<Handle>> idle_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> cancelled_{false};
 };
 
 }  // namespace weightstore::origin

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/pull.h"
 #include "core/registry.h"
 #include "core/select/selection.h"
 #include "server/stream_governor.h"

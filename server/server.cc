@@ -196,7 +196,6 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
     auto puller = options.make_puller(s->registry_.get());
     if (!puller.ok()) return puller.status();
     s->puller_ = *std::move(puller);
-    s->registry_->SetReadThrough(s->puller_.get());
   }
   ScanReport report = s->registry_->Rescan();
   for (const std::string& e : report.errors) std::fprintf(stderr, "weightstored: not serving %s\n", e.c_str());
@@ -243,7 +242,7 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   if (!options.socket.path.empty()) {
     options.socket.selection_limits = options.service.selection_limits;
     options.socket.hidden_folders = options.service.hidden_folders;
-    auto shm = ShmServer::Start(s->registry_.get(), s->segments_.get(), options.socket);
+    auto shm = ShmServer::Start(s->registry_.get(), s->segments_.get(), options.socket, s->puller_.get());
     if (!shm.ok()) return shm.status();
     s->shm_server_ = *std::move(shm);
   }

@@ -69,7 +69,7 @@ class WeightStoreServer {
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<SegmentCache> segments_;
   std::unique_ptr<CheckpointRegistry> registry_;
-  std::unique_ptr<Puller> puller_;  // after the registry it reads through: destroyed first
+  std::unique_ptr<Puller> puller_;  // after the registry it pulls into: destroyed first
   std::thread prefetch_;
   std::unique_ptr<WeightStoreService> service_;
   std::unique_ptr<grpc::Server> server_;

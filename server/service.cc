@@ -48,7 +48,22 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       Done(service_->ClientStatus(status));
       return;
     }
-    Next();
+    if (service_->puller_ == nullptr) {
+      Begin();
+      return;
+    }
+    // A checkpoint the daemon lacks is pulled first (read-through), on the
+    // pull's own thread: this one returns to gRPC. The stream is kept from
+    // the stall watchdog meanwhile.
+    service_->streams_.Busy(ticket_);
+    service_->puller_->PullAsync(request_.name(), [this](absl::StatusOr<PullResult> pulled) {
+      if (!pulled.ok()) {
+        Done(service_->ClientStatus(pulled.status()));
+        return;
+      }
+      service_->streams_.Progress(ticket_, 0);
+      Begin();
+    });
   }
 
   void OnWriteDone(bool ok) override {
@@ -72,12 +87,22 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     // A stream whose client stops reading is cancelled by the governor, which
     // frees its slot (and its share of its client's).
     WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, service_->streams_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); }));
-    std::vector<grpc::Slice> slices;
-    if (!raw->Dump(&slices).ok()) return absl::InvalidArgumentError("unreadable request");
-    std::string bytes;
-    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-    if (!request_.ParseFromString(bytes)) return absl::InvalidArgumentError("request is not a FetchTensorsRequest");
+    if (!wire::ParseMessage(*raw, &request_)) return absl::InvalidArgumentError("request is not a FetchTensorsRequest");
     Annotate(ctx, request_.name());
+    return absl::OkStatus();
+  }
+
+  // Resolves the request and starts writing; or finishes with its error.
+  void Begin() {
+    absl::Status status = ResolveRequest();
+    if (!status.ok()) {
+      Done(service_->ClientStatus(status));
+      return;
+    }
+    Next();
+  }
+
+  absl::Status ResolveRequest() {
     auto resolved = Resolve(*service_->registry_, request_.name(), request_.selection(), request_.version(),
                             service_->options_.selection_limits, request_.since_version());
     if (!resolved.ok()) return resolved.status();
@@ -255,6 +280,19 @@ WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOpti
       watches_(registry, auth_, options.watches, [this](const absl::Status& s) { return ClientStatus(s); }) {}
 
 template <typename Body>
+grpc::ServerUnaryReactor* WeightStoreService::UnaryReadingThrough(grpc::CallbackServerContext* ctx, Scope scope,
+                                                                  const std::string& checkpoint, Body body) {
+  absl::Status status = auth_->Check(*ctx, scope);
+  if (status.ok()) Annotate(ctx, checkpoint);
+  if (!status.ok() || puller_ == nullptr) return Reply(ctx, status.ok() ? body(PullResult()) : status);
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  puller_->PullAsync(checkpoint, [this, reactor, body = std::move(body)](absl::StatusOr<PullResult> pulled) mutable {
+    reactor->Finish(ClientStatus(pulled.ok() ? body(*pulled) : pulled.status()));
+  });
+  return reactor;
+}
+
+template <typename Body>
 grpc::ServerUnaryReactor* WeightStoreService::Unary(grpc::CallbackServerContext* ctx, Scope scope,
                                                     absl::string_view checkpoint, Body body) {
   absl::Status status = auth_->Check(*ctx, scope);
@@ -277,7 +315,7 @@ grpc::ServerUnaryReactor* WeightStoreService::ListCheckpoints(grpc::CallbackServ
 grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServerContext* ctx,
                                                             const v1::GetCheckpointRequest* req,
                                                             v1::CheckpointInfo* resp) {
-  return Unary(ctx, Scope::kRead, req->name(), [&]() -> absl::Status {
+  return UnaryReadingThrough(ctx, Scope::kRead, req->name(), [this, req, resp](const PullResult&) -> absl::Status {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name()));
     ToProto(*version, resp);
     return absl::OkStatus();
@@ -287,7 +325,7 @@ grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServer
 grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerContext* ctx,
                                                           const v1::ListTensorsRequest* req,
                                                           v1::ListTensorsResponse* resp) {
-  return Unary(ctx, Scope::kRead, req->name(), [&]() -> absl::Status {
+  return UnaryReadingThrough(ctx, Scope::kRead, req->name(), [this, req, resp](const PullResult&) -> absl::Status {
     WEIGHTSTORE_ASSIGN_OR_RETURN(Resolved resolved, Resolve(*registry_, req->name(), req->selection(), req->version(),
                                                             options_.selection_limits, req->since_version()));
     const Snapshot& snapshot = *resolved.snapshot;
@@ -345,25 +383,28 @@ grpc::ServerUnaryReactor* WeightStoreService::Rescan(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* WeightStoreService::PullCheckpoint(grpc::CallbackServerContext* ctx,
                                                              const v1::PullCheckpointRequest* req,
                                                              v1::PullCheckpointResponse* resp) {
-  return Unary(ctx, Scope::kAdmin, req->name(), [&]() -> absl::Status {
-    if (puller_ == nullptr) {
+  if (puller_ == nullptr) {
+    return Unary(ctx, Scope::kAdmin, req->name(), [] {
       return absl::FailedPreconditionError("this daemon has no origin to pull from (weightstored --origin)");
-    }
-    WEIGHTSTORE_ASSIGN_OR_RETURN(PullResult pulled, puller_->Pull(req->name()));
-    WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name()));
-    ToProto(*version, resp->mutable_checkpoint());
-    resp->set_already_present(pulled.already_present);
-    resp->set_joined(pulled.joined);
-    resp->set_bytes_pulled(pulled.bytes_pulled);
-    resp->set_seconds(pulled.seconds);
-    return absl::OkStatus();
-  });
+    });
+  }
+  return UnaryReadingThrough(ctx, Scope::kAdmin, req->name(),
+                             [this, req, resp](const PullResult& pulled) -> absl::Status {
+                               WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name()));
+                               ToProto(*version, resp->mutable_checkpoint());
+                               resp->set_already_present(pulled.already_present);
+                               resp->set_joined(pulled.joined);
+                               resp->set_bytes_pulled(pulled.bytes_pulled);
+                               resp->set_seconds(pulled.seconds);
+                               return absl::OkStatus();
+                             });
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::ListCheckpointFiles(grpc::CallbackServerContext* ctx,
                                                                   const v1::ListCheckpointFilesRequest* req,
                                                                   v1::ListCheckpointFilesResponse* resp) {
-  return Unary(ctx, Scope::kRead, req->name(), [&]() -> absl::Status {
+  // A tier reads through: a node's listing pulls what this daemon lacks.
+  return UnaryReadingThrough(ctx, Scope::kRead, req->name(), [this, req, resp](const PullResult&) -> absl::Status {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name(), req->version()));
     return DescribeStoredFiles(*version, resp);
   });

@@ -25,19 +25,25 @@ namespace weightstore::server {
 
 using ::weightstore::CheckpointRegistry;
 using ::weightstore::CheckpointVersion;
+using ::weightstore::Puller;
+using ::weightstore::PullResult;
 using ::weightstore::PushOptions;
 using ::weightstore::PushSession;
 using ::weightstore::PutSession;
 using ::weightstore::RegistryOptions;
 using ::weightstore::ScanReport;
 
-using ServiceBase = v1::WeightStore::WithRawCallbackMethod_FetchTensors<v1::WeightStore::CallbackService>;
+// FetchTensors and ReadCheckpointFile stream raw ByteBuffers: their payloads go
+// out as slices of the checkpoints' mappings (proto/codec/chunk_codec.h).
+using ServiceBase = v1::WeightStore::WithRawCallbackMethod_FetchTensors<
+    v1::WeightStore::WithRawCallbackMethod_ReadCheckpointFile<v1::WeightStore::CallbackService>>;
 
 class WeightStoreService final : public ServiceBase {
  public:
   // `auth` (may be null: no tokens) must outlive the service.
-  // `puller` (may be null: no origin) serves PullCheckpoint; it must outlive
-  // the service.
+  // `puller` (may be null: no origin) pulls the checkpoints requests name
+  // that the daemon lacks (read-through), and serves PullCheckpoint; it must
+  // outlive the service.
   WeightStoreService(CheckpointRegistry* registry, ServiceOptions options, const Authenticator* auth = nullptr,
                      Puller* puller = nullptr);
 
@@ -68,8 +74,8 @@ class WeightStoreService final : public ServiceBase {
   grpc::ServerUnaryReactor* ListCheckpointFiles(grpc::CallbackServerContext* ctx,
                                                 const v1::ListCheckpointFilesRequest* req,
                                                 v1::ListCheckpointFilesResponse* resp) override;
-  grpc::ServerWriteReactor<v1::CheckpointFileChunk>* ReadCheckpointFile(
-      grpc::CallbackServerContext* ctx, const v1::ReadCheckpointFileRequest* req) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* ReadCheckpointFile(grpc::CallbackServerContext* ctx,
+                                                                 const grpc::ByteBuffer* req) override;
 
   // Ends every WatchCheckpoints stream (UNAVAILABLE) and refuses new ones:
   // the first step of shutting down, as watches never end by themselves.
@@ -91,6 +97,13 @@ class WeightStoreService final : public ServiceBase {
   template <typename Body>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Scope scope, absl::string_view checkpoint,
                                   Body body);
+  // Unary(), for a call that reads `checkpoint`: with an origin, a checkpoint
+  // the daemon lacks is pulled first, and `body` (given the PullResult; it
+  // must capture by value) runs on the pull's thread once it is in. gRPC's
+  // threads never wait on a transfer.
+  template <typename Body>
+  grpc::ServerUnaryReactor* UnaryReadingThrough(grpc::CallbackServerContext* ctx, Scope scope,
+                                                const std::string& checkpoint, Body body);
   friend class PutReactor;
   friend class FileReadReactor;
   friend class PushReactor;

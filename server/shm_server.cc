@@ -141,7 +141,7 @@ bool PeerCouldWrite(int fd, const ShmPeer& peer) {
 }
 
 absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const CheckpointRegistry* registry, SegmentCache* cache,
-                                                            ShmServerOptions options) {
+                                                            ShmServerOptions options, Puller* puller) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (options.path.empty() || options.path.size() >= sizeof(addr.sun_path)) {
@@ -151,7 +151,7 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const CheckpointRegi
   absl::Status cleared = ClearStaleSocket(options.path);
   if (!cleared.ok()) return cleared;
   std::memcpy(addr.sun_path, options.path.data(), options.path.size());
-  std::unique_ptr<ShmServer> server(new ShmServer(registry, cache, std::move(options)));
+  std::unique_ptr<ShmServer> server(new ShmServer(registry, cache, std::move(options), puller));
   const std::string& path = server->options_.path;
   server->listener_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!server->listener_.valid()) return StatusFromErrno(errno, "socket(AF_UNIX)");
@@ -390,6 +390,12 @@ void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::S
       }
       break;
     case v1::ShmRequest::kGetCheckpoint: {
+      if (puller_ != nullptr) {
+        if (absl::Status pulled = puller_->Pull(request.get_checkpoint().name()).status(); !pulled.ok()) {
+          status = pulled;
+          break;
+        }
+      }
       auto version = registry_->Find(request.get_checkpoint().name());
       if (!version.ok()) {
         status = version.status();
@@ -418,6 +424,7 @@ void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::S
 absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const ShmPeer& peer,
                                    v1::MapTensorsResponse* response,
                                    std::vector<std::shared_ptr<const MappedFile>>* segments) {
+  if (puller_ != nullptr) WEIGHTSTORE_RETURN_IF_ERROR(puller_->Pull(request.name()).status());
   absl::StatusOr<Resolved> resolved = Resolve(*registry_, request.name(), request.selection(), request.version(),
                                               options_.selection_limits, request.since_version());
   if (!resolved.ok()) return resolved.status();

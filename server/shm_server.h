@@ -33,6 +33,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "core/pull.h"
 #include "core/registry.h"
 #include "core/select/selection.h"
 #include "core/shm/segment_cache.h"
@@ -65,11 +66,13 @@ class ShmServer {
     int active_connections = 0;
   };
 
-  // Binds `options.path` and starts accepting. `registry` and `cache` must
-  // outlive the server. AlreadyExists if a live daemon listens on the path,
+  // Binds `options.path` and starts accepting. `registry`, `cache` and
+  // `puller` (may be null: no origin; else a checkpoint a request names that
+  // the daemon lacks is pulled first, on the connection's thread) must outlive
+  // the server. AlreadyExists if a live daemon listens on the path,
   // FailedPrecondition if something other than a socket is there.
   static absl::StatusOr<std::unique_ptr<ShmServer>> Start(const CheckpointRegistry* registry, SegmentCache* cache,
-                                                          ShmServerOptions options);
+                                                          ShmServerOptions options, Puller* puller = nullptr);
   ~ShmServer();  // Stop()s
 
   // Stops accepting, closes every connection, removes the socket file. Mappings
@@ -80,8 +83,8 @@ class ShmServer {
   Stats stats() const;
 
  private:
-  ShmServer(const CheckpointRegistry* registry, SegmentCache* cache, ShmServerOptions options)
-      : registry_(registry), cache_(cache), options_(std::move(options)) {}
+  ShmServer(const CheckpointRegistry* registry, SegmentCache* cache, ShmServerOptions options, Puller* puller)
+      : registry_(registry), cache_(cache), puller_(puller), options_(std::move(options)) {}
   void AcceptLoop();
   // Answers one request: fills `response` and the descriptors to send with it
   // (owned by the segments `keep` holds alive, or by `leases`: the per-client
@@ -104,6 +107,7 @@ class ShmServer {
 
   const CheckpointRegistry* registry_;
   SegmentCache* cache_;
+  Puller* puller_;
   const ShmServerOptions options_;
   UniqueFd listener_;
   std::thread acceptor_;

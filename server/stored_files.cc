@@ -15,6 +15,7 @@
 #include "core/crc32c.h"
 #include "core/shm/unix_socket.h"
 #include "core/status_macros.h"
+#include "proto/codec/chunk_codec.h"
 #include "server/service.h"
 
 namespace weightstore::server {
@@ -23,45 +24,44 @@ namespace {
 
 constexpr uint64_t kFileChunkBytes = uint64_t{1} << 20;
 
-// Reads `file` (`length` bytes from `offset`) into `out`: from the version's
-// mapping, or, for an index, from the file by path, after checking that the
-// version's files are those it opened.
-absl::Status ReadStored(const CheckpointVersion& version, const StoredFile& file, uint64_t offset, uint64_t length,
-                        std::string* out) {
-  out->resize(length);
-  if (file.mapped != nullptr) {
-    const SharedBytes bytes = file.mapped->bytes();
-    if (offset + length > bytes.size()) return absl::OutOfRangeError("read past the end of a stored file");
-    std::memcpy(out->data(), bytes.data() + offset, length);
-    // A file truncated under the mapping reads as zeros (the SIGBUS guard):
-    // such bytes are never sent.
-    return version.CheckUnchanged();
+// `length` bytes of `file` from `offset`: a view of the version's mapping, or,
+// for an index, read from the file by path after checking that the version's
+// files are those it opened. A caller vouching for mapped bytes (a checksum)
+// checks version.CheckUnchanged() after reading them: a file truncated under
+// the mapping reads as zeros (the SIGBUS guard).
+absl::StatusOr<SharedBytes> StoredBytes(const CheckpointVersion& version, const StoredFile& file, uint64_t offset,
+                                        uint64_t length) {
+  if (offset > file.size || length > file.size - offset) {
+    return absl::OutOfRangeError(absl::StrCat("read past the end of '", file.path, "'"));
   }
+  if (file.mapped != nullptr) return file.mapped->bytes().Subspan(offset, length);
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::string now, FileVersion(version.path()));
   if (now != version.file_version()) {
     return absl::AbortedError(absl::StrCat("checkpoint '", version.name(), "' was replaced on disk; list it again"));
   }
   UniqueFd fd(::open(file.local_path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.valid()) return absl::NotFoundError(absl::StrCat("cannot open '", file.path, "': ", std::strerror(errno)));
+  std::vector<std::byte> out(length);
   for (uint64_t done = 0; done < length;) {
-    const ssize_t n = ::pread(fd.get(), out->data() + done, length - done, static_cast<off_t>(offset + done));
+    const ssize_t n = ::pread(fd.get(), out.data() + done, length - done, static_cast<off_t>(offset + done));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return absl::DataLossError(absl::StrCat("'", file.path, "' is shorter than when it was listed"));
     done += static_cast<uint64_t>(n);
   }
-  return absl::OkStatus();
+  return SharedBytes::FromVector(std::move(out));
 }
 
 absl::StatusOr<uint32_t> StoredCrc(const CheckpointVersion& version, const StoredFile& file) {
   const std::string key = absl::StrCat("stored-file:", file.path);
   if (std::optional<uint32_t> crc = version.checksums().Find(key)) return *crc;
   uint32_t crc = 0;
-  std::string block;
-  for (uint64_t offset = 0; offset < file.size; offset += kFileChunkBytes) {
-    WEIGHTSTORE_RETURN_IF_ERROR(
-        ReadStored(version, file, offset, std::min(kFileChunkBytes, file.size - offset), &block));
-    crc = Crc32cExtend(crc, block);
+  constexpr uint64_t kBlock = uint64_t{64} << 20;
+  for (uint64_t offset = 0; offset < file.size; offset += kBlock) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes,
+                                 StoredBytes(version, file, offset, std::min(kBlock, file.size - offset)));
+    crc = Crc32cExtend(crc, bytes.view());
   }
+  WEIGHTSTORE_RETURN_IF_ERROR(version.CheckUnchanged());
   WEIGHTSTORE_RETURN_IF_ERROR(version.checksums().Store(key, crc));
   return crc;
 }
@@ -83,13 +83,16 @@ absl::Status DescribeStoredFiles(const CheckpointVersion& version, v1::ListCheck
 }
 
 // Streams one ReadCheckpointFile response, one chunk in flight at a time,
-// admitted and paced by the fetch streams' governor.
-class FileReadReactor : public grpc::ServerWriteReactor<v1::CheckpointFileChunk> {
+// admitted and paced by the fetch streams' governor. A mapped file's bytes go
+// out as slices of its mapping, as FetchTensors sends tensors.
+class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  FileReadReactor(WeightStoreService* service, grpc::CallbackServerContext* ctx,
-                  const v1::ReadCheckpointFileRequest* request)
+  FileReadReactor(WeightStoreService* service, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw)
       : service_(service) {
-    absl::Status status = Start(ctx, *request);
+    v1::ReadCheckpointFileRequest request;
+    absl::Status status = wire::ParseMessage(*raw, &request)
+                              ? Start(ctx, request)
+                              : absl::InvalidArgumentError("request is not a ReadCheckpointFileRequest");
     if (!status.ok()) {
       Finish(service_->ClientStatus(status));
       return;
@@ -102,7 +105,7 @@ class FileReadReactor : public grpc::ServerWriteReactor<v1::CheckpointFileChunk>
       Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       return;
     }
-    service_->streams_.Progress(ticket_, chunk_.data().size());
+    service_->streams_.Progress(ticket_, last_write_bytes_);
     Next();
   }
   void OnCancel() override { cancelled_ = true; }
@@ -152,15 +155,19 @@ class FileReadReactor : public grpc::ServerWriteReactor<v1::CheckpointFileChunk>
       return;
     }
     const uint64_t n = std::min(kFileChunkBytes, end_ - cursor_);
-    absl::Status read = ReadStored(*version_, file_, cursor_, n, chunk_.mutable_data());
-    if (!read.ok()) {
-      Finish(service_->ClientStatus(read));
+    absl::StatusOr<SharedBytes> bytes = StoredBytes(*version_, file_, cursor_, n);
+    v1::CheckpointFileChunk header;
+    if (bytes.ok()) header.set_crc32c(Crc32c(bytes->view()));
+    absl::Status status = bytes.ok() ? version_->CheckUnchanged() : bytes.status();
+    if (!status.ok()) {
+      Finish(service_->ClientStatus(status));
       return;
     }
-    chunk_.set_offset(cursor_);
-    chunk_.set_crc32c(Crc32c(chunk_.data()));
+    header.set_offset(cursor_);
+    buffer_ = wire::EncodeWithPayload(header, v1::CheckpointFileChunk::kDataFieldNumber, *bytes);
+    last_write_bytes_ = n;
     cursor_ += n;
-    StartWrite(&chunk_);
+    StartWrite(&buffer_);
   }
 
   WeightStoreService* service_;
@@ -168,12 +175,13 @@ class FileReadReactor : public grpc::ServerWriteReactor<v1::CheckpointFileChunk>
   std::shared_ptr<const CheckpointVersion> version_;
   StoredFile file_;
   uint64_t cursor_ = 0, end_ = 0;
-  v1::CheckpointFileChunk chunk_;
+  grpc::ByteBuffer buffer_;
+  uint64_t last_write_bytes_ = 0;
   std::atomic<bool> cancelled_{false};
 };
 
-grpc::ServerWriteReactor<v1::CheckpointFileChunk>* WeightStoreService::ReadCheckpointFile(
-    grpc::CallbackServerContext* ctx, const v1::ReadCheckpointFileRequest* req) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::ReadCheckpointFile(grpc::CallbackServerContext* ctx,
+                                                                                   const grpc::ByteBuffer* req) {
   return new FileReadReactor(this, ctx, req);
 }
 

@@ -6,6 +6,7 @@
 #include <grpcpp/impl/codegen/proto_buffer_reader.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
 
+#include <algorithm>
 #include <cassert>
 #include <cstring>
 
@@ -25,7 +26,8 @@ grpc::Slice SliceOf(const SharedBytes& bytes) {
   return slice;
 }
 
-grpc::ByteBuffer EncodeChunk(const v1::TensorChunk& header, const SharedBytes& payload) {
+grpc::ByteBuffer EncodeWithPayload(const google::protobuf::MessageLite& header, int data_field,
+                                   const SharedBytes& payload) {
   std::string head = header.SerializeAsString();
   if (payload.size() == 0) {
     grpc::Slice slice(head);
@@ -35,11 +37,15 @@ grpc::ByteBuffer EncodeChunk(const v1::TensorChunk& header, const SharedBytes& p
     google::protobuf::io::StringOutputStream stream(&head);
     google::protobuf::io::CodedOutputStream coded(&stream);
     coded.WriteTag(google::protobuf::internal::WireFormatLite::MakeTag(
-        v1::TensorChunk::kDataFieldNumber, google::protobuf::internal::WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+        data_field, google::protobuf::internal::WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
     coded.WriteVarint64(payload.size());
   }
   grpc::Slice slices[2] = {grpc::Slice(head), SliceOf(payload)};
   return grpc::ByteBuffer(slices, 2);
+}
+
+grpc::ByteBuffer EncodeChunk(const v1::TensorChunk& header, const SharedBytes& payload) {
+  return EncodeWithPayload(header, v1::TensorChunk::kDataFieldNumber, payload);
 }
 
 grpc::ByteBuffer EncodeChunkCopying(const v1::TensorChunk& header, const SharedBytes& payload) {
@@ -137,6 +143,69 @@ absl::Status DecodeChunk(grpc::ByteBuffer* buffer, ChunkFields* fields, DataDest
     if (out->size() != early.size()) return absl::InternalError("a chunk destination of the wrong size");
     if (!early.empty()) std::memcpy(out->data(), early.data(), early.size());
   }
+  return absl::OkStatus();
+}
+
+bool ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message) {
+  grpc::ByteBuffer shared(buffer);  // the same slices, not a copy of the bytes
+  grpc::ProtoBufferReader reader(&shared);
+  return message->ParseFromZeroCopyStream(&reader);
+}
+
+absl::Status DecodeFileChunk(grpc::ByteBuffer* buffer, FileChunkView* chunk) {
+  using google::protobuf::internal::WireFormatLite;
+  *chunk = FileChunkView();
+  auto bad = [](absl::string_view what) {
+    return absl::DataLossError(absl::StrCat("malformed CheckpointFileChunk: ", what));
+  };
+  // Where data lies in the message, found by parsing; then cut from the slices.
+  uint64_t data_at = 0;
+  bool have_data = false;
+  {
+    grpc::ProtoBufferReader reader(buffer);
+    google::protobuf::io::CodedInputStream in(&reader);
+    while (uint32_t tag = in.ReadTag()) {
+      const int field = WireFormatLite::GetTagFieldNumber(tag);
+      const auto wire_type = WireFormatLite::GetTagWireType(tag);
+      switch (field) {
+        case v1::CheckpointFileChunk::kOffsetFieldNumber:
+          if (wire_type != WireFormatLite::WIRETYPE_VARINT || !in.ReadVarint64(&chunk->offset)) return bad("offset");
+          break;
+        case v1::CheckpointFileChunk::kCrc32CFieldNumber:
+          if (wire_type != WireFormatLite::WIRETYPE_FIXED32 || !in.ReadLittleEndian32(&chunk->crc32c)) {
+            return bad("crc32c");
+          }
+          break;
+        case v1::CheckpointFileChunk::kDataFieldNumber: {
+          uint64_t length;
+          if (wire_type != WireFormatLite::WIRETYPE_LENGTH_DELIMITED || !in.ReadVarint64(&length) ||
+              length > kMaxChunkFieldBytes || have_data) {
+            return bad("data");
+          }
+          data_at = static_cast<uint64_t>(in.CurrentPosition());
+          chunk->data_bytes = length;
+          have_data = true;
+          if (!in.Skip(static_cast<int>(length))) return bad("data");
+          break;
+        }
+        default:
+          if (!WireFormatLite::SkipField(&in, tag)) return bad(absl::StrCat("field ", field));
+      }
+    }
+    if (!in.ConsumedEntireMessage()) return bad("a bad tag");
+  }
+  if (!buffer->Dump(&chunk->slices).ok()) return bad("unreadable");
+  uint64_t at = 0, left = chunk->data_bytes;
+  for (const grpc::Slice& slice : chunk->slices) {
+    const uint64_t begin = std::max(at, data_at), end = std::min<uint64_t>(at + slice.size(), data_at + left);
+    if (begin < end) {
+      chunk->data.emplace_back(reinterpret_cast<const char*>(slice.begin()) + (begin - at), end - begin);
+      left -= end - begin;
+      data_at = end;
+    }
+    at += slice.size();
+  }
+  if (left != 0) return bad("data");
   return absl::OkStatus();
 }
 

@@ -20,9 +20,11 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/shared_bytes.h"
 #include "weightstore/v1/weight_store.pb.h"
 
@@ -34,6 +36,11 @@ inline constexpr uint32_t kMaxChunkFieldBytes = 64u << 20;
 
 // A slice over `bytes` that holds their owner alive, without copying.
 grpc::Slice SliceOf(const SharedBytes& bytes);
+
+// Encodes `header` (a message whose bytes field `data_field` is empty) with
+// `payload` as that field, without copying the payload.
+grpc::ByteBuffer EncodeWithPayload(const google::protobuf::MessageLite& header, int data_field,
+                                   const SharedBytes& payload);
 
 // Encodes `header` (a chunk whose `data` is empty) with `payload` as its data,
 // without copying the payload.
@@ -63,6 +70,25 @@ using DataDestination = absl::FunctionRef<absl::StatusOr<std::span<std::byte>>(c
 // (including info, tensor_index or offset after the data they would place),
 // and the destination's errors.
 absl::Status DecodeChunk(grpc::ByteBuffer* buffer, ChunkFields* fields, DataDestination destination);
+
+// Parses `message` from a request received raw (a method whose responses are
+// encoded here). False if the bytes are not one.
+bool ParseMessage(const grpc::ByteBuffer& buffer, google::protobuf::MessageLite* message);
+
+// ReadCheckpointFile's chunks (the origin tier), framed the same way: encoded
+// with EncodeWithPayload, decoded without copying the data. A decoded chunk's
+// data are views of the received slices, kept alive by `slices`.
+struct FileChunkView {
+  uint64_t offset = 0;
+  uint32_t crc32c = 0;
+  uint64_t data_bytes = 0;
+  std::vector<absl::string_view> data;  // in order; together data_bytes long
+  std::vector<grpc::Slice> slices;
+};
+
+// Decodes one CheckpointFileChunk from `buffer` into `chunk`. DataLoss naming
+// the fault for malformed framing or data over kMaxChunkFieldBytes.
+absl::Status DecodeFileChunk(grpc::ByteBuffer* buffer, FileChunkView* chunk);
 
 }  // namespace weightstore::wire
 

@@ -202,6 +202,73 @@ TEST(ChunkCodec, ADestinationsErrorIsReturnedAsIs) {
   EXPECT_EQ(status, absl::ResourceExhaustedError("no room"));
 }
 
+std::string Joined(const FileChunkView& chunk) {
+  std::string out;
+  for (absl::string_view piece : chunk.data) out.append(piece.data(), piece.size());
+  return out;
+}
+
+TEST(FileChunkCodec, DecodesDataAsViewsOfTheReceivedSlicesWhereverTheySplit) {
+  v1::CheckpointFileChunk header;
+  header.set_offset(1 << 20);
+  header.set_crc32c(Crc32c("0123456789"));
+  const std::string wire =
+      Flatten(EncodeWithPayload(header, v1::CheckpointFileChunk::kDataFieldNumber, Bytes("0123456789")));
+  for (size_t cut = 0; cut <= wire.size(); ++cut) {  // every way one message splits over two slices
+    grpc::Slice slices[2] = {grpc::Slice(wire.substr(0, cut)), grpc::Slice(wire.substr(cut))};
+    grpc::ByteBuffer buffer(slices, 2);
+    FileChunkView chunk;
+    ASSERT_TRUE(DecodeFileChunk(&buffer, &chunk).ok()) << cut;
+    EXPECT_EQ(chunk.offset, 1u << 20);
+    EXPECT_EQ(chunk.crc32c, Crc32c("0123456789"));
+    EXPECT_EQ(chunk.data_bytes, 10u);
+    EXPECT_EQ(Joined(chunk), "0123456789") << cut;
+  }
+  // A typed serializer writes the fields in number order: data before crc32c.
+  v1::CheckpointFileChunk typed = header;
+  typed.set_data("abc");
+  grpc::ByteBuffer buffer = BufferOf(typed.SerializeAsString());
+  FileChunkView chunk;
+  ASSERT_TRUE(DecodeFileChunk(&buffer, &chunk).ok());
+  EXPECT_EQ(Joined(chunk), "abc");
+  EXPECT_EQ(chunk.crc32c, header.crc32c());
+}
+
+TEST(FileChunkCodec, RefusesMalformedFramingWithDataLossNamingTheField) {
+  auto decode = [](const std::string& wire) {
+    grpc::ByteBuffer buffer = BufferOf(wire);
+    FileChunkView chunk;
+    return DecodeFileChunk(&buffer, &chunk);
+  };
+  v1::CheckpointFileChunk header;
+  header.set_offset(7);
+  const std::string good =
+      Flatten(EncodeWithPayload(header, v1::CheckpointFileChunk::kDataFieldNumber, Bytes("payload")));
+  ASSERT_TRUE(decode(good).ok());
+  EXPECT_EQ(decode(good.substr(0, good.size() - 1)).code(), absl::StatusCode::kDataLoss);
+  absl::Status huge = decode(std::string("\x12\xff\xff\xff\xff\x0f", 6));  // data over 64 MiB
+  EXPECT_EQ(huge.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(huge.message().find("data"), absl::string_view::npos) << huge;
+  absl::Status twice = decode(std::string("\x12\x01x\x12\x01y", 6));
+  EXPECT_EQ(twice.code(), absl::StatusCode::kDataLoss) << twice;
+  absl::Status wrong_type = decode(std::string("\x1a\x01x", 3));  // crc32c as bytes
+  EXPECT_NE(wrong_type.message().find("crc32c"), absl::string_view::npos) << wrong_type;
+  EXPECT_EQ(decode(std::string("\x08\x01\x00\x00", 4)).code(), absl::StatusCode::kDataLoss);  // tag 0
+}
+
+TEST(RawRequests, ParseMessageReadsARequestSplitOverSlices) {
+  v1::ReadCheckpointFileRequest request;
+  request.set_name("llm/7b");
+  request.set_offset(123);
+  const std::string wire = request.SerializeAsString();
+  grpc::Slice slices[2] = {grpc::Slice(wire.substr(0, 3)), grpc::Slice(wire.substr(3))};
+  v1::ReadCheckpointFileRequest parsed;
+  ASSERT_TRUE(ParseMessage(grpc::ByteBuffer(slices, 2), &parsed));
+  EXPECT_EQ(parsed.name(), "llm/7b");
+  EXPECT_EQ(parsed.offset(), 123u);
+  EXPECT_FALSE(ParseMessage(BufferOf("\xff\xff"), &parsed));
+}
+
 TEST(StatusConversion, KeepsTheCodeAndBoundsTheMessage) {
   for (int code = 1; code <= 16; ++code) {
     absl::Status status(static_cast<absl::StatusCode>(code), "why");

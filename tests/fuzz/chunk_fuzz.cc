@@ -1,11 +1,13 @@
-// Fuzzes the client's chunk parser: a sequence of FetchTensors chunks, each
-// split over two slices, as a hostile or broken server could send them.
+// Fuzzes the client's chunk parsers: a sequence of FetchTensors chunks, each
+// split over two slices, as a hostile or broken server could send them; each
+// record is also decoded as a ReadCheckpointFile chunk (the origin tier).
 // Input: records of [u16 little-endian length][that many bytes].
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "client/chunk_assembler.h"
+#include "proto/codec/chunk_codec.h"
 
 namespace {
 
@@ -36,6 +38,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     grpc::Slice slices[2] = {grpc::Slice(data + pos, half), grpc::Slice(data + pos + half, n - half)};
     grpc::ByteBuffer buffer(slices, 2);
     pos += n;
+    weightstore::wire::FileChunkView file_chunk;
+    if (weightstore::wire::DecodeFileChunk(&buffer, &file_chunk).ok()) {
+      uint64_t total = 0;
+      for (absl::string_view piece : file_chunk.data) total += piece.size();
+      if (total != file_chunk.data_bytes) __builtin_trap();  // views must cover exactly the data
+    }
     if (!assembler.Consume(&buffer, &sink).ok()) break;
   }
   return 0;

@@ -227,6 +227,36 @@ TEST_F(OriginTest, AKilledOriginFailsClientsClearlyAndTheNodeResumesOnceItIsBack
   EXPECT_EQ(PulledBytes(*node, origin_address), stored);  // nothing read twice
 }
 
+TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrShuttingDown) {
+  auto node = StartNode({"--max-pulls", "64"});
+  origin_->Signal(SIGSTOP);  // accepts connections, answers nothing
+  std::vector<std::thread> clients;
+  std::atomic<int> failed{0};
+  for (int i = 0; i < 48; ++i) {  // more than gRPC has threads for its handlers
+    clients.emplace_back([&, i] {
+      absl::Status status;
+      FetchAll(node->address(), i % 4 == 0 ? absl::StrCat("llm/other", i) : "llm/small", &status);
+      if (!status.ok()) ++failed;
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(node->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  pb::ListCheckpointsResponse listed;
+  const auto asked = std::chrono::steady_clock::now();
+  EXPECT_TRUE(stub->ListCheckpoints(&ctx, pb::ListCheckpointsRequest(), &listed).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - asked, std::chrono::seconds(2));
+  // The node stops promptly though its pulls are stalled: they are cancelled.
+  const auto stopping = std::chrono::steady_clock::now();
+  node->Signal(SIGTERM);
+  EXPECT_NE(node->WaitExit(20000), -1) << node->log();
+  EXPECT_LT(std::chrono::steady_clock::now() - stopping, std::chrono::seconds(15));
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(failed.load(), 48);
+  origin_->Signal(SIGCONT);
+}
+
 TEST_F(OriginTest, TheBudgetEvictsButNeverACheckpointMappedThroughTheSocket) {
   const std::string socket = testing::MakeScratchDir("origin-socket") + "/ws.sock";
   // Room for the small checkpoint (4 MiB) or the sharded one (2.3 MiB), not both.
