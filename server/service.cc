@@ -61,7 +61,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         Done(service_->ClientStatus(pulled.status()));
         return;
       }
-      service_->streams_.Progress(ticket_, 0);
+      service_->streams_.Resume(ticket_);
       Begin();
     });
   }

@@ -70,6 +70,15 @@ void StreamGovernor::Busy(uint64_t ticket) {
   if (auto it = streams_.find(ticket); it != streams_.end()) it->second.busy = true;
 }
 
+void StreamGovernor::Resume(uint64_t ticket) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = streams_.find(ticket); it != streams_.end()) {
+    it->second.busy = false;
+    it->second.period_start = Clock::now();
+    it->second.period_bytes = 0;
+  }
+}
+
 void StreamGovernor::Release(uint64_t ticket) {
   absl::MutexLock lock(&mu_);
   auto it = streams_.find(ticket);

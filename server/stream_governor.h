@@ -48,9 +48,12 @@ class StreamGovernor {
   absl::StatusOr<uint64_t> Admit(absl::string_view peer, std::function<void()> cancel);
   // `bytes` of the stream moved (a write or a read completed).
   void Progress(uint64_t ticket, uint64_t bytes);
-  // The stream is busy on the server's side (a push being written) and must
-  // not be taken for stalled: it keeps its slot, and is never cancelled.
+  // The stream is busy on the server's side (a push being written, a pull it
+  // waits on) and must not be taken for stalled: it keeps its slot, and is
+  // not cancelled until Resume.
   void Busy(uint64_t ticket);
+  // The stream moves again: it is watched from now, a fresh period.
+  void Resume(uint64_t ticket);
   // The stream is over; `cancel` is never called after this returns.
   void Release(uint64_t ticket);
 

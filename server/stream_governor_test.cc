@@ -60,6 +60,20 @@ TEST(StreamGovernorTest, AStreamBusyOnTheServersSideIsNeverTakenForStalled) {
   governor.Release(committing);
 }
 
+TEST(StreamGovernorTest, AResumedStreamIsWatchedAgainFromAFreshPeriod) {
+  StreamGovernor governor({.total = 1, .per_peer = 1, .idle = std::chrono::milliseconds(100), .min_bytes = 1000});
+  std::atomic<int> cancels{0};
+  ASSERT_OK_AND_ASSIGN(uint64_t waiting, governor.Admit("ipv4:1.1.1.1:1", [&] { ++cancels; }));
+  governor.Busy(waiting);  // a pull it waits on
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  governor.Resume(waiting);
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  EXPECT_EQ(cancels.load(), 0) << "not judged on the time it was busy";
+  for (int i = 0; i < 200 && cancels.load() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(cancels.load(), 1) << "then stalled again, and cancelled";
+  governor.Release(waiting);
+}
+
 TEST(StreamGovernorTest, PeerAddressDropsThePort) {
   EXPECT_EQ(PeerAddress("ipv4:127.0.0.1:54321"), "ipv4:127.0.0.1");
   EXPECT_EQ(PeerAddress("ipv6:[::1]:443"), "ipv6:[::]/64");
