@@ -86,19 +86,6 @@ std::set<std::string> FilesOfIndex(const std::string& path) {
   return std::set<std::string>(files.begin(), files.end());
 }
 
-// A name an upload or a load may create: a relative path of ASCII letters,
-// digits, '-', '_' and '.'.
-bool ValidName(absl::string_view name, size_t max_bytes) {
-  if (name.empty() || name.size() > max_bytes || name.front() == '/') return false;
-  for (absl::string_view part : absl::StrSplit(name, '/')) {
-    if (part.empty() || part == "." || part == ".." || part.front() == '.') return false;
-  }
-  for (char c : name) {
-    if (!(absl::ascii_isalnum(c) || c == '/' || c == '-' || c == '_' || c == '.')) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 bool CheckpointVersion::stale() const {
@@ -525,7 +512,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
     served_name = derived.value_or(canonical.filename().string());
   }
   WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(served_name, options_.max_name_bytes));
-  if (!ValidName(served_name, options_.max_name_bytes)) {
+  if (!IsPlaceableName(served_name, options_.max_name_bytes)) {
     return absl::InvalidArgumentError(absl::StrCat("invalid checkpoint name '", served_name,
                                                    "' (a relative path of letters, digits, '-', '_', '.' and '/')"));
   }
@@ -570,7 +557,7 @@ absl::Status PutSession::Append(absl::string_view data) {
 absl::StatusOr<std::unique_ptr<PutSession>> CheckpointRegistry::BeginPut(const std::string& name,
                                                                          const std::string& extension, bool overwrite,
                                                                          uint64_t expected_size) {
-  if (!ValidName(name, options_.max_name_bytes)) {
+  if (!IsPlaceableName(name, options_.max_name_bytes)) {
     WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(name, options_.max_name_bytes));
     return absl::InvalidArgumentError(absl::StrCat("invalid checkpoint name '", name,
                                                    "' (a relative path of letters, digits, '-', '_', '.' and '/')"));
@@ -644,6 +631,17 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   absl::MutexLock scan_lock(&scan_mu_);
   WEIGHTSTORE_RETURN_IF_ERROR(session->file_->Commit());
   return LoadLocked(session->path_, session->name_, &notify);
+}
+
+bool IsPlaceableName(absl::string_view name, size_t max_bytes) {
+  if (name.empty() || name.size() > max_bytes || name.front() == '/') return false;
+  for (absl::string_view part : absl::StrSplit(name, '/')) {
+    if (part.empty() || part == "." || part == ".." || part.front() == '.' || part.size() > 255) return false;
+  }
+  for (char c : name) {
+    if (!(absl::ascii_isalnum(c) || c == '/' || c == '-' || c == '_' || c == '.')) return false;
+  }
+  return true;
 }
 
 absl::StatusOr<std::vector<StoredFile>> StoredFiles(const CheckpointVersion& version) {

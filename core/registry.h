@@ -334,6 +334,12 @@ absl::StatusOr<std::string> FileVersion(const std::string& path);
 // escaped and shortened, so it is safe to echo in logs and trailers.
 absl::Status CheckCheckpointName(absl::string_view name, size_t max_bytes);
 
+// True when `name` is a path this daemon may create under its models folder
+// (an upload, a load, a pulled file): 1 to `max_bytes` bytes of ASCII letters,
+// digits, '-', '_', '.' and '/', relative, with no empty, ".", ".." or hidden
+// part, and no part over 255 bytes.
+bool IsPlaceableName(absl::string_view name, size_t max_bytes);
+
 // Returns the served name of a checkpoint file relative to the models folder, or
 // nullopt if the file is not a checkpoint by its extension.
 std::optional<std::string> NameForPath(const std::string& relative_path);

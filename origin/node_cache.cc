@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <openssl/evp.h>
-#include <openssl/sha.h>
 #include <stdio.h>
 #include <sys/file.h>
 #include <sys/statvfs.h>
@@ -48,24 +47,8 @@ std::string Errno(const std::string& what, const std::string& path) {
   return absl::StrCat(what, " '", path, "': ", std::strerror(errno));
 }
 
-// A path the node may create under its models folder: relative, no "." or
-// ".." or hidden part, letters, digits, '-', '_', '.' and '/'.
-bool PlaceablePath(absl::string_view path) {
-  if (path.empty() || path.size() > 4096 || path.front() == '/') return false;
-  for (absl::string_view part : absl::StrSplit(path, '/')) {
-    if (part.empty() || part.front() == '.' || part.size() > 255) return false;
-  }
-  for (char c : path) {
-    if (!(absl::ascii_isalnum(c) || c == '/' || c == '-' || c == '_' || c == '.')) return false;
-  }
-  return true;
-}
-
-std::string Sha256Hex(absl::string_view data) {
-  unsigned char digest[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), digest);
-  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
-}
+// A path the node may create under its models folder (core/registry.h).
+bool PlaceablePath(absl::string_view path) { return IsPlaceableName(path, 4096); }
 
 // The MD5 an S3 ETag states for an object uploaded in one part ("<32 hex>"),
 // or "" (multipart uploads' ETags are no digest of the bytes).
@@ -246,9 +229,9 @@ NodeCache::NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origi
 NodeCache::~NodeCache() {
   Shutdown();
   {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](int* transfers) { return *transfers == 0; }, &transfers_));
+    absl::MutexLock lock(&running_->mu);
+    running_->mu.Await(absl::Condition(
+        +[](int* threads) { return *threads == 0; }, &running_->threads));
   }
   (void)SaveLedger();  // keeps the last uses for the next run's evictions
 }
@@ -274,6 +257,16 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
         absl::StrCat("cannot create the node cache's folder '", cache->state_dir_,
                      "' (the models folder must be writable to pull): ", ec.message()));
   }
+  // Partial pulls nobody resumed for a long time hold disk the budget does
+  // not see: removed.
+  const auto now = fs::file_time_type::clock::now();
+  for (const auto& entry : fs::directory_iterator(fs::path(cache->state_dir_) / "partial", ec)) {
+    std::error_code time_ec;
+    const auto written = fs::last_write_time(entry.path(), time_ec);
+    if (!time_ec && now - written > absl::ToChronoSeconds(cache->options_.abandoned_partial)) {
+      fs::remove_all(entry.path(), time_ec);
+    }
+  }
   absl::MutexLock lock(&cache->mu_);
   auto text = ReadSmallFile((fs::path(cache->state_dir_) / "ledger.json").string(), size_t{64} << 20);
   if (!text.ok()) return cache;  // a first run
@@ -285,6 +278,7 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
       c.paths = entry.at("paths").get<std::vector<std::string>>();
       c.last_used_unix_ms = entry.at("last_used_unix_ms").get<int64_t>();
       c.version = entry.value("version", "");
+      c.file_version = entry.value("file_version", "");
       bool present = !c.paths.empty();
       for (const std::string& p : c.paths) {
         std::error_code size_ec;
@@ -292,7 +286,11 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
         present = present && PlaceablePath(p) && !size_ec;
         c.bytes += size;
       }
-      if (!present) continue;
+      // Files replaced since they were placed are no longer the cache's.
+      if (!present ||
+          FileVersion((fs::path(cache->models_dir_) / c.paths.back()).string()).value_or("") != c.file_version) {
+        continue;
+      }
       cache->cached_bytes_ += c.bytes;
       cache->ledger_[name] = std::move(c);
     } catch (const nlohmann::json::exception&) {
@@ -309,8 +307,11 @@ absl::Status NodeCache::SaveLedger() {
     absl::MutexLock lock(&mu_);
     nlohmann::json j = nlohmann::json::object();
     for (const auto& [name, c] : ledger_) {
-      j[name] = {
-          {"paths", c.paths}, {"bytes", c.bytes}, {"last_used_unix_ms", c.last_used_unix_ms}, {"version", c.version}};
+      j[name] = {{"paths", c.paths},
+                 {"bytes", c.bytes},
+                 {"last_used_unix_ms", c.last_used_unix_ms},
+                 {"version", c.version},
+                 {"file_version", c.file_version}};
     }
     text = j.dump(1);
     sequence = ++ledger_sequence_;
@@ -377,8 +378,14 @@ void NodeCache::PullAsync(const std::string& name, Done done) {
       refused = absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served, and ", origin_->Describe(),
                                                  " did not have it moments ago"));
     } else if (auto it = flights_.find(name); it != flights_.end()) {
-      it->second->waiters.push_back({std::move(done), start});  // joins the transfer under way
-      return;
+      if (it->second->waiters.size() > options_.max_waiters) {
+        refused = absl::ResourceExhaustedError(absl::StrCat("checkpoint '", name, "' is being pulled, and ",
+                                                            it->second->waiters.size(),
+                                                            " requests already wait for it; retry later"));
+      } else {
+        it->second->waiters.push_back({std::move(done), start});  // joins the transfer under way
+        return;
+      }
     } else if (flights_.size() >= static_cast<size_t>(options_.max_concurrent_pulls)) {
       refused = absl::ResourceExhaustedError(absl::StrCat("checkpoint '", name, "' is not here, and ", flights_.size(),
                                                           " pulls already run (the most at once); retry later"));
@@ -387,11 +394,29 @@ void NodeCache::PullAsync(const std::string& name, Done done) {
       auto flight = std::make_shared<Flight>();
       flight->waiters.push_back({std::move(done), start});
       flights_[name] = flight;
-      ++transfers_;
+      {
+        absl::MutexLock running_lock(&running_->mu);
+        ++running_->threads;
+      }
       // The transfer has a thread of its own: callers (gRPC handlers) never
-      // wait on it, and it ends when its outcome is delivered.
-      std::thread([this, name, flight] { RunFlight(name, flight); }).detach();
-      return;
+      // wait on it, and it ends when its outcome is delivered. It holds the
+      // count it decrements last, so the destructor that waits on the count
+      // never frees what the thread still touches.
+      try {
+        std::thread([this, name, flight, running = running_] {
+          RunFlight(name, flight);
+          absl::MutexLock running_lock(&running->mu);
+          --running->threads;
+        }).detach();
+        return;
+      } catch (const std::system_error& e) {  // no thread to be had: refuse, as when pulls are at their limit
+        flights_.erase(name);
+        done = std::move(flight->waiters.front().done);
+        absl::MutexLock running_lock(&running_->mu);
+        --running_->threads;
+        refused = absl::ResourceExhaustedError(
+            absl::StrCat("checkpoint '", name, "' is not here, and no thread could be started to pull it"));
+      }
     }
   }
   done(refused);
@@ -431,8 +456,6 @@ void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>
     result.seconds = absl::ToDoubleSeconds(absl::Now() - waiters[i].start);
     waiters[i].done(result);
   }
-  absl::MutexLock lock(&mu_);
-  --transfers_;
 }
 
 absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>* pulled) {
@@ -452,10 +475,15 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   if (NameForPath(main.path) != name) {
     return absl::DataLossError(absl::StrCat("the origin's file '", main.path, "' is not served as '", name, "'"));
   }
-  const uint64_t total = checkpoint.total_bytes();
-  if (total > options_.max_checkpoint_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("it has ", total, " bytes, over this node's limit of ", options_.max_checkpoint_bytes));
+  // Summed with a bound on every step: sizes come from the origin.
+  uint64_t total = 0;
+  for (const OriginFile& f : checkpoint.files) {
+    if (f.size > options_.max_checkpoint_bytes - total) {
+      return absl::ResourceExhaustedError(absl::StrCat("its files are over this node's limit of ",
+                                                       options_.max_checkpoint_bytes, " bytes ('", f.path,
+                                                       "': ", f.size, ")"));
+    }
+    total += f.size;
   }
   std::vector<std::pair<std::string, Cached>> victims;
   {
@@ -463,14 +491,14 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     WEIGHTSTORE_RETURN_IF_ERROR(ChooseVictims(name, total, &victims));
     reserved_bytes_ += total;
   }
-  if (!victims.empty()) {
-    Evict(victims);
-    WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
-  }
   absl::Cleanup release = [&] {
     absl::MutexLock lock(&mu_);
     reserved_bytes_ -= total;
   };
+  if (!victims.empty()) {
+    Evict(victims);
+    WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
+  }
 
   // Where this pull's partial files and progress live.
   const std::string folder = (fs::path(state_dir_) / "partial" / Sha256Hex(name)).string();
@@ -512,7 +540,11 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   std::vector<std::string> partial_paths;
   for (size_t i = 0; i < checkpoint.files.size(); ++i) {
     partial_paths.push_back((fs::path(folder) / std::to_string(i)).string());
-    UniqueFd fd(::open(partial_paths[i].c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+    UniqueFd fd(::open(partial_paths[i].c_str(), O_RDWR | O_CLOEXEC));
+    if (!fd.valid()) {  // nothing of it is kept, whatever the progress said
+      std::fill(progress.done[i].begin(), progress.done[i].end(), 0);
+      fd.reset(::open(partial_paths[i].c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+    }
     if (!fd.valid()) return absl::InternalError(Errno("cannot create", partial_paths[i]));
     // The disk space is reserved up front, so a disk that fills meanwhile
     // fails the pull here rather than midway.
@@ -694,7 +726,10 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
       return absl::InternalError(Errno("cannot place", target.string()));
     }
     placed.push_back(checkpoint.files[i].path);
-    WEIGHTSTORE_RETURN_IF_ERROR(FsyncFolder(target.parent_path().string()));
+    if (absl::Status synced = FsyncFolder(target.parent_path().string()); !synced.ok()) {
+      unplace();
+      return synced;
+    }
   }
   auto version = registry_->Load((fs::path(models_dir_) / main.path).string(), name);
   if (!version.ok()) {
@@ -706,7 +741,9 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   {
     absl::MutexLock lock(&mu_);
     Cached& c = ledger_[name];
-    c.paths.clear();
+    cached_bytes_ -= c.bytes;  // an entry left from files removed by hand
+    c = Cached();
+    c.file_version = (*version)->file_version();
     for (const OriginFile& f : checkpoint.files) c.paths.push_back(f.path);
     c.bytes = total;
     c.last_used_unix_ms = NowMs();
@@ -734,6 +771,17 @@ absl::Status NodeCache::ChooseVictims(const std::string& name, uint64_t bytes,
   if (bytes > options_.max_bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("it has ", bytes, " bytes, over the cache budget of ", options_.max_bytes));
+  }
+  // Checkpoints whose files were replaced since they were pulled (a push, an
+  // upload, an operator) are no longer the cache's: forgotten, never evicted.
+  for (auto it = ledger_.begin(); it != ledger_.end();) {
+    auto served = registry_->Get(it->first);
+    if (served != nullptr && served->file_version() != it->second.file_version) {
+      cached_bytes_ -= it->second.bytes;
+      it = ledger_.erase(it);
+    } else {
+      ++it;
+    }
   }
   std::vector<std::pair<int64_t, std::string>> by_age;
   for (const auto& [n, c] : ledger_) by_age.emplace_back(c.last_used_unix_ms, n);

@@ -59,8 +59,13 @@ struct NodeCacheOptions {
   size_t max_not_found = 10000;
   // Largest checkpoint a pull accepts (the origin's listing says its size).
   uint64_t max_checkpoint_bytes = uint64_t{4} << 40;
-  // Most files one checkpoint may have (shards and index).
-  size_t max_files = 10000;
+  // Most files one checkpoint may have (shards and index); a pull holds a
+  // descriptor for each.
+  size_t max_files = 4096;
+  // Transfers waiting on one flight, besides the one that started it.
+  size_t max_waiters = 10000;
+  // A partial pull nobody resumed for this long is removed at start.
+  absl::Duration abandoned_partial = absl::Hours(24);
 };
 
 class NodeCache : public Puller {
@@ -87,10 +92,13 @@ class NodeCache : public Puller {
  private:
   struct Flight;
   struct Cached {
-    std::vector<std::string> paths;  // relative to the models folder
+    std::vector<std::string> paths;  // relative to the models folder; the main file last
     uint64_t bytes = 0;
     int64_t last_used_unix_ms = 0;
     std::string version;  // the origin's
+    // FileVersion of the files as placed: files replaced since (a push, an
+    // upload, an operator) are no longer the cache's, and never evicted.
+    std::string file_version;
   };
 
   NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options);
@@ -125,7 +133,12 @@ class NodeCache : public Puller {
   absl::Mutex ledger_file_mu_ ABSL_ACQUIRED_AFTER(mu_);
   uint64_t ledger_written_ ABSL_GUARDED_BY(ledger_file_mu_) = 0;
 
-  int transfers_ ABSL_GUARDED_BY(mu_) = 0;  // threads running a flight
+  // Threads running a flight; shared with them (see PullAsync).
+  struct Running {
+    absl::Mutex mu;
+    int threads ABSL_GUARDED_BY(mu) = 0;
+  };
+  const std::shared_ptr<Running> running_ = std::make_shared<Running>();
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> bytes_pulled_{0}, pulls_{0}, pull_errors_{0}, hits_{0}, misses_{0}, evictions_{0};
 };

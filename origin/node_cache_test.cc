@@ -54,6 +54,15 @@ class FakeOrigin : public Origin {
   void Cancel() override { cancelled_ = true; }
   absl::StatusOr<OriginCheckpoint> Find(const std::string& name) override {
     finds_.fetch_add(1);
+    if (!sizes_.empty()) {  // a listing that lies about sizes
+      OriginCheckpoint c{name, "v1", {}};
+      for (size_t i = 0; i < sizes_.size(); ++i) {
+        const bool main = i + 1 == sizes_.size();
+        c.files.push_back({main ? name + ".safetensors.index.json" : absl::StrCat(name, "-", i, ".safetensors"), name,
+                           name, sizes_[i], "v1", ""});
+      }
+      return c;
+    }
     absl::MutexLock lock(&mu_);
     auto it = files_.find(name);
     if (it == files_.end()) return absl::NotFoundError(absl::StrCat("no '", name, "' here"));
@@ -95,6 +104,7 @@ class FakeOrigin : public Origin {
   std::atomic<bool> cancelled_{false};
   uint64_t corrupt_at_ = UINT64_MAX;
   std::atomic<int64_t> fail_after_{-1};
+  std::vector<uint64_t> sizes_;
 
  private:
   absl::Mutex mu_;
@@ -258,6 +268,64 @@ TEST_F(NodeCacheTest, ACorruptedByteFromTheOriginIsCaughtAndNeverServed) {
   EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), model);
 }
 
+TEST_F(NodeCacheTest, SizesThatOverflowWhenAddedAreRefusedBeforeAnyByteMoves) {
+  origin_->sizes_ = {UINT64_MAX - (uint64_t{1} << 26), (uint64_t{1} << 26) + 1};  // sum to 0 mod 2^64
+  EXPECT_THAT(cache_->Pull("m").status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit")));
+  EXPECT_EQ(origin_->sent_.load(), 0u);
+}
+
+TEST_F(NodeCacheTest, AResumeWhosePartialFileIsGoneFetchesThatFileAgain) {
+  const std::string model = Model(8, 20000, 12);
+  origin_->Put("m", model);
+  origin_->fail_after_ = 300000;
+  ASSERT_FALSE(cache_->Pull("m").ok());
+  // The partial file goes, its progress stays (a crash between the two).
+  for (const auto& dir : fs::directory_iterator(models_ + "/.weightstore-cache/partial")) {
+    ASSERT_TRUE(fs::remove(dir.path() / "0"));
+  }
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), model);
+}
+
+TEST_F(NodeCacheTest, WaitersOnOneFlightAreBounded) {
+  auto origin = std::make_unique<FakeOrigin>();
+  FakeOrigin* slow = origin.get();
+  slow->Put("s", Model(8, 20000, 13));
+  slow->stall_ = true;
+  RegistryOptions options;
+  options.models_dir = testing::MakeScratchDir("node-cache-waiters");
+  CheckpointRegistry registry(options);
+  auto cache = NodeCache::Open(&registry, std::move(origin), NodeCacheOptions{.max_waiters = 1});
+  ASSERT_TRUE(cache.ok());
+  absl::Mutex mu;
+  std::vector<absl::Status> outcomes;
+  auto record = [&](absl::StatusOr<PullResult> r) {
+    absl::MutexLock lock(&mu);
+    outcomes.push_back(r.status());
+  };
+  for (int i = 0; i < 3; ++i) (*cache)->PullAsync("s", record);  // the first starts it, one more may wait
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_EQ(outcomes.size(), 1u);
+    EXPECT_THAT(outcomes[0], StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("wait for it")));
+  }
+  (*cache)->Shutdown();  // the stalled pull ends, and both waiters hear of it
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(
+      +[](std::vector<absl::Status>* o) { return o->size() == 3; }, &outcomes));
+}
+
+TEST_F(NodeCacheTest, AbandonedPartialPullsAreRemovedAtStart) {
+  const std::string old_partial = models_ + "/.weightstore-cache/partial/abandoned";
+  fs::create_directories(old_partial);
+  testing::WriteFileOrDie(old_partial + "/0", std::string(1000, 'x'));
+  fs::last_write_time(old_partial, fs::file_time_type::clock::now() - std::chrono::hours(25));
+  cache_.reset();
+  auto reopened = NodeCache::Open(registry_.get(), std::make_unique<FakeOrigin>(), NodeCacheOptions{});
+  ASSERT_TRUE(reopened.ok());
+  EXPECT_FALSE(fs::exists(old_partial));
+}
+
 TEST_F(NodeCacheTest, AFileTheOperatorPutThereIsNeverReplaced) {
   origin_->Put("m", Model(2, 1000, 6));
   testing::WriteFileOrDie(models_ + "/m.safetensors", "not a checkpoint");
@@ -316,6 +384,24 @@ TEST_F(NodeCacheBudgetTest, WhenEvictingCouldNotMakeRoomNothingIsEvicted) {
   EXPECT_THAT(cache_->Pull("double").status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("in use: b")));
   EXPECT_NE(registry_->Get("a"), nullptr);  // not evicted for nothing
   EXPECT_EQ(cache_->Stats().evictions, 0u);
+}
+
+TEST_F(NodeCacheBudgetTest, ACheckpointReplacedSincePulledIsForgottenNotEvicted) {
+  ASSERT_TRUE(cache_->Pull("a").ok());
+  ASSERT_TRUE(cache_->Pull("b").ok());
+  // "a" is replaced in place by someone else (a push, an upload, an operator).
+  std::this_thread::sleep_for(std::chrono::milliseconds(15));
+  const std::string mine = Model(1, 100, 14);
+  testing::WriteFileOrDie(models_ + "/a.safetensors.tmp", mine);
+  fs::rename(models_ + "/a.safetensors.tmp", models_ + "/a.safetensors");
+  registry_->Rescan();
+  // "c" needs room: "a" is not the cache's any more, so it is forgotten (not
+  // removed), which makes room without evicting "b".
+  ASSERT_TRUE(cache_->Pull("c").ok());
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/a.safetensors"), mine);
+  EXPECT_NE(registry_->Get("b"), nullptr);
+  EXPECT_EQ(cache_->Stats().evictions, 0u);
+  EXPECT_EQ(cache_->Stats().cache_bytes, 2 * model_.size());  // "b" and "c"
 }
 
 TEST_F(NodeCacheBudgetTest, ACheckpointLargerThanTheBudgetIsRefusedBeforeAnyTransfer) {

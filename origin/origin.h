@@ -92,6 +92,9 @@ class Origin {
   virtual void Cancel() {}
 };
 
+// Lowercase hex SHA-256 of `data` (version ids, folder names of partial pulls).
+std::string Sha256Hex(absl::string_view data);
+
 }  // namespace weightstore::origin
 
 #endif  // WEIGHTSTORE_ORIGIN_ORIGIN_H_

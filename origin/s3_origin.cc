@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/registry.h"
 #include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -40,17 +41,9 @@ constexpr size_t kMaxKeyBytes = 1024;  // S3's own limit on a key
 constexpr size_t kMaxHeaderValue = 1024;
 constexpr size_t kMaxShownMessage = 200;
 
-bool IsPathChar(char c) { return absl::ascii_isalnum(c) || c == '-' || c == '_' || c == '.' || c == '/'; }
-
-// A relative path of '/'-separated names of [A-Za-z0-9._-], none "." or "..".
-bool IsCleanRelativePath(absl::string_view path) {
-  if (path.empty() || path.size() > kMaxKeyBytes) return false;
-  if (!std::all_of(path.begin(), path.end(), IsPathChar)) return false;
-  for (absl::string_view part : absl::StrSplit(path, '/')) {
-    if (part.empty() || part == "." || part == "..") return false;
-  }
-  return true;
-}
+// A relative path the node may create (core/registry.h): names and prefixes
+// follow the same rule.
+bool IsCleanRelativePath(absl::string_view path) { return IsPlaceableName(path, kMaxKeyBytes); }
 
 bool IsBucketName(absl::string_view bucket) {
   if (bucket.size() < 3 || bucket.size() > 63) return false;
@@ -231,13 +224,6 @@ bool IsTransportError(CURLcode rc) {
     default:
       return false;
   }
-}
-
-std::string Sha256Hex(absl::string_view data) {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int size = 0;
-  EVP_Digest(data.data(), data.size(), digest, &size, EVP_sha256(), nullptr);
-  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), size));
 }
 
 std::string Dirname(absl::string_view path) {
@@ -490,7 +476,7 @@ absl::Status S3Origin::Perform(const std::string& url, const std::vector<std::st
   curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
   curl_easy_setopt(curl, CURLOPT_TCP_KEEPALIVE, 1L);
   curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(config_.connect_timeout_ms));
-  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
+  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, static_cast<long>(config_.low_speed_bytes_per_second));
   curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, static_cast<long>(config_.low_speed_seconds));
   curl_easy_setopt(curl, CURLOPT_BUFFERSIZE, 256L * 1024);
   curl_easy_setopt(curl, CURLOPT_USERAGENT, "weightstore");

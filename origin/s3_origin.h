@@ -40,10 +40,12 @@ struct S3Config {
   // Ranges a pull reads at once (parallel_reads()).
   int parallel_reads = 8;
   int connect_timeout_ms = 5000;
-  // A transfer slower than 1 byte/s for this long fails Unavailable (libcurl
-  // averages the speed over its last 5 seconds, so a stall after a fast start
-  // is noticed up to 5 s later).
+  // A transfer slower than low_speed_bytes_per_second for low_speed_seconds
+  // fails Unavailable, so a server that trickles cannot hold a pull forever
+  // (libcurl averages the speed over its last 5 seconds, so a stall after a
+  // fast start is noticed up to 5 s later). Default: 16 KiB/s for 30 s.
   int low_speed_seconds = 30;
+  int low_speed_bytes_per_second = 16 << 10;
   // Entries (objects and subfolders) a checkpoint's folder may hold; a listing
   // with more fails ResourceExhausted.
   uint64_t max_list_objects = 10000;
@@ -60,8 +62,8 @@ class S3Origin final : public Origin {
  public:
   // `url`: "s3://bucket" or "s3://bucket/prefix/" (the trailing '/' optional).
   // InvalidArgument naming the url for anything else (a bucket is 3-63 of
-  // [a-z0-9.-], starting and ending with a letter or digit; a prefix is '/'-
-  // separated names of letters, digits, '-', '_' and '.', none "." or ".."),
+  // [a-z0-9.-], starting and ending with a letter or digit; a prefix is a
+  // relative path as checkpoint names are, core/registry.h IsPlaceableName),
   // and for an invalid config (naming the field, never its value).
   static absl::StatusOr<std::unique_ptr<Origin>> Create(const std::string& url, S3Config config);
 
@@ -77,8 +79,8 @@ class S3Origin final : public Origin {
   // index. Each file's size and ETag come from the listing; version is the
   // SHA-256 (hex) of every file's key, size and ETag. NotFound naming the
   // checkpoint and the url when no object matches, or naming a shard the
-  // listing lacks; InvalidArgument for a name that is not a relative path of
-  // [A-Za-z0-9._/-] without "." or ".." parts; DataLoss for an index that is no
+  // listing lacks; InvalidArgument for a name that is not a placeable relative
+  // path (IsPlaceableName); DataLoss for an index that is no
   // JSON object with a "weight_map" of plain file names.
   absl::StatusOr<OriginCheckpoint> Find(const std::string& name) override;
 

@@ -49,8 +49,11 @@ int LeaseDescriptor(const MappedFile& file, std::vector<UniqueFd>* leases) {
   if (::fcntl(file.fd(), F_GET_SEALS) >= 0) return file.fd();
   UniqueFd fd(::open(absl::StrCat("/proc/self/fd/", file.fd()).c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.valid()) return file.fd();
-  while (::flock(fd.get(), LOCK_SH) != 0 && errno == EINTR) {
-  }
+  // Never waits: a local process holding an exclusive lock on the file must
+  // not stall the socket. Without the shared lock the mapping is still valid;
+  // only the cache's in-use probe cannot see it (it then sees that process's
+  // lock instead).
+  (void)::flock(fd.get(), LOCK_SH | LOCK_NB);
   leases->push_back(std::move(fd));
   return leases->back().get();
 }

@@ -7,6 +7,7 @@
 // gracefully (health NOT_SERVING, drain, then streams in flight get the grace
 // period to finish).
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -290,6 +291,12 @@ int main(int argc, char** argv) {
   // A served file truncated in place must fail the reads that hit it, not kill
   // the daemon (core/mapped_file.h).
   weightstore::InstallMappedFileGuard();
+  // Descriptors: connections, mapped files, a pull's files (up to 4096 each).
+  // The soft limit (often 1024) is raised to the hard one.
+  if (rlimit files; ::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &files);
+  }
   options.registry.open.max_name_bytes = tensor_name_bytes;
   selection.max_name_bytes = tensor_name_bytes;
   SetLogLevel(*ParseLogLevel(log_level));
