@@ -223,7 +223,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
     if (before != after) continue;
     // A rewrite in place within one timestamp tick can keep every stat field:
     // the new contents still get an id of their own.
-    std::string id = after;
+    std::string id = TakenId(name, after).value_or(after);
     if (previous != nullptr && previous->stale() && previous->file_version() == after) {
       id = absl::StrFormat(
           "%016x", Mix(std::hash<std::string>()(previous->version()), ++reopen_generation_ + 0x9e3779b97f4a7c15ULL));
@@ -243,6 +243,22 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
     return std::shared_ptr<const CheckpointVersion>(std::move(version));
   }
   return absl::UnavailableError(absl::StrCat("'", path, "' keeps changing while it is opened"));
+}
+
+void CheckpointRegistry::SetVersionIds(VersionIds ids) {
+  absl::MutexLock lock(&ids_mu_);
+  version_ids_ = std::move(ids);
+}
+
+std::optional<std::string> CheckpointRegistry::TakenId(const std::string& name, const std::string& file_version) const {
+  absl::ReaderMutexLock lock(&ids_mu_);
+  if (!version_ids_) return std::nullopt;
+  std::optional<std::string> id = version_ids_(name, file_version);
+  const bool valid =
+      id.has_value() && !id->empty() && id->size() <= 64 && std::all_of(id->begin(), id->end(), [](char c) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+      });
+  return valid ? id : std::nullopt;
 }
 
 void CheckpointRegistry::Prepare(CheckpointVersion* version) const {

@@ -63,7 +63,8 @@ class CheckpointVersion {
   const std::shared_ptr<const Checkpoint>& checkpoint() const { return checkpoint_; }
   // Changes whenever the file is replaced or written: a hash of device, inode,
   // size, mtime and ctime (and, when a rewrite in place kept all of those, a
-  // reopening count). Never the same for two contents of one name in one run.
+  // reopening count), or the id its files were given (SetVersionIds). Never the
+  // same for two contents of one name in one run.
   const std::string& version() const { return version_; }
   // FileVersion of the files as opened: what a rescan compares.
   const std::string& file_version() const { return file_version_; }
@@ -242,6 +243,17 @@ class CheckpointRegistry {
   uint64_t AddListener(std::function<void(const std::string& name)> listener);
   void RemoveListener(uint64_t id);
 
+  // Ids a version takes from elsewhere: `ids(name, file_version)` returns the
+  // id of files exactly as someone placed them (a node cache: the origin's
+  // version, so that it carries over), or nullopt for the registry's own. An
+  // id must be 1 to 64 bytes of [0-9A-Za-z._-] and never name two contents of
+  // one checkpoint; one that is not is ignored. Called while a version opens,
+  // with no registry lock but this setter's held: `ids` must not call the
+  // registry. Replacing or clearing it (empty) waits for calls in progress.
+  using VersionIds =
+      std::function<std::optional<std::string>(const std::string& name, const std::string& file_version)>;
+  void SetVersionIds(VersionIds ids) ABSL_LOCKS_EXCLUDED(ids_mu_);
+
   const RegistryOptions& options() const { return options_; }
 
  private:
@@ -289,7 +301,13 @@ class CheckpointRegistry {
                                                                       NotifyOnExit* notify)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(scan_mu_);
 
+  // The id `name` takes for files at `file_version` from version_ids_, if any.
+  std::optional<std::string> TakenId(const std::string& name, const std::string& file_version) const
+      ABSL_LOCKS_EXCLUDED(ids_mu_);
+
   RegistryOptions options_;
+  mutable absl::Mutex ids_mu_;
+  VersionIds version_ids_ ABSL_GUARDED_BY(ids_mu_);
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> served_ ABSL_GUARDED_BY(mu_);
   // Manifests of the versions each name served, oldest first, the current last.

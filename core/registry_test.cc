@@ -176,6 +176,38 @@ TEST(RegistryTest, AVersionIdIsNeverIssuedTwiceForOneName) {
   EXPECT_EQ(v4, v3);
 }
 
+TEST(RegistryTest, AVersionTakesTheIdItsFilesAreGivenButNeverTwiceForOneName) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteTiny(models + "/m.safetensors");
+  WriteTiny(models + "/bad.safetensors");
+  CheckpointRegistry registry({.models_dir = models});
+  std::string given;  // the file version the id is given for
+  registry.SetVersionIds([&](const std::string& name, const std::string& file_version) -> std::optional<std::string> {
+    if (name == "bad") return std::string("not an id");
+    if (file_version != given) return std::nullopt;
+    return std::string("origin-id.1");
+  });
+  given = *FileVersion(models + "/m.safetensors");
+  registry.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto v1, registry.Find("m"));
+  EXPECT_EQ(v1->version(), "origin-id.1");
+  ASSERT_OK_AND_ASSIGN(auto bad, registry.Find("bad"));
+  EXPECT_EQ(bad->version(), bad->file_version());  // an invalid id is ignored
+  // Written in place within a tick (the same file version): the given id
+  // would name two contents, so the registry issues its own.
+  v1->MarkModified();
+  registry.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto v2, registry.Find("m"));
+  EXPECT_EQ(v2->file_version(), v1->file_version());
+  EXPECT_NE(v2->version(), "origin-id.1");
+  // Cleared: versions opened from now on take the registry's own ids.
+  registry.SetVersionIds(nullptr);
+  ASSERT_OK(registry.Unload("m"));
+  registry.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto v3, registry.Find("m"));
+  EXPECT_EQ(v3->version(), v3->file_version());
+}
+
 TEST(RegistryTest, AWalkCutShortRemovesNothing) {
   // Out of descriptors mid-walk (or a network error), a scan sees part of the
   // folder: what it did not see is not gone.

@@ -227,6 +227,7 @@ NodeCache::NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origi
       state_dir_((fs::path(registry->options().models_dir) / kStateFolder).string()) {}
 
 NodeCache::~NodeCache() {
+  registry_->SetVersionIds(nullptr);  // waits for a call in progress
   Shutdown();
   {
     absl::MutexLock lock(&running_->mu);
@@ -267,6 +268,11 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
       fs::remove_all(entry.path(), time_ec);
     }
   }
+  // What it pulled is served under the origin's version id, in this run and
+  // the next (as long as the files are as placed).
+  registry->SetVersionIds([cache = cache.get()](const std::string& name, const std::string& file_version) {
+    return cache->OriginVersion(name, file_version);
+  });
   absl::MutexLock lock(&cache->mu_);
   auto text = ReadSmallFile((fs::path(cache->state_dir_) / "ledger.json").string(), size_t{64} << 20);
   if (!text.ok()) return cache;  // a first run
@@ -731,7 +737,18 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
       return synced;
     }
   }
-  auto version = registry_->Load((fs::path(models_dir_) / main.path).string(), name);
+  // The registry asks OriginVersion for the id while it opens the files.
+  const std::string main_path = (fs::path(models_dir_) / main.path).string();
+  absl::StatusOr<std::string> placed_version = FileVersion(main_path);
+  if (placed_version.ok()) {
+    absl::MutexLock lock(&mu_);
+    placing_[name] = {*placed_version, checkpoint.version};
+  }
+  auto version = registry_->Load(main_path, name);
+  {
+    absl::MutexLock lock(&mu_);
+    placing_.erase(name);
+  }
   if (!version.ok()) {
     unplace();
     fs::remove_all(folder, ec);
@@ -751,6 +768,18 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     cached_bytes_ += total;
   }
   return SaveLedger();
+}
+
+std::optional<std::string> NodeCache::OriginVersion(const std::string& name, const std::string& file_version) const {
+  absl::MutexLock lock(&mu_);
+  if (auto it = placing_.find(name); it != placing_.end() && it->second.first == file_version) {
+    return it->second.second;
+  }
+  if (auto it = ledger_.find(name);
+      it != ledger_.end() && it->second.file_version == file_version && !it->second.version.empty()) {
+    return it->second.version;
+  }
+  return std::nullopt;
 }
 
 bool NodeCache::InUse(const std::string& name, const Cached& cached) const {

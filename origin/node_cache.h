@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -113,6 +114,11 @@ class NodeCache : public Puller {
   absl::Status ChooseVictims(const std::string& name, uint64_t bytes,
                              std::vector<std::pair<std::string, Cached>>* victims) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Evict(const std::vector<std::pair<std::string, Cached>>& victims) ABSL_LOCKS_EXCLUDED(mu_);
+  // The origin's version of `name` when its files are as this cache placed
+  // them (FileVersion `file_version`); the registry's version ids (see
+  // CheckpointRegistry::SetVersionIds).
+  std::optional<std::string> OriginVersion(const std::string& name, const std::string& file_version) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // True when a stream or a mapping uses a file of `name`.
   bool InUse(const std::string& name, const Cached& cached) const;
   // Writes the ledger as it is now.
@@ -126,6 +132,9 @@ class NodeCache : public Puller {
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Flight>> flights_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Cached> ledger_ ABSL_GUARDED_BY(mu_);
+  // Checkpoints being loaded after their files were placed: their FileVersion
+  // and the origin's version, until the ledger has them.
+  std::map<std::string, std::pair<std::string, std::string>> placing_ ABSL_GUARDED_BY(mu_);
   uint64_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of pulls in flight
   absl::flat_hash_map<std::string, absl::Time> not_found_ ABSL_GUARDED_BY(mu_);

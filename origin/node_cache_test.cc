@@ -71,9 +71,9 @@ class FakeOrigin : public Origin {
     f.path = name + ".safetensors";
     f.key = name;
     f.size = it->second.size();
-    f.etag = "v1";
+    f.etag = version_;
     f.crc32c = absl::StrFormat("%08x", Crc32c(it->second));
-    return OriginCheckpoint{name, "v1", {f}};
+    return OriginCheckpoint{name, version_, {f}};
   }
   absl::Status Read(const OriginFile& file, uint64_t offset, uint64_t length, const ByteSink& sink) override {
     std::string bytes;
@@ -105,6 +105,7 @@ class FakeOrigin : public Origin {
   uint64_t corrupt_at_ = UINT64_MAX;
   std::atomic<int64_t> fail_after_{-1};
   std::vector<uint64_t> sizes_;
+  std::string version_ = "v1";  // of every checkpoint
 
  private:
   absl::Mutex mu_;
@@ -324,6 +325,51 @@ TEST_F(NodeCacheTest, AbandonedPartialPullsAreRemovedAtStart) {
   auto reopened = NodeCache::Open(registry_.get(), std::make_unique<FakeOrigin>(), NodeCacheOptions{});
   ASSERT_TRUE(reopened.ok());
   EXPECT_FALSE(fs::exists(old_partial));
+}
+
+TEST_F(NodeCacheTest, APulledCheckpointKeepsTheOriginsVersionIdAcrossRestartsUntilReplaced) {
+  origin_->version_ = "9f86d081884c7d65";
+  origin_->Put("m", Model(2, 1000, 20));
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  EXPECT_EQ(registry_->Get("m")->version(), "9f86d081884c7d65");
+
+  // The next run serves it under the same id: a client pinned to it carries on.
+  cache_.reset();
+  registry_ = std::make_unique<CheckpointRegistry>(RegistryOptions{.models_dir = models_});
+  auto reopened = NodeCache::Open(registry_.get(), std::make_unique<FakeOrigin>(), NodeCacheOptions{});
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  cache_ = *std::move(reopened);
+  registry_->Rescan();
+  ASSERT_NE(registry_->Get("m"), nullptr);
+  EXPECT_EQ(registry_->Get("m")->version(), "9f86d081884c7d65");
+  EXPECT_TRUE(registry_->Find("m", "9f86d081884c7d65").ok());
+
+  // Replaced by someone else: other contents, so an id of the node's own.
+  std::this_thread::sleep_for(std::chrono::milliseconds(15));
+  testing::WriteFileOrDie(models_ + "/m.safetensors.tmp", Model(1, 100, 21));
+  fs::rename(models_ + "/m.safetensors.tmp", models_ + "/m.safetensors");
+  registry_->Rescan();
+  ASSERT_NE(registry_->Get("m"), nullptr);
+  EXPECT_NE(registry_->Get("m")->version(), "9f86d081884c7d65");
+
+  // Once the cache is gone, nothing asks it (the registry outlives it).
+  cache_.reset();
+  registry_->Rescan();
+  EXPECT_NE(registry_->Get("m"), nullptr);
+}
+
+TEST_F(NodeCacheTest, AnOriginVersionThatIsNoValidIdIsNotCarriedOver) {
+  for (const std::string& bad :
+       {std::string(65, 'a'), std::string("has space"), std::string("../x"), std::string("nul\0inside", 10)}) {
+    SCOPED_TRACE(bad);
+    const std::string name = absl::StrCat("m", bad.size());
+    origin_->version_ = bad;
+    origin_->Put(name, Model(1, 100, 22));
+    ASSERT_TRUE(cache_->Pull(name).ok());
+    const std::string& id = registry_->Get(name)->version();
+    EXPECT_NE(id, bad);
+    EXPECT_EQ(id.size(), 16u);  // the registry's own
+  }
 }
 
 TEST_F(NodeCacheTest, AFileTheOperatorPutThereIsNeverReplaced) {

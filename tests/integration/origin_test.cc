@@ -188,6 +188,23 @@ TEST_F(OriginTest, AnAdminPullPrefetchesAndTheFlagPullsAtStart) {
   pb::ListCheckpointsResponse listed;
   ASSERT_TRUE(stub->ListCheckpoints(&list_ctx, pb::ListCheckpointsRequest(), &listed).ok());
   EXPECT_EQ(listed.checkpoints_size(), 2) << node->log();
+  // Each is served under the origin's version id: a client pinned to the
+  // version it saw on the origin fetches it from the node.
+  auto origin_stub =
+      pb::WeightStore::NewStub(grpc::CreateChannel(origin_->address(), grpc::InsecureChannelCredentials()));
+  for (const pb::CheckpointInfo& on_node : listed.checkpoints()) {
+    grpc::ClientContext get_ctx;
+    pb::GetCheckpointRequest get;
+    get.set_name(on_node.name());
+    pb::CheckpointInfo on_origin;
+    ASSERT_TRUE(origin_stub->GetCheckpoint(&get_ctx, get, &on_origin).ok());
+    EXPECT_EQ(on_node.version(), on_origin.version()) << on_node.name();
+  }
+  auto store = client::ConnectRemoteStore(node->address());
+  ASSERT_TRUE(store.ok());
+  client::Query pinned;
+  pinned.version = listed.checkpoints(0).version();
+  EXPECT_TRUE((*store)->FetchAll(listed.checkpoints(0).name(), pinned).ok());
   // A name the origin lacks is NOT_FOUND, naming the origin.
   absl::Status status;
   FetchAll(node->address(), "llm/absent", &status);
