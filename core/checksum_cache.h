@@ -7,7 +7,8 @@
 // choose the keys (slices are unbounded in number), so at most `max_entries`
 // keys of at most `max_key_bytes` together are kept: a key that would pass
 // either bound empties the cache first (what was dropped is computed again
-// when next asked for). Thread-safe.
+// when next asked for). FindOrCompute computes each key once however many ask
+// at the same time. Thread-safe.
 #ifndef WEIGHTSTORE_CORE_CHECKSUM_CACHE_H_
 #define WEIGHTSTORE_CORE_CHECKSUM_CACHE_H_
 
@@ -18,7 +19,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 
 namespace weightstore {
@@ -39,6 +42,30 @@ class ChecksumCache {
     auto it = crc_.find(key);
     if (it == crc_.end()) return std::nullopt;
     return it->second;
+  }
+  // The checksum of `key`: kept, or `compute`d and kept. While one caller
+  // computes a key, others asking for it wait for its outcome instead of
+  // computing it again; on its error one of them computes it.
+  absl::StatusOr<uint32_t> FindOrCompute(const std::string& key,
+                                         const std::function<absl::StatusOr<uint32_t>()>& compute) const {
+    {
+      absl::MutexLock lock(&mu_);
+      for (;;) {
+        if (auto it = crc_.find(key); it != crc_.end()) return it->second;
+        if (!computing_.contains(key)) break;
+        computed_.Wait(&mu_);
+      }
+      computing_.insert(key);
+    }
+    absl::StatusOr<uint32_t> crc = compute();
+    const absl::Status stored = crc.ok() ? Store(key, *crc) : crc.status();
+    {
+      absl::MutexLock lock(&mu_);
+      computing_.erase(key);
+    }
+    computed_.SignalAll();
+    if (!stored.ok()) return stored;
+    return crc;
   }
   // Keeps `crc` for `key` once CheckUnchanged() passes; returns its error else.
   absl::Status Store(const std::string& key, uint32_t crc) const {
@@ -70,6 +97,8 @@ class ChecksumCache {
   mutable absl::Mutex mu_;
   mutable size_t key_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   mutable absl::flat_hash_map<std::string, uint32_t> crc_ ABSL_GUARDED_BY(mu_);
+  mutable absl::flat_hash_set<std::string> computing_ ABSL_GUARDED_BY(mu_);
+  mutable absl::CondVar computed_;
 };
 
 }  // namespace weightstore

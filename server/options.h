@@ -53,6 +53,11 @@ struct ServiceOptions {
   bool zero_copy = true;
   // WatchCheckpoints streams.
   WatchLimits watches;
+  // Workers for calls that read whole tensors or files for their checksums
+  // (ListTensors with_checksums, ListCheckpointFiles), and how many such
+  // calls may wait for one (more get RESOURCE_EXHAUSTED).
+  int background_threads = 2;
+  size_t max_background_queue = 1024;
 };
 
 // How the socket hands out tensors stored as-is in a checkpoint file.

@@ -296,6 +296,7 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
   if (prefetch_.joinable()) prefetch_.join();
   if (shm_server_ != nullptr) shm_server_->Stop();  // mappings handed out stay valid
   service_->StopWatches();                          // they never end by themselves
+  service_->StopBackground();                       // calls queued for a checksum worker end
   const auto deadline = std::chrono::system_clock::now() + grace;
   // gRPC's Shutdown closes each connection once its calls are done, even with
   // their last bytes still queued (tcp_linger.h): let the WeightStore calls

@@ -277,18 +277,32 @@ WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOpti
       auth_(auth != nullptr ? auth : &no_auth_),
       streams_(options.streams),
       uploads_(options.uploads),
+      background_(options.background_threads, options.max_background_queue, "checksum work"),
       watches_(registry, auth_, options.watches, [this](const absl::Status& s) { return ClientStatus(s); }) {}
 
 template <typename Body>
 grpc::ServerUnaryReactor* WeightStoreService::UnaryReadingThrough(grpc::CallbackServerContext* ctx, Scope scope,
-                                                                  const std::string& checkpoint, Body body) {
+                                                                  const std::string& checkpoint, Body body, Work work) {
   absl::Status status = auth_->Check(*ctx, scope);
-  if (status.ok()) Annotate(ctx, checkpoint);
-  if (!status.ok() || puller_ == nullptr) return Reply(ctx, status.ok() ? body(PullResult()) : status);
+  if (!status.ok()) return Reply(ctx, status);
+  Annotate(ctx, checkpoint);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  puller_->PullAsync(checkpoint, [this, reactor, body = std::move(body)](absl::StatusOr<PullResult> pulled) mutable {
-    reactor->Finish(ClientStatus(pulled.ok() ? body(*pulled) : pulled.status()));
-  });
+  auto run = [this, ctx, reactor, work, body = std::move(body)](absl::StatusOr<PullResult> pulled) mutable {
+    if (!pulled.ok() || work == Work::kQuick) {
+      reactor->Finish(ClientStatus(pulled.ok() ? body(*pulled) : pulled.status()));
+      return;
+    }
+    absl::Status queued = background_.Post([this, ctx, reactor, body, pulled = *pulled](absl::Status runnable) {
+      if (runnable.ok() && ctx->IsCancelled()) runnable = absl::CancelledError("the client went away");
+      reactor->Finish(ClientStatus(runnable.ok() ? body(pulled) : runnable));
+    });
+    if (!queued.ok()) reactor->Finish(ClientStatus(queued));
+  };
+  if (puller_ == nullptr) {
+    run(PullResult());
+  } else {
+    puller_->PullAsync(checkpoint, std::move(run));
+  }
   return reactor;
 }
 
@@ -325,26 +339,32 @@ grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServer
 grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerContext* ctx,
                                                           const v1::ListTensorsRequest* req,
                                                           v1::ListTensorsResponse* resp) {
-  return UnaryReadingThrough(ctx, Scope::kRead, req->name(), [this, req, resp](const PullResult&) -> absl::Status {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(Resolved resolved, Resolve(*registry_, req->name(), req->selection(), req->version(),
-                                                            options_.selection_limits, req->since_version()));
-    const Snapshot& snapshot = *resolved.snapshot;
-    resp->set_name(req->name());
-    resp->set_version(resolved.version->version());
-    if (!resolved.since_version.empty()) *resp->mutable_delta() = resolved.DeltaInfo(0, snapshot.size());
-    for (const SnapshotTensor& t : snapshot.tensors()) {
-      v1::TensorInfo* info = resp->add_tensors();
-      ToProto(t, info);
-      if (const ManifestTensor* digest = resolved.Digest(t)) info->set_digest(digest->digest.Hex());
-      info->set_unchanged(resolved.Unchanged(t));
-      if (!req->with_checksums()) continue;
-      WEIGHTSTORE_ASSIGN_OR_RETURN(
-          uint32_t crc, ServedChecksum(snapshot, PlanServedTensor(snapshot, t), resolved.version->checksums()));
-      info->set_crc32c(crc);
-    }
-    if (resolved.apply_result) ToProto(*resolved.apply_result, resp->mutable_apply_result());
-    return absl::OkStatus();
-  });
+  // Checksums read every selected byte: on a worker, not on gRPC's threads.
+  const Work work = req->with_checksums() ? Work::kLong : Work::kQuick;
+  return UnaryReadingThrough(
+      ctx, Scope::kRead, req->name(),
+      [this, req, resp](const PullResult&) -> absl::Status {
+        WEIGHTSTORE_ASSIGN_OR_RETURN(Resolved resolved,
+                                     Resolve(*registry_, req->name(), req->selection(), req->version(),
+                                             options_.selection_limits, req->since_version()));
+        const Snapshot& snapshot = *resolved.snapshot;
+        resp->set_name(req->name());
+        resp->set_version(resolved.version->version());
+        if (!resolved.since_version.empty()) *resp->mutable_delta() = resolved.DeltaInfo(0, snapshot.size());
+        for (const SnapshotTensor& t : snapshot.tensors()) {
+          v1::TensorInfo* info = resp->add_tensors();
+          ToProto(t, info);
+          if (const ManifestTensor* digest = resolved.Digest(t)) info->set_digest(digest->digest.Hex());
+          info->set_unchanged(resolved.Unchanged(t));
+          if (!req->with_checksums()) continue;
+          WEIGHTSTORE_ASSIGN_OR_RETURN(
+              uint32_t crc, ServedChecksum(snapshot, PlanServedTensor(snapshot, t), resolved.version->checksums()));
+          info->set_crc32c(crc);
+        }
+        if (resolved.apply_result) ToProto(*resolved.apply_result, resp->mutable_apply_result());
+        return absl::OkStatus();
+      },
+      work);
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::FetchTensors(grpc::CallbackServerContext* ctx,
@@ -404,10 +424,15 @@ grpc::ServerUnaryReactor* WeightStoreService::ListCheckpointFiles(grpc::Callback
                                                                   const v1::ListCheckpointFilesRequest* req,
                                                                   v1::ListCheckpointFilesResponse* resp) {
   // A tier reads through: a node's listing pulls what this daemon lacks.
-  return UnaryReadingThrough(ctx, Scope::kRead, req->name(), [this, req, resp](const PullResult&) -> absl::Status {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name(), req->version()));
-    return DescribeStoredFiles(*version, resp);
-  });
+  // The first listing of a version reads its files for their CRC32C: on a
+  // worker, and once however many ask (ChecksumCache::FindOrCompute).
+  return UnaryReadingThrough(
+      ctx, Scope::kRead, req->name(),
+      [this, req, resp](const PullResult&) -> absl::Status {
+        WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name(), req->version()));
+        return DescribeStoredFiles(*version, resp);
+      },
+      Work::kLong);
 }
 
 grpc::ServerWriteReactor<v1::CheckpointEvent>* WeightStoreService::WatchCheckpoints(

@@ -16,6 +16,7 @@
 #include "core/registry.h"
 #include "core/select/selection.h"
 #include "server/auth.h"
+#include "server/background.h"
 #include "server/options.h"
 #include "server/stream_governor.h"
 #include "server/watch.h"
@@ -80,6 +81,9 @@ class WeightStoreService final : public ServiceBase {
   // Ends every WatchCheckpoints stream (UNAVAILABLE) and refuses new ones:
   // the first step of shutting down, as watches never end by themselves.
   void StopWatches() { watches_.Stop(); }
+  // Ends the calls waiting for a checksum worker (UNAVAILABLE) and waits for
+  // those computing: a step of shutting down, before gRPC waits for calls.
+  void StopBackground() { background_.Stop(); }
   int active_watches() const { return watches_.active(); }
 
   // Streams being served now, and those cancelled for stalling.
@@ -97,13 +101,16 @@ class WeightStoreService final : public ServiceBase {
   template <typename Body>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Scope scope, absl::string_view checkpoint,
                                   Body body);
+  // How long a body may run: kQuick on whichever thread is at hand, kLong (it
+  // reads whole tensors or files) on background_, never on gRPC's threads.
+  enum class Work { kQuick, kLong };
   // Unary(), for a call that reads `checkpoint`: with an origin, a checkpoint
   // the daemon lacks is pulled first, and `body` (given the PullResult; it
   // must capture by value) runs on the pull's thread once it is in. gRPC's
   // threads never wait on a transfer.
   template <typename Body>
   grpc::ServerUnaryReactor* UnaryReadingThrough(grpc::CallbackServerContext* ctx, Scope scope,
-                                                const std::string& checkpoint, Body body);
+                                                const std::string& checkpoint, Body body, Work work = Work::kQuick);
   friend class PutReactor;
   friend class FileReadReactor;
   friend class PushReactor;
@@ -114,6 +121,7 @@ class WeightStoreService final : public ServiceBase {
   const Authenticator* auth_;
   StreamGovernor streams_;
   StreamGovernor uploads_;
+  Background background_;
   WatchHub watches_;  // last: its streams end first
 };
 

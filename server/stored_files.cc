@@ -52,18 +52,16 @@ absl::StatusOr<SharedBytes> StoredBytes(const CheckpointVersion& version, const 
 }
 
 absl::StatusOr<uint32_t> StoredCrc(const CheckpointVersion& version, const StoredFile& file) {
-  const std::string key = absl::StrCat("stored-file:", file.path);
-  if (std::optional<uint32_t> crc = version.checksums().Find(key)) return *crc;
-  uint32_t crc = 0;
-  constexpr uint64_t kBlock = uint64_t{64} << 20;
-  for (uint64_t offset = 0; offset < file.size; offset += kBlock) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes,
-                                 StoredBytes(version, file, offset, std::min(kBlock, file.size - offset)));
-    crc = Crc32cExtend(crc, bytes.view());
-  }
-  WEIGHTSTORE_RETURN_IF_ERROR(version.CheckUnchanged());
-  WEIGHTSTORE_RETURN_IF_ERROR(version.checksums().Store(key, crc));
-  return crc;
+  return version.checksums().FindOrCompute(absl::StrCat("stored-file:", file.path), [&]() -> absl::StatusOr<uint32_t> {
+    uint32_t crc = 0;
+    constexpr uint64_t kBlock = uint64_t{64} << 20;
+    for (uint64_t offset = 0; offset < file.size; offset += kBlock) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes,
+                                   StoredBytes(version, file, offset, std::min(kBlock, file.size - offset)));
+      crc = Crc32cExtend(crc, bytes.view());
+    }
+    return crc;  // kept only if the version is unchanged (ChecksumCache::Store)
+  });
 }
 
 }  // namespace

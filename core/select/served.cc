@@ -37,22 +37,21 @@ absl::Status MaterializeServed(const Snapshot& snapshot, const ServedTensorPlan&
 
 absl::StatusOr<uint32_t> ServedChecksum(const Snapshot& snapshot, const ServedTensorPlan& plan,
                                         const ChecksumCache& cache) {
-  if (std::optional<uint32_t> crc = cache.Find(plan.key)) return *crc;
-  uint32_t crc = 0;
-  if (plan.is_byte_range()) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes, ReadServedView(snapshot, plan));
-    crc = Crc32c(bytes.view());
-  } else {
+  return cache.FindOrCompute(plan.key, [&]() -> absl::StatusOr<uint32_t> {
+    if (plan.is_byte_range()) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes, ReadServedView(snapshot, plan));
+      return Crc32c(bytes.view());
+    }
     constexpr uint64_t kChunk = 1 << 20;  // a multiple of every element size
+    uint32_t crc = 0;
     std::vector<std::byte> chunk;
     for (uint64_t at = 0; at < plan.byte_size; at += kChunk) {
       chunk.resize(std::min(kChunk, plan.byte_size - at));
       WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, chunk));
       crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(chunk.data()), chunk.size()));
     }
-  }
-  WEIGHTSTORE_RETURN_IF_ERROR(cache.Store(plan.key, crc));
-  return crc;
+    return crc;
+  });
 }
 
 }  // namespace weightstore

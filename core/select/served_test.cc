@@ -3,9 +3,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
+#include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "core/crc32c.h"
 #include "core/formats/safetensors.h"
 #include "tests/util/status_matchers.h"
@@ -120,6 +123,49 @@ TEST(ServedTensorPlanTest, ASourceThatChangedKeepsNoChecksum) {
   const ServedTensorPlan plan = PlanServedTensor(*snapshot, snapshot->tensors()[0]);
   EXPECT_EQ(ServedChecksum(*snapshot, plan, changed).status().code(), absl::StatusCode::kAborted);
   EXPECT_FALSE(changed.Find(plan.key).has_value());
+}
+
+TEST(ChecksumCacheTest, ConcurrentCallersComputeAKeyOnceAndAllGetItsValue) {
+  ChecksumCache cache;
+  std::atomic<int> computed{0};
+  absl::Notification release;
+  std::vector<std::thread> callers;
+  std::vector<uint32_t> got(8, 0);
+  for (int i = 0; i < 8; ++i) {
+    callers.emplace_back([&, i] {
+      auto crc = cache.FindOrCompute("k", [&]() -> absl::StatusOr<uint32_t> {
+        ++computed;
+        release.WaitForNotification();  // the others arrive meanwhile
+        return 0x1234u;
+      });
+      got[i] = crc.ok() ? *crc : 0;
+    });
+  }
+  while (computed.load() == 0) std::this_thread::yield();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  release.Notify();
+  for (std::thread& t : callers) t.join();
+  EXPECT_EQ(computed.load(), 1);
+  EXPECT_EQ(got, std::vector<uint32_t>(8, 0x1234u));
+}
+
+TEST(ChecksumCacheTest, AFailedComputationIsNotKeptAndTheNextCallerComputesAgain) {
+  ChecksumCache cache;
+  int calls = 0;
+  auto fail = [&]() -> absl::StatusOr<uint32_t> {
+    ++calls;
+    return absl::DataLossError("'m.safetensors' is shorter than when it was listed");
+  };
+  EXPECT_EQ(cache.FindOrCompute("k", fail).status().code(), absl::StatusCode::kDataLoss);
+  ASSERT_OK_AND_ASSIGN(uint32_t crc, cache.FindOrCompute("k", [&]() -> absl::StatusOr<uint32_t> {
+    ++calls;
+    return 7u;
+  }));
+  EXPECT_EQ(crc, 7u);
+  EXPECT_EQ(calls, 2);
+  // Kept now: not computed again.
+  EXPECT_EQ(*cache.FindOrCompute("k", fail), 7u);
+  EXPECT_EQ(calls, 2);
 }
 
 }  // namespace

@@ -12,9 +12,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/store.h"
+#include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
 #include "tests/util/daemon.h"
@@ -294,6 +296,78 @@ TEST_F(OriginTest, TheBudgetEvictsButNeverACheckpointMappedThroughTheSocket) {
   const std::string text = testing::HttpGet(node->metrics_port(), "/metrics");
   EXPECT_EQ(Sample(text, "weightstore_node_cache_evictions_total"), 1);
   EXPECT_EQ(Sample(text, "weightstore_node_cache_budget_bytes"), 5000000);
+}
+
+TEST_F(OriginTest, TheUpstreamListsStoredFilesWithTheirCrcAndReadsRangesPinnedToAVersion) {
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(origin_->address(), grpc::InsecureChannelCredentials()));
+  // Sixteen first listings at once, on checksum workers (one CRC pass per file:
+  // ChecksumCacheTest): the same answer for all.
+  std::vector<pb::ListCheckpointFilesResponse> listed(16);
+  std::vector<grpc::Status> statuses(16);
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 16; ++i) {
+    callers.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      pb::ListCheckpointFilesRequest request;
+      request.set_name("llm/sharded");
+      statuses[i] = stub->ListCheckpointFiles(&ctx, request, &listed[i]);
+    });
+  }
+  for (auto& t : callers) t.join();
+  for (int i = 0; i < 16; ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
+    EXPECT_EQ(listed[i].SerializeAsString(), listed[0].SerializeAsString());
+  }
+  const pb::ListCheckpointFilesResponse& files = listed[0];
+  ASSERT_EQ(files.files_size(), 3);
+  EXPECT_TRUE(files.files(2).main());
+  EXPECT_EQ(files.files(2).path(), ".safetensors.index.json");
+  for (const pb::StoredFile& f : files.files()) {
+    const std::string on_disk =
+        testing::ReadFileOrEmpty(origin_models_ + "/llm/" + (f.main() ? "sharded" + f.path() : f.path()));
+    EXPECT_EQ(f.size(), on_disk.size()) << f.path();
+    EXPECT_EQ(f.crc32c(), absl::StrFormat("%08x", Crc32c(on_disk))) << f.path();
+  }
+
+  // A range of a shard, in chunks that each carry their CRC32C.
+  const std::string shard = files.files(0).path();
+  const std::string shard_bytes = testing::ReadFileOrEmpty(origin_models_ + "/llm/" + shard);
+  auto read = [&](const std::string& version, const std::string& path, uint64_t offset, uint64_t length,
+                  std::string* out) {
+    grpc::ClientContext ctx;
+    pb::ReadCheckpointFileRequest request;
+    request.set_name("llm/sharded");
+    request.set_version(version);
+    request.set_path(path);
+    request.set_offset(offset);
+    request.set_length(length);
+    auto reader = stub->ReadCheckpointFile(&ctx, request);
+    pb::CheckpointFileChunk chunk;
+    while (reader->Read(&chunk)) {
+      EXPECT_EQ(chunk.offset(), offset + out->size());
+      EXPECT_LE(chunk.data().size(), 1u << 20);
+      EXPECT_EQ(chunk.crc32c(), Crc32c(chunk.data()));
+      out->append(chunk.data());
+    }
+    return reader->Finish();
+  };
+  std::string got;
+  const grpc::Status ranged = read(files.version(), shard, 12345, (1 << 20) + 7, &got);
+  ASSERT_TRUE(ranged.ok()) << ranged.error_message();
+  EXPECT_EQ(got, shard_bytes.substr(12345, (1 << 20) + 7));  // two chunks
+
+  // What an attacker or a stale node asks for is refused, naming what is wrong.
+  got.clear();
+  EXPECT_EQ(read("", shard, 0, 0, &got).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(read(files.version(), "../../etc/passwd", 0, 0, &got).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(read(files.version(), shard, shard_bytes.size() + 1, 0, &got).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_EQ(read("0123456789abcdef", shard, 0, 0, &got).error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_TRUE(got.empty()) << got.size();
+  grpc::ClientContext ctx;
+  pb::ListCheckpointFilesRequest request;
+  request.set_name("llm/absent");
+  pb::ListCheckpointFilesResponse none;
+  EXPECT_EQ(stub->ListCheckpointFiles(&ctx, request, &none).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
 }  // namespace

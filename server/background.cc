@@ -1,0 +1,62 @@
+#include "server/background.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace weightstore::server {
+
+Background::Background(int threads, size_t max_queued, std::string what)
+    : max_queued_(max_queued), what_(std::move(what)) {
+  for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { Work(); });
+}
+
+Background::~Background() { Stop(); }
+
+absl::Status Background::Post(Job job) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError(absl::StrCat(what_, ": the daemon is shutting down"));
+  if (queue_.size() >= max_queued_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what_, ": ", max_queued_, " requests are already waiting for a worker; try again later"));
+  }
+  queue_.push_back(std::move(job));
+  return absl::OkStatus();
+}
+
+void Background::Stop() {
+  std::deque<Job> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    dropped.swap(queue_);
+  }
+  for (Job& job : dropped) job(absl::UnavailableError(absl::StrCat(what_, ": the daemon is shutting down")));
+  for (std::thread& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+size_t Background::queued() const {
+  absl::MutexLock lock(&mu_);
+  return queue_.size();
+}
+
+bool Background::HasWork() const { return stopping_ || !queue_.empty(); }
+
+void Background::Work() {
+  for (;;) {
+    Job job;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &Background::HasWork));
+      if (queue_.empty()) return;  // stopping, and Stop() took the rest
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    job(absl::OkStatus());
+  }
+}
+
+}  // namespace weightstore::server

@@ -1,0 +1,75 @@
+#include "server/background.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+
+namespace weightstore::server {
+namespace {
+
+TEST(BackgroundTest, JobsRunOnTheWorkersWithOkStatus) {
+  Background background(2, 16, "test work");
+  std::atomic<int> ran{0};
+  absl::Notification all;
+  for (int i = 0; i < 10; ++i) {
+    ASSERT_TRUE(background
+                    .Post([&](absl::Status runnable) {
+                      EXPECT_TRUE(runnable.ok());
+                      if (++ran == 10) all.Notify();
+                    })
+                    .ok());
+  }
+  all.WaitForNotification();
+  EXPECT_EQ(ran.load(), 10);
+}
+
+TEST(BackgroundTest, AFullQueueRefusesAJobWithoutCallingIt) {
+  Background background(1, 2, "checksum work");
+  absl::Notification release, started;
+  ASSERT_TRUE(background
+                  .Post([&](absl::Status) {
+                    started.Notify();
+                    release.WaitForNotification();
+                  })
+                  .ok());
+  started.WaitForNotification();  // the one worker is busy: the next two wait
+  std::atomic<int> called{0};
+  ASSERT_TRUE(background.Post([&](absl::Status) { ++called; }).ok());
+  ASSERT_TRUE(background.Post([&](absl::Status) { ++called; }).ok());
+  const absl::Status refused = background.Post([&](absl::Status) { ++called; });
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.message().find("checksum work"), absl::string_view::npos) << refused;
+  release.Notify();
+  background.Stop();
+  EXPECT_EQ(called.load(), 2);
+}
+
+TEST(BackgroundTest, StopEndsQueuedJobsUnavailableAndRefusesNewOnes) {
+  Background background(1, 8, "test work");
+  absl::Notification release, started;
+  ASSERT_TRUE(background
+                  .Post([&](absl::Status) {
+                    started.Notify();
+                    release.WaitForNotification();
+                  })
+                  .ok());
+  started.WaitForNotification();
+  std::vector<absl::StatusCode> codes;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(background.Post([&](absl::Status runnable) { codes.push_back(runnable.code()); }).ok());
+  }
+  std::thread stopper([&] { background.Stop(); });
+  // Stop() ends the queued jobs at once, then waits for the running one.
+  while (background.queued() != 0) std::this_thread::yield();
+  release.Notify();
+  stopper.join();
+  EXPECT_EQ(codes, std::vector<absl::StatusCode>(3, absl::StatusCode::kUnavailable));
+  EXPECT_EQ(background.Post([](absl::Status) { ADD_FAILURE() << "ran after Stop"; }).code(),
+            absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace weightstore::server
