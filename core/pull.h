@@ -45,8 +45,15 @@ class Puller {
   // thread) when nothing is to be transferred or the pull is refused, else on
   // the transfer's own thread once it ends. Concurrent calls for one name share
   // one transfer and its outcome. Never blocks on the transfer: gRPC handlers
-  // call it.
-  virtual void PullAsync(const std::string& name, Done done) = 0;
+  // call it. Returns a ticket for Abandon while `done` waits; 0 when `done`
+  // was called already.
+  virtual uint64_t PullAsync(const std::string& name, Done done) = 0;
+  // The caller holding `ticket` (from PullAsync of `name`) stopped waiting (its
+  // client went away): unless its `done` was called already, it is called now,
+  // on this thread, with Cancelled, and no longer counts among the waiters.
+  // The transfer goes on for the others. Any ticket, at any time: a stale one
+  // does nothing.
+  virtual void Abandon(const std::string& name, uint64_t ticket) = 0;
   // PullAsync, waiting for the outcome.
   absl::StatusOr<PullResult> Pull(const std::string& name);
   // Notes that `name` was just used (least recently used eviction).

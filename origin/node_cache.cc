@@ -214,6 +214,8 @@ struct NodeCache::Flight {
   struct Waiter {
     Done done;
     absl::Time start;
+    uint64_t ticket = 0;
+    bool started = false;  // its call started the transfer
   };
   std::vector<Waiter> waiters;
   std::atomic<uint64_t> pulled{0};
@@ -352,11 +354,11 @@ PullStats NodeCache::Stats() const {
   return s;
 }
 
-void NodeCache::PullAsync(const std::string& name, Done done) {
+uint64_t NodeCache::PullAsync(const std::string& name, Done done) {
   const absl::Time start = absl::Now();
   if (absl::Status valid = CheckCheckpointName(name, registry_->options().max_name_bytes); !valid.ok()) {
     done(valid);
-    return;
+    return 0;
   }
   if (auto version = registry_->Get(name); version != nullptr) {
     Touch(name);
@@ -365,14 +367,14 @@ void NodeCache::PullAsync(const std::string& name, Done done) {
     result.already_present = true;
     result.bytes = version->checkpoint()->total_bytes();
     done(result);
-    return;
+    return 0;
   }
   misses_.fetch_add(1);
   if (!PlaceablePath(name)) {
     done(absl::NotFoundError(absl::StrCat("checkpoint '", name,
                                           "' is not served, and cannot be pulled: a pulled checkpoint's name is a "
                                           "relative path of letters, digits, '-', '_', '.' and '/'")));
-    return;
+    return 0;
   }
   absl::Status refused;
   {
@@ -389,8 +391,8 @@ void NodeCache::PullAsync(const std::string& name, Done done) {
                                                             it->second->waiters.size(),
                                                             " requests already wait for it; retry later"));
       } else {
-        it->second->waiters.push_back({std::move(done), start});  // joins the transfer under way
-        return;
+        it->second->waiters.push_back({std::move(done), start, ++last_ticket_});  // joins the transfer under way
+        return last_ticket_;
       }
     } else if (flights_.size() >= static_cast<size_t>(options_.max_concurrent_pulls)) {
       refused = absl::ResourceExhaustedError(absl::StrCat("checkpoint '", name, "' is not here, and ", flights_.size(),
@@ -398,7 +400,7 @@ void NodeCache::PullAsync(const std::string& name, Done done) {
     } else {
       if (nf != not_found_.end()) not_found_.erase(nf);
       auto flight = std::make_shared<Flight>();
-      flight->waiters.push_back({std::move(done), start});
+      flight->waiters.push_back({std::move(done), start, ++last_ticket_, /*started=*/true});
       flights_[name] = flight;
       {
         absl::MutexLock running_lock(&running_->mu);
@@ -414,7 +416,7 @@ void NodeCache::PullAsync(const std::string& name, Done done) {
           absl::MutexLock running_lock(&running->mu);
           --running->threads;
         }).detach();
-        return;
+        return last_ticket_;
       } catch (const std::system_error& e) {  // no thread to be had: refuse, as when pulls are at their limit
         flights_.erase(name);
         done = std::move(flight->waiters.front().done);
@@ -426,6 +428,23 @@ void NodeCache::PullAsync(const std::string& name, Done done) {
     }
   }
   done(refused);
+  return 0;
+}
+
+void NodeCache::Abandon(const std::string& name, uint64_t ticket) {
+  if (ticket == 0) return;
+  Done done;
+  {
+    absl::MutexLock lock(&mu_);
+    auto flight = flights_.find(name);
+    if (flight == flights_.end()) return;  // delivered (or being delivered)
+    std::vector<Flight::Waiter>& waiters = flight->second->waiters;
+    auto it = std::find_if(waiters.begin(), waiters.end(), [&](const Flight::Waiter& w) { return w.ticket == ticket; });
+    if (it == waiters.end()) return;
+    done = std::move(it->done);
+    waiters.erase(it);
+  }
+  done(absl::CancelledError(absl::StrCat("stopped waiting for checkpoint '", name, "' to be pulled")));
 }
 
 void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>& flight) {
@@ -456,8 +475,8 @@ void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>
       continue;
     }
     PullResult result;
-    result.joined = i > 0;
-    result.bytes_pulled = i == 0 ? flight->pulled.load() : 0;
+    result.joined = !waiters[i].started;
+    result.bytes_pulled = waiters[i].started ? flight->pulled.load() : 0;
     result.bytes = version->checkpoint()->total_bytes();
     result.seconds = absl::ToDoubleSeconds(absl::Now() - waiters[i].start);
     waiters[i].done(result);

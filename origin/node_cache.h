@@ -83,7 +83,8 @@ class NodeCache : public Puller {
   // codes (NotFound, Unavailable, Unauthenticated, PermissionDenied, Aborted),
   // DataLoss for bytes that fail a check, ResourceExhausted when it does not
   // fit the budget or the disk, or too many pulls run.
-  void PullAsync(const std::string& name, Done done) override;
+  uint64_t PullAsync(const std::string& name, Done done) override;
+  void Abandon(const std::string& name, uint64_t ticket) override ABSL_LOCKS_EXCLUDED(mu_);
   void Touch(const std::string& name) override;
   PullStats Stats() const override;
   void Shutdown() override;
@@ -139,6 +140,7 @@ class NodeCache : public Puller {
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of pulls in flight
   absl::flat_hash_map<std::string, absl::Time> not_found_ ABSL_GUARDED_BY(mu_);
   uint64_t ledger_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t last_ticket_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Mutex ledger_file_mu_ ABSL_ACQUIRED_AFTER(mu_);
   uint64_t ledger_written_ ABSL_GUARDED_BY(ledger_file_mu_) = 0;
 

@@ -316,6 +316,52 @@ TEST_F(NodeCacheTest, WaitersOnOneFlightAreBounded) {
       +[](std::vector<absl::Status>* o) { return o->size() == 3; }, &outcomes));
 }
 
+TEST_F(NodeCacheTest, AWaiterWhoseClientLeftIsToldAtOnceAndFreesItsPlaceWhileThePullGoesOn) {
+  auto origin = std::make_unique<FakeOrigin>();
+  FakeOrigin* slow = origin.get();
+  const std::string model = Model(8, 20000, 15);
+  slow->Put("s", model);
+  slow->stall_ = true;
+  RegistryOptions options;
+  options.models_dir = testing::MakeScratchDir("node-cache-abandon");
+  CheckpointRegistry registry(options);
+  auto cache = NodeCache::Open(&registry, std::move(origin), NodeCacheOptions{.max_waiters = 1});
+  ASSERT_TRUE(cache.ok());
+  absl::Mutex mu;
+  std::map<int, absl::StatusOr<PullResult>> outcomes;
+  auto record = [&](int who) {
+    return [&, who](absl::StatusOr<PullResult> r) {
+      absl::MutexLock lock(&mu);
+      outcomes.emplace(who, std::move(r));
+    };
+  };
+  const uint64_t starter = (*cache)->PullAsync("s", record(1));
+  const uint64_t joiner = (*cache)->PullAsync("s", record(2));
+  ASSERT_NE(starter, 0u);
+  ASSERT_NE(joiner, 0u);
+  EXPECT_EQ((*cache)->PullAsync("s", record(3)), 0u);  // refused: one waiter already
+  (*cache)->Abandon("s", joiner);
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_EQ(outcomes.count(2), 1u);  // told on the abandoning thread
+    EXPECT_THAT(outcomes.at(2).status(), StatusIs(absl::StatusCode::kCancelled, HasSubstr("'s'")));
+    EXPECT_THAT(outcomes.at(3).status(), StatusIs(absl::StatusCode::kResourceExhausted));
+  }
+  EXPECT_NE((*cache)->PullAsync("s", record(4)), 0u);  // its place is free again
+  (*cache)->Abandon("s", joiner);                      // stale: nothing
+  (*cache)->Abandon("s", starter);                     // the caller that started it leaves too
+  slow->stall_ = false;
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(
+      +[](std::map<int, absl::StatusOr<PullResult>>* o) { return o->count(4) == 1; }, &outcomes));
+  EXPECT_THAT(outcomes.at(1).status(), StatusIs(absl::StatusCode::kCancelled));
+  ASSERT_TRUE(outcomes.at(4).ok()) << outcomes.at(4).status();
+  EXPECT_TRUE(outcomes.at(4)->joined);
+  EXPECT_EQ(outcomes.size(), 4u);         // each told once
+  EXPECT_NE(registry.Get("s"), nullptr);  // the pull went on
+  EXPECT_EQ(slow->sent_.load(), model.size());
+}
+
 TEST_F(NodeCacheTest, AbandonedPartialPullsAreRemovedAtStart) {
   const std::string old_partial = models_ + "/.weightstore-cache/partial/abandoned";
   fs::create_directories(old_partial);

@@ -56,7 +56,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     // pull's own thread: this one returns to gRPC. The stream is kept from
     // the stall watchdog meanwhile.
     service_->streams_.Busy(ticket_);
-    service_->puller_->PullAsync(request_.name(), [this](absl::StatusOr<PullResult> pulled) {
+    pull_ticket_ = service_->puller_->PullAsync(request_.name(), [this](absl::StatusOr<PullResult> pulled) {
       if (!pulled.ok()) {
         Done(service_->ClientStatus(pulled.status()));
         return;
@@ -74,7 +74,11 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (ticket_ != 0) service_->streams_.Progress(ticket_, last_write_bytes_);
     Next();
   }
-  void OnCancel() override { cancelled_ = true; }
+  void OnCancel() override {
+    cancelled_ = true;
+    // Waiting on a pull: stop waiting (a stale ticket does nothing).
+    if (service_->puller_ != nullptr) service_->puller_->Abandon(request_.name(), pull_ticket_);
+  }
   void OnDone() override {
     if (ticket_ != 0) service_->streams_.Release(ticket_);
     delete this;
@@ -242,7 +246,8 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   WeightStoreService* service_;
   grpc::CallbackServerContext* ctx_ = nullptr;
   uint64_t sent_bytes_ = 0;
-  uint64_t ticket_ = 0;  // from the stream governor, once admitted
+  uint64_t ticket_ = 0;       // from the stream governor, once admitted
+  uint64_t pull_ticket_ = 0;  // from the puller, while the checkpoint is pulled
   uint64_t last_write_bytes_ = 0;
   std::atomic<bool> cancelled_{false};
   v1::FetchTensorsRequest request_;
@@ -280,13 +285,32 @@ WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOpti
       background_(options.background_threads, options.max_background_queue, "checksum work"),
       watches_(registry, auth_, options.watches, [this](const absl::Status& s) { return ClientStatus(s); }) {}
 
+// The reactor of a unary call that may wait on a pull: a client that goes
+// away meanwhile is let go at once (Puller::Abandon), rather than held until
+// the pull ends.
+class ReadThroughReactor : public grpc::ServerUnaryReactor {
+ public:
+  ReadThroughReactor(Puller* puller, std::string checkpoint) : puller_(puller), checkpoint_(std::move(checkpoint)) {}
+  // Set by the handler, before gRPC can call OnCancel.
+  void set_ticket(uint64_t ticket) { ticket_ = ticket; }
+  void OnCancel() override {
+    if (puller_ != nullptr) puller_->Abandon(checkpoint_, ticket_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  Puller* const puller_;
+  const std::string checkpoint_;
+  uint64_t ticket_ = 0;
+};
+
 template <typename Body>
 grpc::ServerUnaryReactor* WeightStoreService::UnaryReadingThrough(grpc::CallbackServerContext* ctx, Scope scope,
                                                                   const std::string& checkpoint, Body body, Work work) {
   absl::Status status = auth_->Check(*ctx, scope);
   if (!status.ok()) return Reply(ctx, status);
   Annotate(ctx, checkpoint);
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto* reactor = new ReadThroughReactor(puller_, checkpoint);
   auto run = [this, ctx, reactor, work, body = std::move(body)](absl::StatusOr<PullResult> pulled) mutable {
     if (!pulled.ok() || work == Work::kQuick) {
       reactor->Finish(ClientStatus(pulled.ok() ? body(*pulled) : pulled.status()));
@@ -301,7 +325,7 @@ grpc::ServerUnaryReactor* WeightStoreService::UnaryReadingThrough(grpc::Callback
   if (puller_ == nullptr) {
     run(PullResult());
   } else {
-    puller_->PullAsync(checkpoint, std::move(run));
+    reactor->set_ticket(puller_->PullAsync(checkpoint, std::move(run)));
   }
   return reactor;
 }

@@ -276,6 +276,36 @@ TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrSh
   origin_->Signal(SIGCONT);
 }
 
+TEST_F(OriginTest, CallsWhoseClientsGiveUpWaitingOnAStalledPullEndAtOnce) {
+  auto node = StartNode();
+  origin_->Signal(SIGSTOP);
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(node->address(), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 20; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+    pb::GetCheckpointRequest request;
+    request.set_name("llm/small");
+    pb::CheckpointInfo info;
+    EXPECT_EQ(stub->GetCheckpoint(&ctx, request, &info).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  // The node let each call go when its client did, though the pull is stalled:
+  // none waits for it any more.
+  double ended = 0;
+  for (int i = 0; i < 100 && ended < 20; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ended = 0;
+    for (absl::string_view line : absl::StrSplit(testing::HttpGet(node->metrics_port(), "/metrics"), '\n')) {
+      if (absl::StartsWith(line, "grpc_server_handled_total{") && absl::StrContains(line, "GetCheckpoint")) {
+        double v = 0;
+        if (absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v)) ended += v;
+      }
+    }
+  }
+  EXPECT_EQ(ended, 20) << testing::HttpGet(node->metrics_port(), "/metrics");
+  EXPECT_EQ(Sample(testing::HttpGet(node->metrics_port(), "/metrics"), "weightstore_origin_pulls_in_flight"), 1);
+  origin_->Signal(SIGCONT);
+}
+
 TEST_F(OriginTest, TheBudgetEvictsButNeverACheckpointMappedThroughTheSocket) {
   const std::string socket = testing::MakeScratchDir("origin-socket") + "/ws.sock";
   // Room for the small checkpoint (4 MiB) or the sharded one (2.3 MiB), not both.
