@@ -288,45 +288,51 @@ TEST_F(NodeCacheTest, AResumeWhosePartialFileIsGoneFetchesThatFileAgain) {
   EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), model);
 }
 
+// A cache whose origin has "s" (`model`) but sends nothing until unstalled,
+// and that lets one request wait on a pull besides the one that started it.
+struct StalledCache {
+  explicit StalledCache(const std::string& model) {
+    auto fake = std::make_unique<FakeOrigin>();
+    origin = fake.get();
+    origin->Put("s", model);
+    origin->stall_ = true;
+    auto opened = NodeCache::Open(&registry, std::move(fake), NodeCacheOptions{.max_waiters = 1});
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    if (opened.ok()) cache = *std::move(opened);
+  }
+  CheckpointRegistry registry{RegistryOptions{.models_dir = testing::MakeScratchDir("node-cache-stalled")}};
+  FakeOrigin* origin = nullptr;
+  std::unique_ptr<NodeCache> cache;
+};
+
 TEST_F(NodeCacheTest, WaitersOnOneFlightAreBounded) {
-  auto origin = std::make_unique<FakeOrigin>();
-  FakeOrigin* slow = origin.get();
-  slow->Put("s", Model(8, 20000, 13));
-  slow->stall_ = true;
-  RegistryOptions options;
-  options.models_dir = testing::MakeScratchDir("node-cache-waiters");
-  CheckpointRegistry registry(options);
-  auto cache = NodeCache::Open(&registry, std::move(origin), NodeCacheOptions{.max_waiters = 1});
-  ASSERT_TRUE(cache.ok());
+  StalledCache stalled(Model(8, 20000, 13));
+  ASSERT_NE(stalled.cache, nullptr);
+  NodeCache* cache = stalled.cache.get();
   absl::Mutex mu;
   std::vector<absl::Status> outcomes;
   auto record = [&](absl::StatusOr<PullResult> r) {
     absl::MutexLock lock(&mu);
     outcomes.push_back(r.status());
   };
-  for (int i = 0; i < 3; ++i) (*cache)->PullAsync("s", record);  // the first starts it, one more may wait
+  for (int i = 0; i < 3; ++i) cache->PullAsync("s", record);  // the first starts it, one more may wait
   {
     absl::MutexLock lock(&mu);
     ASSERT_EQ(outcomes.size(), 1u);
     EXPECT_THAT(outcomes[0], StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("wait for it")));
   }
-  (*cache)->Shutdown();  // the stalled pull ends, and both waiters hear of it
+  cache->Shutdown();  // the stalled pull ends, and both waiters hear of it
   absl::MutexLock lock(&mu);
   mu.Await(absl::Condition(
       +[](std::vector<absl::Status>* o) { return o->size() == 3; }, &outcomes));
 }
 
 TEST_F(NodeCacheTest, AWaiterWhoseClientLeftIsToldAtOnceAndFreesItsPlaceWhileThePullGoesOn) {
-  auto origin = std::make_unique<FakeOrigin>();
-  FakeOrigin* slow = origin.get();
   const std::string model = Model(8, 20000, 15);
-  slow->Put("s", model);
-  slow->stall_ = true;
-  RegistryOptions options;
-  options.models_dir = testing::MakeScratchDir("node-cache-abandon");
-  CheckpointRegistry registry(options);
-  auto cache = NodeCache::Open(&registry, std::move(origin), NodeCacheOptions{.max_waiters = 1});
-  ASSERT_TRUE(cache.ok());
+  StalledCache stalled(model);
+  ASSERT_NE(stalled.cache, nullptr);
+  NodeCache* cache = stalled.cache.get();
+  FakeOrigin* slow = stalled.origin;
   absl::Mutex mu;
   std::map<int, absl::StatusOr<PullResult>> outcomes;
   auto record = [&](int who) {
@@ -335,21 +341,21 @@ TEST_F(NodeCacheTest, AWaiterWhoseClientLeftIsToldAtOnceAndFreesItsPlaceWhileThe
       outcomes.emplace(who, std::move(r));
     };
   };
-  const uint64_t starter = (*cache)->PullAsync("s", record(1));
-  const uint64_t joiner = (*cache)->PullAsync("s", record(2));
+  const uint64_t starter = cache->PullAsync("s", record(1));
+  const uint64_t joiner = cache->PullAsync("s", record(2));
   ASSERT_NE(starter, 0u);
   ASSERT_NE(joiner, 0u);
-  EXPECT_EQ((*cache)->PullAsync("s", record(3)), 0u);  // refused: one waiter already
-  (*cache)->Abandon("s", joiner);
+  EXPECT_EQ(cache->PullAsync("s", record(3)), 0u);  // refused: one waiter already
+  cache->Abandon("s", joiner);
   {
     absl::MutexLock lock(&mu);
     ASSERT_EQ(outcomes.count(2), 1u);  // told on the abandoning thread
     EXPECT_THAT(outcomes.at(2).status(), StatusIs(absl::StatusCode::kCancelled, HasSubstr("'s'")));
     EXPECT_THAT(outcomes.at(3).status(), StatusIs(absl::StatusCode::kResourceExhausted));
   }
-  EXPECT_NE((*cache)->PullAsync("s", record(4)), 0u);  // its place is free again
-  (*cache)->Abandon("s", joiner);                      // stale: nothing
-  (*cache)->Abandon("s", starter);                     // the caller that started it leaves too
+  EXPECT_NE(cache->PullAsync("s", record(4)), 0u);  // its place is free again
+  cache->Abandon("s", joiner);                      // stale: nothing
+  cache->Abandon("s", starter);                     // the caller that started it leaves too
   slow->stall_ = false;
   absl::MutexLock lock(&mu);
   mu.Await(absl::Condition(
@@ -357,8 +363,8 @@ TEST_F(NodeCacheTest, AWaiterWhoseClientLeftIsToldAtOnceAndFreesItsPlaceWhileThe
   EXPECT_THAT(outcomes.at(1).status(), StatusIs(absl::StatusCode::kCancelled));
   ASSERT_TRUE(outcomes.at(4).ok()) << outcomes.at(4).status();
   EXPECT_TRUE(outcomes.at(4)->joined);
-  EXPECT_EQ(outcomes.size(), 4u);         // each told once
-  EXPECT_NE(registry.Get("s"), nullptr);  // the pull went on
+  EXPECT_EQ(outcomes.size(), 4u);                 // each told once
+  EXPECT_NE(stalled.registry.Get("s"), nullptr);  // the pull went on
   EXPECT_EQ(slow->sent_.load(), model.size());
 }
 
