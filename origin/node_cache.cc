@@ -50,18 +50,6 @@ std::string Errno(const std::string& what, const std::string& path) {
 // A path the node may create under its models folder (core/registry.h).
 bool PlaceablePath(absl::string_view path) { return IsPlaceableName(path, 4096); }
 
-// The MD5 an S3 ETag states for an object uploaded in one part ("<32 hex>"),
-// or "" (multipart uploads' ETags are no digest of the bytes).
-std::string EtagMd5(const std::string& etag) {
-  std::string e = etag;
-  if (e.size() >= 2 && e.front() == '"' && e.back() == '"') e = e.substr(1, e.size() - 2);
-  if (e.size() != 32) return "";
-  for (char c : e) {
-    if (!absl::ascii_isxdigit(c)) return "";
-  }
-  return absl::AsciiStrToLower(e);
-}
-
 absl::Status WriteAtomically(const std::string& path, const std::string& content) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file, AtomicFile::Create(path, /*overwrite=*/true));
   WEIGHTSTORE_RETURN_IF_ERROR(file->Append(content));
@@ -84,12 +72,12 @@ absl::Status FsyncFolder(const std::string& folder) {
   return absl::OkStatus();
 }
 
-// Checks a file whole against what the origin stated of it: its CRC32C, or
-// the MD5 of a single-part S3 ETag. Fed in order (Advance), while the file is
+// Checks a file whole against what the origin stated of it: its CRC32C and
+// its MD5 (OriginFile::crc32c, ::md5). Fed in order (Advance), while the file is
 // still being pulled, so most of the hashing overlaps the transfer.
 class WholeFileCheck {
  public:
-  WholeFileCheck(const OriginFile& file, int fd) : file_(file), fd_(fd), md5_(EtagMd5(file.etag)) {
+  WholeFileCheck(const OriginFile& file, int fd) : file_(file), fd_(fd), md5_(file.md5) {
     if (!md5_.empty()) {
       ctx_.reset(EVP_MD_CTX_new());
       if (ctx_ == nullptr || EVP_DigestInit_ex(ctx_.get(), EVP_md5(), nullptr) != 1) md5_failed_ = true;

@@ -33,8 +33,13 @@ struct OriginFile {
   // an upstream daemon's version id. A read is refused (Aborted) once the
   // object no longer has it, so one pull never mixes two versions.
   std::string etag;
-  // CRC32C of the whole file when the origin knows it, else empty.
+  // CRC32C of the whole file when the origin knows it (8 hex digits), else
+  // empty.
   std::string crc32c;
+  // MD5 of the whole file when the origin vouches for one (32 lowercase hex
+  // digits: an S3 single-part ETag, unless the object is encrypted with KMS or
+  // a customer key, whose ETags are no digest of the bytes), else empty.
+  std::string md5;
 };
 
 // What a pull transfers: every file of one checkpoint, the one its name is

@@ -90,6 +90,14 @@ absl::string_view BareEtag(absl::string_view etag) {
   return etag;
 }
 
+// The MD5 an ETag states for an object uploaded in one part ("<32 hex>"),
+// or "" (a multipart upload's ETag is no digest of the bytes).
+std::string EtagMd5(absl::string_view etag) {
+  const absl::string_view bare = BareEtag(etag);
+  if (bare.size() != 32 || !std::all_of(bare.begin(), bare.end(), absl::ascii_isxdigit)) return "";
+  return absl::AsciiStrToLower(bare);
+}
+
 // Parses an XML document with expat and calls `on_end(path, text)` at the end
 // of each element: path is the element names from the root, '/'-separated;
 // text is its character data (after its last child), cut at kMaxXmlText.
@@ -250,6 +258,10 @@ struct S3Origin::Reply {
   long http = 0;
   std::string etag;
   std::string content_range;
+  std::string encryption;           // x-amz-server-side-encryption
+  std::string customer_encryption;  // x-amz-server-side-encryption-customer-algorithm
+  std::string checksum_crc32c;      // x-amz-checksum-crc32c (base64)
+  std::string checksum_type;        // x-amz-checksum-type
   std::string error_body;
   bool started = false;
   absl::Status stopped;  // why a callback stopped the transfer
@@ -270,6 +282,10 @@ struct S3Origin::Reply {
       self->http = 0;
       self->etag.clear();
       self->content_range.clear();
+      self->encryption.clear();
+      self->customer_encryption.clear();
+      self->checksum_crc32c.clear();
+      self->checksum_type.clear();
       std::vector<absl::string_view> parts = absl::StrSplit(line, absl::MaxSplits(' ', 2));
       int http = 0;
       if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &http)) self->http = http;
@@ -282,6 +298,12 @@ struct S3Origin::Reply {
     value = value.substr(0, kMaxHeaderValue);
     if (absl::EqualsIgnoreCase(name, "etag")) self->etag = std::string(value);
     if (absl::EqualsIgnoreCase(name, "content-range")) self->content_range = std::string(value);
+    if (absl::EqualsIgnoreCase(name, "x-amz-server-side-encryption")) self->encryption = std::string(value);
+    if (absl::EqualsIgnoreCase(name, "x-amz-server-side-encryption-customer-algorithm")) {
+      self->customer_encryption = std::string(value);
+    }
+    if (absl::EqualsIgnoreCase(name, "x-amz-checksum-crc32c")) self->checksum_crc32c = std::string(value);
+    if (absl::EqualsIgnoreCase(name, "x-amz-checksum-type")) self->checksum_type = std::string(value);
     return size * n;
   }
 
@@ -444,7 +466,7 @@ void S3Origin::ReleaseHandle(std::unique_ptr<Handle> handle) {
 }
 
 absl::Status S3Origin::Perform(const std::string& url, const std::vector<std::string>& headers, const std::string& what,
-                               Reply* reply) {
+                               Reply* reply, bool head) {
   std::unique_ptr<Handle> handle = AcquireHandle();
   CURL* curl = handle->curl();
   if (curl == nullptr) return absl::ResourceExhaustedError(absl::StrCat(what, ": cannot create a curl handle"));
@@ -471,6 +493,7 @@ absl::Status S3Origin::Perform(const std::string& url, const std::vector<std::st
   handle->error_buffer()[0] = '\0';
   curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
   curl_easy_setopt(curl, CURLOPT_HTTPGET, 1L);
+  if (head) curl_easy_setopt(curl, CURLOPT_NOBODY, 1L);
   curl_easy_setopt(curl, CURLOPT_PROTOCOLS_STR, "http,https");
   curl_easy_setopt(curl, CURLOPT_FOLLOWLOCATION, 0L);
   curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
@@ -623,6 +646,7 @@ absl::StatusOr<OriginCheckpoint> S3Origin::Find(const std::string& name) {
       return absl::DataLossError(absl::StrCat(ObjectUrl(key), ": the listing gives it ETag '", Shown(file.etag), "'"));
     }
     file.path = std::move(path);
+    WEIGHTSTORE_RETURN_IF_ERROR(Describe(&file));
     return file;
   };
 
@@ -692,6 +716,38 @@ absl::StatusOr<OriginCheckpoint> S3Origin::Find(const std::string& name) {
   }
   checkpoint.version = Sha256Hex(identity);
   return checkpoint;
+}
+
+absl::Status S3Origin::Describe(OriginFile* file) {
+  const std::string what = ObjectUrl(file->key);
+  Reply reply;
+  reply.on_start = [&](const Reply& r) -> absl::Status {
+    if (r.http != 200) return absl::UnknownError(absl::StrCat(what, ": HTTP ", r.http, " to a HEAD"));
+    if (!r.etag.empty() && BareEtag(r.etag) != BareEtag(file->etag)) {
+      return absl::AbortedError(absl::StrCat(what, " changed at the origin while it was listed (ETag ", Shown(r.etag),
+                                             ", listed ", Shown(file->etag), ")"));
+    }
+    return absl::OkStatus();
+  };
+  WEIGHTSTORE_RETURN_IF_ERROR(
+      Perform(HttpUrl(file->key), {"x-amz-checksum-mode: ENABLED"}, absl::StrCat("HEAD ", what), &reply, true));
+  // A KMS- or customer-key-encrypted object's ETag is not the MD5 of its bytes.
+  const bool opaque_etag =
+      absl::StartsWithIgnoreCase(reply.encryption, "aws:kms") || !reply.customer_encryption.empty();
+  file->md5 = opaque_etag ? "" : EtagMd5(file->etag);
+  // A full-object CRC32C (a composite one, of a multipart upload's parts, ends
+  // in "-<parts>" and is no checksum of the whole).
+  const bool full_object = !reply.checksum_crc32c.empty() && !absl::StrContains(reply.checksum_crc32c, '-') &&
+                           !absl::EqualsIgnoreCase(reply.checksum_type, "COMPOSITE");
+  if (full_object) {
+    std::string crc;
+    if (!absl::Base64Unescape(reply.checksum_crc32c, &crc) || crc.size() != 4) {
+      return absl::DataLossError(
+          absl::StrCat(what, ": x-amz-checksum-crc32c '", Shown(reply.checksum_crc32c), "' is not 4 bytes in base64"));
+    }
+    file->crc32c = absl::BytesToHexString(crc);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status S3Origin::Read(const OriginFile& file, uint64_t offset, uint64_t length, const ByteSink& sink) {

@@ -109,10 +109,15 @@ class S3Origin final : public Origin {
   // Every object under `folder_prefix` (ending in '/', or "" for the bucket's
   // root), with key, size and etag.
   absl::Status List(const std::string& folder_prefix, std::vector<OriginFile>* objects);
-  // One GET (or listing page): signs it, runs it on a pooled handle, and maps
-  // transport and HTTP errors, naming `what`.
+  // Asks S3 what it vouches for of a listed object's bytes (a HEAD with
+  // checksums enabled): fills file->crc32c from a full-object CRC32C checksum
+  // and file->md5 from a single-part ETag of an object not encrypted with KMS
+  // or a customer key. Aborted if its ETag is no longer the listed one.
+  absl::Status Describe(OriginFile* file);
+  // One GET or HEAD (or listing page): signs it, runs it on a pooled handle,
+  // and maps transport and HTTP errors, naming `what`.
   absl::Status Perform(const std::string& url, const std::vector<std::string>& headers, const std::string& what,
-                       Reply* reply);
+                       Reply* reply, bool head = false);
 
   std::unique_ptr<Handle> AcquireHandle();
   void ReleaseHandle(std::unique_ptr<Handle> handle);

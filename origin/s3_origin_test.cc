@@ -45,9 +45,15 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "core/crc32c.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
+#include "origin/node_cache.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 
@@ -905,6 +911,10 @@ TEST(S3OriginErrorsTest, FindsAShardedIndexAcrossListingPages) {
                                  "<Contents><Key>d/m-2.safetensors</Key><Size>9</Size><ETag>&quot;e3&quot;</ETag>"
                                  "</Contents></ListBucketResult>"))};
     }
+    const std::string etag = absl::StrContains(request.target, "m-1")   ? "\"e1\""
+                             : absl::StrContains(request.target, "m-2") ? "\"e3\""
+                                                                        : "\"e2\"";
+    if (request.method == "HEAD") return Scripted{HttpReply(200, "OK", "", {"ETag: " + etag})};
     return Scripted{
         HttpReply(206, "Partial Content", index,
                   {absl::StrCat("Content-Range: bytes 0-", index.size() - 1, "/", index.size()), "ETag: \"e2\""})};
@@ -919,9 +929,153 @@ TEST(S3OriginErrorsTest, FindsAShardedIndexAcrossListingPages) {
   EXPECT_EQ(checkpoint.files[1].key, "d/m-2.safetensors");
   EXPECT_EQ(checkpoint.files[1].size, 9u);
   EXPECT_EQ(checkpoint.files[2].key, "d/m.safetensors.index.json");
+  // Two listing pages, then a HEAD of each object and the index's GET.
   std::vector<SeenRequest> seen = server.requests();
-  ASSERT_EQ(seen.size(), 3u);
-  EXPECT_EQ(seen[2].headers["if-match"], "\"e2\"");
+  ASSERT_EQ(seen.size(), 6u);
+  EXPECT_EQ(seen[2].method, "HEAD");
+  EXPECT_EQ(seen[3].method, "GET");
+  EXPECT_EQ(seen[3].headers["if-match"], "\"e2\"");
+}
+
+// A bucket with one object, "m.safetensors" (`bytes`, with `etag` as sent),
+// whose HEAD answers with `head_headers`.
+ScriptedServer::Script OneObject(const std::string& bytes, const std::string& etag,
+                                 std::vector<std::string> head_headers) {
+  return [=](const SeenRequest& request) {
+    if (absl::StartsWith(request.target, "/models?")) {
+      return Scripted{
+          HttpReply(200, "OK",
+                    absl::StrCat("<ListBucketResult><IsTruncated>false</IsTruncated><Contents><Key>"
+                                 "m.safetensors</Key><Size>",
+                                 bytes.size(), "</Size><ETag>", absl::StrReplaceAll(etag, {{"\"", "&quot;"}}),
+                                 "</ETag></Contents>", "</ListBucketResult>"))};
+    }
+    std::vector<std::string> headers = head_headers;
+    headers.push_back("ETag: " + etag);
+    if (request.method == "HEAD") return Scripted{HttpReply(200, "OK", "", headers)};
+    uint64_t first = 0, last = 0;
+    std::vector<absl::string_view> range = absl::StrSplit(request.headers.at("range").substr(6), '-');
+    if (range.size() != 2 || !absl::SimpleAtoi(range[0], &first) || !absl::SimpleAtoi(range[1], &last)) {
+      return Scripted{HttpReply(400, "Bad Request", "")};
+    }
+    headers.push_back(absl::StrCat("Content-Range: bytes ", first, "-", last, "/", bytes.size()));
+    return Scripted{HttpReply(206, "Partial Content", bytes.substr(first, last - first + 1), headers)};
+  };
+}
+
+// The CRC32C S3 states in x-amz-checksum-crc32c: base64 of its 4 bytes, big-endian.
+std::string S3Crc32c(absl::string_view bytes) {
+  const uint32_t crc = Crc32c(bytes);
+  const char be[4] = {static_cast<char>(crc >> 24), static_cast<char>(crc >> 16), static_cast<char>(crc >> 8),
+                      static_cast<char>(crc)};
+  return absl::Base64Escape(absl::string_view(be, 4));
+}
+
+TEST(S3OriginDigestTest, ASinglePartEtagIsTakenForTheMd5AndTheHeadAsksForChecksums) {
+  const std::string bytes = "0123456789";
+  const std::string md5 = Md5Hex(bytes);
+  ScriptedServer server(OneObject(bytes, absl::StrCat("\"", absl::AsciiStrToUpper(md5), "\""), {}));
+  S3Config config;
+  config.endpoint = server.endpoint();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+  ASSERT_OK_AND_ASSIGN(OriginCheckpoint checkpoint, origin->Find("m"));
+  ASSERT_EQ(checkpoint.files.size(), 1u);
+  EXPECT_EQ(checkpoint.files[0].md5, md5);  // lower case
+  EXPECT_EQ(checkpoint.files[0].crc32c, "");
+  std::vector<SeenRequest> seen = server.requests();
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[1].method, "HEAD");
+  EXPECT_EQ(seen[1].headers["x-amz-checksum-mode"], "ENABLED");
+}
+
+TEST(S3OriginDigestTest, AKmsOrCustomerKeyObjectsEtagIsNoMd5AndAFullObjectCrc32cIsChecked) {
+  const std::string bytes = "0123456789";
+  const std::string etag = "\"9b2cf535f27731c974343645a3985328\"";  // 32 hex digits, but no MD5 of the bytes
+  for (const std::string& encryption :
+       {std::string("x-amz-server-side-encryption: aws:kms"), std::string("x-amz-server-side-encryption: aws:kms:dsse"),
+        std::string("x-amz-server-side-encryption-customer-algorithm: AES256")}) {
+    SCOPED_TRACE(encryption);
+    ScriptedServer server(OneObject(bytes, etag, {encryption, "x-amz-checksum-crc32c: " + S3Crc32c(bytes)}));
+    S3Config config;
+    config.endpoint = server.endpoint();
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+    ASSERT_OK_AND_ASSIGN(OriginCheckpoint checkpoint, origin->Find("m"));
+    EXPECT_EQ(checkpoint.files[0].md5, "");
+    EXPECT_EQ(checkpoint.files[0].crc32c, absl::StrFormat("%08x", Crc32c(bytes)));
+  }
+  // SSE-S3 (AES256) ETags are MD5s.
+  ScriptedServer sse_s3(
+      OneObject(bytes, absl::StrCat("\"", Md5Hex(bytes), "\""), {"x-amz-server-side-encryption: AES256"}));
+  S3Config config;
+  config.endpoint = sse_s3.endpoint();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+  ASSERT_OK_AND_ASSIGN(OriginCheckpoint checkpoint, origin->Find("m"));
+  EXPECT_EQ(checkpoint.files[0].md5, Md5Hex(bytes));
+}
+
+TEST(S3OriginDigestTest, ACompositeChecksumIsIgnoredAndAMalformedOneIsDataLoss) {
+  const std::string bytes = "0123456789";
+  const std::string etag = "\"d41d8cd98f00b204e9800998ecf8427e-3\"";  // multipart
+  {
+    ScriptedServer server(OneObject(bytes, etag, {"x-amz-checksum-crc32c: AAAAAA==-3"}));
+    S3Config config;
+    config.endpoint = server.endpoint();
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+    ASSERT_OK_AND_ASSIGN(OriginCheckpoint checkpoint, origin->Find("m"));
+    EXPECT_EQ(checkpoint.files[0].crc32c, "");
+    EXPECT_EQ(checkpoint.files[0].md5, "");
+  }
+  ScriptedServer server(OneObject(bytes, etag, {"x-amz-checksum-crc32c: not*base64"}));
+  S3Config config;
+  config.endpoint = server.endpoint();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+  EXPECT_THAT(
+      origin->Find("m").status(),
+      StatusIs(absl::StatusCode::kDataLoss, AllOf(HasSubstr("x-amz-checksum-crc32c"), HasSubstr("m.safetensors"))));
+}
+
+TEST(S3OriginDigestTest, AnObjectReplacedBetweenListingAndHeadIsAborted) {
+  ScriptedServer server([](const SeenRequest& request) {
+    if (absl::StartsWith(request.target, "/models?")) {
+      return Scripted{HttpReply(200, "OK",
+                                "<ListBucketResult><IsTruncated>false</IsTruncated><Contents><Key>m.pt</Key>"
+                                "<Size>4</Size><ETag>&quot;old&quot;</ETag></Contents></ListBucketResult>")};
+    }
+    return Scripted{HttpReply(200, "OK", "", {"ETag: \"new\""})};
+  });
+  S3Config config;
+  config.endpoint = server.endpoint();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+  EXPECT_THAT(origin->Find("m").status(), StatusIs(absl::StatusCode::kAborted, HasSubstr("s3://models/m.pt")));
+}
+
+TEST(S3OriginDigestTest, ANodePullsAKmsObjectAndCatchesABadByteByItsCrc32c) {
+  // Before the HEAD, such an object's ETag was taken for an MD5: every pull of
+  // it failed DATA_LOSS.
+  const std::string bytes = *SerializeCheckpoint(
+      kSafeTensorsFormat,
+      {{{"w", DType::kF32, {4}}, SharedBytes::FromVector(std::vector<std::byte>(16, std::byte{7}))}}, {});
+  const std::string etag = "\"9b2cf535f27731c974343645a3985328\"";
+  for (const bool corrupt : {false, true}) {
+    SCOPED_TRACE(corrupt);
+    std::string served = bytes;
+    if (corrupt) served.back() ^= 1;
+    ScriptedServer server(OneObject(
+        served, etag, {"x-amz-server-side-encryption: aws:kms", "x-amz-checksum-crc32c: " + S3Crc32c(bytes)}));
+    S3Config config;
+    config.endpoint = server.endpoint();
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+    CheckpointRegistry registry(RegistryOptions{.models_dir = MakeScratchDir("s3-kms-node")});
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<NodeCache> cache, NodeCache::Open(&registry, std::move(origin), {}));
+    absl::StatusOr<PullResult> pulled = cache->Pull("m");
+    if (corrupt) {
+      EXPECT_THAT(pulled.status(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("CRC32C")));
+      EXPECT_EQ(registry.Get("m"), nullptr);
+    } else {
+      ASSERT_TRUE(pulled.ok()) << pulled.status();
+      EXPECT_EQ(ReadFileOrEmpty(registry.options().models_dir + "/m.safetensors"), bytes);
+    }
+  }
 }
 
 std::string NestedXml(int depth) {
