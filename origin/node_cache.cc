@@ -4,6 +4,7 @@
 #include <openssl/evp.h>
 #include <stdio.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -275,6 +276,10 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
       c.last_used_unix_ms = entry.at("last_used_unix_ms").get<int64_t>();
       c.version = entry.value("version", "");
       c.file_version = entry.value("file_version", "");
+      if (entry.value("placing", false)) {
+        c.inodes = entry.at("inodes").get<std::vector<std::pair<uint64_t, uint64_t>>>();
+        if (!cache->FinishPlacing(name, &c)) continue;
+      }
       bool present = !c.paths.empty();
       for (const std::string& p : c.paths) {
         std::error_code size_ec;
@@ -308,6 +313,10 @@ absl::Status NodeCache::SaveLedger() {
                  {"last_used_unix_ms", c.last_used_unix_ms},
                  {"version", c.version},
                  {"file_version", c.file_version}};
+      if (c.placing) {
+        j[name]["placing"] = true;
+        j[name]["inodes"] = c.inodes;
+      }
     }
     text = j.dump(1);
     sequence = ++ledger_sequence_;
@@ -714,6 +723,38 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     }
     if (::fsync(fds[i].get()) != 0) return absl::InternalError(Errno("cannot sync", partial_paths[i]));
   }
+  // Recorded (durably) before the first rename: a crash before the ledger
+  // lists the checkpoint leaves files the next run can tell as this cache's.
+  {
+    Cached intent;
+    intent.placing = true;
+    intent.bytes = total;
+    intent.last_used_unix_ms = NowMs();
+    intent.version = checkpoint.version;
+    for (size_t i = 0; i < checkpoint.files.size(); ++i) {
+      struct stat st;
+      if (::fstat(fds[i].get(), &st) != 0) return absl::InternalError(Errno("cannot stat", partial_paths[i]));
+      intent.paths.push_back(checkpoint.files[i].path);
+      intent.inodes.emplace_back(st.st_dev, st.st_ino);
+    }
+    absl::MutexLock lock(&mu_);
+    auto [it, added] = ledger_.try_emplace(name);
+    if (!added && !it->second.placing) cached_bytes_ -= it->second.bytes;  // files since removed by hand
+    it->second = std::move(intent);
+  }
+  std::vector<std::string> placed;
+  auto unplace = [&] {
+    for (const std::string& p : placed) ::unlink((fs::path(models_dir_) / p).c_str());
+    {
+      absl::MutexLock lock(&mu_);
+      ledger_.erase(name);
+    }
+    (void)SaveLedger();
+  };
+  if (absl::Status saved = SaveLedger(); !saved.ok()) {
+    unplace();
+    return saved;
+  }
   fds.clear();
 
   // Place the file the name is served from first: an index in place before its
@@ -721,10 +762,6 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   std::vector<size_t> order;
   order.push_back(checkpoint.files.size() - 1);
   for (size_t i = 0; i + 1 < checkpoint.files.size(); ++i) order.push_back(i);
-  std::vector<std::string> placed;
-  auto unplace = [&] {
-    for (const std::string& p : placed) ::unlink((fs::path(models_dir_) / p).c_str());
-  };
   for (size_t i : order) {
     const fs::path target = fs::path(models_dir_) / checkpoint.files[i].path;
     fs::create_directories(target.parent_path(), ec);
@@ -765,16 +802,39 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   {
     absl::MutexLock lock(&mu_);
     Cached& c = ledger_[name];
-    cached_bytes_ -= c.bytes;  // an entry left from files removed by hand
-    c = Cached();
+    c.placing = false;
+    c.inodes.clear();
     c.file_version = (*version)->file_version();
-    for (const OriginFile& f : checkpoint.files) c.paths.push_back(f.path);
-    c.bytes = total;
     c.last_used_unix_ms = NowMs();
-    c.version = checkpoint.version;
-    cached_bytes_ += total;
+    cached_bytes_ += c.bytes;
   }
   return SaveLedger();
+}
+
+bool NodeCache::FinishPlacing(const std::string& name, Cached* c) {
+  if (c->paths.empty() || c->inodes.size() != c->paths.size()) return false;
+  std::vector<std::string> ours;
+  for (size_t i = 0; i < c->paths.size(); ++i) {
+    if (!PlaceablePath(c->paths[i])) return false;
+    const std::string path = (fs::path(models_dir_) / c->paths[i]).string();
+    struct stat st;
+    if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_dev == c->inodes[i].first &&
+        st.st_ino == c->inodes[i].second) {
+      ours.push_back(path);
+    }
+  }
+  std::error_code ec;
+  fs::remove_all(fs::path(state_dir_) / "partial" / Sha256Hex(name), ec);
+  if (ours.size() == c->paths.size()) {  // all placed: it was loading
+    absl::StatusOr<std::string> placed = FileVersion(ours.back());
+    if (!placed.ok()) return false;
+    c->file_version = *placed;
+    c->placing = false;
+    c->inodes.clear();
+    return true;
+  }
+  for (const std::string& path : ours) ::unlink(path.c_str());  // half placed: this cache's files go
+  return false;
 }
 
 std::optional<std::string> NodeCache::OriginVersion(const std::string& name, const std::string& file_version) const {
@@ -811,7 +871,7 @@ absl::Status NodeCache::ChooseVictims(const std::string& name, uint64_t bytes,
   // Checkpoints whose files were replaced since they were pulled (a push, an
   // upload, an operator) are no longer the cache's: forgotten, never evicted.
   for (auto it = ledger_.begin(); it != ledger_.end();) {
-    auto served = registry_->Get(it->first);
+    auto served = it->second.placing ? nullptr : registry_->Get(it->first);
     if (served != nullptr && served->file_version() != it->second.file_version) {
       cached_bytes_ -= it->second.bytes;
       it = ledger_.erase(it);

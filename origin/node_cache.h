@@ -101,6 +101,12 @@ class NodeCache : public Puller {
     // FileVersion of the files as placed: files replaced since (a push, an
     // upload, an operator) are no longer the cache's, and never evicted.
     std::string file_version;
+    // Recorded before its files are renamed into place, until it is loaded:
+    // the (device, inode) of each, so that after a crash in between, Open
+    // tells the files this cache placed from any an operator put there. Not
+    // in cached_bytes_ (its pull's reservation counts it).
+    bool placing = false;
+    std::vector<std::pair<uint64_t, uint64_t>> inodes;
   };
 
   NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options);
@@ -122,6 +128,11 @@ class NodeCache : public Puller {
       ABSL_LOCKS_EXCLUDED(mu_);
   // True when a stream or a mapping uses a file of `name`.
   bool InUse(const std::string& name, const Cached& cached) const;
+  // At Open, for a ledger entry `c` of `name` recorded while its files were
+  // being placed: true (and `c` completed) when every file is in place and is
+  // the one this cache placed; otherwise removes those that are, and false.
+  // Files an operator put at those paths are never touched.
+  bool FinishPlacing(const std::string& name, Cached* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the ledger as it is now.
   absl::Status SaveLedger() ABSL_LOCKS_EXCLUDED(mu_, ledger_file_mu_);
 

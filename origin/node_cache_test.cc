@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -19,6 +20,7 @@
 #include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
+#include "nlohmann/json.hpp"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 
@@ -422,6 +424,67 @@ TEST_F(NodeCacheTest, AnOriginVersionThatIsNoValidIdIsNotCarriedOver) {
     EXPECT_NE(id, bad);
     EXPECT_EQ(id.size(), 16u);  // the registry's own
   }
+}
+
+// The ledger as JSON, and written back (as a daemon killed mid-placement left it).
+nlohmann::json ReadLedger(const std::string& models) {
+  return nlohmann::json::parse(testing::ReadFileOrEmpty(models + "/.weightstore-cache/ledger.json"));
+}
+void WriteLedger(const std::string& models, const nlohmann::json& j) {
+  testing::WriteFileOrDie(models + "/.weightstore-cache/ledger.json", j.dump());
+}
+std::pair<uint64_t, uint64_t> Inode(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
+  return {st.st_dev, st.st_ino};
+}
+
+TEST_F(NodeCacheTest, AKillAfterEveryFileWasPlacedLeavesACheckpointTheNextRunKeeps) {
+  const std::string model = Model(2, 1000, 23);
+  origin_->Put("m", model);
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  cache_.reset();
+  nlohmann::json ledger = ReadLedger(models_);
+  EXPECT_FALSE(ledger["m"].contains("placing"));  // a finished pull leaves none
+  // As recorded just before the renames, and never completed.
+  ledger["m"]["placing"] = true;
+  ledger["m"]["inodes"] = {Inode(models_ + "/m.safetensors")};
+  ledger["m"]["file_version"] = "";
+  WriteLedger(models_, ledger);
+
+  registry_ = std::make_unique<CheckpointRegistry>(RegistryOptions{.models_dir = models_});
+  auto reopened = NodeCache::Open(registry_.get(), std::make_unique<FakeOrigin>(), NodeCacheOptions{});
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  cache_ = *std::move(reopened);
+  EXPECT_EQ(cache_->Stats().cache_bytes, model.size());  // the cache's again: evictable
+  registry_->Rescan();
+  ASSERT_NE(registry_->Get("m"), nullptr);
+  EXPECT_EQ(registry_->Get("m")->version(), "v1");  // the origin's
+}
+
+TEST_F(NodeCacheTest, AKillMidPlacementRemovesTheFilesThisCachePlacedAndNoOthers) {
+  // The index was renamed into place, its first shard not; an operator's file
+  // sits where the second shard would have gone.
+  testing::WriteFileOrDie(models_ + "/s.safetensors.index.json", "{\"weight_map\": {}}");
+  testing::WriteFileOrDie(models_ + "/s-2.safetensors", "the operator's");
+  const auto [dev, ino] = Inode(models_ + "/s.safetensors.index.json");
+  nlohmann::json ledger = nlohmann::json::object();
+  ledger["s"] = {{"paths", {"s-1.safetensors", "s-2.safetensors", "s.safetensors.index.json"}},
+                 {"bytes", 100},
+                 {"last_used_unix_ms", 1},
+                 {"version", "v9"},
+                 {"file_version", ""},
+                 {"placing", true},
+                 {"inodes", {{dev, ino + 1000}, {dev, ino + 1001}, {dev, ino}}}};
+  cache_.reset();
+  WriteLedger(models_, ledger);
+  auto reopened = NodeCache::Open(registry_.get(), std::make_unique<FakeOrigin>(), NodeCacheOptions{});
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  EXPECT_FALSE(fs::exists(models_ + "/s.safetensors.index.json"));  // this cache's, half placed: gone
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/s-2.safetensors"), "the operator's");
+  EXPECT_EQ((*reopened)->Stats().cache_bytes, 0u);
+  reopened->reset();
+  EXPECT_FALSE(ReadLedger(models_).contains("s"));
 }
 
 TEST_F(NodeCacheTest, AFileTheOperatorPutThereIsNeverReplaced) {
