@@ -212,6 +212,12 @@ struct NodeCache::Flight {
   std::atomic<uint64_t> pulled{0};
 };
 
+struct NodeCache::Victim {
+  std::string name;
+  Cached cached;
+  std::vector<UniqueFd> locks;  // held until its files are removed
+};
+
 NodeCache::NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options)
     : registry_(registry),
       origin_(std::move(origin)),
@@ -509,18 +515,14 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     }
     total += f.size;
   }
-  std::vector<std::pair<std::string, Cached>> victims;
-  {
-    absl::MutexLock lock(&mu_);
-    WEIGHTSTORE_RETURN_IF_ERROR(ChooseVictims(name, total, &victims));
-    reserved_bytes_ += total;
-  }
+  std::vector<Victim> victims;
+  WEIGHTSTORE_RETURN_IF_ERROR(Reserve(name, total, &victims));
   absl::Cleanup release = [&] {
     absl::MutexLock lock(&mu_);
     reserved_bytes_ -= total;
   };
   if (!victims.empty()) {
-    Evict(victims);
+    Evict(&victims);
     WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
   }
 
@@ -864,27 +866,21 @@ std::optional<std::string> NodeCache::OriginVersion(const std::string& name, con
   return std::nullopt;
 }
 
-bool NodeCache::InUse(const std::string& name, const Cached& cached) const {
+std::optional<std::vector<UniqueFd>> NodeCache::Claim(const std::string& name, const Cached& cached) const {
   // The registry holds one reference and so does this call: any other is a
   // stream or a request.
-  if (auto version = registry_->Get(name); version != nullptr && version.use_count() > 2) return true;
+  if (auto version = registry_->Get(name); version != nullptr && version.use_count() > 2) return std::nullopt;
+  std::vector<UniqueFd> locks;
   for (const std::string& p : cached.paths) {
     UniqueFd fd(::open((fs::path(models_dir_) / p).c_str(), O_RDONLY | O_CLOEXEC));
     if (!fd.valid()) continue;
-    if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return true;  // a same-host mapping holds it shared
+    if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return std::nullopt;  // a same-host mapping holds it shared
+    locks.push_back(std::move(fd));
   }
-  return false;
+  return locks;
 }
 
-absl::Status NodeCache::ChooseVictims(const std::string& name, uint64_t bytes,
-                                      std::vector<std::pair<std::string, Cached>>* victims) {
-  if (options_.max_bytes == 0) return absl::OkStatus();
-  if (bytes > options_.max_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("it has ", bytes, " bytes, over the cache budget of ", options_.max_bytes));
-  }
-  // Checkpoints whose files were replaced since they were pulled (a push, an
-  // upload, an operator) are no longer the cache's: forgotten, never evicted.
+void NodeCache::ForgetReplaced() {
   for (auto it = ledger_.begin(); it != ledger_.end();) {
     auto served = it->second.placing ? nullptr : registry_->Get(it->first);
     if (served != nullptr && served->file_version() != it->second.file_version) {
@@ -894,41 +890,83 @@ absl::Status NodeCache::ChooseVictims(const std::string& name, uint64_t bytes,
       ++it;
     }
   }
-  std::vector<std::pair<int64_t, std::string>> by_age;
-  for (const auto& [n, c] : ledger_) by_age.emplace_back(c.last_used_unix_ms, n);
-  std::sort(by_age.begin(), by_age.end());
-  std::vector<std::string> chosen, busy;
-  uint64_t used = cached_bytes_ + reserved_bytes_;
-  for (const auto& [age, victim] : by_age) {
-    if (used + bytes <= options_.max_bytes) break;
-    if (victim == name || flights_.contains(victim)) continue;
-    if (InUse(victim, ledger_.at(victim))) {
-      busy.push_back(victim);
-      continue;
-    }
-    chosen.push_back(victim);
-    used -= ledger_.at(victim).bytes;
-  }
-  if (used + bytes > options_.max_bytes) {  // evicting would not be enough: evict nothing
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "it needs ", bytes, " bytes; the cache budget is ", options_.max_bytes, ", ", cached_bytes_ + reserved_bytes_,
-        " in use or being pulled", busy.empty() ? "" : absl::StrCat(" (in use: ", absl::StrJoin(busy, ", "), ")")));
-  }
-  for (const std::string& victim : chosen) {
-    auto it = ledger_.find(victim);
-    cached_bytes_ -= it->second.bytes;
-    victims->emplace_back(victim, std::move(it->second));
-    ledger_.erase(it);
-  }
-  return absl::OkStatus();
 }
 
-void NodeCache::Evict(const std::vector<std::pair<std::string, Cached>>& victims) {
-  for (const auto& [name, cached] : victims) {
-    // A request that took the version meanwhile keeps its mapping: the files
-    // go, their bytes stay until it drops them.
-    (void)registry_->Unload(name);
-    for (const std::string& p : cached.paths) ::unlink((fs::path(models_dir_) / p).c_str());
+absl::Status NodeCache::Reserve(const std::string& name, uint64_t bytes, std::vector<Victim>* victims) {
+  if (options_.max_bytes != 0 && bytes > options_.max_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("it has ", bytes, " bytes, over the cache budget of ", options_.max_bytes));
+  }
+  for (int attempt = 0;; ++attempt) {
+    std::vector<std::pair<std::string, Cached>> candidates;  // least recently used first
+    uint64_t over = 0, used = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      ForgetReplaced();
+      used = cached_bytes_ + reserved_bytes_;
+      if (options_.max_bytes == 0 || used + bytes <= options_.max_bytes) {
+        reserved_bytes_ += bytes;
+        return absl::OkStatus();
+      }
+      over = used + bytes - options_.max_bytes;
+      for (const auto& [n, c] : ledger_) {
+        if (n != name && !c.placing && !flights_.contains(n)) candidates.emplace_back(n, c);
+      }
+    }
+    std::sort(candidates.begin(), candidates.end(),
+              [](const auto& a, const auto& b) { return a.second.last_used_unix_ms < b.second.last_used_unix_ms; });
+    std::vector<Victim> chosen;
+    std::vector<std::string> busy;
+    uint64_t freed = 0;
+    for (auto& [n, c] : candidates) {
+      if (freed >= over) break;
+      std::optional<std::vector<UniqueFd>> locks = Claim(n, c);
+      if (!locks.has_value()) {
+        busy.push_back(n);
+        continue;
+      }
+      freed += c.bytes;
+      chosen.push_back({n, std::move(c), *std::move(locks)});
+    }
+    if (freed < over) {  // evicting would not be enough: evict nothing
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "it needs ", bytes, " bytes; the cache budget is ", options_.max_bytes, ", ", used, " in use or being pulled",
+          busy.empty() ? "" : absl::StrCat(" (in use: ", absl::StrJoin(busy, ", "), ")")));
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      // Committed only as chosen: none used (touched) or pulled since, and
+      // still enough with what others reserved meanwhile.
+      bool unchanged = true;
+      for (const Victim& v : chosen) {
+        auto it = ledger_.find(v.name);
+        unchanged = unchanged && it != ledger_.end() && !it->second.placing && !flights_.contains(v.name) &&
+                    it->second.last_used_unix_ms == v.cached.last_used_unix_ms &&
+                    it->second.file_version == v.cached.file_version && it->second.bytes == v.cached.bytes;
+      }
+      if (unchanged && cached_bytes_ + reserved_bytes_ - freed + bytes <= options_.max_bytes) {
+        for (const Victim& v : chosen) {
+          cached_bytes_ -= v.cached.bytes;
+          ledger_.erase(v.name);
+        }
+        reserved_bytes_ += bytes;
+        *victims = std::move(chosen);
+        return absl::OkStatus();
+      }
+    }
+    if (attempt == 2) {
+      return absl::UnavailableError("the node cache kept changing while room was made for it; retry");
+    }
+  }
+}
+
+void NodeCache::Evict(std::vector<Victim>* victims) {
+  for (Victim& v : *victims) {
+    // A request that took the version since the probe keeps its mapping: the
+    // files go, their bytes stay until it drops them.
+    (void)registry_->Unload(v.name);
+    for (const std::string& p : v.cached.paths) ::unlink((fs::path(models_dir_) / p).c_str());
+    v.locks.clear();
     evictions_.fetch_add(1);
   }
 }

@@ -40,6 +40,7 @@
 #include "absl/time/time.h"
 #include "core/pull.h"
 #include "core/registry.h"
+#include "core/shm/unix_socket.h"
 #include "origin/origin.h"
 
 namespace weightstore::origin {
@@ -114,20 +115,31 @@ class NodeCache : public Puller {
   void RunFlight(const std::string& name, const std::shared_ptr<Flight>& flight) ABSL_LOCKS_EXCLUDED(mu_);
   // The transfer one flight runs. `pulled` counts its bytes from the origin.
   absl::Status Transfer(const std::string& name, std::atomic<uint64_t>* pulled);
-  // Chooses what to evict so `bytes` more fit under the budget: the least
-  // recently used not in use, moved out of the ledger into `victims` (the
-  // caller evicts them outside mu_: unloading notifies the registry's
-  // listeners). ResourceExhausted, choosing nothing, when that is not enough.
-  absl::Status ChooseVictims(const std::string& name, uint64_t bytes,
-                             std::vector<std::pair<std::string, Cached>>* victims) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Evict(const std::vector<std::pair<std::string, Cached>>& victims) ABSL_LOCKS_EXCLUDED(mu_);
+  struct Victim;
+  // Reserves `bytes` under the budget for a pull of `name`, choosing what to
+  // evict to make room: the least recently used not in use, moved out of the
+  // ledger into `victims` for the caller to Evict. The in-use probes (a file
+  // open and flock each) run outside mu_, which every hit's Touch takes; what
+  // they chose is committed only if the ledger did not change meanwhile
+  // (else chosen again, three times at most). ResourceExhausted, choosing
+  // nothing, when evicting all that may go would not be enough.
+  absl::Status Reserve(const std::string& name, uint64_t bytes, std::vector<Victim>* victims) ABSL_LOCKS_EXCLUDED(mu_);
+  // Unloads and removes `victims`. Outside mu_: unloading notifies the
+  // registry's listeners.
+  void Evict(std::vector<Victim>* victims) ABSL_LOCKS_EXCLUDED(mu_);
+  // Forgets checkpoints whose files were replaced since they were pulled (a
+  // push, an upload, an operator): no longer the cache's, never evicted.
+  void ForgetReplaced() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The origin's version of `name` when its files are as this cache placed
   // them (FileVersion `file_version`); the registry's version ids (see
   // CheckpointRegistry::SetVersionIds).
   std::optional<std::string> OriginVersion(const std::string& name, const std::string& file_version) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  // True when a stream or a mapping uses a file of `name`.
-  bool InUse(const std::string& name, const Cached& cached) const;
+  // Nothing when a stream or a mapping uses a file of `name`; else a
+  // descriptor of each of its files holding an exclusive flock (taken without
+  // waiting), so that no same-host process maps one until they are dropped.
+  std::optional<std::vector<UniqueFd>> Claim(const std::string& name, const Cached& cached) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // At Open, for a ledger entry `c` of `name` recorded while its files were
   // being placed: true (and `c` completed) when every file is in place and is
   // the one this cache placed; otherwise removes those that are, and false.
