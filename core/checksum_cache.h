@@ -14,12 +14,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -44,27 +45,39 @@ class ChecksumCache {
     return it->second;
   }
   // The checksum of `key`: kept, or `compute`d and kept. While one caller
-  // computes a key, others asking for it wait for its outcome instead of
-  // computing it again; on its error one of them computes it.
+  // computes a key, others asking for it wait for its outcome (an error
+  // too) instead of computing it again; if it was Cancelled (that caller's
+  // client left), one of them computes it.
   absl::StatusOr<uint32_t> FindOrCompute(const std::string& key,
                                          const std::function<absl::StatusOr<uint32_t>()>& compute) const {
+    std::shared_ptr<Pending> pending;
     {
       absl::MutexLock lock(&mu_);
       for (;;) {
         if (auto it = crc_.find(key); it != crc_.end()) return it->second;
-        if (!computing_.contains(key)) break;
-        computed_.Wait(&mu_);
+        auto [it, added] = computing_.try_emplace(key);
+        if (added) {
+          it->second = pending = std::make_shared<Pending>();
+          break;
+        }
+        std::shared_ptr<Pending> theirs = it->second;
+        mu_.Await(absl::Condition(&theirs->done));
+        if (!absl::IsCancelled(theirs->result.status())) return theirs->result;
       }
-      computing_.insert(key);
     }
-    absl::StatusOr<uint32_t> crc = compute();
-    const absl::Status stored = crc.ok() ? Store(key, *crc) : crc.status();
-    {
+    auto publish = [&](const absl::StatusOr<uint32_t>& result) {
       absl::MutexLock lock(&mu_);
+      pending->result = result;
+      pending->done = true;
       computing_.erase(key);
+    };
+    absl::Cleanup thrown = [&] { publish(absl::InternalError("the checksum computation threw")); };
+    absl::StatusOr<uint32_t> crc = compute();
+    if (crc.ok()) {
+      if (absl::Status stored = Store(key, *crc); !stored.ok()) crc = stored;
     }
-    computed_.SignalAll();
-    if (!stored.ok()) return stored;
+    std::move(thrown).Cancel();
+    publish(crc);
     return crc;
   }
   // Keeps `crc` for `key` once CheckUnchanged() passes; returns its error else.
@@ -97,8 +110,12 @@ class ChecksumCache {
   mutable absl::Mutex mu_;
   mutable size_t key_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   mutable absl::flat_hash_map<std::string, uint32_t> crc_ ABSL_GUARDED_BY(mu_);
-  mutable absl::flat_hash_set<std::string> computing_ ABSL_GUARDED_BY(mu_);
-  mutable absl::CondVar computed_;
+  // A computation in progress; its fields are guarded by mu_.
+  struct Pending {
+    bool done = false;
+    absl::StatusOr<uint32_t> result;
+  };
+  mutable absl::flat_hash_map<std::string, std::shared_ptr<Pending>> computing_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace weightstore

@@ -46,6 +46,13 @@ constexpr uint64_t kWritebackBytes = uint64_t{8} << 20;
 
 int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
 
+// What identifies a file this cache placed: device, inode, size and mtime in
+// nanoseconds, which a rename keeps.
+std::array<uint64_t, 4> Identity(const struct stat& st) {
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
+          static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000u + static_cast<uint64_t>(st.st_mtim.tv_nsec)};
+}
+
 std::string Errno(const std::string& what, const std::string& path) {
   return absl::StrCat(what, " '", path, "': ", std::strerror(errno));
 }
@@ -285,7 +292,7 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
       c.version = entry.value("version", "");
       c.file_version = entry.value("file_version", "");
       if (entry.value("placing", false)) {
-        c.inodes = entry.at("inodes").get<std::vector<std::pair<uint64_t, uint64_t>>>();
+        c.identities = entry.at("identities").get<std::vector<std::array<uint64_t, 4>>>();
         if (!cache->FinishPlacing(name, &c)) continue;
       }
       bool present = !c.paths.empty();
@@ -323,7 +330,7 @@ absl::Status NodeCache::SaveLedger() {
                  {"file_version", c.file_version}};
       if (c.placing) {
         j[name]["placing"] = true;
-        j[name]["inodes"] = c.inodes;
+        j[name]["identities"] = c.identities;
       }
     }
     text = j.dump(1);
@@ -514,6 +521,15 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
                                                        "': ", f.size, ")"));
     }
     total += f.size;
+  }
+  // A file in the way (an operator's, or this cache's unloaded) would refuse
+  // the placement at the end: refused before any byte moves.
+  for (const OriginFile& f : checkpoint.files) {
+    const fs::path target = fs::path(models_dir_) / f.path;
+    if (std::error_code exists_ec; fs::exists(fs::symlink_status(target, exists_ec))) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("'", target.string(), "' exists and is not served; this node does not replace it"));
+    }
   }
   std::vector<Victim> victims;
   WEIGHTSTORE_RETURN_IF_ERROR(Reserve(name, total, &victims));
@@ -742,6 +758,7 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   }
   // Recorded (durably) before the first rename: a crash before the ledger
   // lists the checkpoint leaves files the next run can tell as this cache's.
+  std::optional<Cached> previous;
   {
     Cached intent;
     intent.placing = true;
@@ -752,11 +769,14 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
       struct stat st;
       if (::fstat(fds[i].get(), &st) != 0) return absl::InternalError(Errno("cannot stat", partial_paths[i]));
       intent.paths.push_back(checkpoint.files[i].path);
-      intent.inodes.emplace_back(st.st_dev, st.st_ino);
+      intent.identities.push_back(Identity(st));
     }
     absl::MutexLock lock(&mu_);
     auto [it, added] = ledger_.try_emplace(name);
-    if (!added && !it->second.placing) cached_bytes_ -= it->second.bytes;  // files since removed by hand
+    if (!added && !it->second.placing) {  // its files were removed by hand, or only unloaded
+      cached_bytes_ -= it->second.bytes;
+      previous = std::move(it->second);
+    }
     it->second = std::move(intent);
   }
   std::vector<std::string> placed;
@@ -764,7 +784,12 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     for (const std::string& p : placed) ::unlink((fs::path(models_dir_) / p).c_str());
     {
       absl::MutexLock lock(&mu_);
-      ledger_.erase(name);
+      if (previous.has_value()) {  // as it was: its files may still be there
+        cached_bytes_ += previous->bytes;
+        ledger_[name] = *std::move(previous);
+      } else {
+        ledger_.erase(name);
+      }
     }
     (void)SaveLedger();
   };
@@ -820,7 +845,7 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     absl::MutexLock lock(&mu_);
     Cached& c = ledger_[name];
     c.placing = false;
-    c.inodes.clear();
+    c.identities.clear();
     c.file_version = (*version)->file_version();
     c.last_used_unix_ms = NowMs();
     cached_bytes_ += c.bytes;
@@ -829,28 +854,29 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
 }
 
 bool NodeCache::FinishPlacing(const std::string& name, Cached* c) {
-  if (c->paths.empty() || c->inodes.size() != c->paths.size()) return false;
+  if (c->paths.empty() || c->identities.size() != c->paths.size()) return false;
   std::vector<std::string> ours;
   for (size_t i = 0; i < c->paths.size(); ++i) {
     if (!PlaceablePath(c->paths[i])) return false;
     const std::string path = (fs::path(models_dir_) / c->paths[i]).string();
     struct stat st;
-    if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_dev == c->inodes[i].first &&
-        st.st_ino == c->inodes[i].second) {
+    if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && Identity(st) == c->identities[i]) {
       ours.push_back(path);
     }
   }
-  std::error_code ec;
-  fs::remove_all(fs::path(state_dir_) / "partial" / Sha256Hex(name), ec);
   if (ours.size() == c->paths.size()) {  // all placed: it was loading
     absl::StatusOr<std::string> placed = FileVersion(ours.back());
     if (!placed.ok()) return false;
+    std::error_code ec;
+    fs::remove_all(fs::path(state_dir_) / "partial" / Sha256Hex(name), ec);
     c->file_version = *placed;
     c->placing = false;
-    c->inodes.clear();
+    c->identities.clear();
     return true;
   }
-  for (const std::string& path : ours) ::unlink(path.c_str());  // half placed: this cache's files go
+  // Half placed: this cache's files go. The partial pull stays, so the next
+  // pull resumes (fetching again the files that had been moved out of it).
+  for (const std::string& path : ours) ::unlink(path.c_str());
   return false;
 }
 

@@ -24,6 +24,7 @@
 #ifndef WEIGHTSTORE_ORIGIN_NODE_CACHE_H_
 #define WEIGHTSTORE_ORIGIN_NODE_CACHE_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -103,11 +104,12 @@ class NodeCache : public Puller {
     // upload, an operator) are no longer the cache's, and never evicted.
     std::string file_version;
     // Recorded before its files are renamed into place, until it is loaded:
-    // the (device, inode) of each, so that after a crash in between, Open
-    // tells the files this cache placed from any an operator put there. Not
-    // in cached_bytes_ (its pull's reservation counts it).
+    // the device, inode, size and mtime (ns) of each, which a rename keeps,
+    // so that after a crash in between, Open tells the files this cache
+    // placed from any an operator put there. Not in cached_bytes_ (its pull's
+    // reservation counts it).
     bool placing = false;
-    std::vector<std::pair<uint64_t, uint64_t>> inodes;
+    std::vector<std::array<uint64_t, 4>> identities;
   };
 
   NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options);

@@ -433,10 +433,12 @@ nlohmann::json ReadLedger(const std::string& models) {
 void WriteLedger(const std::string& models, const nlohmann::json& j) {
   testing::WriteFileOrDie(models + "/.weightstore-cache/ledger.json", j.dump());
 }
-std::pair<uint64_t, uint64_t> Inode(const std::string& path) {
+// As the node cache records a file it places: device, inode, size, mtime (ns).
+std::array<uint64_t, 4> Identity(const std::string& path) {
   struct stat st {};
   EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
-  return {st.st_dev, st.st_ino};
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
+          static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000u + static_cast<uint64_t>(st.st_mtim.tv_nsec)};
 }
 
 TEST_F(NodeCacheTest, AKillAfterEveryFileWasPlacedLeavesACheckpointTheNextRunKeeps) {
@@ -448,7 +450,7 @@ TEST_F(NodeCacheTest, AKillAfterEveryFileWasPlacedLeavesACheckpointTheNextRunKee
   EXPECT_FALSE(ledger["m"].contains("placing"));  // a finished pull leaves none
   // As recorded just before the renames, and never completed.
   ledger["m"]["placing"] = true;
-  ledger["m"]["inodes"] = {Inode(models_ + "/m.safetensors")};
+  ledger["m"]["identities"] = {Identity(models_ + "/m.safetensors")};
   ledger["m"]["file_version"] = "";
   WriteLedger(models_, ledger);
 
@@ -467,7 +469,9 @@ TEST_F(NodeCacheTest, AKillMidPlacementRemovesTheFilesThisCachePlacedAndNoOthers
   // sits where the second shard would have gone.
   testing::WriteFileOrDie(models_ + "/s.safetensors.index.json", "{\"weight_map\": {}}");
   testing::WriteFileOrDie(models_ + "/s-2.safetensors", "the operator's");
-  const auto [dev, ino] = Inode(models_ + "/s.safetensors.index.json");
+  const std::array<uint64_t, 4> index = Identity(models_ + "/s.safetensors.index.json");
+  std::array<uint64_t, 4> operators = Identity(models_ + "/s-2.safetensors");
+  operators[3] += 1;  // same inode, size (as if reused), another mtime: not the file this cache placed
   nlohmann::json ledger = nlohmann::json::object();
   ledger["s"] = {{"paths", {"s-1.safetensors", "s-2.safetensors", "s.safetensors.index.json"}},
                  {"bytes", 100},
@@ -475,16 +479,35 @@ TEST_F(NodeCacheTest, AKillMidPlacementRemovesTheFilesThisCachePlacedAndNoOthers
                  {"version", "v9"},
                  {"file_version", ""},
                  {"placing", true},
-                 {"inodes", {{dev, ino + 1000}, {dev, ino + 1001}, {dev, ino}}}};
+                 {"identities", {{index[0], index[1] + 1000, 1, 1}, operators, index}}};
   cache_.reset();
   WriteLedger(models_, ledger);
+  // The partial pull it came from stays, for the next pull to resume.
+  const std::string partial = models_ + "/.weightstore-cache/partial/" + Sha256Hex("s");
+  fs::create_directories(partial);
+  testing::WriteFileOrDie(partial + "/progress.json", "{}");
   auto reopened = NodeCache::Open(registry_.get(), std::make_unique<FakeOrigin>(), NodeCacheOptions{});
   ASSERT_TRUE(reopened.ok()) << reopened.status();
+  EXPECT_TRUE(fs::exists(partial + "/progress.json"));
   EXPECT_FALSE(fs::exists(models_ + "/s.safetensors.index.json"));  // this cache's, half placed: gone
   EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/s-2.safetensors"), "the operator's");
   EXPECT_EQ((*reopened)->Stats().cache_bytes, 0u);
   reopened->reset();
   EXPECT_FALSE(ReadLedger(models_).contains("s"));
+}
+
+TEST_F(NodeCacheTest, APullRefusedByFilesStillInPlaceKeepsTheirLedgerEntry) {
+  const std::string model = Model(2, 1000, 24);
+  origin_->Put("m", model);
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  // An operator unloads it: its files stay, and so does the cache's claim on them.
+  ASSERT_TRUE(registry_->Unload("m").ok());
+  const uint64_t sent = origin_->sent_.load();
+  EXPECT_THAT(cache_->Pull("m").status(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("exists")));
+  EXPECT_EQ(origin_->sent_.load(), sent);                // refused before any byte moved
+  EXPECT_EQ(cache_->Stats().cache_bytes, model.size());  // still counted, still evictable
+  cache_.reset();
+  EXPECT_TRUE(ReadLedger(models_).contains("m"));
 }
 
 TEST_F(NodeCacheTest, AFileTheOperatorPutThereIsNeverReplaced) {

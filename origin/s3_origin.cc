@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <system_error>
+#include <thread>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -646,7 +648,6 @@ absl::StatusOr<OriginCheckpoint> S3Origin::Find(const std::string& name) {
       return absl::DataLossError(absl::StrCat(ObjectUrl(key), ": the listing gives it ETag '", Shown(file.etag), "'"));
     }
     file.path = std::move(path);
-    WEIGHTSTORE_RETURN_IF_ERROR(Describe(&file));
     return file;
   };
 
@@ -709,6 +710,7 @@ absl::StatusOr<OriginCheckpoint> S3Origin::Find(const std::string& name) {
     }
   }
   checkpoint.files.push_back(std::move(main));
+  WEIGHTSTORE_RETURN_IF_ERROR(DescribeAll(&checkpoint.files));
 
   std::string identity;
   for (const OriginFile& file : checkpoint.files) {
@@ -716,6 +718,37 @@ absl::StatusOr<OriginCheckpoint> S3Origin::Find(const std::string& name) {
   }
   checkpoint.version = Sha256Hex(identity);
   return checkpoint;
+}
+
+absl::Status S3Origin::DescribeAll(std::vector<OriginFile>* files) {
+  // parallel_reads HEADs at once: one round trip each, and an index may have
+  // thousands of shards.
+  std::atomic<size_t> next{0};
+  absl::Mutex mu;
+  absl::Status first_error;
+  auto work = [&] {
+    for (size_t i = next++; i < files->size(); i = next++) {
+      absl::Status status = Describe(&(*files)[i]);
+      if (status.ok()) continue;
+      absl::MutexLock lock(&mu);
+      if (first_error.ok()) first_error = status;
+      next = files->size();  // the others stop after their HEAD in flight
+      return;
+    }
+  };
+  std::vector<std::thread> threads;
+  const size_t helpers = std::min<size_t>(std::max(config_.parallel_reads, 1), files->size()) - 1;
+  for (size_t i = 0; i < helpers; ++i) {
+    try {
+      threads.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // fewer at once
+    }
+  }
+  work();
+  for (std::thread& t : threads) t.join();
+  absl::MutexLock lock(&mu);
+  return first_error;
 }
 
 absl::Status S3Origin::Describe(OriginFile* file) {

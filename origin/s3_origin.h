@@ -114,6 +114,8 @@ class S3Origin final : public Origin {
   // and file->md5 from a single-part ETag of an object not encrypted with KMS
   // or a customer key. Aborted if its ETag is no longer the listed one.
   absl::Status Describe(OriginFile* file);
+  // Describe() of every file, parallel_reads at a time; the first error.
+  absl::Status DescribeAll(std::vector<OriginFile>* files);
   // One GET or HEAD (or listing page): signs it, runs it on a pooled handle,
   // and maps transport and HTTP errors, naming `what`.
   absl::Status Perform(const std::string& url, const std::vector<std::string>& headers, const std::string& what,

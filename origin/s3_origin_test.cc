@@ -929,12 +929,19 @@ TEST(S3OriginErrorsTest, FindsAShardedIndexAcrossListingPages) {
   EXPECT_EQ(checkpoint.files[1].key, "d/m-2.safetensors");
   EXPECT_EQ(checkpoint.files[1].size, 9u);
   EXPECT_EQ(checkpoint.files[2].key, "d/m.safetensors.index.json");
-  // Two listing pages, then a HEAD of each object and the index's GET.
+  // Two listing pages, the index's GET, then a HEAD of each object (several
+  // at once, in any order).
   std::vector<SeenRequest> seen = server.requests();
   ASSERT_EQ(seen.size(), 6u);
-  EXPECT_EQ(seen[2].method, "HEAD");
-  EXPECT_EQ(seen[3].method, "GET");
-  EXPECT_EQ(seen[3].headers["if-match"], "\"e2\"");
+  EXPECT_EQ(seen[2].method, "GET");
+  EXPECT_EQ(seen[2].headers["if-match"], "\"e2\"");
+  std::vector<std::string> heads;
+  for (size_t i = 3; i < seen.size(); ++i) {
+    EXPECT_EQ(seen[i].method, "HEAD");
+    heads.push_back(seen[i].target);
+  }
+  EXPECT_THAT(heads, ::testing::UnorderedElementsAre("/models/d/m-1.safetensors", "/models/d/m-2.safetensors",
+                                                     "/models/d/m.safetensors.index.json"));
 }
 
 // A bucket with one object, "m.safetensors" (`bytes`, with `etag` as sent),

@@ -1,6 +1,7 @@
 #include "server/background.h"
 
 #include <algorithm>
+#include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,13 +10,24 @@ namespace weightstore::server {
 
 Background::Background(int threads, size_t max_queued, std::string what)
     : max_queued_(max_queued), what_(std::move(what)) {
-  for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { Work(); });
+  for (int i = 0; i < std::max(threads, 1); ++i) {
+    try {
+      threads_.emplace_back([this] { Work(); });
+    } catch (const std::system_error&) {  // out of threads: serve with those started
+      break;
+    }
+  }
+  if (threads_.empty()) {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
 }
 
 Background::~Background() { Stop(); }
 
 absl::Status Background::Post(Job job) {
   absl::MutexLock lock(&mu_);
+  if (threads_.empty()) return absl::UnavailableError(absl::StrCat(what_, ": no worker thread could be started"));
   if (stopping_) return absl::UnavailableError(absl::StrCat(what_, ": the daemon is shutting down"));
   if (queue_.size() >= max_queued_) {
     return absl::ResourceExhaustedError(
@@ -30,6 +42,7 @@ void Background::Stop() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
+    stopped_ = true;
     dropped.swap(queue_);
   }
   for (Job& job : dropped) job(absl::UnavailableError(absl::StrCat(what_, ": the daemon is shutting down")));

@@ -8,6 +8,7 @@
 #ifndef WEIGHTSTORE_SERVER_BACKGROUND_H_
 #define WEIGHTSTORE_SERVER_BACKGROUND_H_
 
+#include <atomic>
 #include <cstddef>
 #include <deque>
 #include <functional>
@@ -26,7 +27,8 @@ class Background {
   using Job = std::function<void(absl::Status runnable)>;
 
   // `threads` workers (at least 1); at most `max_queued` jobs wait. `what`
-  // names the work in errors.
+  // names the work in errors. If no thread can be started, every Post is
+  // Unavailable (fewer than asked: those that started serve).
   Background(int threads, size_t max_queued, std::string what);
   ~Background();  // Stop()
   Background(const Background&) = delete;
@@ -40,6 +42,8 @@ class Background {
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   size_t queued() const ABSL_LOCKS_EXCLUDED(mu_);
+  // True once Stop() began: long jobs ask it to end early.
+  bool stopping() const { return stopped_.load(std::memory_order_relaxed); }
 
  private:
   void Work() ABSL_LOCKS_EXCLUDED(mu_);
@@ -50,6 +54,7 @@ class Background {
   mutable absl::Mutex mu_;
   std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> stopped_{false};
   std::vector<std::thread> threads_;
 };
 

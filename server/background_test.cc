@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -36,15 +37,23 @@ TEST(BackgroundTest, AFullQueueRefusesAJobWithoutCallingIt) {
                   })
                   .ok());
   started.WaitForNotification();  // the one worker is busy: the next two wait
-  std::atomic<int> called{0};
-  ASSERT_TRUE(background.Post([&](absl::Status) { ++called; }).ok());
-  ASSERT_TRUE(background.Post([&](absl::Status) { ++called; }).ok());
-  const absl::Status refused = background.Post([&](absl::Status) { ++called; });
+  std::atomic<int> ran{0}, called{0};
+  auto job = [&](absl::Status runnable) {
+    ++called;
+    if (runnable.ok()) ++ran;
+  };
+  ASSERT_TRUE(background.Post(job).ok());
+  ASSERT_TRUE(background.Post(job).ok());
+  const absl::Status refused = background.Post(job);
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(refused.message().find("checksum work"), absl::string_view::npos) << refused;
+  EXPECT_FALSE(background.stopping());
   release.Notify();
+  while (background.queued() != 0) std::this_thread::yield();
   background.Stop();
-  EXPECT_EQ(called.load(), 2);
+  EXPECT_TRUE(background.stopping());
+  EXPECT_EQ(called.load(), 2);  // the refused one never
+  EXPECT_EQ(ran.load(), 2);
 }
 
 TEST(BackgroundTest, StopEndsQueuedJobsUnavailableAndRefusesNewOnes) {

@@ -55,8 +55,9 @@ struct ServiceOptions {
   WatchLimits watches;
   // Workers for calls that read whole tensors or files for their checksums
   // (ListTensors with_checksums, ListCheckpointFiles), and how many such
-  // calls may wait for one (more get RESOURCE_EXHAUSTED).
-  int background_threads = 2;
+  // calls may wait for one (more get RESOURCE_EXHAUSTED). More workers than
+  // cores: a worker may wait for another computing the same checksum.
+  int background_threads = 4;
   size_t max_background_queue = 1024;
 };
 

@@ -306,18 +306,19 @@ class ReadThroughReactor : public grpc::ServerUnaryReactor {
 
 template <typename Body>
 grpc::ServerUnaryReactor* WeightStoreService::UnaryReadingThrough(grpc::CallbackServerContext* ctx, Scope scope,
-                                                                  const std::string& checkpoint, Body body, Work work) {
+                                                                  const std::string& checkpoint, Body body,
+                                                                  std::function<Work()> work) {
   absl::Status status = auth_->Check(*ctx, scope);
   if (!status.ok()) return Reply(ctx, status);
   Annotate(ctx, checkpoint);
   auto* reactor = new ReadThroughReactor(puller_, checkpoint);
   auto run = [this, ctx, reactor, work, body = std::move(body)](absl::StatusOr<PullResult> pulled) mutable {
-    if (!pulled.ok() || work == Work::kQuick) {
+    if (!pulled.ok() || !work || work() == Work::kQuick) {
       reactor->Finish(ClientStatus(pulled.ok() ? body(*pulled) : pulled.status()));
       return;
     }
     absl::Status queued = background_.Post([this, ctx, reactor, body, pulled = *pulled](absl::Status runnable) {
-      if (runnable.ok() && ctx->IsCancelled()) runnable = absl::CancelledError("the client went away");
+      if (runnable.ok() && Cancelled(ctx)) runnable = absl::CancelledError("the client went away");
       reactor->Finish(ClientStatus(runnable.ok() ? body(pulled) : runnable));
     });
     if (!queued.ok()) reactor->Finish(ClientStatus(queued));
@@ -364,10 +365,9 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
                                                           const v1::ListTensorsRequest* req,
                                                           v1::ListTensorsResponse* resp) {
   // Checksums read every selected byte: on a worker, not on gRPC's threads.
-  const Work work = req->with_checksums() ? Work::kLong : Work::kQuick;
   return UnaryReadingThrough(
       ctx, Scope::kRead, req->name(),
-      [this, req, resp](const PullResult&) -> absl::Status {
+      [this, ctx, req, resp](const PullResult&) -> absl::Status {
         WEIGHTSTORE_ASSIGN_OR_RETURN(Resolved resolved,
                                      Resolve(*registry_, req->name(), req->selection(), req->version(),
                                              options_.selection_limits, req->since_version()));
@@ -382,13 +382,14 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
           info->set_unchanged(resolved.Unchanged(t));
           if (!req->with_checksums()) continue;
           WEIGHTSTORE_ASSIGN_OR_RETURN(
-              uint32_t crc, ServedChecksum(snapshot, PlanServedTensor(snapshot, t), resolved.version->checksums()));
+              uint32_t crc, ServedChecksum(snapshot, PlanServedTensor(snapshot, t), resolved.version->checksums(),
+                                           [this, ctx] { return Cancelled(ctx); }));
           info->set_crc32c(crc);
         }
         if (resolved.apply_result) ToProto(*resolved.apply_result, resp->mutable_apply_result());
         return absl::OkStatus();
       },
-      work);
+      [req] { return req->with_checksums() ? Work::kLong : Work::kQuick; });
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::FetchTensors(grpc::CallbackServerContext* ctx,
@@ -449,14 +450,18 @@ grpc::ServerUnaryReactor* WeightStoreService::ListCheckpointFiles(grpc::Callback
                                                                   v1::ListCheckpointFilesResponse* resp) {
   // A tier reads through: a node's listing pulls what this daemon lacks.
   // The first listing of a version reads its files for their CRC32C: on a
-  // worker, and once however many ask (ChecksumCache::FindOrCompute).
+  // worker, and once however many ask (ChecksumCache::FindOrCompute); later
+  // ones answer at once.
   return UnaryReadingThrough(
       ctx, Scope::kRead, req->name(),
-      [this, req, resp](const PullResult&) -> absl::Status {
+      [this, ctx, req, resp](const PullResult&) -> absl::Status {
         WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name(), req->version()));
-        return DescribeStoredFiles(*version, resp);
+        return DescribeStoredFiles(*version, resp, [this, ctx] { return Cancelled(ctx); });
       },
-      Work::kLong);
+      [this, req] {
+        auto version = registry_->Find(req->name(), req->version());
+        return version.ok() && StoredCrcsKnown(**version) ? Work::kQuick : Work::kLong;
+      });
 }
 
 grpc::ServerWriteReactor<v1::CheckpointEvent>* WeightStoreService::WatchCheckpoints(

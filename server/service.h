@@ -107,10 +107,14 @@ class WeightStoreService final : public ServiceBase {
   // Unary(), for a call that reads `checkpoint`: with an origin, a checkpoint
   // the daemon lacks is pulled first, and `body` (given the PullResult; it
   // must capture by value) runs on the pull's thread once it is in. gRPC's
-  // threads never wait on a transfer.
+  // threads never wait on a transfer. `work` (empty: kQuick) says, once the
+  // checkpoint is in, where the body runs.
   template <typename Body>
   grpc::ServerUnaryReactor* UnaryReadingThrough(grpc::CallbackServerContext* ctx, Scope scope,
-                                                const std::string& checkpoint, Body body, Work work = Work::kQuick);
+                                                const std::string& checkpoint, Body body,
+                                                std::function<Work()> work = {});
+  // For a body on background_: true once its client left or the daemon stops.
+  bool Cancelled(grpc::CallbackServerContext* ctx) const { return ctx->IsCancelled() || background_.stopping(); }
   friend class PutReactor;
   friend class FileReadReactor;
   friend class PushReactor;

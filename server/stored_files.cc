@@ -51,11 +51,17 @@ absl::StatusOr<SharedBytes> StoredBytes(const CheckpointVersion& version, const 
   return SharedBytes::FromVector(std::move(out));
 }
 
-absl::StatusOr<uint32_t> StoredCrc(const CheckpointVersion& version, const StoredFile& file) {
-  return version.checksums().FindOrCompute(absl::StrCat("stored-file:", file.path), [&]() -> absl::StatusOr<uint32_t> {
+std::string StoredCrcKey(const StoredFile& file) { return absl::StrCat("stored-file:", file.path); }
+
+absl::StatusOr<uint32_t> StoredCrc(const CheckpointVersion& version, const StoredFile& file,
+                                   const std::function<bool()>& cancelled) {
+  return version.checksums().FindOrCompute(StoredCrcKey(file), [&]() -> absl::StatusOr<uint32_t> {
     uint32_t crc = 0;
-    constexpr uint64_t kBlock = uint64_t{64} << 20;
+    constexpr uint64_t kBlock = uint64_t{8} << 20;
     for (uint64_t offset = 0; offset < file.size; offset += kBlock) {
+      if (cancelled && cancelled()) {
+        return absl::CancelledError(absl::StrCat("the checksum of '", file.path, "' was cancelled"));
+      }
       WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes,
                                    StoredBytes(version, file, offset, std::min(kBlock, file.size - offset)));
       crc = Crc32cExtend(crc, bytes.view());
@@ -66,11 +72,12 @@ absl::StatusOr<uint32_t> StoredCrc(const CheckpointVersion& version, const Store
 
 }  // namespace
 
-absl::Status DescribeStoredFiles(const CheckpointVersion& version, v1::ListCheckpointFilesResponse* out) {
+absl::Status DescribeStoredFiles(const CheckpointVersion& version, v1::ListCheckpointFilesResponse* out,
+                                 const std::function<bool()>& cancelled) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<StoredFile> files, StoredFiles(version));
   out->set_version(version.version());
   for (const StoredFile& f : files) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(uint32_t crc, StoredCrc(version, f));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(uint32_t crc, StoredCrc(version, f, cancelled));
     v1::StoredFile* s = out->add_files();
     s->set_path(f.path);
     s->set_main(f.main);
@@ -78,6 +85,13 @@ absl::Status DescribeStoredFiles(const CheckpointVersion& version, v1::ListCheck
     s->set_crc32c(absl::StrFormat("%08x", crc));
   }
   return absl::OkStatus();
+}
+
+bool StoredCrcsKnown(const CheckpointVersion& version) {
+  absl::StatusOr<std::vector<StoredFile>> files = StoredFiles(version);
+  if (!files.ok()) return true;  // its error is quick to report
+  return std::all_of(files->begin(), files->end(),
+                     [&](const StoredFile& f) { return version.checksums().Find(StoredCrcKey(f)).has_value(); });
 }
 
 // Streams one ReadCheckpointFile response, one chunk in flight at a time,

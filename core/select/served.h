@@ -10,6 +10,7 @@
 #define WEIGHTSTORE_CORE_SELECT_SERVED_H_
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 
@@ -53,9 +54,10 @@ absl::Status MaterializeServed(const Snapshot& snapshot, const ServedTensorPlan&
 
 // The CRC32C of the served bytes: from `cache` when known, else computed (a
 // view, or a chunk at a time: never the whole produced tensor in memory) and
-// stored. Returns the cache's CheckUnchanged error if the source changed.
+// stored. Returns the cache's CheckUnchanged error if the source changed, and
+// Cancelled once `cancelled` (asked every 1 MiB; may be empty) says so.
 absl::StatusOr<uint32_t> ServedChecksum(const Snapshot& snapshot, const ServedTensorPlan& plan,
-                                        const ChecksumCache& cache);
+                                        const ChecksumCache& cache, const std::function<bool()>& cancelled = {});
 
 }  // namespace weightstore
 

@@ -149,6 +149,54 @@ TEST(ChecksumCacheTest, ConcurrentCallersComputeAKeyOnceAndAllGetItsValue) {
   EXPECT_EQ(got, std::vector<uint32_t>(8, 0x1234u));
 }
 
+TEST(ChecksumCacheTest, WaitersShareAnErrorButComputeAgainAfterACancel) {
+  ChecksumCache cache;
+  for (const absl::StatusCode code : {absl::StatusCode::kDataLoss, absl::StatusCode::kCancelled}) {
+    SCOPED_TRACE(absl::StatusCodeToString(code));
+    const std::string key = absl::StatusCodeToString(code);
+    std::atomic<int> computed{0};
+    absl::Notification release;
+    absl::StatusOr<uint32_t> first, second;
+    std::thread a([&] {
+      first = cache.FindOrCompute(key, [&]() -> absl::StatusOr<uint32_t> {
+        ++computed;
+        release.WaitForNotification();
+        return absl::Status(code, "from the first caller");
+      });
+    });
+    while (computed.load() == 0) std::this_thread::yield();
+    std::thread b([&] {
+      second = cache.FindOrCompute(key, [&]() -> absl::StatusOr<uint32_t> {
+        ++computed;
+        return 42u;
+      });
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // b waits on a
+    release.Notify();
+    a.join();
+    b.join();
+    EXPECT_EQ(first.status().code(), code);
+    if (code == absl::StatusCode::kCancelled) {  // a's client left; b's did not
+      EXPECT_EQ(computed.load(), 2);
+      EXPECT_EQ(second.value_or(0), 42u);
+    } else {
+      EXPECT_EQ(computed.load(), 1);
+      EXPECT_EQ(second.status().code(), code);
+    }
+  }
+}
+
+TEST(ServedTensorPlanTest, ACancelledChecksumStopsAndKeepsNothing) {
+  auto c = TwoViews();
+  auto snapshot = Serve(c, {{{"cast", DType::kBF16, {2, 3}}, &c->entries()[0], false}});
+  ChecksumCache cache;
+  const ServedTensorPlan plan = PlanServedTensor(*snapshot, snapshot->tensors()[0]);
+  EXPECT_THAT(ServedChecksum(*snapshot, plan, cache, [] { return true; }).status(),
+              ::weightstore::testing::StatusIs(absl::StatusCode::kCancelled, ::testing::HasSubstr("'cast'")));
+  EXPECT_FALSE(cache.Find(plan.key).has_value());
+  EXPECT_TRUE(ServedChecksum(*snapshot, plan, cache, [] { return false; }).ok());
+}
+
 TEST(ChecksumCacheTest, AFailedComputationIsNotKeptAndTheNextCallerComputesAgain) {
   ChecksumCache cache;
   int calls = 0;
