@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <set>
 
+#include "absl/random/random.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -143,7 +144,8 @@ absl::StatusOr<std::string> FileVersion(const std::string& path) {
   return absl::StrFormat("%016x", h);
 }
 
-CheckpointRegistry::CheckpointRegistry(RegistryOptions options) : options_(std::move(options)) {
+CheckpointRegistry::CheckpointRegistry(RegistryOptions options)
+    : options_(std::move(options)), reopen_generation_(absl::Uniform<uint64_t>(absl::BitGen())) {
   if (!options_.watch_files) return;
   auto watcher =
       FileWatcher::Start([this](const std::set<std::string>& names) { OnFilesModified(names); }, options_.watch_settle);

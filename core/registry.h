@@ -319,8 +319,9 @@ class CheckpointRegistry {
   uint64_t next_listener_ ABSL_GUARDED_BY(listeners_mu_) = 1;
   absl::Mutex scan_mu_;  // one scan at a time
   // Reopened versions whose file identity did not change get a new version
-  // string all the same, mixed with this.
-  mutable std::atomic<uint64_t> reopen_generation_{0};
+  // string all the same, mixed with this; it starts at a random value, so
+  // that another run (whose ids a node may have kept) issues others.
+  mutable std::atomic<uint64_t> reopen_generation_;
   std::string watch_error_;               // why files are not watched, reported by Rescan once
   std::shared_ptr<FileWatcher> watcher_;  // last: stopped first
 };

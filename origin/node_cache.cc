@@ -234,6 +234,11 @@ NodeCache::NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origi
 
 NodeCache::~NodeCache() {
   registry_->SetVersionIds(nullptr);  // waits for a call in progress
+  registry_->RemoveListener(listener_id_);
+  {
+    absl::MutexLock lock(&listener_target_->mu);
+    listener_target_->cache = nullptr;
+  }
   Shutdown();
   {
     absl::MutexLock lock(&running_->mu);
@@ -278,6 +283,14 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
   // the next (as long as the files are as placed).
   registry->SetVersionIds([cache = cache.get()](const std::string& name, const std::string& file_version) {
     return cache->OriginVersion(name, file_version);
+  });
+  {
+    absl::MutexLock lock(&cache->listener_target_->mu);
+    cache->listener_target_->cache = cache.get();
+  }
+  cache->listener_id_ = registry->AddListener([target = cache->listener_target_](const std::string& name) {
+    absl::MutexLock lock(&target->mu);
+    if (target->cache != nullptr) target->cache->OnServedChanged(name);
   });
   absl::MutexLock lock(&cache->mu_);
   auto text = ReadSmallFile((fs::path(cache->state_dir_) / "ledger.json").string(), size_t{64} << 20);
@@ -823,18 +836,10 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
       return synced;
     }
   }
-  // The registry asks OriginVersion for the id while it opens the files.
+  // The registry asks OriginVersion for the id while it opens the files (as
+  // would a rescan that found them first).
   const std::string main_path = (fs::path(models_dir_) / main.path).string();
-  absl::StatusOr<std::string> placed_version = FileVersion(main_path);
-  if (placed_version.ok()) {
-    absl::MutexLock lock(&mu_);
-    placing_[name] = {*placed_version, checkpoint.version};
-  }
   auto version = registry_->Load(main_path, name);
-  {
-    absl::MutexLock lock(&mu_);
-    placing_.erase(name);
-  }
   if (!version.ok()) {
     unplace();
     fs::remove_all(folder, ec);
@@ -880,16 +885,34 @@ bool NodeCache::FinishPlacing(const std::string& name, Cached* c) {
   return false;
 }
 
+void NodeCache::OnServedChanged(const std::string& name) {
+  std::shared_ptr<const CheckpointVersion> served = registry_->Get(name);
+  if (served == nullptr) return;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = ledger_.find(name);
+    if (it == ledger_.end() || it->second.placing || it->second.version.empty() ||
+        it->second.file_version != served->file_version() || it->second.version == served->version()) {
+      return;
+    }
+    it->second.version.clear();
+  }
+  (void)SaveLedger();
+}
+
 std::optional<std::string> NodeCache::OriginVersion(const std::string& name, const std::string& file_version) const {
   absl::MutexLock lock(&mu_);
-  if (auto it = placing_.find(name); it != placing_.end() && it->second.first == file_version) {
-    return it->second.second;
+  auto it = ledger_.find(name);
+  if (it == ledger_.end() || it->second.version.empty()) return std::nullopt;
+  const Cached& c = it->second;
+  if (!c.placing) return c.file_version == file_version ? std::optional<std::string>(c.version) : std::nullopt;
+  // Being placed: the id is the origin's if the main file is the one placed.
+  struct stat st;
+  const std::string main = (fs::path(models_dir_) / c.paths.back()).string();
+  if (c.identities.empty() || ::lstat(main.c_str(), &st) != 0 || Identity(st) != c.identities.back()) {
+    return std::nullopt;
   }
-  if (auto it = ledger_.find(name);
-      it != ledger_.end() && it->second.file_version == file_version && !it->second.version.empty()) {
-    return it->second.version;
-  }
-  return std::nullopt;
+  return c.version;
 }
 
 std::optional<std::vector<UniqueFd>> NodeCache::Claim(const std::string& name, const Cached& cached) const {

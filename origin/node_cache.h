@@ -137,6 +137,10 @@ class NodeCache : public Puller {
   // CheckpointRegistry::SetVersionIds).
   std::optional<std::string> OriginVersion(const std::string& name, const std::string& file_version) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The registry's listener: a pulled checkpoint the registry had to give
+  // an id of its own (its files written in place, keeping every stat field)
+  // no longer carries the origin's, in this run or the next.
+  void OnServedChanged(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   // Nothing when a stream or a mapping uses a file of `name`; else a
   // descriptor of each of its files holding an exclusive flock (taken without
   // waiting), so that no same-host process maps one until they are dropped.
@@ -158,9 +162,6 @@ class NodeCache : public Puller {
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Flight>> flights_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Cached> ledger_ ABSL_GUARDED_BY(mu_);
-  // Checkpoints being loaded after their files were placed: their FileVersion
-  // and the origin's version, until the ledger has them.
-  std::map<std::string, std::pair<std::string, std::string>> placing_ ABSL_GUARDED_BY(mu_);
   uint64_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of pulls in flight
   absl::flat_hash_map<std::string, absl::Time> not_found_ ABSL_GUARDED_BY(mu_);
@@ -169,6 +170,14 @@ class NodeCache : public Puller {
   absl::Mutex ledger_file_mu_ ABSL_ACQUIRED_AFTER(mu_);
   uint64_t ledger_written_ ABSL_GUARDED_BY(ledger_file_mu_) = 0;
 
+  // What the registry's listener reaches; cleared by the destructor, which
+  // so waits for a call in progress.
+  struct ListenerTarget {
+    absl::Mutex mu;
+    NodeCache* cache ABSL_GUARDED_BY(mu) = nullptr;
+  };
+  std::shared_ptr<ListenerTarget> listener_target_ = std::make_shared<ListenerTarget>();
+  uint64_t listener_id_ = 0;
   // Threads running a flight; shared with them (see PullAsync).
   struct Running {
     absl::Mutex mu;

@@ -131,6 +131,17 @@ class NodeCacheTest : public ::testing::Test {
     cache_ = *std::move(cache);
   }
 
+  // As the next run would: a new registry and cache on the same folder, and
+  // its first scan.
+  void Restart() {
+    cache_.reset();
+    registry_ = std::make_unique<CheckpointRegistry>(RegistryOptions{.models_dir = models_});
+    auto reopened = NodeCache::Open(registry_.get(), std::make_unique<FakeOrigin>(), NodeCacheOptions{});
+    ASSERT_TRUE(reopened.ok()) << reopened.status();
+    cache_ = *std::move(reopened);
+    registry_->Rescan();
+  }
+
   uint64_t budget_ = 0;
   std::string models_;
   std::unique_ptr<CheckpointRegistry> registry_;
@@ -388,12 +399,7 @@ TEST_F(NodeCacheTest, APulledCheckpointKeepsTheOriginsVersionIdAcrossRestartsUnt
   EXPECT_EQ(registry_->Get("m")->version(), "9f86d081884c7d65");
 
   // The next run serves it under the same id: a client pinned to it carries on.
-  cache_.reset();
-  registry_ = std::make_unique<CheckpointRegistry>(RegistryOptions{.models_dir = models_});
-  auto reopened = NodeCache::Open(registry_.get(), std::make_unique<FakeOrigin>(), NodeCacheOptions{});
-  ASSERT_TRUE(reopened.ok()) << reopened.status();
-  cache_ = *std::move(reopened);
-  registry_->Rescan();
+  ASSERT_NO_FATAL_FAILURE(Restart());
   ASSERT_NE(registry_->Get("m"), nullptr);
   EXPECT_EQ(registry_->Get("m")->version(), "9f86d081884c7d65");
   EXPECT_TRUE(registry_->Find("m", "9f86d081884c7d65").ok());
@@ -410,6 +416,22 @@ TEST_F(NodeCacheTest, APulledCheckpointKeepsTheOriginsVersionIdAcrossRestartsUnt
   cache_.reset();
   registry_->Rescan();
   EXPECT_NE(registry_->Get("m"), nullptr);
+}
+
+TEST_F(NodeCacheTest, AnIdTheRegistryHadToReissueIsNotCarriedOverAgain) {
+  origin_->Put("m", Model(2, 1000, 25));
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  ASSERT_EQ(registry_->Get("m")->version(), "v1");
+  // Written in place within one timestamp tick: the same file version, other
+  // bytes, so the registry issues an id of its own...
+  registry_->Get("m")->MarkModified();
+  registry_->Rescan();
+  const std::string reissued = registry_->Get("m")->version();
+  EXPECT_NE(reissued, "v1");
+  // ...and the next run must not name those bytes "v1" again.
+  ASSERT_NO_FATAL_FAILURE(Restart());
+  ASSERT_NE(registry_->Get("m"), nullptr);
+  EXPECT_NE(registry_->Get("m")->version(), "v1");
 }
 
 TEST_F(NodeCacheTest, AnOriginVersionThatIsNoValidIdIsNotCarriedOver) {
@@ -454,12 +476,8 @@ TEST_F(NodeCacheTest, AKillAfterEveryFileWasPlacedLeavesACheckpointTheNextRunKee
   ledger["m"]["file_version"] = "";
   WriteLedger(models_, ledger);
 
-  registry_ = std::make_unique<CheckpointRegistry>(RegistryOptions{.models_dir = models_});
-  auto reopened = NodeCache::Open(registry_.get(), std::make_unique<FakeOrigin>(), NodeCacheOptions{});
-  ASSERT_TRUE(reopened.ok()) << reopened.status();
-  cache_ = *std::move(reopened);
+  ASSERT_NO_FATAL_FAILURE(Restart());
   EXPECT_EQ(cache_->Stats().cache_bytes, model.size());  // the cache's again: evictable
-  registry_->Rescan();
   ASSERT_NE(registry_->Get("m"), nullptr);
   EXPECT_EQ(registry_->Get("m")->version(), "v1");  // the origin's
 }

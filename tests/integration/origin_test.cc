@@ -288,20 +288,34 @@ TEST_F(OriginTest, CallsWhoseClientsGiveUpWaitingOnAStalledPullEndAtOnce) {
     pb::CheckpointInfo info;
     EXPECT_EQ(stub->GetCheckpoint(&ctx, request, &info).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   }
+  for (int i = 0; i < 5; ++i) {  // and fetches, which wait on the pull before they stream
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+    pb::FetchTensorsRequest request;
+    request.set_name("llm/small");
+    auto reader = stub->FetchTensors(&ctx, request);
+    pb::TensorChunk chunk;
+    while (reader->Read(&chunk)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
   // The node let each call go when its client did, though the pull is stalled:
   // none waits for it any more.
-  double ended = 0;
-  for (int i = 0; i < 100 && ended < 20; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    ended = 0;
+  auto ended = [&](absl::string_view method) {
+    double n = 0;
     for (absl::string_view line : absl::StrSplit(testing::HttpGet(node->metrics_port(), "/metrics"), '\n')) {
-      if (absl::StartsWith(line, "grpc_server_handled_total{") && absl::StrContains(line, "GetCheckpoint")) {
+      if (absl::StartsWith(line, "grpc_server_handled_total{") && absl::StrContains(line, method)) {
         double v = 0;
-        if (absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v)) ended += v;
+        if (absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v)) n += v;
       }
     }
+    return n;
+  };
+  for (int i = 0; i < 100 && (ended("\"GetCheckpoint\"") < 20 || ended("\"FetchTensors\"") < 5); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  EXPECT_EQ(ended, 20) << testing::HttpGet(node->metrics_port(), "/metrics");
+  EXPECT_EQ(ended("\"GetCheckpoint\""), 20) << testing::HttpGet(node->metrics_port(), "/metrics");
+  EXPECT_EQ(ended("\"FetchTensors\""), 5);
   EXPECT_EQ(Sample(testing::HttpGet(node->metrics_port(), "/metrics"), "weightstore_origin_pulls_in_flight"), 1);
   origin_->Signal(SIGCONT);
 }
