@@ -222,7 +222,10 @@ struct NodeCache::Flight {
 struct NodeCache::Victim {
   std::string name;
   Cached cached;
-  std::vector<UniqueFd> locks;  // held until its files are removed
+  std::vector<std::pair<std::string, UniqueFd>> locks;  // its files, held until removed
+  // False when its files are no longer as this cache placed them (replaced
+  // while not served): forgotten, not removed.
+  bool ours = true;
 };
 
 NodeCache::NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options)
@@ -795,9 +798,15 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   std::vector<std::string> placed;
   auto unplace = [&] {
     for (const std::string& p : placed) ::unlink((fs::path(models_dir_) / p).c_str());
+    // The entry this pull replaced comes back only for files still as it
+    // recorded them (an only-unloaded checkpoint), never for files someone
+    // put there since.
+    const bool previous_intact =
+        previous.has_value() && !previous->paths.empty() &&
+        FileVersion((fs::path(models_dir_) / previous->paths.back()).string()).value_or("") == previous->file_version;
     {
       absl::MutexLock lock(&mu_);
-      if (previous.has_value()) {  // as it was: its files may still be there
+      if (previous_intact) {  // as it was: its files are still there, as placed
         cached_bytes_ += previous->bytes;
         ledger_[name] = *std::move(previous);
       } else {
@@ -901,30 +910,42 @@ void NodeCache::OnServedChanged(const std::string& name) {
 }
 
 std::optional<std::string> NodeCache::OriginVersion(const std::string& name, const std::string& file_version) const {
-  absl::MutexLock lock(&mu_);
-  auto it = ledger_.find(name);
-  if (it == ledger_.end() || it->second.version.empty()) return std::nullopt;
-  const Cached& c = it->second;
-  if (!c.placing) return c.file_version == file_version ? std::optional<std::string>(c.version) : std::nullopt;
-  // Being placed: the id is the origin's if the main file is the one placed.
-  struct stat st;
-  const std::string main = (fs::path(models_dir_) / c.paths.back()).string();
-  if (c.identities.empty() || ::lstat(main.c_str(), &st) != 0 || Identity(st) != c.identities.back()) {
-    return std::nullopt;
+  Cached c;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = ledger_.find(name);
+    if (it == ledger_.end() || it->second.version.empty()) return std::nullopt;
+    if (!it->second.placing) {
+      return it->second.file_version == file_version ? std::optional<std::string>(it->second.version) : std::nullopt;
+    }
+    c = it->second;
   }
+  // Being placed: the origin's id if every file is the one placed, and the
+  // files opened are those (no file written or replaced since).
+  if (c.paths.empty() || c.identities.size() != c.paths.size()) return std::nullopt;
+  for (size_t i = 0; i < c.paths.size(); ++i) {
+    struct stat st;
+    const std::string path = (fs::path(models_dir_) / c.paths[i]).string();
+    if (::lstat(path.c_str(), &st) != 0 || Identity(st) != c.identities[i]) return std::nullopt;
+  }
+  if (FileVersion((fs::path(models_dir_) / c.paths.back()).string()).value_or("") != file_version) return std::nullopt;
   return c.version;
 }
 
-std::optional<std::vector<UniqueFd>> NodeCache::Claim(const std::string& name, const Cached& cached) const {
+std::optional<std::vector<std::pair<std::string, UniqueFd>>> NodeCache::Claim(const std::string& name,
+                                                                              const Cached& cached) const {
   // The registry holds one reference and so does this call: any other is a
   // stream or a request.
   if (auto version = registry_->Get(name); version != nullptr && version.use_count() > 2) return std::nullopt;
-  std::vector<UniqueFd> locks;
+  std::vector<std::pair<std::string, UniqueFd>> locks;
   for (const std::string& p : cached.paths) {
-    UniqueFd fd(::open((fs::path(models_dir_) / p).c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd.valid()) continue;
+    const std::string path = (fs::path(models_dir_) / p).string();
+    // Never waits on a FIFO or follows a link put in a file's place.
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW));
+    struct stat st;
+    if (!fd.valid() || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
     if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return std::nullopt;  // a same-host mapping holds it shared
-    locks.push_back(std::move(fd));
+    locks.emplace_back(path, std::move(fd));
   }
   return locks;
 }
@@ -946,6 +967,7 @@ absl::Status NodeCache::Reserve(const std::string& name, uint64_t bytes, std::ve
     return absl::ResourceExhaustedError(
         absl::StrCat("it has ", bytes, " bytes, over the cache budget of ", options_.max_bytes));
   }
+  absl::MutexLock choosing(&evict_mu_);
   for (int attempt = 0;; ++attempt) {
     std::vector<std::pair<std::string, Cached>> candidates;  // least recently used first
     uint64_t over = 0, used = 0;
@@ -969,13 +991,18 @@ absl::Status NodeCache::Reserve(const std::string& name, uint64_t bytes, std::ve
     uint64_t freed = 0;
     for (auto& [n, c] : candidates) {
       if (freed >= over) break;
-      std::optional<std::vector<UniqueFd>> locks = Claim(n, c);
+      std::optional<std::vector<std::pair<std::string, UniqueFd>>> locks = Claim(n, c);
       if (!locks.has_value()) {
         busy.push_back(n);
         continue;
       }
       freed += c.bytes;
-      chosen.push_back({n, std::move(c), *std::move(locks)});
+      const bool ours = FileVersion((fs::path(models_dir_) / c.paths.back()).string()).value_or("") == c.file_version;
+      chosen.push_back({n, std::move(c), *std::move(locks), ours});
+    }
+    if (freed < over && !busy.empty() && attempt < 2) {  // in use for a moment, perhaps (a request)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
     }
     if (freed < over) {  // evicting would not be enough: evict nothing
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -1011,10 +1038,21 @@ absl::Status NodeCache::Reserve(const std::string& name, uint64_t bytes, std::ve
 
 void NodeCache::Evict(std::vector<Victim>* victims) {
   for (Victim& v : *victims) {
-    // A request that took the version since the probe keeps its mapping: the
-    // files go, their bytes stay until it drops them.
-    (void)registry_->Unload(v.name);
-    for (const std::string& p : v.cached.paths) ::unlink((fs::path(models_dir_) / p).c_str());
+    if (!v.ours) continue;  // forgotten: someone else's files now
+    // Only what was claimed: a version published since (a push, an upload)
+    // stays served, and a file now at a claimed path that is not the one
+    // claimed stays. A request that took the version since the probe keeps
+    // its mapping: the files go, their bytes stay until it drops them.
+    if (auto served = registry_->Get(v.name); served != nullptr && served->file_version() == v.cached.file_version) {
+      (void)registry_->Unload(v.name);
+    }
+    for (auto& [path, fd] : v.locks) {
+      struct stat now, claimed;
+      if (::lstat(path.c_str(), &now) == 0 && ::fstat(fd.get(), &claimed) == 0 && now.st_dev == claimed.st_dev &&
+          now.st_ino == claimed.st_ino) {
+        ::unlink(path.c_str());
+      }
+    }
     v.locks.clear();
     evictions_.fetch_add(1);
   }

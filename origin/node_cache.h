@@ -125,7 +125,8 @@ class NodeCache : public Puller {
   // they chose is committed only if the ledger did not change meanwhile
   // (else chosen again, three times at most). ResourceExhausted, choosing
   // nothing, when evicting all that may go would not be enough.
-  absl::Status Reserve(const std::string& name, uint64_t bytes, std::vector<Victim>* victims) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Reserve(const std::string& name, uint64_t bytes, std::vector<Victim>* victims)
+      ABSL_LOCKS_EXCLUDED(mu_, evict_mu_);
   // Unloads and removes `victims`. Outside mu_: unloading notifies the
   // registry's listeners.
   void Evict(std::vector<Victim>* victims) ABSL_LOCKS_EXCLUDED(mu_);
@@ -141,10 +142,12 @@ class NodeCache : public Puller {
   // an id of its own (its files written in place, keeping every stat field)
   // no longer carries the origin's, in this run or the next.
   void OnServedChanged(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
-  // Nothing when a stream or a mapping uses a file of `name`; else a
-  // descriptor of each of its files holding an exclusive flock (taken without
-  // waiting), so that no same-host process maps one until they are dropped.
-  std::optional<std::vector<UniqueFd>> Claim(const std::string& name, const Cached& cached) const
+  // Nothing when a stream or a mapping uses a file of `name`; else, for each
+  // of its files that is a regular file, its path and a descriptor holding an
+  // exclusive flock (taken without waiting), so that no same-host process
+  // maps one until they are dropped, and Evict removes that file only.
+  std::optional<std::vector<std::pair<std::string, UniqueFd>>> Claim(const std::string& name,
+                                                                     const Cached& cached) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // At Open, for a ledger entry `c` of `name` recorded while its files were
   // being placed: true (and `c` completed) when every file is in place and is
@@ -159,6 +162,9 @@ class NodeCache : public Puller {
   const NodeCacheOptions options_;
   const std::string models_dir_, state_dir_;
 
+  // One Reserve at a time: two choosing at once would each find the other's
+  // claimed files in use. Not mu_, which hits take.
+  absl::Mutex evict_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Flight>> flights_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Cached> ledger_ ABSL_GUARDED_BY(mu_);

@@ -606,6 +606,22 @@ TEST_F(NodeCacheBudgetTest, ACheckpointReplacedSincePulledIsForgottenNotEvicted)
   EXPECT_EQ(cache_->Stats().cache_bytes, 2 * model_.size());  // "b" and "c"
 }
 
+TEST_F(NodeCacheBudgetTest, FilesReplacedWhileNotServedAreForgottenNotEvicted) {
+  ASSERT_TRUE(cache_->Pull("a").ok());
+  ASSERT_TRUE(cache_->Pull("b").ok());
+  // "a" is unloaded, then an operator puts their own file in its place; no
+  // scan has served it yet.
+  ASSERT_TRUE(registry_->Unload("a").ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(15));
+  const std::string mine = Model(1, 100, 16);
+  testing::WriteFileOrDie(models_ + "/a.safetensors.tmp", mine);
+  fs::rename(models_ + "/a.safetensors.tmp", models_ + "/a.safetensors");
+  ASSERT_TRUE(cache_->Pull("c").ok());  // "a" was least recently used
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/a.safetensors"), mine);
+  EXPECT_NE(registry_->Get("b"), nullptr);
+  EXPECT_EQ(cache_->Stats().evictions, 0u);
+}
+
 TEST_F(NodeCacheBudgetTest, ACheckpointLargerThanTheBudgetIsRefusedBeforeAnyTransfer) {
   origin_->Put("huge", Model(12, 20000, 8));
   EXPECT_THAT(cache_->Pull("huge").status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("budget")));

@@ -452,15 +452,22 @@ grpc::ServerUnaryReactor* WeightStoreService::ListCheckpointFiles(grpc::Callback
   // The first listing of a version reads its files for their CRC32C: on a
   // worker, and once however many ask (ChecksumCache::FindOrCompute); later
   // ones answer at once.
+  // The version found when choosing where to run is the one described: a
+  // replacement in between must not be checksummed on gRPC's thread.
+  auto found = std::make_shared<std::shared_ptr<const CheckpointVersion>>();
   return UnaryReadingThrough(
       ctx, Scope::kRead, req->name(),
-      [this, ctx, req, resp](const PullResult&) -> absl::Status {
-        WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name(), req->version()));
-        return DescribeStoredFiles(*version, resp, [this, ctx] { return Cancelled(ctx); });
+      [this, ctx, req, resp, found](const PullResult&) -> absl::Status {
+        if (*found == nullptr) {
+          WEIGHTSTORE_ASSIGN_OR_RETURN(*found, registry_->Find(req->name(), req->version()));
+        }
+        return DescribeStoredFiles(**found, resp, [this, ctx] { return Cancelled(ctx); });
       },
-      [this, req] {
+      [this, req, found] {
         auto version = registry_->Find(req->name(), req->version());
-        return version.ok() && StoredCrcsKnown(**version) ? Work::kQuick : Work::kLong;
+        if (!version.ok()) return Work::kQuick;  // its error, at once
+        *found = *std::move(version);
+        return StoredCrcsKnown(**found) ? Work::kQuick : Work::kLong;
       });
 }
 
