@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace weightstore {
 
@@ -48,8 +49,11 @@ class ChecksumCache {
   // computes a key, others asking for it wait for its outcome (an error
   // too) instead of computing it again; if it was Cancelled (that caller's
   // client left), one of them computes it.
+  // `cancelled` (may be empty), asked every 100 ms while waiting, ends the
+  // wait with Cancelled.
   absl::StatusOr<uint32_t> FindOrCompute(const std::string& key,
-                                         const std::function<absl::StatusOr<uint32_t>()>& compute) const {
+                                         const std::function<absl::StatusOr<uint32_t>()>& compute,
+                                         const std::function<bool()>& cancelled = {}) const {
     std::shared_ptr<Pending> pending;
     {
       absl::MutexLock lock(&mu_);
@@ -61,7 +65,9 @@ class ChecksumCache {
           break;
         }
         std::shared_ptr<Pending> theirs = it->second;
-        mu_.Await(absl::Condition(&theirs->done));
+        while (!mu_.AwaitWithTimeout(absl::Condition(&theirs->done), absl::Milliseconds(100))) {
+          if (cancelled && cancelled()) return absl::CancelledError("stopped waiting for a checksum");
+        }
         if (!absl::IsCancelled(theirs->result.status())) return theirs->result;
       }
     }

@@ -215,7 +215,7 @@ struct NodeCache::Flight {
     uint64_t ticket = 0;
     bool started = false;  // its call started the transfer
   };
-  std::vector<Waiter> waiters;
+  std::map<uint64_t, Waiter> waiters;  // by ticket, in arrival order
   std::atomic<uint64_t> pulled{0};
 };
 
@@ -419,7 +419,8 @@ uint64_t NodeCache::PullAsync(const std::string& name, Done done) {
                                                             it->second->waiters.size(),
                                                             " requests already wait for it; retry later"));
       } else {
-        it->second->waiters.push_back({std::move(done), start, ++last_ticket_});  // joins the transfer under way
+        ++last_ticket_;  // joins the transfer under way
+        it->second->waiters.emplace(last_ticket_, Flight::Waiter{std::move(done), start, last_ticket_});
         return last_ticket_;
       }
     } else if (flights_.size() >= static_cast<size_t>(options_.max_concurrent_pulls)) {
@@ -428,7 +429,8 @@ uint64_t NodeCache::PullAsync(const std::string& name, Done done) {
     } else {
       if (nf != not_found_.end()) not_found_.erase(nf);
       auto flight = std::make_shared<Flight>();
-      flight->waiters.push_back({std::move(done), start, ++last_ticket_, /*started=*/true});
+      ++last_ticket_;
+      flight->waiters.emplace(last_ticket_, Flight::Waiter{std::move(done), start, last_ticket_, /*started=*/true});
       flights_[name] = flight;
       {
         absl::MutexLock running_lock(&running_->mu);
@@ -447,7 +449,7 @@ uint64_t NodeCache::PullAsync(const std::string& name, Done done) {
         return last_ticket_;
       } catch (const std::system_error& e) {  // no thread to be had: refuse, as when pulls are at their limit
         flights_.erase(name);
-        done = std::move(flight->waiters.front().done);
+        done = std::move(flight->waiters.begin()->second.done);
         absl::MutexLock running_lock(&running_->mu);
         --running_->threads;
         refused = absl::ResourceExhaustedError(
@@ -466,11 +468,10 @@ void NodeCache::Abandon(const std::string& name, uint64_t ticket) {
     absl::MutexLock lock(&mu_);
     auto flight = flights_.find(name);
     if (flight == flights_.end()) return;  // delivered (or being delivered)
-    std::vector<Flight::Waiter>& waiters = flight->second->waiters;
-    auto it = std::find_if(waiters.begin(), waiters.end(), [&](const Flight::Waiter& w) { return w.ticket == ticket; });
-    if (it == waiters.end()) return;
-    done = std::move(it->done);
-    waiters.erase(it);
+    auto it = flight->second->waiters.find(ticket);
+    if (it == flight->second->waiters.end()) return;
+    done = std::move(it->second.done);
+    flight->second->waiters.erase(it);
   }
   done(absl::CancelledError(absl::StrCat("stopped waiting for checkpoint '", name, "' to be pulled")));
 }
@@ -483,7 +484,7 @@ void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>
     status = absl::Status(status.code(),
                           absl::StrCat("pulling '", name, "' from ", origin_->Describe(), ": ", status.message()));
   }
-  std::vector<Flight::Waiter> waiters;
+  std::map<uint64_t, Flight::Waiter> waiters;
   {
     absl::MutexLock lock(&mu_);
     flights_.erase(name);
@@ -497,17 +498,17 @@ void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>
   if (status.ok() && version == nullptr) {
     status = absl::UnavailableError(absl::StrCat("checkpoint '", name, "' was pulled, then unloaded; retry"));
   }
-  for (size_t i = 0; i < waiters.size(); ++i) {
+  for (auto& [ticket, waiter] : waiters) {
     if (!status.ok()) {
-      waiters[i].done(status);
+      waiter.done(status);
       continue;
     }
     PullResult result;
-    result.joined = !waiters[i].started;
-    result.bytes_pulled = waiters[i].started ? flight->pulled.load() : 0;
+    result.joined = !waiter.started;
+    result.bytes_pulled = waiter.started ? flight->pulled.load() : 0;
     result.bytes = version->checkpoint()->total_bytes();
-    result.seconds = absl::ToDoubleSeconds(absl::Now() - waiters[i].start);
-    waiters[i].done(result);
+    result.seconds = absl::ToDoubleSeconds(absl::Now() - waiter.start);
+    waiter.done(result);
   }
 }
 

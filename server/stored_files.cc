@@ -55,19 +55,22 @@ std::string StoredCrcKey(const StoredFile& file) { return absl::StrCat("stored-f
 
 absl::StatusOr<uint32_t> StoredCrc(const CheckpointVersion& version, const StoredFile& file,
                                    const std::function<bool()>& cancelled) {
-  return version.checksums().FindOrCompute(StoredCrcKey(file), [&]() -> absl::StatusOr<uint32_t> {
-    uint32_t crc = 0;
-    constexpr uint64_t kBlock = uint64_t{8} << 20;
-    for (uint64_t offset = 0; offset < file.size; offset += kBlock) {
-      if (cancelled && cancelled()) {
-        return absl::CancelledError(absl::StrCat("the checksum of '", file.path, "' was cancelled"));
-      }
-      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes,
-                                   StoredBytes(version, file, offset, std::min(kBlock, file.size - offset)));
-      crc = Crc32cExtend(crc, bytes.view());
-    }
-    return crc;  // kept only if the version is unchanged (ChecksumCache::Store)
-  });
+  return version.checksums().FindOrCompute(
+      StoredCrcKey(file),
+      [&]() -> absl::StatusOr<uint32_t> {
+        uint32_t crc = 0;
+        constexpr uint64_t kBlock = uint64_t{8} << 20;
+        for (uint64_t offset = 0; offset < file.size; offset += kBlock) {
+          if (cancelled && cancelled()) {
+            return absl::CancelledError(absl::StrCat("the checksum of '", file.path, "' was cancelled"));
+          }
+          WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes,
+                                       StoredBytes(version, file, offset, std::min(kBlock, file.size - offset)));
+          crc = Crc32cExtend(crc, bytes.view());
+        }
+        return crc;  // kept only if the version is unchanged (ChecksumCache::Store)
+      },
+      cancelled);
 }
 
 }  // namespace

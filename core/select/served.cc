@@ -37,34 +37,37 @@ absl::Status MaterializeServed(const Snapshot& snapshot, const ServedTensorPlan&
 
 absl::StatusOr<uint32_t> ServedChecksum(const Snapshot& snapshot, const ServedTensorPlan& plan,
                                         const ChecksumCache& cache, const std::function<bool()>& cancelled) {
-  return cache.FindOrCompute(plan.key, [&]() -> absl::StatusOr<uint32_t> {
-    constexpr uint64_t kChunk = 1 << 20;  // a multiple of every element size
-    auto stop = [&]() -> absl::Status {
-      if (cancelled && cancelled()) {
-        return absl::CancelledError(absl::StrCat(
-            "the checksum of '", plan.tensor != nullptr ? plan.tensor->spec.name : plan.key, "' was cancelled"));
-      }
-      return absl::OkStatus();
-    };
-    uint32_t crc = 0;
-    if (plan.is_byte_range()) {
-      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes, ReadServedView(snapshot, plan));
-      const absl::string_view view = bytes.view();
-      for (size_t at = 0; at < view.size(); at += kChunk) {
-        WEIGHTSTORE_RETURN_IF_ERROR(stop());
-        crc = Crc32cExtend(crc, view.substr(at, kChunk));
-      }
-      return crc;
-    }
-    std::vector<std::byte> chunk;
-    for (uint64_t at = 0; at < plan.byte_size; at += kChunk) {
-      WEIGHTSTORE_RETURN_IF_ERROR(stop());
-      chunk.resize(std::min(kChunk, plan.byte_size - at));
-      WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, chunk));
-      crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(chunk.data()), chunk.size()));
-    }
-    return crc;
-  });
+  return cache.FindOrCompute(
+      plan.key,
+      [&]() -> absl::StatusOr<uint32_t> {
+        constexpr uint64_t kChunk = 1 << 20;  // a multiple of every element size
+        auto stop = [&]() -> absl::Status {
+          if (cancelled && cancelled()) {
+            return absl::CancelledError(absl::StrCat(
+                "the checksum of '", plan.tensor != nullptr ? plan.tensor->spec.name : plan.key, "' was cancelled"));
+          }
+          return absl::OkStatus();
+        };
+        uint32_t crc = 0;
+        if (plan.is_byte_range()) {
+          WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes, ReadServedView(snapshot, plan));
+          const absl::string_view view = bytes.view();
+          for (size_t at = 0; at < view.size(); at += kChunk) {
+            WEIGHTSTORE_RETURN_IF_ERROR(stop());
+            crc = Crc32cExtend(crc, view.substr(at, kChunk));
+          }
+          return crc;
+        }
+        std::vector<std::byte> chunk;
+        for (uint64_t at = 0; at < plan.byte_size; at += kChunk) {
+          WEIGHTSTORE_RETURN_IF_ERROR(stop());
+          chunk.resize(std::min(kChunk, plan.byte_size - at));
+          WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, chunk));
+          crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(chunk.data()), chunk.size()));
+        }
+        return crc;
+      },
+      cancelled);
 }
 
 }  // namespace weightstore

@@ -186,6 +186,31 @@ TEST(ChecksumCacheTest, WaitersShareAnErrorButComputeAgainAfterACancel) {
   }
 }
 
+TEST(ChecksumCacheTest, AWaiterWhoseCallerLeftStopsWaiting) {
+  ChecksumCache cache;
+  absl::Notification release, computing;
+  std::thread a([&] {
+    (void)cache.FindOrCompute("k", [&]() -> absl::StatusOr<uint32_t> {
+      computing.Notify();
+      release.WaitForNotification();
+      return 1u;
+    });
+  });
+  computing.WaitForNotification();
+  std::atomic<bool> left{false};
+  absl::StatusOr<uint32_t> waited;
+  std::thread b([&] {
+    waited = cache.FindOrCompute(
+        "k", [] { return absl::StatusOr<uint32_t>(2u); }, [&] { return left.load(); });
+  });
+  left = true;
+  b.join();  // while the first computation still runs
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kCancelled);
+  release.Notify();
+  a.join();
+  EXPECT_EQ(cache.Find("k"), 1u);
+}
+
 TEST(ServedTensorPlanTest, ACancelledChecksumStopsAndKeepsNothing) {
   auto c = TwoViews();
   auto snapshot = Serve(c, {{{"cast", DType::kBF16, {2, 3}}, &c->entries()[0], false}});
