@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -147,8 +148,13 @@ bool IsAbandonedTemporary(int folder_fd, const std::string& name, int64_t min_ag
   const int fd = ::openat(folder_fd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return false;
   struct stat st;
+  // The fine clock: time() reads a coarse one, which can lag a file's mtime
+  // (taken from the fine clock on kernels with multigrain timestamps, 6.13+)
+  // by a tick, and a file written just now then looks written in the future.
+  struct timespec now;
+  ::clock_gettime(CLOCK_REALTIME, &now);
   bool abandoned = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0 &&
-                   ::time(nullptr) - st.st_mtim.tv_sec >= min_age_seconds;
+                   now.tv_sec - st.st_mtim.tv_sec >= min_age_seconds;
   ::close(fd);
   return abandoned;
 }

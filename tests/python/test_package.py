@@ -286,13 +286,26 @@ class PackageTest(unittest.TestCase):
         start = time.perf_counter()
         self.assertEqual(store.tensors("pkg/one")["w"].numel(), 128 << 20)
         whole = time.perf_counter() - start
-        timer = threading.Timer(whole / 4, lambda: os.kill(os.getpid(), signal.SIGINT))
-        start = time.perf_counter()
-        timer.start()
-        with self.assertRaises(KeyboardInterrupt):
-            store.tensors("pkg/one")
-        interrupted = time.perf_counter() - start
-        timer.join()
+        # On a loaded machine the measured fetch can be slower than the next
+        # one, which then ends before the signal: tried again (three times).
+        for _ in range(3):
+            timer = threading.Timer(whole / 4, lambda: os.kill(os.getpid(), signal.SIGINT))
+            start = time.perf_counter()
+            timer.start()
+            try:
+                store.tensors("pkg/one")
+                cancelled = False
+            except KeyboardInterrupt:
+                cancelled = True
+            interrupted = time.perf_counter() - start
+            try:  # a signal that came after the fetch is taken here, not in another test
+                timer.join()
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                pass
+            if cancelled:
+                break
+        self.assertTrue(cancelled, "the fetch ended before Ctrl-C three times")
         print(f"\nCtrl-C: a {whole * 1e3:.0f} ms one-tensor fetch interrupted at {whole * 250:.0f} ms returned "
               f"after {interrupted * 1e3:.0f} ms")
         self.assertLess(interrupted, whole * 0.8)
