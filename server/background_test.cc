@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -27,16 +28,23 @@ TEST(BackgroundTest, JobsRunOnTheWorkersWithOkStatus) {
   EXPECT_EQ(ran.load(), 10);
 }
 
-TEST(BackgroundTest, AFullQueueRefusesAJobWithoutCallingIt) {
-  Background background(1, 2, "checksum work");
-  absl::Notification release, started;
+// Gives `background`'s one worker a job that runs until `release`, and waits
+// until it has started.
+void OccupyTheWorker(Background& background, absl::Notification& release) {
+  auto started = std::make_shared<absl::Notification>();  // outlives this call, for the job
   ASSERT_TRUE(background
-                  .Post([&](absl::Status) {
-                    started.Notify();
+                  .Post([started, &release](absl::Status) {
+                    started->Notify();
                     release.WaitForNotification();
                   })
                   .ok());
-  started.WaitForNotification();  // the one worker is busy: the next two wait
+  started->WaitForNotification();
+}
+
+TEST(BackgroundTest, AFullQueueRefusesAJobWithoutCallingIt) {
+  Background background(1, 2, "checksum work");
+  absl::Notification release;
+  ASSERT_NO_FATAL_FAILURE(OccupyTheWorker(background, release));
   std::atomic<int> ran{0}, called{0};
   auto job = [&](absl::Status runnable) {
     ++called;
@@ -58,14 +66,8 @@ TEST(BackgroundTest, AFullQueueRefusesAJobWithoutCallingIt) {
 
 TEST(BackgroundTest, StopEndsQueuedJobsUnavailableAndRefusesNewOnes) {
   Background background(1, 8, "test work");
-  absl::Notification release, started;
-  ASSERT_TRUE(background
-                  .Post([&](absl::Status) {
-                    started.Notify();
-                    release.WaitForNotification();
-                  })
-                  .ok());
-  started.WaitForNotification();
+  absl::Notification release;
+  ASSERT_NO_FATAL_FAILURE(OccupyTheWorker(background, release));
   std::vector<absl::StatusCode> codes;
   for (int i = 0; i < 3; ++i) {
     ASSERT_TRUE(background.Post([&](absl::Status runnable) { codes.push_back(runnable.code()); }).ok());
