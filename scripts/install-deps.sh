@@ -18,8 +18,8 @@ packages=(
   # origins: S3 over libcurl (SigV4 signing), its XML replies parsed with expat
   libcurl4-openssl-dev libexpat1-dev
   # the Python package: its extension (pybind11), and offline installs into a
-  # venv with Debian's build backend
-  pybind11-dev python3-pybind11 python3-dev python3-venv python3-pip python3-setuptools python3-wheel
+  # venv with Debian's build backend; DLPack hands tensors to torch
+  libdlpack-dev pybind11-dev python3-pybind11 python3-dev python3-venv python3-pip python3-setuptools python3-wheel
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev
   python3 python3-torch python3-numpy python3-grpcio libtorch-dev bc \

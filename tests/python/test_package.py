@@ -172,6 +172,61 @@ class PackageTest(unittest.TestCase):
                     self.assertEqual(got[name].device, torch.device("cuda:0"))
                     self.assertTrue(torch.equal(got[name].cpu(), want), name)
 
+    def test_the_cuda_path_is_the_cpp_clients_and_says_when_there_is_no_gpu(self):
+        # Below the package's torch check: the extension's own device fetch.
+        # Without a GPU it fails cleanly for every store, which stays usable;
+        # with one, it returns GPU memory that torch takes through DLPack.
+        selection = weightstore._selection()
+        for label, store in self.stores().items():
+            with self.subTest(transport=label):
+                if torch.cuda.is_available():
+                    _, _, _, buffer = store._native.fetch_to_device("pkg/mlp", selection, 0)["tensors"][0]
+                    self.assertEqual(buffer.__dlpack_device__(), (2, 0))
+                    self.assertEqual(torch.from_dlpack(buffer).device, torch.device("cuda:0"))
+                    continue
+                with self.assertRaises(weightstore.Error) as e:
+                    store._native.fetch_to_device("pkg/mlp", selection, 0)
+                if weightstore._native.has_cuda:
+                    self.assertEqual(e.exception.code, "UNAVAILABLE")
+                    self.assertIn("no CUDA device for cuda:0", e.exception.message)
+                else:
+                    self.assertIn("no CUDA support", e.exception.message)
+                # The store is still usable afterwards.
+                self.assertEqual(len(store.tensors("pkg/mlp")), len(self.model.state_dict()))
+
+    def test_tensors_reach_torch_through_dlpack_and_free_their_memory_with_the_last_one(self):
+        def rss_mib():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+        # A buffer exports flat host bytes; views share them.
+        buffer = self.remote._native.fetch("pkg/mlp", weightstore._selection())["tensors"][0][3]
+        self.assertEqual(buffer.__dlpack_device__(), (1, 0))
+        a, b = torch.from_dlpack(buffer), torch.from_dlpack(buffer)
+        self.assertEqual((a.dtype, a.numel()), (torch.uint8, len(buffer)))
+        a[0] ^= 0xFF
+        self.assertEqual(a[0].item(), b[0].item())
+        del a, b, buffer
+        # 256 MiB fetched and exported as capsules never consumed and as
+        # consumed ones, and 256 MiB fetched as the package's tensors: each
+        # fetch's memory is freed with its last holder, and valid until then.
+        before = rss_mib()
+        fetched = self.remote._native.fetch("pkg/big", weightstore._selection())["tensors"]
+        unused = [item[3].__dlpack__() for item in fetched]
+        raw = [torch.from_dlpack(item[3].__dlpack__()) for item in fetched]
+        tensors = self.remote.tensors("pkg/big")
+        peak = rss_mib()
+        self.assertGreater(peak - before, 400)
+        del fetched, unused
+        for i in (0, 63):
+            self.assertTrue(torch.all(raw[i].view(torch.float32) == float(i)))
+        del raw
+        self.assertLess(rss_mib(), peak - 200)
+        last = tensors["w.63"]
+        del tensors
+        self.assertLess(rss_mib(), peak - 400)
+        self.assertTrue(torch.all(last == 63.0))
+
     def test_load_into_ignores_buffers_outside_the_state_dict(self):
         model = make_model()
         model.register_buffer("inv_freq", torch.ones(3), persistent=False)  # as rotary embeddings do

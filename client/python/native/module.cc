@@ -4,11 +4,13 @@
 //
 // Bytes never pass through Python objects: a fetched tensor is a Buffer that
 // shares its C++ owner (a HostBuffer, or a copy-on-write mapping of the
-// daemon's socket) and exposes it through the buffer protocol, so numpy and torch view
-// it without a copy and keep it alive. The GIL is released while bytes move; a
+// daemon's socket) and exposes it through DLPack (torch) and the buffer
+// protocol (numpy), so both view it without a copy and keep it alive. Tensors
+// fetched onto a GPU (client/materialize.h) are DeviceBuffers, DLPack only. The GIL is released while bytes move; a
 // fetch runs on a worker thread while the calling thread waits for signals, so
 // Ctrl-C cancels it and raises KeyboardInterrupt: within about 20 ms over gRPC
 // (mid-tensor and mid-retry too), before the next tensor on local files.
+#include <dlpack/dlpack.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -25,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/materialize.h"
 #include "client/store.h"
 #include "client/updates.h"
 #include "core/dtype.h"
@@ -49,10 +52,57 @@ T Unwrap(absl::StatusOr<T> value) {
   return *std::move(value);
 }
 
-// Bytes shared with their C++ owner, exposed through the buffer protocol.
+// A DLPack export: the tensor torch.from_dlpack receives, and the owner it
+// holds until torch calls the deleter (from any thread, with or without the
+// GIL: releasing `owner` touches no Python object).
+struct Exported {
+  DLManagedTensor managed{};
+  std::shared_ptr<void> owner;
+  int64_t shape[1] = {0};
+};
+
+void DeleteExported(DLManagedTensor* managed) { delete static_cast<Exported*>(managed->manager_ctx); }
+
+// A capsule that was never consumed still owns its export.
+void DestroyCapsule(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, "dltensor")) return;  // consumed: renamed "used_dltensor"
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+  if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);
+}
+
+// `size` bytes at `data` on `device` as a DLPack capsule of a flat uint8
+// tensor (the package views it as the tensor's dtype and shape), sharing
+// `owner`.
+py::object ToDLPack(std::shared_ptr<void> owner, void* data, size_t size, DLDevice device) {
+  auto exported = std::make_unique<Exported>();
+  exported->owner = std::move(owner);
+  exported->shape[0] = static_cast<int64_t>(size);
+  DLTensor& t = exported->managed.dl_tensor;
+  t.data = data;
+  t.device = device;
+  t.ndim = 1;
+  t.dtype = DLDataType{kDLUInt, 8, 1};
+  t.shape = exported->shape;
+  t.strides = nullptr;  // compact
+  t.byte_offset = 0;
+  exported->managed.manager_ctx = exported.get();
+  exported->managed.deleter = &DeleteExported;
+  PyObject* capsule = PyCapsule_New(&exported->managed, "dltensor", &DestroyCapsule);
+  if (capsule == nullptr) throw py::error_already_set();
+  exported.release();  // the capsule, then its consumer, owns it now
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
+// Bytes shared with their C++ owner, exposed through DLPack and the buffer
+// protocol.
 class Buffer {
  public:
   Buffer(SharedBytes bytes, bool writable) : bytes_(std::move(bytes)), writable_(writable) {}
+  // DLPack's producer side; the bytes are ready, so any stream is fine.
+  py::object DLPack(const py::object& /*stream*/) const {
+    std::shared_ptr<void> owner = std::const_pointer_cast<void>(bytes_.owner());
+    return ToDLPack(std::move(owner), const_cast<std::byte*>(bytes_.data()), bytes_.size(), DLDevice{kDLCPU, 0});
+  }
   py::buffer_info Info() const {
     // Writable when writes stay in this process: a fetch's own memory, or a
     // socket's copy-on-write mapping.
@@ -65,6 +115,25 @@ class Buffer {
  private:
   SharedBytes bytes_;
   bool writable_;
+};
+
+// A tensor's bytes in GPU memory (client::Materialize), exposed through DLPack.
+// Materialize returns once every copy is done, so the bytes are ready on every
+// stream and __dlpack__ ignores the consumer's.
+class DeviceBuffer {
+ public:
+  DeviceBuffer(std::shared_ptr<void> memory, size_t size, int device)
+      : memory_(std::move(memory)), size_(size), device_(device) {}
+  py::object DLPack(const py::object& /*stream*/) const {
+    return ToDLPack(memory_, memory_.get(), size_, DLDevice{kDLCUDA, device_});
+  }
+  py::tuple Device() const { return py::make_tuple(static_cast<int>(kDLCUDA), device_); }
+  size_t size() const { return size_; }
+
+ private:
+  std::shared_ptr<void> memory_;
+  size_t size_;
+  int device_;
 };
 
 // Runs `work` on a worker thread with the GIL released, checking for signals
@@ -245,6 +314,12 @@ class Store {
  public:
   Store(std::unique_ptr<client::Store> store, client::SharedMemoryStore* shm, std::string kind)
       : store_(std::move(store)), shm_(shm), kind_(std::move(kind)) {}
+  // A socket store: `socket_path` and `options` open the read-only connection
+  // that device fetches use.
+  Store(std::unique_ptr<client::SharedMemoryStore> store, std::string socket_path, client::SharedMemoryOptions options)
+      : shm_(store.get()), kind_("socket"), socket_path_(std::move(socket_path)), socket_options_(options) {
+    store_ = std::move(store);
+  }
 
   const std::string& kind() const { return kind_; }
 
@@ -323,6 +398,36 @@ class Store {
     return out;
   }
 
+  // Every selected tensor copied onto CUDA device `device` by the C++ client
+  // (client::Materialize): from a socket, one DMA per mapped extent out of the
+  // daemon's mappings, registered for this call; from gRPC or local files,
+  // through a ring of pinned staging buffers that overlaps the transfer.
+  // UNAVAILABLE without a GPU or in a build without CUDA.
+  py::dict FetchToDevice(const std::string& name, const py::dict& selection, int device) {
+    client::Query query = ToQuery(selection);
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    query.cancel = cancel;
+    client::MaterializeOptions options;
+    options.device = client::Device::Cuda(device);
+    std::vector<client::MaterializedTensor> tensors =
+        Unwrap(RunInterruptibly<absl::StatusOr<std::vector<client::MaterializedTensor>>>(
+            cancel, [&]() -> absl::StatusOr<std::vector<client::MaterializedTensor>> {
+              absl::StatusOr<client::Store*> store = DeviceSource();
+              if (!store.ok()) return store.status();
+              return client::Materialize(**store, name, query, options);
+            }));
+    py::list out;
+    for (client::MaterializedTensor& t : tensors) {
+      const size_t size = t.spec.byte_size();
+      out.append(py::make_tuple(t.spec.name, std::string(DTypeName(t.spec.dtype)), py::tuple(py::cast(t.spec.shape)),
+                                DeviceBuffer(std::move(t.memory), size, device)));
+    }
+    py::dict result;
+    result["version"] = query.version;
+    result["tensors"] = out;
+    return result;
+  }
+
   // What changed since version `since` (empty: everything): the listing's
   // version, whether it is a delta (else why not), every selected name in
   // listing order, those unchanged, and the tensors received (the rest):
@@ -385,15 +490,37 @@ class Store {
   }
 
  private:
+  // The store device fetches read from. A socket store's own connection maps
+  // copy-on-write, and cudaHostRegister of a copy-on-write file mapping hung
+  // on the H100 test machine (client/store.h), so device fetches get a second
+  // connection, opened on first use, that maps read-only.
+  absl::StatusOr<client::Store*> DeviceSource() {
+    if (shm_ == nullptr) return store_.get();
+    std::lock_guard<std::mutex> lock(device_mu_);
+    if (read_only_ == nullptr) {
+      client::SharedMemoryOptions options = socket_options_;
+      options.copy_on_write = false;
+      absl::StatusOr<std::unique_ptr<client::SharedMemoryStore>> opened =
+          client::ConnectSharedMemoryStore(socket_path_, options);
+      if (!opened.ok()) return opened.status();
+      read_only_ = *std::move(opened);
+    }
+    return read_only_.get();
+  }
+
   std::unique_ptr<client::Store> store_;
-  client::SharedMemoryStore* shm_;  // store_ itself, when it is a socket store
+  client::SharedMemoryStore* shm_ = nullptr;  // store_ itself, when it is a socket store
   std::string kind_;
+  std::string socket_path_;
+  client::SharedMemoryOptions socket_options_;
+  std::mutex device_mu_;
+  std::unique_ptr<client::SharedMemoryStore> read_only_;  // guarded by device_mu_
 };
 
 // "file:/models" (or a path), "unix:/run/ws.sock", or "host:port".
-Store Connect(const std::string& url, const std::string& token, const std::string& tls_ca, const std::string& tls_cert,
-              const std::string& tls_key, int parallel_streams, std::optional<bool> pipeline, int max_resumes,
-              double timeout_seconds) {
+std::unique_ptr<Store> Connect(const std::string& url, const std::string& token, const std::string& tls_ca,
+                               const std::string& tls_cert, const std::string& tls_key, int parallel_streams,
+                               std::optional<bool> pipeline, int max_resumes, double timeout_seconds) {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
   if (absl::StartsWith(url, "file:") || absl::StartsWith(url, "/") || absl::StartsWith(url, ".")) {
     const std::string path = absl::StartsWith(url, "file:") ? url.substr(5) : url;
@@ -402,7 +529,7 @@ Store Connect(const std::string& url, const std::string& token, const std::strin
       py::gil_scoped_release release;
       local = client::OpenLocalStore(path);
     }
-    return Store(Unwrap(std::move(local)), nullptr, "local");
+    return std::make_unique<Store>(Unwrap(std::move(local)), nullptr, "local");
   }
   if (absl::StartsWith(url, "unix:")) {
     client::SharedMemoryOptions options;
@@ -413,9 +540,7 @@ Store Connect(const std::string& url, const std::string& token, const std::strin
       py::gil_scoped_release release;
       shm = client::ConnectSharedMemoryStore(url.substr(5), options);
     }
-    std::unique_ptr<client::SharedMemoryStore> store = Unwrap(std::move(shm));
-    client::SharedMemoryStore* raw = store.get();
-    return Store(std::move(store), raw, "socket");
+    return std::make_unique<Store>(Unwrap(std::move(shm)), url.substr(5), options);
   }
   client::RemoteOptions options;
   options.deadline = timeout;
@@ -432,7 +557,7 @@ Store Connect(const std::string& url, const std::string& token, const std::strin
     py::gil_scoped_release release;
     remote = client::ConnectRemoteStore(address, options);
   }
-  return Store(Unwrap(std::move(remote)), nullptr, "remote");
+  return std::make_unique<Store>(Unwrap(std::move(remote)), nullptr, "remote");
 }
 
 }  // namespace
@@ -444,17 +569,30 @@ PYBIND11_MODULE(_native, m) {
   py::class_<Buffer>(m, "Buffer", py::buffer_protocol())
       .def_buffer(&Buffer::Info)
       .def("__len__", &Buffer::size)
+      .def("__dlpack__", &Buffer::DLPack, py::arg("stream") = py::none())
+      .def("__dlpack_device__", [](const Buffer&) { return py::make_tuple(static_cast<int>(kDLCPU), 0); })
       .def_property_readonly("writable", &Buffer::writable);
+  py::class_<DeviceBuffer>(m, "DeviceBuffer")
+      .def("__len__", &DeviceBuffer::size)
+      .def("__dlpack__", &DeviceBuffer::DLPack, py::arg("stream") = py::none())
+      .def("__dlpack_device__", &DeviceBuffer::Device);
   py::class_<Store>(m, "Store")
       .def_property_readonly("kind", &Store::kind)
       .def("list", &Store::List)
       .def("info", &Store::Info, py::arg("name"))
       .def("listing", &Store::Listing, py::arg("name"), py::arg("selection"))
       .def("fetch", &Store::Fetch, py::arg("name"), py::arg("selection"))
+      .def("fetch_to_device", &Store::FetchToDevice, py::arg("name"), py::arg("selection"), py::arg("device"))
       .def("delta", &Store::Delta, py::arg("name"), py::arg("selection"), py::arg("since"))
       .def("watch", &Store::Watch, py::arg("name"), py::arg("prefix"), py::arg("known"), py::arg("callback"));
   m.def("connect", &Connect, py::arg("url"), py::arg("token") = "", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
         py::arg("tls_key") = "", py::arg("parallel_streams") = 0, py::arg("pipeline") = py::none(),
         py::arg("max_resumes") = 3, py::arg("timeout") = 600.0);
   m.def("tune_allocator_for_streaming", &weightstore::client::TuneAllocatorForStreaming);
+  // Whether this build has the C++ client's CUDA paths (WEIGHTSTORE_WITH_CUDA).
+#if WEIGHTSTORE_HAVE_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
 }
