@@ -1,5 +1,6 @@
 // LocalStore: a Store over files read in this process, through the same registry
 // and selection code the daemon uses.
+#include <algorithm>
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
@@ -54,6 +55,10 @@ class LocalStore final : public Store {
     return listing;
   }
 
+  // A tensor is written 64 MiB at a time (about 20-60 ms here), the cancel
+  // flag asked before each piece.
+  static constexpr size_t kCopyPiece = 64u << 20;
+
   absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, registry_.Find(name, query.version));
     std::shared_ptr<const Snapshot> snapshot;
@@ -62,7 +67,15 @@ class LocalStore final : public Store {
     for (const SnapshotTensor& t : snapshot->tensors()) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
-      WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(*snapshot, PlanServedTensor(*snapshot, t), 0, out));
+      // In pieces, so that a cancel stops a large tensor within one piece.
+      const ServedTensorPlan plan = PlanServedTensor(*snapshot, t);
+      for (size_t offset = 0; offset < out.size(); offset += kCopyPiece) {
+        if (query.cancel != nullptr && query.cancel->load()) {
+          return absl::CancelledError(absl::StrCat("fetch of '", name, "' cancelled in tensor '", t.spec.name, "'"));
+        }
+        WEIGHTSTORE_RETURN_IF_ERROR(
+            MaterializeServed(*snapshot, plan, offset, out.subspan(offset, std::min(kCopyPiece, out.size() - offset))));
+      }
       WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
     }
     return absl::OkStatus();

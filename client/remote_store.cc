@@ -207,7 +207,10 @@ class RemoteStore final : public Store {
     req.set_since_version(query.since_version);
     ToProto(query, req.mutable_selection());
     pb::ListTensorsResponse resp;
-    WEIGHTSTORE_RETURN_IF_ERROR(FromGrpcStatus(stub_->ListTensors(&ctx, req, &resp)));
+    {
+      CancelWatch watch(query.cancel, &ctx);  // a listing with checksums can take a while
+      WEIGHTSTORE_RETURN_IF_ERROR(FromGrpcStatus(stub_->ListTensors(&ctx, req, &resp)));
+    }
     TensorListing listing;
     listing.version = resp.version();
     for (const pb::TensorInfo& info : resp.tensors()) {

@@ -72,7 +72,7 @@ class ShmStore final : public SharedMemoryStore {
     Fill(name, query, request.mutable_map_tensors());
     request.mutable_map_tensors()->set_table_only(true);
     request.mutable_map_tensors()->set_skip_checksums(!query.with_checksums);
-    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request, query.cancel));
     const pb::MapTensorsResponse& map = reply.response.map_tensors();
     TensorListing listing;
     listing.version = map.version();
@@ -88,7 +88,7 @@ class ShmStore final : public SharedMemoryStore {
   absl::StatusOr<MappedTensors> MapTensors(const std::string& name, const Query& query) override {
     pb::ShmRequest request;
     Fill(name, query, request.mutable_map_tensors());
-    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request, query.cancel));
     const pb::MapTensorsResponse& map = reply.response.map_tensors();
     if (reply.fds.size() != static_cast<size_t>(map.segments_size())) {
       return absl::DataLossError(
@@ -173,8 +173,11 @@ class ShmStore final : public SharedMemoryStore {
 
   // Sends `request` and returns the answer. A connection the daemon closed
   // (a restart) is replaced once; requests have no side effects, so resending
-  // is safe.
-  absl::StatusOr<Reply> Call(const pb::ShmRequest& request) {
+  // is safe. With `cancel`, the wait for the answer (a cast being made, a
+  // checkpoint being pulled) ends within about 20 ms of it being set, and the
+  // connection is dropped so that its late answer is never read.
+  absl::StatusOr<Reply> Call(const pb::ShmRequest& request,
+                             const std::shared_ptr<const std::atomic<bool>>& cancel = nullptr) {
     const std::string bytes = request.SerializeAsString();
     absl::MutexLock lock(&mu_);
     absl::Status status;
@@ -183,6 +186,12 @@ class ShmStore final : public SharedMemoryStore {
       Reply reply;
       std::string frame;
       status = SendFrame(socket_.get(), bytes);
+      if (status.ok() && cancel != nullptr) {
+        if (absl::Status ready = WaitReadable(socket_.get(), *cancel, options_.timeout); !ready.ok()) {
+          socket_.reset();
+          return absl::Status(ready.code(), absl::StrCat("weightstored socket '", path_, "': ", ready.message()));
+        }
+      }
       // Even when sending failed, the daemon may have answered first and closed
       // (a refusal on connect): read what is queued.
       absl::Status received = RecvFrame(socket_.get(), options_.max_response_bytes, &frame, &reply.fds);

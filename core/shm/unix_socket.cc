@@ -1,9 +1,11 @@
 #include "core/shm/unix_socket.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -132,6 +134,19 @@ absl::Status SetSocketTimeouts(int socket, std::chrono::milliseconds timeout) {
     return StatusFromErrno(errno, "setsockopt(SO_RCVTIMEO, SO_SNDTIMEO)");
   }
   return absl::OkStatus();
+}
+
+absl::Status WaitReadable(int socket, const std::atomic<bool>& cancelled, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!cancelled.load()) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return absl::DeadlineExceededError("waiting for an answer: timed out");
+    pollfd p{socket, POLLIN, 0};
+    const int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 20)));
+    if (n > 0) return absl::OkStatus();  // readable, closed or failed: the read says which
+    if (n < 0 && errno != EINTR) return StatusFromErrno(errno, "poll");
+  }
+  return absl::CancelledError("cancelled while waiting for an answer");
 }
 
 absl::StatusOr<UniqueFd> ConnectUnixSocket(const std::string& path) {

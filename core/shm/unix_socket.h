@@ -7,6 +7,7 @@
 #ifndef WEIGHTSTORE_CORE_SHM_UNIX_SOCKET_H_
 #define WEIGHTSTORE_CORE_SHM_UNIX_SOCKET_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <span>
@@ -57,6 +58,12 @@ absl::Status RecvFrame(int socket, uint32_t max_bytes, std::string* payload, std
 // Sets the send and receive timeouts of `socket` (SO_SNDTIMEO, SO_RCVTIMEO):
 // a blocked SendFrame/RecvFrame then fails with DeadlineExceeded.
 absl::Status SetSocketTimeouts(int socket, std::chrono::milliseconds timeout);
+
+// Waits until `socket` has something to read (or the peer closed it), asking
+// `cancelled` every 20 ms. Returns Cancelled once it says so, DeadlineExceeded
+// after `timeout`. A caller that gives up must close the socket: the answer it
+// was waiting for may still come.
+absl::Status WaitReadable(int socket, const std::atomic<bool>& cancelled, std::chrono::milliseconds timeout);
 
 // Connects to the Unix socket at `path`. NotFound if nothing is there,
 // Unavailable if nobody listens, PermissionDenied if the socket's mode refuses.

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -41,6 +42,32 @@ TEST(UnixSocketTest, FramesCarryPayloadAndDescriptors) {
   ASSERT_OK(RecvFrame(b.get(), 1 << 20, &payload, &fds));
   EXPECT_EQ(payload.size(), 100000u);
   EXPECT_TRUE(fds.empty());
+}
+
+TEST(UnixSocketTest, WaitingForAnAnswerEndsOnDataOnACancelOrAtTheTimeout) {
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
+  UniqueFd a(pair[0]), b(pair[1]);
+  std::atomic<bool> cancelled{false};
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THAT(WaitReadable(b.get(), cancelled, std::chrono::milliseconds(60)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("timed out")));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(60));
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    cancelled = true;
+  });
+  EXPECT_THAT(WaitReadable(b.get(), cancelled, std::chrono::minutes(1)), StatusIs(absl::StatusCode::kCancelled));
+  canceller.join();
+  cancelled = false;
+  ASSERT_OK(SendFrame(a.get(), "answer"));
+  EXPECT_OK(WaitReadable(b.get(), cancelled, std::chrono::minutes(1)));
+  a.reset();  // a closed peer ends the wait too; the read then says what happened
+  std::string payload;
+  std::vector<UniqueFd> fds;
+  ASSERT_OK(RecvFrame(b.get(), 1000, &payload, &fds));
+  EXPECT_OK(WaitReadable(b.get(), cancelled, std::chrono::minutes(1)));
+  EXPECT_THAT(RecvFrame(b.get(), 1000, &payload, &fds), StatusIs(absl::StatusCode::kOutOfRange));
 }
 
 TEST(UnixSocketTest, BadFramesAreNamedErrors) {

@@ -248,7 +248,7 @@ TEST_F(OriginTest, AKilledOriginFailsClientsClearlyAndTheNodeResumesOnceItIsBack
 
 TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrShuttingDown) {
   auto node = StartNode({"--max-pulls", "64"});
-  origin_->Signal(SIGSTOP);  // accepts connections, answers nothing
+  origin_->Stop();  // accepts connections, answers nothing
   std::vector<std::thread> clients;
   std::atomic<int> failed{0};
   for (int i = 0; i < 48; ++i) {  // more than gRPC has threads for its handlers
@@ -285,7 +285,7 @@ TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrSh
 
 TEST_F(OriginTest, CallsWhoseClientsGiveUpWaitingOnAStalledPullEndAtOnce) {
   auto node = StartNode();
-  origin_->Signal(SIGSTOP);
+  origin_->Stop();
   auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(node->address(), grpc::InsecureChannelCredentials()));
   for (int i = 0; i < 20; ++i) {
     grpc::ClientContext ctx;

@@ -509,7 +509,7 @@ TEST_P(BrokenStreamTest, ACancelEndsAReadBlockedOnAStalledDaemonInMilliseconds) 
   std::unique_ptr<DelayedCancel> canceller;
   AfterFirstTensorSink sink;
   sink.after_first = [&] {  // the daemon stops sending (SIGSTOP) but keeps the connection
-    daemon.Signal(SIGSTOP);
+    daemon.Stop();
     canceller = std::make_unique<DelayedCancel>(cancel, std::chrono::milliseconds(300));
   };
   client::RemoteOptions options;
@@ -554,6 +554,65 @@ TEST_P(BrokenStreamTest, ACancelEndsTheWaitBeforeAResumeInMilliseconds) {
   const int64_t after = canceller->MillisSinceCancel();
   EXPECT_THAT(status, StatusIs(absl::StatusCode::kCancelled, HasSubstr("was cancelled at tensor ")));
   EXPECT_LT(after, 2000) << "a cancelled fetch returned " << after << " ms after the cancel (the backoff is 10 s)";
+}
+
+TEST(CancelTest, ACancelEndsAListingWaitingOnAStalledDaemonInMilliseconds) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteBig(models + "/big.safetensors", 4, 1 << 10, 3.0f);
+  Daemon daemon(models);
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto store = Connect(daemon);
+  ASSERT_OK(store->ListTensors("big", {}).status());  // connected
+  daemon.Stop();
+  auto cancel = std::make_shared<std::atomic<bool>>(false);
+  absl::StatusOr<client::TensorListing> listing;
+  {
+    DelayedCancel canceller(cancel, std::chrono::milliseconds(300));
+    client::Query query;
+    query.cancel = cancel;
+    query.with_checksums = true;
+    listing = store->ListTensors("big", query);
+    canceller.Join();
+    // Without the watch, the call would wait for its deadline (a minute).
+    EXPECT_LT(canceller.MillisSinceCancel(), 2000);
+  }
+  daemon.Signal(SIGCONT);
+  EXPECT_THAT(listing.status(), StatusIs(absl::StatusCode::kCancelled));
+  ASSERT_OK(store->ListTensors("big", {}).status());
+}
+
+// A sink that sets `cancel` when the first tensor begins, and counts ends.
+struct CancelOnBeginSink : client::CollectingSink {
+  std::shared_ptr<std::atomic<bool>> cancel;
+  int ended = 0;
+  absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override {
+    absl::StatusOr<std::span<std::byte>> out = CollectingSink::Begin(spec);
+    cancel->store(true);
+    return out;
+  }
+  absl::Status End(const TensorSpec& spec) override {
+    ++ended;
+    return CollectingSink::End(spec);
+  }
+};
+
+TEST(CancelTest, ALocalFetchStopsInsideALargeTensor) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteBig(models + "/big.safetensors", 1, 24u << 20, 4.0f);  // one 96 MiB tensor: two 64 MiB pieces
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Store> store, client::OpenLocalStore(models));
+  CancelOnBeginSink sink;
+  sink.cancel = std::make_shared<std::atomic<bool>>(false);
+  client::Query query;
+  query.cancel = sink.cancel;
+  EXPECT_THAT(store->FetchTensors("big", query, &sink),
+              StatusIs(absl::StatusCode::kCancelled, HasSubstr("cancelled in tensor 'layer.0'")));
+  EXPECT_EQ(sink.ended, 0);
+  // Without a cancel the same tensor arrives whole.
+  ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> all, store->FetchAll("big", {}));
+  ASSERT_EQ(all.size(), 1u);
+  ASSERT_OK_AND_ASSIGN(auto file, Checkpoint::Open(models + "/big.safetensors"));
+  ASSERT_OK_AND_ASSIGN(SharedTensor want, file->Read("layer.0"));
+  EXPECT_TRUE(all[0].bytes.view() == want.bytes.view());
 }
 
 INSTANTIATE_TEST_SUITE_P(CopyThread, BrokenStreamTest, ::testing::Values(false, true),

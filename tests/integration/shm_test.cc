@@ -14,6 +14,7 @@
 
 #include <filesystem>
 #include <map>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -525,6 +526,45 @@ TEST(ShmCrashTest, MappingsSurviveKill9AndARestartedDaemonServesOnTheSamePath) {
   restarted.Signal(SIGTERM);
   EXPECT_EQ(restarted.WaitExit(10000), 0);
   EXPECT_FALSE(fs::exists(socket));  // a clean stop removes it
+}
+
+TEST(ShmCancelTest, ACancelEndsTheWaitForAStalledDaemonsAnswerAndTheStoreThenReconnects) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteFloats(models + "/m.safetensors", 4, 1024, 1.0f);
+  SocketDaemon server(models);
+  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+  auto store = ConnectShm(server.socket);
+  ASSERT_NE(store, nullptr);
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors before, store->MapTensors("m", {}));
+
+  // The daemon stops (SIGSTOP) with the connection open: an answer that takes
+  // a while, as a cast being made or a checkpoint being pulled would.
+  server.daemon->Stop();
+  auto cancel = std::make_shared<std::atomic<bool>>(false);
+  std::chrono::steady_clock::time_point cancelled_at;
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    cancelled_at = std::chrono::steady_clock::now();
+    cancel->store(true);
+  });
+  client::Query query;
+  query.cancel = cancel;
+  absl::StatusOr<client::MappedTensors> map = store->MapTensors("m", query);
+  const auto returned_at = std::chrono::steady_clock::now();
+  canceller.join();
+  server.daemon->Signal(SIGCONT);
+  EXPECT_THAT(map.status(), StatusIs(absl::StatusCode::kCancelled, HasSubstr(server.socket)));
+  // Without the wait's cancel, this would be the socket's timeout (60 s).
+  EXPECT_LT(returned_at - cancelled_at, std::chrono::seconds(2));
+
+  // The late answer to the cancelled request is never read: the next call
+  // goes over a new connection and gets its own.
+  query.cancel = nullptr;
+  query.selection.paths = {"w.2"};
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors after, store->MapTensors("m", query));
+  ASSERT_EQ(after.tensors.size(), 1u);
+  EXPECT_EQ(after.tensors[0].spec.name, "w.2");
+  EXPECT_TRUE(after.tensors[0].bytes.view() == before.tensors[2].bytes.view());
 }
 
 }  // namespace

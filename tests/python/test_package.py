@@ -336,7 +336,12 @@ class PackageTest(unittest.TestCase):
         self.assertEqual(got["w.63"][0, 0].item(), 63.0)
 
     def test_ctrl_c_cancels_a_fetch_in_the_middle_of_one_large_tensor(self):
-        store = weightstore.connect(ADDRESS, parallel_streams=1)
+        # Over gRPC (one stream), and from local files (copied 64 MiB at a time).
+        for label, store in (("gRPC", weightstore.connect(ADDRESS, parallel_streams=1)), ("local", self.local)):
+            with self.subTest(transport=label):
+                self.interrupt_one_large_tensor(label, store)
+
+    def interrupt_one_large_tensor(self, label, store):
         store.tensors("pkg/one")  # warm
         start = time.perf_counter()
         self.assertEqual(store.tensors("pkg/one")["w"].numel(), 128 << 20)
@@ -361,8 +366,8 @@ class PackageTest(unittest.TestCase):
             if cancelled:
                 break
         self.assertTrue(cancelled, "the fetch ended before Ctrl-C three times")
-        print(f"\nCtrl-C: a {whole * 1e3:.0f} ms one-tensor fetch interrupted at {whole * 250:.0f} ms returned "
-              f"after {interrupted * 1e3:.0f} ms")
+        print(f"\nCtrl-C ({label}): a {whole * 1e3:.0f} ms one-tensor fetch interrupted at {whole * 250:.0f} ms "
+              f"returned after {interrupted * 1e3:.0f} ms")
         self.assertLess(interrupted, whole * 0.8)
         self.assertEqual(store.tensors("pkg/one")["w"][-1].item(), 1.0)
 

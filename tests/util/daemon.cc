@@ -84,6 +84,22 @@ Daemon::~Daemon() {
 
 void Daemon::Signal(int signal) { ::kill(pid_, signal); }
 
+void Daemon::Stop() {
+  Signal(SIGSTOP);
+  // The parent hears of the stop once the whole thread group has stopped.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    const pid_t got = ::waitpid(pid_, &status, WNOHANG | WUNTRACED);
+    if (got == pid_ && WIFSTOPPED(status)) return;
+    if (got == pid_) {  // it exited instead
+      exited_ = true;
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 bool Daemon::alive() {
   if (exited_ || pid_ <= 0) return false;
   int status;

@@ -31,6 +31,10 @@ class Daemon {
   uint64_t peak_rss_bytes() const;
   // Sends `signal`.
   void Signal(int signal);
+  // Stops the process (SIGSTOP) and returns once every thread has stopped:
+  // until then, a thread the stop has not reached yet may still answer.
+  // Resume with Signal(SIGCONT).
+  void Stop();
   // Waits for the process to exit; returns its exit status (-1 on timeout).
   int WaitExit(int timeout_ms);
   // What the daemon printed to stderr so far.

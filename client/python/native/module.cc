@@ -9,7 +9,8 @@
 // fetched onto a GPU (client/materialize.h) are DeviceBuffers, DLPack only. The GIL is released while bytes move; a
 // fetch runs on a worker thread while the calling thread waits for signals, so
 // Ctrl-C cancels it and raises KeyboardInterrupt: within about 20 ms over gRPC
-// (mid-tensor and mid-retry too), before the next tensor on local files.
+// (mid-tensor and mid-retry too) and while waiting for the socket's answer, and
+// within one 64 MiB piece on local files.
 #include <dlpack/dlpack.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -369,11 +370,10 @@ class Store {
     query.cancel = cancel;
     py::dict out;
     if (shm_ != nullptr) {
-      absl::StatusOr<client::MappedTensors> mapped;
-      {
-        py::gil_scoped_release release;
-        mapped = shm_->MapTensors(name, query);
-      }
+      // The daemon may take a while to answer (a cast made, a checkpoint
+      // pulled): Ctrl-C ends the wait.
+      absl::StatusOr<client::MappedTensors> mapped = RunInterruptibly<absl::StatusOr<client::MappedTensors>>(
+          cancel, [&] { return shm_->MapTensors(name, query); });
       if (!mapped.ok()) Raise(mapped.status());
       out["version"] = mapped->version;
       // Copy-on-write mappings (client/store.h): a write copies the page.
