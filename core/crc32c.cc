@@ -1,11 +1,9 @@
 #include "core/crc32c.h"
 
-#include <array>
-#include <cstring>
+#include <isa-l/crc.h>
 
-#if defined(__x86_64__)
-#include <nmmintrin.h>
-#endif
+#include <algorithm>
+#include <array>
 
 namespace weightstore {
 namespace {
@@ -23,26 +21,6 @@ constexpr std::array<uint32_t, 256> MakeTable() {
 }
 constexpr std::array<uint32_t, 256> kTable = MakeTable();
 
-#if defined(__x86_64__)
-__attribute__((target("sse4.2"))) uint32_t ExtendHardware(uint32_t crc, const unsigned char* p, size_t n) {
-  // One stream: the instruction's latency (3 cycles per 8 bytes) bounds it at
-  // several GB/s, well above what a tensor stream needs.
-  uint64_t c = static_cast<uint32_t>(~crc);
-  while (n >= 8) {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    c = _mm_crc32_u64(c, v);
-    p += 8;
-    n -= 8;
-  }
-  while (n > 0) {
-    c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
-    --n;
-  }
-  return static_cast<uint32_t>(~c);
-}
-#endif
-
 }  // namespace
 
 uint32_t Crc32cExtendPortable(uint32_t crc, absl::string_view data) {
@@ -52,11 +30,18 @@ uint32_t Crc32cExtendPortable(uint32_t crc, absl::string_view data) {
 }
 
 uint32_t Crc32cExtend(uint32_t crc, absl::string_view data) {
-#if defined(__x86_64__)
-  static const bool kHasSse42 = __builtin_cpu_supports("sse4.2");
-  if (kHasSse42) return ExtendHardware(crc, reinterpret_cast<const unsigned char*>(data.data()), data.size());
-#endif
-  return Crc32cExtendPortable(crc, data);
+  // ISA-L takes and returns the register without the final inversion, and an
+  // int length: pieces of at most 1 GiB. It only reads the buffer, though its
+  // signature is not const.
+  uint32_t c = ~crc;
+  auto* p = reinterpret_cast<unsigned char*>(const_cast<char*>(data.data()));
+  for (size_t left = data.size(); left > 0;) {
+    const size_t n = std::min<size_t>(left, size_t{1} << 30);
+    c = crc32_iscsi(p, static_cast<int>(n), c);
+    p += n;
+    left -= n;
+  }
+  return ~c;
 }
 
 }  // namespace weightstore

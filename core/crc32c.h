@@ -1,8 +1,9 @@
 // CRC32C (Castagnoli), the per-tensor checksum of the wire protocol.
 //
-// Debian 12 packages no C++ CRC32C library (Abseil's arrived after 20220623),
-// so this uses the SSE4.2 crc32 instruction when the CPU has it and a table
-// otherwise; both are checked against RFC 3720's test vectors.
+// Computed by Intel's ISA-L (Debian's libisal-dev: crc32_iscsi, which picks
+// its PCLMUL/AVX-512 folding at run time; 70 GB/s here against 9.5 GB/s for
+// one stream of the crc32 instruction). A table implementation is kept as the
+// reference the tests check it against, with RFC 3720's test vectors.
 #ifndef WEIGHTSTORE_CORE_CRC32C_H_
 #define WEIGHTSTORE_CORE_CRC32C_H_
 

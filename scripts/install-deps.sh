@@ -13,8 +13,8 @@ packages=(
   prometheus-cpp-dev
   # formats: JSON (SafeTensors headers), CBOR (Burnpack), zlib (zip CRC-32)
   nlohmann-json3-dev libcbor-dev zlib1g-dev libcli11-dev
-  # weight updates: XXH3-128 tensor digests
-  libxxhash-dev
+  # weight updates: XXH3-128 tensor digests; CRC32C (Intel's ISA-L)
+  libxxhash-dev libisal-dev
   # origins: S3 over libcurl (SigV4 signing), its XML replies parsed with expat
   libcurl4-openssl-dev libexpat1-dev
   # the Python package: its extension (pybind11), and offline installs into a
