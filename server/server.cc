@@ -296,6 +296,7 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
     }
   }
   if (drain.count() > 0) std::this_thread::sleep_for(drain);
+  service_->StopAccepting();
   if (puller_ != nullptr) puller_->Shutdown();  // pulls in progress end, Unavailable
   if (prefetch_.joinable()) prefetch_.join();
   if (shm_server_ != nullptr) shm_server_->Stop();  // mappings handed out stay valid
@@ -305,15 +306,20 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
   // gRPC's Shutdown closes each connection once its calls are done, even with
   // their last bytes still queued (tcp_linger.h): let the WeightStore calls
   // finish and their bytes reach the clients first, within the same grace.
-  while (metrics_->weightstore_calls_in_flight() > 0 && std::chrono::system_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  WaitForPeersToAcknowledge(port_, deadline);
+  // New calls are refused by now, but one admitted just before may still be
+  // starting: checked again after the acknowledgements.
+  do {
+    while (metrics_->weightstore_calls_in_flight() > 0 && std::chrono::system_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    WaitForPeersToAcknowledge(port_, deadline);
+  } while (metrics_->weightstore_calls_in_flight() > 0 && std::chrono::system_clock::now() < deadline);
   // Every WeightStore call is done and its bytes acknowledged. gRPC's graceful
   // shutdown would still send each connection a GOAWAY and a PING and wait for
   // the ack, which an idle client reads only when its channel's backup poller
   // wakes (every 5 s): with idle clients connected, stopping took 5 or 10 s
-  // more. The acks get a short window; then gRPC closes what is left.
+  // more. The acks, and the statuses of calls just finished, get a short
+  // window; then gRPC closes what is left.
   server_->Shutdown(std::min(deadline, std::chrono::system_clock::now() + kGoawayWindow));
   server_->Wait();
   server_.reset();

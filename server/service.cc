@@ -87,7 +87,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  private:
   absl::Status Start(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
     ctx_ = ctx;
-    if (absl::Status s = service_->auth_->Check(*ctx, Scope::kRead); !s.ok()) return s;
+    if (absl::Status s = service_->Admit(*ctx, Scope::kRead); !s.ok()) return s;
     // A stream whose client stops reading is cancelled by the governor, which
     // frees its slot (and its share of its client's).
     WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, service_->streams_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); }));
@@ -268,6 +268,11 @@ grpc::Status WeightStoreService::ClientStatus(const absl::Status& status) const 
   return ToGrpcStatus(WithoutPaths(status, options_.hidden_folders));
 }
 
+absl::Status WeightStoreService::Admit(const grpc::ServerContextBase& ctx, Scope scope) const {
+  if (stopping_.load()) return absl::UnavailableError("the daemon is shutting down; retry on another replica");
+  return auth_->Check(ctx, scope);
+}
+
 grpc::ServerUnaryReactor* WeightStoreService::Reply(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(ClientStatus(status));
@@ -308,7 +313,7 @@ template <typename Body>
 grpc::ServerUnaryReactor* WeightStoreService::UnaryReadingThrough(grpc::CallbackServerContext* ctx, Scope scope,
                                                                   const std::string& checkpoint, Body body,
                                                                   std::function<Work()> work) {
-  absl::Status status = auth_->Check(*ctx, scope);
+  absl::Status status = Admit(*ctx, scope);
   if (!status.ok()) return Reply(ctx, status);
   Annotate(ctx, checkpoint);
   auto* reactor = new ReadThroughReactor(puller_, checkpoint);
@@ -334,7 +339,7 @@ grpc::ServerUnaryReactor* WeightStoreService::UnaryReadingThrough(grpc::Callback
 template <typename Body>
 grpc::ServerUnaryReactor* WeightStoreService::Unary(grpc::CallbackServerContext* ctx, Scope scope,
                                                     absl::string_view checkpoint, Body body) {
-  absl::Status status = auth_->Check(*ctx, scope);
+  absl::Status status = Admit(*ctx, scope);
   if (status.ok()) {
     Annotate(ctx, std::string(checkpoint));
     status = body();
@@ -483,7 +488,7 @@ class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
  public:
   PutReactor(WeightStoreService* service, v1::CheckpointInfo* response, grpc::CallbackServerContext* ctx)
       : service_(service), registry_(service->registry_), response_(response), ctx_(ctx) {
-    absl::Status authorized = service->auth_->Check(*ctx, Scope::kAdmin);
+    absl::Status authorized = service->Admit(*ctx, Scope::kAdmin);
     if (!authorized.ok()) {
       Finish(service->ClientStatus(authorized));
       return;
@@ -569,7 +574,7 @@ class PushReactor : public grpc::ServerReadReactor<v1::PushCheckpointRequest> {
  public:
   PushReactor(WeightStoreService* service, v1::CheckpointInfo* response, grpc::CallbackServerContext* ctx)
       : service_(service), response_(response), ctx_(ctx) {
-    absl::Status status = service->auth_->Check(*ctx, Scope::kAdmin);
+    absl::Status status = service->Admit(*ctx, Scope::kAdmin);
     if (status.ok()) {
       absl::StatusOr<uint64_t> ticket = service->uploads_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); });
       if (ticket.ok()) ticket_ = *ticket;

@@ -78,6 +78,9 @@ class WeightStoreService final : public ServiceBase {
   grpc::ServerWriteReactor<grpc::ByteBuffer>* ReadCheckpointFile(grpc::CallbackServerContext* ctx,
                                                                  const grpc::ByteBuffer* req) override;
 
+  // Refuses every call that starts from now on (UNAVAILABLE): once the drain
+  // is over, the calls in flight are the last ones shutdown waits for.
+  void StopAccepting() { stopping_.store(true); }
   // Ends every WatchCheckpoints stream (UNAVAILABLE) and refuses new ones:
   // the first step of shutting down, as watches never end by themselves.
   void StopWatches() { watches_.Stop(); }
@@ -92,6 +95,9 @@ class WeightStoreService final : public ServiceBase {
 
  private:
   friend class FetchReactor;
+  // The first step of every call: UNAVAILABLE once StopAccepting was called,
+  // else the authenticator's verdict on `scope`.
+  absl::Status Admit(const grpc::ServerContextBase& ctx, Scope scope) const;
   // What a client is told: paths relative, message bounded.
   grpc::Status ClientStatus(const absl::Status& status) const;
   grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& status);
@@ -126,6 +132,7 @@ class WeightStoreService final : public ServiceBase {
   StreamGovernor streams_;
   StreamGovernor uploads_;
   Background background_;
+  std::atomic<bool> stopping_{false};
   WatchHub watches_;  // last: its streams end first
 };
 

@@ -131,7 +131,7 @@ class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
  private:
   absl::Status Start(grpc::CallbackServerContext* ctx, const v1::ReadCheckpointFileRequest& request) {
-    if (absl::Status s = service_->auth_->Check(*ctx, Scope::kRead); !s.ok()) return s;
+    if (absl::Status s = service_->Admit(*ctx, Scope::kRead); !s.ok()) return s;
     Annotate(ctx, request.name());
     if (request.version().empty()) {
       return absl::InvalidArgumentError("version is required: take it from ListCheckpointFiles");
