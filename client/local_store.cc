@@ -1,6 +1,5 @@
 // LocalStore: a Store over files read in this process, through the same registry
 // and selection code the daemon uses.
-#include <algorithm>
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
@@ -55,7 +54,7 @@ class LocalStore final : public Store {
     return listing;
   }
 
-  // A tensor is written 64 MiB at a time (about 20-60 ms here), the cancel
+  // A tensor is written about 64 MiB at a time (20-60 ms here), the cancel
   // flag asked before each piece.
   static constexpr size_t kCopyPiece = 64u << 20;
 
@@ -68,13 +67,11 @@ class LocalStore final : public Store {
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
       // In pieces, so that a cancel stops a large tensor within one piece.
-      const ServedTensorPlan plan = PlanServedTensor(*snapshot, t);
-      for (size_t offset = 0; offset < out.size(); offset += kCopyPiece) {
-        if (query.cancel != nullptr && query.cancel->load()) {
-          return absl::CancelledError(absl::StrCat("fetch of '", name, "' cancelled in tensor '", t.spec.name, "'"));
-        }
-        WEIGHTSTORE_RETURN_IF_ERROR(
-            MaterializeServed(*snapshot, plan, offset, out.subspan(offset, std::min(kCopyPiece, out.size() - offset))));
+      absl::Status copied =
+          MaterializeServedInPieces(*snapshot, PlanServedTensor(*snapshot, t), out, kCopyPiece,
+                                    [&query] { return query.cancel != nullptr && query.cancel->load(); });
+      if (!copied.ok()) {
+        return absl::Status(copied.code(), absl::StrCat("fetch of '", name, "': ", copied.message()));
       }
       WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
     }

@@ -1,5 +1,6 @@
 #include "core/select/served.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +36,27 @@ absl::Status MaterializeServed(const Snapshot& snapshot, const ServedTensorPlan&
   return snapshot.ReadRange(*plan.tensor, offset, out);
 }
 
+uint64_t ServedPieceBytes(const ServedTensorPlan& plan, uint64_t about) {
+  const TensorSpec& spec = plan.tensor->spec;
+  if (spec.shape.size() < 2 || spec.shape[0] == 0 || plan.byte_size == 0) return about;
+  const uint64_t row = plan.byte_size / spec.shape[0];
+  return std::max<uint64_t>(1, about / row) * row;
+}
+
+absl::Status MaterializeServedInPieces(const Snapshot& snapshot, const ServedTensorPlan& plan, std::span<std::byte> out,
+                                       uint64_t piece_bytes, const std::function<bool()>& cancelled) {
+  const uint64_t piece = ServedPieceBytes(plan, piece_bytes);
+  for (uint64_t at = 0; at < out.size(); at += piece) {
+    if (cancelled && cancelled()) {
+      return absl::CancelledError(
+          absl::StrCat("cancelled in tensor '", plan.tensor->spec.name, "' at byte ", at, " of ", out.size()));
+    }
+    WEIGHTSTORE_RETURN_IF_ERROR(
+        MaterializeServed(snapshot, plan, at, out.subspan(at, std::min(piece, out.size() - at))));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint32_t> ServedChecksum(const Snapshot& snapshot, const ServedTensorPlan& plan,
                                         const ChecksumCache& cache, const std::function<bool()>& cancelled) {
   return cache.FindOrCompute(
@@ -59,9 +81,10 @@ absl::StatusOr<uint32_t> ServedChecksum(const Snapshot& snapshot, const ServedTe
           return crc;
         }
         std::vector<std::byte> chunk;
-        for (uint64_t at = 0; at < plan.byte_size; at += kChunk) {
+        const uint64_t piece = ServedPieceBytes(plan, kChunk);  // whole rows: a transpose by tiles
+        for (uint64_t at = 0; at < plan.byte_size; at += piece) {
           WEIGHTSTORE_RETURN_IF_ERROR(stop());
-          chunk.resize(std::min(kChunk, plan.byte_size - at));
+          chunk.resize(std::min(piece, plan.byte_size - at));
           WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, chunk));
           crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(chunk.data()), chunk.size()));
         }

@@ -52,6 +52,19 @@ absl::StatusOr<SharedBytes> ReadServedView(const Snapshot& snapshot, const Serve
 absl::Status MaterializeServed(const Snapshot& snapshot, const ServedTensorPlan& plan, uint64_t offset,
                                std::span<std::byte> out);
 
+// A piece size of about `about` bytes (at least one row) for producing a
+// plan's served bytes a range at a time: whole rows of the served tensor (steps
+// of its first dimension) when it has two or more dimensions, so that a
+// transpose is made by tiles rather than an element at a time. A multiple of
+// the element size.
+uint64_t ServedPieceBytes(const ServedTensorPlan& plan, uint64_t about);
+
+// Writes all of the served bytes into `out` (plan.byte_size of them), about
+// `piece_bytes` at a time (ServedPieceBytes), asking `cancelled` (may be empty)
+// before each piece: Cancelled, naming the tensor, once it says so.
+absl::Status MaterializeServedInPieces(const Snapshot& snapshot, const ServedTensorPlan& plan, std::span<std::byte> out,
+                                       uint64_t piece_bytes, const std::function<bool()>& cancelled);
+
 // The CRC32C of the served bytes: from `cache` when known, else computed (a
 // view, or a chunk at a time: never the whole produced tensor in memory) and
 // stored. Returns the cache's CheckUnchanged error if the source changed, and

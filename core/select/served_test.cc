@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <thread>
@@ -15,6 +16,9 @@
 
 namespace weightstore {
 namespace {
+
+using ::testing::HasSubstr;
+using ::weightstore::testing::StatusIs;
 
 // A 2x3 F32 tensor "w" stored row-major, and "s", a strided 3x2 view of the
 // same six floats (w transposed), both over one storage.
@@ -98,6 +102,45 @@ TEST(ServedTensorPlanTest, AnyElementAlignedRangeMaterializesAsPartOfTheWhole) {
     std::vector<std::byte> misaligned(element);
     EXPECT_EQ(MaterializeServed(*snapshot, plan, 1, misaligned).code(), absl::StatusCode::kInvalidArgument);
   }
+}
+
+TEST(ServedTensorPlanTest, PiecesAreWholeServedRowsAndMakeTheWholeTensor) {
+  auto c = TwoViews();
+  auto snapshot = Serve(c, {{{"as_stored", DType::kF32, {2, 3}}, &c->entries()[0], false},
+                            {{"gathered", DType::kF32, {3, 2}}, &c->entries()[1], false},
+                            {{"transposed", DType::kBF16, {3, 2}}, &c->entries()[0], true}});
+  for (const SnapshotTensor& t : snapshot->tensors()) {
+    const ServedTensorPlan plan = PlanServedTensor(*snapshot, t);
+    const uint64_t row = plan.byte_size / t.spec.shape[0];
+    for (uint64_t about : {1, 3, 5, 8, 64}) {
+      // Whole rows: at least one, else as many as fit in `about`.
+      const uint64_t piece = ServedPieceBytes(plan, about);
+      EXPECT_EQ(piece % row, 0u) << t.spec.name << " " << about;
+      EXPECT_LE(piece, std::max(about, row)) << t.spec.name << " " << about;
+      std::vector<std::byte> out(plan.byte_size);
+      int asked = 0;
+      ASSERT_OK(MaterializeServedInPieces(*snapshot, plan, out, about * DTypeSize(t.spec.dtype), [&] {
+        ++asked;
+        return false;
+      }));
+      EXPECT_EQ(out, Whole(*snapshot, plan)) << t.spec.name << " " << about;
+      EXPECT_GE(asked, 1);
+    }
+  }
+}
+
+TEST(ServedTensorPlanTest, ACancelStopsBetweenPiecesAndWritesNoFurther) {
+  auto c = TwoViews();
+  auto snapshot = Serve(c, {{{"transposed", DType::kF32, {3, 2}}, &c->entries()[0], true}});
+  const ServedTensorPlan plan = PlanServedTensor(*snapshot, snapshot->tensors()[0]);
+  std::vector<std::byte> out(plan.byte_size, std::byte{0xAB});
+  int asked = 0;
+  // One row (8 bytes) a piece; the cancel comes before the second.
+  EXPECT_THAT(MaterializeServedInPieces(*snapshot, plan, out, 8, [&] { return ++asked == 2; }),
+              StatusIs(absl::StatusCode::kCancelled, HasSubstr("cancelled in tensor 'transposed' at byte 8 of 24")));
+  const std::vector<std::byte> whole = Whole(*snapshot, plan);
+  EXPECT_TRUE(std::equal(out.begin(), out.begin() + 8, whole.begin()));
+  EXPECT_TRUE(std::all_of(out.begin() + 8, out.end(), [](std::byte b) { return b == std::byte{0xAB}; }));
 }
 
 TEST(ServedTensorPlanTest, ChecksumIsOfTheServedBytesAndCachedByKey) {
