@@ -209,7 +209,11 @@ class RemoteStore final : public Store {
     pb::ListTensorsResponse resp;
     {
       CancelWatch watch(query.cancel, &ctx);  // a listing with checksums can take a while
-      WEIGHTSTORE_RETURN_IF_ERROR(FromGrpcStatus(stub_->ListTensors(&ctx, req, &resp)));
+      absl::Status listed = FromGrpcStatus(stub_->ListTensors(&ctx, req, &resp));
+      if (absl::IsCancelled(listed) && query.cancel != nullptr && query.cancel->load()) {
+        return absl::CancelledError(absl::StrCat("the listing of '", name, "' was cancelled"));
+      }
+      WEIGHTSTORE_RETURN_IF_ERROR(listed);
     }
     TensorListing listing;
     listing.version = resp.version();

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "client/proto_convert.h"
 #include "client/store.h"
 #include "core/crc32c.h"
@@ -72,7 +73,7 @@ class ShmStore final : public SharedMemoryStore {
     Fill(name, query, request.mutable_map_tensors());
     request.mutable_map_tensors()->set_table_only(true);
     request.mutable_map_tensors()->set_skip_checksums(!query.with_checksums);
-    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request, query.cancel));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Named(Call(request, query.cancel), name));
     const pb::MapTensorsResponse& map = reply.response.map_tensors();
     TensorListing listing;
     listing.version = map.version();
@@ -88,7 +89,7 @@ class ShmStore final : public SharedMemoryStore {
   absl::StatusOr<MappedTensors> MapTensors(const std::string& name, const Query& query) override {
     pb::ShmRequest request;
     Fill(name, query, request.mutable_map_tensors());
-    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request, query.cancel));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Named(Call(request, query.cancel), name));
     const pb::MapTensorsResponse& map = reply.response.map_tensors();
     if (reply.fds.size() != static_cast<size_t>(map.segments_size())) {
       return absl::DataLossError(
@@ -154,6 +155,13 @@ class ShmStore final : public SharedMemoryStore {
     std::vector<UniqueFd> fds;
   };
 
+  // A wait that was cancelled or timed out names the checkpoint it was for
+  // (the daemon's own errors name it already).
+  static absl::StatusOr<Reply> Named(absl::StatusOr<Reply> reply, const std::string& name) {
+    if (reply.ok() || (!absl::IsCancelled(reply.status()) && !absl::IsDeadlineExceeded(reply.status()))) return reply;
+    return absl::Status(reply.status().code(), absl::StrCat("checkpoint '", name, "': ", reply.status().message()));
+  }
+
   static void Fill(const std::string& name, const Query& query, pb::MapTensorsRequest* out) {
     out->set_name(name);
     out->set_version(query.version);
@@ -179,7 +187,32 @@ class ShmStore final : public SharedMemoryStore {
   absl::StatusOr<Reply> Call(const pb::ShmRequest& request,
                              const std::shared_ptr<const std::atomic<bool>>& cancel = nullptr) {
     const std::string bytes = request.SerializeAsString();
-    absl::MutexLock lock(&mu_);
+    if (cancel == nullptr) {
+      absl::MutexLock lock(&mu_);
+      return CallLocked(bytes, nullptr);
+    }
+    // Another call on this store may hold the connection while it waits for
+    // its own answer: this one waits for the connection as cancellably.
+    if (!LockUnlessCancelled(*cancel)) {
+      return absl::CancelledError(
+          absl::StrCat("weightstored socket '", path_, "': cancelled while another call on this store held it"));
+    }
+    absl::StatusOr<Reply> reply = CallLocked(bytes, cancel.get());
+    mu_.Unlock();
+    return reply;
+  }
+
+  // Takes mu_, or gives up (false) once `cancel` is set.
+  bool LockUnlessCancelled(const std::atomic<bool>& cancel) ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true, mu_) {
+    while (!mu_.TryLock()) {
+      if (cancel.load()) return false;
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    return true;
+  }
+
+  absl::StatusOr<Reply> CallLocked(const std::string& bytes, const std::atomic<bool>* cancel)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::Status status;
     for (int attempt = 0; attempt < 2; ++attempt) {
       if (!socket_.valid()) WEIGHTSTORE_RETURN_IF_ERROR(ConnectLocked());

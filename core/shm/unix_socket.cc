@@ -137,9 +137,11 @@ absl::Status SetSocketTimeouts(int socket, std::chrono::milliseconds timeout) {
 }
 
 absl::Status WaitReadable(int socket, const std::atomic<bool>& cancelled, std::chrono::milliseconds timeout) {
+  const bool forever = timeout.count() <= 0;  // as SO_RCVTIMEO's 0
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (!cancelled.load()) {
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (forever) left = std::chrono::milliseconds(20);
     if (left.count() <= 0) return absl::DeadlineExceededError("waiting for an answer: timed out");
     pollfd p{socket, POLLIN, 0};
     const int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 20)));

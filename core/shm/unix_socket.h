@@ -61,8 +61,8 @@ absl::Status SetSocketTimeouts(int socket, std::chrono::milliseconds timeout);
 
 // Waits until `socket` has something to read (or the peer closed it), asking
 // `cancelled` every 20 ms. Returns Cancelled once it says so, DeadlineExceeded
-// after `timeout`. A caller that gives up must close the socket: the answer it
-// was waiting for may still come.
+// after `timeout` (none when it is 0, as for SetSocketTimeouts). A caller that gives up must close the socket: the
+// answer it was waiting for may still come.
 absl::Status WaitReadable(int socket, const std::atomic<bool>& cancelled, std::chrono::milliseconds timeout);
 
 // Connects to the Unix socket at `path`. NotFound if nothing is there,

@@ -15,8 +15,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -100,7 +102,11 @@ class Buffer {
  public:
   Buffer(SharedBytes bytes, bool writable) : bytes_(std::move(bytes)), writable_(writable) {}
   // DLPack's producer side; the bytes are ready, so any stream is fine.
+  // DLPack has no read-only flag, so read-only bytes are not exported: a
+  // write through the tensor would crash the process.
   py::object DLPack(const py::object& /*stream*/) const {
+    if (!writable_)
+      throw py::buffer_error("this buffer is read-only, and DLPack cannot say so: use the buffer protocol");
     std::shared_ptr<void> owner = std::const_pointer_cast<void>(bytes_.owner());
     return ToDLPack(std::move(owner), const_cast<std::byte*>(bytes_.data()), bytes_.size(), DLDevice{kDLCPU, 0});
   }
@@ -361,8 +367,8 @@ class Store {
     return out;
   }
 
-  // Every selected tensor: mapped without a copy through a socket (read-only
-  // buffers), else fetched into owned memory (writable buffers). With a
+  // Every selected tensor: mapped without a copy through a socket
+  // (copy-on-write), else fetched into memory the buffers own. With a
   // target, the apply result too; a failing load raises FAILED_PRECONDITION.
   py::dict Fetch(const std::string& name, const py::dict& selection) {
     client::Query query = ToQuery(selection);
@@ -521,7 +527,8 @@ class Store {
 std::unique_ptr<Store> Connect(const std::string& url, const std::string& token, const std::string& tls_ca,
                                const std::string& tls_cert, const std::string& tls_key, int parallel_streams,
                                std::optional<bool> pipeline, int max_resumes, double timeout_seconds) {
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  // Whole milliseconds, at least one (0 would mean no timeout to a socket).
+  const auto timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(std::ceil(timeout_seconds * 1000))));
   if (absl::StartsWith(url, "file:") || absl::StartsWith(url, "/") || absl::StartsWith(url, ".")) {
     const std::string path = absl::StartsWith(url, "file:") ? url.substr(5) : url;
     absl::StatusOr<std::unique_ptr<client::Store>> local;
