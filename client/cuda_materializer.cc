@@ -4,11 +4,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "core/dtype.h"
 #include "core/host_buffer.h"
 #include "core/status_macros.h"
 
@@ -226,14 +228,42 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyHostTensors(std::vector<HostTensor
     status = sink->End(spec);
     staged.push_back(i);
   }
-  for (auto& [region, tensors] : by_region) {
+  // A tensor copied into an allocation of its own.
+  auto CopyAlone = [&](const Direct& d) -> absl::Status {
+    const TensorSpec& spec = items[d.index].host.spec;
+    WEIGHTSTORE_ASSIGN_OR_RETURN(DeviceTensor dev, AllocateDevice(spec, options.device));
+    absl::Status copied = Cuda(cudaMemcpyAsync(dev.data(), d.host, spec.byte_size(), cudaMemcpyHostToDevice, stream),
+                               absl::StrCat("copying tensor '", spec.name, "' to the device"));
+    out[d.index] = std::move(dev);
+    return copied;
+  };
+  for (auto& [region, all] : by_region) {
     if (!status.ok()) break;
-    const std::byte* lo = tensors.front().host;
-    const std::byte* hi = lo;
+    // A tensor in the shared block keeps its address's alignment modulo
+    // kBlockAlign. One not aligned to its element size in the file (a
+    // hand-made SafeTensors file can place it anywhere) gets an allocation of
+    // its own: a kernel reading it misaligned would fault, and poison the
+    // CUDA context.
+    constexpr uintptr_t kBlockAlign = 256;  // cudaMalloc's
+    std::vector<Direct> tensors, misaligned;
+    for (const Direct& d : all) {
+      const uintptr_t address = reinterpret_cast<uintptr_t>(d.host);
+      (address % DTypeSize(items[d.index].host.spec.dtype) == 0 ? tensors : misaligned).push_back(d);
+    }
+    for (const Direct& d : misaligned) {
+      status = CopyAlone(d);
+      if (!status.ok()) break;
+    }
+    if (!status.ok() || tensors.empty()) continue;
+    // The block starts at a kBlockAlign boundary at or below the first
+    // tensor: the region is page-aligned, so the boundary lies inside it.
+    const std::byte* lo =
+        reinterpret_cast<const std::byte*>(reinterpret_cast<uintptr_t>(tensors.front().host) & ~(kBlockAlign - 1));
+    const std::byte* hi = tensors.front().host;
     uint64_t selected = 0;
     for (const Direct& d : tensors) {
       const uint64_t n = items[d.index].host.spec.byte_size();
-      lo = std::min(lo, d.host);
+      lo = std::min(lo, reinterpret_cast<const std::byte*>(reinterpret_cast<uintptr_t>(d.host) & ~(kBlockAlign - 1)));
       hi = std::max(hi, d.host + n);
       selected += n;
     }
@@ -255,15 +285,7 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyHostTensors(std::vector<HostTensor
       continue;
     }
     for (const Direct& d : tensors) {  // sparse: a copy per tensor
-      const TensorSpec& spec = items[d.index].host.spec;
-      absl::StatusOr<DeviceTensor> dev = AllocateDevice(spec, options.device);
-      if (!dev.ok()) {
-        status = dev.status();
-        break;
-      }
-      status = Cuda(cudaMemcpyAsync(dev->data(), d.host, spec.byte_size(), cudaMemcpyHostToDevice, stream),
-                    absl::StrCat("copying tensor '", spec.name, "' to the device"));
-      out[d.index] = *std::move(dev);
+      status = CopyAlone(d);
       if (!status.ok()) break;
     }
   }
