@@ -248,7 +248,7 @@ TEST_F(OriginTest, AKilledOriginFailsClientsClearlyAndTheNodeResumesOnceItIsBack
 
 TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrShuttingDown) {
   auto node = StartNode({"--max-pulls", "64"});
-  origin_->Stop();  // accepts connections, answers nothing
+  ASSERT_TRUE(origin_->Stop());  // accepts connections, answers nothing
   std::vector<std::thread> clients;
   std::atomic<int> failed{0};
   for (int i = 0; i < 48; ++i) {  // more than gRPC has threads for its handlers
@@ -270,8 +270,12 @@ TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrSh
   // Within its 10 s grace (the clients retry meanwhile).
   const auto stopping = std::chrono::steady_clock::now();
   node->Signal(SIGTERM);
-  EXPECT_NE(node->WaitExit(30000), -1) << node->log();
+  while (!absl::StrContains(node->log(), "weightstored: stopped") &&
+         std::chrono::steady_clock::now() - stopping < std::chrono::seconds(20)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   EXPECT_LT(std::chrono::steady_clock::now() - stopping, std::chrono::seconds(12)) << node->log();
+  EXPECT_NE(node->WaitExit(30000), -1) << node->log();
   for (auto& t : clients) t.join();
   EXPECT_EQ(failed.load(), 48);
   origin_->Signal(SIGCONT);
@@ -279,7 +283,7 @@ TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrSh
 
 TEST_F(OriginTest, CallsWhoseClientsGiveUpWaitingOnAStalledPullEndAtOnce) {
   auto node = StartNode();
-  origin_->Stop();
+  ASSERT_TRUE(origin_->Stop());
   auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(node->address(), grpc::InsecureChannelCredentials()));
   for (int i = 0; i < 20; ++i) {
     grpc::ClientContext ctx;

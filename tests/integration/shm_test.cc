@@ -539,7 +539,7 @@ TEST(ShmCancelTest, ACancelEndsTheWaitForAStalledDaemonsAnswerAndTheStoreThenRec
 
   // The daemon stops (SIGSTOP) with the connection open: an answer that takes
   // a while, as a cast being made or a checkpoint being pulled would.
-  server.daemon->Stop();
+  ASSERT_TRUE(server.daemon->Stop());
   auto cancel = std::make_shared<std::atomic<bool>>(false);
   std::chrono::steady_clock::time_point cancelled_at;
   std::thread canceller([&] {
@@ -565,6 +565,44 @@ TEST(ShmCancelTest, ACancelEndsTheWaitForAStalledDaemonsAnswerAndTheStoreThenRec
   ASSERT_EQ(after.tensors.size(), 1u);
   EXPECT_EQ(after.tensors[0].spec.name, "w.2");
   EXPECT_TRUE(after.tensors[0].bytes.view() == before.tensors[2].bytes.view());
+}
+
+TEST(ShmCancelTest, ACallQueuedBehindAnotherOnTheSameStoreIsCancellableToo) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteFloats(models + "/m.safetensors", 2, 256, 1.0f);
+  SocketDaemon server(models);
+  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+  auto store = ConnectShm(server.socket);
+  ASSERT_NE(store, nullptr);
+  ASSERT_OK(store->MapTensors("m", {}).status());
+  ASSERT_TRUE(server.daemon->Stop());
+  // The first call holds the store's connection, waiting for its answer.
+  auto first_cancel = std::make_shared<std::atomic<bool>>(false);
+  absl::Status first;
+  std::thread holder([&] {
+    client::Query query;
+    query.cancel = first_cancel;
+    first = store->MapTensors("m", query).status();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto second_cancel = std::make_shared<std::atomic<bool>>(false);
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    second_cancel->store(true);
+  });
+  client::Query query;
+  query.cancel = second_cancel;
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status second = store->ListTensors("m", query).status();
+  const auto waited = std::chrono::steady_clock::now() - start;
+  canceller.join();
+  first_cancel->store(true);
+  holder.join();
+  server.daemon->Signal(SIGCONT);
+  EXPECT_THAT(second, StatusIs(absl::StatusCode::kCancelled, HasSubstr("another call on this store")));
+  EXPECT_LT(waited, std::chrono::seconds(2));
+  EXPECT_THAT(first, StatusIs(absl::StatusCode::kCancelled, HasSubstr("checkpoint 'm'")));
+  EXPECT_OK(store->MapTensors("m", {}).status());
 }
 
 }  // namespace

@@ -74,6 +74,7 @@ Daemon::Daemon(const std::string& models_dir, std::vector<std::string> extra_arg
 
 Daemon::~Daemon() {
   if (!exited_ && pid_ > 0) {
+    ::kill(pid_, SIGCONT);  // a test may have left it stopped
     ::kill(pid_, SIGTERM);
     if (WaitExit(10000) == -1) {
       ::kill(pid_, SIGKILL);
@@ -84,20 +85,21 @@ Daemon::~Daemon() {
 
 void Daemon::Signal(int signal) { ::kill(pid_, signal); }
 
-void Daemon::Stop() {
+bool Daemon::Stop() {
   Signal(SIGSTOP);
   // The parent hears of the stop once the whole thread group has stopped.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (std::chrono::steady_clock::now() < deadline) {
     int status = 0;
     const pid_t got = ::waitpid(pid_, &status, WNOHANG | WUNTRACED);
-    if (got == pid_ && WIFSTOPPED(status)) return;
+    if (got == pid_ && WIFSTOPPED(status)) return true;
     if (got == pid_) {  // it exited instead
       exited_ = true;
-      return;
+      return false;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  return false;
 }
 
 bool Daemon::alive() {

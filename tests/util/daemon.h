@@ -31,10 +31,11 @@ class Daemon {
   uint64_t peak_rss_bytes() const;
   // Sends `signal`.
   void Signal(int signal);
-  // Stops the process (SIGSTOP) and returns once every thread has stopped:
-  // until then, a thread the stop has not reached yet may still answer.
-  // Resume with Signal(SIGCONT).
-  void Stop();
+  // Stops the process (SIGSTOP) and returns true once every thread has
+  // stopped: until then, a thread the stop has not reached yet may still
+  // answer. False if it exited instead, or did not stop within 30 s. Resume
+  // with Signal(SIGCONT).
+  [[nodiscard]] bool Stop();
   // Waits for the process to exit; returns its exit status (-1 on timeout).
   int WaitExit(int timeout_ms);
   // What the daemon printed to stderr so far.
