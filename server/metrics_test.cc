@@ -43,7 +43,9 @@ TEST(ServerMetricsTest, CountsCallsAndTheBytesTheyServed) {
       {"grpc_type", "server_stream"}, {"grpc_service", "weightstore.v1.WeightStore"}, {"grpc_method", "FetchTensors"}};
   m.OnCallStarted(labels, /*weightstore_call=*/true);
   EXPECT_EQ(m.weightstore_calls_in_flight(), 1);
-  m.OnCallDone(labels, "OK", 0.02, 4096, /*weightstore_call=*/true);
+  m.OnCallDone(labels, "OK", 0.02, 4096);
+  EXPECT_EQ(m.weightstore_calls_in_flight(), 1);  // until torn down
+  m.OnCallTornDown(/*weightstore_call=*/true);
   EXPECT_EQ(m.weightstore_calls_in_flight(), 0);
   EXPECT_EQ(m.grpc_served_bytes(), 4096u);
   m.ObserveLoad(0.5, /*ok=*/false);

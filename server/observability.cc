@@ -63,8 +63,13 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
     metrics_->OnCallStarted(labels_, counted_);
   }
 
+  // The call is torn down: every operation done, its status (and the messages
+  // before it) handed to the transport. Only now does it stop counting as in
+  // flight: at PRE_SEND_STATUS, flow control may still hold its last messages,
+  // which shutdown must not cut off.
   ~CallInterceptor() override {
     if (!done_) Record(grpc::Status(grpc::StatusCode::CANCELLED, "ended before a status was sent"), nullptr);
+    metrics_->OnCallTornDown(counted_);
   }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
@@ -97,7 +102,7 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
       if (auto it = trailers->find(kCheckpointTrailer); it != trailers->end()) checkpoint = it->second;
       if (auto it = trailers->find(kBytesTrailer); it != trailers->end()) (void)absl::SimpleAtoi(it->second, &bytes);
     }
-    metrics_->OnCallDone(labels_, code, seconds, bytes, counted_);
+    metrics_->OnCallDone(labels_, code, seconds, bytes);
     const LogLevel level = status.ok() ? LogLevel::kInfo : LogLevel::kWarning;
     if (!LogEnabled(level)) return;
     nlohmann::ordered_json fields;
@@ -229,12 +234,15 @@ void ServerMetrics::OnCallStarted(const metrics::Labels& labels, bool weightstor
 }
 
 void ServerMetrics::OnCallDone(const metrics::Labels& labels, const std::string& code, double seconds,
-                               uint64_t served_bytes, bool weightstore_call) {
+                               uint64_t served_bytes) {
   metrics::Labels with_code = labels;
   with_code["grpc_code"] = code;
   handled_.Add(with_code).Increment();
   handling_seconds_.Add(labels, metrics::DurationBuckets()).Observe(seconds);
   grpc_served_bytes_.fetch_add(served_bytes, std::memory_order_relaxed);
+}
+
+void ServerMetrics::OnCallTornDown(bool weightstore_call) {
   if (weightstore_call) --calls_in_flight_;
 }
 

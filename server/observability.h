@@ -53,11 +53,13 @@ class ServerMetrics {
   // Creates the interceptor factory to pass to ServerBuilder.
   std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> InterceptorFactory();
 
-  // A call began, and ended: `labels` are grpc_type, grpc_service and
-  // grpc_method; `weightstore_call` counts it in weightstore_calls_in_flight().
+  // A call began, sent its status, and was torn down (all its operations
+  // done, its status handed to the transport): `labels` are grpc_type,
+  // grpc_service and grpc_method; `weightstore_call` counts it in
+  // weightstore_calls_in_flight() from start to teardown.
   void OnCallStarted(const metrics::Labels& labels, bool weightstore_call);
-  void OnCallDone(const metrics::Labels& labels, const std::string& code, double seconds, uint64_t served_bytes,
-                  bool weightstore_call);
+  void OnCallDone(const metrics::Labels& labels, const std::string& code, double seconds, uint64_t served_bytes);
+  void OnCallTornDown(bool weightstore_call);
 
   // Tensor bytes streamed by FetchTensors, as the interceptor counted them.
   uint64_t grpc_served_bytes() const { return grpc_served_bytes_.load(std::memory_order_relaxed); }
