@@ -3,9 +3,9 @@
 
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
 #include "client/proto_convert.h"
 #include "client/store.h"
 #include "core/crc32c.h"
@@ -187,27 +187,30 @@ class ShmStore final : public SharedMemoryStore {
   absl::StatusOr<Reply> Call(const pb::ShmRequest& request,
                              const std::shared_ptr<const std::atomic<bool>>& cancel = nullptr) {
     const std::string bytes = request.SerializeAsString();
-    if (cancel == nullptr) {
-      absl::MutexLock lock(&mu_);
-      return CallLocked(bytes, nullptr);
-    }
-    // Another call on this store may hold the connection while it waits for
-    // its own answer: this one waits for the connection as cancellably.
-    if (!LockUnlessCancelled(*cancel)) {
+    // Calls take turns on the connection, in order; one waiting for its turn
+    // (another is waiting for its answer) is as cancellable as its own wait.
+    if (!TakeTurn(cancel.get())) {
       return absl::CancelledError(
           absl::StrCat("weightstored socket '", path_, "': cancelled while another call on this store held it"));
     }
-    absl::StatusOr<Reply> reply = CallLocked(bytes, cancel.get());
-    mu_.Unlock();
-    return reply;
+    absl::Cleanup give_turn = [this] {
+      absl::MutexLock lock(&turn_mu_);
+      busy_ = false;
+    };
+    absl::MutexLock lock(&mu_);  // uncontended: the turn is this call's
+    return CallLocked(bytes, cancel.get());
   }
 
-  // Takes mu_, or gives up (false) once `cancel` is set.
-  bool LockUnlessCancelled(const std::atomic<bool>& cancel) ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true, mu_) {
-    while (!mu_.TryLock()) {
-      if (cancel.load()) return false;
-      absl::SleepFor(absl::Milliseconds(2));
+  // Waits until no other call holds the connection and takes it; false once
+  // `cancel` (may be null) is set first.
+  bool TakeTurn(const std::atomic<bool>* cancel) {
+    absl::MutexLock lock(&turn_mu_);
+    const absl::Condition free(
+        +[](bool* busy) { return !*busy; }, &busy_);
+    while (!turn_mu_.AwaitWithTimeout(free, absl::Milliseconds(20))) {
+      if (cancel != nullptr && cancel->load()) return false;
     }
+    busy_ = true;
     return true;
   }
 
@@ -243,6 +246,8 @@ class ShmStore final : public SharedMemoryStore {
 
   const std::string path_;
   const SharedMemoryOptions options_;
+  absl::Mutex turn_mu_;
+  bool busy_ ABSL_GUARDED_BY(turn_mu_) = false;  // a call holds the connection
   absl::Mutex mu_;
   UniqueFd socket_ ABSL_GUARDED_BY(mu_);
 };

@@ -514,9 +514,7 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
           } else {
             // A transposed tensor in whole rows of its served matrix, which
             // are produced by tiles (Snapshot::ReadRange).
-            uint64_t unit = DTypeSize(plan.tensor->spec.dtype);
-            if (plan.transpose) unit *= plan.tensor->spec.shape[1];  // a served row (of the slice, if any)
-            staging.resize(std::min<uint64_t>(std::max<uint64_t>(1, kStagingBytes / unit) * unit, plan.byte_size));
+            staging.resize(std::min<uint64_t>(ServedPieceBytes(plan, kStagingBytes), plan.byte_size));
             for (uint64_t at = 0; at < plan.byte_size; at += staging.size()) {
               const std::span<std::byte> chunk(staging.data(), std::min<uint64_t>(staging.size(), plan.byte_size - at));
               WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, chunk));

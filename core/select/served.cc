@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
+#include "core/dtype.h"
 #include "core/status_macros.h"
 
 namespace weightstore {
@@ -38,9 +39,10 @@ absl::Status MaterializeServed(const Snapshot& snapshot, const ServedTensorPlan&
 
 uint64_t ServedPieceBytes(const ServedTensorPlan& plan, uint64_t about) {
   const TensorSpec& spec = plan.tensor->spec;
-  if (spec.shape.size() < 2 || spec.shape[0] == 0 || plan.byte_size == 0) return about;
-  const uint64_t row = plan.byte_size / spec.shape[0];
-  return std::max<uint64_t>(1, about / row) * row;
+  uint64_t unit = DTypeSize(spec.dtype);
+  if (plan.transpose && spec.shape.size() == 2) unit *= spec.shape[1];  // a served row (of the slice, if any)
+  if (unit == 0) return std::max<uint64_t>(about, 1);
+  return std::max<uint64_t>(1, about / unit) * unit;
 }
 
 absl::Status MaterializeServedInPieces(const Snapshot& snapshot, const ServedTensorPlan& plan, std::span<std::byte> out,

@@ -52,11 +52,10 @@ absl::StatusOr<SharedBytes> ReadServedView(const Snapshot& snapshot, const Serve
 absl::Status MaterializeServed(const Snapshot& snapshot, const ServedTensorPlan& plan, uint64_t offset,
                                std::span<std::byte> out);
 
-// A piece size of about `about` bytes (at least one row) for producing a
-// plan's served bytes a range at a time: whole rows of the served tensor (steps
-// of its first dimension) when it has two or more dimensions, so that a
-// transpose is made by tiles rather than an element at a time. A multiple of
-// the element size.
+// A piece size of about `about` bytes for producing a plan's served bytes a
+// range at a time: whole elements, and for a transpose whole rows of the
+// served matrix (at least one), which are made by tiles rather than an element
+// at a time.
 uint64_t ServedPieceBytes(const ServedTensorPlan& plan, uint64_t about);
 
 // Writes all of the served bytes into `out` (plan.byte_size of them), about

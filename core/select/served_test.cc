@@ -104,19 +104,20 @@ TEST(ServedTensorPlanTest, AnyElementAlignedRangeMaterializesAsPartOfTheWhole) {
   }
 }
 
-TEST(ServedTensorPlanTest, PiecesAreWholeServedRowsAndMakeTheWholeTensor) {
+TEST(ServedTensorPlanTest, PiecesAreWholeElementsOrATransposesRowsAndMakeTheWholeTensor) {
   auto c = TwoViews();
   auto snapshot = Serve(c, {{{"as_stored", DType::kF32, {2, 3}}, &c->entries()[0], false},
                             {{"gathered", DType::kF32, {3, 2}}, &c->entries()[1], false},
                             {{"transposed", DType::kBF16, {3, 2}}, &c->entries()[0], true}});
   for (const SnapshotTensor& t : snapshot->tensors()) {
     const ServedTensorPlan plan = PlanServedTensor(*snapshot, t);
-    const uint64_t row = plan.byte_size / t.spec.shape[0];
+    // A transpose takes whole served rows, anything else whole elements: at
+    // least one, else as many as fit in `about`.
+    const uint64_t unit = plan.transpose ? plan.byte_size / t.spec.shape[0] : DTypeSize(t.spec.dtype);
     for (uint64_t about : {1, 3, 5, 8, 64}) {
-      // Whole rows: at least one, else as many as fit in `about`.
       const uint64_t piece = ServedPieceBytes(plan, about);
-      EXPECT_EQ(piece % row, 0u) << t.spec.name << " " << about;
-      EXPECT_LE(piece, std::max(about, row)) << t.spec.name << " " << about;
+      EXPECT_EQ(piece % unit, 0u) << t.spec.name << " " << about;
+      EXPECT_LE(piece, std::max(about, unit)) << t.spec.name << " " << about;
       std::vector<std::byte> out(plan.byte_size);
       int asked = 0;
       ASSERT_OK(MaterializeServedInPieces(*snapshot, plan, out, about * DTypeSize(t.spec.dtype), [&] {

@@ -274,7 +274,8 @@ TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrSh
          std::chrono::steady_clock::now() - stopping < std::chrono::seconds(20)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - stopping, std::chrono::seconds(12)) << node->log();
+  // Well within the grace: a wait for it would not show pulls left stalled.
+  EXPECT_LT(std::chrono::steady_clock::now() - stopping, std::chrono::seconds(6)) << node->log();
   EXPECT_NE(node->WaitExit(30000), -1) << node->log();
   for (auto& t : clients) t.join();
   EXPECT_EQ(failed.load(), 48);

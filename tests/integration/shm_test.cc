@@ -576,7 +576,9 @@ TEST(ShmCancelTest, ACallQueuedBehindAnotherOnTheSameStoreIsCancellableToo) {
   ASSERT_NE(store, nullptr);
   ASSERT_OK(store->MapTensors("m", {}).status());
   ASSERT_TRUE(server.daemon->Stop());
-  // The first call holds the store's connection, waiting for its answer.
+  // The first call holds the store's connection, waiting for its answer. A
+  // watchdog ends it after 10 s, so that a second call that cannot be
+  // cancelled fails this test rather than hanging it.
   auto first_cancel = std::make_shared<std::atomic<bool>>(false);
   absl::Status first;
   std::thread holder([&] {
@@ -584,7 +586,11 @@ TEST(ShmCancelTest, ACallQueuedBehindAnotherOnTheSameStoreIsCancellableToo) {
     query.cancel = first_cancel;
     first = store->MapTensors("m", query).status();
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::thread watchdog([first_cancel] {
+    for (int i = 0; i < 1000 && !first_cancel->load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    first_cancel->store(true);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
   auto second_cancel = std::make_shared<std::atomic<bool>>(false);
   std::thread canceller([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -598,6 +604,7 @@ TEST(ShmCancelTest, ACallQueuedBehindAnotherOnTheSameStoreIsCancellableToo) {
   canceller.join();
   first_cancel->store(true);
   holder.join();
+  watchdog.join();
   server.daemon->Signal(SIGCONT);
   EXPECT_THAT(second, StatusIs(absl::StatusCode::kCancelled, HasSubstr("another call on this store")));
   EXPECT_LT(waited, std::chrono::seconds(2));
