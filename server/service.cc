@@ -173,7 +173,14 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       if (!sent_any_) SetStreamFields(&chunk);
     }
     const uint64_t size = plan_.byte_size;
-    const uint64_t n = std::min<uint64_t>(chunk_bytes_, size - offset_);
+    // A transposed tensor goes in whole served rows when a row fits in a
+    // chunk: those are made by tiles, other ranges an element at a time.
+    uint64_t step = chunk_bytes_;
+    if (plan_.transpose) {
+      const uint64_t rows = ServedPieceBytes(plan_, chunk_bytes_);
+      if (rows <= chunk_bytes_) step = rows;
+    }
+    const uint64_t n = std::min<uint64_t>(step, size - offset_);
     SharedBytes payload;
     if (plan_.is_byte_range()) {
       payload = bytes_.Subspan(offset_, n);

@@ -579,6 +579,45 @@ TEST_P(BrokenStreamTest, ACancelEndsTheWaitBeforeAResumeInMilliseconds) {
   EXPECT_LT(after, 2000) << "a cancelled fetch returned " << after << " ms after the cancel (the backoff is 10 s)";
 }
 
+TEST(ServerLifecycleTest, ATransposedTensorWhoseRowsDoNotDivideTheChunkArrivesExact) {
+  // A Linear weight [300, 70] served transposed to Burn's [70, 300]: a served
+  // row is 1200 bytes, so 4096-byte chunks carry 3 rows each (24 chunks).
+  const std::string models = testing::MakeScratchDir("models");
+  WriteBig(models + "/lin.safetensors", 1, 300 * 70, 2.0f);
+  std::vector<SharedTensor> tensors;
+  {
+    ASSERT_OK_AND_ASSIGN(auto flat, Checkpoint::Open(models + "/lin.safetensors"));
+    ASSERT_OK_AND_ASSIGN(SharedTensor t, flat->Read("layer.0"));
+    tensors.push_back({{"fc.weight", DType::kF32, {300, 70}}, t.bytes});
+  }
+  testing::WriteFileOrDie(models + "/lin.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
+  Daemon daemon(models);
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  client::Query query;
+  query.selection.adapter = Adapter::kPyTorchToBurn;
+  TargetParameter param;
+  param.path = "fc.weight";
+  param.shape = {70, 300};
+  param.module = "Linear";
+  query.target = TargetSchema{{param}};
+  client::RemoteOptions options;
+  options.chunk_bytes = 4096;
+  ASSERT_OK_AND_ASSIGN(auto remote, client::ConnectRemoteStore(daemon.address(), options));
+  ASSERT_OK_AND_ASSIGN(auto local, client::OpenLocalStore(models));
+  ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> got, remote->FetchAll("lin", query));
+  ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> want, local->FetchAll("lin", query));
+  ASSERT_EQ(got.size(), 1u);
+  ASSERT_EQ(want.size(), 1u);
+  EXPECT_EQ(got[0].spec.shape, (std::vector<uint64_t>{70, 300}));
+  EXPECT_TRUE(got[0].bytes.view() == want[0].bytes.view());
+  // Element (c, r) of the served tensor is element (r, c) of the stored one.
+  const auto* stored = reinterpret_cast<const float*>(tensors[0].bytes.data());
+  const auto* served = reinterpret_cast<const float*>(got[0].bytes.data());
+  for (uint64_t c = 0; c < 70; c += 13) {
+    for (uint64_t r = 0; r < 300; r += 37) EXPECT_EQ(served[c * 300 + r], stored[r * 70 + c]) << c << " " << r;
+  }
+}
+
 TEST(CancelTest, ACancelEndsAListingWaitingOnAStalledDaemonInMilliseconds) {
   const std::string models = testing::MakeScratchDir("models");
   WriteBig(models + "/big.safetensors", 4, 1 << 10, 3.0f);
