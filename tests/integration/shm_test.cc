@@ -528,13 +528,26 @@ TEST(ShmCrashTest, MappingsSurviveKill9AndARestartedDaemonServesOnTheSamePath) {
   EXPECT_FALSE(fs::exists(socket));  // a clean stop removes it
 }
 
-TEST(ShmCancelTest, ACancelEndsTheWaitForAStalledDaemonsAnswerAndTheStoreThenReconnects) {
-  const std::string models = testing::MakeScratchDir("models");
-  WriteFloats(models + "/m.safetensors", 4, 1024, 1.0f);
-  SocketDaemon server(models);
-  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
-  auto store = ConnectShm(server.socket);
-  ASSERT_NE(store, nullptr);
+// A socket daemon serving "m" (four F32 tensors "w.0".."w.3") and a store
+// connected to it, for the tests that stop the daemon mid-call.
+class ShmCancelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string models = testing::MakeScratchDir("models");
+    WriteFloats(models + "/m.safetensors", 4, 1024, 1.0f);
+    server_ = std::make_unique<SocketDaemon>(models);
+    ASSERT_NE(server_->daemon->port(), 0) << server_->daemon->log();
+    store_ = ConnectShm(server_->socket);
+    ASSERT_NE(store_, nullptr);
+  }
+
+  std::unique_ptr<SocketDaemon> server_;
+  std::unique_ptr<client::SharedMemoryStore> store_;
+};
+
+TEST_F(ShmCancelTest, ACancelEndsTheWaitForAStalledDaemonsAnswerAndTheStoreThenReconnects) {
+  SocketDaemon& server = *server_;
+  client::SharedMemoryStore* store = store_.get();
   ASSERT_OK_AND_ASSIGN(client::MappedTensors before, store->MapTensors("m", {}));
 
   // The daemon stops (SIGSTOP) with the connection open: an answer that takes
@@ -567,13 +580,9 @@ TEST(ShmCancelTest, ACancelEndsTheWaitForAStalledDaemonsAnswerAndTheStoreThenRec
   EXPECT_TRUE(after.tensors[0].bytes.view() == before.tensors[2].bytes.view());
 }
 
-TEST(ShmCancelTest, ACallQueuedBehindAnotherOnTheSameStoreIsCancellableToo) {
-  const std::string models = testing::MakeScratchDir("models");
-  WriteFloats(models + "/m.safetensors", 2, 256, 1.0f);
-  SocketDaemon server(models);
-  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
-  auto store = ConnectShm(server.socket);
-  ASSERT_NE(store, nullptr);
+TEST_F(ShmCancelTest, ACallQueuedBehindAnotherOnTheSameStoreIsCancellableToo) {
+  SocketDaemon& server = *server_;
+  client::SharedMemoryStore* store = store_.get();
   ASSERT_OK(store->MapTensors("m", {}).status());
   ASSERT_TRUE(server.daemon->Stop());
   // The first call holds the store's connection, waiting for its answer. A
