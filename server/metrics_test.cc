@@ -45,7 +45,18 @@ TEST(ServerMetricsTest, CountsCallsAndTheBytesTheyServed) {
   EXPECT_EQ(m.weightstore_calls_in_flight(), 1);
   m.OnCallDone(labels, "OK", 0.02, 4096);
   EXPECT_EQ(m.weightstore_calls_in_flight(), 1);  // until torn down
-  m.OnCallTornDown(/*weightstore_call=*/true);
+  const auto before = std::chrono::steady_clock::now();
+  EXPECT_LT(m.last_weightstore_success(), before);
+  m.OnCallTornDown(/*weightstore_call=*/true, /*ok=*/true);
+  EXPECT_EQ(m.weightstore_calls_in_flight(), 0);
+  EXPECT_GE(m.last_weightstore_success(), before);
+  // Neither a failed WeightStore call nor another service's call counts as a success.
+  const auto last = m.last_weightstore_success();
+  m.OnCallStarted(labels, /*weightstore_call=*/true);
+  m.OnCallTornDown(/*weightstore_call=*/true, /*ok=*/false);
+  m.OnCallStarted(labels, /*weightstore_call=*/false);
+  m.OnCallTornDown(/*weightstore_call=*/false, /*ok=*/true);
+  EXPECT_EQ(m.last_weightstore_success(), last);
   EXPECT_EQ(m.weightstore_calls_in_flight(), 0);
   EXPECT_EQ(m.grpc_served_bytes(), 4096u);
   m.ObserveLoad(0.5, /*ok=*/false);

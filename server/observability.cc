@@ -69,7 +69,7 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
   // which shutdown must not cut off.
   ~CallInterceptor() override {
     if (!done_) Record(grpc::Status(grpc::StatusCode::CANCELLED, "ended before a status was sent"), nullptr);
-    metrics_->OnCallTornDown(counted_);
+    metrics_->OnCallTornDown(counted_, ok_);
   }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
@@ -94,6 +94,7 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
  private:
   void Record(const grpc::Status& status, const std::multimap<std::string, std::string>* trailers) {
     done_ = true;
+    ok_ = status.ok();
     const double seconds = std::chrono::duration<double>(Clock::now() - start_).count();
     const std::string code = GrpcCodeName(status.error_code());
     std::string checkpoint;
@@ -123,6 +124,7 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
   metrics::Labels labels_;  // grpc_type, grpc_service, grpc_method
   std::string request_id_;
   bool done_ = false;
+  bool ok_ = false;       // the status sent was OK
   bool counted_ = false;  // in ServerMetrics::weightstore_calls_in_flight()
 };
 
@@ -242,8 +244,10 @@ void ServerMetrics::OnCallDone(const metrics::Labels& labels, const std::string&
   grpc_served_bytes_.fetch_add(served_bytes, std::memory_order_relaxed);
 }
 
-void ServerMetrics::OnCallTornDown(bool weightstore_call) {
-  if (weightstore_call) --calls_in_flight_;
+void ServerMetrics::OnCallTornDown(bool weightstore_call, bool ok) {
+  if (!weightstore_call) return;
+  if (ok) last_success_.store(std::chrono::steady_clock::now().time_since_epoch().count());
+  --calls_in_flight_;
 }
 
 void ServerMetrics::ObserveLoad(double seconds, bool ok) {

@@ -17,6 +17,7 @@
 #include <prometheus/registry.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -59,13 +60,18 @@ class ServerMetrics {
   // weightstore_calls_in_flight() from start to teardown.
   void OnCallStarted(const metrics::Labels& labels, bool weightstore_call);
   void OnCallDone(const metrics::Labels& labels, const std::string& code, double seconds, uint64_t served_bytes);
-  void OnCallTornDown(bool weightstore_call);
+  void OnCallTornDown(bool weightstore_call, bool ok);
 
   // Tensor bytes streamed by FetchTensors, as the interceptor counted them.
   uint64_t grpc_served_bytes() const { return grpc_served_bytes_.load(std::memory_order_relaxed); }
   // Calls of the WeightStore service (not health or reflection, whose watches
   // may stay open) that have started and not yet been torn down.
   int64_t weightstore_calls_in_flight() const { return calls_in_flight_.load(); }
+  // When the last WeightStore call with an OK status was torn down (the
+  // epoch if none was).
+  std::chrono::steady_clock::time_point last_weightstore_success() const {
+    return std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(last_success_.load()));
+  }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -77,6 +83,7 @@ class ServerMetrics {
   prometheus::Counter& load_failures_;
   std::atomic<uint64_t> grpc_served_bytes_{0};
   std::atomic<int64_t> calls_in_flight_{0};
+  std::atomic<std::chrono::steady_clock::rep> last_success_{0};
 };
 
 // `value` as a metadata value gRPC accepts: bytes outside printable ASCII, and

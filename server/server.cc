@@ -24,7 +24,7 @@ namespace weightstore::server {
 namespace {
 
 // How long connections get to acknowledge the GOAWAY at shutdown, once every
-// WeightStore call is done (see Shutdown).
+// WeightStore call is done, when none succeeded since the signal (see Shutdown).
 constexpr std::chrono::milliseconds kGoawayWindow(500);
 
 // Plaintext, TLS, or mutual TLS, from the options' PEM files.
@@ -289,6 +289,7 @@ WeightStoreServer::~WeightStoreServer() {
 
 void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::milliseconds grace) {
   if (server_ == nullptr) return;
+  const auto began = std::chrono::steady_clock::now();
   for (grpc::Server* server : {server_.get(), health_server_.get()}) {
     if (server == nullptr) continue;
     if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService()) {
@@ -314,13 +315,18 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
     }
     WaitForPeersToAcknowledge(port_, deadline);
   } while (metrics_->weightstore_calls_in_flight() > 0 && std::chrono::system_clock::now() < deadline);
-  // Every WeightStore call is done and its bytes acknowledged. gRPC's graceful
-  // shutdown would still send each connection a GOAWAY and a PING and wait for
-  // the ack, which an idle client reads only when its channel's backup poller
-  // wakes (every 5 s): with idle clients connected, stopping took 5 or 10 s
-  // more. The acks, and the statuses of calls just finished, get a short
-  // window; then gRPC closes what is left.
-  server_->Shutdown(std::min(deadline, std::chrono::system_clock::now() + kGoawayWindow));
+  // Every WeightStore call is done and its bytes acknowledged: by the client's
+  // kernel, not yet its gRPC, which a slow reader's flow-control window can
+  // hold back by many messages. Closing the connection before the client has
+  // read them fails its call. gRPC's graceful shutdown sends each connection a
+  // GOAWAY and a PING and closes it on the ack, which a client sends only once
+  // it has read everything before it: a call that succeeded since the signal
+  // gets that, within the grace. Otherwise the short window, because an idle
+  // client reads the PING only when its channel's backup poller wakes (every
+  // 5 s): with idle clients connected, stopping took 5 or 10 s more.
+  const bool clients_may_be_reading = metrics_->last_weightstore_success() >= began;
+  server_->Shutdown(clients_may_be_reading ? deadline
+                                           : std::min(deadline, std::chrono::system_clock::now() + kGoawayWindow));
   server_->Wait();
   server_.reset();
   if (health_server_ != nullptr) {
