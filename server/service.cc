@@ -2,6 +2,7 @@
 
 #include <grpcpp/support/byte_buffer.h>
 
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -247,6 +248,9 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   // Finishes, telling the request log how many tensor bytes were sent.
   void Done(const grpc::Status& status) {
     if (ctx_ != nullptr) ctx_->AddTrailingMetadata(kBytesTrailer, std::to_string(sent_bytes_));
+    // Free before the client can see the status: one that starts its next
+    // stream when this one ends must find the slot free (OnDone runs later).
+    if (ticket_ != 0) service_->streams_.Release(std::exchange(ticket_, 0));
     Finish(status);
   }
 
@@ -554,11 +558,16 @@ class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
     auto version = registry_->FinishPut(std::move(session_));
     if (!version.ok()) return Fail(version.status());
     ToProto(**version, response_);
-    Finish(grpc::Status::OK);
+    End(grpc::Status::OK);
   }
   void Fail(const absl::Status& status) {
     session_.reset();  // removes the temporary file
-    Finish(service_->ClientStatus(status));
+    End(service_->ClientStatus(status));
+  }
+  // The slot is free before the client can see the status (see FetchReactor).
+  void End(const grpc::Status& status) {
+    if (ticket_ != 0) service_->uploads_.Release(std::exchange(ticket_, 0));
+    Finish(status);
   }
   WeightStoreService* service_;
   CheckpointRegistry* registry_;
@@ -645,7 +654,7 @@ class PushReactor : public grpc::ServerReadReactor<v1::PushCheckpointRequest> {
         auto version = service_->registry_->FinishPush(std::move(session_));
         if (!version.ok()) return Fail(version.status());
         ToProto(**version, response_);
-        Finish(grpc::Status::OK);
+        End(grpc::Status::OK);
         return;
       }
       default:
@@ -661,7 +670,12 @@ class PushReactor : public grpc::ServerReadReactor<v1::PushCheckpointRequest> {
  private:
   void Fail(const absl::Status& status) {
     session_.reset();  // removes the staging file
-    Finish(service_->ClientStatus(status));
+    End(service_->ClientStatus(status));
+  }
+  // The slot is free before the client can see the status (see FetchReactor).
+  void End(const grpc::Status& status) {
+    if (ticket_ != 0) service_->uploads_.Release(std::exchange(ticket_, 0));
+    Finish(status);
   }
   WeightStoreService* service_;
   v1::CheckpointInfo* response_;

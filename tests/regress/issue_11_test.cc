@@ -798,6 +798,34 @@ TEST(Issue11Test, UploadsAreSharedPerClientAndAStalledOneIsCancelled) {
   ExpectHealthy(daemon);
 }
 
+TEST(Issue11Test, ACallsSlotIsFreeOnceItsClientSeesItEnd) {
+  // A client at its share that starts its next call when one ends was refused
+  // now and then (CI: RESOURCE_EXHAUSTED for an upload right after another):
+  // the slot was freed only when the daemon's side of the call wound down.
+  const std::string models = ExampleModels();
+  Daemon daemon(models, {"--max-fetches-per-peer", "1", "--max-uploads-per-peer", "1"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto stub = Stub(daemon);
+  pb::FetchTensorsRequest req;
+  req.set_name("tiny-mlp");
+  for (int i = 0; i < 300; ++i) {
+    grpc::Status s = Fetch(stub.get(), req);
+    ASSERT_TRUE(s.ok()) << "fetch " << i << ": " << s.error_message();
+  }
+  const std::string good = testing::ReadFileOrEmpty(models + "/tiny-mlp.safetensors");
+  ASSERT_FALSE(good.empty());
+  for (int i = 0; i < 100; ++i) {
+    grpc::ClientContext ctx;
+    pb::CheckpointInfo info;
+    auto writer = StartUpload(stub.get(), &ctx, &info, absl::StrCat("seq/", i % 2 == 0 ? "ok-" : "bad-", i));
+    // Every other one fails its CRC check: an error frees the slot as early.
+    grpc::Status s = SendAndFinish(writer.get(), good, /*commit=*/true, /*corrupt=*/i % 2 != 0);
+    EXPECT_EQ(s.error_code(), i % 2 == 0 ? grpc::StatusCode::OK : grpc::StatusCode::DATA_LOSS)
+        << "upload " << i << ": " << s.error_message();
+  }
+  ExpectHealthy(daemon);
+}
+
 TEST(Issue11Test, ErrorsTellClientsNoServerPaths) {
   const std::string models = ExampleModels();
   Daemon daemon(models);
