@@ -50,7 +50,18 @@ class PackageTest(unittest.TestCase):
         header = ('{"u": {"dtype": "U32", "shape": [2, 3], "data_offsets": [0, 24]}}').encode()
         with open(os.path.join(MODELS, "pkg", "uints.safetensors"), "wb") as f:
             f.write(len(header).to_bytes(8, "little") + header + cls.uints.tobytes())
-        with grpc.insecure_channel(ADDRESS) as channel:  # serve the new file now
+        # Tensors at odd offsets (SafeTensors does not align them), the data
+        # section itself 8-byte aligned in the file.
+        cls.odd = {"b": torch.tensor([1, 2, 3], dtype=torch.uint8), "f": torch.arange(4.0).reshape(2, 2),
+                   "d": torch.tensor([0.5, -1.25, 3.0], dtype=torch.float64)}
+        header = ('{"b": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}, '
+                  '"f": {"dtype": "F32", "shape": [2, 2], "data_offsets": [3, 19]}, '
+                  '"d": {"dtype": "F64", "shape": [3], "data_offsets": [19, 43]}}').encode()
+        header += b" " * (-len(header) % 8)
+        with open(os.path.join(MODELS, "pkg", "odd.safetensors"), "wb") as f:
+            f.write(len(header).to_bytes(8, "little") + header + b"".join(
+                cls.odd[k].numpy().tobytes() for k in ("b", "f", "d")))
+        with grpc.insecure_channel(ADDRESS) as channel:  # serve the new files now
             weight_store_pb2_grpc.WeightStoreStub(channel).Rescan(weight_store_pb2.RescanRequest(), timeout=60)
         cls.local = weightstore.connect("file:" + MODELS)
         cls.remote = weightstore.connect(ADDRESS)
@@ -121,6 +132,18 @@ class PackageTest(unittest.TestCase):
         self.assertTrue(torch.equal(again["0.weight"], want["0.weight"]))
         self.assertTrue(torch.equal(again["0.bias"], want["0.bias"]))
         self.assertEqual(arrays["0.weight"][0, 0], 1234.5)
+
+    def test_tensors_at_odd_offsets_in_their_file_are_naturally_aligned(self):
+        for label, store in self.stores().items():
+            with self.subTest(label):
+                got = store.tensors("pkg/odd")
+                for name, want in self.odd.items():
+                    self.assertTrue(same_bytes(got[name], want), name)
+                    self.assertEqual(got[name].data_ptr() % got[name].element_size(), 0, name)
+                arrays = store.tensors("pkg/odd", as_="numpy")
+                for name, want in self.odd.items():
+                    np.testing.assert_array_equal(arrays[name], want.numpy())
+                    self.assertTrue(arrays[name].flags.aligned, name)
 
     def test_bad_arguments_are_type_or_value_errors_naming_the_argument(self):
         with self.assertRaises(TypeError):
