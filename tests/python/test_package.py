@@ -370,8 +370,9 @@ class PackageTest(unittest.TestCase):
         self.assertEqual(store.tensors("pkg/one")["w"].numel(), 128 << 20)
         whole = time.perf_counter() - start
         # On a loaded machine the measured fetch can be slower than the next
-        # one, which then ends before the signal: tried again (three times).
-        for _ in range(3):
+        # one, which then ends before the signal: tried again, the signal
+        # aimed at a quarter of the fastest whole fetch seen so far.
+        for _ in range(5):
             timer = threading.Timer(whole / 4, lambda: os.kill(os.getpid(), signal.SIGINT))
             start = time.perf_counter()
             timer.start()
@@ -381,6 +382,8 @@ class PackageTest(unittest.TestCase):
             except KeyboardInterrupt:
                 cancelled = True
             interrupted = time.perf_counter() - start
+            if not cancelled:
+                whole = min(whole, interrupted)
             try:  # a signal that came after the fetch is taken here, not in another test
                 timer.join()
                 time.sleep(0.05)
@@ -388,7 +391,7 @@ class PackageTest(unittest.TestCase):
                 pass
             if cancelled:
                 break
-        self.assertTrue(cancelled, "the fetch ended before Ctrl-C three times")
+        self.assertTrue(cancelled, "the fetch ended before Ctrl-C five times")
         print(f"\nCtrl-C ({label}): a {whole * 1e3:.0f} ms one-tensor fetch interrupted at {whole * 250:.0f} ms "
               f"returned after {interrupted * 1e3:.0f} ms")
         self.assertLess(interrupted, whole * 0.8)
