@@ -176,6 +176,37 @@ uint64_t FileSize(const std::string& path) { return std::filesystem::file_size(p
 
 double GBps(uint64_t bytes, double seconds) { return static_cast<double>(bytes) / seconds / 1e9; }
 
+// The transpose `--adapter pytorch-to-burn` serves for a Linear weight: a
+// [11008, 4096] matrix (LLaMA-7B's MLP), against memcpy of the same bytes in
+// the same run, in GB/s of output.
+void TransposeBench() {
+  constexpr size_t kRows = 11008, kCols = 4096, kCount = kRows * kCols;
+  std::vector<float> f32(kCount);
+  for (size_t i = 0; i < kCount; ++i) f32[i] = static_cast<float>(i % 9973) * 0.37f - 1000.0f;
+  std::vector<uint16_t> bf16(kCount), out16(kCount);
+  std::vector<float> out32(kCount);
+  CastElements(DType::kF32, reinterpret_cast<const std::byte*>(f32.data()), DType::kBF16,
+               reinterpret_cast<std::byte*>(bf16.data()), kCount);
+  std::printf("\n%-36s %12s %14s %8s\n", "transpose [11008, 4096]", "GB/s out", "memcpy GB/s", "ratio");
+  struct Case {
+    const char* name;
+    DType from, to;
+    const void* src;
+    void* dst;
+  };
+  for (const Case& c : {Case{"BF16", DType::kBF16, DType::kBF16, bf16.data(), out16.data()},
+                        Case{"F32", DType::kF32, DType::kF32, f32.data(), out32.data()},
+                        Case{"F32 -> BF16", DType::kF32, DType::kBF16, f32.data(), out16.data()},
+                        Case{"BF16 -> F32", DType::kBF16, DType::kF32, bf16.data(), out32.data()}}) {
+    const size_t out_bytes = kCount * DTypeSize(c.to);
+    const auto* src = static_cast<const std::byte*>(c.src);
+    auto* dst = static_cast<std::byte*>(c.dst);
+    const double copy = MedianOf(3, [&] { std::memcpy(dst, src, out_bytes); });
+    const double t = MedianOf(3, [&] { TransposeCast(c.from, src, c.to, dst, kRows, kCols); });
+    std::printf("  %-34s %12.2f %14.2f %7.2fx\n", c.name, GBps(out_bytes, t), GBps(out_bytes, copy), copy / t);
+  }
+}
+
 // Casts of 64 MiB of F32 (and back) with the fast paths and with the
 // element-at-a-time reference, in GB/s of input: what every cast that is
 // served (gRPC chunks, socket segments) runs.
@@ -200,6 +231,7 @@ void CastBench() {
     std::printf("  %-34s %12.2f %14.2f %7.1fx\n", absl::StrCat(DTypeName(to), " -> F32").c_str(), GBps(2 * kCount, up),
                 GBps(2 * kCount, up_ref), up_ref / up);
   }
+  TransposeBench();
 }
 
 }  // namespace
