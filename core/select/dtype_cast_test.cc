@@ -187,8 +187,9 @@ TEST(CastTest, TransposesOfEverySizeShapeAndBandEqualTheElementByElementReferenc
       {DType::kU8, DType::kU8},   {DType::kBF16, DType::kBF16}, {DType::kF16, DType::kF16},  {DType::kF32, DType::kF32},
       {DType::kF64, DType::kF64}, {DType::kF32, DType::kBF16},  {DType::kBF16, DType::kF32}, {DType::kF16, DType::kF32},
       {DType::kF32, DType::kF16}, {DType::kF32, DType::kF64},   {DType::kI32, DType::kF32},  {DType::kU8, DType::kF32}};
-  const std::pair<size_t, size_t> shapes[] = {{1, 1},   {8, 8},    {4, 4},    {9, 17},
-                                              {64, 64}, {65, 130}, {130, 67}, {3, 200}};
+  // Tiles are 128 rows by 2 KiB: 130 rows, and 300 to 2100 columns, cross them.
+  const std::pair<size_t, size_t> shapes[] = {{1, 1},    {8, 8},   {4, 4},   {9, 17},   {64, 64},  {65, 130},
+                                              {130, 67}, {3, 200}, {9, 300}, {10, 600}, {5, 1100}, {3, 2100}};
   for (auto [from, to] : pairs) {
     const size_t fs = DTypeSize(from), ts = DTypeSize(to);
     for (auto [rows, cols] : shapes) {
