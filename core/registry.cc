@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "core/crc32c.h"
+#include "core/hub_cache.h"
 #include "core/mapped_file.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/shm/unix_socket.h"
@@ -276,7 +277,7 @@ ScanReport CheckpointRegistry::Rescan() {
   ScanReport report;
   // Find candidates: (name, path), indexes first so their shards are excluded.
   std::map<std::string, std::string> found;
-  std::vector<fs::path> files, temporaries;
+  std::vector<fs::path> files, temporaries, hub_repos;
   std::error_code ec;
   fs::recursive_directory_iterator it(options_.models_dir, fs::directory_options::skip_permission_denied, ec), end;
   // Only the error_code overloads: a symlink loop or a vanishing file must be a
@@ -290,6 +291,15 @@ ScanReport CheckpointRegistry::Rescan() {
         temporaries.push_back(it->path());
       }
       continue;
+    }
+    // A Hugging Face hub cache's repo folder is served by repo id
+    // (core/hub_cache.h), not walked.
+    if (it->is_directory(item_ec) && !it->is_symlink(item_ec)) {
+      if (std::optional<std::string> kind = HubRepoKind(it->path().string())) {
+        it.disable_recursion_pending();
+        if (*kind == "models") hub_repos.push_back(it->path());
+        continue;
+      }
     }
     if (it->is_regular_file(item_ec)) {
       files.push_back(it->path());
@@ -326,6 +336,18 @@ ScanReport CheckpointRegistry::Rescan() {
     }
     if (!found.emplace(*name, f.string()).second) {
       report.errors.push_back(absl::StrCat(f.string(), ": another file is already served as '", *name, "'"));
+    }
+  }
+  std::sort(hub_repos.begin(), hub_repos.end());
+  for (const fs::path& repo : hub_repos) {
+    HubRepoScan hub = ScanHubRepo(repo.string());
+    report.errors.insert(report.errors.end(), hub.errors.begin(), hub.errors.end());
+    for (const HubCheckpoint& c : hub.checkpoints) {
+      if (absl::Status valid = CheckCheckpointName(c.name, options_.max_name_bytes); !valid.ok()) {
+        report.errors.push_back(absl::StrCat(absl::CHexEscape(c.path), ": ", valid.message()));
+      } else if (!found.emplace(c.name, c.path).second) {
+        report.errors.push_back(absl::StrCat(c.path, ": another file is already served as '", c.name, "'"));
+      }
     }
   }
 

@@ -589,5 +589,48 @@ TEST(UpdatesLimitsTest, WatchesAreCappedAuthenticatedAndEndedAtShutdown) {
   EXPECT_EQ(daemon.WaitExit(20000), 0) << daemon.log();
 }
 
+// A Hugging Face hub cache served by repo id: moving refs/main to a new
+// snapshot is a new version of "acme/gpt", and a watcher hears of it as a
+// replacement that names exactly the changed tensors.
+TEST(HubCacheUpdatesTest, MovingRefsMainIsAReplacementWatchersSeeAsADelta) {
+  namespace fs = std::filesystem;
+  const std::string models = testing::MakeScratchDir("hub-updates");
+  const std::string repo = models + "/hub/models--acme--gpt";
+  Model model(2);
+  auto publish = [&](const std::string& commit) {
+    fs::create_directories(repo + "/blobs");
+    fs::create_directories(repo + "/snapshots/" + commit);
+    fs::create_directories(repo + "/refs");
+    model.Publish(repo + "/blobs/" + commit + "-blob");
+    fs::create_symlink("../../blobs/" + commit + "-blob", repo + "/snapshots/" + commit + "/model.safetensors");
+    testing::WriteFileOrDie(repo + "/refs/main", commit);
+  };
+  publish("c1");
+  Daemon daemon(models, {"--kept-versions", "4"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  std::unique_ptr<client::Store> store = *client::ConnectRemoteStore(daemon.address());
+  ASSERT_OK_AND_ASSIGN(client::CheckpointSummary info, store->GetCheckpoint("acme/gpt"));
+  Watcher watcher(store.get(), {.name = "acme/gpt"});
+  ASSERT_TRUE(watcher.WaitFor(IsSynced));
+
+  model.Change(3);
+  model.Change(7);
+  publish("c2");
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  pb::RescanResponse resp;
+  ASSERT_TRUE(stub->Rescan(&ctx, pb::RescanRequest(), &resp).ok());
+  std::optional<CheckpointEvent> replaced = watcher.WaitFor(IsReplacement);
+  ASSERT_TRUE(replaced.has_value());
+  EXPECT_EQ(replaced->name, "acme/gpt");
+  EXPECT_EQ(replaced->old_version, info.version);
+  EXPECT_TRUE(replaced->delta) << replaced->full_reason;
+  EXPECT_THAT(replaced->changed, UnorderedElementsAreArray({model.name(3), model.name(7)}));
+  // The repo id now serves the new snapshot; the old one is still there by commit.
+  ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> now, store->FetchAll("acme/gpt", {}));
+  ExpectSameTensors(now, model.tensors());
+  EXPECT_OK(store->GetCheckpoint("acme/gpt@c1").status());
+}
+
 }  // namespace
 }  // namespace weightstore
