@@ -30,6 +30,7 @@ SCRATCH = os.environ.get("WEIGHTSTORE_PY_SCRATCH")
 if not SCRATCH:
     SCRATCH = tempfile.mkdtemp(prefix="weightstore-py-build-")
     atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
+os.makedirs(SCRATCH, exist_ok=True)  # setuptools before 66 wants egg_base to exist
 
 
 class CMakeBuild(build_ext):

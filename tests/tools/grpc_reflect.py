@@ -22,6 +22,15 @@ import tempfile
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 
+
+def message_class(pool, descriptor):
+    """The message class of `descriptor`: GetMessageClass from protobuf 4.21 on
+    (Debian's python3-protobuf has both; 5.x and later only this)."""
+    if hasattr(message_factory, "GetMessageClass"):
+        return message_factory.GetMessageClass(descriptor)
+    return message_factory.MessageFactory(pool).GetPrototype(descriptor)
+
+
 GRPC_PROTO = os.environ.get("GRPC_PROTO_DIR", "/usr/share/grpc-proto")
 
 
@@ -94,8 +103,8 @@ class Reflector:
         service, name = method.split("/")
         self.load_symbol(service)
         m = self.pool.FindServiceByName(service).FindMethodByName(name)
-        request_class = message_factory.MessageFactory(self.pool).GetPrototype(m.input_type)
-        response_class = message_factory.MessageFactory(self.pool).GetPrototype(m.output_type)
+        request_class = message_class(self.pool, m.input_type)
+        response_class = message_class(self.pool, m.output_type)
         request = json_format.Parse(body, request_class())
         path = f"/{service}/{name}"
         kwargs = dict(request_serializer=lambda x: x.SerializeToString(), response_deserializer=response_class.FromString)
