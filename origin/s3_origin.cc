@@ -811,10 +811,14 @@ absl::Status S3Origin::Read(const OriginFile& file, uint64_t offset, uint64_t le
           absl::StrCat(what, " changed at the origin (ETag ", Shown(r.etag), ", expected ", Shown(file.etag), ")"));
     }
     if (r.http == 206) {
-      const std::string expected = absl::StrCat("bytes ", offset, "-", last, "/");
-      if (!r.content_range.empty() && !absl::StartsWith(r.content_range, expected)) {
+      // A partial reply must say which bytes it holds (RFC 9110 14.4): exactly
+      // those asked for, of an object of the listed size ('*': unknown).
+      const std::string range = absl::StrCat("bytes ", offset, "-", last, "/");
+      if (r.content_range != absl::StrCat(range, file.size) && r.content_range != absl::StrCat(range, "*")) {
         return absl::DataLossError(
-            absl::StrCat(what, ": asked for bytes ", offset, "-", last, ", got '", Shown(r.content_range), "'"));
+            absl::StrCat(what, ": asked for bytes ", offset, "-", last, " of ", file.size, ", got a 206 with ",
+                         r.content_range.empty() ? "no Content-Range"
+                                                 : absl::StrCat("Content-Range '", Shown(r.content_range), "'")));
       }
       return absl::OkStatus();
     }

@@ -703,6 +703,30 @@ TEST(S3OriginErrorsTest, AWrongRangeOrAShortBodyIsDataLoss) {
   EXPECT_THAT(ReadAll(*origin, file, 10, 10), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("got 5 of 10 bytes")));
 }
 
+// Issue 26, finding 9: a 206 must say which bytes it carries, and of what size.
+TEST(S3OriginErrorsTest, A206WithoutTheRangeAskedForIsDataLoss) {
+  ScriptedServer server([](const SeenRequest& request) {
+    const std::string& range = request.headers.at("range");
+    if (range == "bytes=0-9") return Scripted{HttpReply(206, "Partial Content", "0123456789", {})};
+    if (range == "bytes=10-19") {
+      return Scripted{HttpReply(206, "Partial Content", "0123456789", {"Content-Range: bytes 10-19/999"})};
+    }
+    if (range == "bytes=20-29") {
+      return Scripted{HttpReply(206, "Partial Content", "0123456789", {"Content-Range: bytes 20-29/100"})};
+    }
+    return Scripted{HttpReply(206, "Partial Content", "0123456789", {"Content-Range: bytes 30-39/*"})};
+  });
+  S3Config config;
+  config.endpoint = server.endpoint();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+  OriginFile file{.path = "a.pt", .key = "a.pt", .size = 100, .etag = ""};
+  EXPECT_THAT(ReadAll(*origin, file, 0, 10),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("got a 206 with no Content-Range")));
+  EXPECT_THAT(ReadAll(*origin, file, 10, 10), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("bytes 10-19/999")));
+  EXPECT_OK(ReadAll(*origin, file, 20, 10).status());
+  EXPECT_OK(ReadAll(*origin, file, 30, 10).status());
+}
+
 TEST(S3OriginErrorsTest, AStalledTransferIsUnavailable) {
   ScriptedServer server([](const SeenRequest&) {
     return Scripted{HttpReply(206, "Partial Content", "", {"Content-Length: 100", "Content-Range: bytes 0-99/100"}),
