@@ -244,7 +244,7 @@ absl::Status CheckShardAndSlices(const SelectionOptions& options, const Selectio
       return absl::InvalidArgumentError(absl::StrCat("shard rule '", shard.rules[i].pattern, "': dimension ", split.dim,
                                                      " is past the largest rank (", kMaxRank, ")"));
     }
-    if (split.parts == 0 || split.parts > limits.max_fused_parts) {
+    if (split.parts > limits.max_fused_parts) {  // 0 is one part, as 1
       return absl::InvalidArgumentError(absl::StrCat("shard rule '", shard.rules[i].pattern, "': ", split.parts,
                                                      " fused parts; 1 to ", limits.max_fused_parts, " are allowed"));
     }

@@ -141,7 +141,7 @@ absl::StatusOr<ShardSplit> ParseShardSplit(absl::string_view text) {
 }
 
 std::string ShardSplitToString(const ShardSplit& split) {
-  return absl::StrCat(split.dim, split.parts != 1 ? absl::StrCat("x", split.parts) : "", split.uneven ? ":uneven" : "");
+  return absl::StrCat(split.dim, split.parts > 1 ? absl::StrCat("x", split.parts) : "", split.uneven ? ":uneven" : "");
 }
 
 absl::StatusOr<TensorSlice> ShardSlice(std::span<const uint64_t> shape, const ShardSplit& split, uint32_t rank,

@@ -59,7 +59,9 @@ struct TensorSlice {
 struct ShardSplit {
   uint32_t dim = 0;
   // The dimension holds this many equal fused parts (QKV: 3, gate-up: 2); each
-  // is split world-size ways and the rank's pieces concatenated. Default: 1.
+  // is split world-size ways and the rank's pieces concatenated. 0 is one part,
+  // as 1 (the API's ShardRule.parts, where proto3 cannot tell 0 from unset).
+  // Default: 1.
   uint32_t parts = 1;
   // A part not divisible by the world size is split as torch.tensor_split
   // does (the first size % world pieces one longer) instead of refused.

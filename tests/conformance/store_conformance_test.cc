@@ -268,6 +268,31 @@ TEST_F(StoreConformanceTest, ErrorsHaveTheSameCodesEverywhere) {
                        TargetSchema::FromJson(R"({"parameters": [{"path": "no.such", "shape": [1]}]})", "test"));
   EXPECT_FALSE(ExpectAllStoresAgree("safetensors/multi_layer", missing_target, "a target nothing in the file fits")
                    .list_status.ok());
+  // Issue 26, finding 11: shard rules. 0 fused parts is one part, as the API's
+  // ShardRule.parts says (proto3 cannot tell 0 from unset), on every store.
+  auto sharded = [](uint32_t rank, uint32_t world, ShardSplit split) {
+    Query q;
+    q.selection.shard = {.rank = rank, .world_size = world, .rules = {{"\\.weight$", split}}};
+    return q;
+  };
+  const Outcome zero_parts =
+      ExpectAllStoresAgree("safetensors/multi_layer", sharded(0, 2, {.dim = 0, .parts = 0, .uneven = true}), "0 parts");
+  EXPECT_OK(zero_parts.fetch_status);
+  const Outcome one_part =
+      ExpectAllStoresAgree("safetensors/multi_layer", sharded(0, 2, {.dim = 0, .parts = 1, .uneven = true}), "1 part");
+  ASSERT_EQ(zero_parts.tensors.size(), one_part.tensors.size());
+  for (size_t i = 0; i < one_part.tensors.size(); ++i) {
+    EXPECT_EQ(zero_parts.tensors[i].bytes.view(), one_part.tensors[i].bytes.view());
+  }
+  EXPECT_EQ(ExpectAllStoresAgree("safetensors/multi_layer", sharded(0, 2, {.dim = 0, .parts = 65}), "65 parts")
+                .list_status.code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      ExpectAllStoresAgree("safetensors/multi_layer", sharded(0, 2, {.dim = 99}), "dimension 99").list_status.code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      ExpectAllStoresAgree("safetensors/multi_layer", sharded(2, 2, {.dim = 0}), "rank 2 of 2").list_status.code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -186,44 +186,71 @@ T RunInterruptibly(const std::shared_ptr<std::atomic<bool>>& cancel, std::functi
   return *std::move(result);
 }
 
+// `value` for an error message: its type and a repr of at most 96 characters
+// (a repr that raises is shown as its type alone).
+std::string Shown(py::handle value) {
+  std::string type = py::str(py::type::handle_of(value).attr("__name__"));
+  try {
+    std::string repr = py::repr(value);
+    if (repr.size() > 96) repr = repr.substr(0, 93) + "...";
+    return absl::StrCat(type, " ", repr);
+  } catch (const py::error_already_set&) {
+    return type;
+  }
+}
+
+// `value` as T, or a TypeError naming the argument and what it holds: never
+// pybind11's "Unable to cast".
+template <typename T>
+T Cast(py::handle value, absl::string_view what, absl::string_view expected) {
+  try {
+    return value.cast<T>();
+  } catch (const py::cast_error&) {
+    throw py::type_error(absl::StrCat(what, ": expected ", expected, ", got ", Shown(value)));
+  }
+}
+
 std::vector<std::string> Strings(const py::dict& d, const char* key) {
   if (!d.contains(key) || d[key].is_none()) return {};
-  return d[key].cast<std::vector<std::string>>();
+  return Cast<std::vector<std::string>>(d[key], key, "a list of strings");
 }
 
 // The query a Python selection dict describes (keys as weightstore.Store's
-// keyword arguments, normalized by the package).
+// keyword arguments, normalized by the package). Every value is checked: a
+// wrong type or an integer out of range is a TypeError naming the argument.
 client::Query ToQuery(const py::dict& s) {
   client::Query q;
   SelectionOptions& o = q.selection;
-  if (s.contains("top_level_key")) o.top_level_key = s["top_level_key"].cast<std::string>();
+  if (s.contains("top_level_key")) o.top_level_key = Cast<std::string>(s["top_level_key"], "top_level_key", "a string");
   o.include = Strings(s, "include");
   o.exclude = Strings(s, "exclude");
   o.paths = Strings(s, "paths");
   if (s.contains("renames")) {
-    for (auto [pattern, replacement] : s["renames"].cast<std::vector<std::pair<std::string, std::string>>>()) {
+    for (auto [pattern, replacement] : Cast<std::vector<std::pair<std::string, std::string>>>(
+             s["renames"], "rename", "a list of (regex, replacement) pairs of strings")) {
       o.renames.push_back({pattern, replacement});
     }
   }
   if (s.contains("contiguous_indices") && !s["contiguous_indices"].is_none()) {
-    o.contiguous_indices = s["contiguous_indices"].cast<bool>();
+    o.contiguous_indices = Cast<bool>(s["contiguous_indices"], "contiguous_indices", "True, False or None");
   }
   if (s.contains("adapter")) {
-    const std::string name = s["adapter"].cast<std::string>();
+    const std::string name = Cast<std::string>(s["adapter"], "adapter", "a string");
     std::optional<Adapter> adapter = ParseAdapter(name);
     if (!adapter) Raise(absl::InvalidArgumentError(absl::StrCat("adapter '", name, "' is unknown")));
     o.adapter = *adapter;
   }
   if (s.contains("dtype") && !s["dtype"].is_none()) {
-    const std::string name = s["dtype"].cast<std::string>();
+    const std::string name = Cast<std::string>(s["dtype"], "dtype", "a string");
     std::optional<DType> dtype = ParseDType(name);
     if (!dtype) Raise(absl::InvalidArgumentError(absl::StrCat("dtype '", name, "' is unknown")));
     o.dtype = dtype;
   }
   if (s.contains("shard") && !s["shard"].is_none()) {
     auto [rank, world, rules] =
-        s["shard"]
-            .cast<std::tuple<uint32_t, uint32_t, std::vector<std::tuple<std::string, uint32_t, uint32_t, bool>>>>();
+        Cast<std::tuple<uint32_t, uint32_t, std::vector<std::tuple<std::string, uint32_t, uint32_t, bool>>>>(
+            s["shard"], "shard",
+            "(rank, world, [(pattern, dim, parts, uneven)]) with integers from 0 to 2**32-1 and a bool");
     o.shard.rank = rank;
     o.shard.world_size = world;
     for (auto& [pattern, dim, parts, uneven] : rules)
@@ -231,24 +258,40 @@ client::Query ToQuery(const py::dict& s) {
   }
   if (s.contains("slices")) {
     using Bound = std::pair<std::optional<uint64_t>, std::optional<uint64_t>>;
-    for (auto& [name, bounds] : s["slices"].cast<std::vector<std::pair<std::string, std::vector<Bound>>>>()) {
+    for (auto& [name, bounds] : Cast<std::vector<std::pair<std::string, std::vector<Bound>>>>(
+             s["slices"], "slices", "[(name, [(start, stop)])] with integers from 0 to 2**64-1 or None")) {
       NamedSlice& slice = o.slices.emplace_back();
       slice.name = name;
       for (auto& [start, stop] : bounds) slice.bounds.push_back({start, stop});
     }
   }
-  if (s.contains("version")) q.version = s["version"].cast<std::string>();
-  if (s.contains("allow_partial")) q.allow_partial = s["allow_partial"].cast<bool>();
-  if (s.contains("with_checksums")) q.with_checksums = s["with_checksums"].cast<bool>();
+  if (s.contains("version")) q.version = Cast<std::string>(s["version"], "version", "a string");
+  if (s.contains("allow_partial")) q.allow_partial = Cast<bool>(s["allow_partial"], "allow_partial", "a bool");
+  if (s.contains("with_checksums")) q.with_checksums = Cast<bool>(s["with_checksums"], "with_checksums", "a bool");
   if (s.contains("target") && !s["target"].is_none()) {
+    if (!py::isinstance<py::list>(s["target"]) && !py::isinstance<py::tuple>(s["target"])) {
+      throw py::type_error(absl::StrCat("target: expected a list of dicts, got ", Shown(s["target"])));
+    }
     TargetSchema schema;
+    size_t i = 0;
     for (const py::handle item : s["target"]) {
+      const std::string what = absl::StrCat("target[", i++, "]");
+      // Exactly dicts (and their subclasses): a mapping of another type
+      // (UserDict, MappingProxyType) is refused, never read as a dict.
+      if (!py::isinstance<py::dict>(item)) {
+        throw py::type_error(absl::StrCat(what, ": expected a dict with 'path' and 'shape', got ", Shown(item)));
+      }
       const py::dict p = py::reinterpret_borrow<py::dict>(item);
+      if (!p.contains("path") || !p.contains("shape")) {
+        throw py::type_error(absl::StrCat(what, ": a dict with 'path' and 'shape' is needed, got ", Shown(item)));
+      }
       TargetParameter param;
-      param.path = p["path"].cast<std::string>();
-      param.shape = p["shape"].cast<std::vector<uint64_t>>();
-      if (p.contains("dtype") && !p["dtype"].is_none()) param.dtype = ParseDType(p["dtype"].cast<std::string>());
-      if (p.contains("module")) param.module = p["module"].cast<std::string>();
+      param.path = Cast<std::string>(p["path"], what + "['path']", "a string");
+      param.shape = Cast<std::vector<uint64_t>>(p["shape"], what + "['shape']", "a list of integers from 0 to 2**64-1");
+      if (p.contains("dtype") && !p["dtype"].is_none()) {
+        param.dtype = ParseDType(Cast<std::string>(p["dtype"], what + "['dtype']", "a string or None"));
+      }
+      if (p.contains("module")) param.module = Cast<std::string>(p["module"], what + "['module']", "a string");
       schema.parameters.push_back(std::move(param));
     }
     q.target = std::move(schema);
