@@ -1,7 +1,9 @@
-// Runs the `weightstore` package's tests (tests/python/test_package.py, on
-// Debian's python3 with torch and numpy) against a real weightstored serving the
-// fixtures over gRPC and its same-host socket: once from the build tree, and
-// once installed with pip into a fresh venv, offline, as a user would.
+// Runs the `weightstore` package's Python tests (tests/python/test_*.py) against
+// a real weightstored serving the fixtures over gRPC and its same-host socket,
+// in the test environment (scripts/python-env.sh: torch 2.13, safetensors,
+// transformers, from PyPI): from the build tree, and installed with pip into a
+// fresh venv as a user would. The package's own tests run once more on Debian's
+// /usr/bin/python3 with its torch 1.13, loading the same extension.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -16,16 +18,18 @@ namespace {
 
 using testing::ShellQuote;
 
-// Runs test_package.py with `python` (and `env` before it) against a daemon of
-// its own; expects every test to pass and none to be skipped.
-void RunPackageTests(const std::string& env, const std::string& python, const std::string& cwd) {
+// Runs tests/python/`file` with `python` (and `env` before it) against a daemon
+// of its own; expects every test to pass and none to be skipped.
+void RunPackageTests(const std::string& env, const std::string& python, const std::string& cwd,
+                     const std::string& file = "test_package.py") {
   const std::string models = testing::MakeFixtureModelsDir();
   const std::string socket = testing::MakeScratchDir("sock") + "/ws.sock";
   testing::Daemon daemon(models, {"--socket", socket});
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   const std::string command = absl::StrCat("cd ", ShellQuote(cwd), " && ", env, " WS_ADDRESS=", daemon.address(),
-                                           " WS_SOCKET=", ShellQuote(socket), " WS_MODELS=", ShellQuote(models), " ",
-                                           ShellQuote(python), " ", ShellQuote(WEIGHTSTORE_PACKAGE_TEST));
+                                           " WS_SOCKET=", ShellQuote(socket), " WS_MODELS=", ShellQuote(models),
+                                           " WS_CLI=", ShellQuote(WEIGHTSTORE_CLI_PATH), " ", ShellQuote(python), " ",
+                                           ShellQuote(absl::StrCat(WEIGHTSTORE_PYTHON_TESTS_DIR, "/", file)));
   std::string output;
   const int status = testing::RunCommand(command, &output);
   EXPECT_EQ(status, 0) << output;
@@ -39,12 +43,48 @@ TEST(PythonPackageTest, TheBuildTreesPackageServesEveryStore) {
                   testing::MakeScratchDir("py-cwd"));
 }
 
+TEST(PythonPackageTest, TheExtensionBuiltForTheTestEnvironmentServesDebiansPythonAndTorch113) {
+  // Both are CPython 3.11: one extension serves pyenv's (the test environment's
+  // base) and Debian's interpreter alike.
+  RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), "/usr/bin/python3",
+                  testing::MakeScratchDir("py-cwd"));
+}
+
+TEST(PythonPackageTest, SafeOpenMatchesTheSafetensorsLibraryOverEveryStore) {
+  RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
+                  testing::MakeScratchDir("py-cwd"), "test_safe_open.py");
+}
+
+TEST(PythonPackageTest, TheReferenceLibrariesAgreeWithWhatWeightstoreReadsAndWrites) {
+  RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
+                  testing::MakeScratchDir("py-cwd"), "test_oracles.py");
+}
+
+TEST(PythonPackageTest, TransformersModelsLoadFromAHubCacheWithTheSameLogitsOverEveryStore) {
+  RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
+                  testing::MakeScratchDir("py-cwd"), "test_transformers.py");
+}
+
+TEST(PythonPackageTest, HostileArgumentsToEveryCallRaiseAndNeverCrashOrHang) {
+  RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
+                  testing::MakeScratchDir("py-cwd"), "test_api_fuzz.py");
+}
+
 TEST(PythonPackageTest, PipBuildsAWheelThatInstallsIntoAFreshVenvOfflineAndItsTestsPassThere) {
   const std::string dir = testing::MakeScratchDir("venv");
   std::string output;
-  ASSERT_EQ(testing::RunCommand(absl::StrCat(ShellQuote(testing::TorchPython()), " -m venv --system-site-packages ",
-                                             ShellQuote(dir + "/venv")),
-                                &output),
+  ASSERT_EQ(testing::RunCommand(
+                absl::StrCat(ShellQuote(testing::TorchPython()), " -m venv ", ShellQuote(dir + "/venv")), &output),
+            0)
+      << output;
+  // The fresh venv sees the test environment's packages (torch, grpcio)
+  // through a .pth file, rather than installing them again.
+  ASSERT_EQ(testing::RunCommand(
+                absl::StrCat(ShellQuote(testing::TorchPython()),
+                             " -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])' > \"$(",
+                             ShellQuote(dir + "/venv/bin/python"),
+                             " -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')/test-env.pth\""),
+                &output),
             0)
       << output;
   // The build folder the tests were built in is reused: the extension is

@@ -16,13 +16,15 @@ import dataclasses
 import re
 
 from weightstore._errors import Error
+from weightstore._safe_open import safe_open
 
 try:
     from weightstore import _native
 except ImportError as e:  # the stubs in weightstore.v1 stay usable without the extension
     _native, _native_error = None, e
 
-__all__ = ["connect", "Store", "Error", "TensorInfo", "LoadResult", "Update", "tune_allocator_for_streaming"]
+__all__ = ["connect", "Store", "Error", "TensorInfo", "LoadResult", "Update", "tune_allocator_for_streaming",
+           "safe_open"]
 
 # SafeTensors dtype -> torch's name for it. torch has the unsigned 16-64 bit
 # types from 2.3 and the F8 types from 2.1; an older torch lacks them, and
@@ -228,15 +230,29 @@ def _device(device, as_):
     return torch.device("cuda", target.index if target.index is not None else torch.cuda.current_device())
 
 
-def _target_schema(module):
+def _target_schema(module, served=None):
     """The target schema of a torch module: every entry of its state dict (parameters and persistent buffers;
-    not, say, a rotary embedding's inv_freq) with its shape, dtype and module type."""
+    not, say, a rotary embedding's inv_freq) with its shape, dtype and module type. A tied parameter (one tensor
+    under several names) is asked for under the names of it the checkpoint holds, or under its first name when it
+    holds none: loading one name loads them all. `served()` gives the checkpoint's served names, and is called only
+    when the module has tied parameters."""
     owners = {name: type(m).__name__ for name, m in module.named_modules()}
+    state = module.state_dict(keep_vars=True)
+    tied = {}
+    for path, tensor in state.items():
+        tied.setdefault(id(tensor), []).append(path)
+    dropped = set()
+    held = served() if served is not None and any(len(names) > 1 for names in tied.values()) else None
+    for names in tied.values():
+        if len(names) > 1 and held is not None:
+            dropped.update(set(names) - set([n for n in names if n in held] or names[:1]))
+    dtypes = {v: k for k, v in _TORCH_DTYPES.items()}
     schema = []
-    for path, tensor in module.state_dict(keep_vars=True).items():
+    for path, tensor in state.items():
+        if path in dropped:
+            continue
         owner = path.rpartition(".")[0]
-        dtype = str(tensor.dtype).replace("torch.", "")
-        name = {v: k for k, v in _TORCH_DTYPES.items()}.get(dtype)
+        name = dtypes.get(str(tensor.dtype).replace("torch.", ""))
         schema.append({"path": path, "shape": list(tensor.shape), "dtype": name, "module": owners.get(owner, "")})
     return schema
 
@@ -287,18 +303,32 @@ class Store:
     def load_into(self, module, name, allow_partial=False, **selection):
         """Loads `name` into a torch module's parameters and buffers (burn-store's
         apply: its target is the module) and returns the LoadResult. A failing
-        load raises Error (FAILED_PRECONDITION) and leaves the module untouched."""
+        load raises Error (FAILED_PRECONDITION) and leaves the module untouched.
+        Tied parameters are loaded from whichever of their names the checkpoint
+        holds. A transformers model's target is its checkpoint layout (what
+        save_pretrained writes), and the tensors reach the module through
+        transformers' own conversion; the result names the checkpoint's tensors."""
         import torch
+        from weightstore import _transformers
         # Contiguous indices default off: a PyTorch module keeps the gaps its
         # parameter-free layers leave (Sequential's ReLU at index 2).
         selection.setdefault("contiguous_indices", False)
-        s = _selection(allow_partial=allow_partial, target=_target_schema(module), **selection)
+        convert = False
+        if _transformers.is_model(module):
+            target, convert = _transformers.target_schema(module)
+        else:
+            target = _target_schema(module, lambda: {t["name"] for t in self._native.listing(
+                name, _selection(**selection))["tensors"]})
+        s = _selection(allow_partial=allow_partial, target=target, **selection)
         fetched = self._native.fetch(name, s)
         tensors = {n: _as_tensor(n, dtype, shape, buffer, "torch") for n, dtype, shape, buffer in fetched["tensors"]}
-        targets = module.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for n, tensor in tensors.items():
-                targets[n].copy_(tensor)
+        if convert:
+            _transformers.load(module, name, tensors, allow_partial)
+        else:
+            targets = module.state_dict(keep_vars=True)
+            with torch.no_grad():
+                for n, tensor in tensors.items():
+                    targets[n].copy_(tensor)
         return LoadResult(**fetched["apply_result"])
 
     def update(self, state, name, since=None, as_="torch", **selection):
