@@ -2,6 +2,7 @@
 
 #include <grpcpp/support/byte_buffer.h>
 
+#include <cstdio>
 #include <utility>
 #include <vector>
 
@@ -437,6 +438,10 @@ grpc::ServerUnaryReactor* WeightStoreService::Rescan(grpc::CallbackServerContext
     for (const auto& s : report.added) resp->add_added(s);
     for (const auto& s : report.replaced) resp->add_replaced(s);
     for (const auto& s : report.removed) resp->add_removed(s);
+    for (const auto& e : report.errors) {
+      std::fprintf(stderr, "weightstored: not serving %s\n", e.c_str());
+      resp->add_not_served(std::string(WithoutPaths(absl::UnknownError(e), options_.hidden_folders).message()));
+    }
     return absl::OkStatus();
   });
 }

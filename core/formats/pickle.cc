@@ -44,6 +44,9 @@ const std::map<std::string, GlobalInfo, std::less<>>& AllowedGlobals() {
         {"__builtin__.set", {PickleGlobal::kSet}},
         {"builtins.bytearray", {PickleGlobal::kBytearray}},
         {"torch.UntypedStorage", {PickleGlobal::kStorageClass, DType::kU8, true}},
+        // torch 2.x pickles the storages of its newer dtypes (uint16-64, float8)
+        // under the class's module path.
+        {"torch.storage.UntypedStorage", {PickleGlobal::kStorageClass, DType::kU8, true}},
     };
     const std::pair<const char*, DType> storages[] = {
         {"FloatStorage", DType::kF32},     {"DoubleStorage", DType::kF64}, {"HalfStorage", DType::kF16},

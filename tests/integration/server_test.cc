@@ -828,6 +828,20 @@ TEST(ServerLifecycleTest, AdminCallsLoadUnloadUploadAndRescan) {
   }
   auto store = Connect(daemon);
   EXPECT_OK(store->GetCheckpoint("uploads/multi"));
+
+  // A file the scan cannot serve is named in the answer, relative to the
+  // models folder, with the reason; and logged.
+  testing::WriteFileOrDie(
+      models + "/uploads/odd.safetensors",
+      std::string("\x3e\0\0\0\0\0\0\0", 8) + R"({"w": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 1]}}  )" + "x");
+  grpc::ClientContext ctx;
+  pb::RescanResponse resp;
+  ASSERT_TRUE(stub->Rescan(&ctx, pb::RescanRequest(), &resp).ok());
+  ASSERT_EQ(resp.not_served_size(), 1);
+  EXPECT_THAT(resp.not_served(0), ::testing::StartsWith("uploads/odd.safetensors: "));
+  EXPECT_THAT(resp.not_served(0), ::testing::HasSubstr("'Q9'"));
+  EXPECT_THAT(resp.not_served(0), ::testing::Not(::testing::HasSubstr(models)));
+  EXPECT_THAT(daemon.log(), ::testing::HasSubstr("not serving " + models + "/uploads/odd.safetensors"));
 }
 
 }  // namespace
