@@ -7,7 +7,7 @@ gRPC; a C++ process (tests/shm_probe) through the socket and over gRPC. The
 last line is this process's peak RSS. The daemon serves the very .pt file torch.load reads.
 The page cache is warm for every row. Medians of --repeat runs.
 
-Usage: /usr/bin/python3 tests/bench/python_bench.py [--build build] [--gb 1] [--repeat 3]
+Usage: build-tools/venv/bin/python tests/bench/python_bench.py [--build build] [--gb 1] [--repeat 3]
 """
 import argparse
 import os
