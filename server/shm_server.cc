@@ -485,9 +485,13 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
     }
   }
   if (!derived.empty()) {
-    // One segment for everything materialized, keyed by the version and the
-    // plans' keys; the checksums go to the version's cache as it is filled.
-    std::string key = resolved->version->version();
+    // One segment for everything materialized, keyed by the checkpoint, its
+    // version and files as opened, and the plans' keys (a version id alone may
+    // name two checkpoints: an origin's release tag, a content digest); the
+    // checksums go to the version's cache as it is filled.
+    const CheckpointVersion& version = *resolved->version;
+    std::string key =
+        absl::StrCat(version.name().size(), ":", version.name(), "|", version.version(), "|", version.file_version());
     std::vector<uint64_t> offsets;
     uint64_t size = 0;
     for (const ServedTensorPlan& plan : derived) {
