@@ -1,11 +1,35 @@
 #include "client/updates.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "client/proto_convert.h"
 #include "core/status_macros.h"
 
 namespace weightstore::client {
+
+namespace {
+
+// What `query` selects, as bytes that are equal exactly when two queries
+// select alike: its Selection message, serialized deterministically.
+std::string SelectionKey(const Query& query) {
+  pb::Selection selection;
+  ToProto(query, &selection);
+  std::string out;
+  {
+    google::protobuf::io::StringOutputStream stream(&out);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    selection.SerializeToCodedStream(&coded);
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& name, Query query) {
   ChangedTensors r;
   const bool asked = !query.since_version.empty();
@@ -46,10 +70,13 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
   absl::flat_hash_map<std::string, const SharedTensor*> by_name;
   for (const SharedTensor& t : held->tensors) by_name.emplace(t.spec.name, &t);
 
-  query.since_version = held->version;
+  const std::string selection = SelectionKey(query);
+  const bool reselected = !held->version.empty() && !held->selection.empty() && held->selection != selection;
+  query.since_version = reselected ? "" : held->version;
   WEIGHTSTORE_ASSIGN_OR_RETURN(ChangedTensors r, FetchChanged(store, name, query));
   result.delta = r.delta;
-  result.full_reason = r.full_reason;
+  result.full_reason =
+      reselected ? "the held tensors were selected otherwise (another selection, shard or dtype)" : r.full_reason;
   // What the daemon calls unchanged must be held as listed: else the held
   // tensors came from another query, and everything is received again.
   for (const TensorDescription& d : r.listed) {
@@ -66,7 +93,7 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
 
   absl::flat_hash_map<std::string, SharedTensor*> sent;
   for (SharedTensor& t : r.received) sent.emplace(t.spec.name, &t);
-  HeldTensors next{r.version, {}};
+  HeldTensors next{r.version, {}, selection};
   next.tensors.reserve(r.listed.size());
   absl::flat_hash_set<std::string> listed;
   for (const TensorDescription& d : r.listed) {

@@ -18,6 +18,10 @@ namespace weightstore::client {
 struct HeldTensors {
   std::string version;                // empty: nothing held yet
   std::vector<SharedTensor> tensors;  // in listing order
+  // The selection that chose them, as UpdateTensors records it: another
+  // selection (a shard rank, a dtype) refetches everything, even where names,
+  // dtypes and shapes agree. Empty: not known.
+  std::string selection;
 };
 
 struct UpdateResult {
@@ -55,7 +59,8 @@ absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& nam
 // fetches, pinned to the listed version, only the tensors not unchanged; the
 // unchanged ones keep their memory. Falls back to a full fetch, and says why,
 // when the store or daemon cannot tell what changed, or when `held` is not
-// what `query` selects. On error `held` is left as it was.
+// what `query` selects (held under another selection, or a tensor's dtype or
+// shape unlike the listing). On error `held` is left as it was.
 absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name, Query query, HeldTensors* held);
 
 }  // namespace weightstore::client

@@ -452,6 +452,37 @@ class PackageTest(unittest.TestCase):
         self.assertFalse(full.delta)
         self.assertIn("does not tell", full.full_reason)
 
+    def test_update_refetches_what_another_shard_rank_or_dtype_selects(self):
+        # Issue 26, finding 8: after the rank or dtype changed, update() kept
+        # the tensors of the old selection and reported nothing changed.
+        weights = {f"layer.{i}.weight": torch.randn(8, 4) for i in range(3)}
+        self.publish("pkg/reshard", weights)
+        rules = {r"weight$": 0}
+        for store in (self.remote, self.socket):
+            state = {}
+            first = store.update(state, "pkg/reshard", shard=(0, 2, rules))
+            second = store.update(state, "pkg/reshard", since=first.version, shard=(1, 2, rules))
+            self.assertFalse(second.delta)
+            self.assertIn("another selection", second.full_reason)
+            self.assertEqual(sorted(second.changed), sorted(weights))
+            for n, t in weights.items():
+                self.assertTrue(same_bytes(state[n], t[4:].contiguous()), n)  # rank 1's rows
+            third = store.update(state, "pkg/reshard", since=second.version, shard=(1, 2, rules), dtype="f16")
+            self.assertFalse(third.delta)
+            for n, t in weights.items():
+                self.assertTrue(same_bytes(state[n], t[4:].half().contiguous()), n)
+            # The same selection again: a delta, nothing fetched.
+            fourth = store.update(state, "pkg/reshard", since=third.version, shard=(1, 2, rules), dtype="f16")
+            self.assertTrue(fourth.delta, fourth.full_reason)
+            self.assertEqual(fourth.fetched_bytes, 0)
+            # A state from elsewhere (another Store, no memory of it) whose
+            # dtype differs from the listing is refetched too.
+            other = weightstore.connect(ADDRESS if store is self.remote else "unix:" + SOCKET)
+            fifth = other.update(state, "pkg/reshard", since=fourth.version, shard=(1, 2, rules))
+            self.assertFalse(fifth.delta)
+            self.assertIn("another dtype or shape", fifth.full_reason)
+            self.assertEqual(state["layer.0.weight"].dtype, torch.float32)
+
     def test_update_copies_the_changed_tensors_into_a_module_in_place(self):
         torch.manual_seed(5)
         trained = make_model()

@@ -479,7 +479,8 @@ class Store {
 
   // What changed since version `since` (empty: everything): the listing's
   // version, whether it is a delta (else why not), every selected name in
-  // listing order, those unchanged, and the tensors received (the rest):
+  // listing order, those unchanged (with their listed dtype and shape), and
+  // the tensors received (the rest):
   // fetched pinned to the listed version, or through a socket mapped. The
   // local store sends everything.
   py::dict Delta(const std::string& name, const py::dict& selection, const std::string& since) {
@@ -493,10 +494,14 @@ class Store {
     out["version"] = changed.version;
     out["delta"] = changed.delta;
     out["full_reason"] = changed.full_reason;
-    py::list names, unchanged;
+    py::list names;
+    py::dict unchanged;  // name: (dtype, shape) as listed
     for (const auto& t : changed.listed) {
       names.append(t.spec.name);
-      if (changed.delta && t.unchanged) unchanged.append(t.spec.name);
+      if (changed.delta && t.unchanged) {
+        unchanged[py::str(t.spec.name)] =
+            py::make_tuple(std::string(DTypeName(t.spec.dtype)), py::tuple(py::cast(t.spec.shape)));
+      }
     }
     out["names"] = names;
     out["unchanged"] = unchanged;

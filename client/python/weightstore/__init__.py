@@ -181,6 +181,23 @@ def _selection(include=(), exclude=(), paths=(), rename=(), top_level_key="", co
     return s
 
 
+def _selection_key(selection):
+    """Equal for equal selections (a normalized selection dict)."""
+    import json
+    return json.dumps(selection, sort_keys=True, default=repr)
+
+
+def _holds(tensor, dtype, shape):
+    """Whether a held torch tensor or numpy array is `dtype` (SafeTensors' name)
+    and `shape`."""
+    if tensor is None or tuple(tensor.shape) != tuple(shape):
+        return False
+    if hasattr(tensor, "element_size"):  # torch
+        return str(tensor.dtype) == "torch." + _TORCH_DTYPES.get(dtype, "?")
+    import numpy as np
+    return dtype in _NUMPY_DTYPES and tensor.dtype == np.dtype(_NUMPY_DTYPES[dtype])
+
+
 def _as_tensor(name, dtype, shape, buffer, as_):
     """A view of `buffer` (no copy) as a torch or numpy tensor: a host Buffer
     through DLPack or the buffer protocol, a DeviceBuffer (GPU memory) through
@@ -262,6 +279,8 @@ class Store:
 
     def __init__(self, native):
         self._native = native
+        # (name, version) -> the selection update() fetched that version with.
+        self._selections = {}
 
     @property
     def kind(self):
@@ -351,15 +370,24 @@ class Store:
             held = state.state_dict(keep_vars=True)
         else:
             held = state
-        got = self._native.delta(name, _selection(**selection), since or "")
+        s = _selection(**selection)
+        key = _selection_key(s)
+        # A version this Store returned under another selection (a shard rank,
+        # a dtype) holds other bytes under the same names: fetch everything.
+        reselected = bool(since) and self._selections.get((name, since), key) != key
+        got = self._native.delta(name, s, "" if reselected else (since or ""))
         delta, full_reason = got["delta"], got["full_reason"]
+        if reselected:
+            full_reason = f"version {since} was fetched with another selection (shard, dtype, renames...)"
         unchanged = set(got["unchanged"])
-        if delta and any(n not in held for n in unchanged):
-            # What the daemon calls unchanged must be held: else `state` came
-            # from another selection, and everything is fetched.
-            got = self._native.delta(name, _selection(**selection), "")
+        unheld = [n for n, (dtype, shape) in got["unchanged"].items() if not _holds(held.get(n), dtype, shape)]
+        if delta and unheld:
+            # What the daemon calls unchanged must be held as listed: else
+            # `state` came from another selection, and everything is fetched.
+            got = self._native.delta(name, s, "")
             delta, unchanged = False, set()
-            full_reason = "the state does not hold every tensor the selection keeps"
+            full_reason = (f"the state does not hold '{unheld[0]}' as the selection serves it "
+                           "(missing, or another dtype or shape)")
         fetched = {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in got["tensors"]}
         names = got["names"]
         listed = set(names)
@@ -383,6 +411,9 @@ class Store:
             for n in removed:
                 del state[n]
             state.update(fetched)
+        self._selections[(name, got["version"])] = key
+        while len(self._selections) > 1024:  # the versions recently returned
+            self._selections.pop(next(iter(self._selections)))
         return Update(version=got["version"], delta=delta, full_reason="" if delta else full_reason,
                       changed=changed, added=added, removed=removed, fetched_bytes=nbytes)
 
