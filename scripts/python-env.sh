@@ -21,7 +21,8 @@ mkdir -p "$root/build-tools"
 "$base" -m venv "$venv" >&2
 # --no-deps: the file lists every package, so the resolver never picks one
 # (nor a CUDA torch) by itself; pip check then proves the list is whole.
-"$venv/bin/pip" install --quiet --no-deps -r "$requirements" >&2
+# (pip's warnings about this machine's extra index folders are left out.)
+"$venv/bin/pip" install --quiet --no-deps -r "$requirements" 2>&1 | { grep -v "^WARNING: Location" || true; } >&2
 "$venv/bin/pip" check >&2
 echo "$want" > "$stamp"
 echo "$venv/bin/python"
