@@ -69,5 +69,25 @@ TEST(ServerMetricsTest, CountsCallsAndTheBytesTheyServed) {
   EXPECT_THAT(text, HasSubstr("process_open_fds "));
 }
 
+TEST(ServerMetricsTest, EveryMethodsCallSeriesExistFromTheStartAtZero) {
+  ServerMetrics m;
+  m.InitializeServices({"weightstore.v1.WeightStore", "no.such.Service"});
+  const std::string text = m.Serialize();
+  EXPECT_THAT(text, HasSubstr("grpc_server_started_total{grpc_method=\"Rescan\","
+                              "grpc_service=\"weightstore.v1.WeightStore\",grpc_type=\"unary\"} 0\n"));
+  EXPECT_THAT(text, HasSubstr("grpc_server_handled_total{grpc_code=\"Unavailable\",grpc_method=\"FetchTensors\","
+                              "grpc_service=\"weightstore.v1.WeightStore\",grpc_type=\"server_stream\"} 0\n"));
+  EXPECT_THAT(text, HasSubstr("grpc_server_handling_seconds_count{grpc_method=\"PutCheckpoint\","
+                              "grpc_service=\"weightstore.v1.WeightStore\",grpc_type=\"client_stream\"} 0\n"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("no.such.Service")));
+  // A call counts on the series made for it.
+  const metrics::Labels labels = {
+      {"grpc_type", "unary"}, {"grpc_service", "weightstore.v1.WeightStore"}, {"grpc_method", "Rescan"}};
+  m.OnCallStarted(labels, true);
+  m.OnCallDone(labels, "OK", 0.001, 0);
+  EXPECT_THAT(m.Serialize(), HasSubstr("grpc_server_handled_total{grpc_code=\"OK\",grpc_method=\"Rescan\","
+                                       "grpc_service=\"weightstore.v1.WeightStore\",grpc_type=\"unary\"} 1\n"));
+}
+
 }  // namespace
 }  // namespace weightstore::server

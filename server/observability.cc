@@ -1,6 +1,7 @@
 #include "server/observability.h"
 
 #include <dirent.h>
+#include <google/protobuf/descriptor.h>
 #include <prometheus/exposer.h>
 #include <unistd.h>
 
@@ -230,6 +231,27 @@ ServerMetrics::ServerMetrics()
                      metrics::One([start] { return start; }));
 }
 
+void ServerMetrics::InitializeServices(const std::vector<std::string>& services) {
+  const google::protobuf::DescriptorPool* pool = google::protobuf::DescriptorPool::generated_pool();
+  for (const std::string& name : services) {
+    const google::protobuf::ServiceDescriptor* service = pool->FindServiceByName(name);
+    if (service == nullptr) continue;
+    for (int i = 0; i < service->method_count(); ++i) {
+      const google::protobuf::MethodDescriptor* method = service->method(i);
+      const char* type = method->client_streaming() ? (method->server_streaming() ? "bidi_stream" : "client_stream")
+                                                    : (method->server_streaming() ? "server_stream" : "unary");
+      const metrics::Labels labels = {{"grpc_type", type}, {"grpc_service", name}, {"grpc_method", method->name()}};
+      started_.Add(labels);
+      handling_seconds_.Add(labels, metrics::DurationBuckets());
+      for (int code = 0; code <= 16; ++code) {
+        metrics::Labels with_code = labels;
+        with_code["grpc_code"] = GrpcCodeName(code);
+        handled_.Add(with_code);
+      }
+    }
+  }
+}
+
 void ServerMetrics::OnCallStarted(const metrics::Labels& labels, bool weightstore_call) {
   started_.Add(labels).Increment();
   if (weightstore_call) ++calls_in_flight_;
@@ -241,7 +263,9 @@ void ServerMetrics::OnCallDone(const metrics::Labels& labels, const std::string&
   with_code["grpc_code"] = code;
   handled_.Add(with_code).Increment();
   handling_seconds_.Add(labels, metrics::DurationBuckets()).Observe(seconds);
-  grpc_served_bytes_.fetch_add(served_bytes, std::memory_order_relaxed);
+  const auto method = labels.find("grpc_method");
+  const bool file = method != labels.end() && method->second == "ReadCheckpointFile";
+  (file ? file_served_bytes_ : grpc_served_bytes_).fetch_add(served_bytes, std::memory_order_relaxed);
 }
 
 void ServerMetrics::OnCallTornDown(bool weightstore_call, bool ok) {

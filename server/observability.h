@@ -49,6 +49,12 @@ class ServerMetrics {
   // The text the endpoint serves (tests, tools).
   std::string Serialize() const { return metrics::Serialize({registry_.get(), scraped_.get()}); }
 
+  // Creates every call series of `services` (full names, as
+  // "weightstore.v1.WeightStore") at 0, for each method and status code, as
+  // go-grpc-prometheus's InitializeMetrics does: rate() and alerts then work
+  // before a method's first call. A service the process has no descriptor
+  // of is skipped.
+  void InitializeServices(const std::vector<std::string>& services);
   // Records one checkpoint load (RegistryOptions::on_load).
   void ObserveLoad(double seconds, bool ok);
   // Creates the interceptor factory to pass to ServerBuilder.
@@ -64,6 +70,9 @@ class ServerMetrics {
 
   // Tensor bytes streamed by FetchTensors, as the interceptor counted them.
   uint64_t grpc_served_bytes() const { return grpc_served_bytes_.load(std::memory_order_relaxed); }
+  // Stored file bytes streamed by ReadCheckpointFile (what a node tier
+  // pulls), as the interceptor counted them.
+  uint64_t file_served_bytes() const { return file_served_bytes_.load(std::memory_order_relaxed); }
   // Calls of the WeightStore service (not health or reflection, whose watches
   // may stay open) that have started and not yet been torn down.
   int64_t weightstore_calls_in_flight() const { return calls_in_flight_.load(); }
@@ -81,7 +90,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& handling_seconds_;
   prometheus::Histogram& load_seconds_;
   prometheus::Counter& load_failures_;
-  std::atomic<uint64_t> grpc_served_bytes_{0};
+  std::atomic<uint64_t> grpc_served_bytes_{0}, file_served_bytes_{0};
   std::atomic<int64_t> calls_in_flight_{0};
   std::atomic<std::chrono::steady_clock::rep> last_success_{0};
 };

@@ -102,12 +102,17 @@ void AddScrapedFamilies(ServerMetrics* metrics, const CheckpointRegistry* regist
   using metrics::One;
   using metrics::Sample;
   metrics::ScrapedFamilies& f = metrics->scraped();
-  f.AddCounter("weightstore_served_bytes_total",
-               "Tensor bytes served: streamed over gRPC, or mapped through the socket.", [metrics, shm] {
-                 return std::vector<Sample>{
-                     {{{"transport", "grpc"}}, static_cast<double>(metrics->grpc_served_bytes())},
-                     {{{"transport", "socket"}}, shm != nullptr ? static_cast<double>(shm->stats().bytes_mapped) : 0}};
-               });
+  f.AddCounter(
+      "weightstore_served_bytes_total",
+      "Bytes served, by API: tensors streamed over gRPC (FetchTensors) or mapped through the socket (MapTensors), "
+      "and stored files streamed to other daemons (ReadCheckpointFile: a regional tier's egress).",
+      [metrics, shm] {
+        return std::vector<Sample>{
+            {{{"transport", "grpc"}, {"api", "FetchTensors"}}, static_cast<double>(metrics->grpc_served_bytes())},
+            {{{"transport", "grpc"}, {"api", "ReadCheckpointFile"}}, static_cast<double>(metrics->file_served_bytes())},
+            {{{"transport", "socket"}, {"api", "MapTensors"}},
+             shm != nullptr ? static_cast<double>(shm->stats().bytes_mapped) : 0}};
+      });
   f.AddGauge("weightstore_checkpoints_loaded", "Checkpoints being served.",
              One([registry] { return static_cast<double>(registry->List().size()); }));
   f.AddGauge("weightstore_checkpoint_bytes", "Tensor bytes of the checkpoints served.", One([registry] {
@@ -213,6 +218,9 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   // The default health service is implemented without protobuf; touching the
   // generated descriptor registers grpc.health.v1 so reflection can describe it.
   (void)grpc::health::v1::HealthCheckRequest::descriptor();
+  // Every method's call series exist from the start, at 0.
+  s->metrics_->InitializeServices({std::string(v1::WeightStore::service_full_name()), "grpc.health.v1.Health",
+                                   "grpc.reflection.v1alpha.ServerReflection"});
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,7 @@
 #include "core/shm/unix_socket.h"
 #include "core/status_macros.h"
 #include "proto/codec/chunk_codec.h"
+#include "server/observability.h"
 #include "server/service.h"
 
 namespace weightstore::server {
@@ -103,13 +105,13 @@ bool StoredCrcsKnown(const CheckpointVersion& version) {
 class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   FileReadReactor(WeightStoreService* service, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw)
-      : service_(service) {
+      : service_(service), ctx_(ctx) {
     v1::ReadCheckpointFileRequest request;
     absl::Status status = wire::ParseMessage(*raw, &request)
                               ? Start(ctx, request)
                               : absl::InvalidArgumentError("request is not a ReadCheckpointFileRequest");
     if (!status.ok()) {
-      Finish(service_->ClientStatus(status));
+      Done(service_->ClientStatus(status));
       return;
     }
     Next();
@@ -117,9 +119,10 @@ class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      Done(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       return;
     }
+    sent_bytes_ += last_write_bytes_;
     service_->streams_.Progress(ticket_, last_write_bytes_);
     Next();
   }
@@ -162,11 +165,11 @@ class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   void Next() {
     if (cancelled_) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      Done(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
       return;
     }
     if (cursor_ >= end_) {
-      Finish(grpc::Status::OK);
+      Done(grpc::Status::OK);
       return;
     }
     const uint64_t n = std::min(kFileChunkBytes, end_ - cursor_);
@@ -175,7 +178,7 @@ class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (bytes.ok()) header.set_crc32c(Crc32c(bytes->view()));
     absl::Status status = bytes.ok() ? version_->CheckUnchanged() : bytes.status();
     if (!status.ok()) {
-      Finish(service_->ClientStatus(status));
+      Done(service_->ClientStatus(status));
       return;
     }
     header.set_offset(cursor_);
@@ -185,7 +188,17 @@ class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     StartWrite(&buffer_);
   }
 
+  // Finishes, telling the request log and the metrics how many file bytes
+  // were sent, with the slot freed before the client can see the status.
+  void Done(const grpc::Status& status) {
+    ctx_->AddTrailingMetadata(kBytesTrailer, std::to_string(sent_bytes_));
+    if (ticket_ != 0) service_->streams_.Release(std::exchange(ticket_, 0));
+    Finish(status);
+  }
+
   WeightStoreService* service_;
+  grpc::CallbackServerContext* ctx_;
+  uint64_t sent_bytes_ = 0;
   uint64_t ticket_ = 0;
   std::shared_ptr<const CheckpointVersion> version_;
   StoredFile file_;

@@ -323,6 +323,31 @@ TEST_F(MetricsTest, CountsMatchAMixedLoadAndPassPromtool) {
   }
   auto shm = *client::ConnectSharedMemoryStore(socket_);
   ASSERT_OK(shm->MapTensors("m", {}).status());
+  // What a node tier pulls: the stored file, whole, then its last 100 bytes.
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials()));
+  pb::ListCheckpointFilesResponse files;
+  {
+    grpc::ClientContext ctx;
+    pb::ListCheckpointFilesRequest request;
+    request.set_name("m");
+    ASSERT_TRUE(stub->ListCheckpointFiles(&ctx, request, &files).ok());
+    ASSERT_EQ(files.files_size(), 1);
+  }
+  uint64_t read = 0;
+  const uint64_t size = files.files(0).size();
+  for (uint64_t offset : {uint64_t{0}, size - 100}) {
+    grpc::ClientContext ctx;
+    pb::ReadCheckpointFileRequest request;
+    request.set_name("m");
+    request.set_version(files.version());
+    request.set_path(files.files(0).path());
+    request.set_offset(offset);
+    auto reader = stub->ReadCheckpointFile(&ctx, request);
+    pb::CheckpointFileChunk chunk;
+    while (reader->Read(&chunk)) read += chunk.data().size();
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  ASSERT_EQ(read, size + 100);
 
   const std::string text = testing::HttpGet(daemon_->metrics_port(), "/metrics");
   const std::string ws = "grpc_service=\"weightstore.v1.WeightStore\"";
@@ -339,8 +364,18 @@ TEST_F(MetricsTest, CountsMatchAMixedLoadAndPassPromtool) {
   EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_handling_seconds_count{grpc_type=\"server_stream\",", ws,
                                       ",grpc_method=\"FetchTensors\"}")),
             4);
-  EXPECT_EQ(Sample(text, "weightstore_served_bytes_total{transport=\"grpc\"}"), static_cast<double>(fetched));
-  EXPECT_EQ(Sample(text, "weightstore_served_bytes_total{transport=\"socket\"}"), static_cast<double>(fetched / 4));
+  EXPECT_EQ(Sample(text, "weightstore_served_bytes_total{transport=\"grpc\",api=\"FetchTensors\"}"),
+            static_cast<double>(fetched));
+  EXPECT_EQ(Sample(text, "weightstore_served_bytes_total{transport=\"grpc\",api=\"ReadCheckpointFile\"}"),
+            static_cast<double>(read));
+  EXPECT_EQ(Sample(text, "weightstore_served_bytes_total{transport=\"socket\",api=\"MapTensors\"}"),
+            static_cast<double>(fetched / 4));
+  // Every method's series is there from the start, at 0 until called.
+  EXPECT_EQ(
+      Sample(text, absl::StrCat("grpc_server_started_total{grpc_type=\"unary\",", ws, ",grpc_method=\"Rescan\"}")), 0);
+  EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_handled_total{grpc_type=\"unary\",", ws,
+                                      ",grpc_method=\"Rescan\",grpc_code=\"PermissionDenied\"}")),
+            0);
   EXPECT_EQ(Sample(text, "weightstore_checkpoints_loaded"), 1);
   EXPECT_EQ(Sample(text, "weightstore_checkpoint_load_seconds_count"), 1);
   EXPECT_EQ(Sample(text, "weightstore_socket_requests_total"), 1);
