@@ -26,13 +26,18 @@ class LocalStore final : public Store {
   explicit LocalStore(RegistryOptions options) : registry_(std::move(options)) {}
   CheckpointRegistry& registry() { return registry_; }
 
-  absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints() override {
+  using Store::GetCheckpoint;
+  using Store::ListCheckpoints;
+  // Local calls do not wait on anyone: `cancel` has nothing to end.
+  absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(
+      const std::shared_ptr<const std::atomic<bool>>&) override {
     std::vector<CheckpointSummary> out;
     for (const auto& v : registry_.List()) out.push_back(Summarize(*v));
     return out;
   }
 
-  absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name) override {
+  absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name,
+                                                  const std::shared_ptr<const std::atomic<bool>>&) override {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, registry_.Find(name));
     return Summarize(*v);
   }

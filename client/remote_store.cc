@@ -175,23 +175,39 @@ class RemoteStore final : public Store {
                       channel_),
         options_(options) {}
 
-  absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints() override {
+  using Store::GetCheckpoint;
+  using Store::ListCheckpoints;
+  absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(
+      const std::shared_ptr<const std::atomic<bool>>& cancel) override {
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
     pb::ListCheckpointsResponse resp;
-    WEIGHTSTORE_RETURN_IF_ERROR(FromGrpcStatus(stub_->ListCheckpoints(&ctx, pb::ListCheckpointsRequest(), &resp)));
+    {
+      CancelWatch watch(cancel, &ctx);
+      absl::Status listed = FromGrpcStatus(stub_->ListCheckpoints(&ctx, pb::ListCheckpointsRequest(), &resp));
+      if (absl::IsCancelled(listed) && Cancelled(cancel)) return absl::CancelledError("the listing was cancelled");
+      WEIGHTSTORE_RETURN_IF_ERROR(listed);
+    }
     std::vector<CheckpointSummary> out(resp.checkpoints_size());
     for (int i = 0; i < resp.checkpoints_size(); ++i) FromProto(resp.checkpoints(i), &out[i]);
     return out;
   }
 
-  absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name) override {
+  absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name,
+                                                  const std::shared_ptr<const std::atomic<bool>>& cancel) override {
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
     pb::GetCheckpointRequest req;
     req.set_name(name);
     pb::CheckpointInfo resp;
-    WEIGHTSTORE_RETURN_IF_ERROR(FromGrpcStatus(stub_->GetCheckpoint(&ctx, req, &resp)));
+    {
+      CancelWatch watch(cancel, &ctx);
+      absl::Status got = FromGrpcStatus(stub_->GetCheckpoint(&ctx, req, &resp));
+      if (absl::IsCancelled(got) && Cancelled(cancel)) {
+        return absl::CancelledError(absl::StrCat("the call for checkpoint '", name, "' was cancelled"));
+      }
+      WEIGHTSTORE_RETURN_IF_ERROR(got);
+    }
     CheckpointSummary out;
     FromProto(resp, &out);
     return out;

@@ -49,20 +49,24 @@ class ShmStore final : public SharedMemoryStore {
     return ConnectLocked();
   }
 
-  absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints() override {
+  using Store::GetCheckpoint;
+  using Store::ListCheckpoints;
+  absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(
+      const std::shared_ptr<const std::atomic<bool>>& cancel) override {
     pb::ShmRequest request;
     request.mutable_list_checkpoints();
-    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request, cancel));
     const auto& list = reply.response.list_checkpoints().checkpoints();
     std::vector<CheckpointSummary> out(list.size());
     for (int i = 0; i < list.size(); ++i) FromProto(list[i], &out[i]);
     return out;
   }
 
-  absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name) override {
+  absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name,
+                                                  const std::shared_ptr<const std::atomic<bool>>& cancel) override {
     pb::ShmRequest request;
     request.mutable_get_checkpoint()->set_name(name);
-    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Call(request));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(Reply reply, Named(Call(request, cancel), name));
     CheckpointSummary out;
     FromProto(reply.response.checkpoint(), &out);
     return out;

@@ -172,8 +172,14 @@ class Store {
  public:
   virtual ~Store() = default;
 
-  virtual absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints() = 0;
-  virtual absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name) = 0;
+  // Every checkpoint served, and one by name. Once `cancel` (may be null) is
+  // set, a call waiting for the daemon ends within about 20 ms (Cancelled).
+  absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints() { return ListCheckpoints(nullptr); }
+  absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name) { return GetCheckpoint(name, nullptr); }
+  virtual absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(
+      const std::shared_ptr<const std::atomic<bool>>& cancel) = 0;
+  virtual absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name,
+                                                          const std::shared_ptr<const std::atomic<bool>>& cancel) = 0;
   // The tensors `query` selects, without their data. With a target, the apply
   // result too; a failing load is FailedPrecondition with the summary.
   virtual absl::StatusOr<TensorListing> ListTensors(const std::string& name, const Query& query) = 0;

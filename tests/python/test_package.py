@@ -358,6 +358,53 @@ class PackageTest(unittest.TestCase):
         got = self.remote.tensors("pkg/big", paths=["w.63"])
         self.assertEqual(got["w.63"][0, 0].item(), 63.0)
 
+    def test_ctrl_c_ends_a_listing_that_waits_on_a_stopped_daemon(self):
+        # Issue 26, finding 7: list(), info() and describe() waited for the
+        # call's timeout (600 s by default) on Ctrl-C. A daemon of this test's
+        # own is stopped (SIGSTOP) so that every call waits; the store's
+        # timeout (120 s) only keeps a regression from hanging the suite.
+        import subprocess
+        import tempfile
+        work = tempfile.mkdtemp(prefix="ws-ctrl-c-")
+        port_file, socket_path = os.path.join(work, "port"), os.path.join(work, "ws.sock")
+        daemon = subprocess.Popen([os.environ["WS_DAEMON"], "--models", MODELS, "--listen", "127.0.0.1:0",
+                                   "--port-file", port_file, "--socket", socket_path, "--metrics-listen", ""],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            while not (os.path.exists(port_file) and open(port_file).read().strip()):
+                self.assertIsNone(daemon.poll(), "the daemon did not start")
+                time.sleep(0.02)
+            address = "127.0.0.1:" + open(port_file).read().strip()
+            stores = {"grpc": weightstore.connect(address, timeout=120),
+                      "socket": weightstore.connect("unix:" + socket_path, timeout=120)}
+            for store in stores.values():
+                store.list()  # connected before the daemon stops
+            daemon.send_signal(signal.SIGSTOP)
+            calls = {"list": lambda s: s.list(), "info": lambda s: s.info("pkg/mlp"),
+                     "describe": lambda s: s.describe("pkg/mlp")}
+            for label, store in stores.items():
+                for call, run in calls.items():
+                    with self.subTest(store=label, call=call):
+                        timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+                        start = time.perf_counter()
+                        timer.start()
+                        with self.assertRaises(KeyboardInterrupt):
+                            run(store)
+                        timer.join()
+                        elapsed = time.perf_counter() - start
+                        print(f"\nCtrl-C ({label} {call}, daemon stopped): returned {elapsed * 1e3:.0f} ms after "
+                              "the call began")
+                        # Before the store's 120 s timeout, which is what the
+                        # call waited for before (a bound only a hang breaks).
+                        self.assertLess(elapsed, 60)
+            daemon.send_signal(signal.SIGCONT)
+            for label, store in stores.items():  # and the stores keep working
+                self.assertIn("pkg/mlp", [c["name"] for c in store.list()], label)
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+            daemon.terminate()
+            daemon.wait(timeout=60)
+
     def test_ctrl_c_cancels_a_fetch_in_the_middle_of_one_large_tensor(self):
         # Over gRPC (one stream), and from local files (copied 64 MiB at a time).
         for label, store in (("gRPC", weightstore.connect(ADDRESS, parallel_streams=1)), ("local", self.local)):

@@ -373,33 +373,30 @@ class Store {
 
   const std::string& kind() const { return kind_; }
 
+  // Listings run interruptibly, as fetches do: Ctrl-C ends a wait for a
+  // stalled daemon within about 20 ms, not at the call's timeout.
   py::list List() {
-    absl::StatusOr<std::vector<client::CheckpointSummary>> list;
-    {
-      py::gil_scoped_release release;
-      list = store_->ListCheckpoints();
-    }
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    std::vector<client::CheckpointSummary> list =
+        Unwrap(RunInterruptibly<absl::StatusOr<std::vector<client::CheckpointSummary>>>(
+            cancel, [&] { return store_->ListCheckpoints(cancel); }));
     py::list out;
-    for (const auto& c : Unwrap(std::move(list))) out.append(ToDict(c));
+    for (const auto& c : list) out.append(ToDict(c));
     return out;
   }
 
   py::dict Info(const std::string& name) {
-    absl::StatusOr<client::CheckpointSummary> c;
-    {
-      py::gil_scoped_release release;
-      c = store_->GetCheckpoint(name);
-    }
-    return ToDict(Unwrap(std::move(c)));
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    return ToDict(Unwrap(RunInterruptibly<absl::StatusOr<client::CheckpointSummary>>(
+        cancel, [&] { return store_->GetCheckpoint(name, cancel); })));
   }
 
   py::dict Listing(const std::string& name, const py::dict& selection) {
-    const client::Query query = ToQuery(selection);
-    absl::StatusOr<client::TensorListing> listing;
-    {
-      py::gil_scoped_release release;
-      listing = store_->ListTensors(name, query);
-    }
+    client::Query query = ToQuery(selection);
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    query.cancel = cancel;
+    absl::StatusOr<client::TensorListing> listing = RunInterruptibly<absl::StatusOr<client::TensorListing>>(
+        cancel, [&] { return store_->ListTensors(name, query); });
     if (!listing.ok()) Raise(listing.status());
     py::dict out;
     out["version"] = listing->version;
