@@ -50,6 +50,11 @@ class GrpcOrigin : public Origin {
     if (response.files().empty() || !response.files().rbegin()->main()) {
       return absl::DataLossError(absl::StrCat("it lists no main file for '", name, "'"));
     }
+    if (static_cast<size_t>(response.files_size()) > max_files()) {
+      return absl::FailedPreconditionError(absl::StrCat("it lists ", response.files_size(), " files for '", name,
+                                                        "'; a checkpoint of at most ", max_files(),
+                                                        " files is pulled"));
+    }
     OriginCheckpoint checkpoint;
     checkpoint.name = name;
     checkpoint.version = response.version();

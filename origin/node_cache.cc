@@ -233,7 +233,9 @@ NodeCache::NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origi
       origin_(std::move(origin)),
       options_(std::move(options)),
       models_dir_(registry->options().models_dir),
-      state_dir_((fs::path(registry->options().models_dir) / kStateFolder).string()) {}
+      state_dir_((fs::path(registry->options().models_dir) / kStateFolder).string()) {
+  origin_->set_max_files(options_.max_files);
+}
 
 NodeCache::~NodeCache() {
   registry_->SetVersionIds(nullptr);  // waits for a call in progress
@@ -410,9 +412,15 @@ uint64_t NodeCache::PullAsync(const std::string& name, Done done) {
     auto nf = not_found_.find(name);
     if (stopping_) {
       refused = absl::UnavailableError(absl::StrCat("checkpoint '", name, "' is not here, and the daemon is stopping"));
-    } else if (nf != not_found_.end() && absl::Now() < nf->second) {
-      refused = absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served, and ", origin_->Describe(),
-                                                 " did not have it moments ago"));
+    } else if (nf != not_found_.end() && absl::Now() < nf->second.until) {
+      refused =
+          absl::IsNotFound(nf->second.status)
+              ? absl::NotFoundError(absl::StrCat("checkpoint '", name, "' is not served, and ", origin_->Describe(),
+                                                 " did not have it moments ago"))
+              : absl::Status(nf->second.status.code(), absl::StrCat(nf->second.status.message(),
+                                                                    " (refused moments ago; not asked again "
+                                                                    "for ",
+                                                                    absl::FormatDuration(options_.not_found_ttl), ")"));
     } else if (auto it = flights_.find(name); it != flights_.end()) {
       if (it->second->waiters.size() > options_.max_waiters) {
         refused = absl::ResourceExhaustedError(absl::StrCat("checkpoint '", name, "' is being pulled, and ",
@@ -488,9 +496,9 @@ void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>
   {
     absl::MutexLock lock(&mu_);
     flights_.erase(name);
-    if (absl::IsNotFound(status)) {
+    if (absl::IsNotFound(status) || absl::IsFailedPrecondition(status)) {
       if (not_found_.size() >= options_.max_not_found) not_found_.clear();
-      not_found_[name] = absl::Now() + options_.not_found_ttl;
+      not_found_[name] = {absl::Now() + options_.not_found_ttl, status};
     }
     waiters.swap(flight->waiters);  // no one joins a flight once it is erased
   }
@@ -515,8 +523,9 @@ void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>
 absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>* pulled) {
   if (registry_->Get(name) != nullptr) return absl::OkStatus();  // a flight that just ended placed it
   WEIGHTSTORE_ASSIGN_OR_RETURN(OriginCheckpoint checkpoint, origin_->Find(name));
-  if (checkpoint.files.empty() || checkpoint.files.size() > options_.max_files) {
-    return absl::DataLossError(
+  if (checkpoint.files.empty()) return absl::DataLossError("the origin lists no files");
+  if (checkpoint.files.size() > options_.max_files) {
+    return absl::FailedPreconditionError(
         absl::StrCat("the origin lists ", checkpoint.files.size(), " files (1 to ", options_.max_files, " accepted)"));
   }
   for (const OriginFile& f : checkpoint.files) {

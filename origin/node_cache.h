@@ -56,8 +56,10 @@ struct NodeCacheOptions {
   uint64_t part_bytes = uint64_t{64} << 20;
   // Ranges read at once per pull; 0: the origin's parallel_reads().
   int parallel_reads = 0;
-  // How long a name the origin does not have is answered NotFound without
-  // asking it again, and how many such names are remembered.
+  // How long a name the origin does not have (NotFound), or whose pull was
+  // refused for what the origin holds (FailedPrecondition: more than
+  // max_files files, a file in the way), is refused again without asking the
+  // origin, and how many such names are remembered.
   absl::Duration not_found_ttl = absl::Seconds(10);
   size_t max_not_found = 10000;
   // Largest checkpoint a pull accepts (the origin's listing says its size).
@@ -170,7 +172,14 @@ class NodeCache : public Puller {
   std::map<std::string, Cached> ledger_ ABSL_GUARDED_BY(mu_);
   uint64_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of pulls in flight
-  absl::flat_hash_map<std::string, absl::Time> not_found_ ABSL_GUARDED_BY(mu_);
+  // Names the origin lacks (NotFound), or whose pull was refused for what
+  // the origin holds (FailedPrecondition: too many files, a file in the
+  // way): asked again only once `until` passes.
+  struct Refusal {
+    absl::Time until;
+    absl::Status status;
+  };
+  absl::flat_hash_map<std::string, Refusal> not_found_ ABSL_GUARDED_BY(mu_);
   uint64_t ledger_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t last_ticket_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Mutex ledger_file_mu_ ABSL_ACQUIRED_AFTER(mu_);

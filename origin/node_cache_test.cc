@@ -176,6 +176,19 @@ TEST_F(NodeCacheTest, ConcurrentRequestsForAMissingCheckpointShareOneTransfer) {
   EXPECT_EQ(cache_->Stats().cache_bytes, model.size());
 }
 
+// Issue 26, finding 10: a pull refused for what the origin holds (here more
+// files than a node takes) is remembered as a missing name is, and the cache
+// tells the origin its bound, so that an S3 origin refuses before any HEAD.
+TEST_F(NodeCacheTest, APullRefusedForWhatTheOriginHoldsIsRememberedForAWhile) {
+  EXPECT_EQ(origin_->max_files(), NodeCacheOptions().max_files);
+  origin_->sizes_.assign(NodeCacheOptions().max_files + 1, 10);
+  EXPECT_THAT(cache_->Pull("many").status(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("4097 files")));
+  const int finds = origin_->finds_.load();
+  EXPECT_THAT(cache_->Pull("many").status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("refused moments ago")));
+  EXPECT_EQ(origin_->finds_.load(), finds);
+}
+
 TEST_F(NodeCacheTest, ANameTheOriginLacksIsNotFoundAndRememberedForAWhile) {
   origin_->Put("m", Model(2, 1000, 2));
   ASSERT_TRUE(cache_->Pull("m").ok());

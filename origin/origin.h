@@ -77,8 +77,14 @@ class Origin {
 
   // The stored files of checkpoint `name` (a served name: "llama/7b"). Tries
   // the formats the registry serves, and for a sharded SafeTensors index
-  // returns its shards as well.
+  // returns its shards as well. A checkpoint of more than max_files() files
+  // is FailedPrecondition, refused before any of them is asked about.
   virtual absl::StatusOr<OriginCheckpoint> Find(const std::string& name) = 0;
+
+  // The most files one checkpoint may have, set once before the first Find
+  // (the node cache's bound). Default: 4096.
+  void set_max_files(size_t n) { max_files_ = n; }
+  size_t max_files() const { return max_files_; }
 
   // Reads `length` bytes of `file` from `offset` into `sink`. Fails with
   // DataLoss when fewer bytes arrive, Aborted when the file's etag changed.
@@ -95,6 +101,9 @@ class Origin {
   // Ends the reads in progress (Cancelled, or Unavailable) and fails new ones:
   // shutdown, with a read that may be stalled on the network.
   virtual void Cancel() {}
+
+ private:
+  size_t max_files_ = 4096;
 };
 
 // Lowercase hex SHA-256 of `data` (version ids, folder names of partial pulls).

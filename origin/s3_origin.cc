@@ -699,6 +699,10 @@ absl::StatusOr<OriginCheckpoint> S3Origin::Find(const std::string& name) {
     }
     std::sort(shards.begin(), shards.end());
     shards.erase(std::unique(shards.begin(), shards.end()), shards.end());
+    if (shards.size() + 1 > max_files()) {  // before a HEAD per shard
+      return absl::FailedPreconditionError(absl::StrCat(
+          index_url, " names ", shards.size(), " shards; a checkpoint of at most ", max_files(), " files is pulled"));
+    }
     for (const std::string& shard : shards) {
       absl::StatusOr<OriginFile> file = take(folder_prefix + shard, JoinPath(dir, shard));
       if (absl::IsNotFound(file.status())) {

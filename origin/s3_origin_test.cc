@@ -966,6 +966,17 @@ TEST(S3OriginErrorsTest, FindsAShardedIndexAcrossListingPages) {
   }
   EXPECT_THAT(heads, ::testing::UnorderedElementsAre("/models/d/m-1.safetensors", "/models/d/m-2.safetensors",
                                                      "/models/d/m.safetensors.index.json"));
+
+  // Issue 26, finding 10: an index naming more files than a node takes is
+  // refused before a HEAD per shard (9,001 HEADs for a 9,000-shard index).
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> bounded, S3Origin::Create("s3://models", config));
+  bounded->set_max_files(2);
+  const size_t before = server.requests().size();
+  EXPECT_THAT(bounded->Find("d/m"), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                             HasSubstr("names 2 shards; a checkpoint of at most 2 files")));
+  seen = server.requests();
+  ASSERT_EQ(seen.size(), before + 3);  // two listing pages and the index's GET
+  for (size_t i = before; i < seen.size(); ++i) EXPECT_EQ(seen[i].method, "GET");
 }
 
 // A bucket with one object, "m.safetensors" (`bytes`, with `etag` as sent),
