@@ -45,6 +45,16 @@ struct ServiceOptions {
                           .what = "PutCheckpoint uploads",
                           .total_flag = "--max-concurrent-uploads",
                           .per_peer_flag = "--max-uploads-per-peer"};
+  // FetchTensors streams waiting for their checkpoint to be pulled (a node
+  // with an origin) hold a slot of their own here, not a serving one: so
+  // that fetches of a checkpoint still on its way cannot lock out those of
+  // checkpoints here. Once it arrives a stream takes a serving slot (or gets
+  // RESOURCE_EXHAUSTED). Never cancelled for stalling: the pull is watched.
+  StreamLimits pull_waits = {.total = 32,
+                             .per_peer = 8,
+                             .what = "FetchTensors streams waiting on a pull",
+                             .total_flag = "--max-fetches-waiting-on-pulls",
+                             .per_peer_flag = "--max-fetches-waiting-on-pulls-per-peer"};
   // What a request's selection may cost.
   SelectionLimits selection_limits;
   // Payload slices point into the mapping. False copies each chunk into a
@@ -97,6 +107,16 @@ struct ShmServerOptions {
   // Largest request frame (a target schema can be large). Default: 4 MiB, as
   // the gRPC port's request limit.
   uint32_t max_request_bytes = 4 << 20;
+  // FetchTensors streams waiting for their checkpoint to be pulled (a node
+  // with an origin) hold a slot of their own here, not a serving one: so
+  // that fetches of a checkpoint still on its way cannot lock out those of
+  // checkpoints here. Once it arrives a stream takes a serving slot (or gets
+  // RESOURCE_EXHAUSTED). Never cancelled for stalling: the pull is watched.
+  StreamLimits pull_waits = {.total = 32,
+                             .per_peer = 8,
+                             .what = "FetchTensors streams waiting on a pull",
+                             .total_flag = "--max-fetches-waiting-on-pulls",
+                             .per_peer_flag = "--max-fetches-waiting-on-pulls-per-peer"};
   // What a request's selection may cost.
   SelectionLimits selection_limits;
   // Folders taken out of the paths in error messages (as the gRPC service's).

@@ -46,6 +46,12 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   FetchReactor(WeightStoreService* service, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request)
       : service_(service) {
     absl::Status status = Start(ctx, request);
+    // A checkpoint the daemon lacks is pulled first (read-through), on the
+    // pull's own thread: this one returns to gRPC. Meanwhile the stream holds
+    // a waiting slot, not a serving one, and takes that once the pull is done.
+    const bool waits =
+        status.ok() && service_->puller_ != nullptr && service_->registry_->Get(request_.name()) == nullptr;
+    if (status.ok()) status = waits ? AdmitWaiting(ctx) : AdmitServing(ctx);
     if (!status.ok()) {
       Done(service_->ClientStatus(status));
       return;
@@ -54,16 +60,13 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       Begin();
       return;
     }
-    // A checkpoint the daemon lacks is pulled first (read-through), on the
-    // pull's own thread: this one returns to gRPC. The stream is kept from
-    // the stall watchdog meanwhile.
-    service_->streams_.Busy(ticket_);
-    pull_ticket_ = service_->puller_->PullAsync(request_.name(), [this](absl::StatusOr<PullResult> pulled) {
-      if (!pulled.ok()) {
-        Done(service_->ClientStatus(pulled.status()));
+    pull_ticket_ = service_->puller_->PullAsync(request_.name(), [this, ctx](absl::StatusOr<PullResult> pulled) {
+      if (wait_ticket_ != 0) service_->pull_waits_.Release(std::exchange(wait_ticket_, 0));
+      absl::Status admitted = pulled.ok() ? (ticket_ != 0 ? absl::OkStatus() : AdmitServing(ctx)) : pulled.status();
+      if (!admitted.ok()) {
+        Done(service_->ClientStatus(admitted));
         return;
       }
-      service_->streams_.Resume(ticket_);
       Begin();
     });
   }
@@ -83,6 +86,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
   void OnDone() override {
     if (ticket_ != 0) service_->streams_.Release(ticket_);
+    if (wait_ticket_ != 0) service_->pull_waits_.Release(wait_ticket_);
     delete this;
   }
 
@@ -90,11 +94,21 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   absl::Status Start(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
     ctx_ = ctx;
     if (absl::Status s = service_->Admit(*ctx, Scope::kRead); !s.ok()) return s;
-    // A stream whose client stops reading is cancelled by the governor, which
-    // frees its slot (and its share of its client's).
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, service_->streams_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); }));
     if (!wire::ParseMessage(*raw, &request_)) return absl::InvalidArgumentError("request is not a FetchTensorsRequest");
     Annotate(ctx, request_.name());
+    return absl::OkStatus();
+  }
+  // A serving slot: a stream whose client stops reading is cancelled by the
+  // governor, which frees its slot (and its share of its client's).
+  absl::Status AdmitServing(grpc::CallbackServerContext* ctx) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, service_->streams_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); }));
+    return absl::OkStatus();
+  }
+  // A waiting slot, kept from the stall watchdog: the pull is watched, not
+  // the stream, which moves nothing until the checkpoint is here.
+  absl::Status AdmitWaiting(grpc::CallbackServerContext* ctx) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(wait_ticket_, service_->pull_waits_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); }));
+    service_->pull_waits_.Busy(wait_ticket_);
     return absl::OkStatus();
   }
 
@@ -252,13 +266,15 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     // Free before the client can see the status: one that starts its next
     // stream when this one ends must find the slot free (OnDone runs later).
     if (ticket_ != 0) service_->streams_.Release(std::exchange(ticket_, 0));
+    if (wait_ticket_ != 0) service_->pull_waits_.Release(std::exchange(wait_ticket_, 0));
     Finish(status);
   }
 
   WeightStoreService* service_;
   grpc::CallbackServerContext* ctx_ = nullptr;
   uint64_t sent_bytes_ = 0;
-  uint64_t ticket_ = 0;       // from the stream governor, once admitted
+  uint64_t ticket_ = 0;       // from the stream governor, once admitted to serve
+  uint64_t wait_ticket_ = 0;  // from the waiting governor, while it waits on a pull
   uint64_t pull_ticket_ = 0;  // from the puller, while the checkpoint is pulled
   uint64_t last_write_bytes_ = 0;
   std::atomic<bool> cancelled_{false};
@@ -298,6 +314,7 @@ WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOpti
       options_(options),
       auth_(auth != nullptr ? auth : &no_auth_),
       streams_(options.streams),
+      pull_waits_(options.pull_waits),
       uploads_(options.uploads),
       background_(options.background_threads, options.max_background_queue, "checksum work"),
       watches_(registry, auth_, options.watches, [this](const absl::Status& s) { return ClientStatus(s); }) {}

@@ -130,6 +130,7 @@ class WeightStoreService final : public ServiceBase {
   Authenticator no_auth_;
   const Authenticator* auth_;
   StreamGovernor streams_;
+  StreamGovernor pull_waits_;  // fetches waiting on a pull (ServiceOptions::pull_waits)
   StreamGovernor uploads_;
   Background background_;
   std::atomic<bool> stopping_{false};

@@ -4,8 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <iostream>
 #include <thread>
 
+#include "absl/synchronization/notification.h"
 #include "tests/util/status_matchers.h"
 
 namespace weightstore::server {
@@ -34,11 +37,20 @@ TEST(StreamGovernorTest, CancelsAStreamThatStopsMakingProgressAndOnlyThatOne) {
   ASSERT_OK_AND_ASSIGN(uint64_t stalled, governor.Admit("ipv4:1.1.1.1:1", [&] { ++stalled_cancels; }));
   ASSERT_OK_AND_ASSIGN(uint64_t busy, governor.Admit("ipv4:1.1.1.1:2", [&] { ++busy_cancels; }));
   ASSERT_OK_AND_ASSIGN(uint64_t trickle, governor.Admit("ipv4:1.1.1.1:3", [&] { ++trickle_cancels; }));
-  for (int i = 0; i < 20; ++i) {
-    governor.Progress(busy, 500);
-    governor.Progress(trickle, 10);  // a slow loris: always some progress, never enough
+  auto step = [&] {
+    governor.Progress(busy, 1 << 20);  // enough for a period in any one call
+    governor.Progress(trickle, 10);    // a slow loris: always some progress, never enough
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  };
+  // Until both are cancelled (30 s only catches a watchdog that never runs),
+  // then two periods more, in which neither may be cancelled again.
+  const auto start = std::chrono::steady_clock::now();
+  while ((stalled_cancels.load() == 0 || trickle_cancels.load() == 0) &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(30)) {
+    step();
   }
+  const auto cancelled = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - cancelled < std::chrono::milliseconds(400)) step();
   EXPECT_EQ(stalled_cancels.load(), 1) << "cancelled once";
   EXPECT_EQ(trickle_cancels.load(), 1);
   EXPECT_EQ(busy_cancels.load(), 0);
@@ -63,15 +75,29 @@ TEST(StreamGovernorTest, AStreamBusyOnTheServersSideIsNeverTakenForStalled) {
 TEST(StreamGovernorTest, AResumedStreamIsWatchedAgainFromAFreshPeriod) {
   StreamGovernor governor({.total = 1, .per_peer = 1, .idle = std::chrono::milliseconds(100), .min_bytes = 1000});
   std::atomic<int> cancels{0};
-  ASSERT_OK_AND_ASSIGN(uint64_t waiting, governor.Admit("ipv4:1.1.1.1:1", [&] { ++cancels; }));
+  absl::Notification cancelled;
+  std::chrono::steady_clock::time_point cancelled_at;
+  auto on_cancel = [&] {
+    if (++cancels == 1) {
+      cancelled_at = std::chrono::steady_clock::now();
+      cancelled.Notify();
+    }
+  };
+  ASSERT_OK_AND_ASSIGN(uint64_t waiting, governor.Admit("ipv4:1.1.1.1:1", on_cancel));
   governor.Busy(waiting);  // a pull it waits on
   std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  EXPECT_EQ(cancels.load(), 0) << "not while busy";
+  const auto resumed = std::chrono::steady_clock::now();
   governor.Resume(waiting);
-  std::this_thread::sleep_for(std::chrono::milliseconds(40));
-  EXPECT_EQ(cancels.load(), 0) << "not judged on the time it was busy";
-  for (int i = 0; i < 200 && cancels.load() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  EXPECT_EQ(cancels.load(), 1) << "then stalled again, and cancelled";
+  const bool stalled_again = cancelled.WaitForNotificationWithTimeout(absl::Seconds(30));
   governor.Release(waiting);
+  ASSERT_TRUE(stalled_again) << "then stalled again, and cancelled";
+  // A whole idle period after the resume at the earliest, however late the
+  // watchdog ran: judged on the time it was busy, it would go at once.
+  std::cout << "cancelled " << std::chrono::duration_cast<std::chrono::milliseconds>(cancelled_at - resumed).count()
+            << " ms after the resume (idle: 100 ms)\n";
+  EXPECT_GE(cancelled_at - resumed, std::chrono::milliseconds(100)) << "not judged on the time it was busy";
+  EXPECT_EQ(cancels.load(), 1);
 }
 
 TEST(StreamGovernorTest, PeerAddressDropsThePort) {

@@ -134,6 +134,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-put-bytes", options.registry.max_put_bytes, "Largest PutCheckpoint upload")
       ->capture_default_str();
+  app.add_option("--max-fetches-waiting-on-pulls", options.service.pull_waits.total,
+                 "With --origin: FetchTensors streams that may wait at once for their checkpoint to be pulled, "
+                 "outside --max-concurrent-fetches")
+      ->capture_default_str();
+  app.add_option("--max-fetches-waiting-on-pulls-per-peer", options.service.pull_waits.per_peer,
+                 "With --origin: FetchTensors streams from one client address that may wait at once on pulls")
+      ->capture_default_str();
   app.add_option("--max-concurrent-uploads", options.service.uploads.total, "PutCheckpoint uploads at once")
       ->capture_default_str();
   app.add_option("--max-uploads-per-peer", options.service.uploads.per_peer,

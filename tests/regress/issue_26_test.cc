@@ -2,11 +2,14 @@
 // against a real daemon (in this process, or a child on 127.0.0.1 port 0).
 // Every test here failed before its fix.
 #include <gmock/gmock.h>
+#include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <cstring>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -15,11 +18,17 @@
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
 #include "server/server.h"
+#include "tests/util/daemon.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
+#include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore {
 namespace {
+
+namespace pb = ::weightstore::v1;
+using ::testing::HasSubstr;
+using ::weightstore::testing::StatusIs;
 
 // A SafeTensors checkpoint of one F32 tensor "w" holding `values`.
 std::string OneTensor(const std::vector<float>& values) {
@@ -92,6 +101,74 @@ TEST(Issue26Test, UpdateTensorsRefetchesWhatAnotherShardRankSelects) {
   std::memcpy(second_half, held.tensors[0].bytes.view().data(), 8);
   EXPECT_EQ(second_half[0], 3);
   EXPECT_EQ(second_half[1], 4);
+}
+
+// Finding 3: on a node with an origin, fetches of a checkpoint still being
+// pulled held every FetchTensors slot for the whole pull, and every other
+// fetch was refused. They now wait in a share of their own.
+TEST(Issue26Test, FetchesWaitingOnAPullLeaveTheServingSlotsToOthers) {
+  const std::string origin_models = testing::MakeScratchDir("origin-models");
+  testing::WriteFileOrDie(origin_models + "/far.safetensors", OneTensor({1, 2}));
+  testing::WriteFileOrDie(origin_models + "/warm.safetensors", OneTensor({0}));
+  testing::Daemon origin(origin_models, {});
+  ASSERT_NE(origin.port(), 0) << origin.log();
+  const std::string node_models = testing::MakeScratchDir("node-models");
+  testing::WriteFileOrDie(node_models + "/here.safetensors", OneTensor({3, 4}));
+  testing::Daemon node(node_models, {"--origin", absl::StrCat("grpc://", origin.address()), "--max-concurrent-fetches",
+                                     "4", "--max-fetches-per-peer", "4", "--max-fetches-waiting-on-pulls", "6",
+                                     "--max-fetches-waiting-on-pulls-per-peer", "6"});
+  ASSERT_NE(node.port(), 0) << node.log();
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Store> warm, client::ConnectRemoteStore(node.address()));
+    ASSERT_OK(warm->FetchAll("warm", {}).status());  // the node's channel to its origin is up
+  }
+  ASSERT_TRUE(origin.Stop());  // answers nothing more: every pull from now on stalls
+
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(node.address(), grpc::InsecureChannelCredentials()));
+  struct Waiting {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<pb::TensorChunk>> reader;
+  };
+  std::vector<std::unique_ptr<Waiting>> waiting;
+  for (int i = 0; i < 6; ++i) {  // more than the serving slots
+    auto w = std::make_unique<Waiting>();
+    pb::FetchTensorsRequest request;
+    request.set_name("far");
+    w->reader = stub->FetchTensors(&w->ctx, request);
+    waiting.push_back(std::move(w));
+  }
+  // Each waits once the node has admitted it: the node counts them as pulls'
+  // waiters. Then a seventh is one too many for the waiting share.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Store> store, client::ConnectRemoteStore(node.address()));
+  grpc::Status extra;
+  for (int attempt = 0; attempt < 500; ++attempt) {  // until all six are admitted
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+    pb::FetchTensorsRequest request;
+    request.set_name("far");
+    auto reader = stub->FetchTensors(&ctx, request);
+    pb::TensorChunk chunk;
+    while (reader->Read(&chunk)) {
+    }
+    extra = reader->Finish();
+    if (extra.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) break;
+  }
+  EXPECT_EQ(extra.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(extra.error_message(), HasSubstr("waiting on a pull"));
+  // A checkpoint the node has is served all the same.
+  ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> here, store->FetchAll("here", {}));
+  ASSERT_EQ(here.size(), 1u);
+  float first;
+  std::memcpy(&first, here[0].bytes.view().data(), 4);
+  EXPECT_EQ(first, 3);
+  for (auto& w : waiting) w->ctx.TryCancel();
+  for (auto& w : waiting) {
+    pb::TensorChunk chunk;
+    while (w->reader->Read(&chunk)) {
+    }
+    EXPECT_EQ(w->reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  origin.Signal(SIGCONT);
 }
 
 }  // namespace
