@@ -1,5 +1,7 @@
 #include "core/watch_cursor.h"
 
+#include <algorithm>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
@@ -10,8 +12,24 @@ bool WatchScope::Contains(const std::string& checkpoint) const {
   return absl::StartsWith(checkpoint, prefix);
 }
 
-WatchCursor::WatchCursor(const CheckpointRegistry* registry, WatchScope scope, std::map<std::string, std::string> known)
-    : registry_(registry), scope_(std::move(scope)) {
+std::shared_ptr<const ManifestDiff> DiffCache::Get(const std::string& name, const CheckpointManifest& base,
+                                                   const CheckpointManifest& current) {
+  const std::string key = absl::StrCat(name.size(), ":", name, "|", base.version(), "|", current.version());
+  absl::MutexLock lock(&mu_);  // held while diffing: the others want the same diff
+  if (auto it = diffs_.find(key); it != diffs_.end()) return it->second;
+  auto diff = std::make_shared<const ManifestDiff>(DiffManifests(base, current));
+  diffs_.emplace(key, diff);
+  order_.push_back(key);
+  while (order_.size() > std::max<size_t>(capacity_, 1)) {
+    diffs_.erase(order_.front());
+    order_.pop_front();
+  }
+  return diff;
+}
+
+WatchCursor::WatchCursor(const CheckpointRegistry* registry, WatchScope scope, std::map<std::string, std::string> known,
+                         DiffCache* diffs)
+    : registry_(registry), diffs_(diffs), scope_(std::move(scope)) {
   for (auto& [name, version] : known) {
     if (scope_.Contains(name)) known_.emplace(name, std::move(version));
   }
@@ -82,7 +100,8 @@ std::optional<CheckpointUpdate> WatchCursor::UpdateFor(const std::string& name) 
     update.full_reason =
         absl::StrCat("version ", update.old_version, " of '", name, "' is not one this daemon keeps digests of");
   } else {
-    update.diff = DiffManifests(*base, *current->manifest());
+    update.diff = diffs_ != nullptr ? diffs_->Get(name, *base, *current->manifest())
+                                    : std::make_shared<const ManifestDiff>(DiffManifests(*base, *current->manifest()));
   }
   return update;
 }

@@ -14,7 +14,9 @@
 #ifndef WEIGHTSTORE_CORE_WATCH_CURSOR_H_
 #define WEIGHTSTORE_CORE_WATCH_CURSOR_H_
 
+#include <deque>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -47,17 +49,36 @@ struct CheckpointUpdate {
   std::string old_version;  // the watcher's (empty for kAdded)
   std::string new_version;  // the current one (empty for kRemoved)
   // kReplaced: how the new version's tensors differ from the old one's, by
-  // file name, when both manifests are known. nullopt otherwise, with the
+  // file name, when both manifests are known. nullptr otherwise, with the
   // reason in `full_reason`: the watcher should fetch the checkpoint in full.
-  std::optional<ManifestDiff> diff;
+  // Shared: every watcher of one step holds the same diff.
+  std::shared_ptr<const ManifestDiff> diff;
   std::string full_reason;
+};
+
+// The diffs between versions of checkpoints, each computed once however many
+// watchers ask for it (one at a time computes it; the others wait and share
+// it). Keeps the last `capacity` steps. Thread-safe.
+class DiffCache {
+ public:
+  explicit DiffCache(size_t capacity = 64) : capacity_(capacity) {}
+  std::shared_ptr<const ManifestDiff> Get(const std::string& name, const CheckpointManifest& base,
+                                          const CheckpointManifest& current);
+
+ private:
+  const size_t capacity_;
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<const ManifestDiff>> diffs_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> order_ ABSL_GUARDED_BY(mu_);  // oldest first
 };
 
 class WatchCursor {
  public:
   // `known`: the version the watcher holds of each checkpoint (from an earlier
-  // watch); those outside `scope` are ignored.
-  WatchCursor(const CheckpointRegistry* registry, WatchScope scope, std::map<std::string, std::string> known);
+  // watch); those outside `scope` are ignored. `diffs` (may be null: each
+  // cursor diffs alone) shares diffs among cursors; it must outlive this.
+  WatchCursor(const CheckpointRegistry* registry, WatchScope scope, std::map<std::string, std::string> known,
+              DiffCache* diffs = nullptr);
 
   // Owes the watcher an update for every checkpoint in scope that is served or
   // known (none comes for one at its known version). Call it once, after the
@@ -77,6 +98,7 @@ class WatchCursor {
   std::optional<CheckpointUpdate> UpdateFor(const std::string& name);
 
   const CheckpointRegistry* registry_;
+  DiffCache* const diffs_;
   const WatchScope scope_;
   std::map<std::string, std::string> known_;  // only Next() touches it
   bool synced_ = false;                       // kSynced was returned

@@ -84,10 +84,38 @@ TEST_F(WatchCursorTest, AReplacementNamesTheTensorsThatChanged) {
   EXPECT_EQ(u.kind, Kind::kReplaced);
   EXPECT_EQ(u.old_version, v1);
   EXPECT_EQ(u.new_version, registry_.Get("m")->version());
-  ASSERT_TRUE(u.diff.has_value()) << u.full_reason;
+  ASSERT_NE(u.diff, nullptr) << u.full_reason;
   EXPECT_THAT(u.diff->changed, ElementsAre("b"));
   EXPECT_THAT(u.diff->added, ElementsAre("d"));
   EXPECT_THAT(u.diff->removed, ElementsAre("c"));
+}
+
+// Issue 26, finding 5: a publish with many watchers diffed once per watcher.
+TEST_F(WatchCursorTest, CursorsSharingADiffCacheShareOneDiffPerStep) {
+  const std::string path = models_ + "/m.safetensors";
+  Publish(path, {F32("a", 1), F32("b", 2)});
+  registry_.Rescan();
+  const std::string v1 = registry_.Get("m")->version();
+  DiffCache diffs(2);
+  std::vector<std::unique_ptr<WatchCursor>> cursors;
+  for (int i = 0; i < 8; ++i) {
+    cursors.push_back(std::make_unique<WatchCursor>(&registry_, WatchScope{.name = "m"},
+                                                    std::map<std::string, std::string>{{"m", v1}}, &diffs));
+    cursors.back()->Start();
+    Drain(*cursors.back());
+  }
+  Publish(path, {F32("a", 1), F32("b", 3)});
+  registry_.Rescan();
+  std::shared_ptr<const ManifestDiff> first;
+  for (auto& cursor : cursors) {
+    cursor->MarkChanged("m");
+    std::vector<CheckpointUpdate> updates = Drain(*cursor);
+    ASSERT_EQ(updates.size(), 1u);
+    ASSERT_NE(updates[0].diff, nullptr);
+    if (first == nullptr) first = updates[0].diff;
+    EXPECT_EQ(updates[0].diff, first);  // the same object, made once
+  }
+  EXPECT_THAT(first->changed, ElementsAre("b"));
 }
 
 TEST_F(WatchCursorTest, AWatcherThatMissedVersionsGetsOneStepFromWhatItHolds) {
@@ -103,7 +131,7 @@ TEST_F(WatchCursorTest, AWatcherThatMissedVersionsGetsOneStepFromWhatItHolds) {
   cursor.Start();
   std::vector<CheckpointUpdate> updates = Drain(cursor);
   ASSERT_EQ(updates.size(), 2u);  // "other" is out of scope
-  ASSERT_TRUE(updates[0].diff.has_value());
+  ASSERT_NE(updates[0].diff, nullptr);
   EXPECT_EQ(updates[0].old_version, v1);
   EXPECT_THAT(updates[0].diff->changed, ElementsAre("a", "b"));
   EXPECT_EQ(updates[1].kind, Kind::kSynced);
@@ -125,7 +153,7 @@ TEST_F(WatchCursorTest, AVersionNoLongerKeptIsAFullUpdateThatSaysWhy) {
   std::vector<CheckpointUpdate> updates = Drain(cursor);
   ASSERT_EQ(updates.size(), 2u);
   EXPECT_EQ(updates[0].kind, Kind::kReplaced);
-  EXPECT_FALSE(updates[0].diff.has_value());
+  EXPECT_EQ(updates[0].diff, nullptr);
   EXPECT_THAT(updates[0].full_reason, HasSubstr(v1));
   // A version no daemon issued reads the same way.
   WatchCursor forged(&registry_, {.name = "m"}, {{"m", "not-a-version"}});

@@ -509,8 +509,8 @@ grpc::ServerUnaryReactor* WeightStoreService::ListCheckpointFiles(grpc::Callback
       });
 }
 
-grpc::ServerWriteReactor<v1::CheckpointEvent>* WeightStoreService::WatchCheckpoints(
-    grpc::CallbackServerContext* ctx, const v1::WatchCheckpointsRequest* req) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::WatchCheckpoints(grpc::CallbackServerContext* ctx,
+                                                                                 const grpc::ByteBuffer* req) {
   return watches_.Start(ctx, req);
 }
 

@@ -36,8 +36,11 @@ using ::weightstore::ScanReport;
 
 // FetchTensors and ReadCheckpointFile stream raw ByteBuffers: their payloads go
 // out as slices of the checkpoints' mappings (proto/codec/chunk_codec.h).
-using ServiceBase = v1::WeightStore::WithRawCallbackMethod_FetchTensors<
-    v1::WeightStore::WithRawCallbackMethod_ReadCheckpointFile<v1::WeightStore::CallbackService>>;
+// WatchCheckpoints too: every watcher of one step is sent the same serialized
+// event (server/watch.h).
+using ServiceBase =
+    v1::WeightStore::WithRawCallbackMethod_FetchTensors<v1::WeightStore::WithRawCallbackMethod_ReadCheckpointFile<
+        v1::WeightStore::WithRawCallbackMethod_WatchCheckpoints<v1::WeightStore::CallbackService>>>;
 
 class WeightStoreService final : public ServiceBase {
  public:
@@ -66,8 +69,8 @@ class WeightStoreService final : public ServiceBase {
                                    v1::RescanResponse* resp) override;
   grpc::ServerReadReactor<v1::PushCheckpointRequest>* PushCheckpoint(grpc::CallbackServerContext* ctx,
                                                                      v1::CheckpointInfo* resp) override;
-  grpc::ServerWriteReactor<v1::CheckpointEvent>* WatchCheckpoints(grpc::CallbackServerContext* ctx,
-                                                                  const v1::WatchCheckpointsRequest* req) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchCheckpoints(grpc::CallbackServerContext* ctx,
+                                                               const grpc::ByteBuffer* req) override;
   // The origin tier (server/stored_files.cc): pulls into this daemon, and the
   // API a node pulls from it through.
   grpc::ServerUnaryReactor* PullCheckpoint(grpc::CallbackServerContext* ctx, const v1::PullCheckpointRequest* req,

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "proto/codec/chunk_codec.h"
 
 namespace weightstore::server {
 
@@ -49,11 +50,13 @@ void ToProto(const CheckpointUpdate& update, v1::CheckpointEvent* out, size_t ma
 
 // One WatchCheckpoints stream: a registry listener marks names on its cursor,
 // and one event at a time is written from it.
-class WatchReactor : public grpc::ServerWriteReactor<v1::CheckpointEvent> {
+class WatchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  WatchReactor(WatchHub* hub, grpc::CallbackServerContext* ctx, const v1::WatchCheckpointsRequest* request)
-      : hub_(hub), ctx_(ctx) {
-    absl::Status status = Begin(*ctx, *request);
+  WatchReactor(WatchHub* hub, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) : hub_(hub), ctx_(ctx) {
+    v1::WatchCheckpointsRequest request;
+    absl::Status status = wire::ParseMessage(*raw, &request)
+                              ? Begin(*ctx, request)
+                              : absl::InvalidArgumentError("request is not a WatchCheckpointsRequest");
     if (!status.ok()) {
       FinishOnce(hub_->client_status_(status));
       return;
@@ -72,6 +75,7 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::CheckpointEvent> {
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
+      event_.Clear();         // its reference to the shared event
       if (pending_finish_) {  // Finish waited for this write
         finished_ = true;
         Finish(*pending_finish_);
@@ -129,15 +133,23 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::CheckpointEvent> {
       }
     }
     WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, hub_->Add(this, ctx.peer()));
-    cursor_ =
-        std::make_unique<WatchCursor>(hub_->registry_, WatchScope{request.name(), request.prefix()}, std::move(known));
+    cursor_ = std::make_unique<WatchCursor>(hub_->registry_, WatchScope{request.name(), request.prefix()},
+                                            std::move(known), &hub_->diffs_);
     {
       absl::MutexLock lock(&handle_->mu);
       handle_->reactor = this;
     }
-    listener_ = hub_->registry_->AddListener([handle = handle_](const std::string& name) {
-      absl::MutexLock lock(&handle->mu);
-      if (handle->reactor != nullptr && handle->reactor->cursor_->MarkChanged(name)) handle->reactor->Pump();
+    // On the publishing thread: only marks, and wakes the writer on the hub's
+    // thread, which makes the event.
+    listener_ = hub_->registry_->AddListener([hub = hub_, handle = handle_](const std::string& name) {
+      {
+        absl::MutexLock lock(&handle->mu);
+        if (handle->reactor == nullptr || !handle->reactor->cursor_->MarkChanged(name)) return;
+      }
+      hub->Schedule([handle] {
+        absl::MutexLock lock(&handle->mu);
+        if (handle->reactor != nullptr) handle->reactor->Pump();
+      });
     });
     cursor_->Start();
     return absl::OkStatus();
@@ -152,9 +164,8 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::CheckpointEvent> {
     if (writing_ || finished_ || pending_finish_) return;
     std::optional<CheckpointUpdate> update = cursor_->Next();
     if (!update) return;
-    event_.Clear();
-    ToProto(*update, &event_);
-    event_bytes_ = event_.ByteSizeLong();
+    event_ = *hub_->Event(*update);  // a reference to the step's one buffer
+    event_bytes_ = event_.Length();
     writing_ = true;
     StartWrite(&event_);
   }
@@ -181,7 +192,7 @@ class WatchReactor : public grpc::ServerWriteReactor<v1::CheckpointEvent> {
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<grpc::Status> pending_finish_ ABSL_GUARDED_BY(mu_);
-  v1::CheckpointEvent event_;  // the write in flight
+  grpc::ByteBuffer event_;  // the write in flight: shares the hub's event
   uint64_t event_bytes_ = 0;
 };
 
@@ -200,19 +211,73 @@ StreamLimits GovernorLimits(const WatchLimits& limits) {
 
 }  // namespace
 
+// Events kept for watchers still to be sent them: the last steps, and at
+// most this many bytes (one event's names are bounded by ToProto's 1 MiB).
+constexpr size_t kMaxEvents = 256;
+constexpr uint64_t kMaxEventBytes = uint64_t{64} << 20;
+
 WatchHub::WatchHub(CheckpointRegistry* registry, const Authenticator* auth, WatchLimits limits,
                    std::function<grpc::Status(const absl::Status&)> client_status)
     : registry_(registry),
       auth_(auth),
       limits_(limits),
       client_status_(std::move(client_status)),
-      streams_(GovernorLimits(limits)) {}
+      streams_(GovernorLimits(limits)),
+      worker_([this] { RunScheduled(); }) {}
 
-WatchHub::~WatchHub() { Stop(); }
+WatchHub::~WatchHub() {
+  Stop();
+  {
+    absl::MutexLock lock(&work_mu_);
+    work_stop_ = true;
+  }
+  worker_.join();
+}
 
-grpc::ServerWriteReactor<v1::CheckpointEvent>* WatchHub::Start(grpc::CallbackServerContext* ctx,
-                                                               const v1::WatchCheckpointsRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchHub::Start(grpc::CallbackServerContext* ctx,
+                                                            const grpc::ByteBuffer* request) {
   return new WatchReactor(this, ctx, request);
+}
+
+void WatchHub::Schedule(std::function<void()> work) {
+  absl::MutexLock lock(&work_mu_);
+  work_.push_back(std::move(work));
+}
+
+void WatchHub::RunScheduled() {
+  while (true) {
+    std::function<void()> work;
+    {
+      absl::MutexLock lock(&work_mu_);
+      work_mu_.Await(absl::Condition(this, &WatchHub::HasWork));
+      if (work_.empty()) return;  // stopping, nothing left
+      work = std::move(work_.front());
+      work_.pop_front();
+    }
+    work();
+  }
+}
+
+std::shared_ptr<const grpc::ByteBuffer> WatchHub::Event(const CheckpointUpdate& update) {
+  const std::string key = absl::StrCat(static_cast<int>(update.kind), "|", update.name.size(), ":", update.name, "|",
+                                       update.old_version, "|", update.new_version);
+  absl::MutexLock lock(&events_mu_);
+  if (auto it = events_.find(key); it != events_.end()) return it->second;
+  v1::CheckpointEvent event;
+  ToProto(update, &event);
+  const std::string bytes = event.SerializeAsString();
+  grpc::Slice slice(bytes);
+  auto buffer = std::make_shared<const grpc::ByteBuffer>(&slice, 1);
+  events_.emplace(key, buffer);
+  event_order_.push_back(key);
+  event_bytes_ += bytes.size();
+  while (event_order_.size() > kMaxEvents || (event_bytes_ > kMaxEventBytes && event_order_.size() > 1)) {
+    auto oldest = events_.find(event_order_.front());
+    event_bytes_ -= oldest->second->Length();
+    events_.erase(oldest);
+    event_order_.pop_front();
+  }
+  return buffer;
 }
 
 absl::StatusOr<uint64_t> WatchHub::Add(WatchReactor* reactor, absl::string_view peer) {

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <memory>
 #include <string>
 
 namespace weightstore::server {
@@ -13,12 +15,37 @@ CheckpointUpdate Replacement(size_t changed_names, size_t name_bytes) {
   u.name = "m";
   u.old_version = "v1";
   u.new_version = "v2";
-  u.diff.emplace();
-  for (size_t i = 0; i < changed_names; ++i) u.diff->changed.push_back(std::string(name_bytes, 'a' + i % 26));
-  u.diff->added = {"new"};
-  u.diff->removed = {"old"};
-  u.diff->unchanged = 7;
+  auto diff = std::make_shared<ManifestDiff>();
+  for (size_t i = 0; i < changed_names; ++i) diff->changed.push_back(std::string(name_bytes, 'a' + i % 26));
+  diff->added = {"new"};
+  diff->removed = {"old"};
+  diff->unchanged = 7;
+  u.diff = diff;
   return u;
+}
+
+// Issue 26, findings 1 and 5: every watcher of one step is sent the same
+// serialized event (a reference to one buffer, not a copy per watcher), and
+// the hub keeps a bounded number of them.
+TEST(WatchHubTest, OneStepIsSerializedOnceAndSharedByItsWatchers) {
+  const std::string models = ::testing::TempDir() + "/watch-hub-models";
+  std::filesystem::create_directories(models);
+  CheckpointRegistry registry({.models_dir = models});
+  Authenticator auth;
+  WatchHub hub(&registry, &auth, WatchLimits{}, [](const absl::Status&) { return grpc::Status::OK; });
+  const CheckpointUpdate step = Replacement(1000, 64);
+  std::shared_ptr<const grpc::ByteBuffer> a = hub.Event(step);
+  std::shared_ptr<const grpc::ByteBuffer> b = hub.Event(step);
+  EXPECT_EQ(a, b);
+  EXPECT_GT(a->Length(), 64000u);
+  CheckpointUpdate other = step;
+  other.new_version = "v3";
+  EXPECT_NE(hub.Event(other), a);
+  for (int i = 0; i < 300; ++i) {  // more steps than are kept
+    other.new_version = "w" + std::to_string(i);
+    hub.Event(other);
+  }
+  EXPECT_NE(hub.Event(step), a);  // made again: the old one was let go
 }
 
 TEST(WatchEventTest, AReplacementListsTheTensorsThatChangedWithTheirCounts) {
@@ -49,7 +76,7 @@ TEST(WatchEventTest, NamesPastTheBoundAreLeftOutAndTheCountsStay) {
 
 TEST(WatchEventTest, AFullReplacementSaysWhyAndListsNothing) {
   CheckpointUpdate u = Replacement(0, 0);
-  u.diff.reset();
+  u.diff = nullptr;
   u.full_reason = "version v1 is not kept";
   v1::CheckpointEvent e;
   ToProto(u, &e);
