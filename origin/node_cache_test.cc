@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <thread>
 
@@ -209,7 +210,14 @@ TEST_F(NodeCacheTest, ANameTheOriginLacksIsNotFoundAndRememberedForAWhile) {
 
 TEST_F(NodeCacheTest, PullAsyncReturnsAtOnceAndDeliversTheOutcomeOnTheTransfersThread) {
   origin_->Put("m", Model(8, 20000, 10));
-  origin_->delay_ = true;  // about 50 ms
+  origin_->stall_ = true;  // the pull cannot end until it is let go
+  absl::Notification returned;
+  // Lets the pull go once the calls returned, or after 30 s: a PullAsync that
+  // waits for its pull fails below rather than hanging the test.
+  std::thread release([&] {
+    (void)returned.WaitForNotificationWithTimeout(absl::Seconds(30));
+    origin_->stall_ = false;
+  });
   absl::Mutex mu;
   std::vector<absl::StatusOr<PullResult>> outcomes;
   const auto before = std::chrono::steady_clock::now();
@@ -219,7 +227,15 @@ TEST_F(NodeCacheTest, PullAsyncReturnsAtOnceAndDeliversTheOutcomeOnTheTransfersT
       outcomes.push_back(std::move(r));
     });
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - before, std::chrono::milliseconds(20));  // nobody waited
+  const auto took = std::chrono::steady_clock::now() - before;
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_TRUE(outcomes.empty()) << "nobody waited: the pull is still stalled";
+  }
+  returned.Notify();
+  release.join();
+  std::cout << "three PullAsync calls returned in "
+            << std::chrono::duration_cast<std::chrono::microseconds>(took).count() << " us\n";
   absl::MutexLock lock(&mu);
   mu.Await(absl::Condition(
       +[](std::vector<absl::StatusOr<PullResult>>* o) { return o->size() == 3; }, &outcomes));

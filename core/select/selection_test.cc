@@ -5,6 +5,7 @@
 #include <re2/re2.h>
 
 #include <cstring>
+#include <iostream>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -309,17 +310,25 @@ TEST(SnapshotReadRangeTest, EveryChunkingOfATransformedTensorMatchesTheWholeRead
 }
 
 TEST(SelectionTest, RenamesThatScanQuadraticallyStopAtTheTimeBudget) {
-  // Each rule's match can scan to the end of a 4 KB name from every position.
+  // Each rule's match can scan to the end of a 4 KB name from every position:
+  // renaming all 100 names would take many times the bound below.
   SelectionOptions options;
   options.renames.push_back({"^", std::string(4000, 'a')});
   for (int i = 0; i < 200; ++i) options.renames.push_back({"a(?:[^z]*z)?", "a"});
   SelectionLimits limits;
   limits.max_time = std::chrono::milliseconds(100);
   ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options, limits));
+  std::vector<std::string> names;
+  for (int i = 0; i < 100; ++i) names.push_back(absl::StrCat("x", i));
   const auto start = std::chrono::steady_clock::now();
-  EXPECT_THAT(Snapshot::Select(Names({"x", "y", "z"}), *selection),
+  EXPECT_THAT(Snapshot::Select(Names(names), *selection),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("took more than 100 ms (renaming)")));
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  const auto took = std::chrono::steady_clock::now() - start;
+  std::cout << "a 100 ms budget stopped the renaming after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms\n";
+  // Stopped at the budget, not after every name: a bound only a selection that
+  // ran to its end (or a machine stalled for seconds) breaks.
+  EXPECT_LT(took, std::chrono::seconds(10));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -175,18 +176,27 @@ TEST(ChecksumCacheTest, ConcurrentCallersComputeAKeyOnceAndAllGetItsValue) {
   absl::Notification release;
   std::vector<std::thread> callers;
   std::vector<uint32_t> got(8, 0);
+  std::atomic<int> waiting{0};
   for (int i = 0; i < 8; ++i) {
     callers.emplace_back([&, i] {
-      auto crc = cache.FindOrCompute("k", [&]() -> absl::StatusOr<uint32_t> {
-        ++computed;
-        release.WaitForNotification();  // the others arrive meanwhile
-        return 0x1234u;
-      });
+      bool counted = false;
+      auto crc = cache.FindOrCompute(
+          "k",
+          [&]() -> absl::StatusOr<uint32_t> {
+            ++computed;
+            release.WaitForNotification();  // the others arrive meanwhile
+            return 0x1234u;
+          },
+          [&] {  // asked only while waiting on another caller's computation
+            if (!std::exchange(counted, true)) ++waiting;
+            return false;
+          });
       got[i] = crc.ok() ? *crc : 0;
     });
   }
-  while (computed.load() == 0) std::this_thread::yield();
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  // Released once the seven others wait on the one computing (or, wrongly,
+  // once a second computes too).
+  while (waiting.load() < 7 && computed.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   release.Notify();
   for (std::thread& t : callers) t.join();
   EXPECT_EQ(computed.load(), 1);
@@ -209,13 +219,21 @@ TEST(ChecksumCacheTest, WaitersShareAnErrorButComputeAgainAfterACancel) {
       });
     });
     while (computed.load() == 0) std::this_thread::yield();
+    std::atomic<bool> b_waits{false};
     std::thread b([&] {
-      second = cache.FindOrCompute(key, [&]() -> absl::StatusOr<uint32_t> {
-        ++computed;
-        return 42u;
-      });
+      second = cache.FindOrCompute(
+          key,
+          [&]() -> absl::StatusOr<uint32_t> {
+            ++computed;
+            return 42u;
+          },
+          [&] {  // asked only while waiting on a's computation
+            b_waits = true;
+            return false;
+          });
     });
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // b waits on a
+    // Released once b waits on a (or, wrongly, once b computes too).
+    while (!b_waits.load() && computed.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     release.Notify();
     a.join();
     b.join();

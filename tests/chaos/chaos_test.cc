@@ -168,7 +168,7 @@ TEST(ChaosTest, SixteenClientsThroughKillsRestartsAndReplacementsOnlyEverGetExac
     daemon->Signal(SIGHUP);
     if (tick % 10 == 0) {
       daemon->Signal(SIGKILL);
-      daemon->WaitExit(5000);
+      daemon->WaitExit(30000);  // gone before the next takes its port
       ++kills;
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       daemon = std::make_unique<testing::Daemon>(models, args, address);

@@ -8,10 +8,12 @@
 
 #include <atomic>
 #include <filesystem>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "client/store.h"
 #include "core/checkpoint.h"
 #include "core/crc32c.h"
@@ -337,13 +339,14 @@ TEST(ServerLifecycleTest, ASecondDaemonOnTheSamePortFailsLoudly) {
 TEST(ServerLifecycleTest, SigtermReportsNotServingRefusesNewCallsAfterTheDrainAndLetsStreamsInFlightFinish) {
   const std::string models = testing::MakeScratchDir("models");
   WriteBig(models + "/big.safetensors", 24, 1 << 20, 1.0f);  // 96 MiB
-  Daemon daemon(models, {"--drain-seconds", "1.5", "--grace-seconds", "20"});
+  Daemon daemon(models, {"--drain-seconds", "1.5", "--grace-seconds", "60"});
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   auto channel = grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials());
   auto health = grpc::health::v1::Health::NewStub(channel);
+  // Deadlines here and below only keep a hung daemon from hanging the test.
   auto check = [&] {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     grpc::health::v1::HealthCheckRequest req;
     grpc::health::v1::HealthCheckResponse resp;
     grpc::Status s = health->Check(&ctx, req, &resp);
@@ -351,21 +354,26 @@ TEST(ServerLifecycleTest, SigtermReportsNotServingRefusesNewCallsAfterTheDrainAn
   };
   EXPECT_EQ(check(), grpc::health::v1::HealthCheckResponse::SERVING);
 
-  // A slow consumer: 150 ms per tensor (3.6 s in all), so the stream outlives the drain.
-  struct SlowSink : client::CollectingSink {
+  // A consumer that holds the stream after its first tensor until the test has
+  // seen the drain end (so the stream outlives the drain, however slow the
+  // machine), then reads slowly: 150 ms per tensor.
+  struct HeldSink : client::CollectingSink {
     std::atomic<int>* ended;
+    absl::Notification* release;
     absl::Status End(const TensorSpec& spec) override {
       std::this_thread::sleep_for(std::chrono::milliseconds(150));
-      ++*ended;
+      if (++*ended == 1) release->WaitForNotification();
       return CollectingSink::End(spec);
     }
   };
   std::atomic<int> ended{0};
+  absl::Notification release;
   absl::Status fetch_status;
   std::thread fetch([&] {
     auto store = *client::ConnectRemoteStore(daemon.address());
-    SlowSink sink;
+    HeldSink sink;
     sink.ended = &ended;
+    sink.release = &release;
     fetch_status = store->FetchTensors("big", {}, &sink);
   });
   while (ended.load() < 1) std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -374,7 +382,8 @@ TEST(ServerLifecycleTest, SigtermReportsNotServingRefusesNewCallsAfterTheDrainAn
   // NOT_SERVING from the signal on, through the drain (polled: a loaded machine
   // may take a moment to deliver the signal).
   int health_after_signal = grpc::health::v1::HealthCheckResponse::SERVING;
-  for (int i = 0; i < 24 && health_after_signal == grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
+  while (health_after_signal == grpc::health::v1::HealthCheckResponse::SERVING &&
+         std::chrono::steady_clock::now() - signalled < std::chrono::seconds(30)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     health_after_signal = check();
   }
@@ -385,7 +394,7 @@ TEST(ServerLifecycleTest, SigtermReportsNotServingRefusesNewCallsAfterTheDrainAn
   auto stub = pb::WeightStore::NewStub(channel);
   auto list = [&] {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     pb::ListCheckpointsResponse resp;
     return stub->ListCheckpoints(&ctx, pb::ListCheckpointsRequest(), &resp);
   };
@@ -394,19 +403,24 @@ TEST(ServerLifecycleTest, SigtermReportsNotServingRefusesNewCallsAfterTheDrainAn
   }
   std::this_thread::sleep_until(signalled + std::chrono::milliseconds(1500));
   grpc::Status refused = list();
-  while (refused.ok() && std::chrono::steady_clock::now() - signalled < std::chrono::seconds(3)) {
+  while (refused.ok() && std::chrono::steady_clock::now() - signalled < std::chrono::seconds(30)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     refused = list();
   }
+  std::cout << "calls were refused "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - signalled)
+                   .count()
+            << " ms after the signal (drain: 1.5 s)\n";
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(refused.error_message(), HasSubstr("shutting down"));
-  EXPECT_LT(ended.load(), 24) << "the stream should still be in its grace";
+  EXPECT_EQ(ended.load(), 1) << "the stream is held in its grace";
+  release.Notify();
   fetch.join();
   // The daemon keeps the connection until the client has every byte: exiting
   // earlier could reset it and drop the tail of the finished stream.
   EXPECT_OK(fetch_status) << "\n" << daemon.log();
   EXPECT_EQ(ended.load(), 24);
-  EXPECT_EQ(daemon.WaitExit(20000), 0) << daemon.log();
+  EXPECT_EQ(daemon.WaitExit(120000), 0) << daemon.log();
 }
 
 class BrokenStreamTest : public ::testing::TestWithParam<bool> {};
@@ -420,7 +434,7 @@ TEST_P(BrokenStreamTest, ResumesFromTheLastCompleteTensor) {
     ASSERT_NE(first.port(), 0) << first.log();
     address = first.address();
     first.Signal(SIGKILL);
-    first.WaitExit(5000);
+    first.WaitExit(30000);
   }
   // The same port again, so the client can reconnect to "the daemon".
   const std::string port = address.substr(address.rfind(':') + 1);
@@ -443,7 +457,7 @@ TEST_P(BrokenStreamTest, ResumesFromTheLastCompleteTensor) {
   sink.after_third = [&] {  // kill -9 mid-stream, then come back on the same port
     killed = true;
     daemon->Signal(SIGKILL);
-    daemon->WaitExit(5000);
+    daemon->WaitExit(30000);
     daemon = std::make_unique<Daemon>(models, std::vector<std::string>{}, address);
   };
   client::RemoteOptions options;
@@ -546,8 +560,10 @@ TEST_P(BrokenStreamTest, ACancelEndsAReadBlockedOnAStalledDaemonInMilliseconds) 
   const int64_t after = canceller->MillisSinceCancel();
   daemon.Signal(SIGCONT);
   EXPECT_THAT(status, StatusIs(absl::StatusCode::kCancelled, HasSubstr("'big' was cancelled at tensor ")));
-  // Without the watch, the read would wait for the call's deadline (a minute).
-  EXPECT_LT(after, 2000) << "a cancelled fetch returned " << after << " ms after the cancel";
+  std::cout << "a cancelled fetch returned " << after << " ms after the cancel\n";
+  // Without the watch, the read would wait for the call's deadline (10
+  // minutes): only that, or a machine stalled for as long, breaks this bound.
+  EXPECT_LT(after, 30000) << "a cancelled fetch returned " << after << " ms after the cancel";
   EXPECT_LT(sink.ended, 64);
   ASSERT_OK(store->FetchAll("big", {}).status());  // the daemon and the store both still work
 }
@@ -559,24 +575,32 @@ TEST_P(BrokenStreamTest, ACancelEndsTheWaitBeforeAResumeInMilliseconds) {
   ASSERT_NE(daemon->port(), 0) << daemon->log();
   auto cancel = std::make_shared<std::atomic<bool>>(false);
   std::unique_ptr<DelayedCancel> canceller;
+  std::chrono::steady_clock::time_point killed_at;
   AfterFirstTensorSink sink;
   sink.after_first = [&] {  // kill -9: the stream breaks and the client waits to resume
+    killed_at = std::chrono::steady_clock::now();
     daemon->Signal(SIGKILL);
     daemon->WaitExit(5000);
     canceller = std::make_unique<DelayedCancel>(cancel, std::chrono::milliseconds(300));
   };
   client::RemoteOptions options;
-  options.resume_backoff = std::chrono::seconds(10);
+  options.resume_backoff = std::chrono::seconds(10);  // the first resume's wait: 5 s, the cap
   options.pipeline = GetParam();
   auto store = *client::ConnectRemoteStore(daemon->address(), options);
   client::Query query;
   query.cancel = cancel;
   absl::Status status = store->FetchTensors("big", query, &sink);
+  const auto returned_at = std::chrono::steady_clock::now();
   ASSERT_NE(canceller, nullptr);
   canceller->Join();
   const int64_t after = canceller->MillisSinceCancel();
   EXPECT_THAT(status, StatusIs(absl::StatusCode::kCancelled, HasSubstr("was cancelled at tensor ")));
-  EXPECT_LT(after, 2000) << "a cancelled fetch returned " << after << " ms after the cancel (the backoff is 10 s)";
+  std::cout << "a cancelled fetch returned " << after << " ms after the cancel\n";
+  // The stream broke after the kill, so a fetch that slept through its backoff
+  // returns 5 s after the kill at the earliest; one the cancel ended, sooner,
+  // however slow the machine.
+  EXPECT_LT(returned_at - killed_at, std::chrono::seconds(5))
+      << "a cancelled fetch returned " << after << " ms after the cancel (the backoff is 5 s)";
 }
 
 TEST(ServerLifecycleTest, ATransposedTensorWhoseRowsDoNotDivideTheChunkArrivesExact) {
@@ -635,8 +659,11 @@ TEST(CancelTest, ACancelEndsAListingWaitingOnAStalledDaemonInMilliseconds) {
     query.with_checksums = true;
     listing = store->ListTensors("big", query);
     canceller.Join();
-    // Without the watch, the call would wait for its deadline (a minute).
-    EXPECT_LT(canceller.MillisSinceCancel(), 2000);
+    const int64_t after = canceller.MillisSinceCancel();
+    std::cout << "a cancelled listing returned " << after << " ms after the cancel\n";
+    // Without the watch, the call would wait for its deadline (10 minutes):
+    // only that, or a machine stalled for as long, breaks this bound.
+    EXPECT_LT(after, 30000);
   }
   daemon.Signal(SIGCONT);
   EXPECT_THAT(listing.status(), StatusIs(absl::StatusCode::kCancelled));

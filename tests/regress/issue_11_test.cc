@@ -10,15 +10,20 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "client/store.h"
 #include "core/atomic_file.h"
 #include "core/crc32c.h"
@@ -57,6 +62,27 @@ std::string ExampleModels() {
 
 std::unique_ptr<pb::WeightStore::Stub> Stub(const Daemon& d) {
   return pb::WeightStore::NewStub(grpc::CreateChannel(d.address(), grpc::InsecureChannelCredentials()));
+}
+
+// The value of `series` (a name with its labels, as exported) on the daemon's
+// metrics port (--metrics-listen); -1 if absent.
+double Metric(const Daemon& d, absl::string_view series) {
+  for (absl::string_view line : absl::StrSplit(testing::HttpGet(d.metrics_port(), "/metrics"), '\n')) {
+    double v = -1;
+    if (absl::ConsumePrefix(&line, series) && absl::ConsumePrefix(&line, " ") && absl::SimpleAtod(line, &v)) return v;
+  }
+  return -1;
+}
+
+// Polls `done` until it holds, or for 60 s (a bound that only catches what
+// never happens); returns whether it held.
+bool Eventually(const std::function<bool()>& done) {
+  const auto start = std::chrono::steady_clock::now();
+  while (!done()) {
+    if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
 }
 
 // The daemon answers, serves the example models, and stayed under 1 GiB.
@@ -382,7 +408,8 @@ TEST(Issue11Test, StreamsWhoseClientStoppedReadingAreCancelledAndTheirSlotsFreed
   // for as long as that client lived.
   const std::string models = ExampleModels();
   testing::WriteFileOrDie(models + "/big.safetensors", Checkpoint(16, 1 << 20, 1.0f));  // 64 MiB
-  Daemon daemon(models, {"--max-concurrent-fetches", "6", "--max-fetches-per-peer", "4", "--stream-idle-timeout", "1"});
+  Daemon daemon(models, {"--max-concurrent-fetches", "6", "--max-fetches-per-peer", "4", "--stream-idle-timeout", "1",
+                         "--metrics-listen", "127.0.0.1:0"});
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   auto stub = Stub(daemon);
   struct Stalled {
@@ -397,23 +424,23 @@ TEST(Issue11Test, StreamsWhoseClientStoppedReadingAreCancelledAndTheirSlotsFreed
     s->reader = stub->FetchTensors(&s->ctx, req);
     stalled.push_back(std::move(s));
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // All four are admitted (and, not reading, are a second from being cancelled).
+  ASSERT_TRUE(Eventually([&] { return Metric(daemon, "weightstore_fetch_streams_active") == 4; })) << daemon.log();
   ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address(), {.max_resumes = 0}));
   EXPECT_THAT(store->FetchAll("tiny-mlp", {}),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("--max-fetches-per-peer")));
   // The stalled streams are cancelled after a second of no progress; the
   // share is free again, and the daemon says what it did.
   absl::Status later;
-  for (int i = 0; i < 50; ++i) {
+  EXPECT_TRUE(Eventually([&] {
     later = store->FetchAll("tiny-mlp", {}).status();
-    if (later.ok()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  EXPECT_OK(later);
+    return later.ok();
+  })) << later;
   // One freed slot is enough for that fetch; the governor may cancel the other
   // stalled streams a sweep later (on a loaded machine, under ASan). Reading
-  // them now would be progress that saves them: give it two idle periods.
-  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  // them before would be progress that saves them: wait for all four.
+  EXPECT_TRUE(Eventually([&] { return Metric(daemon, "weightstore_fetch_streams_stalled_total") >= 4; }))
+      << daemon.log();
   for (auto& s : stalled) {  // what they had buffered, then the daemon's cancellation
     pb::TensorChunk chunk;
     while (s->reader->Read(&chunk)) {
@@ -466,14 +493,16 @@ TEST(Issue11Test, OneProcessCannotHoldEverySocketConnection) {
   // Item 14: one peer could hold all 256 socket connections (a thread each).
   const std::string models = ExampleModels();
   const std::string socket = testing::MakeScratchDir("sock") + "/ws.sock";
-  Daemon daemon(models, {"--socket", socket, "--socket-max-connections-per-peer", "4"});
+  Daemon daemon(models,
+                {"--socket", socket, "--socket-max-connections-per-peer", "4", "--metrics-listen", "127.0.0.1:0"});
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   std::vector<UniqueFd> held;
   for (int i = 0; i < 4; ++i) {
     ASSERT_OK_AND_ASSIGN(UniqueFd fd, ConnectUnixSocket(socket));
     held.push_back(std::move(fd));
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // The daemon has taken all four (and counted them as this process's).
+  ASSERT_TRUE(Eventually([&] { return Metric(daemon, "weightstore_socket_connections") == 4; })) << daemon.log();
   ASSERT_OK_AND_ASSIGN(UniqueFd extra, ConnectUnixSocket(socket));
   std::string frame;
   std::vector<UniqueFd> fds;
@@ -487,17 +516,19 @@ TEST(Issue11Test, OneProcessCannotHoldEverySocketConnection) {
   EXPECT_EQ(testing::RunCommand(absl::StrCat(WEIGHTSTORE_SHM_PROBE_PATH, " ", socket, " tiny-mlp"), &out), 0) << out;
   held.clear();  // and ours come back once we let go
   // Forked processes share their uid's quota.
-  Daemon by_uid(models, {"--socket", socket + "2", "--socket-max-connections-per-uid", "3"});
+  Daemon by_uid(models,
+                {"--socket", socket + "2", "--socket-max-connections-per-uid", "3", "--metrics-listen", "127.0.0.1:0"});
   ASSERT_NE(by_uid.port(), 0) << by_uid.log();
   std::vector<UniqueFd> three;
   for (int i = 0; i < 3; ++i) {
     ASSERT_OK_AND_ASSIGN(UniqueFd fd, ConnectUnixSocket(socket + "2"));
     three.push_back(std::move(fd));
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_TRUE(Eventually([&] { return Metric(by_uid, "weightstore_socket_connections") == 3; })) << by_uid.log();
   EXPECT_NE(testing::RunCommand(absl::StrCat(WEIGHTSTORE_SHM_PROBE_PATH, " ", socket, "2 tiny-mlp"), &out), 0);
   EXPECT_THAT(out, HasSubstr(absl::StrCat("uid ", ::geteuid(), " has 3 connections")));
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // The first daemon has seen ours close.
+  ASSERT_TRUE(Eventually([&] { return Metric(daemon, "weightstore_socket_connections") == 0; })) << daemon.log();
   ASSERT_OK_AND_ASSIGN(auto shm, client::ConnectSharedMemoryStore(socket));
   EXPECT_OK(shm->ListCheckpoints().status());
   ExpectHealthy(daemon);
@@ -527,7 +558,7 @@ TEST(Issue11Test, AFetchSurvivesADaemonThatTakesSecondsToRestart) {
   std::thread restart;
   sink.after_third = [&] {
     daemon->Signal(SIGKILL);
-    daemon->WaitExit(5000);
+    daemon->WaitExit(30000);
     restart = std::thread([&] {
       std::this_thread::sleep_for(std::chrono::seconds(4));
       daemon = std::make_unique<Daemon>(models, std::vector<std::string>{}, address);
@@ -736,18 +767,21 @@ TEST(Issue11Test, LoadAndUploadStayInsideTheirFolders) {
     EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_TRUE(fs::is_empty(outside));
   }
+  auto count_temporaries = [&] {
+    size_t n = 0;
+    for (const auto& e : fs::directory_iterator(models)) n += IsAtomicFileTemporary(e.path().filename().string());
+    return n;
+  };
   {  // killed mid-upload: the temporary stays until a restarted daemon clears it
     grpc::ClientContext ctx;
     pb::CheckpointInfo info;
     auto writer = begin_upload(&ctx, &info, "half");
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    EXPECT_TRUE(Eventually([&] { return count_temporaries() == 1; })) << "the upload began";
     daemon->Signal(SIGKILL);
-    daemon->WaitExit(5000);
+    daemon->WaitExit(30000);
     ctx.TryCancel();
   }
-  size_t temporaries = 0;
-  for (const auto& e : fs::directory_iterator(models))
-    temporaries += IsAtomicFileTemporary(e.path().filename().string());
+  size_t temporaries = count_temporaries();
   EXPECT_EQ(temporaries, 1u);
   daemon = std::make_unique<Daemon>(models, std::vector<std::string>{"--abandoned-upload-seconds", "0"});
   ASSERT_NE(daemon->port(), 0) << daemon->log();
@@ -777,7 +811,14 @@ TEST(Issue11Test, UploadsAreSharedPerClientAndAStalledOneIsCancelled) {
     return u;
   };
   auto first = begin("a"), second = begin("b");
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // Both are admitted: each has its temporary (and, sending nothing, is a
+  // second from being cancelled).
+  auto temporaries_now = [&] {
+    size_t n = 0;
+    for (const auto& e : fs::directory_iterator(models)) n += IsAtomicFileTemporary(e.path().filename().string());
+    return n;
+  };
+  ASSERT_TRUE(Eventually([&] { return temporaries_now() == 2; })) << daemon.log();
   auto third = begin("c");
   third->writer->WritesDone();
   grpc::Status refused = third->writer->Finish();
@@ -786,14 +827,7 @@ TEST(Issue11Test, UploadsAreSharedPerClientAndAStalledOneIsCancelled) {
   // The two that send nothing are cancelled, their temporaries removed (once
   // the daemon's side of the call has wound down).
   for (auto* u : {first.get(), second.get()}) EXPECT_EQ(u->writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  size_t temporaries = 1;
-  for (int i = 0; i < 100 && temporaries > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    temporaries = 0;
-    for (const auto& e : fs::directory_iterator(models))
-      temporaries += IsAtomicFileTemporary(e.path().filename().string());
-  }
-  EXPECT_EQ(temporaries, 0u);
+  EXPECT_TRUE(Eventually([&] { return temporaries_now() == 0; })) << temporaries_now() << " temporaries left";
   EXPECT_THAT(daemon.log(), HasSubstr("\"what\":\"PutCheckpoint uploads\""));
   ExpectHealthy(daemon);
 }

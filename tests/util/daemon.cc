@@ -55,7 +55,7 @@ Daemon::Daemon(const std::string& models_dir, std::vector<std::string> extra_arg
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
-  for (int i = 0; i < 200; ++i) {  // up to 10 s
+  for (int i = 0; i < 600; ++i) {  // up to 30 s: only a daemon that never starts takes that long
     std::string port = ReadFileOrEmpty(port_file);
     if (!port.empty()) {
       port_ = std::atoi(port.c_str());
