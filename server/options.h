@@ -55,6 +55,18 @@ struct ServiceOptions {
                              .what = "FetchTensors streams waiting on a pull",
                              .total_flag = "--max-fetches-waiting-on-pulls",
                              .per_peer_flag = "--max-fetches-waiting-on-pulls-per-peer"};
+  // Selections that run regexes or a target (include, exclude, renames, shard
+  // rules, a target schema) over a checkpoint's names: at most this many at
+  // once, and per client address, on gRPC's threads (more get
+  // RESOURCE_EXHAUSTED), so that what one client's selections cost cannot
+  // take the threads every other call needs. Plain fetches and listings are
+  // not counted.
+  StreamLimits selection_work = {.total = 4,
+                                 .per_peer = 2,
+                                 .min_bytes = 0,
+                                 .what = "selections with patterns or a target being resolved",
+                                 .total_flag = "--max-concurrent-selections",
+                                 .per_peer_flag = "--max-selections-per-peer"};
   // What a request's selection may cost.
   SelectionLimits selection_limits;
   // Payload slices point into the mapping. False copies each chunk into a
@@ -117,6 +129,18 @@ struct ShmServerOptions {
                              .what = "FetchTensors streams waiting on a pull",
                              .total_flag = "--max-fetches-waiting-on-pulls",
                              .per_peer_flag = "--max-fetches-waiting-on-pulls-per-peer"};
+  // Selections that run regexes or a target (include, exclude, renames, shard
+  // rules, a target schema) over a checkpoint's names: at most this many at
+  // once, and per client address, on gRPC's threads (more get
+  // RESOURCE_EXHAUSTED), so that what one client's selections cost cannot
+  // take the threads every other call needs. Plain fetches and listings are
+  // not counted.
+  StreamLimits selection_work = {.total = 4,
+                                 .per_peer = 2,
+                                 .min_bytes = 0,
+                                 .what = "selections with patterns or a target being resolved",
+                                 .total_flag = "--max-concurrent-selections",
+                                 .per_peer_flag = "--max-selections-per-peer"};
   // What a request's selection may cost.
   SelectionLimits selection_limits;
   // Folders taken out of the paths in error messages (as the gRPC service's).

@@ -123,8 +123,8 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
 
   absl::Status ResolveRequest() {
-    auto resolved = Resolve(*service_->registry_, request_.name(), request_.selection(), request_.version(),
-                            service_->options_.selection_limits, request_.since_version());
+    auto resolved = service_->ResolveGated(*ctx_, request_.name(), request_.selection(), request_.version(),
+                                           request_.since_version());
     if (!resolved.ok()) return resolved.status();
     resolved_ = *std::move(resolved);
     chunk_bytes_ = request_.chunk_bytes() == 0 ? service_->options_.chunk_bytes
@@ -315,6 +315,7 @@ WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOpti
       auth_(auth != nullptr ? auth : &no_auth_),
       streams_(options.streams),
       pull_waits_(options.pull_waits),
+      selection_work_(options.selection_work),
       uploads_(options.uploads),
       background_(options.background_threads, options.max_background_queue, "checksum work"),
       watches_(registry, auth_, options.watches, [this](const absl::Status& s) { return ClientStatus(s); }) {}
@@ -395,6 +396,31 @@ grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServer
   });
 }
 
+namespace {
+
+// Whether resolving `selection` runs patterns or a target over every name.
+bool IsCostly(const v1::Selection& selection) {
+  return !selection.include().empty() || !selection.exclude().empty() || !selection.renames().empty() ||
+         !selection.shard().rules().empty() || selection.has_target();
+}
+
+}  // namespace
+
+absl::StatusOr<Resolved> WeightStoreService::ResolveGated(const grpc::CallbackServerContext& ctx,
+                                                          const std::string& name, const v1::Selection& selection,
+                                                          const std::string& version,
+                                                          const std::string& since_version) {
+  uint64_t ticket = 0;
+  if (IsCostly(selection)) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket, selection_work_.Admit(ctx.peer(), [] {}));
+    selection_work_.Busy(ticket);  // bounded by the selection's own time budget, not by bytes moved
+  }
+  absl::StatusOr<Resolved> resolved =
+      Resolve(*registry_, name, selection, version, options_.selection_limits, since_version);
+  if (ticket != 0) selection_work_.Release(ticket);
+  return resolved;
+}
+
 grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerContext* ctx,
                                                           const v1::ListTensorsRequest* req,
                                                           v1::ListTensorsResponse* resp) {
@@ -402,9 +428,8 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
   return UnaryReadingThrough(
       ctx, Scope::kRead, req->name(),
       [this, ctx, req, resp](const PullResult&) -> absl::Status {
-        WEIGHTSTORE_ASSIGN_OR_RETURN(Resolved resolved,
-                                     Resolve(*registry_, req->name(), req->selection(), req->version(),
-                                             options_.selection_limits, req->since_version()));
+        WEIGHTSTORE_ASSIGN_OR_RETURN(
+            Resolved resolved, ResolveGated(*ctx, req->name(), req->selection(), req->version(), req->since_version()));
         const Snapshot& snapshot = *resolved.snapshot;
         resp->set_name(req->name());
         resp->set_version(resolved.version->version());

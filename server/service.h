@@ -18,6 +18,7 @@
 #include "server/auth.h"
 #include "server/background.h"
 #include "server/options.h"
+#include "server/resolve.h"
 #include "server/stream_governor.h"
 #include "server/watch.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
@@ -132,8 +133,15 @@ class WeightStoreService final : public ServiceBase {
   ServiceOptions options_;
   Authenticator no_auth_;
   const Authenticator* auth_;
+  // Resolve(), with a slot of selection_work_ held while a costly selection
+  // is resolved (RESOURCE_EXHAUSTED when none is free).
+  absl::StatusOr<Resolved> ResolveGated(const grpc::CallbackServerContext& ctx, const std::string& name,
+                                        const v1::Selection& selection, const std::string& version,
+                                        const std::string& since_version);
+
   StreamGovernor streams_;
-  StreamGovernor pull_waits_;  // fetches waiting on a pull (ServiceOptions::pull_waits)
+  StreamGovernor pull_waits_;      // fetches waiting on a pull (ServiceOptions::pull_waits)
+  StreamGovernor selection_work_;  // costly selections being resolved (ServiceOptions::selection_work)
   StreamGovernor uploads_;
   Background background_;
   std::atomic<bool> stopping_{false};

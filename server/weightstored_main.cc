@@ -141,6 +141,12 @@ int main(int argc, char** argv) {
   app.add_option("--max-fetches-waiting-on-pulls-per-peer", options.service.pull_waits.per_peer,
                  "With --origin: FetchTensors streams from one client address that may wait at once on pulls")
       ->capture_default_str();
+  app.add_option("--max-concurrent-selections", options.service.selection_work.total,
+                 "Selections with patterns or a target resolved at once (ListTensors, FetchTensors)")
+      ->capture_default_str();
+  app.add_option("--max-selections-per-peer", options.service.selection_work.per_peer,
+                 "Selections with patterns or a target resolved at once for one client address")
+      ->capture_default_str();
   app.add_option("--max-concurrent-uploads", options.service.uploads.total, "PutCheckpoint uploads at once")
       ->capture_default_str();
   app.add_option("--max-uploads-per-peer", options.service.uploads.per_peer,

@@ -8,10 +8,12 @@
 
 #include <cstring>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
 #include "client/updates.h"
@@ -169,6 +171,54 @@ TEST(Issue26Test, FetchesWaitingOnAPullLeaveTheServingSlotsToOthers) {
     EXPECT_EQ(w->reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
   origin.Signal(SIGCONT);
+}
+
+// Finding 2: a selection whose patterns cannot run as a DFA costs its whole
+// 2 s budget on one of gRPC's threads; eight clients sending it took every
+// thread. Such selections are now counted per client address and in all.
+TEST(Issue26Test, CostlySelectionsFromOneAddressAreCountedAndOthersAreServed) {
+  const std::string models = testing::MakeScratchDir("models");
+  std::vector<SharedTensor> tensors;
+  std::mt19937 rng(1);
+  for (int i = 0; i < 50000; ++i) {  // 50,000 names of 150 random a's and b's
+    std::string name = absl::StrCat("l.", i, ".");
+    for (int k = 0; k < 150; ++k) name.push_back("ab"[rng() % 2]);
+    tensors.push_back({{name, DType::kU8, {1}}, SharedBytes::Copy(std::string(1, '\0'))});
+  }
+  testing::WriteFileOrDie(models + "/many.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
+  testing::WriteFileOrDie(models + "/small.safetensors", OneTensor({1}));
+  testing::Daemon daemon(models, {"--max-selections-per-peer", "1", "--max-concurrent-selections", "2"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials()));
+  // Four at once, each a couple of seconds of pattern matching: all but one
+  // are refused at the door, naming the limit.
+  bool gated = false;
+  for (int attempt = 0; attempt < 5 && !gated; ++attempt) {
+    std::vector<grpc::Status> statuses(4);
+    std::vector<std::thread> clients;
+    for (int c = 0; c < 4; ++c) {
+      clients.emplace_back([&, c] {
+        grpc::ClientContext ctx;
+        pb::ListTensorsRequest request;
+        request.set_name("many");
+        request.mutable_selection()->add_include("a.{20}zz");
+        pb::ListTensorsResponse response;
+        statuses[c] = stub->ListTensors(&ctx, request, &response);
+      });
+    }
+    // Meanwhile another client's calls are served.
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Store> store, client::ConnectRemoteStore(daemon.address()));
+    ASSERT_OK(store->ListCheckpoints().status());
+    ASSERT_OK(store->FetchAll("small", {}).status());
+    for (auto& t : clients) t.join();
+    for (const grpc::Status& s : statuses) {
+      if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+          absl::StrContains(s.error_message(), "--max-selections-per-peer")) {
+        gated = true;
+      }
+    }
+  }
+  EXPECT_TRUE(gated) << daemon.log();
 }
 
 }  // namespace
