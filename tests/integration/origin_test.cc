@@ -300,8 +300,7 @@ TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrSh
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   const auto stopped = std::chrono::steady_clock::now() - stopping;
-  std::cout << "the node stopped "
-            << std::chrono::duration_cast<std::chrono::milliseconds>(stopped).count()
+  std::cout << "the node stopped " << std::chrono::duration_cast<std::chrono::milliseconds>(stopped).count()
             << " ms after SIGTERM (grace: 600 s)\n";
   // Far within the grace: only a stop that waited for it breaks this bound.
   EXPECT_LT(stopped, std::chrono::seconds(60)) << node->log();

@@ -27,12 +27,11 @@ void RunPackageTests(const std::string& env, const std::string& python, const st
   testing::Daemon daemon(models, {"--socket", socket, "--metrics-listen", "127.0.0.1:0"});
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   ASSERT_NE(daemon.metrics_port(), 0) << daemon.log();
-  const std::string command =
-      absl::StrCat("cd ", ShellQuote(cwd), " && ", env, " WS_ADDRESS=", daemon.address(),
-                   " WS_SOCKET=", ShellQuote(socket), " WS_MODELS=", ShellQuote(models),
-                   " WS_METRICS=127.0.0.1:", daemon.metrics_port(), " WS_CLI=", ShellQuote(WEIGHTSTORE_CLI_PATH),
-                   " WS_DAEMON=", ShellQuote(testing::DaemonPath()), " ", ShellQuote(python), " ",
-                   ShellQuote(absl::StrCat(WEIGHTSTORE_PYTHON_TESTS_DIR, "/", file)));
+  const std::string command = absl::StrCat(
+      "cd ", ShellQuote(cwd), " && ", env, " WS_ADDRESS=", daemon.address(), " WS_SOCKET=", ShellQuote(socket),
+      " WS_MODELS=", ShellQuote(models), " WS_METRICS=127.0.0.1:", daemon.metrics_port(),
+      " WS_CLI=", ShellQuote(WEIGHTSTORE_CLI_PATH), " WS_DAEMON=", ShellQuote(testing::DaemonPath()), " ",
+      ShellQuote(python), " ", ShellQuote(absl::StrCat(WEIGHTSTORE_PYTHON_TESTS_DIR, "/", file)));
   std::string output;
   const int status = testing::RunCommand(command, &output);
   EXPECT_EQ(status, 0) << output;

@@ -407,10 +407,10 @@ TEST(ServerLifecycleTest, SigtermReportsNotServingRefusesNewCallsAfterTheDrainAn
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     refused = list();
   }
-  std::cout << "calls were refused "
-            << std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - signalled)
-                   .count()
-            << " ms after the signal (drain: 1.5 s)\n";
+  std::cout
+      << "calls were refused "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - signalled).count()
+      << " ms after the signal (drain: 1.5 s)\n";
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(refused.error_message(), HasSubstr("shutting down"));
   EXPECT_EQ(ended.load(), 1) << "the stream is held in its grace";
