@@ -119,28 +119,6 @@ struct ShmServerOptions {
   // Largest request frame (a target schema can be large). Default: 4 MiB, as
   // the gRPC port's request limit.
   uint32_t max_request_bytes = 4 << 20;
-  // FetchTensors streams waiting for their checkpoint to be pulled (a node
-  // with an origin) hold a slot of their own here, not a serving one: so
-  // that fetches of a checkpoint still on its way cannot lock out those of
-  // checkpoints here. Once it arrives a stream takes a serving slot (or gets
-  // RESOURCE_EXHAUSTED). Never cancelled for stalling: the pull is watched.
-  StreamLimits pull_waits = {.total = 32,
-                             .per_peer = 8,
-                             .what = "FetchTensors streams waiting on a pull",
-                             .total_flag = "--max-fetches-waiting-on-pulls",
-                             .per_peer_flag = "--max-fetches-waiting-on-pulls-per-peer"};
-  // Selections that run regexes or a target (include, exclude, renames, shard
-  // rules, a target schema) over a checkpoint's names: at most this many at
-  // once, and per client address, on gRPC's threads (more get
-  // RESOURCE_EXHAUSTED), so that what one client's selections cost cannot
-  // take the threads every other call needs. Plain fetches and listings are
-  // not counted.
-  StreamLimits selection_work = {.total = 4,
-                                 .per_peer = 2,
-                                 .min_bytes = 0,
-                                 .what = "selections with patterns or a target being resolved",
-                                 .total_flag = "--max-concurrent-selections",
-                                 .per_peer_flag = "--max-selections-per-peer"};
   // What a request's selection may cost.
   SelectionLimits selection_limits;
   // Folders taken out of the paths in error messages (as the gRPC service's).
