@@ -38,6 +38,8 @@ import weightstore
 from huggingface_hub import save_torch_state_dict
 from weightstore.v1 import weight_store_pb2, weight_store_pb2_grpc
 
+from _support import random_bits, rescan
+
 ADDRESS, SOCKET, MODELS = os.environ["WS_ADDRESS"], os.environ["WS_SOCKET"], os.environ["WS_MODELS"]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLI = os.environ.get("WS_CLI") or os.path.join(REPO, "build", "client", "weightstore")
@@ -68,19 +70,8 @@ PT_UNSUPPORTED = ["complex32", "complex64", "complex128", "float8_e4m3fnuz", "fl
                   "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2", "qint8"]
 
 
-def rescan():
-    with grpc.insecure_channel(ADDRESS) as channel:
-        weight_store_pb2_grpc.WeightStoreStub(channel).Rescan(weight_store_pb2.RescanRequest(), timeout=60)
 
 
-def random_bits(shape, dtype, generator):
-    """`dtype` with random bits (NaNs, infinities, subnormals); bools 0/1."""
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=generator).bool()
-    size = torch.empty((), dtype=dtype).element_size()
-    count = int(np.prod(shape)) if shape else 1
-    raw = torch.randint(0, 256, (count * size,), dtype=torch.uint8, generator=generator)
-    return raw.view(dtype).reshape(shape)
 
 
 def raw(t):

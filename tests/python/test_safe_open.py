@@ -38,6 +38,8 @@ import weightstore
 from huggingface_hub import save_torch_state_dict
 from weightstore.v1 import weight_store_pb2, weight_store_pb2_grpc
 
+from _support import random_bits, rescan
+
 ADDRESS, SOCKET, MODELS = os.environ["WS_ADDRESS"], os.environ["WS_SOCKET"], os.environ["WS_MODELS"]
 FOLDER = "safe_open"  # under MODELS
 
@@ -78,19 +80,8 @@ def np_library_takes(index, shape):
     return True
 
 
-def rescan():
-    with grpc.insecure_channel(ADDRESS) as channel:
-        weight_store_pb2_grpc.WeightStoreStub(channel).Rescan(weight_store_pb2.RescanRequest(), timeout=60)
 
 
-def random_bits(shape, dtype, generator):
-    """A tensor of `dtype` with random bits (NaNs and infinities included); bools 0/1."""
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=generator).bool()
-    size = torch.empty((), dtype=dtype).element_size()
-    count = int(np.prod(shape)) if shape else 1
-    raw = torch.randint(0, 256, (count * size,), dtype=torch.uint8, generator=generator)
-    return raw.view(dtype).reshape(shape)
 
 
 def same(got, want):
