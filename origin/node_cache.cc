@@ -19,6 +19,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -59,6 +60,14 @@ std::string Errno(const std::string& what, const std::string& path) {
 
 // A path the node may create under its models folder (core/registry.h).
 bool PlaceablePath(absl::string_view path) { return IsPlaceableName(path, 4096); }
+
+// Marks a refusal that comes from what the origin holds, so that it is
+// remembered (NodeCacheOptions::not_found_ttl).
+constexpr absl::string_view kRememberedRefusal = "weightstore.dev/remembered-refusal";
+absl::Status Remembered(absl::Status status) {
+  status.SetPayload(kRememberedRefusal, absl::Cord("1"));
+  return status;
+}
 
 absl::Status WriteAtomically(const std::string& path, const std::string& content) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file, AtomicFile::Create(path, /*overwrite=*/true));
@@ -489,14 +498,17 @@ void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>
   absl::Status status = Transfer(name, &flight->pulled);
   if (!status.ok()) {
     pull_errors_.fetch_add(1);
-    status = absl::Status(status.code(),
-                          absl::StrCat("pulling '", name, "' from ", origin_->Describe(), ": ", status.message()));
+    absl::Status named(status.code(),
+                       absl::StrCat("pulling '", name, "' from ", origin_->Describe(), ": ", status.message()));
+    status.ForEachPayload(
+        [&named](absl::string_view type, const absl::Cord& payload) { named.SetPayload(type, payload); });
+    status = std::move(named);
   }
   std::map<uint64_t, Flight::Waiter> waiters;
   {
     absl::MutexLock lock(&mu_);
     flights_.erase(name);
-    if (absl::IsNotFound(status) || absl::IsFailedPrecondition(status)) {
+    if (absl::IsNotFound(status) || status.GetPayload(kRememberedRefusal).has_value()) {
       if (not_found_.size() >= options_.max_not_found) not_found_.clear();
       not_found_[name] = {absl::Now() + options_.not_found_ttl, status};
     }
@@ -522,11 +534,17 @@ void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>
 
 absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>* pulled) {
   if (registry_->Get(name) != nullptr) return absl::OkStatus();  // a flight that just ended placed it
-  WEIGHTSTORE_ASSIGN_OR_RETURN(OriginCheckpoint checkpoint, origin_->Find(name));
+  absl::StatusOr<OriginCheckpoint> found = origin_->Find(name);
+  // What the origin holds refuses the pull (too many files): remembered for
+  // a while, as a name it lacks is. A refusal of this node's own making (a
+  // file in the way) is not.
+  if (absl::IsFailedPrecondition(found.status())) return Remembered(found.status());
+  WEIGHTSTORE_RETURN_IF_ERROR(found.status());
+  OriginCheckpoint& checkpoint = *found;
   if (checkpoint.files.empty()) return absl::DataLossError("the origin lists no files");
   if (checkpoint.files.size() > options_.max_files) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the origin lists ", checkpoint.files.size(), " files (1 to ", options_.max_files, " accepted)"));
+    return Remembered(absl::FailedPreconditionError(
+        absl::StrCat("the origin lists ", checkpoint.files.size(), " files (1 to ", options_.max_files, " accepted)")));
   }
   for (const OriginFile& f : checkpoint.files) {
     if (!PlaceablePath(f.path)) {

@@ -188,6 +188,15 @@ TEST_F(NodeCacheTest, APullRefusedForWhatTheOriginHoldsIsRememberedForAWhile) {
   EXPECT_THAT(cache_->Pull("many").status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("refused moments ago")));
   EXPECT_EQ(origin_->finds_.load(), finds);
+  // A refusal of the node's own making (a file in the way) is not remembered:
+  // the next pull asks again and goes through once the file is gone.
+  origin_->sizes_.clear();
+  origin_->Put("blocked", Model(2, 100, 1));
+  fs::create_directories(models_ + "/blocked.safetensors");  // in the way, and no checkpoint
+  EXPECT_THAT(cache_->Pull("blocked").status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("exists and is not served")));
+  fs::remove_all(models_ + "/blocked.safetensors");
+  EXPECT_TRUE(cache_->Pull("blocked").ok());
 }
 
 TEST_F(NodeCacheTest, ANameTheOriginLacksIsNotFoundAndRememberedForAWhile) {

@@ -20,7 +20,10 @@ phase() {
   local name="$1" start=$SECONDS
   shift
   echo "=== test.sh: ${name}"
-  "$@"
+  if ! "$@"; then
+    phases+=("$(printf '%-28s %4d s  FAILED' "${name}" $((SECONDS - start)))")
+    return 1
+  fi
   phases+=("$(printf '%-28s %4d s' "${name}" $((SECONDS - start)))")
   echo "=== test.sh: ${name}: $((SECONDS - start)) s"
 }

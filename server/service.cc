@@ -60,8 +60,12 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       Begin();
       return;
     }
+    // Present a moment ago, it may be evicted before the pull asks: a serving
+    // slot held meanwhile is kept from the stall watchdog.
+    if (ticket_ != 0) service_->streams_.Busy(ticket_);
     pull_ticket_ = service_->puller_->PullAsync(request_.name(), [this, ctx](absl::StatusOr<PullResult> pulled) {
       if (wait_ticket_ != 0) service_->pull_waits_.Release(std::exchange(wait_ticket_, 0));
+      if (ticket_ != 0) service_->streams_.Resume(ticket_);
       absl::Status admitted = pulled.ok() ? (ticket_ != 0 ? absl::OkStatus() : AdmitServing(ctx)) : pulled.status();
       if (!admitted.ok()) {
         Done(service_->ClientStatus(admitted));

@@ -142,10 +142,10 @@ class WatchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     // On the publishing thread: only marks, and wakes the writer on the hub's
     // thread, which makes the event.
     listener_ = hub_->registry_->AddListener([hub = hub_, handle = handle_](const std::string& name) {
-      {
-        absl::MutexLock lock(&handle->mu);
-        if (handle->reactor == nullptr || !handle->reactor->cursor_->MarkChanged(name)) return;
-      }
+      // Scheduled under handle->mu (the hub's queue lock is a leaf): the
+      // reactor, and so the hub, still live while this runs.
+      absl::MutexLock lock(&handle->mu);
+      if (handle->reactor == nullptr || !handle->reactor->cursor_->MarkChanged(name)) return;
       hub->Schedule([handle] {
         absl::MutexLock lock(&handle->mu);
         if (handle->reactor != nullptr) handle->reactor->Pump();

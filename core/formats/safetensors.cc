@@ -449,17 +449,24 @@ absl::StatusOr<WritePlan> PlanSafeTensors(const std::vector<TensorSpec>& tensors
 }
 
 std::vector<std::string> ShardFilesOf(const std::string& index_path) {
+  // An index is a file of a hub cache or a models folder, not trusted: its
+  // size and its distinct shards are bounded, and each is looked up once.
+  constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
+  constexpr size_t kMaxShards = 65536;
   std::vector<std::string> shards;
   auto file = MappedFile::Open(index_path);
-  if (!file.ok()) return shards;
+  if (!file.ok() || (*file)->size() > kMaxIndexBytes) return shards;
   nlohmann::json doc = nlohmann::json::parse((*file)->bytes().view().begin(), (*file)->bytes().view().end(), nullptr,
                                              /*allow_exceptions=*/false);
   if (!doc.is_object() || !doc.contains("weight_map") || !doc["weight_map"].is_object()) return shards;
   const std::filesystem::path folder = std::filesystem::path(index_path).parent_path();
+  absl::flat_hash_set<std::string> seen;
   for (const auto& [tensor, shard] : doc["weight_map"].items()) {
     if (!shard.is_string()) continue;
     std::string path = (folder / shard.get<std::string>()).string();
-    if (std::find(shards.begin(), shards.end(), path) == shards.end()) shards.push_back(std::move(path));
+    if (!seen.insert(path).second) continue;
+    if (shards.size() == kMaxShards) return {};  // not an index this daemon serves
+    shards.push_back(std::move(path));
   }
   return shards;
 }

@@ -192,7 +192,11 @@ std::string Shown(py::handle value) {
   std::string type = py::str(py::type::handle_of(value).attr("__name__"));
   try {
     std::string repr = py::repr(value);
-    if (repr.size() > 96) repr = repr.substr(0, 93) + "...";
+    if (repr.size() > 96) {
+      size_t cut = 93;  // on a UTF-8 character's first byte
+      while (cut > 0 && (static_cast<unsigned char>(repr[cut]) & 0xC0) == 0x80) --cut;
+      repr = repr.substr(0, cut) + "...";
+    }
     return absl::StrCat(type, " ", repr);
   } catch (const py::error_already_set&) {
     return type;
@@ -529,7 +533,9 @@ class Store {
                              event["added"] = py::cast(e.added);
                              event["removed"] = py::cast(e.removed);
                              try {
-                               return callback(event).cast<bool>();
+                               const int truth = PyObject_IsTrue(callback(event).ptr());
+                               if (truth < 0) throw py::error_already_set();  // its __bool__ raised
+                               return truth == 1;
                              } catch (py::error_already_set& error) {
                                raised.emplace(std::move(error));
                                return false;

@@ -279,7 +279,8 @@ class Store:
 
     def __init__(self, native):
         self._native = native
-        # (name, version) -> the selection update() fetched that version with.
+        # (id of the state, name, version) -> the selection update() fetched
+        # that version into that state with.
         self._selections = {}
 
     @property
@@ -374,7 +375,7 @@ class Store:
         key = _selection_key(s)
         # A version this Store returned under another selection (a shard rank,
         # a dtype) holds other bytes under the same names: fetch everything.
-        reselected = bool(since) and self._selections.get((name, since), key) != key
+        reselected = bool(since) and self._selections.get((id(state), name, since), key) != key
         got = self._native.delta(name, s, "" if reselected else (since or ""))
         delta, full_reason = got["delta"], got["full_reason"]
         if reselected:
@@ -411,9 +412,11 @@ class Store:
             for n in removed:
                 del state[n]
             state.update(fetched)
-        self._selections[(name, got["version"])] = key
-        while len(self._selections) > 1024:  # the versions recently returned
-            self._selections.pop(next(iter(self._selections)))
+        recorded = (id(state), name, got["version"])
+        self._selections.pop(recorded, None)  # re-inserted: the most recent
+        self._selections[recorded] = key
+        while len(self._selections) > 1024:  # the states and versions recently returned
+            self._selections.pop(next(iter(self._selections)), None)
         return Update(version=got["version"], delta=delta, full_reason="" if delta else full_reason,
                       changed=changed, added=added, removed=removed, fetched_bytes=nbytes)
 
