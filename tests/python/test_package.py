@@ -431,15 +431,24 @@ class PackageTest(unittest.TestCase):
                                    "--port-file", port_file, "--socket", socket_path, "--metrics-listen", ""],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            while not (os.path.exists(port_file) and open(port_file).read().strip()):
+            def port():
+                if not os.path.exists(port_file):
+                    return ""
+                with open(port_file) as f:
+                    return f.read().strip()
+            while not port():
                 self.assertIsNone(daemon.poll(), "the daemon did not start")
                 time.sleep(0.02)
-            address = "127.0.0.1:" + open(port_file).read().strip()
+            address = "127.0.0.1:" + port()
             stores = {"grpc": weightstore.connect(address, timeout=120),
                       "socket": weightstore.connect("unix:" + socket_path, timeout=120)}
             for store in stores.values():
                 store.list()  # connected before the daemon stops
             daemon.send_signal(signal.SIGSTOP)
+            # Stopped for certain before any call is made (the signal is
+            # delivered asynchronously): the parent hears of the stop.
+            _, status = os.waitpid(daemon.pid, os.WUNTRACED)
+            self.assertTrue(os.WIFSTOPPED(status), status)
             calls = {"list": lambda s: s.list(), "info": lambda s: s.info("pkg/mlp"),
                      "describe": lambda s: s.describe("pkg/mlp")}
             for label, store in stores.items():
