@@ -156,6 +156,10 @@ class NodeCache : public Puller {
   // the one this cache placed; otherwise removes those that are, and false.
   // Files an operator put at those paths are never touched.
   bool FinishPlacing(const std::string& name, Cached* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // At Open: reads the ledger into ledger_, dropping entries whose files are
+  // gone or were replaced (FinishPlacing those recorded while being placed).
+  // Nothing on a first run or an unreadable ledger.
+  void ReadLedger() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the ledger as it is now.
   absl::Status SaveLedger() ABSL_LOCKS_EXCLUDED(mu_, ledger_file_mu_);
 

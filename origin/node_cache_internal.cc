@@ -1,0 +1,52 @@
+#include "origin/node_cache_internal.h"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <memory>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "core/atomic_file.h"
+#include "core/registry.h"
+#include "core/status_macros.h"
+
+namespace weightstore::origin::node_cache_internal {
+
+int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
+
+std::array<uint64_t, 4> Identity(const struct stat& st) {
+  return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
+          static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000u + static_cast<uint64_t>(st.st_mtim.tv_nsec)};
+}
+
+std::string Errno(const std::string& what, const std::string& path) {
+  return absl::StrCat(what, " '", path, "': ", std::strerror(errno));
+}
+
+bool PlaceablePath(absl::string_view path) { return IsPlaceableName(path, 4096); }
+
+absl::Status Remembered(absl::Status status) {
+  status.SetPayload(kRememberedRefusal, absl::Cord("1"));
+  return status;
+}
+
+absl::Status WriteAtomically(const std::string& path, const std::string& content) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file, AtomicFile::Create(path, /*overwrite=*/true));
+  WEIGHTSTORE_RETURN_IF_ERROR(file->Append(content));
+  return file->Commit();
+}
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_bytes) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  std::string out(max_bytes + 1, '\0');
+  in.read(out.data(), static_cast<std::streamsize>(out.size()));
+  out.resize(static_cast<size_t>(in.gcount()));
+  if (out.size() > max_bytes) return absl::DataLossError(absl::StrCat("'", path, "' is over ", max_bytes, " bytes"));
+  return out;
+}
+
+}  // namespace weightstore::origin::node_cache_internal

@@ -1,0 +1,57 @@
+// What the node cache's source files (origin/node_cache*.cc) share: small
+// helpers, and the eviction's Victim, which a transfer holds until it has
+// evicted them. Not for use outside origin/.
+#ifndef WEIGHTSTORE_ORIGIN_NODE_CACHE_INTERNAL_H_
+#define WEIGHTSTORE_ORIGIN_NODE_CACHE_INTERNAL_H_
+
+#include <sys/stat.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/shm/unix_socket.h"
+#include "origin/node_cache.h"
+
+namespace weightstore::origin {
+namespace node_cache_internal {
+
+int64_t NowMs();
+
+// What identifies a file this cache placed: device, inode, size and mtime in
+// nanoseconds, which a rename keeps.
+std::array<uint64_t, 4> Identity(const struct stat& st);
+
+std::string Errno(const std::string& what, const std::string& path);
+
+// A path the node may create under its models folder (core/registry.h).
+bool PlaceablePath(absl::string_view path);
+
+// Marks a refusal that comes from what the origin holds, so that it is
+// remembered (NodeCacheOptions::not_found_ttl).
+inline constexpr absl::string_view kRememberedRefusal = "weightstore.dev/remembered-refusal";
+absl::Status Remembered(absl::Status status);
+
+absl::Status WriteAtomically(const std::string& path, const std::string& content);
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_bytes);
+
+}  // namespace node_cache_internal
+
+struct NodeCache::Victim {
+  std::string name;
+  Cached cached;
+  std::vector<std::pair<std::string, UniqueFd>> locks;  // its files, held until removed
+  // False when its files are no longer as this cache placed them (replaced
+  // while not served): forgotten, not removed.
+  bool ours = true;
+};
+
+}  // namespace weightstore::origin
+
+#endif  // WEIGHTSTORE_ORIGIN_NODE_CACHE_INTERNAL_H_

@@ -1,0 +1,147 @@
+// The ledger (<models>/.weightstore-cache/ledger.json): what the cache
+// pulled, its size, last use and versions, kept across restarts, and the
+// origin's version ids the registry serves pulled checkpoints under.
+#include <sys/stat.h>
+
+#include <array>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "nlohmann/json.hpp"
+#include "origin/node_cache.h"
+#include "origin/node_cache_internal.h"
+
+namespace weightstore::origin {
+
+namespace fs = std::filesystem;
+
+using node_cache_internal::Identity;
+using node_cache_internal::NowMs;
+using node_cache_internal::PlaceablePath;
+using node_cache_internal::ReadSmallFile;
+using node_cache_internal::WriteAtomically;
+
+void NodeCache::ReadLedger() {
+  auto text = ReadSmallFile((fs::path(state_dir_) / "ledger.json").string(), size_t{64} << 20);
+  if (!text.ok()) return;  // a first run
+  nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return;  // unreadable: forget it (pulled files stay, as the operator's)
+  for (const auto& [name, entry] : j.items()) {
+    try {
+      Cached c;
+      c.paths = entry.at("paths").get<std::vector<std::string>>();
+      c.last_used_unix_ms = entry.at("last_used_unix_ms").get<int64_t>();
+      c.version = entry.value("version", "");
+      c.file_version = entry.value("file_version", "");
+      if (entry.value("placing", false)) {
+        c.identities = entry.at("identities").get<std::vector<std::array<uint64_t, 4>>>();
+        if (!FinishPlacing(name, &c)) continue;
+      }
+      bool present = !c.paths.empty();
+      for (const std::string& p : c.paths) {
+        std::error_code size_ec;
+        const uint64_t size = PlaceablePath(p) ? fs::file_size(fs::path(models_dir_) / p, size_ec) : 0;
+        present = present && PlaceablePath(p) && !size_ec;
+        c.bytes += size;
+      }
+      // Files replaced since they were placed are no longer the cache's.
+      if (!present || FileVersion((fs::path(models_dir_) / c.paths.back()).string()).value_or("") != c.file_version) {
+        continue;
+      }
+      cached_bytes_ += c.bytes;
+      ledger_[name] = std::move(c);
+    } catch (const nlohmann::json::exception&) {
+      continue;
+    }
+  }
+}
+
+absl::Status NodeCache::SaveLedger() {
+  std::string text;
+  uint64_t sequence;
+  {
+    absl::MutexLock lock(&mu_);
+    nlohmann::json j = nlohmann::json::object();
+    for (const auto& [name, c] : ledger_) {
+      j[name] = {{"paths", c.paths},
+                 {"bytes", c.bytes},
+                 {"last_used_unix_ms", c.last_used_unix_ms},
+                 {"version", c.version},
+                 {"file_version", c.file_version}};
+      if (c.placing) {
+        j[name]["placing"] = true;
+        j[name]["identities"] = c.identities;
+      }
+    }
+    text = j.dump(1);
+    sequence = ++ledger_sequence_;
+  }
+  // Written (and fsynced) outside mu_, which every Find takes to note a use;
+  // a snapshot older than one already written is dropped.
+  absl::MutexLock lock(&ledger_file_mu_);
+  if (sequence < ledger_written_) return absl::OkStatus();
+  ledger_written_ = sequence;
+  return WriteAtomically((fs::path(state_dir_) / "ledger.json").string(), text);
+}
+
+void NodeCache::Touch(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = ledger_.find(name);
+  if (it != ledger_.end()) it->second.last_used_unix_ms = NowMs();
+}
+
+void NodeCache::OnServedChanged(const std::string& name) {
+  std::shared_ptr<const CheckpointVersion> served = registry_->Get(name);
+  if (served == nullptr) return;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = ledger_.find(name);
+    if (it == ledger_.end() || it->second.placing || it->second.version.empty() ||
+        it->second.file_version != served->file_version() || it->second.version == served->version()) {
+      return;
+    }
+    it->second.version.clear();
+  }
+  (void)SaveLedger();
+}
+
+std::optional<std::string> NodeCache::OriginVersion(const std::string& name, const std::string& file_version) const {
+  Cached c;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = ledger_.find(name);
+    if (it == ledger_.end() || it->second.version.empty()) return std::nullopt;
+    if (!it->second.placing) {
+      return it->second.file_version == file_version ? std::optional<std::string>(it->second.version) : std::nullopt;
+    }
+    c = it->second;
+  }
+  // Being placed: the origin's id if every file is the one placed, and the
+  // files opened are those (no file written or replaced since).
+  if (c.paths.empty() || c.identities.size() != c.paths.size()) return std::nullopt;
+  for (size_t i = 0; i < c.paths.size(); ++i) {
+    struct stat st;
+    const std::string path = (fs::path(models_dir_) / c.paths[i]).string();
+    if (::lstat(path.c_str(), &st) != 0 || Identity(st) != c.identities[i]) return std::nullopt;
+  }
+  if (FileVersion((fs::path(models_dir_) / c.paths.back()).string()).value_or("") != file_version) return std::nullopt;
+  return c.version;
+}
+
+void NodeCache::ForgetReplaced() {
+  for (auto it = ledger_.begin(); it != ledger_.end();) {
+    auto served = it->second.placing ? nullptr : registry_->Get(it->first);
+    if (served != nullptr && served->file_version() != it->second.file_version) {
+      cached_bytes_ -= it->second.bytes;
+      it = ledger_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace weightstore::origin
