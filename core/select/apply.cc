@@ -193,8 +193,9 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
   WEIGHTSTORE_RETURN_IF_ERROR(CheckTarget(target, selection.limits()));
   // Names after the top-level key, rename and contiguous indices, before the filter.
   const std::vector<CheckpointEntry>& entries = checkpoint->entries();
+  const SelectionDeadline deadline(selection.limits());
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named,
-                               ResolveNames(*checkpoint, selection, /*applying_to_target=*/true));
+                               ResolveNames(*checkpoint, selection, /*applying_to_target=*/true, deadline));
   absl::flat_hash_map<std::string, size_t> source;  // name -> entry index
   source.reserve(named.size());
   for (const NamedEntry& n : named) source.emplace(n.name, n.entry);
@@ -205,7 +206,6 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
   std::vector<bool> used(entries.size(), false);
   absl::flat_hash_map<std::string, size_t> by_path;
   std::vector<std::pair<std::string, std::vector<uint64_t>>> transposable;
-  const SelectionDeadline deadline(selection.limits().max_time);
   for (size_t p = 0; p < target.parameters.size(); ++p) {
     const TargetParameter& param = target.parameters[p];
     WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("applying to the target", param.path.size() + 1));
@@ -229,7 +229,8 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
       t.transpose = true;
       t.spec.shape = {entry.spec.shape[1], entry.spec.shape[0]};
     }
-    if (!selection.Matches(param.path)) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(bool kept, selection.Matches(param.path, deadline));
+    if (!kept) {
       result.skipped.push_back(param.path);
       continue;
     }

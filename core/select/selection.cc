@@ -70,9 +70,14 @@ size_t CharLength(absl::string_view s, size_t i) {
 namespace {
 
 // Writes the replaced text to `out`. Stops with kTooLong once `out` would pass
-// `max_bytes`, so a hostile rule costs at most that much memory.
+// `max_bytes`, so a hostile rule costs at most that much memory. Charges
+// `deadline` (when given) the bytes each search may read, the rest of the text
+// from where it starts, and stops with its status in `*spent` once it is spent:
+// a rule that matches everywhere but grows nothing can cost a long name its
+// length squared.
 ReplaceOutcome ReplaceAllBounded(const re2::RE2& re, absl::string_view text, absl::string_view replacement,
-                                 size_t max_bytes, std::string* out_text) {
+                                 size_t max_bytes, std::string* out_text, const SelectionDeadline* deadline = nullptr,
+                                 absl::Status* spent = nullptr) {
   std::string& out = *out_text;
   const int groups = re.NumberOfCapturingGroups();
   const re2::StringPiece input(text.data(), text.size());
@@ -82,6 +87,10 @@ ReplaceOutcome ReplaceAllBounded(const re2::RE2& re, absl::string_view text, abs
   int64_t last_end = -1;
   bool matched = false;
   while (pos <= text.size()) {
+    if (deadline != nullptr) {
+      *spent = deadline->Check("renaming", text.size() - pos + 1);
+      if (!spent->ok()) return ReplaceOutcome::kNoMatch;
+    }
     if (!re.Match(input, pos, text.size(), re2::RE2::UNANCHORED, match.data(), groups + 1)) break;
     matched = true;
     const size_t begin = match[0].data() - text.data(), end = begin + match[0].size();
@@ -330,7 +339,12 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
 
 Selection::~Selection() = default;
 
-absl::Status SelectionDeadline::CheckClock(absl::string_view what) const {
+absl::Status SelectionDeadline::CheckSpent(absl::string_view what) const {
+  if (work_ > max_work_) {
+    return absl::ResourceExhaustedError(absl::StrCat("the selection's patterns scanned more than ", max_work_,
+                                                     " bytes of names (", what, "); simplify its patterns"));
+  }
+  if (cancelled_ && cancelled_()) return absl::CancelledError(absl::StrCat("the selection was cancelled (", what, ")"));
   if (std::chrono::steady_clock::now() < end_) return absl::OkStatus();
   return absl::ResourceExhaustedError(
       absl::StrCat("the selection took more than ", budget_.count(), " ms (", what, "); simplify its patterns"));
@@ -338,10 +352,14 @@ absl::Status SelectionDeadline::CheckClock(absl::string_view what) const {
 
 absl::StatusOr<std::string> Selection::Rename(absl::string_view name, const SelectionDeadline* deadline) const {
   std::string current(name);
+  absl::Status spent;
+  std::string out;
   for (size_t i = 0; i < rename_.size(); ++i) {
-    if (deadline != nullptr) WEIGHTSTORE_RETURN_IF_ERROR(deadline->Check("renaming", current.size() + 1));
-    if (ReplaceAllInPlace(*rename_[i], &current, options_.renames[i].replacement, limits_.max_name_bytes) ==
-        ReplaceOutcome::kTooLong) {
+    const ReplaceOutcome outcome = ReplaceAllBounded(*rename_[i], current, options_.renames[i].replacement,
+                                                     limits_.max_name_bytes, &out, deadline, &spent);
+    WEIGHTSTORE_RETURN_IF_ERROR(spent);
+    if (outcome == ReplaceOutcome::kReplaced) std::swap(current, out);
+    if (outcome == ReplaceOutcome::kTooLong) {
       return absl::InvalidArgumentError(absl::StrCat("rename rule ", i, " ('", options_.renames[i].pattern,
                                                      "') grows tensor '", name, "' past ", limits_.max_name_bytes,
                                                      " bytes"));
@@ -357,6 +375,13 @@ bool Selection::Matches(absl::string_view name) const {
   if (!keep) keep = paths_.contains(name);
   if (!keep) return false;
   return exclude_any_ == nullptr || !re2::RE2::PartialMatch(piece, *exclude_any_);
+}
+
+absl::StatusOr<bool> Selection::Matches(absl::string_view name, const SelectionDeadline& deadline) const {
+  // Each of the two alternations may scan the whole name.
+  const uint64_t scans = (include_any_ != nullptr) + (exclude_any_ != nullptr);
+  WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("filtering", scans * name.size() + 1));
+  return Matches(name);
 }
 
 absl::StatusOr<TensorSlice> Selection::SliceOf(absl::string_view name, std::span<const uint64_t> shape,

@@ -127,32 +127,49 @@ struct SelectionLimits {
   // Bytes of every selected name together (after renaming); also bounds the
   // work of contiguous indices (~0.4 us a numeric segment). Default: 32 MiB.
   uint64_t max_total_name_bytes = uint64_t{32} << 20;
-  // CPU time one selection may take (renaming, filtering): a regex can make
-  // each scan of a name cost as much as the name is long. Default: 2 s.
+  // Bytes of names the selection's patterns may scan, every pass of every
+  // pattern counted: a replace-all rescans the rest of a name from each match,
+  // so a name can cost its length squared. A count, not a clock, so the same
+  // request is refused the same way on a busy machine. Default: 1 GiB.
+  uint64_t max_scan_bytes = uint64_t{1} << 30;
+  // CPU time one selection may take (renaming, filtering): RE2 is linear in
+  // the bytes it scans, but a byte can cost from 1 ns to over 200 ns
+  // (a pattern whose DFA does not fit its memory). Default: 2 s.
   std::chrono::milliseconds max_time{2000};
+  // Asked with the clock (once per 64 KiB of work): once it returns true the
+  // selection stops with CANCELLED, as when its client went away. Default:
+  // never.
+  std::function<bool()> cancelled;
 };
 
-// When a selection must be done by (SelectionLimits::max_time from its start).
-// The clock is read once per 64 KiB of work (bytes of names scanned), so that
-// short names cost no clock reads. Thread-compatible.
+// What one selection may still spend: SelectionLimits::max_scan_bytes of
+// names scanned and max_time from its start. The clock is read once per
+// 64 KiB of work, so that short names cost no clock reads. Thread-compatible.
 class SelectionDeadline {
  public:
-  explicit SelectionDeadline(std::chrono::milliseconds budget)
-      : budget_(budget), end_(std::chrono::steady_clock::now() + budget) {}
-  // Counts `work` bytes; ResourceExhausted, naming `what` was being done, once
-  // the time is up.
+  explicit SelectionDeadline(const SelectionLimits& limits)
+      : budget_(limits.max_time),
+        max_work_(limits.max_scan_bytes),
+        end_(std::chrono::steady_clock::now() + limits.max_time),
+        cancelled_(limits.cancelled) {}
+  // Counts `work` bytes scanned; ResourceExhausted, naming `what` was being
+  // done, once the bytes or the time are spent; Cancelled once
+  // SelectionLimits::cancelled says so.
   absl::Status Check(absl::string_view what, uint64_t work) const {
     work_ += work;
     if (work_ < next_check_) return absl::OkStatus();
     next_check_ = work_ + kWorkBetweenChecks;
-    return CheckClock(what);
+    return CheckSpent(what);
   }
+  uint64_t scanned() const { return work_; }
 
  private:
   static constexpr uint64_t kWorkBetweenChecks = 64 << 10;
-  absl::Status CheckClock(absl::string_view what) const;
+  absl::Status CheckSpent(absl::string_view what) const;
   std::chrono::milliseconds budget_;
+  uint64_t max_work_;
   std::chrono::steady_clock::time_point end_;
+  std::function<bool()> cancelled_;
   mutable uint64_t work_ = 0, next_check_ = 0;
 };
 
@@ -175,6 +192,8 @@ class Selection {
   absl::StatusOr<std::string> Rename(absl::string_view name, const SelectionDeadline* deadline = nullptr) const;
   // True if `name` (already renamed) passes the filter.
   bool Matches(absl::string_view name) const;
+  // As above, charging `deadline` the bytes scanned: its error once spent.
+  absl::StatusOr<bool> Matches(absl::string_view name, const SelectionDeadline& deadline) const;
   // Whether contiguous indices apply to a checkpoint of `format`, read on its
   // own or applied to a target.
   bool UsesContiguousIndices(const FormatSpec& format, bool applying_to_target) const;

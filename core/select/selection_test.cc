@@ -317,6 +317,7 @@ TEST(SelectionTest, RenamesThatScanQuadraticallyStopAtTheTimeBudget) {
   for (int i = 0; i < 200; ++i) options.renames.push_back({"a(?:[^z]*z)?", "a"});
   SelectionLimits limits;
   limits.max_time = std::chrono::milliseconds(100);
+  limits.max_scan_bytes = UINT64_MAX;  // the clock alone, here
   ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options, limits));
   std::vector<std::string> names;
   for (int i = 0; i < 100; ++i) names.push_back(absl::StrCat("x", i));
@@ -329,6 +330,85 @@ TEST(SelectionTest, RenamesThatScanQuadraticallyStopAtTheTimeBudget) {
   // Stopped at the budget, not after every name: a bound only a selection that
   // ran to its end (or a machine stalled for seconds) breaks.
   EXPECT_LT(took, std::chrono::seconds(10));
+}
+
+TEST(SelectionTest, RenamesThatScanQuadraticallyAreRefusedAtTheScanBudgetWhateverTheClock) {
+  SelectionOptions options;
+  options.renames.push_back({"^", std::string(4000, 'a')});
+  for (int i = 0; i < 200; ++i) options.renames.push_back({"a(?:[^z]*z)?", "a"});
+  SelectionLimits limits;
+  limits.max_time = std::chrono::hours(1);  // only the byte count can stop it
+  limits.max_scan_bytes = 64 << 20;
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options, limits));
+  std::vector<std::string> names;
+  for (int i = 0; i < 100; ++i) names.push_back(absl::StrCat("x", i));
+  EXPECT_THAT(Snapshot::Select(Names(names), *selection),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("scanned more than 67108864 bytes of names (renaming)")));
+}
+
+TEST(SelectionTest, ARuleThatMatchesEverywhereButGrowsNothingIsStoppedInsideOneLongName) {
+  // Each match is one 'a', but finding where it ends reads to the end of the
+  // name: 1 MiB of 'a's would cost 2^39 bytes of scanning, all in one name and
+  // without growing it, so only a count inside the replace-all stops it.
+  SelectionOptions options;
+  options.renames.push_back({"a(?:[^z]*z)?", ""});
+  SelectionLimits limits;
+  limits.max_time = std::chrono::hours(1);
+  limits.max_scan_bytes = 256 << 20;
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options, limits));
+  const SelectionDeadline deadline(limits);
+  EXPECT_THAT(selection->Rename(std::string(1 << 20, 'a'), &deadline),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("scanned more than")));
+  EXPECT_LE(deadline.scanned(), (uint64_t{256} << 20) + (1 << 20) + (64 << 10));
+}
+
+TEST(SelectionTest, ASelectionStopsOnceItsCancelCallbackSaysSo) {
+  SelectionOptions options;
+  for (int i = 0; i < 200; ++i) options.renames.push_back({"a(?:[^z]*z)?", "a"});
+  SelectionLimits limits;
+  limits.max_time = std::chrono::hours(1);
+  limits.max_scan_bytes = UINT64_MAX;
+  int asked = 0;
+  limits.cancelled = [&asked] { return ++asked == 3; };  // the client leaves while it runs
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options, limits));
+  std::vector<std::string> names(100, std::string(4000, 'a'));
+  for (size_t i = 0; i < names.size(); ++i) names[i] += std::to_string(i);
+  EXPECT_THAT(Snapshot::Select(Names(names), *selection),
+              StatusIs(absl::StatusCode::kCancelled, HasSubstr("the selection was cancelled (renaming)")));
+  EXPECT_EQ(asked, 3);
+}
+
+TEST(SelectionTest, TheScanCountChargesEachPassOfEachPattern) {
+  SelectionOptions options;
+  options.renames.push_back({"^model\\.", ""});  // matches once: two searches
+  options.renames.push_back({"nothing", "x"});   // one search
+  options.include.push_back("weight");
+  options.exclude.push_back("bias");
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options));
+  const SelectionDeadline deadline(selection->limits());
+  ASSERT_OK_AND_ASSIGN(std::string renamed, selection->Rename("model.fc.weight", &deadline));
+  EXPECT_EQ(renamed, "fc.weight");
+  // "model.fc.weight" is 15 bytes: searched from 0 (16) and from 6 after the
+  // match (10); then "fc.weight" once (10).
+  EXPECT_EQ(deadline.scanned(), 16u + 10u + 10u);
+  ASSERT_OK_AND_ASSIGN(bool kept, selection->Matches(renamed, deadline));
+  EXPECT_TRUE(kept);
+  EXPECT_EQ(deadline.scanned(), 36u + 2 * 9 + 1);  // the include and the exclude alternation
+}
+
+TEST(SelectionTest, AnOrdinarySelectionOfAHundredThousandNamesPassesTheDefaultScanBudget) {
+  SelectionOptions options;
+  options.renames.push_back({"^model\\.", ""});
+  options.renames.push_back({"\\.self_attn\\.", ".attention."});
+  options.include.push_back("^layers\\.");
+  options.exclude.push_back("rotary");
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options));
+  std::vector<std::string> names;
+  for (int i = 0; i < 100000; ++i)
+    names.push_back(absl::StrCat("model.layers.", i / 10, ".self_attn.proj", i % 10, ".weight"));
+  ASSERT_OK_AND_ASSIGN(auto snapshot, Snapshot::Select(Names(names), *selection));
+  EXPECT_EQ(snapshot->size(), 100000u);
 }
 
 }  // namespace

@@ -34,13 +34,12 @@ absl::Status SliceTensor(const Selection& selection, const SelectionDeadline& de
 }
 
 absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection,
-                                                     bool applying_to_target) {
+                                                     bool applying_to_target, const SelectionDeadline& deadline) {
   const std::vector<CheckpointEntry>& entries = checkpoint.entries();
   const std::string& key = selection.options().top_level_key;
   std::vector<NamedEntry> named;
   named.reserve(entries.size());
   uint64_t name_bytes = 0;
-  const SelectionDeadline deadline(selection.limits().max_time);
   auto add = [&](absl::string_view name, size_t i) -> absl::Status {
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::string renamed, selection.Rename(name, &deadline));
     name_bytes += renamed.size();
@@ -93,14 +92,14 @@ absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoin
 
 absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr<const Checkpoint> checkpoint,
                                                                  const Selection& selection) {
+  const SelectionDeadline deadline(selection.limits());
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<NamedEntry> named,
-                               ResolveNames(*checkpoint, selection, /*applying_to_target=*/false));
+                               ResolveNames(*checkpoint, selection, /*applying_to_target=*/false, deadline));
   std::vector<SnapshotTensor> tensors;
   tensors.reserve(named.size());
-  const SelectionDeadline deadline(selection.limits().max_time);
   for (NamedEntry& n : named) {
-    WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("filtering", n.name.size() + 1));
-    if (!selection.Matches(n.name)) continue;
+    WEIGHTSTORE_ASSIGN_OR_RETURN(bool kept, selection.Matches(n.name, deadline));
+    if (!kept) continue;
     SnapshotTensor t;
     t.source = &checkpoint->entries()[n.entry];
     t.spec = t.source->spec;

@@ -52,9 +52,9 @@ absl::Status SliceTensor(const Selection& selection, const SelectionDeadline& de
 // Steps 0-2 of the pipeline (top-level key, rename, contiguous indices), before
 // the filter. Returns NotFound listing the available keys when no tensor is under
 // the top-level key, and InvalidArgument naming both tensors when two get the
-// same name.
+// same name. Charges `deadline` for the renaming.
 absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection,
-                                                     bool applying_to_target);
+                                                     bool applying_to_target, const SelectionDeadline& deadline);
 
 class Snapshot {
  public:
