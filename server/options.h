@@ -57,16 +57,20 @@ struct ServiceOptions {
                              .per_peer_flag = "--max-fetches-waiting-on-pulls-per-peer"};
   // Selections that run regexes or a target (include, exclude, renames, shard
   // rules, a target schema) over a checkpoint's names: at most this many at
-  // once, and per client address, on gRPC's threads (more get
-  // RESOURCE_EXHAUSTED), so that what one client's selections cost cannot
-  // take the threads every other call needs. Plain fetches and listings are
-  // not counted.
+  // once, and per client address (more get RESOURCE_EXHAUSTED). They run on
+  // selection_threads workers, never on gRPC's threads, so that what one
+  // client's selections cost cannot take the threads or the cores every
+  // other call needs. Plain fetches and listings are not counted.
   StreamLimits selection_work = {.total = 4,
                                  .per_peer = 2,
                                  .min_bytes = 0,
                                  .what = "selections with patterns or a target being resolved",
                                  .total_flag = "--max-concurrent-selections",
                                  .per_peer_flag = "--max-selections-per-peer"};
+  // Workers that resolve those selections; admitted ones beyond this wait
+  // their turn. 0: half the cores, at least one, so that selections leave
+  // the other half to serving.
+  int selection_threads = 0;
   // What a request's selection may cost.
   SelectionLimits selection_limits;
   // Payload slices point into the mapping. False copies each chunk into a
@@ -119,6 +123,10 @@ struct ShmServerOptions {
   // Largest request frame (a target schema can be large). Default: 4 MiB, as
   // the gRPC port's request limit.
   uint32_t max_request_bytes = 4 << 20;
+  // Workers that resolve those selections; admitted ones beyond this wait
+  // their turn. 0: half the cores, at least one, so that selections leave
+  // the other half to serving.
+  int selection_threads = 0;
   // What a request's selection may cost.
   SelectionLimits selection_limits;
   // Folders taken out of the paths in error messages (as the gRPC service's).

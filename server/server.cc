@@ -141,6 +141,9 @@ void AddScrapedFamilies(ServerMetrics* metrics, const CheckpointRegistry* regist
                  "Socket connections refused (peer credentials or the connection limit).",
                  One([shm] { return static_cast<double>(shm->stats().refused_connections); }));
   }
+  f.AddGauge("weightstore_selections_active",
+             "Selections with patterns or a target admitted now: resolving, or waiting for a selection worker.",
+             One([service] { return static_cast<double>(service->active_selections()); }));
   f.AddGauge("weightstore_fetch_streams_active", "FetchTensors streams being served.",
              One([service] { return static_cast<double>(service->active_fetches()); }));
   f.AddCounter("weightstore_fetch_streams_stalled_total",

@@ -2,7 +2,9 @@
 
 #include <grpcpp/support/byte_buffer.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -19,6 +21,22 @@
 #include "server/stored_files.h"
 
 namespace weightstore::server {
+
+namespace {
+
+// Whether resolving `selection` runs patterns or a target over every name.
+bool IsCostly(const v1::Selection& selection) {
+  return !selection.include().empty() || !selection.exclude().empty() || !selection.renames().empty() ||
+         !selection.shard().rules().empty() || selection.has_target();
+}
+
+// ServiceOptions::selection_threads, with 0 resolved to half the cores.
+int SelectionThreads(const ServiceOptions& options) {
+  if (options.selection_threads > 0) return options.selection_threads;
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency() / 2));
+}
+
+}  // namespace
 
 // The name comes from the request: gRPC aborts the process on a metadata value
 // that is not printable ASCII, so it is encoded first (TrailerValue).
@@ -116,21 +134,27 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     return absl::OkStatus();
   }
 
-  // Resolves the request and starts writing; or finishes with its error.
+  // Resolves the request and starts writing, or finishes with its error: at
+  // once for a plain selection, on a selection worker for a costly one.
+  // Meanwhile the stream is kept from the stall watchdog: its selection is
+  // bounded by its own budgets.
   void Begin() {
-    absl::Status status = ResolveRequest();
-    if (!status.ok()) {
-      Done(service_->ClientStatus(status));
-      return;
-    }
-    Next();
+    if (ticket_ != 0) service_->streams_.Busy(ticket_);
+    service_->ResolveAsync(*ctx_, request_.name(), request_.selection(), request_.version(), request_.since_version(),
+                           [this](absl::StatusOr<Resolved> resolved) {
+                             if (ticket_ != 0) service_->streams_.Resume(ticket_);
+                             absl::Status status = resolved.ok() ? Accept(*std::move(resolved)) : resolved.status();
+                             if (!status.ok()) {
+                               Done(service_->ClientStatus(status));
+                               return;
+                             }
+                             Next();
+                           });
   }
 
-  absl::Status ResolveRequest() {
-    auto resolved = service_->ResolveGated(*ctx_, request_.name(), request_.selection(), request_.version(),
-                                           request_.since_version());
-    if (!resolved.ok()) return resolved.status();
-    resolved_ = *std::move(resolved);
+  // Takes the resolved request: the range of tensors to send, the chunk size.
+  absl::Status Accept(Resolved resolved) {
+    resolved_ = std::move(resolved);
     chunk_bytes_ = request_.chunk_bytes() == 0 ? service_->options_.chunk_bytes
                                                : std::min<uint32_t>(request_.chunk_bytes(), 4 << 20);
     // A multiple of 8 bytes, so a chunk of a transformed tensor ends on an
@@ -322,6 +346,7 @@ WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOpti
       selection_work_(options.selection_work),
       uploads_(options.uploads),
       background_(options.background_threads, options.max_background_queue, "checksum work"),
+      selections_(SelectionThreads(options), options.selection_work.total, "selection work"),
       watches_(registry, auth_, options.watches, [this](const absl::Status& s) { return ClientStatus(s); }) {}
 
 // The reactor of a unary call that may wait on a pull: a client that goes
@@ -356,11 +381,31 @@ grpc::ServerUnaryReactor* WeightStoreService::UnaryReadingThrough(grpc::Callback
       reactor->Finish(ClientStatus(pulled.ok() ? body(*pulled) : pulled.status()));
       return;
     }
-    absl::Status queued = background_.Post([this, ctx, reactor, body, pulled = *pulled](absl::Status runnable) {
-      if (runnable.ok() && Cancelled(ctx)) runnable = absl::CancelledError("the client went away");
-      reactor->Finish(ClientStatus(runnable.ok() ? body(pulled) : runnable));
-    });
-    if (!queued.ok()) reactor->Finish(ClientStatus(queued));
+    // A costly selection holds a slot of selection_work_ from here until it
+    // is answered, and runs on a selection worker.
+    const bool selection = work() == Work::kSelection;
+    uint64_t ticket = 0;
+    if (selection) {
+      absl::StatusOr<uint64_t> admitted = selection_work_.Admit(ctx->peer(), [] {});
+      if (!admitted.ok()) {
+        reactor->Finish(ClientStatus(admitted.status()));
+        return;
+      }
+      ticket = *admitted;
+      selection_work_.Busy(ticket);  // bounded by the selection's own budgets, not by bytes moved
+    }
+    absl::Status queued = (selection ? selections_ : background_)
+                              .Post([this, ctx, reactor, body, ticket, pulled = *pulled](absl::Status runnable) {
+                                if (runnable.ok() && Cancelled(ctx))
+                                  runnable = absl::CancelledError("the client went away");
+                                const grpc::Status status = ClientStatus(runnable.ok() ? body(pulled) : runnable);
+                                if (ticket != 0) selection_work_.Release(ticket);
+                                reactor->Finish(status);
+                              });
+    if (!queued.ok()) {
+      if (ticket != 0) selection_work_.Release(ticket);
+      reactor->Finish(ClientStatus(queued));
+    }
   };
   if (puller_ == nullptr) {
     run(PullResult());
@@ -400,29 +445,41 @@ grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServer
   });
 }
 
-namespace {
-
-// Whether resolving `selection` runs patterns or a target over every name.
-bool IsCostly(const v1::Selection& selection) {
-  return !selection.include().empty() || !selection.exclude().empty() || !selection.renames().empty() ||
-         !selection.shard().rules().empty() || selection.has_target();
+SelectionLimits WeightStoreService::LimitsFor(const grpc::CallbackServerContext& ctx) const {
+  SelectionLimits limits = options_.selection_limits;
+  limits.cancelled = [this, &ctx] { return ctx.IsCancelled() || selections_.stopping() || background_.stopping(); };
+  return limits;
 }
 
-}  // namespace
-
-absl::StatusOr<Resolved> WeightStoreService::ResolveGated(const grpc::CallbackServerContext& ctx,
-                                                          const std::string& name, const v1::Selection& selection,
-                                                          const std::string& version,
-                                                          const std::string& since_version) {
-  uint64_t ticket = 0;
-  if (IsCostly(selection)) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket, selection_work_.Admit(ctx.peer(), [] {}));
-    selection_work_.Busy(ticket);  // bounded by the selection's own time budget, not by bytes moved
+void WeightStoreService::ResolveAsync(const grpc::CallbackServerContext& ctx, const std::string& name,
+                                      const v1::Selection& selection, const std::string& version,
+                                      const std::string& since_version,
+                                      std::function<void(absl::StatusOr<Resolved>)> done) {
+  if (!IsCostly(selection)) {
+    done(Resolve(*registry_, name, selection, version, options_.selection_limits, since_version));
+    return;
   }
-  absl::StatusOr<Resolved> resolved =
-      Resolve(*registry_, name, selection, version, options_.selection_limits, since_version);
-  if (ticket != 0) selection_work_.Release(ticket);
-  return resolved;
+  absl::StatusOr<uint64_t> ticket = selection_work_.Admit(ctx.peer(), [] {});
+  if (!ticket.ok()) {
+    done(ticket.status());
+    return;
+  }
+  selection_work_.Busy(*ticket);  // bounded by the selection's own budgets, not by bytes moved
+  // Shared so that a Post that refuses (and drops the job) leaves `done` here.
+  auto shared_done = std::make_shared<std::function<void(absl::StatusOr<Resolved>)>>(std::move(done));
+  absl::Status queued = selections_.Post(
+      [this, &ctx, name, selection, version, since_version, ticket = *ticket, shared_done](absl::Status runnable) {
+        if (runnable.ok() && ctx.IsCancelled()) runnable = absl::CancelledError("the client went away");
+        absl::StatusOr<Resolved> resolved =
+            runnable.ok() ? Resolve(*registry_, name, selection, version, LimitsFor(ctx), since_version)
+                          : absl::StatusOr<Resolved>(runnable);
+        selection_work_.Release(ticket);
+        (*shared_done)(std::move(resolved));
+      });
+  if (!queued.ok()) {
+    selection_work_.Release(*ticket);
+    (*shared_done)(queued);
+  }
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerContext* ctx,
@@ -432,8 +489,8 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
   return UnaryReadingThrough(
       ctx, Scope::kRead, req->name(),
       [this, ctx, req, resp](const PullResult&) -> absl::Status {
-        WEIGHTSTORE_ASSIGN_OR_RETURN(
-            Resolved resolved, ResolveGated(*ctx, req->name(), req->selection(), req->version(), req->since_version()));
+        WEIGHTSTORE_ASSIGN_OR_RETURN(Resolved resolved, Resolve(*registry_, req->name(), req->selection(),
+                                                                req->version(), LimitsFor(*ctx), req->since_version()));
         const Snapshot& snapshot = *resolved.snapshot;
         resp->set_name(req->name());
         resp->set_version(resolved.version->version());
@@ -452,7 +509,10 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
         if (resolved.apply_result) ToProto(*resolved.apply_result, resp->mutable_apply_result());
         return absl::OkStatus();
       },
-      [req] { return req->with_checksums() ? Work::kLong : Work::kQuick; });
+      [req] {
+        if (IsCostly(req->selection())) return Work::kSelection;  // checksums too, holding its slot
+        return req->with_checksums() ? Work::kLong : Work::kQuick;
+      });
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::FetchTensors(grpc::CallbackServerContext* ctx,

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 
 #include "core/registry.h"
 #include "core/select/selection.h"
@@ -90,9 +91,15 @@ class WeightStoreService final : public ServiceBase {
   void StopWatches() { watches_.Stop(); }
   // Ends the calls waiting for a checksum worker (UNAVAILABLE) and waits for
   // those computing: a step of shutting down, before gRPC waits for calls.
-  void StopBackground() { background_.Stop(); }
+  void StopBackground() {
+    selections_.Stop();
+    background_.Stop();
+  }
   int active_watches() const { return watches_.active(); }
 
+  // Costly selections admitted now (resolving, or waiting for a selection
+  // worker).
+  int active_selections() const { return selection_work_.active(); }
   // Streams being served now, and those cancelled for stalling.
   int active_fetches() const { return streams_.active(); }
   uint64_t stalled_fetches() const { return streams_.cancelled(); }
@@ -112,8 +119,11 @@ class WeightStoreService final : public ServiceBase {
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Scope scope, absl::string_view checkpoint,
                                   Body body);
   // How long a body may run: kQuick on whichever thread is at hand, kLong (it
-  // reads whole tensors or files) on background_, never on gRPC's threads.
-  enum class Work { kQuick, kLong };
+  // reads whole tensors or files) on background_, kSelection (it resolves a
+  // costly selection) on selections_ holding a slot of selection_work_
+  // (RESOURCE_EXHAUSTED when none is free); never the last two on gRPC's
+  // threads.
+  enum class Work { kQuick, kLong, kSelection };
   // Unary(), for a call that reads `checkpoint`: with an origin, a checkpoint
   // the daemon lacks is pulled first, and `body` (given the PullResult; it
   // must capture by value) runs on the pull's thread once it is in. gRPC's
@@ -133,17 +143,22 @@ class WeightStoreService final : public ServiceBase {
   ServiceOptions options_;
   Authenticator no_auth_;
   const Authenticator* auth_;
-  // Resolve(), with a slot of selection_work_ held while a costly selection
-  // is resolved (RESOURCE_EXHAUSTED when none is free).
-  absl::StatusOr<Resolved> ResolveGated(const grpc::CallbackServerContext& ctx, const std::string& name,
-                                        const v1::Selection& selection, const std::string& version,
-                                        const std::string& since_version);
+  // The request's selection limits, cancelled once its client goes away or
+  // the daemon stops (valid while the call is).
+  SelectionLimits LimitsFor(const grpc::CallbackServerContext& ctx) const;
+  // Resolve(), calling `done` with the result: at once on this thread for a
+  // plain selection, or on a selections_ worker, holding a slot of
+  // selection_work_, for a costly one. `done` is called exactly once.
+  void ResolveAsync(const grpc::CallbackServerContext& ctx, const std::string& name, const v1::Selection& selection,
+                    const std::string& version, const std::string& since_version,
+                    std::function<void(absl::StatusOr<Resolved>)> done);
 
   StreamGovernor streams_;
   StreamGovernor pull_waits_;      // fetches waiting on a pull (ServiceOptions::pull_waits)
   StreamGovernor selection_work_;  // costly selections being resolved (ServiceOptions::selection_work)
   StreamGovernor uploads_;
   Background background_;
+  Background selections_;  // ServiceOptions::selection_threads
   std::atomic<bool> stopping_{false};
   WatchHub watches_;  // last: its streams end first
 };

@@ -147,6 +147,10 @@ int main(int argc, char** argv) {
   app.add_option("--max-selections-per-peer", options.service.selection_work.per_peer,
                  "Selections with patterns or a target resolved at once for one client address")
       ->capture_default_str();
+  app.add_option("--selection-threads", options.service.selection_threads,
+                 "Workers resolving those selections, off gRPC's threads (0: half the cores, at least one)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--max-concurrent-uploads", options.service.uploads.total, "PutCheckpoint uploads at once")
       ->capture_default_str();
   app.add_option("--max-uploads-per-peer", options.service.uploads.per_peer,
@@ -184,6 +188,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--abandoned-upload-seconds", options.registry.abandoned_temporary_seconds,
                  "A rescan (and startup) removes upload temporaries no live writer holds once this old")
+      ->capture_default_str();
+  app.add_option("--max-selection-scan-bytes", selection.max_scan_bytes,
+                 "Bytes of names one request's patterns may scan, every pass counted (bytes, or with a unit: 1GiB)")
+      ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
   double selection_seconds = std::chrono::duration<double>(selection.max_time).count();
   app.add_option("--max-selection-seconds", selection_seconds,

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -219,6 +221,69 @@ TEST(Issue26Test, CostlySelectionsFromOneAddressAreCountedAndOthersAreServed) {
     }
   }
   EXPECT_TRUE(gated) << daemon.log();
+}
+
+// Finding 2, the rest: selections ran on gRPC's threads, so eight of them at
+// once took the threads every other call needs. They now run on their own
+// workers (here one), and the others are answered while all eight wait.
+TEST(Issue26Test, CostlySelectionsRunOnTheirOwnWorkersWhileOtherCallsAreServed) {
+  const std::string models = testing::MakeScratchDir("models");
+  std::vector<SharedTensor> tensors;
+  std::mt19937 rng(2);
+  for (int i = 0; i < 50000; ++i) {
+    std::string name = absl::StrCat("l.", i, ".");
+    for (int k = 0; k < 150; ++k) name.push_back("ab"[rng() % 2]);
+    tensors.push_back({{name, DType::kU8, {1}}, SharedBytes::Copy(std::string(1, '\0'))});
+  }
+  testing::WriteFileOrDie(models + "/many.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
+  testing::WriteFileOrDie(models + "/small.safetensors", OneTensor(std::vector<float>(1 << 20, 1.0f)));
+  constexpr int kSelections = 8;
+  const std::string n = std::to_string(kSelections);
+  // Each selection may run for a minute: only cancelling ends them early.
+  testing::Daemon daemon(models, {"--selection-threads", "1", "--max-concurrent-selections", n,
+                                  "--max-selections-per-peer", n, "--max-selection-seconds", "60",
+                                  "--max-selection-scan-bytes", "1TiB", "--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials()));
+  std::vector<grpc::ClientContext> contexts(kSelections);
+  std::vector<grpc::Status> statuses(kSelections);
+  std::vector<pb::ListTensorsResponse> responses(kSelections);
+  std::atomic<int> finished{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kSelections; ++c) {
+    clients.emplace_back([&, c] {
+      pb::ListTensorsRequest request;
+      request.set_name("many");
+      for (int r = 0; r < 200; ++r) {  // each costs a name's length squared
+        pb::RenameRule* rule = request.mutable_selection()->add_renames();
+        rule->set_pattern("a(?:[^z]*z)?");
+        rule->set_replacement("a");
+      }
+      statuses[c] = stub->ListTensors(&contexts[c], request, &responses[c]);
+      ++finished;
+    });
+  }
+  // Once the daemon holds all eight (the gauge says so)...
+  const std::string all_in = absl::StrCat("weightstore_selections_active ", kSelections);
+  while (!absl::StrContains(testing::HttpGet(daemon.metrics_port(), "/metrics"), all_in) && finished == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  auto first_ended = [&] {
+    for (size_t c = 0; c < statuses.size(); ++c) {
+      if (!statuses[c].ok()) return absl::StrCat(c, ": ", statuses[c].error_message());
+    }
+    return std::string();
+  };
+  ASSERT_EQ(finished, 0) << "a selection ended early: " << first_ended();
+  // ...another client's calls are answered, while all eight are still in.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Store> store, client::ConnectRemoteStore(daemon.address()));
+  ASSERT_OK(store->ListCheckpoints().status());
+  ASSERT_OK_AND_ASSIGN(auto small, store->FetchAll("small", {}));
+  EXPECT_EQ(small.size(), 1u);
+  EXPECT_EQ(finished, 0) << "the other calls were answered only after a selection ended: " << first_ended();
+  for (grpc::ClientContext& ctx : contexts) ctx.TryCancel();
+  for (auto& t : clients) t.join();
+  for (const grpc::Status& s : statuses) EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
 }
 
 }  // namespace
