@@ -12,19 +12,49 @@ bool WatchScope::Contains(const std::string& checkpoint) const {
   return absl::StartsWith(checkpoint, prefix);
 }
 
+namespace {
+
+// What a diff's names hold on the heap, roughly: the characters and each
+// string's own size.
+uint64_t DiffBytes(const ManifestDiff& diff) {
+  uint64_t bytes = sizeof(ManifestDiff);
+  for (const auto* names : {&diff.changed, &diff.added, &diff.removed}) {
+    for (const std::string& n : *names) bytes += sizeof(std::string) + n.size();
+  }
+  return bytes;
+}
+
+}  // namespace
+
 std::shared_ptr<const ManifestDiff> DiffCache::Get(const std::string& name, const CheckpointManifest& base,
                                                    const CheckpointManifest& current) {
   const std::string key = absl::StrCat(name.size(), ":", name, "|", base.version(), "|", current.version());
   absl::MutexLock lock(&mu_);  // held while diffing: the others want the same diff
-  if (auto it = diffs_.find(key); it != diffs_.end()) return it->second;
+  if (auto it = diffs_.find(key); it != diffs_.end()) return it->second.first;
   auto diff = std::make_shared<const ManifestDiff>(DiffManifests(base, current));
-  diffs_.emplace(key, diff);
+  const uint64_t bytes = DiffBytes(*diff);
+  diffs_.emplace(key, std::make_pair(diff, bytes));
   order_.push_back(key);
-  while (order_.size() > std::max<size_t>(capacity_, 1)) {
-    diffs_.erase(order_.front());
+  bytes_ += bytes;
+  while (order_.size() > std::max<size_t>(capacity_, 1) || (bytes_ > max_bytes_ && order_.size() > 1)) {
+    auto oldest = diffs_.find(order_.front());
+    bytes_ -= oldest->second.second;
+    diffs_.erase(oldest);
     order_.pop_front();
   }
   return diff;
+}
+
+void DiffCache::Clear() {
+  absl::MutexLock lock(&mu_);
+  diffs_.clear();
+  order_.clear();
+  bytes_ = 0;
+}
+
+uint64_t DiffCache::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
 }
 
 WatchCursor::WatchCursor(const CheckpointRegistry* registry, WatchScope scope, std::map<std::string, std::string> known,

@@ -58,18 +58,26 @@ struct CheckpointUpdate {
 
 // The diffs between versions of checkpoints, each computed once however many
 // watchers ask for it (one at a time computes it; the others wait and share
-// it). Keeps the last `capacity` steps. Thread-safe.
+// it). Keeps the last `capacity` steps, and at most `max_bytes` of them (the
+// newest always). Thread-safe.
 class DiffCache {
  public:
-  explicit DiffCache(size_t capacity = 64) : capacity_(capacity) {}
+  explicit DiffCache(size_t capacity = 64, uint64_t max_bytes = uint64_t{64} << 20)
+      : capacity_(capacity), max_bytes_(max_bytes) {}
   std::shared_ptr<const ManifestDiff> Get(const std::string& name, const CheckpointManifest& base,
                                           const CheckpointManifest& current);
+  // Lets every kept diff go (those a watcher holds stay alive with it).
+  void Clear();
+  // Bytes the kept diffs hold (their names and the strings' own size).
+  uint64_t bytes() const;
 
  private:
   const size_t capacity_;
-  absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<const ManifestDiff>> diffs_ ABSL_GUARDED_BY(mu_);
+  const uint64_t max_bytes_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::pair<std::shared_ptr<const ManifestDiff>, uint64_t>> diffs_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> order_ ABSL_GUARDED_BY(mu_);  // oldest first
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class WatchCursor {

@@ -118,6 +118,33 @@ TEST_F(WatchCursorTest, CursorsSharingADiffCacheShareOneDiffPerStep) {
   EXPECT_THAT(first->changed, ElementsAre("b"));
 }
 
+TEST_F(WatchCursorTest, TheDiffCacheKeepsAtMostItsBytesAndTheNewestStep) {
+  const std::string path = models_ + "/m.safetensors";
+  std::vector<std::string> versions;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<SharedTensor> tensors;
+    for (int i = 0; i < 100; ++i) tensors.push_back(F32(std::string(200, 'a' + i % 26) + std::to_string(i), step));
+    Publish(path, tensors);
+    registry_.Rescan();
+    versions.push_back(registry_.Get("m")->version());
+  }
+  DiffCache diffs(64, /*max_bytes=*/100 * 200 + 1000);  // about one step's names
+  std::shared_ptr<const CheckpointManifest> manifests[3];
+  for (int i = 0; i < 3; ++i) {
+    manifests[i] = registry_.FindManifest("m", versions[i]);
+    ASSERT_NE(manifests[i], nullptr) << "version " << i << " is not kept";
+  }
+  auto first = diffs.Get("m", *manifests[0], *manifests[1]);
+  ASSERT_EQ(first->changed.size(), 100u);
+  EXPECT_GT(diffs.bytes(), 100u * 200);
+  diffs.Get("m", *manifests[1], *manifests[2]);
+  EXPECT_LE(diffs.bytes(), 100u * 200 + 1000 + 100 * sizeof(std::string) + sizeof(ManifestDiff));
+  EXPECT_NE(diffs.Get("m", *manifests[0], *manifests[1]), first);  // let go, made again
+  diffs.Clear();
+  EXPECT_EQ(diffs.bytes(), 0u);
+  EXPECT_EQ(first->changed.size(), 100u);  // a holder keeps its diff
+}
+
 TEST_F(WatchCursorTest, AWatcherThatMissedVersionsGetsOneStepFromWhatItHolds) {
   const std::string path = models_ + "/m.safetensors";
   Publish(path, {F32("a", 1), F32("b", 2), F32("c", 3)});

@@ -141,6 +141,11 @@ void AddScrapedFamilies(ServerMetrics* metrics, const CheckpointRegistry* regist
                  "Socket connections refused (peer credentials or the connection limit).",
                  One([shm] { return static_cast<double>(shm->stats().refused_connections); }));
   }
+  f.AddGauge("weightstore_watches_active", "WatchCheckpoints streams open.",
+             One([service] { return static_cast<double>(service->active_watches()); }));
+  f.AddGauge("weightstore_watch_cached_bytes",
+             "Bytes of serialized events and diffs kept for watchers; given back once the last watch ends.",
+             One([service] { return static_cast<double>(service->watch_cached_bytes()); }));
   f.AddGauge("weightstore_selections_active",
              "Selections with patterns or a target admitted now: resolving, or waiting for a selection worker.",
              One([service] { return static_cast<double>(service->active_selections()); }));

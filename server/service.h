@@ -96,6 +96,7 @@ class WeightStoreService final : public ServiceBase {
     background_.Stop();
   }
   int active_watches() const { return watches_.active(); }
+  uint64_t watch_cached_bytes() const { return watches_.cached_bytes(); }
 
   // Costly selections admitted now (resolving, or waiting for a selection
   // worker).

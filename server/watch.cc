@@ -1,5 +1,9 @@
 #include "server/watch.h"
 
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
 #include <memory>
 
 #include "absl/strings/str_cat.h"
@@ -290,8 +294,33 @@ absl::StatusOr<uint64_t> WatchHub::Add(WatchReactor* reactor, absl::string_view 
 
 void WatchHub::Remove(WatchReactor* reactor, uint64_t ticket) {
   streams_.Release(ticket);
-  absl::MutexLock lock(&mu_);
-  reactors_.erase(reactor);
+  bool last = false;
+  {
+    absl::MutexLock lock(&mu_);
+    reactors_.erase(reactor);
+    last = reactors_.empty();
+  }
+  // A watch arriving meanwhile only finds the caches empty: it makes its
+  // events again.
+  if (last) Schedule([this] { ReleaseCaches(); });
+}
+
+void WatchHub::ReleaseCaches() {
+  {
+    absl::MutexLock lock(&events_mu_);
+    events_.clear();
+    event_order_.clear();
+    event_bytes_ = 0;
+  }
+  diffs_.Clear();
+#ifdef __GLIBC__
+  malloc_trim(0);  // the events' and diffs' pages, and the watchers' own state
+#endif
+}
+
+uint64_t WatchHub::cached_bytes() const {
+  absl::MutexLock lock(&events_mu_);
+  return event_bytes_ + diffs_.bytes();
 }
 
 void WatchHub::Stop() {

@@ -45,6 +45,9 @@ class WatchHub {
   int active() const;
   // The serialized event of `update`, made once per step for all watchers.
   std::shared_ptr<const grpc::ByteBuffer> Event(const CheckpointUpdate& update);
+  // Bytes the hub keeps for watchers: serialized events and diffs. Given
+  // back (to the system too) once the last watch ends.
+  uint64_t cached_bytes() const;
 
  private:
   friend class WatchReactor;
@@ -55,6 +58,9 @@ class WatchHub {
   // Runs `work` on the hub's thread (a watcher to wake), in order.
   void Schedule(std::function<void()> work);
   void RunScheduled();
+  // Lets the kept events and diffs go and returns freed heap to the system:
+  // on the hub's thread, once no watch is left.
+  void ReleaseCaches();
   bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(work_mu_) { return work_stop_ || !work_.empty(); }
 
   CheckpointRegistry* registry_;
@@ -67,7 +73,7 @@ class WatchHub {
   std::set<WatchReactor*> reactors_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   // Events made, by step; the oldest dropped past kMaxEvents or kMaxEventBytes.
-  absl::Mutex events_mu_;
+  mutable absl::Mutex events_mu_;
   std::map<std::string, std::shared_ptr<const grpc::ByteBuffer>> events_ ABSL_GUARDED_BY(events_mu_);
   std::deque<std::string> event_order_ ABSL_GUARDED_BY(events_mu_);
   uint64_t event_bytes_ ABSL_GUARDED_BY(events_mu_) = 0;

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 #include <random>
 #include <string>
@@ -16,7 +17,9 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/store.h"
 #include "client/updates.h"
 #include "core/formats/checkpoint_writer.h"
@@ -284,6 +287,69 @@ TEST(Issue26Test, CostlySelectionsRunOnTheirOwnWorkersWhileOtherCallsAreServed) 
   for (grpc::ClientContext& ctx : contexts) ctx.TryCancel();
   for (auto& t : clients) t.join();
   for (const grpc::Status& s : statuses) EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
+}
+
+// The value of a gauge on the daemon's /metrics page (-1 when absent).
+double Gauge(const testing::Daemon& daemon, absl::string_view family) {
+  for (absl::string_view line : absl::StrSplit(testing::HttpGet(daemon.metrics_port(), "/metrics"), '\n')) {
+    double value = 0;
+    if (absl::ConsumePrefix(&line, family) && absl::ConsumePrefix(&line, " ") && absl::SimpleAtod(line, &value)) {
+      return value;
+    }
+  }
+  return -1;
+}
+
+// Finding 1, the rest: what the hub kept for watchers (each step's event and
+// diff) stayed after they left. It is now let go, and the heap trimmed, once
+// the last watch ends.
+TEST(Issue26Test, WhatWatchesKeepIsGivenBackOnceTheLastWatchEnds) {
+  const std::string models = testing::MakeScratchDir("models");
+  auto checkpoint = [](int seed) {
+    std::vector<SharedTensor> tensors;
+    for (int i = 0; i < 2000; ++i) {
+      tensors.push_back({{absl::StrCat("model.layers.", i, ".weight"), DType::kF32, {1}},
+                         SharedBytes::Copy(std::string(4, static_cast<char>(i % 2 == 0 ? 1 : seed)))});
+    }
+    return *SerializeCheckpoint(kSafeTensorsFormat, tensors, {});
+  };
+  testing::WriteFileOrDie(models + "/m.safetensors", checkpoint(1));
+  testing::Daemon daemon(models, {"--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials()));
+  constexpr int kWatchers = 4;
+  std::vector<grpc::ClientContext> contexts(kWatchers);
+  std::vector<std::unique_ptr<grpc::ClientReader<pb::CheckpointEvent>>> watches;
+  pb::WatchCheckpointsRequest request;
+  request.set_name("m");
+  for (grpc::ClientContext& ctx : contexts) {
+    watches.push_back(stub->WatchCheckpoints(&ctx, request));
+    pb::CheckpointEvent event;
+    do {
+      ASSERT_TRUE(watches.back()->Read(&event));
+    } while (event.kind() != pb::CheckpointEvent::SYNCED);
+  }
+  // A replacement: half the tensors change, and every watcher reads its event.
+  testing::WriteFileOrDie(models + "/m.safetensors.tmp", checkpoint(7));
+  std::filesystem::rename(models + "/m.safetensors.tmp", models + "/m.safetensors");
+  grpc::ClientContext rescan_ctx;
+  pb::RescanResponse rescanned;
+  ASSERT_TRUE(stub->Rescan(&rescan_ctx, pb::RescanRequest(), &rescanned).ok());
+  for (auto& watch : watches) {
+    pb::CheckpointEvent event;
+    ASSERT_TRUE(watch->Read(&event));
+    EXPECT_EQ(event.kind(), pb::CheckpointEvent::REPLACED);
+    EXPECT_TRUE(event.delta());
+    EXPECT_EQ(event.changed_tensors().size(), 1000);
+  }
+  EXPECT_GT(Gauge(daemon, "weightstore_watch_cached_bytes"), 1000 * 20);
+  EXPECT_EQ(Gauge(daemon, "weightstore_watches_active"), kWatchers);
+  for (grpc::ClientContext& ctx : contexts) ctx.TryCancel();
+  for (auto& watch : watches) (void)watch->Finish();
+  // Waits for the daemon to see them go (a hang is caught by CTest's timeout).
+  while (Gauge(daemon, "weightstore_watches_active") != 0 || Gauge(daemon, "weightstore_watch_cached_bytes") != 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 }  // namespace
