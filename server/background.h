@@ -40,6 +40,9 @@ class Background {
   // Refuses new jobs, calls those still queued with Unavailable, and waits for
   // those running. Idempotent.
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Marks the pool stopping (stopping() is true from now on) without waiting:
+  // the long jobs of several pools can be told to end before any is joined.
+  void BeginStop() { stopped_.store(true, std::memory_order_relaxed); }
 
   size_t queued() const ABSL_LOCKS_EXCLUDED(mu_);
   // True once Stop() began: long jobs ask it to end early.

@@ -123,10 +123,6 @@ struct ShmServerOptions {
   // Largest request frame (a target schema can be large). Default: 4 MiB, as
   // the gRPC port's request limit.
   uint32_t max_request_bytes = 4 << 20;
-  // Workers that resolve those selections; admitted ones beyond this wait
-  // their turn. 0: half the cores, at least one, so that selections leave
-  // the other half to serving.
-  int selection_threads = 0;
   // What a request's selection may cost.
   SelectionLimits selection_limits;
   // Folders taken out of the paths in error messages (as the gRPC service's).

@@ -40,6 +40,11 @@ v1::DeltaInfo Resolved::DeltaInfo(size_t begin, size_t end) const {
   return info;
 }
 
+bool IsCostlySelection(const v1::Selection& selection) {
+  return !selection.include().empty() || !selection.exclude().empty() || !selection.renames().empty() ||
+         !selection.shard().rules().empty() || selection.has_target();
+}
+
 absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,
                                  const v1::Selection& selection, const std::string& pinned_version,
                                  const SelectionLimits& limits, const std::string& since_version) {

@@ -47,6 +47,11 @@ absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::
                                  const v1::Selection& selection, const std::string& pinned_version,
                                  const SelectionLimits& limits, const std::string& since_version = "");
 
+// Whether resolving `selection` runs patterns or a target over every name
+// (include, exclude, renames, shard rules, a target): the selections counted
+// by --max-concurrent-selections, on every transport.
+bool IsCostlySelection(const v1::Selection& selection);
+
 }  // namespace weightstore::server
 
 #endif  // WEIGHTSTORE_SERVER_RESOLVE_H_

@@ -262,7 +262,8 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   if (!options.socket.path.empty()) {
     options.socket.selection_limits = options.service.selection_limits;
     options.socket.hidden_folders = options.service.hidden_folders;
-    auto shm = ShmServer::Start(s->registry_.get(), s->segments_.get(), options.socket, s->puller_.get());
+    auto shm = ShmServer::Start(s->registry_.get(), s->segments_.get(), options.socket, s->puller_.get(),
+                                s->service_->selection_gate());
     if (!shm.ok()) return shm.status();
     s->shm_server_ = *std::move(shm);
   }

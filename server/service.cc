@@ -24,12 +24,6 @@ namespace weightstore::server {
 
 namespace {
 
-// Whether resolving `selection` runs patterns or a target over every name.
-bool IsCostly(const v1::Selection& selection) {
-  return !selection.include().empty() || !selection.exclude().empty() || !selection.renames().empty() ||
-         !selection.shard().rules().empty() || selection.has_target();
-}
-
 // ServiceOptions::selection_threads, with 0 resolved to half the cores.
 int SelectionThreads(const ServiceOptions& options) {
   if (options.selection_threads > 0) return options.selection_threads;
@@ -157,9 +151,9 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     resolved_ = std::move(resolved);
     chunk_bytes_ = request_.chunk_bytes() == 0 ? service_->options_.chunk_bytes
                                                : std::min<uint32_t>(request_.chunk_bytes(), 4 << 20);
-    // A multiple of 8 bytes, so a chunk of a transformed tensor ends on an
-    // element boundary whatever its dtype.
-    chunk_bytes_ = std::max<uint32_t>(chunk_bytes_, 4096) & ~uint32_t{7};
+    // A multiple of 64 bytes, so a chunk of a transformed tensor ends on a
+    // served unit whatever its dtype (the largest: four F6 cast to F64, 32).
+    chunk_bytes_ = std::max<uint32_t>(chunk_bytes_, 4096) & ~uint32_t{63};
     index_ = request_.start_index();
     end_ = request_.end_index() == 0 ? resolved_.snapshot->size()
                                      : std::min<uint64_t>(request_.end_index(), resolved_.snapshot->size());
@@ -451,11 +445,25 @@ SelectionLimits WeightStoreService::LimitsFor(const grpc::CallbackServerContext&
   return limits;
 }
 
+absl::StatusOr<Resolved> WeightStoreService::ResolveInSlot(const grpc::CallbackServerContext& ctx,
+                                                           const std::string& name, const v1::Selection& selection,
+                                                           const std::string& version,
+                                                           const std::string& since_version) {
+  uint64_t ticket = 0;
+  if (IsCostlySelection(selection)) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket, selection_work_.Admit(ctx.peer(), [] {}));
+    selection_work_.Busy(ticket);
+  }
+  absl::StatusOr<Resolved> resolved = Resolve(*registry_, name, selection, version, LimitsFor(ctx), since_version);
+  if (ticket != 0) selection_work_.Release(ticket);
+  return resolved;
+}
+
 void WeightStoreService::ResolveAsync(const grpc::CallbackServerContext& ctx, const std::string& name,
                                       const v1::Selection& selection, const std::string& version,
                                       const std::string& since_version,
                                       std::function<void(absl::StatusOr<Resolved>)> done) {
-  if (!IsCostly(selection)) {
+  if (!IsCostlySelection(selection)) {
     done(Resolve(*registry_, name, selection, version, options_.selection_limits, since_version));
     return;
   }
@@ -489,8 +497,14 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
   return UnaryReadingThrough(
       ctx, Scope::kRead, req->name(),
       [this, ctx, req, resp](const PullResult&) -> absl::Status {
-        WEIGHTSTORE_ASSIGN_OR_RETURN(Resolved resolved, Resolve(*registry_, req->name(), req->selection(),
-                                                                req->version(), LimitsFor(*ctx), req->since_version()));
+        // With checksums the body runs on background_ (kLong): a costly
+        // selection takes its slot for the resolving only, not the reading.
+        // Without, a costly one already holds its slot (kSelection).
+        WEIGHTSTORE_ASSIGN_OR_RETURN(
+            Resolved resolved, req->with_checksums() ? ResolveInSlot(*ctx, req->name(), req->selection(),
+                                                                     req->version(), req->since_version())
+                                                     : Resolve(*registry_, req->name(), req->selection(),
+                                                               req->version(), LimitsFor(*ctx), req->since_version()));
         const Snapshot& snapshot = *resolved.snapshot;
         resp->set_name(req->name());
         resp->set_version(resolved.version->version());
@@ -510,8 +524,8 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
         return absl::OkStatus();
       },
       [req] {
-        if (IsCostly(req->selection())) return Work::kSelection;  // checksums too, holding its slot
-        return req->with_checksums() ? Work::kLong : Work::kQuick;
+        if (req->with_checksums()) return Work::kLong;
+        return IsCostlySelection(req->selection()) ? Work::kSelection : Work::kQuick;
       });
 }
 

@@ -92,6 +92,9 @@ class WeightStoreService final : public ServiceBase {
   // Ends the calls waiting for a checksum worker (UNAVAILABLE) and waits for
   // those computing: a step of shutting down, before gRPC waits for calls.
   void StopBackground() {
+    // Both marked stopping first: a body on one pool asks both (Cancelled).
+    selections_.BeginStop();
+    background_.BeginStop();
     selections_.Stop();
     background_.Stop();
   }
@@ -101,6 +104,9 @@ class WeightStoreService final : public ServiceBase {
   // Costly selections admitted now (resolving, or waiting for a selection
   // worker).
   int active_selections() const { return selection_work_.active(); }
+  // The gate of costly selections (--max-concurrent-selections), for the
+  // same-host socket's to share.
+  StreamGovernor* selection_gate() { return &selection_work_; }
   // Streams being served now, and those cancelled for stalling.
   int active_fetches() const { return streams_.active(); }
   uint64_t stalled_fetches() const { return streams_.cancelled(); }
@@ -135,7 +141,9 @@ class WeightStoreService final : public ServiceBase {
                                                 const std::string& checkpoint, Body body,
                                                 std::function<Work()> work = {});
   // For a body on background_: true once its client left or the daemon stops.
-  bool Cancelled(grpc::CallbackServerContext* ctx) const { return ctx->IsCancelled() || background_.stopping(); }
+  bool Cancelled(grpc::CallbackServerContext* ctx) const {
+    return ctx->IsCancelled() || background_.stopping() || selections_.stopping();
+  }
   friend class PutReactor;
   friend class FileReadReactor;
   friend class PushReactor;
@@ -147,6 +155,12 @@ class WeightStoreService final : public ServiceBase {
   // The request's selection limits, cancelled once its client goes away or
   // the daemon stops (valid while the call is).
   SelectionLimits LimitsFor(const grpc::CallbackServerContext& ctx) const;
+  // Resolve() on this thread (a worker), holding a slot of selection_work_
+  // while a costly selection is resolved (RESOURCE_EXHAUSTED when none is
+  // free).
+  absl::StatusOr<Resolved> ResolveInSlot(const grpc::CallbackServerContext& ctx, const std::string& name,
+                                         const v1::Selection& selection, const std::string& version,
+                                         const std::string& since_version);
   // Resolve(), calling `done` with the result: at once on this thread for a
   // plain selection, or on a selections_ worker, holding a slot of
   // selection_work_, for a costly one. `done` is called exactly once.

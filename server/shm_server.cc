@@ -144,7 +144,8 @@ bool PeerCouldWrite(int fd, const ShmPeer& peer) {
 }
 
 absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const CheckpointRegistry* registry, SegmentCache* cache,
-                                                            ShmServerOptions options, Puller* puller) {
+                                                            ShmServerOptions options, Puller* puller,
+                                                            StreamGovernor* selection_gate) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (options.path.empty() || options.path.size() >= sizeof(addr.sun_path)) {
@@ -154,7 +155,7 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const CheckpointRegi
   absl::Status cleared = ClearStaleSocket(options.path);
   if (!cleared.ok()) return cleared;
   std::memcpy(addr.sun_path, options.path.data(), options.path.size());
-  std::unique_ptr<ShmServer> server(new ShmServer(registry, cache, std::move(options), puller));
+  std::unique_ptr<ShmServer> server(new ShmServer(registry, cache, std::move(options), puller, selection_gate));
   const std::string& path = server->options_.path;
   server->listener_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!server->listener_.valid()) return StatusFromErrno(errno, "socket(AF_UNIX)");
@@ -428,8 +429,16 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
                                    v1::MapTensorsResponse* response,
                                    std::vector<std::shared_ptr<const MappedFile>>* segments) {
   if (puller_ != nullptr) WEIGHTSTORE_RETURN_IF_ERROR(puller_->Pull(request.name()).status());
-  absl::StatusOr<Resolved> resolved = Resolve(*registry_, request.name(), request.selection(), request.version(),
-                                              options_.selection_limits, request.since_version());
+  uint64_t ticket = 0;
+  if (selection_gate_ != nullptr && IsCostlySelection(request.selection())) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket, selection_gate_->Admit(absl::StrCat("unix:uid=", peer.uid), [] {}));
+    selection_gate_->Busy(ticket);  // bounded by the selection's own budgets
+  }
+  SelectionLimits limits = options_.selection_limits;
+  limits.cancelled = [this] { return stopping_.load(); };
+  absl::StatusOr<Resolved> resolved =
+      Resolve(*registry_, request.name(), request.selection(), request.version(), limits, request.since_version());
+  if (ticket != 0) selection_gate_->Release(ticket);
   if (!resolved.ok()) return resolved.status();
   const Snapshot& snapshot = *resolved->snapshot;
   const Checkpoint& checkpoint = snapshot.checkpoint();

@@ -39,6 +39,7 @@
 #include "core/shm/segment_cache.h"
 #include "core/shm/unix_socket.h"
 #include "server/options.h"
+#include "server/stream_governor.h"
 #include "weightstore/v1/shm.pb.h"
 
 namespace weightstore::server {
@@ -71,8 +72,12 @@ class ShmServer {
   // the daemon lacks is pulled first, on the connection's thread) must outlive
   // the server. AlreadyExists if a live daemon listens on the path,
   // FailedPrecondition if something other than a socket is there.
+  // `selection_gate` (may be null: none) admits the selections that run
+  // patterns or a target, by the peer's uid: the gRPC port's gate, so that
+  // both transports together are held to --max-concurrent-selections.
   static absl::StatusOr<std::unique_ptr<ShmServer>> Start(const CheckpointRegistry* registry, SegmentCache* cache,
-                                                          ShmServerOptions options, Puller* puller = nullptr);
+                                                          ShmServerOptions options, Puller* puller = nullptr,
+                                                          StreamGovernor* selection_gate = nullptr);
   ~ShmServer();  // Stop()s
 
   // Stops accepting, closes every connection, removes the socket file. Mappings
@@ -83,8 +88,13 @@ class ShmServer {
   Stats stats() const;
 
  private:
-  ShmServer(const CheckpointRegistry* registry, SegmentCache* cache, ShmServerOptions options, Puller* puller)
-      : registry_(registry), cache_(cache), puller_(puller), options_(std::move(options)) {}
+  ShmServer(const CheckpointRegistry* registry, SegmentCache* cache, ShmServerOptions options, Puller* puller,
+            StreamGovernor* selection_gate)
+      : registry_(registry),
+        cache_(cache),
+        puller_(puller),
+        selection_gate_(selection_gate),
+        options_(std::move(options)) {}
   void AcceptLoop();
   // Answers one request: fills `response` and the descriptors to send with it
   // (owned by the segments `keep` holds alive, or by `leases`: the per-client
@@ -108,6 +118,7 @@ class ShmServer {
   const CheckpointRegistry* registry_;
   SegmentCache* cache_;
   Puller* puller_;
+  StreamGovernor* selection_gate_;
   const ShmServerOptions options_;
   UniqueFd listener_;
   std::thread acceptor_;

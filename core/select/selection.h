@@ -143,8 +143,10 @@ struct SelectionLimits {
 };
 
 // What one selection may still spend: SelectionLimits::max_scan_bytes of
-// names scanned and max_time from its start. The clock is read once per
-// 64 KiB of work, so that short names cost no clock reads. Thread-compatible.
+// names scanned (checked at every charge) and max_time from its start. The
+// clock is read once per 64 KiB of work or 64 charges, whichever comes first:
+// short names cost few clock reads, and one slow search at a time (a pattern
+// whose DFA does not fit) cannot run far past the time. Thread-compatible.
 class SelectionDeadline {
  public:
   explicit SelectionDeadline(const SelectionLimits& limits)
@@ -157,20 +159,23 @@ class SelectionDeadline {
   // SelectionLimits::cancelled says so.
   absl::Status Check(absl::string_view what, uint64_t work) const {
     work_ += work;
-    if (work_ < next_check_) return absl::OkStatus();
+    if (work_ < next_check_ && ++charges_ < kChargesBetweenChecks && work_ <= max_work_) return absl::OkStatus();
     next_check_ = work_ + kWorkBetweenChecks;
+    charges_ = 0;
     return CheckSpent(what);
   }
   uint64_t scanned() const { return work_; }
 
  private:
   static constexpr uint64_t kWorkBetweenChecks = 64 << 10;
+  static constexpr uint32_t kChargesBetweenChecks = 64;
   absl::Status CheckSpent(absl::string_view what) const;
   std::chrono::milliseconds budget_;
   uint64_t max_work_;
   std::chrono::steady_clock::time_point end_;
   std::function<bool()> cancelled_;
   mutable uint64_t work_ = 0, next_check_ = 0;
+  mutable uint32_t charges_ = 0;
 };
 
 // A validated, compiled selection. Thread-safe: immutable, shareable.

@@ -394,7 +394,21 @@ TEST(SelectionTest, TheScanCountChargesEachPassOfEachPattern) {
   EXPECT_EQ(deadline.scanned(), 16u + 10u + 10u);
   ASSERT_OK_AND_ASSIGN(bool kept, selection->Matches(renamed, deadline));
   EXPECT_TRUE(kept);
-  EXPECT_EQ(deadline.scanned(), 36u + 2 * 9 + 1);  // the include and the exclude alternation
+  EXPECT_EQ(deadline.scanned(), 36u + 2 * (9 + 1));  // the include and the exclude alternation
+}
+
+TEST(SelectionTest, TheScanBudgetIsExactAndASelectionWithoutPatternsSpendsNone) {
+  SelectionLimits limits;
+  limits.max_scan_bytes = 0;
+  ASSERT_OK_AND_ASSIGN(auto plain, Selection::Compile({}, limits));
+  ASSERT_OK_AND_ASSIGN(auto snapshot, Snapshot::Select(Names({"a.weight", "b.weight"}), *plain));
+  EXPECT_EQ(snapshot->size(), 2u);
+  SelectionOptions options;
+  options.include.push_back("weight");
+  limits.max_scan_bytes = 15;  // the first name (9 bytes and one) fits, the second does not
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options, limits));
+  EXPECT_THAT(Snapshot::Select(Names({"a.weight", "b.weight"}), *selection),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("scanned more than 15 bytes")));
 }
 
 TEST(SelectionTest, AnOrdinarySelectionOfAHundredThousandNamesPassesTheDefaultScanBudget) {
