@@ -23,6 +23,7 @@
 #include "core/manifest.h"
 #include "core/pem.h"
 #include "core/select/apply.h"
+#include "core/select/dtype_cast.h"
 #include "core/select/selection.h"
 #include "core/select/snapshot.h"
 #include "core/status_macros.h"
@@ -60,8 +61,9 @@ absl::StatusOr<SelectionOptions> ParseSelection(const SelectionArgs& args) {
   }
   if (!args.dtype.empty()) {
     std::optional<DType> dtype = ParseDType(absl::AsciiStrToUpper(args.dtype));
-    if (!dtype || !IsFloatingPoint(*dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat("--dtype '", args.dtype, "' is not one of f16, bf16, f32, f64"));
+    if (!dtype || !IsCastTarget(*dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--dtype '", args.dtype, "' is not one of ", absl::AsciiStrToLower(kCastTargets)));
     }
     options.dtype = dtype;
   }

@@ -61,9 +61,11 @@ absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out) {
   out->spec.dtype = *dtype;
   out->spec.shape.assign(in.shape().begin(), in.shape().end());
   std::optional<uint64_t> numel = CheckedNumElements(out->spec.shape);
-  if (out->spec.shape.size() > kMaxRank || !numel || !CheckedMul(*numel, DTypeSize(*dtype))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", in.name(), "' has a shape whose byte size overflows or whose rank passes ", kMaxRank));
+  if (out->spec.shape.size() > kMaxRank || !numel || !DTypeBytes(*dtype, *numel)) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", in.name(),
+                                                   "' has a shape whose byte size overflows, is not a whole number of "
+                                                   "bytes, or whose rank passes ",
+                                                   kMaxRank));
   }
   if (out->spec.byte_size() != in.byte_size()) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", in.name(), "' declares ", in.byte_size(),

@@ -74,7 +74,13 @@ absl::Status ValidateEntry(CheckpointEntry& entry, absl::string_view path) {
   }
   const uint64_t element_size = DTypeSize(spec.dtype);
   auto numel = CheckedNumElements(spec.shape);
-  auto nbytes = numel ? CheckedMul(*numel, element_size) : std::nullopt;
+  if (numel && *numel % DTypeUnitElements(spec.dtype) != 0) {
+    return fault(absl::StrCat("has ", *numel, " ", DTypeName(spec.dtype), " elements: not a whole number of bytes"));
+  }
+  if (IsSubByte(spec.dtype) && !entry.layout.strides.empty() && !IsContiguous(spec.shape, entry.layout.strides)) {
+    return fault(absl::StrCat("is a strided view of ", DTypeName(spec.dtype), " elements, which are packed"));
+  }
+  auto nbytes = numel ? DTypeBytes(spec.dtype, *numel) : std::nullopt;
   if (!nbytes) return fault(absl::StrCat("shape ", ShapeToString(spec.shape), " overflows"));
   const uint64_t storage_size = entry.layout.storage->size();
   if (!entry.layout.strides.empty()) {

@@ -30,8 +30,9 @@ absl::Status PushSession::BeginTensor(const TensorSpec& spec, uint32_t crc32c) {
                                                    " bytes (1 to ", max_name_bytes_, ")"));
   }
   std::optional<uint64_t> numel = CheckedNumElements(spec.shape);
-  if (spec.shape.size() > kMaxRank || !numel || !CheckedMul(*numel, DTypeSize(spec.dtype))) {
-    return absl::InvalidArgumentError(absl::StrCat(where, " has a shape whose byte size overflows"));
+  if (spec.shape.size() > kMaxRank || !numel || !DTypeBytes(spec.dtype, *numel)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " has a shape whose byte size overflows or is not a whole number of bytes"));
   }
   if (by_name_.contains(spec.name)) return absl::InvalidArgumentError(absl::StrCat(where, " was pushed twice"));
   // A removed tensor pushed again is redefined: another dtype or shape.

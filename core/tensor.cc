@@ -11,7 +11,9 @@ uint64_t TensorSpec::num_elements() const {
   return n;
 }
 
-uint64_t TensorSpec::byte_size() const { return num_elements() * DTypeSize(dtype); }
+uint64_t TensorSpec::byte_size() const {
+  return num_elements() / DTypeUnitElements(dtype) * DTypeSize(dtype);  // whole units: checked where specs come in
+}
 
 absl::Status CheckDestination(const TensorSpec& spec, size_t destination_bytes) {
   if (destination_bytes == spec.byte_size()) return absl::OkStatus();

@@ -30,7 +30,8 @@ struct TensorSpec {
 
   // Returns the element count (1 for a scalar). REQUIRES: validated shape (no overflow).
   uint64_t num_elements() const;
-  // Returns num_elements() * DTypeSize(dtype).
+  // Returns the bytes of num_elements() elements (DTypeBytes; a sub-byte
+  // tensor's elements are whole units where specs come in).
   uint64_t byte_size() const;
 
   friend bool operator==(const TensorSpec&, const TensorSpec&) = default;

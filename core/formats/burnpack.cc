@@ -274,7 +274,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseBurnpack(SharedBytes byte
         const uint64_t length = offsets[1] - offsets[0];
         if (length > kMaxTensorSize) return fault("is larger than 10 GiB");
         auto numel = CheckedNumElements(entry.spec.shape);
-        auto nbytes = numel ? CheckedMul(*numel, DTypeSize(entry.spec.dtype)) : std::nullopt;
+        auto nbytes = numel ? DTypeBytes(entry.spec.dtype, *numel) : std::nullopt;
         if (!nbytes)
           return fault(absl::StrCat("has a shape ", ShapeToString(entry.spec.shape), " whose size overflows"));
         if (*nbytes != length) {
@@ -348,7 +348,17 @@ absl::Status EncodeDType(DType dtype, absl::string_view name, CborOut* out) {
       return absl::OkStatus();
     case DType::kF8E4M3:
     case DType::kF8E5M2:
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': Burnpack cannot store ", DTypeName(dtype)));
+    case DType::kF4:
+    case DType::kF6E2M3:
+    case DType::kF6E3M2:
+    case DType::kF8E8M0:
+    case DType::kF8E4M3FNUZ:
+    case DType::kF8E5M2FNUZ:
+    case DType::kC64:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", name, "': Burnpack cannot store ", DTypeName(dtype),
+          " (Burn's element types: F64, F32, F16, BF16, I64 to I8, U64 to U8, Bool); cast floats with --dtype, "
+          "or leave the tensor out"));
     default:
       out->Text(DTypeName(dtype));
       return absl::OkStatus();

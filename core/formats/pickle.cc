@@ -23,6 +23,7 @@ struct GlobalInfo {
   PickleGlobal kind;
   DType dtype = DType::kU8;
   bool untyped = false;
+  bool unsupported = false;  // a dtype read as a name only: a tensor of it is refused, naming it
 };
 
 const std::map<std::string, GlobalInfo, std::less<>>& AllowedGlobals() {
@@ -49,12 +50,16 @@ const std::map<std::string, GlobalInfo, std::less<>>& AllowedGlobals() {
         {"torch.storage.UntypedStorage", {PickleGlobal::kStorageClass, DType::kU8, true}},
     };
     const std::pair<const char*, DType> storages[] = {
-        {"FloatStorage", DType::kF32},     {"DoubleStorage", DType::kF64}, {"HalfStorage", DType::kF16},
-        {"BFloat16Storage", DType::kBF16}, {"LongStorage", DType::kI64},   {"IntStorage", DType::kI32},
-        {"ShortStorage", DType::kI16},     {"CharStorage", DType::kI8},    {"ByteStorage", DType::kU8},
-        {"BoolStorage", DType::kBool},
+        {"FloatStorage", DType::kF32},     {"DoubleStorage", DType::kF64},       {"HalfStorage", DType::kF16},
+        {"BFloat16Storage", DType::kBF16}, {"LongStorage", DType::kI64},         {"IntStorage", DType::kI32},
+        {"ShortStorage", DType::kI16},     {"CharStorage", DType::kI8},          {"ByteStorage", DType::kU8},
+        {"BoolStorage", DType::kBool},     {"ComplexFloatStorage", DType::kC64},
     };
     for (auto [name, dtype] : storages) (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kStorageClass, dtype};
+    for (const char* name : {"ComplexDoubleStorage", "ComplexHalfStorage", "QInt8Storage", "QUInt8Storage",
+                             "QInt32Storage", "QUInt4x2Storage", "QUInt2x4Storage"}) {
+      (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kStorageClass, DType::kU8, false, true};
+    }
     const std::pair<const char*, DType> dtypes[] = {
         {"float32", DType::kF32},
         {"float", DType::kF32},
@@ -77,8 +82,22 @@ const std::map<std::string, GlobalInfo, std::less<>>& AllowedGlobals() {
         {"uint64", DType::kU64},
         {"float8_e4m3fn", DType::kF8E4M3},
         {"float8_e5m2", DType::kF8E5M2},
+        {"float8_e4m3fnuz", DType::kF8E4M3FNUZ},
+        {"float8_e5m2fnuz", DType::kF8E5M2FNUZ},
+        {"float8_e8m0fnu", DType::kF8E8M0},
+        {"float4_e2m1fn_x2", DType::kF4},  // a byte of two: PyTorchReader doubles the last dimension
+        {"complex64", DType::kC64},
+        {"cfloat", DType::kC64},
     };
     for (auto [name, dtype] : dtypes) (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kDTypeObject, dtype};
+    // torch's other dtypes, known by name so that a tensor of one is refused
+    // naming it, rather than the file for an unknown global.
+    for (const char* name :
+         {"complex128", "cdouble", "complex32", "chalf", "bits1x8", "bits2x4", "bits4x2",  "bits8",   "bits16", "uint1",
+          "uint2",      "uint3",   "uint4",     "uint5", "uint6",   "uint7",   "int1",     "int2",    "int3",   "int4",
+          "int5",       "int6",    "int7",      "qint8", "quint8",  "qint32",  "quint4x2", "quint2x4"}) {
+      (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kDTypeObject, DType::kU8, false, true};
+    }
     // Legacy tensor type names (TAR checkpoints record them per tensor).
     for (const char* name : {"FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "LongTensor", "IntTensor",
                              "ShortTensor", "CharTensor", "ByteTensor", "BoolTensor"}) {
@@ -207,6 +226,7 @@ absl::Status PickleMachine::PushGlobal(absl::string_view module, absl::string_vi
   v->global_name = std::move(full);
   v->global_dtype = it->second.dtype;
   v->global_untyped = it->second.untyped;
+  v->global_unsupported = it->second.unsupported;
   return absl::OkStatus();
 }
 
@@ -280,6 +300,7 @@ absl::StatusOr<const PickleValue*> PickleMachine::MakeTensor(PickleGlobal kind,
       return Error("_rebuild_tensor_v3 without a dtype");
     }
     t.dtype = args[6]->global_dtype;
+    if (args[6]->global_unsupported) t.unsupported_dtype = args[6]->global_name;
   }
   return *v;
 }
@@ -411,6 +432,7 @@ absl::Status PickleMachine::PersistentId(const PickleValue* pid) {
   PickleStorage& s = v->storage;
   s.dtype = cls->global_dtype;
   s.untyped = cls->global_untyped;
+  if (cls->global_unsupported) s.unsupported = cls->global_name;
   const PickleValue* key = pid->items[2];
   if (key->kind == Kind::kString) {
     s.key = key->s;

@@ -51,7 +51,8 @@ struct PickleStorage {
   bool untyped = false;  // UntypedStorage: numel counts bytes, dtype from the tensor
   std::string key;
   uint64_t numel = 0;
-  bool has_view = false;  // legacy view metadata (view_key, offset, size)
+  std::string unsupported;  // a storage class of a dtype weightstore does not read ("torch.ComplexDoubleStorage")
+  bool has_view = false;    // legacy view metadata (view_key, offset, size)
   std::string view_key;
   uint64_t view_offset = 0;  // in elements of the root storage
   uint64_t view_size = 0;
@@ -60,6 +61,7 @@ struct PickleStorage {
 struct PickleTensor {
   const PickleValue* storage = nullptr;  // kind kStorage
   std::optional<DType> dtype;            // from _rebuild_tensor_v3
+  std::string unsupported_dtype;         // ... when weightstore does not read it ("torch.complex128")
   uint64_t storage_offset = 0;           // in elements
   std::vector<uint64_t> shape;
   std::vector<uint64_t> strides;
@@ -92,6 +94,7 @@ struct PickleValue {
   std::string global_name;          // "module.name"
   DType global_dtype = DType::kU8;  // storage classes and dtype objects
   bool global_untyped = false;
+  bool global_unsupported = false;  // a dtype (or its storage class) weightstore does not read
   PickleStorage storage;
   PickleTensor tensor;
 };

@@ -21,6 +21,19 @@
 namespace weightstore {
 namespace {
 
+// Whether `strides` (elements) lay `shape` out row-major (dimensions of size 1
+// may have any stride).
+bool IsRowMajor(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& strides) {
+  if (strides.empty()) return true;
+  if (strides.size() != shape.size()) return false;
+  uint64_t expected = 1;
+  for (size_t d = shape.size(); d-- > 0;) {
+    if (shape[d] != 1 && strides[d] != expected) return false;
+    expected *= shape[d];
+  }
+  return true;
+}
+
 using Kind = PickleValue::Kind;
 
 constexpr unsigned char kLegacyMagic[15] = {0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46,
@@ -162,6 +175,12 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> BuildCheckpoint(const PickleVa
     const PickleStorage& s = t.storage->storage;
     CheckpointEntry entry;
     entry.spec.name = name;
+    if (const std::string& other = !t.unsupported_dtype.empty() ? t.unsupported_dtype : s.unsupported; !other.empty()) {
+      return Bad(path, absl::StrCat("tensor '", name, "' has dtype ", other,
+                                    ", which weightstore does not read (floats to F64, the float8 family, "
+                                    "float4_e2m1fn_x2, complex64, bool and the integers to 64 bits); convert it "
+                                    "in torch first"));
+    }
     if (s.untyped && !t.dtype)
       return Bad(path, absl::StrCat("tensor '", name, "' has an untyped storage and no dtype"));
     entry.spec.dtype = t.dtype.value_or(s.dtype);
@@ -184,6 +203,19 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> BuildCheckpoint(const PickleVa
     entry.layout.offset = *offset;
     entry.layout.strides = t.strides;
     entry.layout.normalize_bool = entry.spec.dtype == DType::kBool;
+    if (entry.spec.dtype == DType::kF4) {
+      // torch's float4_e2m1fn_x2 counts bytes of two values; SafeTensors' F4,
+      // values (the last dimension doubled, as safetensors maps it).
+      if (!IsRowMajor(entry.spec.shape, entry.layout.strides)) {
+        return Bad(path, absl::StrCat("tensor '", name,
+                                      "' is a strided view of float4_e2m1fn_x2, whose bytes hold two values; save "
+                                      "it contiguous"));
+      }
+      entry.layout.strides.clear();
+      if (entry.spec.shape.empty()) entry.spec.shape = {1};
+      if (!CheckedMul(entry.spec.shape.back(), 2)) return Bad(path, absl::StrCat("tensor '", name, "' overflows"));
+      entry.spec.shape.back() *= 2;
+    }
     entries.push_back(std::move(entry));
   }
   return Checkpoint::Create(kPyTorchFormat, path, Metadata{}, std::move(entries), std::move(detail), {}, options);
@@ -472,6 +504,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseTar(SharedBytes bytes, co
     v.kind = Kind::kStorage;
     v.storage.key = key;
     v.storage.dtype = h->items[2]->global_dtype;
+    if (h->items[2]->global_unsupported) v.storage.unsupported = h->items[2]->global_name;
     if (st.data.size() - st.pos < 8) return Bad(path, absl::StrCat("TAR storage '", key, "' is truncated"));
     v.storage.numel = LoadU64(st.data.data() + st.pos);
     st.pos += 8;

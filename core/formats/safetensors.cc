@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "absl/container/flat_hash_map.h"
@@ -15,42 +16,20 @@
 namespace weightstore {
 namespace {
 
-// The reference writer's dtype order (safetensors 0.7's enum): BOOL < U8 < I8 <
-// F8_E5M2 < F8_E4M3 < I16 < U16 < F16 < BF16 < I32 < U32 < F32 < F64 < I64 < U64.
+// The reference writer's dtype order (safetensors 0.8's `Dtype` enum): BOOL <
+// F4 < F6_E2M3 < F6_E3M2 < U8 < I8 < F8_E5M2 < F8_E4M3 < F8_E8M0 <
+// F8_E4M3FNUZ < F8_E5M2FNUZ < I16 < U16 < F16 < BF16 < I32 < U32 < F32 < C64 <
+// F64 < I64 < U64.
 int DTypeOrder(DType dtype) {
-  switch (dtype) {
-    case DType::kBool:
-      return 0;
-    case DType::kU8:
-      return 1;
-    case DType::kI8:
-      return 2;
-    case DType::kF8E5M2:
-      return 3;
-    case DType::kF8E4M3:
-      return 4;
-    case DType::kI16:
-      return 5;
-    case DType::kU16:
-      return 6;
-    case DType::kF16:
-      return 7;
-    case DType::kBF16:
-      return 8;
-    case DType::kI32:
-      return 9;
-    case DType::kU32:
-      return 10;
-    case DType::kF32:
-      return 11;
-    case DType::kF64:
-      return 12;
-    case DType::kI64:
-      return 13;
-    case DType::kU64:
-      return 14;
+  constexpr DType kOrder[] = {DType::kBool,       DType::kF4,     DType::kF6E2M3, DType::kF6E3M2, DType::kU8,
+                              DType::kI8,         DType::kF8E5M2, DType::kF8E4M3, DType::kF8E8M0, DType::kF8E4M3FNUZ,
+                              DType::kF8E5M2FNUZ, DType::kI16,    DType::kU16,    DType::kF16,    DType::kBF16,
+                              DType::kI32,        DType::kU32,    DType::kF32,    DType::kC64,    DType::kF64,
+                              DType::kI64,        DType::kU64};
+  for (int i = 0; i < static_cast<int>(std::size(kOrder)); ++i) {
+    if (kOrder[i] == dtype) return i;
   }
-  return 15;
+  return static_cast<int>(std::size(kOrder));
 }
 
 constexpr absl::string_view kMetadataKey = "__metadata__";
@@ -276,7 +255,11 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes b
     if (!dtype) return fault(absl::StrCat("has unsupported dtype '", e.dtype, "'"));
     if (e.offsets.size() != 2) return fault("needs exactly two data_offsets");
     auto numel = CheckedNumElements(e.shape);
-    auto nbytes = numel ? CheckedMul(*numel, DTypeSize(*dtype)) : std::nullopt;
+    if (numel && !DTypeBytes(*dtype, *numel) && CheckedMul(*numel, DTypeBits(*dtype))) {
+      return fault(absl::StrCat("has ", *numel, " ", DTypeName(*dtype), " elements: ", *numel * DTypeBits(*dtype),
+                                " bits, not a whole number of bytes"));
+    }
+    auto nbytes = numel ? DTypeBytes(*dtype, *numel) : std::nullopt;
     if (!nbytes) return fault(absl::StrCat("has a shape ", ShapeToString(e.shape), " whose size overflows"));
     if (e.offsets[1] < e.offsets[0]) return fault("has data_offsets that end before they begin");
     if (e.offsets[1] - e.offsets[0] != *nbytes) {

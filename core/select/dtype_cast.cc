@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "core/select/narrow_float.h"
 
 namespace weightstore {
 
@@ -86,7 +87,7 @@ double LoadFloat(DType dtype, const std::byte* p, size_t i) {
       return dtype == DType::kF16 ? DecodeFloat(b, 5, 10) : DecodeFloat(b, 8, 7);
     }
     default:
-      return 0;
+      return IsNarrowFloat(dtype) ? DecodeNarrow(dtype, NarrowCode(dtype, p, i)) : 0;
   }
 }
 
@@ -107,6 +108,10 @@ void StoreFloat(DType dtype, std::byte* p, size_t i, double v) {
       return;
     }
     default:
+      if (IsF8Target(dtype)) {  // through F32, as torch converts
+        const float f = static_cast<float>(v);
+        p[i] = static_cast<std::byte>(EncodeF8(dtype, std::bit_cast<uint32_t>(f)));
+      }
       return;
   }
 }
@@ -114,6 +119,8 @@ void StoreFloat(DType dtype, std::byte* p, size_t i, double v) {
 bool IsSigned(DType d) { return d == DType::kI8 || d == DType::kI16 || d == DType::kI32 || d == DType::kI64; }
 bool IsUnsigned(DType d) { return d == DType::kU8 || d == DType::kU16 || d == DType::kU32 || d == DType::kU64; }
 bool IsCastFloat(DType d) { return d == DType::kF64 || d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; }
+// Sources a float cast reads: the four above and the narrow types.
+bool IsFloatSource(DType d) { return IsCastFloat(d) || IsNarrowFloat(d); }
 
 int64_t LoadSigned(DType dtype, const std::byte* p, size_t i) {
   switch (DTypeSize(dtype)) {
@@ -167,7 +174,7 @@ void StoreInteger(DType dtype, std::byte* p, size_t i, uint64_t v) {
 
 // Converts element i of src into element j of dst.
 void CastOne(DType from, const std::byte* src, size_t i, DType to, std::byte* dst, size_t j) {
-  if (IsCastFloat(from)) {
+  if (IsFloatSource(from)) {
     StoreFloat(to, dst, j, LoadFloat(from, src, i));
   } else if (IsSigned(from)) {
     StoreInteger(to, dst, j, static_cast<uint64_t>(LoadSigned(from, src, i)));
@@ -308,9 +315,18 @@ bool CastRunFast(DType from, DType to, const std::byte* src, std::byte* dst, siz
 
 }  // namespace
 
+bool IsCastTarget(DType dtype) { return IsCastFloat(dtype) || IsF8Target(dtype); }
+
 absl::Status CheckCast(DType from, DType to) {
   if (from == to) return absl::OkStatus();
-  if (IsCastFloat(from) && IsCastFloat(to)) return absl::OkStatus();
+  if (IsFloatSource(from) && IsCastFloat(to)) return absl::OkStatus();  // decoded exactly, then rounded once
+  if (IsFloatSource(from) && IsF8Target(to) && !IsSubByte(from)) return absl::OkStatus();  // as torch's .to()
+  if (IsNarrowFloat(to) && IsFloatSource(from)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot cast ", DTypeName(from), " to ", DTypeName(to),
+        ": weightstore casts into F8_E4M3, F8_E5M2, F8_E4M3FNUZ and F8_E5M2FNUZ only (as torch's .to()); F4, F6 "
+        "and F8_E8M0 values come from a quantizer, with their scales"));
+  }
   const uint64_t fs = DTypeSize(from), ts = DTypeSize(to);
   if (IsSigned(from) && IsSigned(to) && ts > fs) return absl::OkStatus();
   if (IsUnsigned(from) && IsUnsigned(to) && ts > fs) return absl::OkStatus();
@@ -322,9 +338,10 @@ absl::Status CheckCast(DType from, DType to) {
 
 void CastElements(DType from, const std::byte* src, DType to, std::byte* dst, size_t count) {
   if (from == to) {
-    std::memcpy(dst, src, count * DTypeSize(from));
+    std::memcpy(dst, src, count / DTypeUnitElements(from) * DTypeSize(from));
     return;
   }
+  if (DecodeNarrowRun(from, src, to, dst, count) || EncodeF8Run(from, src, to, dst, count)) return;
   if (from == DType::kF32 && to == DType::kF64) {  // common, exact: keep it tight
     for (size_t i = 0; i < count; ++i) {
       float f;

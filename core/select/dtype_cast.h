@@ -3,9 +3,14 @@
 // Floats (F64, F32, F16, BF16) convert to each other with a single rounding to
 // nearest, ties to even, straight from the source value (F64 -> BF16 is not
 // rounded twice through F32). NaN stays NaN (quiet, sign kept), infinities stay
-// infinite, and values past the target's range become infinities. Integers widen
-// (I8 -> I16 -> I32 -> I64, U8 -> U16 -> U32 -> U64, and unsigned to any wider
-// signed type). BOOL converts to U8. Nothing else is allowed: it could lose data.
+// infinite, and values past the target's range become infinities. The narrow
+// floats (F8 family, F6, F4: core/select/narrow_float.h) are decoded exactly
+// and convert to those four the same way, as torch 2.13's .to() does. Floats
+// narrow into F8_E4M3, F8_E5M2 and their FNUZ variants as torch does; nothing
+// casts into F4, F6 or F8_E8M0. Integers widen (I8 -> I16 -> I32 -> I64,
+// U8 -> U16 -> U32 -> U64, and unsigned to any wider signed type). BOOL
+// converts to U8. Nothing else is allowed: it could lose data. Counts are in
+// elements; for a sub-byte source, a whole number of its storage units.
 #ifndef WEIGHTSTORE_CORE_SELECT_DTYPE_CAST_H_
 #define WEIGHTSTORE_CORE_SELECT_DTYPE_CAST_H_
 
@@ -17,6 +22,10 @@
 #include "core/dtype.h"
 
 namespace weightstore {
+
+// The dtypes a selection may cast floating-point tensors to, and their names.
+bool IsCastTarget(DType dtype);
+inline constexpr char kCastTargets[] = "F64, F32, F16, BF16, F8_E4M3, F8_E5M2, F8_E4M3FNUZ, F8_E5M2FNUZ";
 
 // Returns OK if CastElements can convert `from` to `to`, else InvalidArgument
 // naming both.

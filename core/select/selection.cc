@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/select/dtype_cast.h"
 #include "core/status_macros.h"
 
 namespace weightstore {
@@ -281,12 +282,9 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
                                                                     const SelectionLimits& limits) {
   WEIGHTSTORE_RETURN_IF_ERROR(CheckSizes(options, limits));
   WEIGHTSTORE_RETURN_IF_ERROR(CheckShardAndSlices(options, limits));
-  if (options.dtype && !IsFloatingPoint(*options.dtype)) {
+  if (options.dtype && !IsCastTarget(*options.dtype)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("dtype ", DTypeName(*options.dtype), " is not a floating-point type (f16, bf16, f32, f64)"));
-  }
-  if (options.dtype && (*options.dtype == DType::kF8E4M3 || *options.dtype == DType::kF8E5M2)) {
-    return absl::InvalidArgumentError("casting to F8 types is not supported");
+        absl::StrCat("dtype ", DTypeName(*options.dtype), " is not one tensors cast to (", kCastTargets, ")"));
   }
   std::shared_ptr<Selection> selection(new Selection());
   selection->options_ = options;
@@ -380,7 +378,7 @@ bool Selection::Matches(absl::string_view name) const {
 absl::StatusOr<bool> Selection::Matches(absl::string_view name, const SelectionDeadline& deadline) const {
   // Each of the two alternations may scan the whole name.
   const uint64_t scans = (include_any_ != nullptr) + (exclude_any_ != nullptr);
-  WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("filtering", scans * name.size() + 1));
+  if (scans > 0) WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("filtering", scans * (name.size() + 1)));
   return Matches(name);
 }
 

@@ -39,7 +39,7 @@ absl::Status MaterializeServed(const Snapshot& snapshot, const ServedTensorPlan&
 
 uint64_t ServedPieceBytes(const ServedTensorPlan& plan, uint64_t about) {
   const TensorSpec& spec = plan.tensor->spec;
-  uint64_t unit = DTypeSize(spec.dtype);
+  uint64_t unit = ServedUnitBytes(*plan.tensor);
   if (plan.transpose && spec.shape.size() == 2) unit *= spec.shape[1];  // a served row (of the slice, if any)
   if (unit == 0) return std::max<uint64_t>(about, 1);
   return std::max<uint64_t>(1, about / unit) * unit;

@@ -20,8 +20,72 @@ std::vector<uint64_t> SnapshotTensor::unsliced_shape() const {
   return shape;
 }
 
+namespace {
+
+// A sub-byte tensor (core/dtype.h) as its storage sees it: its shape and its
+// slice in units of storage rather than elements (the last dimension divided
+// by the elements a unit holds; a whole tensor flattened to its units).
+// REQUIRES: CheckUnitSlice.
+struct UnitView {
+  std::vector<uint64_t> shape;
+  TensorSlice slice;
+};
+
+UnitView ToUnits(DType dtype, const std::vector<uint64_t>& shape, const TensorSlice& slice) {
+  const uint64_t per_unit = DTypeUnitElements(dtype);
+  UnitView view;
+  if (slice.empty()) {
+    uint64_t elements = 1;
+    for (uint64_t d : shape) elements *= d;
+    view.shape = {elements / per_unit};
+    return view;
+  }
+  view.shape = shape;
+  view.shape.back() /= per_unit;
+  view.slice = slice;
+  for (IndexRange& r : view.slice.dims.back()) {
+    r.start /= per_unit;
+    r.stop /= per_unit;
+  }
+  return view;
+}
+
+}  // namespace
+
+absl::Status CheckUnitSlice(DType dtype, std::span<const uint64_t> shape, const TensorSlice& slice,
+                            absl::string_view name) {
+  const uint64_t per_unit = DTypeUnitElements(dtype);
+  if (per_unit == 1 || slice.empty()) return absl::OkStatus();
+  const std::string what = absl::StrCat("tensor '", name, "' (", DTypeName(dtype), " ", ShapeToString(shape), ")");
+  if (shape.empty() || shape.back() % per_unit != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": its rows are not whole bytes (", DTypeName(dtype),
+                                                   " packs ", per_unit, " elements in ", DTypeSize(dtype),
+                                                   " bytes), so it is served whole only"));
+  }
+  for (const IndexRange& r : slice.dims.back()) {
+    if (r.start % per_unit != 0 || r.stop % per_unit != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": the slice [", r.start, ":", r.stop, "] of its last dimension would split a byte (", DTypeName(dtype),
+          " packs ", per_unit, " elements in ", DTypeSize(dtype), " bytes); cut at multiples of ", per_unit));
+    }
+  }
+  return absl::OkStatus();
+}
+
+uint64_t ServedUnitBytes(const SnapshotTensor& tensor) {
+  const DType from = tensor.source->spec.dtype, to = tensor.spec.dtype;
+  if (from == to) return DTypeSize(to);
+  return DTypeUnitElements(from) * DTypeSize(to);  // a cast's target is never sub-byte
+}
+
 std::optional<uint64_t> SnapshotTensor::ByteRangeStart() const {
   if (transpose || spec.dtype != source->spec.dtype || !Checkpoint::IsZeroCopy(*source)) return std::nullopt;
+  if (IsSubByte(spec.dtype)) {
+    const UnitView units = ToUnits(spec.dtype, source->spec.shape, slice);
+    std::optional<uint64_t> first = units.slice.ContiguousStart(units.shape);
+    if (!first) return std::nullopt;
+    return *first * DTypeSize(spec.dtype);
+  }
   std::optional<uint64_t> first = slice.ContiguousStart(source->spec.shape);
   if (!first) return std::nullopt;
   return *first * DTypeSize(spec.dtype);
@@ -29,6 +93,8 @@ std::optional<uint64_t> SnapshotTensor::ByteRangeStart() const {
 
 absl::Status SliceTensor(const Selection& selection, const SelectionDeadline& deadline, SnapshotTensor* tensor) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(tensor->slice, selection.SliceOf(tensor->spec.name, tensor->spec.shape, &deadline));
+  WEIGHTSTORE_RETURN_IF_ERROR(
+      CheckUnitSlice(tensor->source->spec.dtype, tensor->unsliced_shape(), tensor->slice, tensor->spec.name));
   if (!tensor->slice.empty()) tensor->spec.shape = tensor->slice.Shape();
   return absl::OkStatus();
 }
@@ -128,8 +194,14 @@ absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Create(std::shared_ptr
     if (t.transpose && t.source->spec.shape.size() != 2) {
       return absl::InternalError(absl::StrCat("tensor '", t.spec.name, "': transpose needs a rank-2 source"));
     }
+    if (t.transpose && IsSubByte(t.source->spec.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.spec.name, "': its ",
+                                                     DTypeName(t.source->spec.dtype),
+                                                     " elements are packed and cannot be transposed"));
+    }
     const std::vector<uint64_t> unsliced = t.unsliced_shape();
     WEIGHTSTORE_RETURN_IF_ERROR(t.slice.Check(unsliced, t.spec.name));
+    WEIGHTSTORE_RETURN_IF_ERROR(CheckUnitSlice(t.source->spec.dtype, unsliced, t.slice, t.spec.name));
     if (t.spec.shape != (t.slice.empty() ? unsliced : t.slice.Shape())) {
       return absl::InternalError(absl::StrCat("tensor '", t.spec.name, "': served shape ", ShapeToString(t.spec.shape),
                                               " is not that of its source and slice"));
@@ -213,7 +285,18 @@ struct DimWalk {
 
 absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, std::span<std::byte> out) const {
   const CheckpointEntry& source = *tensor.source;
-  const uint64_t out_size = DTypeSize(tensor.spec.dtype), in_size = DTypeSize(source.spec.dtype);
+  // Sizes in units of storage (core/dtype.h): one element but for sub-byte
+  // sources, whose shape and slice are then counted in units too.
+  const uint64_t out_size = ServedUnitBytes(tensor), in_size = DTypeSize(source.spec.dtype);
+  const uint64_t per_unit = DTypeUnitElements(source.spec.dtype);
+  UnitView units;
+  const std::vector<uint64_t>* source_shape = &source.spec.shape;
+  const TensorSlice* slice = &tensor.slice;
+  if (per_unit > 1) {
+    units = ToUnits(source.spec.dtype, source.spec.shape, tensor.slice);
+    source_shape = &units.shape;
+    slice = &units.slice;
+  }
   const uint64_t total = tensor.spec.byte_size();
   if (offset > total || out.size() > total - offset || offset % out_size != 0 || out.size() % out_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat("bytes [", offset, ", +", out.size(), ") are not a range of ",
@@ -249,7 +332,7 @@ absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, 
   // The served tensor as a strided view of the source elements: the source's
   // own strides (row-major when it has none), swapped for a transpose, walked
   // through the slice's ranges.
-  std::vector<uint64_t> shape = source.spec.shape, strides = source.layout.strides;
+  std::vector<uint64_t> shape = *source_shape, strides = source.layout.strides;
   if (strides.empty()) {
     strides.assign(shape.size(), 1);
     for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
@@ -262,13 +345,13 @@ absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, 
   for (size_t d = 0; d < shape.size(); ++d) {
     DimWalk& w = dims[d];
     w.stride = strides[d];
-    if (tensor.slice.empty()) {
+    if (slice->empty()) {
       w.size = shape[d];
       w.served_start = {0};
       w.source_start = {0};
       continue;
     }
-    for (const IndexRange& r : tensor.slice.dims[d]) {
+    for (const IndexRange& r : slice->dims[d]) {
       if (r.size() == 0) continue;  // serves nothing (a non-empty `out` means every dimension has some)
       w.served_start.push_back(w.size);
       w.source_start.push_back(r.start);
@@ -276,11 +359,11 @@ absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, 
     }
   }
   if (source.layout.strides.empty() && !tensor.transpose) {
-    if (std::optional<uint64_t> start = tensor.slice.ContiguousStart(source.spec.shape)) {
+    if (std::optional<uint64_t> start = slice->ContiguousStart(*source_shape)) {
       // The served elements are consecutive in the source: one run, so a cast
       // streams through CastElements' fast loops instead of row by row.
       base += *start * in_size;
-      dims = {DimWalk{tensor.spec.num_elements(), 1, {0}, {0}}};
+      dims = {DimWalk{tensor.spec.num_elements() / per_unit, 1, {0}, {0}}};
     }
   }
   uint64_t first = offset / out_size, count = out.size() / out_size;
@@ -305,7 +388,11 @@ absl::Status Snapshot::ReadRange(const SnapshotTensor& tensor, uint64_t offset, 
       }
       const DimWalk& inner = dims[rank - 1];
       const uint64_t run = std::min(count, inner.RangeEnd(k) - index[rank - 1]);
-      CastStrided(source.spec.dtype, base + at * in_size, inner.stride, tensor.spec.dtype, dst, run);
+      if (per_unit == 1) {
+        CastStrided(source.spec.dtype, base + at * in_size, inner.stride, tensor.spec.dtype, dst, run);
+      } else {  // packed: a unit's elements are consecutive, and so are the units of a run
+        CastElements(source.spec.dtype, base + at * in_size, tensor.spec.dtype, dst, run * per_unit);
+      }
       dst += run * out_size;
       count -= run;
       index[rank - 1] += run;

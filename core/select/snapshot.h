@@ -45,6 +45,19 @@ struct NamedEntry {
   size_t entry;      // index into checkpoint.entries()
 };
 
+// InvalidArgument naming the tensor when `slice` of a sub-byte tensor of
+// `dtype` and (unsliced) `shape` would split a byte: a range of its last
+// dimension that does not start and stop on a whole unit of storage, or a
+// slice of a tensor whose rows are not whole units (core/dtype.h). Never
+// rounded, as the reference's MisalignedSlice.
+absl::Status CheckUnitSlice(DType dtype, std::span<const uint64_t> shape, const TensorSlice& slice,
+                            absl::string_view name);
+
+// The served bytes that make one unit of `tensor`'s storage: a served range
+// (ReadRange) starts and ends on them. One element, but for a sub-byte source
+// (a unit's elements, cast).
+uint64_t ServedUnitBytes(const SnapshotTensor& tensor);
+
 // Step 5 of the pipeline: sets `tensor`'s slice from `selection` and its
 // served shape from the slice. REQUIRES: tensor->spec.shape unsliced.
 absl::Status SliceTensor(const Selection& selection, const SelectionDeadline& deadline, SnapshotTensor* tensor);

@@ -62,6 +62,11 @@ TEST(PythonPackageTest, TheReferenceLibrariesAgreeWithWhatWeightstoreReadsAndWri
                   testing::MakeScratchDir("py-cwd"), "test_oracles.py");
 }
 
+TEST(PythonPackageTest, EveryFloatCastsAndNarrowsBitForBitAsTorchDoesOverEveryStore) {
+  RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
+                  testing::MakeScratchDir("py-cwd"), "test_dtypes.py");
+}
+
 TEST(PythonPackageTest, TransformersModelsLoadFromAHubCacheWithTheSameLogitsOverEveryStore) {
   RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
                   testing::MakeScratchDir("py-cwd"), "test_transformers.py");

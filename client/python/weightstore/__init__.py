@@ -27,13 +27,29 @@ __all__ = ["connect", "Store", "Error", "TensorInfo", "LoadResult", "Update", "t
            "safe_open"]
 
 # SafeTensors dtype -> torch's name for it. torch has the unsigned 16-64 bit
-# types from 2.3 and the F8 types from 2.1; an older torch lacks them, and
-# _as_tensor says what to do instead.
+# types from 2.3, the F8 types from 2.1 (FNUZ 2.2, E8M0 2.7) and
+# float4_e2m1fn_x2 from 2.8; an older torch lacks them, and _as_tensor says
+# what to do instead. F4 is float4_e2m1fn_x2: a byte of two values, so its
+# last dimension is half the served one. torch has no F6 (F6_E2M3, F6_E3M2).
 _TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                  "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
-                 "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+                 "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+                 "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+                 "F4": "float4_e2m1fn_x2", "C64": "complex64"}
+# numpy has no narrow float types (F8, F6, F4) and no BF16.
 _NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-                 "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "?"}
+                 "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "?", "C64": "<c8"}
+
+
+def _torch_shape(dtype, shape):
+    """The shape of a served tensor as torch holds it: F4's last dimension
+    halved (float4_e2m1fn_x2), None when its rows are not whole bytes."""
+    shape = tuple(shape)
+    if dtype != "F4":
+        return shape
+    if not shape or shape[-1] % 2:
+        return None
+    return shape[:-1] + (shape[-1] // 2,)
 
 
 @dataclasses.dataclass
@@ -190,12 +206,14 @@ def _selection_key(selection):
 def _holds(tensor, dtype, shape):
     """Whether a held torch tensor or numpy array is `dtype` (SafeTensors' name)
     and `shape`."""
-    if tensor is None or tuple(tensor.shape) != tuple(shape):
+    if tensor is None:
         return False
     if hasattr(tensor, "element_size"):  # torch
-        return str(tensor.dtype) == "torch." + _TORCH_DTYPES.get(dtype, "?")
+        return (str(tensor.dtype) == "torch." + _TORCH_DTYPES.get(dtype, "?") and
+                tuple(tensor.shape) == _torch_shape(dtype, shape))
     import numpy as np
-    return dtype in _NUMPY_DTYPES and tensor.dtype == np.dtype(_NUMPY_DTYPES[dtype])
+    return (tuple(tensor.shape) == tuple(shape) and dtype in _NUMPY_DTYPES and
+            tensor.dtype == np.dtype(_NUMPY_DTYPES[dtype]))
 
 
 def _as_tensor(name, dtype, shape, buffer, as_):
@@ -205,15 +223,21 @@ def _as_tensor(name, dtype, shape, buffer, as_):
     if as_ == "numpy":
         import numpy as np
         if dtype not in _NUMPY_DTYPES:
-            raise Error("UNIMPLEMENTED", f"tensor '{name}' is {dtype}, which numpy has no dtype for: ask for torch "
-                                         "tensors, or cast it with dtype='f32'")
+            instead = "torch tensors, or " if dtype in _TORCH_DTYPES else ""
+            raise Error("UNIMPLEMENTED", f"tensor '{name}' is {dtype}, which numpy has no dtype for: ask for "
+                                         f"{instead}a cast with dtype='f32'")
         return np.frombuffer(buffer, dtype=_NUMPY_DTYPES[dtype]).reshape(shape)
     import torch
     torch_dtype = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
     if not isinstance(torch_dtype, torch.dtype):
-        instead = "as_='numpy'" if dtype in _NUMPY_DTYPES else "a cast with dtype='f32'"
+        instead = "as_='numpy'" if dtype in _NUMPY_DTYPES else "a cast with dtype='f32' (or 'bf16')"
         raise Error("UNIMPLEMENTED", f"tensor '{name}' is {dtype}, which torch {torch.__version__} has no dtype for: "
                                      f"ask for {instead}")
+    shape = _torch_shape(dtype, shape)
+    if shape is None:
+        raise Error("UNIMPLEMENTED", f"tensor '{name}' is F4 with rows of an odd length, which torch's "
+                                     "float4_e2m1fn_x2 (two values a byte) cannot shape: ask for a cast with "
+                                     "dtype='bf16'")
     if len(buffer) == 0:
         kind, index = buffer.__dlpack_device__()
         return torch.empty(shape, dtype=torch_dtype, device="cpu" if kind == 1 else f"cuda:{index}")
