@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -248,7 +249,8 @@ absl::StatusOr<std::vector<DeviceTensor>> CopyHostTensors(std::vector<HostTensor
     std::vector<Direct> tensors, misaligned;
     for (const Direct& d : all) {
       const uintptr_t address = reinterpret_cast<uintptr_t>(d.host);
-      (address % DTypeSize(items[d.index].host.spec.dtype) == 0 ? tensors : misaligned).push_back(d);
+      const uint64_t unit = DTypeSize(items[d.index].host.spec.dtype);  // 3 for F6: read as bytes
+      (address % (std::has_single_bit(unit) ? unit : 1) == 0 ? tensors : misaligned).push_back(d);
     }
     for (const Direct& d : misaligned) {
       status = CopyAlone(d);

@@ -21,6 +21,34 @@ seed safetensors_fuzz "$fixtures"/burn/safetensors/*
 seed burnpack_fuzz "$fixtures"/burn/burnpack/*
 seed zip_fuzz "$fixtures"/burn/pytorch-reader/float32.pt "$fixtures"/burn/pytorch-models/*.pt
 seed pytorch_fuzz "$fixtures"/burn/pytorch-reader/*.pt
+# A file of every SafeTensors dtype (safetensors 0.8's 22; issue 27), each a
+# [2, 4] tensor of random bits next to an F32.
+python3 - "$build/corpus/safetensors_fuzz" <<'PY'
+import json, os, struct, sys
+bits = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+        "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+        "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+for dtype, b in bits.items():
+    data = os.urandom(8 * b // 8)
+    header = json.dumps({"f": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                         "t": {"dtype": dtype, "shape": [2, 4], "data_offsets": [8, 8 + len(data)]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(os.path.join(sys.argv[1], "dtype_" + dtype.lower()), "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + bytes(8) + data)
+PY
+# .pt files of torch 2.13's newer dtypes, read and refused, where the Python
+# test environment is (scripts/python-env.sh).
+if [ -x build-tools/venv/bin/python ]; then
+  build-tools/venv/bin/python - "$build/corpus/pytorch_fuzz" "$build/corpus/zip_fuzz" <<'PY'
+import os, sys, torch
+for d in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "complex64", "complex128",
+          "bits8", "uint16"):
+    t = torch.zeros(4, dtype=torch.uint8).view(getattr(torch, d)) if "float" in d or "bits" in d else \
+        torch.zeros(2, dtype=getattr(torch, d))
+    for out in sys.argv[1:]:
+        torch.save({"fine": torch.ones(2), "t": t}, os.path.join(out, f"dtype_{d}.pt"))
+PY
+fi
 mkdir -p "$build/corpus/chunk_fuzz"
 # A seed chunk stream: one tensor "w" (F32 [2]) in one chunk, with its CRC32C.
 printf '\x2b\x00\x0a\x0f\x0a\x01w\x12\x03F32\x1a\x01\x02\x20\x08\x10\x00\x18\x00\x28\x01\x35\x00\x00\x00\x00\x3a\x02v1\x22\x08\x00\x00\x80\x3f\x00\x00\x00\x40' \

@@ -24,6 +24,7 @@ struct GlobalInfo {
   DType dtype = DType::kU8;
   bool untyped = false;
   bool unsupported = false;  // a dtype read as a name only: a tensor of it is refused, naming it
+  const char* holds = nullptr;  // an unsupported storage class: the dtype it holds
 };
 
 const std::map<std::string, GlobalInfo, std::less<>>& AllowedGlobals() {
@@ -56,9 +57,14 @@ const std::map<std::string, GlobalInfo, std::less<>>& AllowedGlobals() {
         {"BoolStorage", DType::kBool},     {"ComplexFloatStorage", DType::kC64},
     };
     for (auto [name, dtype] : storages) (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kStorageClass, dtype};
-    for (const char* name : {"ComplexDoubleStorage", "ComplexHalfStorage", "QInt8Storage", "QUInt8Storage",
-                             "QInt32Storage", "QUInt4x2Storage", "QUInt2x4Storage"}) {
-      (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kStorageClass, DType::kU8, false, true};
+    // Storage classes of dtypes weightstore does not read, and the dtype each
+    // holds (what a refusal names).
+    const std::pair<const char*, const char*> other_storages[] = {
+        {"ComplexDoubleStorage", "complex128"}, {"ComplexHalfStorage", "complex32"}, {"QInt8Storage", "qint8"},
+        {"QUInt8Storage", "quint8"},            {"QInt32Storage", "qint32"},         {"QUInt4x2Storage", "quint4x2"},
+        {"QUInt2x4Storage", "quint2x4"}};
+    for (auto [name, dtype] : other_storages) {
+      (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kStorageClass, DType::kU8, false, true, dtype};
     }
     const std::pair<const char*, DType> dtypes[] = {
         {"float32", DType::kF32},
@@ -227,6 +233,7 @@ absl::Status PickleMachine::PushGlobal(absl::string_view module, absl::string_vi
   v->global_dtype = it->second.dtype;
   v->global_untyped = it->second.untyped;
   v->global_unsupported = it->second.unsupported;
+  if (it->second.holds != nullptr) v->global_name = absl::StrCat("torch.", it->second.holds);  // what refusals name
   return absl::OkStatus();
 }
 

@@ -150,10 +150,14 @@ uint8_t EncodeF8(DType dtype, uint32_t f32) {
 
 namespace {
 
-// Decoded values of every code of a narrow type, as F32, F16 and BF16 bits.
+// Decoded values of every code of a narrow type, as F32, F16 and BF16 bits;
+// for F4 also of every byte (two codes, the low nibble first), so that a byte
+// is one lookup and one store.
 struct Table {
   std::array<uint32_t, 256> f32{};
   std::array<uint16_t, 256> f16{}, bf16{};
+  std::array<uint64_t, 256> pair_f32{};
+  std::array<uint32_t, 256> pair_f16{}, pair_bf16{};
 };
 
 Table MakeTable(DType dtype) {
@@ -168,6 +172,13 @@ Table MakeTable(DType dtype) {
     CastElements(DType::kF32, reinterpret_cast<const std::byte*>(&f), DType::kBF16, brain, 1);
     std::memcpy(&t.f16[c], half, 2);
     std::memcpy(&t.bf16[c], brain, 2);
+  }
+  if (codes == 16) {
+    for (uint32_t b = 0; b < 256; ++b) {
+      t.pair_f32[b] = t.f32[b & 0xF] | (uint64_t{t.f32[b >> 4]} << 32);  // little-endian: the low code first
+      t.pair_f16[b] = t.f16[b & 0xF] | (uint32_t{t.f16[b >> 4]} << 16);
+      t.pair_bf16[b] = t.bf16[b & 0xF] | (uint32_t{t.bf16[b >> 4]} << 16);
+    }
   }
   return t;
 }
@@ -197,20 +208,28 @@ const Table& TableOf(DType dtype) {
   }
 }
 
-// Writes the decoded `count` elements as `Out` values from `table` (stores
-// through memcpy: `dst` may be unaligned, a slice of a mapping).
-template <typename Out>
-void DecodeWith(DType from, const std::byte* src, const std::array<Out, 256>& table, std::byte* dst, size_t count) {
+// Writes the decoded `count` elements as `Out` values from `table`, or for F4
+// a byte at a time from `pairs` (stores through memcpy: `dst` may be
+// unaligned, a slice of a mapping).
+template <typename Out, typename Pair>
+void DecodeWith(DType from, const std::byte* src, const std::array<Out, 256>& table,
+                const std::array<Pair, 256>& pairs, std::byte* dst, size_t count) {
   auto put = [dst](size_t i, Out v) { std::memcpy(dst + i * sizeof(Out), &v, sizeof(Out)); };
   const uint8_t* in = reinterpret_cast<const uint8_t*>(src);
   switch (DTypeBits(from)) {
-    case 8:
-      for (size_t i = 0; i < count; ++i) put(i, table[in[i]]);
+    case 8: {
+      size_t i = 0;
+      for (; i + 4 <= count; i += 4) {  // four lookups, then the stores together
+        const Out a = table[in[i]], b = table[in[i + 1]], c = table[in[i + 2]], d = table[in[i + 3]];
+        put(i, a), put(i + 1, b), put(i + 2, c), put(i + 3, d);
+      }
+      for (; i < count; ++i) put(i, table[in[i]]);
       return;
+    }
     case 4:
       for (size_t i = 0; i < count / 2; ++i) {
-        put(2 * i, table[in[i] & 0xF]);
-        put(2 * i + 1, table[in[i] >> 4]);
+        const Pair p = pairs[in[i]];
+        std::memcpy(dst + i * sizeof(Pair), &p, sizeof(Pair));
       }
       return;
     default:  // 6: four elements in each three bytes, low bits first
@@ -232,13 +251,13 @@ bool DecodeNarrowRun(DType from, const std::byte* src, DType to, std::byte* dst,
   const Table& table = TableOf(from);
   switch (to) {
     case DType::kF32:
-      DecodeWith(from, src, table.f32, dst, count);
+      DecodeWith(from, src, table.f32, table.pair_f32, dst, count);
       return true;
     case DType::kF16:
-      DecodeWith(from, src, table.f16, dst, count);
+      DecodeWith(from, src, table.f16, table.pair_f16, dst, count);
       return true;
     case DType::kBF16:
-      DecodeWith(from, src, table.bf16, dst, count);
+      DecodeWith(from, src, table.bf16, table.pair_bf16, dst, count);
       return true;
     default:
       return false;

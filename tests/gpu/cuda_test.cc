@@ -17,15 +17,19 @@
 namespace weightstore::client {
 namespace {
 
-// A models folder with one checkpoint of mixed dtypes and sizes (1 B to 9 MiB).
+// A models folder with one checkpoint of mixed dtypes and sizes (1 B to 9 MiB),
+// the packed and narrow ones of quantized checkpoints among them (F4, F6, MX
+// scales) and complex: their bytes land on the device as they are.
 std::string Models() {
   const std::string dir = testing::MakeScratchDir("gpu-models");
   std::vector<SharedTensor> tensors;
-  const std::pair<DType, uint64_t> specs[] = {{DType::kF32, 9 << 18}, {DType::kBF16, 1000},   {DType::kU8, 1},
-                                              {DType::kI64, 0},       {DType::kF16, 1 << 20}, {DType::kF32, 70000}};
+  const std::pair<DType, uint64_t> specs[] = {
+      {DType::kF32, 9 << 18}, {DType::kBF16, 1000},      {DType::kU8, 1},       {DType::kI64, 0},
+      {DType::kF16, 1 << 20}, {DType::kF32, 70000},      {DType::kF4, 4098},    {DType::kF6E2M3, 400},
+      {DType::kF8E8M0, 333},  {DType::kF8E4M3FNUZ, 77},  {DType::kC64, 100}};
   int i = 0;
   for (auto [dtype, n] : specs) {
-    std::string bytes(n * DTypeSize(dtype), '\0');
+    std::string bytes(*DTypeBytes(dtype, n), '\0');
     for (size_t k = 0; k < bytes.size(); ++k) bytes[k] = static_cast<char>((k * 131 + i) & 0xFF);
     tensors.push_back({{absl::StrCat("t", i++), dtype, {n}}, SharedBytes::Copy(bytes)});
   }
