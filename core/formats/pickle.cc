@@ -23,7 +23,7 @@ struct GlobalInfo {
   PickleGlobal kind;
   DType dtype = DType::kU8;
   bool untyped = false;
-  bool unsupported = false;  // a dtype read as a name only: a tensor of it is refused, naming it
+  bool unsupported = false;     // a dtype read as a name only: a tensor of it is refused, naming it
   const char* holds = nullptr;  // an unsupported storage class: the dtype it holds
 };
 
@@ -59,10 +59,13 @@ const std::map<std::string, GlobalInfo, std::less<>>& AllowedGlobals() {
     for (auto [name, dtype] : storages) (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kStorageClass, dtype};
     // Storage classes of dtypes weightstore does not read, and the dtype each
     // holds (what a refusal names).
-    const std::pair<const char*, const char*> other_storages[] = {
-        {"ComplexDoubleStorage", "complex128"}, {"ComplexHalfStorage", "complex32"}, {"QInt8Storage", "qint8"},
-        {"QUInt8Storage", "quint8"},            {"QInt32Storage", "qint32"},         {"QUInt4x2Storage", "quint4x2"},
-        {"QUInt2x4Storage", "quint2x4"}};
+    const std::pair<const char*, const char*> other_storages[] = {{"ComplexDoubleStorage", "complex128"},
+                                                                  {"ComplexHalfStorage", "complex32"},
+                                                                  {"QInt8Storage", "qint8"},
+                                                                  {"QUInt8Storage", "quint8"},
+                                                                  {"QInt32Storage", "qint32"},
+                                                                  {"QUInt4x2Storage", "quint4x2"},
+                                                                  {"QUInt2x4Storage", "quint2x4"}};
     for (auto [name, dtype] : other_storages) {
       (*m)[absl::StrCat("torch.", name)] = {PickleGlobal::kStorageClass, DType::kU8, false, true, dtype};
     }

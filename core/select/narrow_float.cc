@@ -212,8 +212,8 @@ const Table& TableOf(DType dtype) {
 // a byte at a time from `pairs` (stores through memcpy: `dst` may be
 // unaligned, a slice of a mapping).
 template <typename Out, typename Pair>
-void DecodeWith(DType from, const std::byte* src, const std::array<Out, 256>& table,
-                const std::array<Pair, 256>& pairs, std::byte* dst, size_t count) {
+void DecodeWith(DType from, const std::byte* src, const std::array<Out, 256>& table, const std::array<Pair, 256>& pairs,
+                std::byte* dst, size_t count) {
   auto put = [dst](size_t i, Out v) { std::memcpy(dst + i * sizeof(Out), &v, sizeof(Out)); };
   const uint8_t* in = reinterpret_cast<const uint8_t*>(src);
   switch (DTypeBits(from)) {

@@ -23,10 +23,10 @@ namespace {
 std::string Models() {
   const std::string dir = testing::MakeScratchDir("gpu-models");
   std::vector<SharedTensor> tensors;
-  const std::pair<DType, uint64_t> specs[] = {
-      {DType::kF32, 9 << 18}, {DType::kBF16, 1000},      {DType::kU8, 1},       {DType::kI64, 0},
-      {DType::kF16, 1 << 20}, {DType::kF32, 70000},      {DType::kF4, 4098},    {DType::kF6E2M3, 400},
-      {DType::kF8E8M0, 333},  {DType::kF8E4M3FNUZ, 77},  {DType::kC64, 100}};
+  const std::pair<DType, uint64_t> specs[] = {{DType::kF32, 9 << 18},   {DType::kBF16, 1000},   {DType::kU8, 1},
+                                              {DType::kI64, 0},         {DType::kF16, 1 << 20}, {DType::kF32, 70000},
+                                              {DType::kF4, 4098},       {DType::kF6E2M3, 400},  {DType::kF8E8M0, 333},
+                                              {DType::kF8E4M3FNUZ, 77}, {DType::kC64, 100}};
   int i = 0;
   for (auto [dtype, n] : specs) {
     std::string bytes(*DTypeBytes(dtype, n), '\0');
