@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "client/file_sink.h"
 #include "client/store.h"
 #include "core/checkpoint.h"
@@ -85,12 +86,37 @@ absl::StatusOr<SelectionOptions> ParseSelection(const SelectionArgs& args) {
     if (!split.ok()) return absl::InvalidArgumentError(absl::StrCat("--shard-dim: ", split.status().message()));
     options.shard.rules.push_back({rule.substr(0, eq), *split});
   }
-  if (!options.shard.rules.empty() && options.shard.world_size == 0) {
-    return absl::InvalidArgumentError("--shard-dim needs --shard RANK/WORLD");
+  for (const std::string& rule : args.shard_scales) {
+    const size_t eq = rule.rfind('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == rule.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("--shard-scale '", rule, "' is not REGEX=WEIGHT[:BxB]"));
+    }
+    ScaleRule scale{rule.substr(0, eq), rule.substr(eq + 1), {}};
+    if (const size_t colon = scale.weight.rfind(':'); colon != std::string::npos) {
+      for (absl::string_view b : absl::StrSplit(absl::string_view(scale.weight).substr(colon + 1), 'x')) {
+        uint64_t size = 0;
+        if (!absl::SimpleAtoi(b, &size) || size == 0) {
+          return absl::InvalidArgumentError(absl::StrCat("--shard-scale '", rule, "': block '",
+                                                         scale.weight.substr(colon + 1),
+                                                         "' is not sizes joined by x (128x128)"));
+        }
+        scale.block.push_back(size);
+      }
+      scale.weight.resize(colon);
+    }
+    options.shard.scales.push_back(std::move(scale));
   }
-  if (options.shard.world_size > 0 && options.shard.rules.empty()) {
+  options.shard.experts = args.shard_experts;
+  options.shard.detect_scales = !args.no_scale_detection;
+  const bool shard_rules =
+      !options.shard.rules.empty() || !options.shard.scales.empty() || !options.shard.experts.empty();
+  if (shard_rules && options.shard.world_size == 0) {
+    return absl::InvalidArgumentError("--shard-dim, --shard-scale and --shard-experts need --shard RANK/WORLD");
+  }
+  if (options.shard.world_size > 0 && options.shard.rules.empty() && options.shard.experts.empty()) {
     return absl::InvalidArgumentError(
-        "--shard needs at least one --shard-dim REGEX=DIM (otherwise every tensor is replicated)");
+        "--shard needs at least one --shard-dim REGEX=DIM or --shard-experts REGEX (otherwise every tensor is "
+        "replicated)");
   }
   for (const std::string& slice : args.slices) {
     const size_t eq = slice.rfind("=[");
@@ -206,6 +232,10 @@ void PrintInspect(const InspectView& v, bool json, std::FILE* out) {
         j["slice"] = t.slice.ToString(t.unsliced_shape);
         j["unsliced_shape"] = t.unsliced_shape;
       }
+      if (!t.scale_of.empty()) {
+        j["scale_of"] = t.scale_of;
+        j["shares_scale_blocks"] = t.shares_scale_blocks;
+      }
       doc["tensors"].push_back(std::move(j));
     }
     std::fprintf(out, "%s\n", doc.dump(1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
@@ -237,6 +267,10 @@ void PrintInspect(const InspectView& v, bool json, std::FILE* out) {
                    ShapeToString(t.unsliced_shape).c_str());
     }
     if (t.source_name != t.spec.name) std::fprintf(out, "  <- %s", t.source_name.c_str());
+    if (!t.scale_of.empty()) {
+      std::fprintf(out, "  scales of %s%s", t.scale_of.c_str(),
+                   t.shares_scale_blocks ? " (a block shared with another rank)" : "");
+    }
     std::fprintf(out, "\n");
   }
   if (v.apply_result) std::fprintf(out, "\n%s", v.apply_result->Summary().c_str());

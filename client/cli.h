@@ -24,9 +24,12 @@ struct SelectionArgs {
   std::string dtype;    // "", "f16", "bf16", "f32", "f64"
   std::string target;   // target schema JSON
   bool allow_partial = false;
-  std::string shard;                    // "R/N": rank R of N
-  std::vector<std::string> shard_dims;  // REGEX=DIM[xK][:uneven]
-  std::vector<std::string> slices;      // NAME=[a:b, :]
+  std::string shard;                       // "R/N": rank R of N
+  std::vector<std::string> shard_dims;     // REGEX=DIM[xK][:uneven]
+  std::vector<std::string> shard_scales;   // REGEX=WEIGHT[:BLOCKxBLOCK...]
+  std::vector<std::string> shard_experts;  // REGEX with the expert index as its first group
+  bool no_scale_detection = false;
+  std::vector<std::string> slices;  // NAME=[a:b, :]
 };
 
 // How to reach a remote weightstored (--server): TLS files and a bearer token

@@ -20,7 +20,7 @@ void ToProto(const Query& in, pb::Selection* out) {
   if (s.adapter != Adapter::kNone) out->set_adapter(std::string(AdapterName(s.adapter)));
   if (s.dtype) out->set_dtype(std::string(DTypeName(*s.dtype)));
   out->set_allow_partial(in.allow_partial);
-  if (s.shard.world_size > 0 || !s.shard.rules.empty()) {
+  if (s.shard.world_size > 0 || !s.shard.rules.empty() || !s.shard.scales.empty() || !s.shard.experts.empty()) {
     pb::Shard* shard = out->mutable_shard();
     shard->set_rank(s.shard.rank);
     shard->set_world_size(s.shard.world_size);
@@ -31,6 +31,14 @@ void ToProto(const Query& in, pb::Selection* out) {
       rule->set_parts(r.split.parts);
       rule->set_uneven(r.split.uneven);
     }
+    for (const ScaleRule& r : s.shard.scales) {
+      pb::ScaleRule* rule = shard->add_scales();
+      rule->set_pattern(r.pattern);
+      rule->set_weight(r.weight);
+      for (uint64_t b : r.block) rule->add_block(b);
+    }
+    shard->set_no_scale_detection(!s.shard.detect_scales);
+    for (const std::string& e : s.shard.experts) shard->add_experts(e);
   }
   for (const NamedSlice& slice : s.slices) {
     pb::TensorSliceSpec* spec = out->add_slices();
@@ -76,6 +84,8 @@ absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out) {
   if (in.has_param_id()) out->spec.param_id = in.param_id();
   out->digest = in.digest();
   out->unchanged = in.unchanged();
+  out->scale_of = in.scale_of();
+  out->shares_scale_blocks = in.shares_scale_blocks();
   out->unsliced_shape.clear();
   out->slice = {};
   if (in.slice_size() > 0 || in.unsliced_shape_size() > 0) {

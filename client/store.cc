@@ -31,6 +31,8 @@ void TuneAllocatorForStreaming() {
 
 TensorDescription Describe(const SnapshotTensor& tensor) {
   TensorDescription d{tensor.spec, tensor.source->spec.name, std::nullopt};
+  d.scale_of = tensor.scale_of;
+  d.shares_scale_blocks = tensor.shares_scale_blocks;
   if (!tensor.slice.empty()) {
     d.unsliced_shape = tensor.unsliced_shape();
     d.slice = tensor.slice;

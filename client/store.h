@@ -79,6 +79,10 @@ struct TensorDescription {
   std::string digest;
   // With Query::since_version: the same as in that version.
   bool unchanged = false;
+  // A scale served as its weight's shard asks (ShardSpec::scales): the
+  // weight's name, and whether a block it serves is shared with another rank.
+  std::string scale_of;
+  bool shares_scale_blocks = false;
 };
 
 // A snapshot's tensor as a listing describes it (no checksum).

@@ -48,7 +48,7 @@ void AddSelectionFlags(CLI::App* cmd, weightstore::cli::SelectionArgs* s) {
   cmd->add_option("--adapter", s->adapter, "Adapt between frameworks (needs --target)")
       ->check(CLI::IsMember({"pytorch-to-burn", "burn-to-pytorch", "none"}));
   cmd->add_option("--dtype", s->dtype, "Cast floating-point tensors (round to nearest even)")
-      ->check(CLI::IsMember({"f16", "bf16", "f32", "f64"}));
+      ->check(CLI::IsMember({"f16", "bf16", "f32", "f64", "f8_e4m3", "f8_e5m2", "f8_e4m3fnuz", "f8_e5m2fnuz"}));
   cmd->add_option("--target", s->target,
                   "Target schema JSON ({\"parameters\": [{\"path\", \"shape\", \"dtype\", \"module\"}]}): "
                   "load into it and report applied/missing/unused");
@@ -58,6 +58,16 @@ void AddSelectionFlags(CLI::App* cmd, weightstore::cli::SelectionArgs* s) {
   cmd->add_option("--shard-dim", s->shard_dims,
                   "With --shard: REGEX=DIM shards the tensors the regex matches along DIM; REGEX=DIMxK when DIM "
                   "holds K fused parts (QKV: x3); ':uneven' allows torch.tensor_split sizes (repeatable)");
+  cmd->add_option("--shard-scale", s->shard_scales,
+                  "With --shard: REGEX=WEIGHT names scale tensors that follow their weight's shard (WEIGHT "
+                  "replaces REGEX in the scale's name, as a rename); ':128x128' gives the block a scale element "
+                  "covers per dimension (default: the weight's size over the scale's). Repeatable");
+  cmd->add_flag("--no-scale-detection", s->no_scale_detection,
+                "With --shard: follow only --shard-scale's scales, not the standard names (X.weight_scale_inv, "
+                "X.weight_scale, X.scale of X.weight; X_scales of X_blocks)");
+  cmd->add_option("--shard-experts", s->shard_experts,
+                  "With --shard: expert parallelism; a REGEX whose first group is the expert index "
+                  "('experts\\.(\\d+)\\.'): rank R of N gets its share of each group's experts (repeatable)");
   cmd->add_option("--slice", s->slices,
                   "Serve part of one tensor: NAME=[a:b, :] per dimension, by served name (repeatable)");
 }

@@ -51,6 +51,11 @@ absl::Status FromProto(const pb::Selection& in, const SelectionLimits& limits, S
   for (const pb::ShardRule& r : in.shard().rules()) {
     o.shard.rules.push_back({r.pattern(), ShardSplit{r.dim(), std::max<uint32_t>(r.parts(), 1), r.uneven()}});
   }
+  for (const pb::ScaleRule& r : in.shard().scales()) {
+    o.shard.scales.push_back({r.pattern(), r.weight(), std::vector<uint64_t>(r.block().begin(), r.block().end())});
+  }
+  o.shard.detect_scales = !in.shard().no_scale_detection();
+  o.shard.experts.assign(in.shard().experts().begin(), in.shard().experts().end());
   for (const pb::TensorSliceSpec& slice : in.slices()) {
     NamedSlice& named = o.slices.emplace_back();
     named.name = slice.name();
@@ -96,6 +101,8 @@ void ToProto(const SnapshotTensor& tensor, pb::TensorInfo* out) {
   out->set_byte_size(spec.byte_size());
   if (tensor.source->spec.name != spec.name) out->set_source_name(tensor.source->spec.name);
   if (spec.param_id) out->set_param_id(*spec.param_id);
+  if (!tensor.scale_of.empty()) out->set_scale_of(tensor.scale_of);
+  out->set_shares_scale_blocks(tensor.shares_scale_blocks);
   if (tensor.slice.empty()) return;
   for (uint64_t d : tensor.unsliced_shape()) out->add_unsliced_shape(d);
   for (const std::vector<IndexRange>& ranges : tensor.slice.dims) {

@@ -196,8 +196,8 @@ absl::StatusOr<std::unique_ptr<re2::RE2>> CompileAny(const std::vector<std::stri
 
 // Checks the sizes and counts a request controls before anything is compiled.
 absl::Status CheckSizes(const SelectionOptions& options, const SelectionLimits& limits) {
-  const size_t patterns =
-      options.include.size() + options.exclude.size() + options.renames.size() + options.shard.rules.size();
+  const size_t patterns = options.include.size() + options.exclude.size() + options.renames.size() +
+                          options.shard.rules.size() + options.shard.scales.size() + options.shard.experts.size();
   if (patterns > limits.max_patterns) {
     return absl::InvalidArgumentError(
         absl::StrCat("the selection has ", patterns, " patterns; at most ", limits.max_patterns, " are allowed"));
@@ -227,6 +227,18 @@ absl::Status CheckSizes(const SelectionOptions& options, const SelectionLimits& 
   }
   for (size_t i = 0; i < options.shard.rules.size(); ++i) {
     WEIGHTSTORE_RETURN_IF_ERROR(check("shard.rules.pattern", i, options.shard.rules[i].pattern));
+  }
+  for (size_t i = 0; i < options.shard.scales.size(); ++i) {
+    WEIGHTSTORE_RETURN_IF_ERROR(check("shard.scales.pattern", i, options.shard.scales[i].pattern));
+    WEIGHTSTORE_RETURN_IF_ERROR(check("shard.scales.weight", i, options.shard.scales[i].weight));
+    const std::vector<uint64_t>& block = options.shard.scales[i].block;
+    if (block.size() > kMaxRank || std::find(block.begin(), block.end(), 0) != block.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("shard.scales[", i, "] ('", options.shard.scales[i].pattern,
+                                                     "'): a block needs 1 to ", kMaxRank, " sizes, each at least 1"));
+    }
+  }
+  for (size_t i = 0; i < options.shard.experts.size(); ++i) {
+    WEIGHTSTORE_RETURN_IF_ERROR(check("shard.experts", i, options.shard.experts[i]));
   }
   for (size_t i = 0; i < options.slices.size(); ++i) {
     WEIGHTSTORE_RETURN_IF_ERROR(check("slices.name", i, options.slices[i].name));
@@ -297,7 +309,8 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
   }
   // Kept objects: the include and exclude alternations and one per rename and
   // shard rule; the memory budget is shared among them.
-  const int64_t share = MemoryShare(limits, 2 + options.renames.size() + options.shard.rules.size());
+  const int64_t share = MemoryShare(limits, 2 + options.renames.size() + options.shard.rules.size() +
+                                                options.shard.scales.size() + options.shard.experts.size());
   if (share < kMinRegexMemory) {
     return absl::InvalidArgumentError(
         absl::StrCat(options.renames.size(), " rename rules and ", options.shard.rules.size(),
@@ -329,6 +342,20 @@ absl::StatusOr<std::shared_ptr<const Selection>> Selection::Compile(const Select
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto re, CompilePattern(rule.pattern, "shard rule", limits.max_program_size, share));
     WEIGHTSTORE_RETURN_IF_ERROR(spend(*re, "shard rule", rule.pattern));
     selection->shard_rules_.push_back(std::move(re));
+  }
+  for (const ScaleRule& rule : options.shard.scales) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto re, CompilePattern(rule.pattern, "scale rule", limits.max_program_size, share));
+    WEIGHTSTORE_RETURN_IF_ERROR(spend(*re, "scale rule", rule.pattern));
+    selection->scale_rules_.push_back(std::move(re));
+  }
+  for (const std::string& pattern : options.shard.experts) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto re, CompilePattern(pattern, "expert", limits.max_program_size, share));
+    WEIGHTSTORE_RETURN_IF_ERROR(spend(*re, "expert", pattern));
+    if (re->NumberOfCapturingGroups() < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expert pattern '", pattern, "' needs a capture group: the expert's index"));
+    }
+    selection->expert_rules_.push_back(std::move(re));
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(selection->include_any_, CompileAny(options.include, "include", limits, share));
   WEIGHTSTORE_ASSIGN_OR_RETURN(selection->exclude_any_, CompileAny(options.exclude, "exclude", limits, share));
@@ -410,6 +437,43 @@ absl::StatusOr<TensorSlice> Selection::SliceOf(absl::string_view name, std::span
   }
   if (rule == nullptr) return TensorSlice{};
   return ShardSlice(shape, rule->split, shard.rank, shard.world_size, name);
+}
+
+absl::StatusOr<std::optional<Selection::ScaleOf>> Selection::ScaleRuleOf(absl::string_view name,
+                                                                         const SelectionDeadline& deadline) const {
+  for (size_t i = 0; i < scale_rules_.size(); ++i) {
+    std::string weight;
+    absl::Status spent;
+    const ReplaceOutcome outcome = ReplaceAllBounded(*scale_rules_[i], name, options_.shard.scales[i].weight,
+                                                     limits_.max_name_bytes, &weight, &deadline, &spent);
+    WEIGHTSTORE_RETURN_IF_ERROR(spent);
+    if (outcome == ReplaceOutcome::kTooLong) {
+      return absl::InvalidArgumentError(absl::StrCat("scale rule '", options_.shard.scales[i].pattern,
+                                                     "' grows tensor '", name, "' past ", limits_.max_name_bytes,
+                                                     " bytes"));
+    }
+    if (outcome == ReplaceOutcome::kReplaced) return ScaleOf{std::move(weight), &options_.shard.scales[i]};
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<std::optional<Selection::ExpertOf>> Selection::ExpertOfName(absl::string_view name,
+                                                                           const SelectionDeadline& deadline) const {
+  const re2::StringPiece piece(name.data(), name.size());
+  for (size_t i = 0; i < expert_rules_.size(); ++i) {
+    WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("matching experts", name.size() + 1));
+    re2::StringPiece index;
+    if (!re2::RE2::PartialMatch(piece, *expert_rules_[i], &index)) continue;
+    uint64_t value = 0;
+    if (index.empty() || !absl::SimpleAtoi(absl::string_view(index.data(), index.size()), &value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", name, "' matches expert pattern '", options_.shard.experts[i], "', whose capture '",
+                       absl::string_view(index.data(), index.size()), "' is not an expert index"));
+    }
+    const size_t at = static_cast<size_t>(index.data() - name.data());
+    return ExpertOf{value, absl::StrCat(i, ":", name.substr(0, at), "#", name.substr(at + index.size()))};
+  }
+  return std::nullopt;
 }
 
 absl::Status Selection::CheckSlicesUsed(const std::function<bool(absl::string_view)>& served) const {

@@ -52,10 +52,45 @@ struct ShardRule {
   std::string pattern;  // RE2, unanchored, on the served name (after renaming)
   ShardSplit split;
 };
+// A tensor of quantization scales that follows its weight: whatever part of
+// the weight a rank is served, it is served the scales that cover it. Scale
+// element i of dimension d covers weight elements [i * block[d],
+// (i + 1) * block[d]) of the weight's dimension d (a scale of lower rank
+// covers the weight's leading dimensions). A rank whose part ends inside a
+// block gets that block too, and the listing says the block is shared.
+struct ScaleRule {
+  std::string pattern;  // RE2 on the scale's served name, unanchored
+  // The weight's served name: the scale's name with `pattern` replaced by
+  // this (as a rename rule: "weight_scale_inv$" -> "weight").
+  std::string weight;
+  // Weight elements a scale element covers, per dimension of the scale.
+  // Empty: for each dimension the smallest power of two that gives the
+  // scale's size (300 rows in 3 blocks: 128), else weight / scale when that
+  // divides.
+  std::vector<uint64_t> block;
+};
+
 struct ShardSpec {
   uint32_t rank = 0;
   uint32_t world_size = 0;  // 0: no sharding
   std::vector<ShardRule> rules;
+  // Scales that follow their weights (ScaleRule), checked before `rules`.
+  std::vector<ScaleRule> scales;
+  // Also follow the scales the standard names give, when their weight is
+  // served (each shown in the listing as the scale of its weight):
+  // "X.weight_scale_inv", "X.weight_scale", "X.scale" of "X.weight" (FP8
+  // block, ModelOpt NVFP4 and FP8, DeepSeek-V4), "X.weight_scale" of
+  // "X.weight_packed" (compressed-tensors), "X_scales" of "X_blocks"
+  // (gpt-oss MXFP4). A scale of rank 0 (a global scale) is replicated.
+  bool detect_scales = true;
+  // Expert parallelism for experts stored one per tensor: a served name
+  // matching one of these RE2 patterns, whose first capture group is the
+  // expert's index, is served only to the rank whose experts hold it: rank r
+  // of N gets [r * E / N, (r + 1) * E / N) of the E experts of its group (the
+  // names alike but for the index; E is the largest index plus one). Names
+  // keep their global index. Experts stacked in one tensor are a shard rule
+  // on their dimension.
+  std::vector<std::string> experts;
 };
 
 // An explicit slice of one tensor, by its served name.
@@ -95,7 +130,8 @@ struct SelectionOptions {
   bool empty() const {
     return top_level_key.empty() && include.empty() && paths.empty() && exclude.empty() && renames.empty() &&
            !contiguous_indices.has_value() && adapter == Adapter::kNone && !dtype.has_value() &&
-           shard.world_size == 0 && shard.rules.empty() && slices.empty();
+           shard.world_size == 0 && shard.rules.empty() && shard.scales.empty() && shard.experts.empty() &&
+           slices.empty();
   }
 };
 
@@ -211,6 +247,21 @@ class Selection {
                                       const SelectionDeadline* deadline = nullptr) const;
   // NotFound naming the first explicit slice for which `served` is false.
   absl::Status CheckSlicesUsed(const std::function<bool(absl::string_view)>& served) const;
+  // When `name` is a scale an explicit ScaleRule names: the weight's name and
+  // the rule. nullopt otherwise.
+  struct ScaleOf {
+    std::string weight;
+    const ScaleRule* rule = nullptr;  // null: found by a standard name
+  };
+  absl::StatusOr<std::optional<ScaleOf>> ScaleRuleOf(absl::string_view name, const SelectionDeadline& deadline) const;
+  // The expert index in `name` and its group (the name without the index),
+  // when an expert pattern matches it; nullopt otherwise. InvalidArgument
+  // naming the tensor when the capture is not a decimal index.
+  struct ExpertOf {
+    uint64_t index = 0;
+    std::string group;
+  };
+  absl::StatusOr<std::optional<ExpertOf>> ExpertOfName(absl::string_view name, const SelectionDeadline& deadline) const;
 
  private:
   Selection() = default;
@@ -221,8 +272,10 @@ class Selection {
   std::unique_ptr<re2::RE2> include_any_, exclude_any_;
   absl::flat_hash_set<std::string> paths_;
   std::vector<std::unique_ptr<re2::RE2>> rename_;
-  std::vector<std::unique_ptr<re2::RE2>> shard_rules_;  // one per options_.shard.rules
-  absl::flat_hash_map<std::string, size_t> slices_;     // name -> index into options_.slices
+  std::vector<std::unique_ptr<re2::RE2>> shard_rules_;   // one per options_.shard.rules
+  std::vector<std::unique_ptr<re2::RE2>> scale_rules_;   // one per options_.shard.scales
+  std::vector<std::unique_ptr<re2::RE2>> expert_rules_;  // one per options_.shard.experts
+  absl::flat_hash_map<std::string, size_t> slices_;      // name -> index into options_.slices
 };
 
 // Renumbers every numeric path segment, per original prefix, to 0, 1, 2...

@@ -156,6 +156,157 @@ absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoin
   return named;
 }
 
+namespace {
+
+// A scale tensor and the weight it follows (an index into the snapshot's
+// tensors).
+struct ScaleLink {
+  size_t weight = 0;
+  const ScaleRule* rule = nullptr;  // null: a standard name
+};
+
+// The standard names of scales (ShardSpec::detect_scales): a suffix of the
+// scale's name, and what replaces it in the weight's.
+constexpr std::pair<absl::string_view, absl::string_view> kStandardScales[] = {
+    {".weight_scale_inv", ".weight"},     // FP8 block (DeepSeek-V3, Qwen FP8)
+    {".weight_scale", ".weight"},         // ModelOpt NVFP4 and FP8
+    {".weight_scale", ".weight_packed"},  // compressed-tensors NVFP4
+    {".scale", ".weight"},                // DeepSeek-V4
+    {"_scales", "_blocks"},               // gpt-oss MXFP4
+};
+
+// Which served tensors are scales of which served weights: by the explicit
+// rules first, then (detect_scales) by the standard names. A scale of rank 0
+// (a global scale) follows nothing: it is replicated.
+absl::StatusOr<std::vector<std::optional<ScaleLink>>> FindScales(const Selection& selection,
+                                                                 const SelectionDeadline& deadline,
+                                                                 const std::vector<SnapshotTensor>& tensors) {
+  absl::flat_hash_map<absl::string_view, size_t> by_name;
+  by_name.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) by_name.emplace(tensors[i].spec.name, i);
+  std::vector<std::optional<ScaleLink>> links(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string& name = tensors[i].spec.name;
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::optional<Selection::ScaleOf> rule, selection.ScaleRuleOf(name, deadline));
+    if (rule) {
+      auto it = by_name.find(rule->weight);
+      if (it == by_name.end() || it->second == i) {
+        return absl::InvalidArgumentError(absl::StrCat("scale '", name, "' follows weight '", rule->weight,
+                                                       "' (scale rule '", rule->rule->pattern,
+                                                       "'), which is not served"));
+      }
+      links[i] = ScaleLink{it->second, rule->rule};
+      continue;
+    }
+    if (!selection.options().shard.detect_scales || tensors[i].unsliced_shape().empty()) continue;
+    for (const auto& [suffix, replacement] : kStandardScales) {
+      if (!absl::EndsWith(name, suffix)) continue;
+      const std::string weight = absl::StrCat(name.substr(0, name.size() - suffix.size()), replacement);
+      auto it = by_name.find(weight);
+      if (it == by_name.end() || it->second == i) continue;
+      if (tensors[it->second].unsliced_shape().size() < tensors[i].unsliced_shape().size()) continue;
+      links[i] = ScaleLink{it->second, nullptr};
+      break;
+    }
+  }
+  return links;
+}
+
+// The block a scale dimension of `scale` elements implies for a weight
+// dimension of `weight`: the smallest power of two that gives that many
+// blocks (quantizers' blocks are: 16, 32, 128), else weight / scale when it
+// divides; 0 when neither (an explicit ScaleRule must say).
+uint64_t InferBlock(uint64_t weight, uint64_t scale) {
+  if (scale == 0) return weight == 0 ? 1 : 0;
+  for (uint64_t b = 1; b != 0 && b <= weight; b <<= 1) {
+    if ((weight + b - 1) / b == scale) return b;
+  }
+  if (weight % scale == 0) return weight / scale;
+  return 0;
+}
+
+// Serves `scale` the blocks that cover the part of `weight` this rank is
+// served (ScaleRule): for each dimension the weight is cut along, the blocks
+// from the one holding its first element to the one holding its last.
+absl::Status FollowWeight(const SnapshotTensor& weight, const ScaleLink& link, SnapshotTensor* scale) {
+  const std::vector<uint64_t> w = weight.unsliced_shape(), s = scale->unsliced_shape();
+  const std::string what = absl::StrCat("scale '", scale->spec.name, "' ", ShapeToString(s), " of weight '",
+                                        weight.spec.name, "' ", ShapeToString(w));
+  if (s.size() > w.size()) return absl::InvalidArgumentError(absl::StrCat(what, ": more dimensions than its weight"));
+  std::vector<uint64_t> block(s.size(), 1);
+  const bool given = link.rule != nullptr && !link.rule->block.empty();
+  if (given && link.rule->block.size() != s.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": scale rule '", link.rule->pattern, "' gives ",
+                                                   link.rule->block.size(), " block sizes for ", s.size(),
+                                                   " dimensions"));
+  }
+  for (size_t d = 0; d < s.size(); ++d) {
+    block[d] = given ? link.rule->block[d] : InferBlock(w[d], s[d]);
+    if (block[d] == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": no block size gives dimension ", d,
+                                                     "; name the block with a scale rule (--shard-scale)"));
+    }
+    if ((w[d] + block[d] - 1) / block[d] != s[d]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": dimension ", d, " does not hold its weight's blocks of ", block[d]));
+    }
+  }
+  scale->scale_of = weight.spec.name;
+  if (weight.slice.empty()) return absl::OkStatus();  // the whole weight: all its scales
+  TensorSlice slice;
+  slice.dims.resize(s.size());
+  bool cut = false;
+  for (size_t d = 0; d < s.size(); ++d) {
+    const std::vector<IndexRange>& ranges = weight.slice.dims[d];
+    if (ranges.size() == 1 && ranges[0].start == 0 && ranges[0].stop == w[d]) {
+      slice.dims[d] = {IndexRange{0, s[d]}};
+      continue;
+    }
+    cut = true;
+    for (const IndexRange& r : ranges) {
+      const uint64_t first = r.start / block[d], end = r.size() == 0 ? first : (r.stop + block[d] - 1) / block[d];
+      slice.dims[d].push_back({first, end});
+      if (r.size() > 0 && (r.start % block[d] != 0 || (r.stop % block[d] != 0 && r.stop != w[d]))) {
+        scale->shares_scale_blocks = true;
+      }
+    }
+  }
+  if (!cut) return absl::OkStatus();  // cut only along dimensions the scale does not have
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckUnitSlice(scale->source->spec.dtype, s, slice, scale->spec.name));
+  scale->slice = std::move(slice);
+  scale->spec.shape = scale->slice.Shape();
+  return absl::OkStatus();
+}
+
+// Expert parallelism (ShardSpec::experts): drops the experts of other ranks.
+absl::Status KeepTheRanksExperts(const Selection& selection, const SelectionDeadline& deadline,
+                                 std::vector<SnapshotTensor>* tensors) {
+  const ShardSpec& shard = selection.options().shard;
+  std::vector<std::optional<Selection::ExpertOf>> experts(tensors->size());
+  absl::flat_hash_map<std::string, uint64_t> count;  // group -> largest index + 1
+  for (size_t i = 0; i < tensors->size(); ++i) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(experts[i], selection.ExpertOfName((*tensors)[i].spec.name, deadline));
+    if (!experts[i]) continue;
+    uint64_t& n = count[experts[i]->group];
+    n = std::max(n, experts[i]->index + 1);
+  }
+  std::vector<SnapshotTensor> kept;
+  kept.reserve(tensors->size());
+  for (size_t i = 0; i < tensors->size(); ++i) {
+    if (experts[i]) {
+      // Rank r of N: [r * E / N, (r + 1) * E / N), in 128-bit arithmetic.
+      const unsigned __int128 e = count[experts[i]->group], r = shard.rank, n = shard.world_size;
+      const unsigned __int128 begin = r * e / n, end = (r + 1) * e / n, index = experts[i]->index;
+      if (index < begin || index >= end) continue;
+    }
+    kept.push_back(std::move((*tensors)[i]));
+  }
+  *tensors = std::move(kept);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr<const Checkpoint> checkpoint,
                                                                  const Selection& selection) {
   const SelectionDeadline deadline(selection.limits());
@@ -174,8 +325,21 @@ absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr
       WEIGHTSTORE_RETURN_IF_ERROR(CheckCast(t.spec.dtype, *selection.options().dtype));
       t.spec.dtype = *selection.options().dtype;
     }
-    WEIGHTSTORE_RETURN_IF_ERROR(SliceTensor(selection, deadline, &t));
     tensors.push_back(std::move(t));
+  }
+  const ShardSpec& shard = selection.options().shard;
+  if (shard.world_size > 0 && !shard.experts.empty()) {
+    WEIGHTSTORE_RETURN_IF_ERROR(KeepTheRanksExperts(selection, deadline, &tensors));
+  }
+  std::vector<std::optional<ScaleLink>> scales(tensors.size());
+  if (shard.world_size > 0) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(scales, FindScales(selection, deadline, tensors));
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!scales[i]) WEIGHTSTORE_RETURN_IF_ERROR(SliceTensor(selection, deadline, &tensors[i]));
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (scales[i]) WEIGHTSTORE_RETURN_IF_ERROR(FollowWeight(tensors[scales[i]->weight], *scales[i], &tensors[i]));
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Snapshot> snapshot,
                                Create(std::move(checkpoint), std::move(tensors)));

@@ -28,6 +28,11 @@ struct SnapshotTensor {
   bool transpose = false;                   // rank-2 [r, c] source served as [c, r]
   // The part served of the (transposed) source; empty: all of it.
   TensorSlice slice;
+  // A scale tensor served as its weight's shard asks (ShardSpec::scales):
+  // the weight's served name, and whether a block it serves is shared with
+  // another rank (a rank's part of the weight ends inside it).
+  std::string scale_of;
+  bool shares_scale_blocks = false;
 
   // The shape before slicing: the source's, transposed when asked.
   std::vector<uint64_t> unsliced_shape() const;

@@ -67,6 +67,11 @@ TEST(PythonPackageTest, EveryFloatCastsAndNarrowsBitForBitAsTorchDoesOverEverySt
                   testing::MakeScratchDir("py-cwd"), "test_dtypes.py");
 }
 
+TEST(PythonPackageTest, QuantizedWeightsShardWithTheirScalesAsNumpyCutsThemOverEveryStore) {
+  RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
+                  testing::MakeScratchDir("py-cwd"), "test_quantized.py");
+}
+
 TEST(PythonPackageTest, TransformersModelsLoadFromAHubCacheWithTheSameLogitsOverEveryStore) {
   RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
                   testing::MakeScratchDir("py-cwd"), "test_transformers.py");

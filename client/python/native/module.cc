@@ -259,6 +259,17 @@ client::Query ToQuery(const py::dict& s) {
     o.shard.world_size = world;
     for (auto& [pattern, dim, parts, uneven] : rules)
       o.shard.rules.push_back({pattern, ShardSplit{dim, parts, uneven}});
+    if (s.contains("shard_scales")) {
+      for (auto& [pattern, weight, block] :
+           Cast<std::vector<std::tuple<std::string, std::string, std::vector<uint64_t>>>>(
+               s["shard_scales"], "shard_scales", "{regex: weight or (weight, (block, ...))} with integer blocks")) {
+        o.shard.scales.push_back({pattern, weight, block});
+      }
+    }
+    if (s.contains("shard_experts")) {
+      o.shard.experts = Cast<std::vector<std::string>>(s["shard_experts"], "shard_experts", "a list of strings");
+    }
+    if (s.contains("detect_scales")) o.shard.detect_scales = Cast<bool>(s["detect_scales"], "detect_scales", "a bool");
   }
   if (s.contains("slices")) {
     using Bound = std::pair<std::optional<uint64_t>, std::optional<uint64_t>>;
@@ -324,6 +335,8 @@ py::dict ToDict(const client::TensorDescription& t) {
   d["byte_size"] = t.spec.byte_size();
   d["source_name"] = t.source_name;
   d["crc32c"] = t.crc32c ? py::cast(*t.crc32c) : py::none();
+  d["scale_of"] = t.scale_of.empty() ? py::none() : py::cast(t.scale_of);
+  d["shares_scale_blocks"] = t.shares_scale_blocks;
   if (t.slice.empty()) {
     d["unsliced_shape"] = py::none();
     d["slice"] = py::none();

@@ -64,6 +64,10 @@ class TensorInfo:
     # tensor's shape, and per dimension the (start, stop) ranges served.
     unsliced_shape: tuple = None
     slice: tuple = None
+    # A quantization scale served as its weight's shard asks: the weight's
+    # served name, and whether a block it serves is shared with another rank.
+    scale_of: str = None
+    shares_scale_blocks: bool = False
 
 
 @dataclasses.dataclass
@@ -168,7 +172,7 @@ def _strings(name, values):
 
 def _selection(include=(), exclude=(), paths=(), rename=(), top_level_key="", contiguous_indices=None, adapter=None,
                dtype=None, shard=None, slices=None, version="", allow_partial=False, with_checksums=False,
-               target=None):
+               target=None, shard_scales=None, shard_experts=None, detect_scales=True):
     include, exclude, paths = _strings("include", include), _strings("exclude", exclude), _strings("paths", paths)
     if isinstance(rename, (str, bytes)) or not all(
             isinstance(r, (tuple, list)) and len(r) == 2 and all(isinstance(x, str) for x in r) for r in rename):
@@ -192,6 +196,16 @@ def _selection(include=(), exclude=(), paths=(), rename=(), top_level_key="", co
             raise ValueError(f"shard=({rank!r}, {world!r}, ...): rank and world size are non-negative integers")
         items = rules.items() if isinstance(rules, dict) else rules
         s["shard"] = (rank, world, [_split(pattern, split) for pattern, split in items])
+        # Scales that follow their weights: {regex: weight} or {regex: (weight, (block, ...))}.
+        scales = []
+        for pattern, follow in (shard_scales or {}).items():
+            weight, block = (follow, ()) if isinstance(follow, str) else follow
+            scales.append((pattern, weight, list(block)))
+        s["shard_scales"] = scales
+        s["shard_experts"] = _strings("shard_experts", shard_experts or [])
+        s["detect_scales"] = bool(detect_scales)
+    elif shard_scales or shard_experts:
+        raise ValueError("shard_scales and shard_experts need shard=(rank, world, rules)")
     if slices:
         s["slices"] = [(name, _bounds(name, spec)) for name, spec in slices.items()]
     return s

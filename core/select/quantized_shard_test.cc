@@ -1,0 +1,163 @@
+// Quantization-aware shards (issue 27): scales follow their weights, and
+// experts stored one per tensor go to their rank.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
+#include "core/select/selection.h"
+#include "core/select/snapshot.h"
+#include "tests/util/status_matchers.h"
+
+namespace weightstore {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::weightstore::testing::StatusIs;
+
+// A tensor of `dtype` and `shape` whose bytes count 0, 1, 2, ... (mod 256).
+SharedTensor Counting(const std::string& name, DType dtype, std::vector<uint64_t> shape) {
+  TensorSpec spec{name, dtype, std::move(shape)};
+  std::string bytes(spec.byte_size(), '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i);
+  return {spec, SharedBytes::Copy(bytes)};
+}
+
+std::shared_ptr<const Checkpoint> Parse(const std::vector<SharedTensor>& tensors) {
+  auto file = SerializeCheckpoint(kSafeTensorsFormat, tensors, {});
+  EXPECT_OK(file.status());
+  auto parsed = ParseSafeTensors(SharedBytes::Copy(*file), "q.safetensors", {});
+  EXPECT_OK(parsed.status());
+  return *parsed;
+}
+
+std::shared_ptr<const Snapshot> Shard(const std::shared_ptr<const Checkpoint>& checkpoint, uint32_t rank,
+                                      uint32_t world, std::vector<ShardRule> rules, bool detect = true,
+                                      std::vector<ScaleRule> scales = {}, std::vector<std::string> experts = {}) {
+  SelectionOptions options;
+  options.shard = {rank, world, std::move(rules), std::move(scales), detect, std::move(experts)};
+  auto selection = Selection::Compile(options);
+  EXPECT_OK(selection.status());
+  auto snapshot = Snapshot::Select(checkpoint, **selection);
+  EXPECT_OK(snapshot.status());
+  return *snapshot;
+}
+
+const SnapshotTensor& Get(const Snapshot& s, absl::string_view name) {
+  const SnapshotTensor* t = s.Find(name);
+  EXPECT_NE(t, nullptr) << name;
+  return *t;
+}
+
+TEST(QuantizedShardTest, BlockFp8ScalesFollowTheRanksRowsAndAPartialBlockIsShared) {
+  // DeepSeek's layout: F8_E4M3 [300, 256] with an F32 scale per 128 x 128.
+  auto checkpoint =
+      Parse({Counting("l.weight", DType::kF8E4M3, {300, 256}), Counting("l.weight_scale_inv", DType::kF32, {3, 2})});
+  for (uint32_t rank : {0u, 1u}) {
+    auto s = Shard(checkpoint, rank, 2, {{"\\.weight$", ShardSplit{0}}});
+    const SnapshotTensor& scale = Get(*s, "l.weight_scale_inv");
+    EXPECT_EQ(scale.scale_of, "l.weight");
+    EXPECT_TRUE(scale.shares_scale_blocks);  // rows 150 ends (and starts) inside block 1
+    ASSERT_EQ(scale.slice.dims.size(), 2u);
+    EXPECT_THAT(scale.slice.dims[0], ElementsAre(rank == 0 ? IndexRange{0, 2} : IndexRange{1, 3}));
+    EXPECT_EQ(scale.spec.shape, (std::vector<uint64_t>{2, 2}));
+    // The bytes: the scale's rows [first, first + 2) whole.
+    std::vector<std::byte> got(scale.spec.byte_size());
+    ASSERT_OK(s->ReadInto(scale, got));
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(static_cast<uint8_t>(got[i]), (rank * 8 + i) % 256);
+  }
+  // Columns: 128 each, on the block boundary: nothing shared.
+  auto s = Shard(checkpoint, 1, 2, {{"\\.weight$", ShardSplit{1}}});
+  const SnapshotTensor& scale = Get(*s, "l.weight_scale_inv");
+  EXPECT_FALSE(scale.shares_scale_blocks);
+  EXPECT_THAT(scale.slice.dims[1], ElementsAre(IndexRange{1, 2}));
+}
+
+TEST(QuantizedShardTest, Nvfp4PackedWeightsTakeTheirScaleGroupsAndTheGlobalScaleIsReplicated) {
+  // ModelOpt NVFP4: U8 [out, in / 2] (two values a byte), F8_E4M3 scales per
+  // 16 values ([out, in / 16]: a block of 8 bytes), an F32 global scale.
+  auto checkpoint =
+      Parse({Counting("p.weight", DType::kU8, {64, 32}), Counting("p.weight_scale", DType::kF8E4M3, {64, 4}),
+             Counting("p.weight_scale_2", DType::kF32, {}), Counting("p.input_scale", DType::kF32, {})});
+  auto s = Shard(checkpoint, 1, 2, {{"p\\.weight$", ShardSplit{1}}});  // row parallel: the rank's half of `in`
+  EXPECT_EQ(Get(*s, "p.weight").spec.shape, (std::vector<uint64_t>{64, 16}));
+  const SnapshotTensor& scale = Get(*s, "p.weight_scale");
+  EXPECT_EQ(scale.scale_of, "p.weight");
+  EXPECT_FALSE(scale.shares_scale_blocks);
+  EXPECT_EQ(scale.spec.shape, (std::vector<uint64_t>{64, 2}));
+  EXPECT_THAT(scale.slice.dims[1], ElementsAre(IndexRange{2, 4}));
+  EXPECT_TRUE(Get(*s, "p.weight_scale_2").slice.empty());
+  EXPECT_TRUE(Get(*s, "p.weight_scale_2").scale_of.empty());
+}
+
+TEST(QuantizedShardTest, GptOssStackedExpertsShardWithTheirScales) {
+  // gpt-oss MXFP4: blocks U8 [E, out, in / 32, 16], scales U8 [E, out, in / 32].
+  auto checkpoint = Parse({Counting("mlp.experts.gate_up_proj_blocks", DType::kU8, {4, 8, 2, 16}),
+                           Counting("mlp.experts.gate_up_proj_scales", DType::kU8, {4, 8, 2})});
+  auto s = Shard(checkpoint, 1, 2, {{"_blocks$", ShardSplit{0}}});
+  const SnapshotTensor& scales = Get(*s, "mlp.experts.gate_up_proj_scales");
+  EXPECT_EQ(scales.scale_of, "mlp.experts.gate_up_proj_blocks");
+  EXPECT_EQ(scales.spec.shape, (std::vector<uint64_t>{2, 8, 2}));
+  EXPECT_THAT(scales.slice.dims[0], ElementsAre(IndexRange{2, 4}));
+}
+
+TEST(QuantizedShardTest, AnExplicitScaleRuleGivesTheBlockAndASizeItCannotCoverIsRefused) {
+  auto checkpoint = Parse({Counting("a.qweight", DType::kI8, {8, 64}), Counting("a.qscale", DType::kF16, {8, 2})});
+  auto s = Shard(checkpoint, 0, 4, {{"qweight$", ShardSplit{1}}}, true, {{"qscale$", "qweight", {1, 32}}});
+  const SnapshotTensor& scale = Get(*s, "a.qscale");
+  EXPECT_EQ(scale.scale_of, "a.qweight");
+  EXPECT_TRUE(scale.shares_scale_blocks);  // 16 columns of a 32-column block
+  EXPECT_THAT(scale.slice.dims[1], ElementsAre(IndexRange{0, 1}));
+  SelectionOptions options;
+  options.shard = {0, 4, {{"qweight$", ShardSplit{1}}}, {{"qscale$", "qweight", {1, 16}}}};
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options));
+  EXPECT_THAT(Snapshot::Select(checkpoint, *selection),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("scale 'a.qscale' [8, 2] of weight 'a.qweight' [8, 64]: dimension 1")));
+}
+
+TEST(QuantizedShardTest, AScaleARuleAlsoMatchesFollowsItsWeightUnlessDetectionIsOff) {
+  // "proj\\.weight" also matches "proj.weight_scale_inv": split evenly, its
+  // 3 rows would be refused (not divisible); followed, it is the rank's blocks.
+  auto checkpoint = Parse(
+      {Counting("proj.weight", DType::kF8E4M3, {256, 128}), Counting("proj.weight_scale_inv", DType::kF32, {2, 1})});
+  auto s = Shard(checkpoint, 1, 2, {{"proj\\.weight", ShardSplit{0}}});
+  EXPECT_THAT(Get(*s, "proj.weight_scale_inv").slice.dims[0], ElementsAre(IndexRange{1, 2}));
+  auto plain = Shard(checkpoint, 1, 2, {{"proj\\.weight$", ShardSplit{0}}}, /*detect=*/false);
+  EXPECT_TRUE(Get(*plain, "proj.weight_scale_inv").scale_of.empty());
+  EXPECT_TRUE(Get(*plain, "proj.weight_scale_inv").slice.empty());  // replicated
+}
+
+TEST(QuantizedShardTest, ExpertsStoredOnePerTensorGoToTheirRank) {
+  std::vector<SharedTensor> tensors;
+  for (int layer = 0; layer < 2; ++layer) {
+    for (int e = 0; e < 8; ++e) {
+      tensors.push_back(Counting(absl::StrCat("l.", layer, ".experts.", e, ".w"), DType::kBF16, {4}));
+    }
+    tensors.push_back(Counting(absl::StrCat("l.", layer, ".router.weight"), DType::kF32, {8, 4}));
+  }
+  auto checkpoint = Parse(tensors);
+  auto s = Shard(checkpoint, 1, 4, {}, true, {}, {"experts\\.(\\d+)\\."});
+  std::vector<std::string> names;
+  for (const SnapshotTensor& t : s->tensors()) names.push_back(t.spec.name);
+  std::sort(names.begin(), names.end());
+  EXPECT_THAT(names, ElementsAre("l.0.experts.2.w", "l.0.experts.3.w", "l.0.router.weight", "l.1.experts.2.w",
+                                 "l.1.experts.3.w", "l.1.router.weight"));
+  SelectionOptions bad;
+  bad.shard = {0, 2, {}, {}, true, {"experts\\.([a-z]+)\\."}};
+  auto lettered = Parse({Counting("experts.a.w", DType::kU8, {1})});
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(bad));
+  EXPECT_THAT(Snapshot::Select(lettered, *selection),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'a' is not an expert index")));
+  SelectionOptions no_group;
+  no_group.shard = {0, 2, {}, {}, true, {"experts"}};
+  EXPECT_THAT(Selection::Compile(no_group), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("capture")));
+}
+
+}  // namespace
+}  // namespace weightstore
