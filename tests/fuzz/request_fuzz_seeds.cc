@@ -61,6 +61,27 @@ int main(int argc, char** argv) {
     *shm.mutable_map_tensors()->mutable_selection() = Ordinary();
     Write(dir, 4, shm.map_tensors());
   }
+  {  // issue 27: shards whose scales follow their weights, experts by rank, a narrowing cast
+    pb::FetchTensorsRequest fetch;
+    fetch.set_name("tiny-mlp");
+    pb::Selection* s = fetch.mutable_selection();
+    s->set_dtype("F8_E4M3");
+    pb::Shard* shard = s->mutable_shard();
+    shard->set_rank(1);
+    shard->set_world_size(2);
+    pb::ShardRule* rule = shard->add_rules();
+    rule->set_pattern(R"(\.weight$)");
+    rule->set_dim(0);
+    pb::ScaleRule* scale = shard->add_scales();
+    scale->set_pattern(R"(\.bias$)");
+    scale->set_weight(".weight");
+    scale->add_block(2);
+    shard->add_experts(R"(fc(\d+)\.)");
+    Write(dir, 1, fetch);
+    shard->set_no_scale_detection(true);
+    s->set_dtype("F8_E5M2FNUZ");
+    Write(dir, 1, fetch);
+  }
   {  // a PyTorch checkpoint: top-level key, contiguous indices, a target with an adapter
     pb::ListTensorsRequest list;
     list.set_name("tiny-mlp-torch");
