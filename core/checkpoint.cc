@@ -77,7 +77,8 @@ absl::Status ValidateEntry(CheckpointEntry& entry, absl::string_view path) {
   if (numel && *numel % DTypeUnitElements(spec.dtype) != 0) {
     return fault(absl::StrCat("has ", *numel, " ", DTypeName(spec.dtype), " elements: not a whole number of bytes"));
   }
-  if (IsSubByte(spec.dtype) && !entry.layout.strides.empty() && !IsContiguous(spec.shape, entry.layout.strides)) {
+  if (IsSubByte(spec.dtype) && !entry.layout.strides.empty() &&
+      (entry.layout.strides.size() != spec.shape.size() || !IsContiguous(spec.shape, entry.layout.strides))) {
     return fault(absl::StrCat("is a strided view of ", DTypeName(spec.dtype), " elements, which are packed"));
   }
   auto nbytes = numel ? DTypeBytes(spec.dtype, *numel) : std::nullopt;

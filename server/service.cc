@@ -211,12 +211,13 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       if (!sent_any_) SetStreamFields(&chunk);
     }
     const uint64_t size = plan_.byte_size;
-    // A transposed tensor goes in whole served rows when a row fits in a
-    // chunk: those are made by tiles, other ranges an element at a time.
+    // A produced tensor goes in whole served units (an F6 unit is 3 bytes),
+    // a transposed one in whole served rows when a row fits in a chunk:
+    // those are made by tiles, other ranges an element at a time.
     uint64_t step = chunk_bytes_;
-    if (plan_.transpose) {
-      const uint64_t rows = ServedPieceBytes(plan_, chunk_bytes_);
-      if (rows <= chunk_bytes_) step = rows;
+    if (!plan_.is_byte_range()) {
+      const uint64_t pieces = ServedPieceBytes(plan_, chunk_bytes_);
+      if (pieces <= chunk_bytes_ || !plan_.transpose) step = pieces;
     }
     const uint64_t n = std::min<uint64_t>(step, size - offset_);
     SharedBytes payload;

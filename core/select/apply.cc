@@ -191,6 +191,14 @@ absl::StatusOr<TargetSchema> TargetSchema::Load(const std::string& path) {
 absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, const Selection& selection,
                               const TargetSchema& target, const ApplyOptions& options) {
   WEIGHTSTORE_RETURN_IF_ERROR(CheckTarget(target, selection.limits()));
+  // Loading a rank's part into a target cuts tensors by the shard rules
+  // alone: scales that follow their weights and experts by rank are for
+  // fetches and listings (Snapshot::Select) so far.
+  if (!selection.options().shard.scales.empty() || !selection.options().shard.experts.empty()) {
+    return absl::InvalidArgumentError(
+        "scale rules and expert patterns (--shard-scale, --shard-experts) do not apply to a target yet; fetch the "
+        "rank's tensors without one");
+  }
   // Names after the top-level key, rename and contiguous indices, before the filter.
   const std::vector<CheckpointEntry>& entries = checkpoint->entries();
   const SelectionDeadline deadline(selection.limits());

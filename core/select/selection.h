@@ -245,6 +245,8 @@ class Selection {
   // an explicit slice and matches a rule, or matches rules that disagree.
   absl::StatusOr<TensorSlice> SliceOf(absl::string_view name, std::span<const uint64_t> shape,
                                       const SelectionDeadline* deadline = nullptr) const;
+  // Whether the selection has an explicit slice of `name`.
+  bool HasExplicitSlice(absl::string_view name) const { return slices_.contains(name); }
   // NotFound naming the first explicit slice for which `served` is false.
   absl::Status CheckSlicesUsed(const std::function<bool(absl::string_view)>& served) const;
   // When `name` is a scale an explicit ScaleRule names: the weight's name and

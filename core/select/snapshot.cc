@@ -209,6 +209,20 @@ absl::StatusOr<std::vector<std::optional<ScaleLink>>> FindScales(const Selection
       break;
     }
   }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!links[i]) continue;
+    const std::string& name = tensors[i].spec.name;
+    const std::string& weight = tensors[links[i]->weight].spec.name;
+    if (links[links[i]->weight]) {  // a chain or a cycle: which cut would win depends on the order
+      return absl::InvalidArgumentError(absl::StrCat("scale '", name, "' follows '", weight, "', itself a scale of '",
+                                                     tensors[links[links[i]->weight]->weight].spec.name,
+                                                     "'; a scale follows a weight"));
+    }
+    if (selection.HasExplicitSlice(name)) {
+      return absl::InvalidArgumentError(absl::StrCat("scale '", name, "' follows weight '", weight,
+                                                     "' and has an explicit slice; give it one or the other"));
+    }
+  }
   return links;
 }
 
@@ -265,6 +279,11 @@ absl::Status FollowWeight(const SnapshotTensor& weight, const ScaleLink& link, S
     cut = true;
     for (const IndexRange& r : ranges) {
       const uint64_t first = r.start / block[d], end = r.size() == 0 ? first : (r.stop + block[d] - 1) / block[d];
+      if (!slice.dims[d].empty() && first < slice.dims[d].back().stop) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": a block of ", block[d], " along dimension ", d,
+            " spans two pieces of the weight this rank is served (fused parts); it cannot be served once per piece"));
+      }
       slice.dims[d].push_back({first, end});
       if (r.size() > 0 && (r.start % block[d] != 0 || (r.stop % block[d] != 0 && r.stop != w[d]))) {
         scale->shares_scale_blocks = true;
@@ -287,6 +306,10 @@ absl::Status KeepTheRanksExperts(const Selection& selection, const SelectionDead
   for (size_t i = 0; i < tensors->size(); ++i) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(experts[i], selection.ExpertOfName((*tensors)[i].spec.name, deadline));
     if (!experts[i]) continue;
+    if (experts[i]->index == UINT64_MAX) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", (*tensors)[i].spec.name, "': expert index ", UINT64_MAX, " is out of range"));
+    }
     uint64_t& n = count[experts[i]->group];
     n = std::max(n, experts[i]->index + 1);
   }
