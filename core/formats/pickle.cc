@@ -34,6 +34,12 @@ const std::map<std::string, GlobalInfo, std::less<>>& AllowedGlobals() {
         {"torch._utils._rebuild_tensor", {PickleGlobal::kRebuildTensor}},
         {"torch._utils._rebuild_tensor_v2", {PickleGlobal::kRebuildTensorV2}},
         {"torch._utils._rebuild_tensor_v3", {PickleGlobal::kRebuildTensorV3}},
+        {"torch._utils._rebuild_qtensor", {PickleGlobal::kRebuildQTensor}},
+        {"torch.per_tensor_affine", {PickleGlobal::kInert}},
+        {"torch.per_channel_affine", {PickleGlobal::kInert}},
+        {"torch.per_tensor_symmetric", {PickleGlobal::kInert}},
+        {"torch.per_channel_symmetric", {PickleGlobal::kInert}},
+        {"torch.per_channel_affine_float_qparams", {PickleGlobal::kInert}},
         {"torch._utils._rebuild_parameter", {PickleGlobal::kRebuildParameter}},
         {"torch._utils._rebuild_parameter_with_state", {PickleGlobal::kRebuildParameterWithState}},
         {"torch._tensor._rebuild_from_type_v2", {PickleGlobal::kRebuildFromTypeV2}},
@@ -344,6 +350,12 @@ absl::Status PickleMachine::Call(const PickleValue* callable, const std::vector<
     case PickleGlobal::kRebuildTensorV2:
     case PickleGlobal::kRebuildTensorV3: {
       auto t = MakeTensor(callable->global, args);
+      if (!t.ok()) return t.status();
+      *out = *t;
+      return absl::OkStatus();
+    }
+    case PickleGlobal::kRebuildQTensor: {  // (storage, offset, size, stride, quantizer, ...)
+      auto t = MakeTensor(PickleGlobal::kRebuildTensor, args);
       if (!t.ok()) return t.status();
       *out = *t;
       return absl::OkStatus();

@@ -41,6 +41,10 @@ enum class PickleGlobal {
   kBytearray,
   kStorageClass,  // torch.FloatStorage, ... (dtype set), torch.UntypedStorage
   kDTypeObject,   // torch.float32, ...
+  // torch._utils._rebuild_qtensor: a quantized tensor, rebuilt as a tensor of
+  // its storage (whose dtype weightstore refuses, naming the tensor).
+  kRebuildQTensor,
+  kInert,  // a value that is only named, never called (torch.per_tensor_affine)
 };
 
 struct PickleValue;
