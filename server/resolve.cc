@@ -42,7 +42,8 @@ v1::DeltaInfo Resolved::DeltaInfo(size_t begin, size_t end) const {
 
 bool IsCostlySelection(const v1::Selection& selection) {
   return !selection.include().empty() || !selection.exclude().empty() || !selection.renames().empty() ||
-         !selection.shard().rules().empty() || selection.has_target();
+         !selection.shard().rules().empty() || !selection.shard().scales().empty() ||
+         !selection.shard().experts().empty() || selection.has_target();
 }
 
 absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,

@@ -48,7 +48,8 @@ absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::
                                  const SelectionLimits& limits, const std::string& since_version = "");
 
 // Whether resolving `selection` runs patterns or a target over every name
-// (include, exclude, renames, shard rules, a target): the selections counted
+// (include, exclude, renames, shard, scale and expert rules, a target): the
+// selections counted
 // by --max-concurrent-selections, on every transport.
 bool IsCostlySelection(const v1::Selection& selection);
 

@@ -11,6 +11,7 @@
 #include "client/store.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
+#include "server/resolve.h"
 #include "server/server.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
@@ -90,6 +91,23 @@ TEST(Issue27Test, ScaleFollowingRefusesWhatItCouldOnlyGuess) {
   // An expert index of 2^64 - 1 was dropped on every rank.
   EXPECT_THAT(refused({0, 2, {}, {}, true, {"experts\\.(\\d+)\\."}}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("out of range")));
+}
+
+// Scale rules and expert patterns run regexes over every name: they pass the
+// --max-concurrent-selections gate and run on the selection workers, as
+// shard rules do (they were left out of it).
+TEST(Issue27Test, ScaleRulesAndExpertPatternsAreCostlySelections) {
+  v1::Selection experts;
+  experts.mutable_shard()->set_world_size(2);
+  experts.mutable_shard()->add_experts("experts\\.(\\d+)\\.");
+  EXPECT_TRUE(server::IsCostlySelection(experts));
+  v1::Selection scales;
+  scales.mutable_shard()->set_world_size(2);
+  scales.mutable_shard()->add_scales()->set_pattern("scale$");
+  EXPECT_TRUE(server::IsCostlySelection(scales));
+  v1::Selection plain;
+  plain.set_dtype("BF16");
+  EXPECT_FALSE(server::IsCostlySelection(plain));
 }
 
 }  // namespace
