@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/file_sink.h"
 #include "client/store.h"
@@ -206,6 +207,7 @@ std::string HumanBytes(uint64_t bytes) {
 struct InspectView {
   std::string path, format, container;
   Metadata metadata;
+  std::string quantization;  // QuantizationConfig::Describe(), or empty
   size_t total_tensors = 0;
   std::vector<client::TensorDescription> tensors;
   std::optional<ApplyResult> apply_result;
@@ -220,6 +222,7 @@ void PrintInspect(const InspectView& v, bool json, std::FILE* out) {
     if (!v.container.empty()) doc["container"] = v.container;
     doc["metadata"] = nlohmann::json::object();
     for (const auto& [k, val] : v.metadata) doc["metadata"][k] = val;
+    if (!v.quantization.empty()) doc["quantization"] = v.quantization;
     doc["tensors"] = nlohmann::json::array();
     for (const auto& t : v.tensors) {
       nlohmann::ordered_json j;
@@ -235,7 +238,9 @@ void PrintInspect(const InspectView& v, bool json, std::FILE* out) {
       if (!t.scale_of.empty()) {
         j["scale_of"] = t.scale_of;
         j["shares_scale_blocks"] = t.shares_scale_blocks;
+        j["scale_block"] = t.scale_block;
       }
+      if (!t.quantization.empty()) j["quantization"] = t.quantization;
       doc["tensors"].push_back(std::move(j));
     }
     std::fprintf(out, "%s\n", doc.dump(1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
@@ -246,6 +251,7 @@ void PrintInspect(const InspectView& v, bool json, std::FILE* out) {
   if (v.tensors.size() != v.total_tensors) std::fprintf(out, " selected of %zu", v.total_tensors);
   std::fprintf(out, "\n  data:     %s (%llu bytes)\n", HumanBytes(total_bytes).c_str(),
                static_cast<unsigned long long>(total_bytes));
+  if (!v.quantization.empty()) std::fprintf(out, "  quantized: %s\n", v.quantization.c_str());
   if (!v.metadata.empty()) {
     std::fprintf(out, "  metadata:\n");
     for (const auto& [k, val] : v.metadata) std::fprintf(out, "    %s: %s\n", k.c_str(), val.c_str());
@@ -268,9 +274,11 @@ void PrintInspect(const InspectView& v, bool json, std::FILE* out) {
     }
     if (t.source_name != t.spec.name) std::fprintf(out, "  <- %s", t.source_name.c_str());
     if (!t.scale_of.empty()) {
-      std::fprintf(out, "  scales of %s%s", t.scale_of.c_str(),
+      std::fprintf(out, "  scales of %s in blocks of %s%s", t.scale_of.c_str(),
+                   absl::StrJoin(t.scale_block, "x").c_str(),
                    t.shares_scale_blocks ? " (a block shared with another rank)" : "");
     }
+    if (!t.quantization.empty()) std::fprintf(out, "  %s", t.quantization.c_str());
     std::fprintf(out, "\n");
   }
   if (v.apply_result) std::fprintf(out, "\n%s", v.apply_result->Summary().c_str());
@@ -316,13 +324,21 @@ absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
                        summary.format,
                        summary.container,
                        summary.metadata,
+                       summary.quantization,
                        summary.tensor_count,
                        std::move(listing.tensors),
                        std::move(listing.apply_result)};
   } else {
     WEIGHTSTORE_ASSIGN_OR_RETURN(Loaded loaded, LoadForCli(args.path, args.selection));
     const Checkpoint& c = *loaded.checkpoint;
-    view = InspectView{c.path(), std::string(c.format().name), c.detail(), c.metadata(), c.size(), {}, {}};
+    view = InspectView{c.path(),
+                       std::string(c.format().name),
+                       c.detail(),
+                       c.metadata(),
+                       c.quantization() == nullptr ? "" : c.quantization()->Describe(),
+                       c.size(),
+                       {},
+                       {}};
     for (const SnapshotTensor& t : loaded.snapshot->tensors()) {
       view.tensors.push_back(client::Describe(t));
     }

@@ -16,9 +16,16 @@ namespace {
 
 CheckpointSummary Summarize(const CheckpointVersion& v) {
   const Checkpoint& c = *v.checkpoint();
-  return CheckpointSummary{
-      v.name(),    std::string(c.format().name), c.detail(), v.path(), c.total_bytes(), c.size(), c.metadata(),
-      v.version(), v.loaded_at_unix_seconds()};
+  return CheckpointSummary{v.name(),
+                           std::string(c.format().name),
+                           c.detail(),
+                           v.path(),
+                           c.total_bytes(),
+                           c.size(),
+                           c.metadata(),
+                           v.version(),
+                           v.loaded_at_unix_seconds(),
+                           c.quantization() == nullptr ? "" : c.quantization()->Describe()};
 }
 
 class LocalStore final : public Store {

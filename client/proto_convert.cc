@@ -86,6 +86,8 @@ absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out) {
   out->unchanged = in.unchanged();
   out->scale_of = in.scale_of();
   out->shares_scale_blocks = in.shares_scale_blocks();
+  out->scale_block.assign(in.scale_block().begin(), in.scale_block().end());
+  out->quantization = in.quantization();
   out->unsliced_shape.clear();
   out->slice = {};
   if (in.slice_size() > 0 || in.unsliced_shape_size() > 0) {
@@ -128,6 +130,7 @@ void FromProto(const pb::CheckpointInfo& in, CheckpointSummary* out) {
   out->metadata = Metadata(in.metadata().begin(), in.metadata().end());
   out->version = in.version();
   out->loaded_at_unix_seconds = in.loaded_at_unix_seconds();
+  out->quantization = in.quantization();
 }
 
 DeltaInfo FromProto(const pb::DeltaInfo& in) {

@@ -33,6 +33,8 @@ TensorDescription Describe(const SnapshotTensor& tensor) {
   TensorDescription d{tensor.spec, tensor.source->spec.name, std::nullopt};
   d.scale_of = tensor.scale_of;
   d.shares_scale_blocks = tensor.shares_scale_blocks;
+  d.scale_block = tensor.scale_block;
+  d.quantization = tensor.quantization;
   if (!tensor.slice.empty()) {
     d.unsliced_shape = tensor.unsliced_shape();
     d.slice = tensor.slice;

@@ -42,6 +42,8 @@ struct CheckpointSummary {
   Metadata metadata;
   std::string version;
   int64_t loaded_at_unix_seconds = 0;
+  // QuantizationConfig::Describe() of the config beside it; empty: none.
+  std::string quantization;
 };
 
 // What to read: burn-store's selection and, optionally, a target to load into.
@@ -83,6 +85,9 @@ struct TensorDescription {
   // weight's name, and whether a block it serves is shared with another rank.
   std::string scale_of;
   bool shares_scale_blocks = false;
+  std::vector<uint64_t> scale_block;  // weight elements per scale element
+  // A weight its checkpoint's quantization config describes (SnapshotTensor).
+  std::string quantization;
 };
 
 // A snapshot's tensor as a listing describes it (no checksum).

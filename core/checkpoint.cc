@@ -169,8 +169,10 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Create(
   return std::shared_ptr<const Checkpoint>(std::move(checkpoint));
 }
 
-absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& path,
-                                                                   const OpenOptions& options) {
+namespace {
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenFiles(const std::string& path, const OpenOptions& options,
+                                                            std::shared_ptr<const MappedFile>* file) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     std::vector<std::string> indexes;
@@ -191,17 +193,28 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::st
   }
   if (const FormatSpec* index = IndexFormatForPath(path)) return index->open_index(path, options);
 
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, OpenCheckpointFile(path, options));
-  const FormatSpec* format = DetectFormat(file->bytes().view());
+  WEIGHTSTORE_ASSIGN_OR_RETURN(*file, OpenCheckpointFile(path, options));
+  const FormatSpec* format = DetectFormat((*file)->bytes().view());
   if (format == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", path, "' is not a checkpoint of any known format (", FormatNames(), ")"));
   }
-  absl::StatusOr<std::shared_ptr<const Checkpoint>> opened = format->open(file, options);
-  if (!opened.ok()) return opened;
-  // The readers build the checkpoint from byte ranges; record the file they came
-  // from. Nobody else holds the new checkpoint yet.
-  const_cast<Checkpoint&>(**opened).files_ = {std::move(file)};
+  return format->open(*file, options);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& path,
+                                                                   const OpenOptions& options) {
+  std::shared_ptr<const MappedFile> file;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> opened, OpenFiles(path, options, &file));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::optional<std::shared_ptr<const QuantizationConfig>> quantization,
+                               QuantizationConfig::ReadBeside(path));
+  // Nobody else holds the new checkpoint yet. The readers build it from byte
+  // ranges; record the file they came from (an index records its shards).
+  Checkpoint& mutable_checkpoint = const_cast<Checkpoint&>(*opened);
+  if (file != nullptr) mutable_checkpoint.files_ = {std::move(file)};
+  if (quantization) mutable_checkpoint.quantization_ = std::move(*quantization);
   return opened;
 }
 

@@ -24,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/format.h"
 #include "core/mapped_file.h"
+#include "core/quant_config.h"
 #include "core/shared_bytes.h"
 #include "core/tensor.h"
 
@@ -104,9 +105,10 @@ class Checkpoint {
  public:
   // Opens `path`, detecting the format from its content (core/format.h): a
   // file, an index of a multi-file checkpoint (by its suffix, e.g.
-  // `*.safetensors.index.json`), or a folder holding exactly one such index.
+  // `*.safetensors.index.json`), or a folder holding exactly one such index;
+  // and the quantization config beside it (QuantizationConfig::ReadBeside).
   // Returns NotFound if missing and InvalidArgument, naming the file and the
-  // fault, if malformed.
+  // fault, if the checkpoint or its quantization config is malformed.
   static absl::StatusOr<std::shared_ptr<const Checkpoint>> Open(const std::string& path,
                                                                 const OpenOptions& options = {});
 
@@ -133,6 +135,9 @@ class Checkpoint {
   // The files this checkpoint was opened from (for an index: its shards). Empty
   // for checkpoints built from parts.
   const std::vector<std::shared_ptr<const MappedFile>>& files() const { return files_; }
+  // What the quantization config beside the checkpoint's file says
+  // (core/quant_config.h), read by Open(); nullptr when there is none.
+  const QuantizationConfig* quantization() const { return quantization_.get(); }
   // Returns where `bytes` (from Read()) lie in one of files(), or nullopt when
   // they are not file bytes (gathered, inflated or fixed up).
   std::optional<FileExtent> Locate(const SharedBytes& bytes) const;
@@ -170,6 +175,7 @@ class Checkpoint {
   absl::flat_hash_map<std::string, size_t> by_name_;
   uint64_t total_bytes_ = 0;
   std::vector<std::shared_ptr<const MappedFile>> files_;
+  std::shared_ptr<const QuantizationConfig> quantization_;
 };
 
 // Opens `path` with options.open_file, or MappedFile::Open when it is unset.

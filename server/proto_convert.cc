@@ -103,6 +103,8 @@ void ToProto(const SnapshotTensor& tensor, pb::TensorInfo* out) {
   if (spec.param_id) out->set_param_id(*spec.param_id);
   if (!tensor.scale_of.empty()) out->set_scale_of(tensor.scale_of);
   out->set_shares_scale_blocks(tensor.shares_scale_blocks);
+  for (uint64_t b : tensor.scale_block) out->add_scale_block(b);
+  if (!tensor.quantization.empty()) out->set_quantization(tensor.quantization);
   if (tensor.slice.empty()) return;
   for (uint64_t d : tensor.unsliced_shape()) out->add_unsliced_shape(d);
   for (const std::vector<IndexRange>& ranges : tensor.slice.dims) {

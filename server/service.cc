@@ -49,6 +49,7 @@ void ToProto(const CheckpointVersion& version, v1::CheckpointInfo* out) {
   for (const auto& [k, v] : c.metadata()) (*out->mutable_metadata())[k] = v;
   out->set_version(version.version());
   out->set_loaded_at_unix_seconds(version.loaded_at_unix_seconds());
+  if (c.quantization() != nullptr) out->set_quantization(c.quantization()->Describe());
 }
 
 // Streams one FetchTensors response, one chunk in flight at a time: gRPC's flow

@@ -175,6 +175,17 @@ constexpr std::pair<absl::string_view, absl::string_view> kStandardScales[] = {
     {"_scales", "_blocks"},               // gpt-oss MXFP4
 };
 
+// True when a scale of a standard name follows the tensor `name` in
+// `checkpoint` (both source names).
+bool HasStandardScale(const Checkpoint& checkpoint, absl::string_view name) {
+  for (const auto& [suffix, replacement] : kStandardScales) {
+    if (!absl::EndsWith(name, replacement)) continue;
+    const std::string scale = absl::StrCat(name.substr(0, name.size() - replacement.size()), suffix);
+    if (checkpoint.Find(scale) != nullptr) return true;
+  }
+  return false;
+}
+
 // Which served tensors are scales of which served weights: by the explicit
 // rules first, then (detect_scales) by the standard names. A scale of rank 0
 // (a global scale) follows nothing: it is replicated.
@@ -239,32 +250,85 @@ uint64_t InferBlock(uint64_t weight, uint64_t scale) {
   return 0;
 }
 
+// The block a quantization config's scheme gives `scale` (shape `s`) of
+// `weight` (shape `w`), in elements of each scale dimension; nullopt when the
+// scheme names no block or does not describe a scale of this shape (the
+// shapes decide then, as without a config). The scheme counts values: a
+// weight in a wider integer dtype packs several per element (two FP4 values
+// per U8), so its last dimension's block is that many times fewer elements.
+absl::StatusOr<std::optional<std::vector<uint64_t>>> ConfigBlock(const QuantScheme& scheme,
+                                                                 const SnapshotTensor& weight,
+                                                                 const std::vector<uint64_t>& w,
+                                                                 const std::vector<uint64_t>& s,
+                                                                 absl::string_view what) {
+  if (scheme.block.size() != 2 || w.empty()) return std::nullopt;
+  uint64_t rows = scheme.block[0], cols = scheme.block[1];
+  if (weight.transpose) std::swap(rows, cols);
+  const DType stored = weight.source->spec.dtype;
+  const uint32_t bits = DTypeBits(stored);
+  if (!IsFloatingPoint(stored) && scheme.value_bits != 0 && bits > scheme.value_bits) {
+    const uint64_t per_element = bits / scheme.value_bits;
+    if (bits % scheme.value_bits != 0 || cols % per_element != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": its blocks of ", cols, " ", scheme.value_bits,
+                                                     "-bit values (", DescribeQuantScheme(scheme), ") are not whole ",
+                                                     DTypeName(stored), " elements"));
+    }
+    cols /= per_element;
+  }
+  std::vector<uint64_t> block(s.size(), 1);
+  if (s.size() == w.size()) {
+    block.back() = cols;
+    if (s.size() >= 2) block[s.size() - 2] = rows;
+    return block;
+  }
+  // A scale without the weight's last dimension, whose every row holds one
+  // block (gpt-oss: blocks [E, out, G, 16] of U8, scales [E, out, G]).
+  if (s.size() + 1 == w.size() && w.back() == cols && rows == 1) return block;
+  return std::nullopt;
+}
+
 // Serves `scale` the blocks that cover the part of `weight` this rank is
 // served (ScaleRule): for each dimension the weight is cut along, the blocks
-// from the one holding its first element to the one holding its last.
-absl::Status FollowWeight(const SnapshotTensor& weight, const ScaleLink& link, SnapshotTensor* scale) {
+// from the one holding its first element to the one holding its last. The
+// block is the rule's, else the checkpoint's quantization config's, else
+// inferred from the shapes (InferBlock).
+absl::Status FollowWeight(const SnapshotTensor& weight, const ScaleLink& link, const QuantizationConfig* config,
+                          SnapshotTensor* scale) {
   const std::vector<uint64_t> w = weight.unsliced_shape(), s = scale->unsliced_shape();
   const std::string what = absl::StrCat("scale '", scale->spec.name, "' ", ShapeToString(s), " of weight '",
                                         weight.spec.name, "' ", ShapeToString(w));
   if (s.size() > w.size()) return absl::InvalidArgumentError(absl::StrCat(what, ": more dimensions than its weight"));
   std::vector<uint64_t> block(s.size(), 1);
+  std::string source;  // where the block came from, when not the shapes
   const bool given = link.rule != nullptr && !link.rule->block.empty();
   if (given && link.rule->block.size() != s.size()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": scale rule '", link.rule->pattern, "' gives ",
                                                    link.rule->block.size(), " block sizes for ", s.size(),
                                                    " dimensions"));
   }
+  std::optional<std::vector<uint64_t>> configured;
+  if (given) {
+    block = link.rule->block;
+    source = absl::StrCat(" (scale rule '", link.rule->pattern, "')");
+  } else if (const QuantScheme* scheme = config == nullptr ? nullptr : config->SchemeOf(weight.source->spec.name)) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(configured, ConfigBlock(*scheme, weight, w, s, what));
+    if (configured) {
+      block = *configured;
+      source = absl::StrCat(" (", config->source(), ": ", DescribeQuantScheme(*scheme), ")");
+    }
+  }
   for (size_t d = 0; d < s.size(); ++d) {
-    block[d] = given ? link.rule->block[d] : InferBlock(w[d], s[d]);
+    if (!given && !configured) block[d] = InferBlock(w[d], s[d]);
     if (block[d] == 0) {
       return absl::InvalidArgumentError(absl::StrCat(what, ": no block size gives dimension ", d,
                                                      "; name the block with a scale rule (--shard-scale)"));
     }
     if ((w[d] + block[d] - 1) / block[d] != s[d]) {
       return absl::InvalidArgumentError(
-          absl::StrCat(what, ": dimension ", d, " does not hold its weight's blocks of ", block[d]));
+          absl::StrCat(what, ": dimension ", d, " does not hold its weight's blocks of ", block[d], source));
     }
   }
+  scale->scale_block = block;
   scale->scale_of = weight.spec.name;
   if (weight.slice.empty()) return absl::OkStatus();  // the whole weight: all its scales
   TensorSlice slice;
@@ -348,6 +412,12 @@ absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr
       WEIGHTSTORE_RETURN_IF_ERROR(CheckCast(t.spec.dtype, *selection.options().dtype));
       t.spec.dtype = *selection.options().dtype;
     }
+    if (const QuantizationConfig* config = checkpoint->quantization();
+        config != nullptr && HasStandardScale(*checkpoint, t.source->spec.name)) {
+      if (const QuantScheme* scheme = config->SchemeOf(t.source->spec.name)) {
+        t.quantization = absl::StrCat(DescribeQuantScheme(*scheme), " (", config->source(), ")");
+      }
+    }
     tensors.push_back(std::move(t));
   }
   const ShardSpec& shard = selection.options().shard;
@@ -362,7 +432,10 @@ absl::StatusOr<std::shared_ptr<const Snapshot>> Snapshot::Select(std::shared_ptr
     if (!scales[i]) WEIGHTSTORE_RETURN_IF_ERROR(SliceTensor(selection, deadline, &tensors[i]));
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
-    if (scales[i]) WEIGHTSTORE_RETURN_IF_ERROR(FollowWeight(tensors[scales[i]->weight], *scales[i], &tensors[i]));
+    if (scales[i]) {
+      WEIGHTSTORE_RETURN_IF_ERROR(
+          FollowWeight(tensors[scales[i]->weight], *scales[i], checkpoint->quantization(), &tensors[i]));
+    }
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Snapshot> snapshot,
                                Create(std::move(checkpoint), std::move(tensors)));

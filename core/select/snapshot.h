@@ -33,6 +33,13 @@ struct SnapshotTensor {
   // another rank (a rank's part of the weight ends inside it).
   std::string scale_of;
   bool shares_scale_blocks = false;
+  // ...and the weight elements one of its elements covers, per dimension.
+  std::vector<uint64_t> scale_block;
+  // A weight its checkpoint's quantization config describes, and that a scale
+  // of a standard name follows in the file: the scheme, as
+  // DescribeQuantScheme, and the config's file ("NVFP4, 4-bit values, blocks
+  // of 1x16 (hf_quant_config.json)"). Empty otherwise.
+  std::string quantization;
 
   // The shape before slicing: the source's, transposed when asked.
   std::vector<uint64_t> unsliced_shape() const;

@@ -12,8 +12,11 @@ bytes, over every store (gRPC, the daemon's socket, local files):
 - experts one per tensor, rank r of N getting [r E / N, (r + 1) E / N).
 
 Each scale is found by its standard name, and the listing says whose scale it
-is and whether a block is shared. Needs a running weightstored: WS_ADDRESS,
+is and whether a block is shared. A quantization config beside a checkpoint
+(hf_quant_config.json, config.json's quantization_config) gives the blocks
+when it has them, and the listing shows it. Needs a running weightstored: WS_ADDRESS,
 WS_SOCKET, WS_MODELS (writable: files go under quantized/)."""
+import json
 import os
 import unittest
 
@@ -22,6 +25,9 @@ import torch
 
 import safetensors.torch
 import weightstore
+
+import grpc
+from weightstore.v1 import weight_store_pb2, weight_store_pb2_grpc
 
 from _support import random_bits, rescan
 
@@ -159,6 +165,126 @@ class QuantizedShardsTest(unittest.TestCase):
                 store.tensors(f"{FOLDER}/mxfp4_f4", shard=(0, 3, {r"^f\.weight$": 1}))  # 64 values in 3
             self.assertEqual(e.exception.code, "INVALID_ARGUMENT", label)
             self.assertIn("'f.weight'", e.exception.message)
+
+
+def rescan_reply():
+    with grpc.insecure_channel(ADDRESS) as channel:
+        return weight_store_pb2_grpc.WeightStoreStub(channel).Rescan(weight_store_pb2.RescanRequest(), timeout=60)
+
+
+class QuantizationConfigTest(unittest.TestCase):
+    """Checkpoints in folders of their own, each beside the config a
+    quantizer writes."""
+
+    @classmethod
+    def setUpClass(cls):
+        g = torch.Generator().manual_seed(2701)
+        cls.files = {
+            # transformers' FineGrainedFP8 layout with an unusual block: the
+            # shapes alone would guess 128 (the smallest power of two giving
+            # two blocks of 192 rows); the config says 96.
+            "cfg_fp8": ({"l.weight": random_bits((192, 192), torch.float8_e4m3fn, g),
+                         "l.weight_scale_inv": torch.rand(2, 2, generator=g),
+                         "lm_head.weight": torch.rand(4, 192, generator=g)},
+                        "config.json",
+                        {"architectures": ["X"], "quantization_config": {
+                            "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                            "weight_block_size": [96, 96], "modules_to_not_convert": ["lm_head"]}}),
+            # ModelOpt NVFP4: U8 packed pairs, F8_E4M3 scales per 16 values;
+            # "q" is excluded, so its U8 weight is not called NVFP4.
+            "cfg_nvfp4": ({"model.layers.0.mlp.p.weight": random_bits((64, 32), torch.uint8, g),
+                           "model.layers.0.mlp.p.weight_scale": random_bits((64, 4), torch.float8_e4m3fn, g),
+                           "model.layers.0.mlp.p.weight_scale_2": torch.tensor(0.5),
+                           "model.layers.0.q.weight": random_bits((8, 8), torch.uint8, g),
+                           "model.layers.0.q.weight_scale": random_bits((8, 1), torch.float8_e4m3fn, g)},
+                          "hf_quant_config.json",
+                          {"producer": {"name": "modelopt", "version": "0.40.0"},
+                           "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                            "exclude_modules": ["model.layers.*.q", "lm_head"]}}),
+            # A config whose blocks the scale's shape does not hold (32 values
+            # a scale, where the config says 16).
+            "cfg_mismatch": ({"p.weight": random_bits((64, 32), torch.uint8, g),
+                              "p.weight_scale": random_bits((64, 2), torch.float8_e4m3fn, g)},
+                             "hf_quant_config.json",
+                             {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4",
+                                                                                "group_size": 16}}),
+            "cfg_broken": ({"w": torch.rand(2)}, "config.json", {"quantization_config": "fp8"}),
+            "cfg_none": ({"p.weight": random_bits((4, 8), torch.uint8, g),
+                          "p.weight_scale": random_bits((4, 1), torch.float8_e4m3fn, g)},
+                         "config.json", {"architectures": ["X"]}),
+        }
+        for name, (tensors, config_name, config) in cls.files.items():
+            folder = os.path.join(MODELS, FOLDER, name)
+            os.makedirs(folder, exist_ok=True)
+            safetensors.torch.save_file(tensors, os.path.join(folder, "model.safetensors"))
+            with open(os.path.join(folder, config_name), "w") as f:
+                json.dump(config, f)
+        cls.reply = rescan_reply()
+        cls.stores = {"grpc": weightstore.connect(ADDRESS), "socket": weightstore.connect("unix:" + SOCKET),
+                      "local": weightstore.connect("file:" + MODELS)}
+
+    def name(self, folder):
+        return f"{FOLDER}/{folder}/model"
+
+    def test_the_configs_block_decides_where_a_rank_cut_ends(self):
+        w, s = self.files["cfg_fp8"][0]["l.weight"], self.files["cfg_fp8"][0]["l.weight_scale_inv"]
+        for label, store in self.stores.items():
+            for rank in range(2):
+                with self.subTest(transport=label, rank=rank):
+                    query = dict(shard=(rank, 2, {r"^l\.weight$": 0}))
+                    got = store.tensors(self.name("cfg_fp8"), **query)
+                    rows = even(192, rank, 2)
+                    self.assertTrue(np.array_equal(got_bytes(got["l.weight"]), cut(w, [rows, (0, 192)]).reshape(-1)))
+                    # Blocks of 96: each rank gets its own row of scales, none shared.
+                    self.assertTrue(np.array_equal(got_bytes(got["l.weight_scale_inv"]),
+                                                   cut(s, [(rank, rank + 1), (0, 2)]).reshape(-1)))
+                    info = {t.name: t for t in store.describe(self.name("cfg_fp8"), **query)}
+                    self.assertEqual(info["l.weight_scale_inv"].scale_block, (96, 96))
+                    self.assertFalse(info["l.weight_scale_inv"].shares_scale_blocks)
+                    self.assertEqual(info["l.weight"].quantization,
+                                     "FP8_BLOCK, 8-bit values, blocks of 96x96 (config.json)")
+                    self.assertIsNone(info["lm_head.weight"].quantization)
+
+    def test_the_listing_names_the_config_and_the_packed_fp4_weights_it_describes(self):
+        for label, store in self.stores.items():
+            with self.subTest(transport=label):
+                self.assertEqual(store.info(self.name("cfg_nvfp4"))["quantization"],
+                                 "NVFP4, 4-bit values, blocks of 1x16 (hf_quant_config.json; 2 modules excluded)")
+                info = {t.name: t for t in store.describe(self.name("cfg_nvfp4"))}
+                self.assertEqual(info["model.layers.0.mlp.p.weight"].quantization,
+                                 "NVFP4, 4-bit values, blocks of 1x16 (hf_quant_config.json)")
+                self.assertIsNone(info["model.layers.0.q.weight"].quantization)  # excluded by its glob
+                self.assertIsNone(info["model.layers.0.mlp.p.weight_scale"].quantization)
+                self.assertIsNone(store.info(self.name("cfg_none"))["quantization"])  # config.json, no quantization
+                self.assertIsNone(store.describe(self.name("cfg_none"))[0].quantization)
+                # 16 values of a U8 weight are 8 bytes; the global scale is replicated.
+                shard = dict(shard=(1, 2, {r"mlp\.p\.weight$": 1}))
+                listed = {t.name: t for t in store.describe(self.name("cfg_nvfp4"), **shard)}
+                self.assertEqual(listed["model.layers.0.mlp.p.weight_scale"].scale_block, (1, 8))
+                got = store.tensors(self.name("cfg_nvfp4"), **shard)
+                scale = self.files["cfg_nvfp4"][0]["model.layers.0.mlp.p.weight_scale"]
+                self.assertTrue(np.array_equal(got_bytes(got["model.layers.0.mlp.p.weight_scale"]),
+                                               cut(scale, [(0, 64), (2, 4)]).reshape(-1)))
+                self.assertEqual(got["model.layers.0.mlp.p.weight_scale_2"].item(), 0.5)
+
+    def test_a_scale_that_does_not_hold_the_configs_blocks_is_refused_naming_the_config(self):
+        for label, store in self.stores.items():
+            with self.subTest(transport=label):
+                self.assertEqual(len(store.tensors(self.name("cfg_mismatch"))), 2)  # whole: served as is
+                with self.assertRaises(weightstore.Error) as e:
+                    store.tensors(self.name("cfg_mismatch"), shard=(0, 2, {r"^p\.weight$": 1}))
+                self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+                for part in ("'p.weight_scale'", "'p.weight'", "hf_quant_config.json", "blocks of 8"):
+                    self.assertIn(part, e.exception.message)
+
+    def test_a_malformed_config_keeps_its_checkpoint_out_and_says_why(self):
+        lines = [line for line in self.reply.not_served if "cfg_broken" in line]
+        self.assertEqual(len(lines), 1, list(self.reply.not_served))
+        self.assertIn("config.json", lines[0])
+        self.assertIn("quantization_config must be an object", lines[0])
+        with self.assertRaises(weightstore.Error) as e:
+            self.stores["grpc"].info(self.name("cfg_broken"))
+        self.assertEqual(e.exception.code, "NOT_FOUND")
 
 
 if __name__ == "__main__":

@@ -324,6 +324,7 @@ py::dict ToDict(const client::CheckpointSummary& c) {
   d["tensor_count"] = c.tensor_count;
   d["metadata"] = py::cast(c.metadata);
   d["version"] = c.version;
+  d["quantization"] = c.quantization.empty() ? py::none() : py::cast(c.quantization);
   return d;
 }
 
@@ -337,6 +338,8 @@ py::dict ToDict(const client::TensorDescription& t) {
   d["crc32c"] = t.crc32c ? py::cast(*t.crc32c) : py::none();
   d["scale_of"] = t.scale_of.empty() ? py::none() : py::cast(t.scale_of);
   d["shares_scale_blocks"] = t.shares_scale_blocks;
+  d["scale_block"] = t.scale_block.empty() ? py::none() : py::object(py::tuple(py::cast(t.scale_block)));
+  d["quantization"] = t.quantization.empty() ? py::none() : py::cast(t.quantization);
   if (t.slice.empty()) {
     d["unsliced_shape"] = py::none();
     d["slice"] = py::none();

@@ -68,6 +68,11 @@ class TensorInfo:
     # served name, and whether a block it serves is shared with another rank.
     scale_of: str = None
     shares_scale_blocks: bool = False
+    # ...and the weight elements one scale element covers, per dimension.
+    scale_block: tuple = None
+    # A weight the checkpoint's quantization config (hf_quant_config.json or
+    # config.json) describes: "NVFP4, 4-bit values, blocks of 1x16 (...)".
+    quantization: str = None
 
 
 @dataclasses.dataclass
@@ -327,7 +332,8 @@ class Store:
         return self._native.kind
 
     def list(self):
-        """Every checkpoint served: dicts of name, format, path, total_bytes, tensor_count, metadata, version."""
+        """Every checkpoint served: dicts of name, format, path, total_bytes, tensor_count, metadata, version,
+        quantization (what its quantization config says, or None)."""
         return self._native.list()
 
     def info(self, name):
