@@ -24,10 +24,25 @@ absl::StatusOr<std::unique_ptr<FileSink>> FileSink::Create(const std::string& pa
   if (map == MAP_FAILED) return StatusFromErrno(errno, absl::StrCat("cannot map '", path, "' for writing"));
   sink->map_ = static_cast<std::byte*>(map);
   std::memcpy(sink->map_, plan.header.data(), plan.header.size());
+  if (!plan.after.empty() && plan.after.size() != plan.order.size()) {
+    return absl::InternalError(absl::StrCat("the ", format.name, " plan has ", plan.after.size(),
+                                            " strings to write after ", plan.order.size(), " tensors"));
+  }
   for (size_t k = 0; k < plan.order.size(); ++k) {
     const TensorSpec& spec = tensors[plan.order[k]];
     sink->slots_.emplace(spec.name, Slot{spec, plan.offsets[k]});
     sink->total_ += spec.byte_size();
+    // What the format puts between tensors (a Burn record's keys and heads),
+    // which must end before the next tensor (or the file) begins.
+    if (!plan.after.empty()) {
+      const uint64_t at = plan.offsets[k] + spec.byte_size();
+      const uint64_t limit = k + 1 < plan.order.size() ? plan.offsets[k + 1] : plan.file_size;
+      if (at > limit || plan.after[k].size() > limit - at) {
+        return absl::InternalError(
+            absl::StrCat("the ", format.name, " plan overlaps itself after tensor '", spec.name, "'"));
+      }
+      std::memcpy(sink->map_ + at, plan.after[k].data(), plan.after[k].size());
+    }
   }
   return sink;
 }

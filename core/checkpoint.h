@@ -88,6 +88,16 @@ struct OpenOptions {
   // inflated (and kept while it is served); torch.save never compresses them.
   // Default: 256 MiB.
   uint64_t max_inflated_bytes = uint64_t{256} << 20;
+  // Burn bincode records (.bin, .bin.gz): path of the layout JSON they are read
+  // with ({"parameters": [{"path", "shape"}, ...]} in declaration order), since
+  // bincode stores no names. Ignored by every other format. Default: empty,
+  // none (a bincode record is then refused, saying a layout is needed).
+  std::string record_layout;
+  // Burn gzip records (.mpk.gz, .json.gz, .bin.gz): bytes one record may
+  // inflate to, kept while it is served. Also refused: more than 1100 times
+  // the compressed size (deflate cannot exceed about 1032:1). Both are checked
+  // while inflating. Default: 64 GiB.
+  uint64_t max_record_inflated_bytes = uint64_t{64} << 30;
   MappedFileOptions mapped_file;
   // Opens each file of the checkpoint (the file itself, or an index and its
   // shards). Default (empty): MappedFile::Open with `mapped_file`. PreloadFile

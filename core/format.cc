@@ -73,10 +73,26 @@ std::string FormatNames(bool writable_only) {
 std::string FormatExtensions(bool writable_only) {
   std::vector<absl::string_view> all;
   for (const FormatSpec* format : Formats()) {
-    if (!writable_only || format->writable())
-      all.insert(all.end(), format->extensions.begin(), format->extensions.end());
+    if (writable_only && !format->writable()) continue;
+    const auto& endings =
+        writable_only && !format->write_extensions.empty() ? format->write_extensions : format->extensions;
+    all.insert(all.end(), endings.begin(), endings.end());
   }
   return absl::StrJoin(all, ", ");
+}
+
+bool CanWrite(const FormatSpec& format, absl::string_view path) {
+  if (!format.writable()) return false;
+  if (format.write_extensions.empty()) return true;
+  for (absl::string_view e : format.write_extensions) {
+    if (absl::EndsWithIgnoreCase(path, e)) return true;
+  }
+  for (const auto& endings : {format.extensions, format.named_extensions}) {
+    for (absl::string_view e : endings) {
+      if (absl::EndsWithIgnoreCase(path, e)) return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace weightstore

@@ -54,6 +54,9 @@ struct FormatSpec {
 
   // Lays out a file of this format (CheckpointWriter); null: read-only here.
   absl::StatusOr<WritePlan> (*plan)(const std::vector<TensorSpec>& tensors, const Metadata& metadata) = nullptr;
+  // The endings of the one encoding `plan` writes, when the format reads
+  // several (Burn records: ".mpk", not ".mpk.gz"); empty: all of `extensions`.
+  std::span<const absl::string_view> write_extensions;
 
   // burn-store's adapter default for this format: when a selection is applied
   // to a target, map "layers.0", "layers.2" to contiguous indices (PyTorch's
@@ -82,6 +85,12 @@ const FormatSpec* IndexFormatForPath(absl::string_view path);
 std::optional<std::string> StripFormatExtension(absl::string_view path);
 // The first format whose `detect` accepts `file`, or nullptr.
 const FormatSpec* DetectFormat(absl::string_view file);
+
+// True when a file at `path` can be written in `format`: it has a plan, and
+// `path` does not end with an extension of `format` that names an encoding
+// its plan does not write ("x.mpk.gz" for Burn records). Other endings are
+// the caller's choice (an explicit --format).
+bool CanWrite(const FormatSpec& format, absl::string_view path);
 
 // "safetensors, pytorch, burnpack" (with `writable_only`, those with a plan),
 // for help texts and errors.

@@ -59,9 +59,22 @@ TEST(FormatTableTest, StripsTheScannedExtensionOrIndexSuffix) {
 }
 
 TEST(FormatTableTest, ListsWritableFormatsForHelpAndErrors) {
-  EXPECT_EQ(FormatNames(/*writable_only=*/true), "burnpack, safetensors");
+  EXPECT_EQ(FormatNames(/*writable_only=*/true), "burnpack, safetensors, burn-record");
   EXPECT_THAT(FormatNames(), ::testing::HasSubstr("pytorch"));
-  EXPECT_EQ(FormatExtensions(/*writable_only=*/true), ".bpk, .safetensors");
+  EXPECT_EQ(FormatExtensions(/*writable_only=*/true), ".bpk, .safetensors, .mpk");
+}
+
+TEST(FormatTableTest, AFormatThatReadsSeveralEncodingsWritesOnlyItsOwnEndings) {
+  const FormatSpec* record = FindFormat("burn-record");
+  ASSERT_NE(record, nullptr);
+  EXPECT_TRUE(CanWrite(*record, "model.mpk"));
+  EXPECT_TRUE(CanWrite(*record, "MODEL.MPK"));
+  EXPECT_TRUE(CanWrite(*record, "model.weights"));  // an explicit --format's choice
+  EXPECT_FALSE(CanWrite(*record, "model.mpk.gz"));
+  EXPECT_FALSE(CanWrite(*record, "model.json.gz"));
+  EXPECT_FALSE(CanWrite(*record, "model.json"));
+  EXPECT_TRUE(CanWrite(*FindFormat("safetensors"), "x.safetensors"));
+  EXPECT_FALSE(CanWrite(*FindFormat("pytorch"), "x.pt"));  // read-only
 }
 
 }  // namespace

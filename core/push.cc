@@ -143,10 +143,13 @@ absl::StatusOr<std::unique_ptr<PushSession>> CheckpointRegistry::BeginPush(const
     return absl::FailedPreconditionError(
         absl::StrCat("push to '", name, "': it is preloaded into memory (--preload); pushes rewrite files"));
   }
-  if (!checkpoint.format().writable() || checkpoint.files().size() != 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "push to '", name, "': it is ", checkpoint.files().size() == 1 ? "" : "a multi-file ", checkpoint.format().name,
-        ", and pushes write one file of a writable format (", FormatNames(/*writable_only=*/true), ")"));
+  if (!checkpoint.format().writable() || checkpoint.files().size() != 1 ||
+      !CanWrite(checkpoint.format(), checkpoint.files()[0]->path())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("push to '", name, "': it is '", checkpoint.path(), "', ",
+                     checkpoint.files().size() == 1 ? "a " : "a multi-file ", checkpoint.format().name,
+                     " checkpoint, and pushes write one file of a writable format and ending (",
+                     FormatExtensions(/*writable_only=*/true), ")"));
   }
   {
     absl::MutexLock lock(&mu_);

@@ -48,12 +48,12 @@ while IFS=: read -r file inc; do
 done < <(includes $(base_sources))
 
 # A format is named in code only inside its room (the table lists them).
-for name in safetensors pytorch burnpack; do
+for name in safetensors pytorch burnpack burn_record; do
   while read -r hit; do
     fail "names the $name format outside core/formats/: $hit"
-  done < <(grep -rInE "k(SafeTensors|PyTorch|Burnpack)Format|core/formats/(safetensors|pytorch|burnpack)\.h" \
+  done < <(grep -rInE "k(SafeTensors|PyTorch|Burnpack|BurnRecord)Format|core/formats/(safetensors|pytorch|burnpack|burn_record)\.h" \
              core server client proto --include='*.h' --include='*.cc' | grep -v '^core/formats/' | grep -v '_test\.cc:' |
-           grep -i "$name")
+           grep -iE "${name/_/_?}")
 done
 
 exit $status

@@ -16,8 +16,9 @@ daemon_packages=(
   libabsl-dev libre2-dev libboost-dev grpc-proto
   # metrics: prometheus-cpp (registry, and the HTTP exposer with civetweb)
   prometheus-cpp-dev
-  # formats: JSON (SafeTensors headers), CBOR (Burnpack), zlib (zip CRC-32)
-  nlohmann-json3-dev libcbor-dev zlib1g-dev libcli11-dev
+  # formats: JSON (SafeTensors headers), CBOR (Burnpack), zlib (zip CRC-32),
+  # MessagePack (Burn's .mpk records; header-only msgpack-cxx)
+  nlohmann-json3-dev libcbor-dev zlib1g-dev libcli11-dev libmsgpack-cxx-dev
   # weight updates: XXH3-128 tensor digests; CRC32C (Intel's ISA-L)
   libxxhash-dev libisal-dev
   # origins: S3 over libcurl (SigV4 signing), its XML replies parsed with expat;

@@ -21,6 +21,32 @@ seed safetensors_fuzz "$fixtures"/burn/safetensors/*
 seed burnpack_fuzz "$fixtures"/burn/burnpack/*
 seed zip_fuzz "$fixtures"/burn/pytorch-reader/float32.pt "$fixtures"/burn/pytorch-models/*.pt
 seed pytorch_fuzz "$fixtures"/burn/pytorch-reader/*.pt
+seed burn_record_fuzz "$fixtures"/burn-records/*.mpk "$fixtures"/burn-records/*.bin
+# Burn's gzip and JSON records, which no public repository had: gzip of the
+# fixtures (flate2's level 6, one member), and a small record in each JSON
+# form with both tensor layouts and a Bool(U32) store.
+python3 - "$fixtures/burn-records" "$build/corpus/burn_record_fuzz" <<'PY'
+import gzip, json, os, sys
+src, out = sys.argv[1], sys.argv[2]
+for name in ("connect4_0.16.1.mpk", "mnistweb_0.21.bin"):
+    with open(os.path.join(src, name), "rb") as f:
+        data = f.read()
+    with open(os.path.join(out, name + ".gz"), "wb") as f:
+        f.write(gzip.compress(data, 6, mtime=0))
+meta = {"float": "f32", "int": "i32", "format": "seed", "version": "0.16.0", "settings": "FullPrecisionSettings"}
+param = lambda i, p: {"id": i, "param": p}
+item = {
+    "layers": [{"weight": param("0400000000000", {"bytes": [0, 0, 128, 63, 0, 0, 0, 64], "shape": [2], "dtype": "F32"})}],
+    "old": param("5c0b5a1e-8f0a-4e55-9a6c-2f4d0e8b7c11", {"value": [1.0, -2.5], "shape": [2]}),
+    "mask": param("0800000000000", {"bytes": [1, 0, 0, 0], "shape": [1], "dtype": {"Bool": "U32"}}),
+    "dropout": None,
+}
+record = {"metadata": meta, "item": item, "_b": None}
+with open(os.path.join(out, "small.json"), "w") as f:
+    json.dump(record, f, indent=2)
+with open(os.path.join(out, "small.json.gz"), "wb") as f:
+    f.write(gzip.compress(json.dumps(record, separators=(",", ":")).encode(), 6, mtime=0))
+PY
 # A file of every SafeTensors dtype (safetensors 0.8's 22; issue 27), each a
 # [2, 4] tensor of random bits next to an F32.
 python3 - "$build/corpus/safetensors_fuzz" <<'PY'
@@ -88,9 +114,10 @@ mkdir -p "$build/corpus/request_fuzz"
 
 # request_fuzz runs a whole daemon in the process: larger inputs (a target
 # schema), a per-input time limit, and no leak check at exit (gRPC's threads).
-declare -A extra=([request_fuzz]="-max_len=1048576 -timeout=20 -detect_leaks=0")
+declare -A extra=([request_fuzz]="-max_len=1048576 -timeout=20 -detect_leaks=0"
+                  [burn_record_fuzz]="-max_len=2097152")  # the fixtures: up to 1.9 MB
 status=0
-for target in safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz chunk_fuzz request_fuzz; do
+for target in safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz burn_record_fuzz chunk_fuzz request_fuzz; do
   echo "== $target (${seconds}s)"
   # shellcheck disable=SC2086
   if ! "$build/tests/fuzz/$target" -max_total_time="$seconds" -rss_limit_mb=2048 -max_len=65536 \

@@ -42,12 +42,22 @@ void PopulateForRead(absl::string_view bytes) {
 template <typename Sink>
 absl::Status WritePlanned(const WritePlan& plan, const std::vector<TensorSpec>& specs,
                           const std::vector<BytesProducer>& producers, const WriteOptions& options, Sink& sink) {
+  if (!plan.after.empty() && plan.after.size() != plan.order.size()) {
+    return absl::InternalError(
+        absl::StrCat("the write plan has ", plan.after.size(), " `after` strings for ", plan.order.size(), " tensors"));
+  }
+  // A plan that overlaps itself would make a gap wrap around to 2^64 zeros.
+  auto gap = [](uint64_t pos, uint64_t next) -> absl::StatusOr<uint64_t> {
+    if (next < pos) return absl::InternalError(absl::StrCat("the write plan overlaps itself at offset ", next));
+    return next - pos;
+  };
   WEIGHTSTORE_RETURN_IF_ERROR(sink.Append(plan.header));
   uint64_t pos = plan.header.size();
   for (size_t k = 0; k < plan.order.size(); ++k) {
     const size_t i = plan.order[k];
     const TensorSpec& spec = specs[i];
-    WEIGHTSTORE_RETURN_IF_ERROR(sink.AppendZeros(plan.offsets[k] - pos));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(const uint64_t zeros, gap(pos, plan.offsets[k]));
+    WEIGHTSTORE_RETURN_IF_ERROR(sink.AppendZeros(zeros));
     absl::StatusOr<SharedBytes> bytes = producers[i]();
     if (!bytes.ok()) {
       return absl::Status(bytes.status().code(), absl::StrCat("tensor '", spec.name, "': ", bytes.status().message()));
@@ -66,9 +76,14 @@ absl::Status WritePlanned(const WritePlan& plan, const std::vector<TensorSpec>& 
       WEIGHTSTORE_RETURN_IF_ERROR(sink.Append(window));
     }
     pos = plan.offsets[k] + spec.byte_size();
+    if (!plan.after.empty()) {
+      WEIGHTSTORE_RETURN_IF_ERROR(sink.Append(plan.after[k]));
+      pos += plan.after[k].size();
+    }
     if (options.progress) options.progress(pos, plan.file_size);
   }
-  return sink.AppendZeros(plan.file_size - pos);
+  WEIGHTSTORE_ASSIGN_OR_RETURN(const uint64_t zeros, gap(pos, plan.file_size));
+  return sink.AppendZeros(zeros);
 }
 
 struct StringSink {

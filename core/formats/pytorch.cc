@@ -617,7 +617,7 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParsePyTorch(SharedBytes bytes
   if (!data.empty() && static_cast<uint8_t>(data[0]) == 0x80) return ParsePlainPickle(std::move(bytes), path, options);
   // The file's bytes are not quoted: this message can reach a remote caller.
   return absl::InvalidArgumentError(
-      absl::StrCat("'", path, "' is not a SafeTensors, Burnpack or PyTorch checkpoint (",
+      absl::StrCat("'", path, "' is not a checkpoint of any known format (", FormatNames(), "; ",
                    data.empty() ? "the file is empty"
                                 : absl::StrCat("no known signature in its first bytes; ", data.size(), " bytes"),
                    ")"));
