@@ -142,7 +142,9 @@ absl::StatusOr<Loaded> LoadForCli(const std::string& path, const SelectionArgs& 
   WEIGHTSTORE_ASSIGN_OR_RETURN(SelectionOptions options, ParseSelection(args));
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Selection> selection, Selection::Compile(options));
   Loaded loaded;
-  WEIGHTSTORE_ASSIGN_OR_RETURN(loaded.checkpoint, Checkpoint::Open(path));
+  OpenOptions open;
+  open.record_layout = args.record_layout;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(loaded.checkpoint, Checkpoint::Open(path, open));
   if (args.target.empty()) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(loaded.snapshot, Snapshot::Select(loaded.checkpoint, *selection));
     return loaded;
@@ -417,6 +419,11 @@ absl::StatusOr<const FormatSpec*> OutputFormat(const std::string& flag, const st
                                                    " files are read-only here; write ",
                                                    FormatExtensions(/*writable_only=*/true)));
   }
+  if (!CanWrite(*f, output)) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot write '", output, "': ", f->name, " files are written as ",
+                                                   absl::StrJoin(f->write_extensions, ", "),
+                                                   " only (compress one yourself: gzip -n)"));
+  }
   return f;
 }
 
@@ -513,7 +520,9 @@ absl::Status RunWatch(const WatchArgs& args, std::FILE* out) {
 }
 
 absl::Status RunPush(const PushArgs& args, std::FILE* out) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> file, Checkpoint::Open(args.file));
+  OpenOptions open;
+  open.record_layout = args.record_layout;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> file, Checkpoint::Open(args.file, open));
   WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, "", args.remote));
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing base, store->ListTensors(args.name, {}));
   absl::flat_hash_map<std::string, const client::TensorDescription*> in_base;

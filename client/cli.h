@@ -30,6 +30,9 @@ struct SelectionArgs {
   std::vector<std::string> shard_experts;  // REGEX with the expert index as its first group
   bool no_scale_detection = false;
   std::vector<std::string> slices;  // NAME=[a:b, :]
+  // How to read the file rather than what to select: a Burn bincode record's
+  // layout (OpenOptions::record_layout).
+  std::string record_layout;
 };
 
 // How to reach a remote weightstored (--server): TLS files and a bearer token
@@ -104,6 +107,7 @@ struct PushArgs {
   std::string name;           // the served checkpoint (the base)
   std::string file;           // the new version, a checkpoint file of any format
   bool only_changed = false;  // push only tensors whose digest, dtype or shape differ
+  std::string record_layout;  // FILE is a Burn bincode record read with this layout
 };
 
 // Publishes FILE as the next version of NAME: its tensors (with

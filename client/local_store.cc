@@ -114,7 +114,7 @@ class LocalStore final : public Store {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path) {
+absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path, const OpenOptions& open) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const bool folder = fs::is_directory(path, ec);
@@ -126,7 +126,7 @@ absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path) {
     }
   }
   if (folder && !sharded) {
-    auto store = std::make_unique<LocalStore>(RegistryOptions{.models_dir = path});
+    auto store = std::make_unique<LocalStore>(RegistryOptions{.models_dir = path, .open = open});
     ScanReport report = store->registry().Rescan();
     if (!report.errors.empty() && store->registry().List().empty()) {
       return absl::InvalidArgumentError(
@@ -136,7 +136,7 @@ absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path) {
   }
   fs::path p(path);
   const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
-  auto store = std::make_unique<LocalStore>(RegistryOptions{.models_dir = parent.string()});
+  auto store = std::make_unique<LocalStore>(RegistryOptions{.models_dir = parent.string(), .open = open});
   WEIGHTSTORE_RETURN_IF_ERROR(store->registry().Load(path, "").status());
   return std::unique_ptr<Store>(std::move(store));
 }

@@ -218,8 +218,9 @@ class Store {
 };
 
 // Reads the checkpoints under `models_dir` (or the single file or sharded
-// folder `path`) in this process.
-absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path);
+// folder `path`) in this process, each opened with `open` (default: a
+// daemon's defaults).
+absl::StatusOr<std::unique_ptr<Store>> OpenLocalStore(const std::string& path, const OpenOptions& open = {});
 
 struct RemoteOptions {
   // Per-call deadline. Default: 10 minutes.

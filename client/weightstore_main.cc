@@ -33,6 +33,9 @@ void AddRemoteFlags(CLI::App* cmd, weightstore::cli::RemoteArgs* args) {
 }
 
 void AddSelectionFlags(CLI::App* cmd, weightstore::cli::SelectionArgs* s) {
+  cmd->add_option("--record-layout", s->record_layout,
+                  "Read a Burn bincode record (.bin, .bin.gz) with this layout: the target-schema JSON "
+                  "({\"parameters\": [{\"path\", \"shape\"}]}, in the module's declaration order)");
   cmd->add_option("--top-level-key", s->top_level_key,
                   "PyTorch: read the state dict under this root key (e.g. model_state_dict)");
   cmd->add_option("--include", s->include, "Keep tensors whose name matches this regex (RE2, unanchored; repeatable)");

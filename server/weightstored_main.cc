@@ -197,6 +197,14 @@ int main(int argc, char** argv) {
   app.add_option("--max-selection-seconds", selection_seconds,
                  "CPU time one request's selection (renames, filters) may take")
       ->capture_default_str();
+  app.add_option("--max-record-inflated-bytes", options.registry.open.max_record_inflated_bytes,
+                 "Bytes one gzipped Burn record (.mpk.gz, .json.gz, .bin.gz) may inflate to, kept while served "
+                 "(bytes, or with a unit: 64GiB); more than 1100 times its compressed size is refused too")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--record-layout", options.registry.open.record_layout,
+                 "Read Burn bincode records (.bin.gz in the models folder, .bin by LoadCheckpoint) with this "
+                 "layout: the target-schema JSON ({\"parameters\": [{\"path\", \"shape\"}]}, in declaration order)");
   app.add_option("--load-root", options.registry.load_roots,
                  "A folder besides --models whose files LoadCheckpoint may serve (repeatable)");
   app.add_option("--socket", options.socket.path,

@@ -2,7 +2,12 @@
 
   /usr/bin/python3 deploy/models/make_examples.py && \
   build/client/weightstore convert --overwrite --top-level-key model_state_dict --metadata model=tiny-mlp deploy/models/tiny-mlp-torch.pt deploy/models/tiny-mlp.safetensors && \
-  build/client/weightstore convert --overwrite --top-level-key model_state_dict --metadata model=tiny-mlp deploy/models/tiny-mlp-torch.pt deploy/models/tiny-mlp-burn.bpk
+  build/client/weightstore convert --overwrite --top-level-key model_state_dict --metadata model=tiny-mlp deploy/models/tiny-mlp-torch.pt deploy/models/tiny-mlp-burn.bpk && \
+  build/client/weightstore convert --overwrite --top-level-key model_state_dict --contiguous-indices deploy/models/tiny-mlp-torch.pt deploy/models/tiny-mlp-record.mpk
+
+The last is a Burn NamedMpk record (Burn 0.14-0.21's .mpk), as Burn's
+NamedMpkFileRecorder writes one: its layers renumbered 0, 1, 2, since a
+record's Vec has no gaps.
 """
 import os
 

@@ -19,19 +19,22 @@ namespace {
 using testing::ShellQuote;
 
 // Runs tests/python/`file` with `python` (and `env` before it) against a daemon
-// of its own; expects every test to pass and none to be skipped.
+// of its own (with `flags` too); expects every test to pass and none to be
+// skipped. The tests find the shared fixtures at $WS_FIXTURES.
 void RunPackageTests(const std::string& env, const std::string& python, const std::string& cwd,
-                     const std::string& file = "test_package.py") {
+                     const std::string& file = "test_package.py", std::vector<std::string> flags = {}) {
   const std::string models = testing::MakeFixtureModelsDir();
   const std::string socket = testing::MakeScratchDir("sock") + "/ws.sock";
-  testing::Daemon daemon(models, {"--socket", socket, "--metrics-listen", "127.0.0.1:0"});
+  for (const char* flag : {"--socket", socket.c_str(), "--metrics-listen", "127.0.0.1:0"}) flags.push_back(flag);
+  testing::Daemon daemon(models, flags);
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   ASSERT_NE(daemon.metrics_port(), 0) << daemon.log();
   const std::string command = absl::StrCat(
       "cd ", ShellQuote(cwd), " && ", env, " WS_ADDRESS=", daemon.address(), " WS_SOCKET=", ShellQuote(socket),
       " WS_MODELS=", ShellQuote(models), " WS_METRICS=127.0.0.1:", daemon.metrics_port(),
-      " WS_CLI=", ShellQuote(WEIGHTSTORE_CLI_PATH), " WS_DAEMON=", ShellQuote(testing::DaemonPath()), " ",
-      ShellQuote(python), " ", ShellQuote(absl::StrCat(WEIGHTSTORE_PYTHON_TESTS_DIR, "/", file)));
+      " WS_CLI=", ShellQuote(WEIGHTSTORE_CLI_PATH), " WS_DAEMON=", ShellQuote(testing::DaemonPath()),
+      " WS_FIXTURES=", ShellQuote(testing::FixturesDir()), " ", ShellQuote(python), " ",
+      ShellQuote(absl::StrCat(WEIGHTSTORE_PYTHON_TESTS_DIR, "/", file)));
   std::string output;
   const int status = testing::RunCommand(command, &output);
   EXPECT_EQ(status, 0) << output;
@@ -70,6 +73,14 @@ TEST(PythonPackageTest, EveryFloatCastsAndNarrowsBitForBitAsTorchDoesOverEverySt
 TEST(PythonPackageTest, QuantizedWeightsShardWithTheirScalesAsNumpyCutsThemOverEveryStore) {
   RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
                   testing::MakeScratchDir("py-cwd"), "test_quantized.py");
+}
+
+TEST(PythonPackageTest, BurnRecordsServeTheTensorsAnIndependentDecoderReadsOverEveryStore) {
+  // The daemon reads the bincode records it scans (.bin.gz) with Burn 0.21's
+  // MNIST layout; test_burn_records.py gzips that fixture into the models folder.
+  RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
+                  testing::MakeScratchDir("py-cwd"), "test_burn_records.py",
+                  {"--record-layout", testing::FixturesDir() + "/burn-records/mnistweb_0.21.layout.json"});
 }
 
 TEST(PythonPackageTest, TransformersModelsLoadFromAHubCacheWithTheSameLogitsOverEveryStore) {

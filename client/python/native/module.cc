@@ -593,7 +593,8 @@ class Store {
 // "file:/models" (or a path), "unix:/run/ws.sock", or "host:port".
 std::unique_ptr<Store> Connect(const std::string& url, const std::string& token, const std::string& tls_ca,
                                const std::string& tls_cert, const std::string& tls_key, int parallel_streams,
-                               std::optional<bool> pipeline, int max_resumes, double timeout_seconds) {
+                               std::optional<bool> pipeline, int max_resumes, double timeout_seconds,
+                               const std::string& record_layout) {
   // Whole milliseconds, at least one (0 would mean no timeout to a socket).
   const auto timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(std::ceil(timeout_seconds * 1000))));
   if (absl::StartsWith(url, "file:") || absl::StartsWith(url, "/") || absl::StartsWith(url, ".")) {
@@ -601,7 +602,9 @@ std::unique_ptr<Store> Connect(const std::string& url, const std::string& token,
     absl::StatusOr<std::unique_ptr<client::Store>> local;
     {
       py::gil_scoped_release release;
-      local = client::OpenLocalStore(path);
+      OpenOptions open;
+      open.record_layout = record_layout;
+      local = client::OpenLocalStore(path, open);
     }
     return std::make_unique<Store>(Unwrap(std::move(local)), nullptr, "local");
   }
@@ -661,7 +664,7 @@ PYBIND11_MODULE(_native, m) {
       .def("watch", &Store::Watch, py::arg("name"), py::arg("prefix"), py::arg("known"), py::arg("callback"));
   m.def("connect", &Connect, py::arg("url"), py::arg("token") = "", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
         py::arg("tls_key") = "", py::arg("parallel_streams") = 0, py::arg("pipeline") = py::none(),
-        py::arg("max_resumes") = 3, py::arg("timeout") = 600.0);
+        py::arg("max_resumes") = 3, py::arg("timeout") = 600.0, py::arg("record_layout") = "");
   m.def("tune_allocator_for_streaming", &weightstore::client::TuneAllocatorForStreaming);
   // Whether this build has the C++ client's CUDA paths (WEIGHTSTORE_WITH_CUDA).
 #if WEIGHTSTORE_HAVE_CUDA

@@ -103,12 +103,19 @@ class Update:
 
 
 def connect(url, *, token=None, tls_ca="", tls_cert="", tls_key="", parallel_streams=0, pipeline=None,
-            max_resumes=3, timeout=600.0):
+            max_resumes=3, timeout=600.0, record_layout=""):
     """A store: "host:port" (gRPC; TLS with tls_ca, a bearer token from `token`
     or $WEIGHTSTORE_TOKEN), "unix:/path" (the daemon's same-host socket), or
-    "file:/path" (files read in this process)."""
+    "file:/path" (files read in this process). With "file:", `record_layout`
+    is the layout JSON Burn bincode records (.bin, .bin.gz) are read with: the
+    target schema's {"parameters": [{"path", "shape"}]}, in the module's
+    declaration order (a daemon takes --record-layout)."""
     if _native is None:
         raise ImportError(f"weightstore's extension is not built: {_native_error}")
+    if not isinstance(record_layout, str):
+        raise TypeError(f"record_layout={record_layout!r}: a path to a layout JSON")
+    if record_layout and not (isinstance(url, str) and url.startswith(("file:", "/", "."))):
+        raise ValueError(f"record_layout is read by file: stores; the daemon at {url!r} takes --record-layout")
     if not isinstance(parallel_streams, int) or not 0 <= parallel_streams <= 64:
         raise ValueError(f"parallel_streams={parallel_streams!r}: 0 (automatic) to 64")
     if not isinstance(max_resumes, int) or not 0 <= max_resumes <= 100:
@@ -120,7 +127,7 @@ def connect(url, *, token=None, tls_ca="", tls_cert="", tls_key="", parallel_str
         token = os.environ.get("WEIGHTSTORE_TOKEN", "")
     return Store(_native.connect(url, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                                  parallel_streams=parallel_streams, pipeline=pipeline, max_resumes=max_resumes,
-                                 timeout=timeout))
+                                 timeout=timeout, record_layout=record_layout))
 
 
 def tune_allocator_for_streaming():
