@@ -214,8 +214,20 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::st
   // ranges; record the file they came from (an index records its shards).
   Checkpoint& mutable_checkpoint = const_cast<Checkpoint&>(*opened);
   if (file != nullptr) mutable_checkpoint.files_ = {std::move(file)};
-  if (quantization) mutable_checkpoint.quantization_ = std::move(*quantization);
+  if (quantization) {
+    mutable_checkpoint.quantization_ = std::move(*quantization);
+    mutable_checkpoint.quant_schemes_.reserve(opened->entries_.size());
+    for (const CheckpointEntry& entry : opened->entries_) {
+      mutable_checkpoint.quant_schemes_.push_back(mutable_checkpoint.quantization_->SchemeOf(entry.spec.name));
+    }
+  }
   return opened;
+}
+
+const QuantScheme* Checkpoint::QuantSchemeOf(const CheckpointEntry& entry) const {
+  if (quant_schemes_.empty()) return nullptr;
+  const size_t i = static_cast<size_t>(&entry - entries_.data());
+  return i < quant_schemes_.size() ? quant_schemes_[i] : nullptr;
 }
 
 absl::StatusOr<std::shared_ptr<const MappedFile>> OpenCheckpointFile(const std::string& path,

@@ -96,8 +96,9 @@ struct OpenOptions {
   // Burn gzip records (.mpk.gz, .json.gz, .bin.gz): bytes one record may
   // inflate to, kept while it is served. Also refused: more than 1100 times
   // the compressed size (deflate cannot exceed about 1032:1). Both are checked
-  // while inflating. Default: 64 GiB.
-  uint64_t max_record_inflated_bytes = uint64_t{64} << 30;
+  // while inflating. Also bounds the bytes a record's converted tensors
+  // (JSON bytes, <= 0.13 values) take. Default: 8 GiB.
+  uint64_t max_record_inflated_bytes = uint64_t{8} << 30;
   MappedFileOptions mapped_file;
   // Opens each file of the checkpoint (the file itself, or an index and its
   // shards). Default (empty): MappedFile::Open with `mapped_file`. PreloadFile
@@ -148,6 +149,10 @@ class Checkpoint {
   // What the quantization config beside the checkpoint's file says
   // (core/quant_config.h), read by Open(); nullptr when there is none.
   const QuantizationConfig* quantization() const { return quantization_.get(); }
+  // Its scheme for `entry` (one of entries()), looked up once at Open:
+  // nullptr without a config or where the config leaves the tensor's module
+  // unquantized.
+  const QuantScheme* QuantSchemeOf(const CheckpointEntry& entry) const;
   // Returns where `bytes` (from Read()) lie in one of files(), or nullopt when
   // they are not file bytes (gathered, inflated or fixed up).
   std::optional<FileExtent> Locate(const SharedBytes& bytes) const;
@@ -186,6 +191,7 @@ class Checkpoint {
   uint64_t total_bytes_ = 0;
   std::vector<std::shared_ptr<const MappedFile>> files_;
   std::shared_ptr<const QuantizationConfig> quantization_;
+  std::vector<const QuantScheme*> quant_schemes_;  // per entry, into *quantization_
 };
 
 // Opens `path` with options.open_file, or MappedFile::Open when it is unset.

@@ -87,12 +87,7 @@ bool CanWrite(const FormatSpec& format, absl::string_view path) {
   for (absl::string_view e : format.write_extensions) {
     if (absl::EndsWithIgnoreCase(path, e)) return true;
   }
-  for (const auto& endings : {format.extensions, format.named_extensions}) {
-    for (absl::string_view e : endings) {
-      if (absl::EndsWithIgnoreCase(path, e)) return false;
-    }
-  }
-  return true;
+  return false;
 }
 
 }  // namespace weightstore

@@ -87,9 +87,9 @@ std::optional<std::string> StripFormatExtension(absl::string_view path);
 const FormatSpec* DetectFormat(absl::string_view file);
 
 // True when a file at `path` can be written in `format`: it has a plan, and
-// `path` does not end with an extension of `format` that names an encoding
-// its plan does not write ("x.mpk.gz" for Burn records). Other endings are
-// the caller's choice (an explicit --format).
+// when the format reads several encodings but writes one (write_extensions),
+// `path` ends with one of that encoding's endings: a Burn record is written
+// to "x.mpk", never to "x.mpk.gz" or a bincode "x.bin" (a push in place).
 bool CanWrite(const FormatSpec& format, absl::string_view path);
 
 // "safetensors, pytorch, burnpack" (with `writable_only`, those with a plan),

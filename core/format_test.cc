@@ -69,7 +69,8 @@ TEST(FormatTableTest, AFormatThatReadsSeveralEncodingsWritesOnlyItsOwnEndings) {
   ASSERT_NE(record, nullptr);
   EXPECT_TRUE(CanWrite(*record, "model.mpk"));
   EXPECT_TRUE(CanWrite(*record, "MODEL.MPK"));
-  EXPECT_TRUE(CanWrite(*record, "model.weights"));  // an explicit --format's choice
+  EXPECT_FALSE(CanWrite(*record, "model.weights"));  // not even with --format
+  EXPECT_FALSE(CanWrite(*record, "model.bin"));      // a bincode record pushed to in place
   EXPECT_FALSE(CanWrite(*record, "model.mpk.gz"));
   EXPECT_FALSE(CanWrite(*record, "model.json.gz"));
   EXPECT_FALSE(CanWrite(*record, "model.json"));

@@ -1,5 +1,6 @@
 #include "core/quant_config.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -27,6 +28,31 @@ using Json = nlohmann::json;
 constexpr int kMaxJsonDepth = 32;
 
 std::string ListOf(const std::vector<uint64_t>& block) { return absl::StrJoin(block, "x"); }
+
+// True when no bracket of `text` outside its strings opens deeper than
+// `max_depth`; a text that is not JSON may pass (the parser refuses it).
+bool NestedWithin(absl::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > max_depth) return false;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return true;
+}
 
 // Reads the fields of one JSON object, naming `path` in every error.
 class Fields {
@@ -144,8 +170,19 @@ absl::Status QuantizationConfig::AddPattern(std::string spelling, std::optional<
     return absl::InvalidArgumentError(
         absl::StrCat("quantization config '", source_, "': ", field, ": more than ", kMaxPatterns, " module patterns"));
   }
+  auto bad = [&](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat("quantization config '", source_, "': ", field, ": pattern '",
+                                                   absl::string_view(spelling).substr(0, 200),
+                                                   spelling.size() > 200 ? "...' " : "' ", what));
+  };
+  if (spelling.size() > kMaxNameBytes) {
+    return bad(absl::StrCat("is ", spelling.size(), " bytes; at most ", kMaxNameBytes));
+  }
   const bool regex = absl::StartsWith(spelling, "re:");
   if (!regex && spelling.find_first_of("*?") == std::string::npos) {
+    const size_t parts = static_cast<size_t>(std::count(spelling.begin(), spelling.end(), '.')) + 1;
+    if (parts > kMaxNameParts) return bad(absl::StrCat("has ", parts, " dotted parts; at most ", kMaxNameParts));
+    max_exact_parts_ = std::max(max_exact_parts_, parts);
     exact_.emplace(std::move(spelling), std::move(scheme));  // the first spelling of a name wins
     return absl::OkStatus();
   }
@@ -157,8 +194,14 @@ absl::Status QuantizationConfig::AddPattern(std::string spelling, std::optional<
   // module or of one it is under ('*' any run, '?' one character:
   // "model.layers.*.self_attn" covers "...self_attn.q_proj"); a "re:" pattern
   // matches from the name's start, as compressed-tensors' re.match does.
+  RE2::Options options;
+  options.set_log_errors(false);
+  options.set_max_mem(1 << 20);
   std::string re;
   if (regex) {
+    // The body must be a whole expression on its own ("zzz)|(.*" is not).
+    const RE2 body(absl::string_view(spelling).substr(3).data(), options);
+    if (!body.ok()) return bad(absl::StrCat("is not a valid regular expression: ", body.error()));
     re = absl::StrCat("^(?:", absl::string_view(spelling).substr(3), ")");
   } else {
     re = "^";
@@ -173,15 +216,13 @@ absl::Status QuantizationConfig::AddPattern(std::string spelling, std::optional<
     }
     re += "(?:\\..*)?$";
   }
-  RE2::Options options;
-  options.set_log_errors(false);
-  options.set_max_mem(1 << 20);
   Pattern p;
   p.regex = std::make_unique<RE2>(re, options);
-  if (!p.regex->ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("quantization config '", source_, "': ", field, ": pattern '",
-                                                   spelling,
-                                                   "' is not a valid regular expression: ", p.regex->error()));
+  if (!p.regex->ok()) return bad(absl::StrCat("is not a valid regular expression: ", p.regex->error()));
+  // A small program runs on RE2's DFA, linear in the name; a large one (a
+  // counted repetition) could fall back on the slow NFA for every module.
+  if (p.regex->ProgramSize() > kMaxProgramSize) {
+    return bad(absl::StrCat("compiles to ", p.regex->ProgramSize(), " RE2 instructions; at most ", kMaxProgramSize));
   }
   p.spelling = std::move(spelling);
   p.scheme = std::move(scheme);
@@ -197,26 +238,38 @@ const QuantScheme* QuantizationConfig::SchemeOf(absl::string_view name) const {
   const size_t dot = name.rfind('.');
   const absl::string_view module = dot == absl::string_view::npos ? name : name.substr(0, dot);
   if (!exact_.empty()) {
-    // A plain name covers the module of that name, the modules under it, and
-    // the same path under another root ("lm_head" covers "model.lm_head"):
-    // every run of whole dotted parts of `module`, longest first from the left.
-    std::vector<size_t> starts = {0};
-    for (size_t i = 0; i < module.size(); ++i) {
-      if (module[i] == '.') starts.push_back(i + 1);
+    // A plain name covers the module of that name and the modules under it
+    // (a prefix of whole dotted parts), and the same path under another root
+    // ("lm_head" covers "model.lm_head": a suffix of whole parts). Only runs
+    // of at most max_exact_parts_ parts and kMaxNameBytes bytes can match, so
+    // at most 2 * kMaxNameParts lookups of kMaxNameBytes each.
+    auto find = [&](absl::string_view run) -> std::optional<const QuantScheme*> {
+      if (run.size() > kMaxNameBytes) return std::nullopt;
+      auto it = exact_.find(run);
+      if (it == exact_.end()) return std::nullopt;
+      return it->second ? &*it->second : nullptr;
+    };
+    size_t end = module.size();  // prefixes, longest first
+    std::vector<size_t> dots;
+    for (size_t i = 0; i < module.size() && dots.size() < max_exact_parts_; ++i) {
+      if (module[i] == '.') dots.push_back(i);
     }
-    for (size_t begin : starts) {
-      for (size_t end = module.size(); end > begin;) {
-        if (auto it = exact_.find(module.substr(begin, end - begin)); it != exact_.end()) {
-          return it->second ? &*it->second : nullptr;
-        }
-        const size_t prev = module.rfind('.', end - 1);
-        if (prev == absl::string_view::npos || prev < begin) break;
-        end = prev;
-      }
+    if (auto hit = find(module)) return *hit;
+    for (auto it = dots.rbegin(); it != dots.rend(); ++it) {
+      if (auto hit = find(module.substr(0, *it))) return *hit;
+    }
+    size_t parts = 1;  // suffixes, shortest first
+    for (end = module.size(); end > 0 && parts <= max_exact_parts_; ++parts) {
+      const size_t at = module.rfind('.', end - 1);
+      if (at == absl::string_view::npos) break;
+      if (auto hit = find(module.substr(at + 1))) return *hit;
+      end = at;
     }
   }
-  for (const Pattern& p : patterns_) {
-    if (Matches(p, module)) return p.scheme ? &*p.scheme : nullptr;
+  if (module.size() <= kMaxWildcardNameBytes) {
+    for (const Pattern& p : patterns_) {
+      if (Matches(p, module)) return p.scheme ? &*p.scheme : nullptr;
+    }
   }
   return &scheme_;
 }
@@ -239,14 +292,12 @@ absl::StatusOr<std::optional<std::shared_ptr<const QuantizationConfig>>> Quantiz
   if (text.size() > kMaxFileBytes) {
     return bad(absl::StrCat(text.size(), " bytes; at most ", kMaxFileBytes, " are read"));
   }
-  bool too_deep = false;
-  Json::parser_callback_t on_event = [&](int depth, Json::parse_event_t, Json&) {
-    if (depth > kMaxJsonDepth) too_deep = true;
-    return depth <= kMaxJsonDepth;
-  };
-  const Json root = Json::parse(text.begin(), text.end(), on_event, /*allow_exceptions=*/false);
+  // The depth is checked by a scan of brackets outside strings, before the
+  // parser builds anything (nlohmann's parse callback costs quadratic time
+  // on long arrays of objects).
+  if (!NestedWithin(text, kMaxJsonDepth)) return bad(absl::StrCat("JSON nested deeper than ", kMaxJsonDepth));
+  const Json root = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) return bad("not valid JSON");
-  if (too_deep) return bad(absl::StrCat("JSON nested deeper than ", kMaxJsonDepth));
   if (!root.is_object()) return bad("not a JSON object");
 
   std::shared_ptr<QuantizationConfig> config(new QuantizationConfig());

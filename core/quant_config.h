@@ -52,7 +52,12 @@ class QuantizationConfig {
   // Bounds on what a config may hold; a file past them is refused.
   static constexpr uint64_t kMaxFileBytes = uint64_t{16} << 20;
   static constexpr size_t kMaxPatterns = 4096;  // module names and patterns in all
-  static constexpr size_t kMaxWildcards = 64;   // of them globs and regexes (each tried per module)
+  static constexpr size_t kMaxWildcards = 16;   // of them globs and regexes (each tried per module)
+  static constexpr size_t kMaxNameBytes = 256;  // one name or pattern
+  static constexpr size_t kMaxNameParts = 16;   // dotted parts of a plain name
+  static constexpr int kMaxProgramSize = 500;   // RE2 instructions of a wildcard
+  // Longer module names are matched by plain names only (no real module's is).
+  static constexpr size_t kMaxWildcardNameBytes = 1024;
   static constexpr uint64_t kMaxBlock = uint64_t{1} << 20;
 
   // Reads the config of the checkpoint at `checkpoint_path` (a file, an index
@@ -84,9 +89,10 @@ class QuantizationConfig {
   // config covers that module, the modules under it, and the same path under
   // another root ("lm_head" covers "model.lm_head"); a glob ('*', '?')
   // matches the whole name of the module or of one it is under; an RE2 ("re:"
-  // prefix, compressed-tensors' spelling) matches from the start. Cost: a hash
-  // lookup per run of the name's dotted parts, and one match per wildcard
-  // (at most kMaxWildcards).
+  // prefix, compressed-tensors' spelling) matches from the start. Cost: at
+  // most 2 * kMaxNameParts hash lookups of kMaxNameBytes, and one DFA match
+  // per wildcard (at most kMaxWildcards) of a name up to
+  // kMaxWildcardNameBytes. Checkpoint caches it per tensor at open.
   const QuantScheme* SchemeOf(absl::string_view name) const;
 
   // "NVFP4, 4-bit values, blocks of 1x16 (hf_quant_config.json; 3 layers
@@ -105,6 +111,7 @@ class QuantizationConfig {
   std::vector<std::string> excluded_;
   // Layers with their own scheme or none (excluded), by module name...
   absl::flat_hash_map<std::string, std::optional<QuantScheme>> exact_;
+  size_t max_exact_parts_ = 0;  // the most dotted parts of a name in exact_
   // ...then by wildcard, in the config's order: the first that matches wins.
   std::vector<Pattern> patterns_;
 };

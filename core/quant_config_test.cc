@@ -136,13 +136,50 @@ TEST(QuantizationConfigTest, EveryBoundOnAConfigIsChecked) {
   for (size_t i = 0; i <= QuantizationConfig::kMaxWildcards; ++i)
     absl::StrAppend(&globs, i ? "," : "", "\"a", i, "*\"");
   EXPECT_THAT(ErrorOf("config.json", absl::StrCat(R"({"quantization_config": {"ignore": [)", globs, "]}}")),
-              HasSubstr("more than 64 wildcard patterns"));
+              HasSubstr("more than 16 wildcard patterns"));
+  EXPECT_THAT(
+      ErrorOf("config.json", absl::StrCat(R"({"quantization_config": {"ignore": [")", std::string(257, 'm'), "\"]}}")),
+      HasSubstr("is 257 bytes; at most 256"));
+  EXPECT_THAT(ErrorOf("config.json", R"({"quantization_config": {"ignore": ["a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q"]}})"),
+              HasSubstr("has 17 dotted parts; at most 16"));
+  // A counted repetition would leave RE2's DFA for the NFA on every module.
+  EXPECT_THAT(ErrorOf("config.json", R"j({"quantization_config": {"ignore": ["re:(?:.*a.{600}z)"]}})j"),
+              HasSubstr("RE2 instructions; at most 500"));
+  // The body of a "re:" pattern must stand alone: this one would widen the anchor.
+  EXPECT_THAT(ErrorOf("config.json", R"j({"quantization_config": {"ignore": ["re:zzz)|(.*"]}})j"),
+              HasSubstr("is not a valid regular expression"));
   std::string names;
   for (size_t i = 0; i <= QuantizationConfig::kMaxPatterns; ++i) absl::StrAppend(&names, i ? "," : "", "\"m", i, "\"");
   EXPECT_THAT(ErrorOf("config.json", absl::StrCat(R"({"quantization_config": {"ignore": [)", names, "]}}")),
               HasSubstr("lists 4097 entries; at most 4096"));
   EXPECT_THAT(ErrorOf("config.json", std::string(QuantizationConfig::kMaxFileBytes + 1, ' ')),
               HasSubstr("at most 16777216 are read"));
+}
+
+TEST(QuantizationConfigTest, ALongArrayOfObjectsParsesInOnePass) {
+  // nlohmann's parse callback rescanned siblings at each object's end: 16 MiB
+  // of "{}" took hours. The depth is now checked by a scan before parsing.
+  std::string many = R"({"junk": [)";
+  for (int i = 0; i < 1000000; ++i) many += i ? ",{}" : "{}";
+  many += R"(], "quantization_config": {"quant_method": "fp8"}})";
+  auto c = ParseOk("config.json", many);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->scheme().algo, "FP8");
+  EXPECT_THAT(ErrorOf("config.json", R"({"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[", "b": )" + std::string(33, '[') +
+                                         std::string(33, ']') + "}"),
+              HasSubstr("nested deeper than 32"));
+}
+
+TEST(QuantizationConfigTest, AModuleNameOfManyPartsCostsBoundedLookups) {
+  auto c = ParseOk("config.json", R"({"quantization_config": {"quant_method": "fp8",
+      "modules_to_not_convert": ["zzz", "model.lm_head"]}})");
+  std::string name;
+  for (int i = 0; i < 2000; ++i) name += "a.";
+  EXPECT_EQ(c->SchemeOf(name + "m.weight"), &c->scheme());
+  EXPECT_EQ(c->SchemeOf(name + "zzz.weight"), nullptr);            // a suffix of whole parts
+  EXPECT_EQ(c->SchemeOf("model.lm_head.x.weight"), nullptr);       // under a prefix
+  EXPECT_EQ(c->SchemeOf("other.model.lm_head.weight"), nullptr);   // under another root
+  EXPECT_EQ(c->SchemeOf("model.lm_head_2.weight"), &c->scheme());  // whole parts only
 }
 
 TEST(QuantizationConfigTest, ReadBesidePrefersHfQuantConfigAndNamesTheFileOnError) {

@@ -199,7 +199,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-record-inflated-bytes", options.registry.open.max_record_inflated_bytes,
                  "Bytes one gzipped Burn record (.mpk.gz, .json.gz, .bin.gz) may inflate to, kept while served "
-                 "(bytes, or with a unit: 64GiB); more than 1100 times its compressed size is refused too")
+                 "(bytes, or with a unit: 8GiB); more than 1100 times its compressed size is refused too")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
   app.add_option("--record-layout", options.registry.open.record_layout,

@@ -267,7 +267,19 @@ absl::StatusOr<RecordLayout> RecordLayout::FromJson(absl::string_view json, absl
       return bad(absl::StrCat(where, ".path must be a non-empty string"));
     }
     Parameter param{.path = p["path"].get<std::string>()};
-    if (!seen.insert(param.path).second) return bad(absl::StrCat(where, ".path '", param.path, "' appears twice"));
+    // Bounded, so that the bincode reader's work per path (its prefixes) is.
+    if (param.path.size() > burn_record_internal::kMaxLayoutPathBytes) {
+      return bad(absl::StrCat(where, ".path '", burn_record_internal::ShortName(param.path), "' is ", param.path.size(),
+                              " bytes; at most ", burn_record_internal::kMaxLayoutPathBytes));
+    }
+    const size_t parts = static_cast<size_t>(std::count(param.path.begin(), param.path.end(), '.')) + 1;
+    if (parts > burn_record_internal::kMaxLayoutPathParts) {
+      return bad(absl::StrCat(where, ".path '", burn_record_internal::ShortName(param.path), "' has ", parts,
+                              " '.'-separated parts; at most ", burn_record_internal::kMaxLayoutPathParts));
+    }
+    if (!seen.insert(param.path).second) {
+      return bad(absl::StrCat(where, ".path '", burn_record_internal::ShortName(param.path), "' appears twice"));
+    }
     if (!p.contains("shape") || !p["shape"].is_array() || p["shape"].size() > burn_record_internal::kMaxRank) {
       return bad(absl::StrCat(where, ".shape must be an array of at most 64 dimensions"));
     }
@@ -289,6 +301,19 @@ absl::StatusOr<RecordLayout> RecordLayout::Load(const std::string& path) {
 }
 
 namespace burn_record_internal {
+
+std::string ShortName(absl::string_view name) {
+  if (name.size() <= kMaxQuotedNameBytes) return std::string(name);
+  size_t cut = kMaxQuotedNameBytes;
+  while (cut > 0 && (static_cast<uint8_t>(name[cut]) & 0xC0) == 0x80) --cut;  // not inside a character
+  return absl::StrCat(name.substr(0, cut), "...");
+}
+
+uint64_t ConvertedBudget(uint64_t record_bytes, const OpenOptions& options) {
+  const uint64_t natural =
+      CheckedAdd(CheckedMul(record_bytes, 2).value_or(UINT64_MAX), uint64_t{64} << 20).value_or(UINT64_MAX);
+  return std::min(natural, options.max_record_inflated_bytes);
+}
 
 std::optional<DType> ElementDType(absl::string_view type_name) {
   if (type_name == "f32") return DType::kF32;

@@ -14,8 +14,22 @@
 // paths say begins here. Any other byte ends the search with an error naming
 // the parameter: an Option or bool tag of 2 is refused so, and a layout that
 // does not fit fails at its first parameter the file does not hold.
+//
+// A >= 0.14 tensor's DType is a variant index whose table shifts between
+// versions (kTables). Which table the file uses is resolved once for the
+// whole file: first by byte counts (a table stays possible only while every
+// tensor's index names a dtype whose size times the tensor's elements is its
+// byte count), then, where several tables remain and a tensor's index names
+// different dtypes in them (a tie), by the record's metadata (index 3, BF16 up
+// to 0.16 and F16 after, is F16 in a Half record), then Bool over U8 (index
+// 11: Bool in 0.14-0.15, U8 in 0.16; index 12: Bool in 0.16, U8 in 0.17+)
+// when every byte of the tensor is 0 or 1, then the newest table. Each
+// tie-break keeps only the tables that agree with it, so the file's tensors
+// are read with one table; tensors of no elements (which every table fits)
+// are resolved last.
 #include <algorithm>
 #include <iterator>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -24,8 +38,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "core/checked_math.h"
 #include "core/formats/burn_record_internal.h"
 #include "core/status_macros.h"
@@ -120,21 +132,50 @@ DType ToDType(BurnDType d) {
   return kMap[static_cast<int>(d)];
 }
 
+// True when bincode stores `dtype`'s <= 0.13 values as raw LE bytes (read as
+// views of the file); the others are varints, converted.
+bool IsRawValue(DType dtype) { return dtype == DType::kF32 || dtype == DType::kF64 || dtype == DType::kBool; }
+
+// The bits of a <= 0.13 varint value `u` of `dtype` (ints zigzag-encoded, f16
+// its u16 bits); nullopt when out of the type's range.
+std::optional<uint64_t> ValueBits(DType dtype, uint64_t u) {
+  if (dtype == DType::kF16) return u > 0xFFFF ? std::nullopt : std::optional<uint64_t>(u);
+  const int64_t v = static_cast<int64_t>(u >> 1) ^ -static_cast<int64_t>(u & 1);
+  const int bytes = static_cast<int>(DTypeSize(dtype));
+  if (bytes < 8 && (v < -(int64_t{1} << (8 * bytes - 1)) || v >= int64_t{1} << (8 * bytes - 1))) return std::nullopt;
+  return static_cast<uint64_t>(v);
+}
+
 class BincodeReader {
  public:
   BincodeReader(SharedBytes data, const RecordLayout& layout, const OpenOptions& options)
-      : base_(std::move(data)), layout_(layout), options_(options), c_{base_.view()} {}
+      : base_(std::move(data)),
+        layout_(layout),
+        options_(options),
+        c_{base_.view()},
+        budget_(ConvertedBudget(base_.size(), options)) {}
 
   absl::StatusOr<ParsedRecord> Read();
 
  private:
   enum class Try { kNone, kFound, kMismatch };
   enum class Layout { kUnknown, kTensorData, kValues };
+  // A dtype that a DType index names in one table.
+  struct Candidate {
+    size_t table;
+    RecordDType dtype;
+  };
   struct Found {
     absl::string_view id;
     RecordDType dtype;
+    // >= 0.14: the dtype each table gives the index (of those whose size
+    // fits); resolved after the last parameter (ResolveDTypes).
+    std::vector<Candidate> fits;
     std::vector<uint64_t> shape;
     SharedBytes bytes;
+    // <= 0.13 values that are varints: where they start, converted once found.
+    std::optional<size_t> values_at;
+    uint64_t values = 0;
     size_t end = 0;
   };
 
@@ -146,8 +187,16 @@ class BincodeReader {
   Try TryParam(Cursor c, const RecordLayout::Parameter& p, Found* found, std::string* why);
   bool TryTensorData(Cursor c, const RecordLayout::Parameter& p, Found* found, std::string* why);
   bool TryValues(Cursor c, const RecordLayout::Parameter& p, Found* found, std::string* why);
-  bool ResolveDType(uint64_t index, uint64_t numel, uint64_t nbytes, Cursor* c, RecordDType* out, std::string* why);
-  bool ReadValues(Cursor* c, DType dtype, uint64_t count, SharedBytes* out);
+  // The dtypes index `index` may be in the tables still possible, for `numel`
+  // elements in `nbytes` bytes; narrows the possible tables to theirs.
+  bool FitDType(uint64_t index, uint64_t numel, uint64_t nbytes, Cursor* c, std::vector<Candidate>* fits,
+                std::string* why);
+  // Picks every >= 0.14 tensor's dtype with one table (the file comment).
+  void ResolveDTypes(std::vector<Found>* found);
+  // Steps over `count` values of `dtype`; false where they do not parse.
+  static bool SkipValues(Cursor* c, DType dtype, uint64_t count);
+  // Converts found->values varint values at found->values_at, within budget_.
+  absl::Status ConvertValues(const RecordLayout::Parameter& p, Found* found);
   // Skips one token that may lie between parameters; false if none starts here.
   bool SkipGapToken(const std::vector<uint64_t>& lengths, size_t* next_length);
   SharedBytes View(absl::string_view part) const {
@@ -161,7 +210,10 @@ class BincodeReader {
   Layout tensor_layout_ = Layout::kUnknown;
   uint8_t tables_ = kAllTables;  // the DType tables every tensor so far fits
   std::optional<DType> float_type_, int_type_;
-  absl::flat_hash_map<std::string, uint64_t> array_lengths_;  // "a.b" -> elements, from the layout
+  // "a.b" -> elements, from the layout; keys view layout_'s paths.
+  absl::flat_hash_map<absl::string_view, uint64_t> array_lengths_;
+  const uint64_t budget_;   // ConvertedBudget
+  uint64_t converted_ = 0;  // bytes of <= 0.13 values converted so far
 };
 
 absl::Status BincodeReader::ReadMetadata(ParsedRecord* record) {
@@ -180,16 +232,25 @@ absl::Status BincodeReader::ReadMetadata(ParsedRecord* record) {
   return absl::OkStatus();
 }
 
+// The path before the part that starts at `start` ("a.b" for "a.b.c", 4).
+absl::string_view PathBefore(absl::string_view path, size_t start) {
+  return path.substr(0, start == 0 ? 0 : start - 1);
+}
+
 // Elements of each array the layout's paths index ("layers.0.w", "layers.1.w":
-// "layers" has 2): a Vec of modules starts with this count.
+// "layers" has 2): a Vec of modules starts with this count. Prefixes are
+// views of the paths (RecordLayout bounds their length and parts).
 void BincodeReader::CountArrays() {
   for (const RecordLayout::Parameter& p : layout_.parameters) {
-    const std::vector<absl::string_view> parts = absl::StrSplit(p.path, '.');
-    for (size_t j = 0; j + 1 < parts.size(); ++j) {
+    const absl::string_view path = p.path;
+    for (size_t start = 0, dot; (dot = path.find('.', start)) != absl::string_view::npos; start = dot + 1) {
+      const absl::string_view part = path.substr(start, dot - start);
       uint64_t index;
-      if (!absl::SimpleAtoi(parts[j], &index) || !absl::ascii_isdigit(static_cast<unsigned char>(parts[j][0])))
+      if (part.empty() || !absl::ascii_isdigit(static_cast<unsigned char>(part[0])) ||
+          !absl::SimpleAtoi(part, &index)) {
         continue;
-      uint64_t& count = array_lengths_[absl::StrJoin(parts.begin(), parts.begin() + j, ".")];
+      }
+      uint64_t& count = array_lengths_[PathBefore(path, start)];
       count = std::max(count, index == UINT64_MAX ? index : index + 1);
     }
   }
@@ -197,27 +258,25 @@ void BincodeReader::CountArrays() {
 
 // The lengths of the arrays whose element 0 begins at parameter k, outermost first.
 std::vector<uint64_t> BincodeReader::ArrayLengths(size_t k) const {
-  const std::vector<absl::string_view> parts = absl::StrSplit(layout_.parameters[k].path, '.');
-  std::vector<absl::string_view> previous;
-  if (k > 0) previous = absl::StrSplit(layout_.parameters[k - 1].path, '.');
+  const absl::string_view path = layout_.parameters[k].path;
+  const absl::string_view previous = k > 0 ? absl::string_view(layout_.parameters[k - 1].path) : "";
   std::vector<uint64_t> lengths;
-  for (size_t j = 0; j + 1 < parts.size(); ++j) {
-    if (parts[j] != "0") continue;
-    const bool same_array = previous.size() > j + 1 && std::equal(parts.begin(), parts.begin() + j, previous.begin());
-    if (same_array && !previous[j].empty() && absl::ascii_isdigit(static_cast<unsigned char>(previous[j][0]))) continue;
-    auto it = array_lengths_.find(absl::StrJoin(parts.begin(), parts.begin() + j, "."));
+  for (size_t start = 0, dot; (dot = path.find('.', start)) != absl::string_view::npos; start = dot + 1) {
+    if (path.substr(start, dot - start) != "0") continue;
+    // The previous parameter lies in the same array when it has the same
+    // parts before this one, then an index that is not its last part.
+    const bool same_array = previous.size() > start && previous.substr(0, start) == path.substr(0, start) &&
+                            previous.find('.', start) != absl::string_view::npos;
+    if (same_array && absl::ascii_isdigit(static_cast<unsigned char>(previous[start]))) continue;
+    auto it = array_lengths_.find(PathBefore(path, start));
     if (it != array_lengths_.end()) lengths.push_back(it->second);
   }
   return lengths;
 }
 
-bool BincodeReader::ResolveDType(uint64_t index, uint64_t numel, uint64_t nbytes, Cursor* c, RecordDType* out,
-                                 std::string* why) {
-  struct Candidate {
-    size_t table;
-    RecordDType dtype;
-  };
-  std::vector<Candidate> fits;
+bool BincodeReader::FitDType(uint64_t index, uint64_t numel, uint64_t nbytes, Cursor* c, std::vector<Candidate>* fits,
+                             std::string* why) {
+  fits->clear();
   bool quantized = false;
   for (size_t t = 0; t < std::size(kTables); ++t) {
     if ((tables_ >> t & 1) == 0 || index >= kTables[t].dtypes.size()) continue;
@@ -231,28 +290,81 @@ bool BincodeReader::ResolveDType(uint64_t index, uint64_t numel, uint64_t nbytes
       dtype.bool_bytes = 4;  // Bool(U32), whose store index 2 follows
     }
     const uint64_t size = d == kBool ? dtype.bool_bytes : DTypeSize(dtype.dtype);
-    if (CheckedMul(numel, size) == nbytes) fits.push_back({t, dtype});
+    if (CheckedMul(numel, size) == nbytes) fits->push_back({t, dtype});
   }
-  if (fits.empty()) {
+  if (fits->empty()) {
     *why = quantized ? "the tensor is quantized (QFloat), which is not supported"
                      : absl::StrCat("dtype index ", index, " with ", nbytes, " bytes for ", numel,
                                     " elements fits no Burn version's DType");
     return false;
   }
-  // Tables that disagree (index 3: BF16 up to 0.16, F16 after) are told apart
-  // by the record's element types: Half records hold F16.
-  RecordDType chosen = fits.back().dtype;
-  for (const Candidate& f : fits) {
-    if (f.dtype.dtype == float_type_ || f.dtype.dtype == int_type_) chosen = f.dtype;
-  }
+  // Byte counts rule out the tables that do not fit; ties wait for the file's end.
   uint8_t tables = 0;
-  for (const Candidate& f : fits) {
-    if (f.dtype.dtype == chosen.dtype && f.dtype.bool_bytes == chosen.bool_bytes) tables |= 1 << f.table;
-  }
+  for (const Candidate& f : *fits) tables |= 1 << f.table;
   tables_ = tables;
-  if (chosen.bool_bytes == 4) ++c->pos;  // the BoolStore index
-  *out = chosen;
+  // Only 0.21's table has Bool(U32), so a 4-byte Bool is the one candidate.
+  if (fits->size() == 1 && fits->front().dtype.bool_bytes == 4) ++c->pos;  // the BoolStore index
   return true;
+}
+
+void BincodeReader::ResolveDTypes(std::vector<Found>* found) {
+  auto open = [&](const Found& f) {
+    std::vector<Candidate> open;
+    for (const Candidate& c : f.fits) {
+      if (tables_ >> c.table & 1) open.push_back(c);
+    }
+    return open;
+  };
+  auto same = [](const RecordDType& a, const RecordDType& b) {
+    return a.dtype == b.dtype && a.bool_bytes == b.bool_bytes;
+  };
+  // Keeps the tables in which `f` is `chosen`.
+  auto keep = [&](const std::vector<Candidate>& open, const RecordDType& chosen) {
+    uint8_t tables = 0;
+    for (const Candidate& c : open) {
+      if (same(c.dtype, chosen)) tables |= 1 << c.table;
+    }
+    tables_ = tables;
+  };
+  enum class Rule { kMetadata, kBoolOverU8, kNewest };
+  // Every table still possible fits every tensor (byte counts), so `open` is
+  // never empty, and a tie-break keeps at least one table.
+  for (const bool empty : {false, true}) {
+    for (const Rule rule : {Rule::kMetadata, Rule::kBoolOverU8, Rule::kNewest}) {
+      for (Found& f : *found) {
+        if (f.fits.empty() || (CheckedNumElements(f.shape).value_or(1) == 0) != empty) continue;
+        const std::vector<Candidate> candidates = open(f);
+        const bool tie = std::any_of(candidates.begin(), candidates.end(),
+                                     [&](const Candidate& c) { return !same(c.dtype, candidates.front().dtype); });
+        if (!tie) continue;
+        std::optional<RecordDType> chosen;
+        switch (rule) {
+          case Rule::kMetadata:  // index 3: BF16 up to 0.16, F16 after; a Half record holds F16
+            for (const Candidate& c : candidates) {
+              if (c.dtype.dtype == float_type_ || c.dtype.dtype == int_type_) chosen = c.dtype;
+            }
+            break;
+          case Rule::kBoolOverU8: {
+            const bool bool_or_u8 = std::all_of(candidates.begin(), candidates.end(), [](const Candidate& c) {
+              return c.dtype.dtype == DType::kBool || c.dtype.dtype == DType::kU8;
+            });
+            if (!bool_or_u8) break;
+            const absl::string_view bytes = f.bytes.view();
+            const bool flags = std::all_of(bytes.begin(), bytes.end(), [](char b) { return b == 0 || b == 1; });
+            chosen = RecordDType{.dtype = flags ? DType::kBool : DType::kU8};
+            break;
+          }
+          case Rule::kNewest:
+            chosen = candidates.back().dtype;
+            break;
+        }
+        if (chosen) keep(candidates, *chosen);
+      }
+    }
+  }
+  for (Found& f : *found) {
+    if (!f.fits.empty()) f.dtype = open(f).front().dtype;
+  }
 }
 
 bool BincodeReader::TryTensorData(Cursor c, const RecordLayout::Parameter& p, Found* found, std::string* why) {
@@ -276,37 +388,49 @@ bool BincodeReader::TryTensorData(Cursor c, const RecordLayout::Parameter& p, Fo
     return false;
   }
   const uint64_t numel = CheckedNumElements(p.shape).value_or(UINT64_MAX);
-  if (!ResolveDType(index, numel, nbytes, &c, &found->dtype, why)) return false;
+  if (!FitDType(index, numel, nbytes, &c, &found->fits, why)) return false;
   found->bytes = View(raw);
+  found->values_at.reset();
   found->end = c.pos;
   return true;
 }
 
-bool BincodeReader::ReadValues(Cursor* c, DType dtype, uint64_t count, SharedBytes* out) {
+bool BincodeReader::SkipValues(Cursor* c, DType dtype, uint64_t count) {
   if (count > c->left()) return false;  // every element takes a byte at least
-  if (dtype == DType::kF32 || dtype == DType::kF64 || dtype == DType::kBool) {
+  if (IsRawValue(dtype)) {
     absl::string_view raw;
-    if (!c->Bytes(count * DTypeSize(dtype), &raw)) return false;
-    *out = View(raw);
-    return true;
+    return c->Bytes(count * DTypeSize(dtype), &raw);
   }
-  std::vector<std::byte> data;
   for (uint64_t i = 0; i < count; ++i) {
     uint64_t u;
-    if (!c->Varint(&u)) return false;
-    // ints are zigzag-encoded; f16 is its u16 bits.
-    const int64_t v = static_cast<int64_t>(u >> 1) ^ -static_cast<int64_t>(u & 1);
-    const int bytes = static_cast<int>(DTypeSize(dtype));
-    if (dtype == DType::kF16
-            ? u > 0xFFFF
-            : (bytes < 8 && (v < -(int64_t{1} << (8 * bytes - 1)) || v >= int64_t{1} << (8 * bytes - 1)))) {
-      return false;
-    }
-    const uint64_t bits = dtype == DType::kF16 ? u : static_cast<uint64_t>(v);
-    for (int b = 0; b < bytes; ++b) data.push_back(static_cast<std::byte>(bits >> (8 * b)));
+    if (!c->Varint(&u) || !ValueBits(dtype, u)) return false;
   }
-  *out = SharedBytes::FromVector(std::move(data));
   return true;
+}
+
+absl::Status BincodeReader::ConvertValues(const RecordLayout::Parameter& p, Found* found) {
+  const DType dtype = found->dtype.dtype;
+  const uint64_t size = DTypeSize(dtype);
+  // found->values <= the bytes they were read from, so this does not overflow.
+  const uint64_t need = found->values * size;
+  if (need > budget_ - converted_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parameter '", ShortName(p.path), "': its ", found->values, " <= 0.13 values convert to ", need,
+        " bytes, past the ", budget_, " bytes this record's converted tensors may take in all (2 x its ", base_.size(),
+        " bytes + 64 MiB, at most OpenOptions::max_record_inflated_bytes, ", options_.max_record_inflated_bytes, ")"));
+  }
+  converted_ += need;
+  std::vector<std::byte> data;
+  data.reserve(need);
+  Cursor c{base_.view(), *found->values_at};
+  for (uint64_t i = 0; i < found->values; ++i) {
+    uint64_t u = 0;
+    c.Varint(&u);  // SkipValues checked every value
+    const uint64_t bits = ValueBits(dtype, u).value_or(0);
+    for (uint64_t b = 0; b < size; ++b) data.push_back(static_cast<std::byte>(bits >> (8 * b)));
+  }
+  found->bytes = SharedBytes::FromVector(std::move(data));
+  return absl::OkStatus();
 }
 
 // <= 0.13: a Vec of elements of the record's float type (or int type, or
@@ -323,8 +447,16 @@ bool BincodeReader::TryValues(Cursor c, const RecordLayout::Parameter& p, Found*
   }
   for (DType dtype : {*float_type_, *int_type_, DType::kBool}) {
     Cursor t = c;
-    if (!ReadValues(&t, dtype, count, &found->bytes) || !t.Shape(&found->shape) || found->shape != p.shape) continue;
+    if (!SkipValues(&t, dtype, count) || !t.Shape(&found->shape) || found->shape != p.shape) continue;
     found->dtype = RecordDType{.dtype = dtype};
+    found->fits.clear();
+    found->values = count;
+    if (IsRawValue(dtype)) {
+      found->bytes = View(c.data.substr(c.pos, count * DTypeSize(dtype)));
+      found->values_at.reset();
+    } else {
+      found->values_at = c.pos;
+    }
     found->end = t.pos;
     return true;
   }
@@ -382,17 +514,18 @@ absl::StatusOr<ParsedRecord> BincodeReader::Read() {
                                                    " parameters, more than the limit of ", options_.max_tensors));
   }
   CountArrays();
+  std::vector<Found> all(layout_.parameters.size());
   for (size_t k = 0; k < layout_.parameters.size(); ++k) {
     const RecordLayout::Parameter& p = layout_.parameters[k];
     auto unfit = [&](absl::string_view what) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the layout does not fit the file at parameter '", p.path, "' (layout entry ", k, "): ", what));
+      return absl::InvalidArgumentError(absl::StrCat("the layout does not fit the file at parameter '",
+                                                     ShortName(p.path), "' (layout entry ", k, "): ", what));
     };
     const std::vector<uint64_t> lengths = ArrayLengths(k);
     size_t next_length = 0;
     const size_t start = c_.pos;
     std::string mismatch;  // where a ParamId started but the tensor did not fit
-    Found found;
+    Found& found = all[k];
     for (;;) {
       std::string why;
       const Try tried = TryParam(c_, p, &found, &why);
@@ -410,16 +543,12 @@ absl::StatusOr<ParsedRecord> BincodeReader::Read() {
                                       : mismatch);
       }
     }
-    absl::StatusOr<CheckpointEntry> entry =
-        MakeEntry(p.path, DecodeBurnParamId(found.id), found.dtype, std::move(found.shape), std::move(found.bytes),
-                  absl::StrCat("parameter '", p.path, "'"), options_);
-    if (!entry.ok()) return entry.status();
-    record.entries.push_back(*std::move(entry));
+    if (found.values_at) WEIGHTSTORE_RETURN_IF_ERROR(ConvertValues(p, &found));
     c_.pos = found.end;
   }
   // After the last parameter, only constants may remain.
   const size_t tail = c_.pos;
-  const std::string last = layout_.parameters.empty() ? "the metadata" : layout_.parameters.back().path;
+  const std::string last = layout_.parameters.empty() ? "the metadata" : ShortName(layout_.parameters.back().path);
   while (c_.left() > 0) {
     Cursor t = c_;
     absl::string_view id;
@@ -437,6 +566,17 @@ absl::StatusOr<ParsedRecord> BincodeReader::Read() {
       return absl::InvalidArgumentError(
           absl::StrCat("more than ", kMaxGap, " bytes of constants follow '", last, "', the layout's last"));
     }
+  }
+  ResolveDTypes(&all);
+  record.entries.reserve(all.size());
+  for (size_t k = 0; k < all.size(); ++k) {
+    const RecordLayout::Parameter& p = layout_.parameters[k];
+    Found& found = all[k];
+    absl::StatusOr<CheckpointEntry> entry =
+        MakeEntry(p.path, DecodeBurnParamId(found.id), found.dtype, std::move(found.shape), std::move(found.bytes),
+                  absl::StrCat("parameter '", ShortName(p.path), "'"), options_);
+    if (!entry.ok()) return entry.status();
+    record.entries.push_back(*std::move(entry));
   }
   return record;
 }

@@ -21,6 +21,12 @@ namespace weightstore::burn_record_internal {
 
 inline constexpr size_t kMaxDepth = 64;  // nested maps and arrays; real records nest < 15
 inline constexpr size_t kMaxRank = 64;
+// A RecordLayout's parameter path: at most this many bytes and '.'-separated
+// parts (a real module path is < 200 bytes and < 15 parts).
+inline constexpr size_t kMaxLayoutPathBytes = 4096;
+inline constexpr size_t kMaxLayoutPathParts = 64;
+// Names quoted in errors are cut to about this many bytes (ShortName).
+inline constexpr size_t kMaxQuotedNameBytes = 200;
 
 // What a record's parser produces, before Checkpoint::Create.
 struct ParsedRecord {
@@ -34,6 +40,17 @@ struct RecordDType {
   DType dtype = DType::kF32;
   uint32_t bool_bytes = 1;
 };
+
+// `name` as an error message quotes it: whole up to kMaxQuotedNameBytes, else
+// its first kMaxQuotedNameBytes bytes (cut at a UTF-8 character boundary)
+// and "...".
+std::string ShortName(absl::string_view name);
+
+// The bytes one record's converted tensors (JSON bytes arrays, <= 0.13 values
+// that are not views of the file) may take in all, fixed before converting:
+// 2 x the record's (inflated) size + 64 MiB, and at most
+// options.max_record_inflated_bytes.
+uint64_t ConvertedBudget(uint64_t record_bytes, const OpenOptions& options);
 
 // The dtype of a record's element type name (metadata "float" / "int"): "f32",
 // "f64", "half::binary16::f16", "i32", "i64" or "i16"; nullopt for others.
@@ -56,7 +73,6 @@ enum class ValueKind : uint8_t { kNone, kFloat32, kFloat64, kFloatText, kInteger
 struct PendingTensor {
   std::string name;
   std::string where;
-  std::optional<uint64_t> param_id;
   bool has_bytes = false, has_shape = false, has_dtype = false, has_value = false;
   SharedBytes view;             // a MessagePack bin
   std::vector<std::byte> data;  // JSON bytes or <= 0.13 values, converted
@@ -68,10 +84,13 @@ struct PendingTensor {
 
 // Builds a self-describing record (MessagePack or JSON) from its tokens, in
 // document order, without a tree of the document: the root map's "metadata"
-// strings, and every Param ({"id": str, "param": tensor}, in this order) under
-// "item", named by its path. The tokenizer guarantees balanced containers and
-// map keys between containers' values; the walker checks the rest (depth,
-// duplicate keys, UTF-8, tensor fields). Each event returns false once an
+// strings, and every Param under "item", named by its path. A Param is a map
+// with the keys "id" (a string) and "param" (a tensor map), in any order and
+// beside any other keys, as serde-derive reads ParamSerde; its entry is made
+// when the map closes. The tokenizer guarantees balanced containers and map
+// keys between containers' values; the walker checks the rest (depth,
+// duplicate keys, UTF-8, tensor fields, Param ids) and bounds the bytes that
+// converted tensors take (ConvertedBudget). Each event returns false once an
 // error is recorded, which stops the tokenizer. Thread-compatible.
 class RecordWalker {
  public:
@@ -87,9 +106,12 @@ class RecordWalker {
   bool Bool(bool value);
   bool Uint(uint64_t value);
   bool Int(int64_t value);
-  // `bits`: 32 or 64 (MessagePack's marker), or 0 (JSON: the width comes from
-  // the record's metadata).
+  // `bits`: 64 (MessagePack's 0xcb), or 0 (JSON: the width comes from the
+  // record's metadata).
   bool Float(double value, int bits);
+  // A MessagePack f32 (0xca), as its bits: stored as they are, so a
+  // signalling NaN stays one.
+  bool Float32(uint32_t bits);
   bool Str(absl::string_view value);
   // REQUIRES: `value` lies inside `base`.
   bool Bin(absl::string_view value);
@@ -106,7 +128,9 @@ class RecordWalker {
   ParsedRecord Take() { return std::move(record_); }
 
  private:
-  enum class Kind : uint8_t { kRoot, kMetadata, kModule, kTensor, kShape, kBytes, kValue, kDType, kSkip };
+  // kParamValue: a map under a module map's "param" key, until its first key
+  // says whether it is a tensor map (or a module).
+  enum class Kind : uint8_t { kRoot, kMetadata, kModule, kParamValue, kTensor, kShape, kBytes, kValue, kDType, kSkip };
   struct Frame {
     Kind kind;
     bool is_map;
@@ -114,8 +138,11 @@ class RecordWalker {
     uint64_t count = 0;  // a map's keys, an array's elements so far
     std::string key;     // a map's current key
     absl::flat_hash_set<std::string> keys;
-    std::optional<std::string> id;  // a module map's first entry, "id": str
-    bool is_param = false;          // its second, "param", began a tensor: a Param
+    // A module map's Param fields, seen in any order:
+    std::optional<std::string> id;         // "id", when a string
+    std::string id_not_string;             // else what it is ("null", "a map")
+    std::optional<CheckpointEntry> param;  // "param", a tensor map: its entry, id to come
+    std::string param_not_tensor;          // else what "param" is ("an array")
   };
 
   bool Start(bool is_map);
@@ -126,7 +153,6 @@ class RecordWalker {
   std::string NextComponent();
   // The path of the value now arriving, for errors.
   std::string Where() const;
-  bool IsParamValue(const Frame& f) const { return f.is_map && f.count == 2 && f.key == "param" && f.id.has_value(); }
   // A scalar in the top frame: routes by frame kind.
   bool Scalar(absl::string_view what);
   bool Dimension(uint64_t value);
@@ -136,7 +162,16 @@ class RecordWalker {
   // Appends one <= 0.13 value: `element` says its kind; `u`, `i`, `f` carry it.
   bool Value(ValueKind element, uint64_t u, int64_t i, double f);
   bool StartValues(ValueKind element);
+  // Appends `bits`' low `bytes` bytes (LE) to the pending tensor's converted
+  // data (its `field`, for errors), within the record's budget: the buffer
+  // never grows past what the budget leaves it.
+  bool Append(uint64_t bits, int bytes, absl::string_view field);
+  // Starts the tensor map of the Param map below the top frame.
+  void BeginTensor();
+  // The tensor map closed: its entry waits in the Param map (the top frame).
   bool FinishTensor();
+  // A module map closed: a Param's entry, with its id, goes in the record.
+  bool FinishParam(Frame& closed);
 
   SharedBytes base_;
   const OpenOptions& options_;
@@ -144,6 +179,9 @@ class RecordWalker {
   std::string path_;
   std::optional<PendingTensor> tensor_;
   bool seen_metadata_ = false, seen_item_ = false, done_ = false;
+  uint64_t tensors_ = 0;    // tensor maps finished
+  const uint64_t budget_;   // ConvertedBudget
+  uint64_t converted_ = 0;  // bytes converted so far, all tensors
   std::string error_;
   ParsedRecord record_;
 };

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "core/formats/burn_record_internal.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 
@@ -19,6 +20,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::weightstore::testing::StatusIs;
 
 constexpr const char* kMpkFixtures[] = {"connect4_0.16.1.mpk", "modern-lstm_0.17-half.mpk",
@@ -152,6 +154,47 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> Parse(const std::string& bytes
 }
 
 absl::StatusOr<RecordLayout> Layout(absl::string_view bin) { return RecordLayout::Load(LayoutPath(bin)); }
+
+// A bincode record as Burn's BinFileRecorder writes it (bincode 2 standard()).
+struct Bincode {
+  std::string out;
+  Bincode& Varint(uint64_t v) {
+    const int bytes = v < 251 ? 0 : v <= 0xFFFF ? 2 : 4;
+    if (bytes == 0) {
+      out.push_back(static_cast<char>(v));
+      return *this;
+    }
+    out.push_back(bytes == 2 ? '\xfb' : '\xfc');
+    for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>(v >> (8 * i)));
+    return *this;
+  }
+  Bincode& Str(absl::string_view s) {
+    Varint(s.size());
+    out.append(s.data(), s.size());
+    return *this;
+  }
+  Bincode& Metadata(absl::string_view float_type = "f32", absl::string_view int_type = "i32") {
+    return Str(float_type).Str(int_type).Str("burn_core::record::file::BinFileRecorder<FullPrecisionSettings>");
+  }
+  Bincode& Shape(const std::vector<uint64_t>& shape) {
+    Varint(shape.size());
+    for (uint64_t d : shape) Varint(d);
+    return *this;
+  }
+  // A >= 0.14 Param: its id, then TensorData {bytes, shape, dtype's variant index}.
+  Bincode& Param(absl::string_view bytes, const std::vector<uint64_t>& shape, uint64_t dtype_index) {
+    Str("0400000000000").Varint(bytes.size());
+    out.append(bytes.data(), bytes.size());
+    return Shape(shape).Varint(dtype_index);
+  }
+};
+
+std::string BincodeRecord(const Bincode& params, absl::string_view float_type = "f32",
+                          absl::string_view int_type = "i32") {
+  Bincode b;
+  b.Metadata(float_type, int_type).Str("0.16.0").Str("FullPrecisionSettings");
+  return b.out + params.out;
+}
 
 TEST(BurnRecordTest, OpensEveryFixtureWithExactlyTheExpectedTensors) {
   ASSERT_EQ(Expected().size(), 5u);
@@ -464,6 +507,184 @@ TEST(BurnRecordTest, RefusesALayoutThatDoesNotFitNamingItsFirstUnmatchedParamete
   EXPECT_THAT(Parse(bin, few, &original), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("limit of 2")));
   EXPECT_THAT(RecordLayout::FromJson(R"({"parameters": [{"path": "a"}]})", "l.json"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("parameters[0].shape")));
+}
+
+TEST(BurnRecordTest, RefusesOldLayoutValuesThatConvertPastTheRecordsBudget) {
+  // 1000 one-byte ints of an i64 record convert to 8000 bytes.
+  Mpk item;
+  item.Map(1).Str("w").Map(2).Str("id").Str("d").Str("param").Map(2).Str("value").Arr(1000);
+  for (int i = 0; i < 1000; ++i) item.U(1);
+  item.Str("shape").Shape({1000});
+  const std::string record = Record(item.out, "f32", "i64");
+  OpenOptions small;
+  small.max_record_inflated_bytes = 4096;
+  for (const std::string& bytes : {record, Gzip(record)}) {
+    EXPECT_THAT(Parse(bytes, small), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              AllOf(HasSubstr("'r.mpk'"), HasSubstr("item.w.param.value:"),
+                                                    HasSubstr("more than the 4096 bytes"))));
+  }
+  OpenOptions enough;
+  enough.max_record_inflated_bytes = 8000;
+  ASSERT_OK_AND_ASSIGN(auto c, Parse(Gzip(record), enough));
+  EXPECT_EQ(c->entries()[0].spec.dtype, DType::kI64);
+
+  // The budget counts every converted tensor of the record together.
+  Mpk two;
+  two.Map(2);
+  for (const char* name : {"a", "b"}) {
+    two.Str(name).Map(2).Str("id").Str("d").Str("param").Map(2).Str("value").Arr(300);
+    for (int i = 0; i < 300; ++i) two.U(1);
+    two.Str("shape").Shape({300});
+  }
+  EXPECT_THAT(Parse(Record(two.out, "f32", "i64"), small),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("item.b.param.value:")));
+
+  // The budget: 2 x the (inflated) record + 64 MiB, at most the option.
+  EXPECT_EQ(burn_record_internal::ConvertedBudget(1000, OpenOptions{}), 2000 + (uint64_t{64} << 20));
+  EXPECT_EQ(burn_record_internal::ConvertedBudget(1000, small), 4096u);
+  EXPECT_EQ(burn_record_internal::ConvertedBudget(UINT64_MAX, OpenOptions{}), OpenOptions{}.max_record_inflated_bytes);
+  EXPECT_EQ(OpenOptions{}.max_record_inflated_bytes, uint64_t{8} << 30);
+
+  // bincode's <= 0.13 varint values likewise, naming the parameter.
+  Bincode values;
+  values.Str("30b82c23-788d-4d63-a743-ada258d5f13c").Varint(1000);
+  for (int i = 0; i < 1000; ++i) values.Varint(2);  // zigzag 1
+  values.Shape({1000});
+  const RecordLayout layout{.parameters = {{.path = "w", .shape = {1000}}}};
+  EXPECT_THAT(Parse(BincodeRecord(values, "f32", "i64"), small, &layout),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("parameter 'w'"), HasSubstr("8000 bytes"), HasSubstr("4096"))));
+  ASSERT_OK_AND_ASSIGN(c, Parse(BincodeRecord(values, "f32", "i64"), enough, &layout));
+  ASSERT_OK_AND_ASSIGN(SharedTensor t, c->Read("w"));
+  EXPECT_EQ(t.bytes.view().substr(0, 16), std::string("\1\0\0\0\0\0\0\0\1\0\0\0\0\0\0\0", 16));
+}
+
+TEST(BurnRecordTest, RecognisesAParamWhateverTheOrderOfItsKeysIgnoringUnknownOnes) {
+  const std::string tensor =
+      Mpk().Map(3).Str("bytes").Bin(Floats({1})).Str("shape").Shape({1}).Str("dtype").Str("F32").out;
+  Mpk item;
+  item.Map(3);
+  item.Str("reversed").Map(2).Str("param").Raw(tensor).Str("id").Str("0400000000000");
+  item.Str("extra").Map(3).Str("id").Str("0800000000000").Str("x").Nil().Str("param").Raw(tensor);
+  item.Str("last").Map(3).Str("param").Raw(tensor).Str("note").Arr(0).Str("id").Str("0c00000000000");
+  ASSERT_OK_AND_ASSIGN(auto c, Parse(Record(item.out)));
+  ASSERT_EQ(c->size(), 3u);
+  EXPECT_EQ(c->entries()[0].spec.name, "reversed");
+  EXPECT_EQ(c->entries()[0].spec.param_id, 1u);
+  EXPECT_EQ(c->entries()[1].spec.name, "extra");
+  EXPECT_EQ(c->entries()[1].spec.param_id, 2u);
+  EXPECT_EQ(c->entries()[2].spec.name, "last");
+  EXPECT_EQ(c->entries()[2].spec.param_id, 3u);
+  ASSERT_OK_AND_ASSIGN(SharedTensor t, c->Read("reversed"));
+  EXPECT_EQ(t.bytes.view(), Floats({1}));
+
+  const std::string json = R"({"metadata":{"float":"f32","int":"i32","format":"t","version":"0.13.0","settings":"s"},)"
+                           R"("item":{"w":{"param":{"shape":[2],"value":[0.5,2.0]},"x":[1,2],"id":"u"}},"_b":null})";
+  ASSERT_OK_AND_ASSIGN(c, Parse(json));
+  ASSERT_EQ(c->size(), 1u);
+  EXPECT_EQ(c->entries()[0].spec.name, "w");
+  EXPECT_EQ(c->entries()[0].spec.param_id, std::nullopt);  // "u" is no ParamId
+
+  // A module whose fields are named id and param is still a module.
+  Mpk module;
+  module.Map(1).Str("m").Map(2).Str("id").Nil().Str("param").Map(1).Str("w").Param(Floats({2}), {1});
+  ASSERT_OK_AND_ASSIGN(c, Parse(Record(module.out)));
+  ASSERT_EQ(c->size(), 1u);
+  EXPECT_EQ(c->entries()[0].spec.name, "m.param.w");
+}
+
+TEST(BurnRecordTest, RefusesAParamTensorWithoutAStringIdNamingTheField) {
+  const std::string tensor =
+      Mpk().Map(3).Str("bytes").Bin(Floats({1})).Str("shape").Shape({1}).Str("dtype").Str("F32").out;
+  EXPECT_THAT(Parse(Record(Mpk().Map(1).Str("w").Map(2).Str("id").Nil().Str("param").Raw(tensor).out)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("'r.mpk'"), HasSubstr("item.w.id: is null, not a string"))));
+  EXPECT_THAT(Parse(Record(Mpk().Map(1).Str("w").Map(2).Str("param").Raw(tensor).Str("id").U(7).out)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("item.w.id: is an integer, not a string")));
+  EXPECT_THAT(Parse(Record(Mpk().Map(1).Str("w").Map(2).Str("param").Raw(tensor).Str("x").Nil().out)),
+              StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("item.w: "), HasSubstr("has no 'id'"))));
+  EXPECT_THAT(Parse(Record(Mpk().Map(1).Str("w").Map(2).Str("param").Nil().Str("id").Str("0400000000000").out)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("item.w.param: is null beside a string id")));
+  const std::string json = R"({"metadata":{"float":"f32"},"item":{"w":{"param":{"value":[1.0],"shape":[1]}}}})";
+  EXPECT_THAT(Parse(json), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("has no 'id'")));
+}
+
+TEST(BurnRecordTest, KeepsOldLayoutF32BitsExactlySignallingNaNsIncluded) {
+  Mpk item;  // two signalling NaNs, which a trip through double would quiet
+  item.Map(1).Str("w").Map(2).Str("id").Str("d").Str("param").Map(2).Str("value").Arr(3);
+  item.Byte(0xca).BE(0x7f800001, 4).Byte(0xca).BE(0xffa00000, 4).F32(-0.0f).Str("shape").Shape({3});
+  ASSERT_OK_AND_ASSIGN(auto c, Parse(Record(item.out)));
+  EXPECT_EQ(c->entries()[0].spec.dtype, DType::kF32);
+  ASSERT_OK_AND_ASSIGN(SharedTensor t, c->Read("w"));
+  EXPECT_EQ(t.bytes.view(), std::string("\x01\x00\x80\x7f\x00\x00\xa0\xff\x00\x00\x00\x80", 12));
+}
+
+TEST(BurnRecordTest, RefusesLayoutPathsTooLongOrWithTooManyPartsQuotingThemShortly) {
+  // Layout JSON of `paths` (plain ASCII), each of shape [1].
+  auto layout = [](std::vector<std::string> paths) {
+    std::string json = R"({"parameters": [)";
+    for (size_t i = 0; i < paths.size(); ++i) {
+      absl::StrAppend(&json, i == 0 ? "" : ", ", R"({"path": ")", paths[i], R"(", "shape": [1]})");
+    }
+    return RecordLayout::FromJson(json + "]}", "l.json");
+  };
+  EXPECT_OK(layout({std::string(4096, 'a')}));
+  const absl::Status too_long = layout({std::string(40000, 'a')}).status();
+  EXPECT_THAT(too_long, StatusIs(absl::StatusCode::kInvalidArgument,
+                                 AllOf(HasSubstr("parameters[0].path"), HasSubstr("40000 bytes; at most 4096"),
+                                       HasSubstr(std::string(200, 'a') + "..."))));
+  EXPECT_LT(too_long.message().size(), 400u);
+
+  std::string parts = "0";
+  for (int i = 1; i < 64; ++i) parts += ".0";
+  EXPECT_OK(layout({parts}));
+  EXPECT_THAT(layout({parts + ".w"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("has 65 '.'-separated parts; at most 64")));
+
+  const std::string twice = std::string(3000, 'b');
+  const absl::Status duplicate = layout({twice, twice}).status();
+  EXPECT_THAT(duplicate, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("appears twice")));
+  EXPECT_LT(duplicate.message().size(), 400u);
+
+  // The bincode reader's errors quote a long path shortly too.
+  const RecordLayout unfit{.parameters = {{.path = std::string(4000, 'p'), .shape = {65}}}};
+  const absl::Status read = Parse(ReadFixture("mnistweb_0.21.bin"), {}, &unfit).status();
+  EXPECT_THAT(read, StatusIs(absl::StatusCode::kInvalidArgument,
+                             AllOf(HasSubstr(std::string(200, 'p') + "..."), Not(HasSubstr(std::string(201, 'p'))))));
+}
+
+TEST(BurnRecordTest, ResolvesBincodeDTypeIndexTiesWithOneTablePerFile) {
+  const RecordLayout one{.parameters = {{.path = "a", .shape = {4}}}};
+  const RecordLayout two{.parameters = {{.path = "a", .shape = {4}}, {.path = "b", .shape = {2}}}};
+  auto dtypes = [](const absl::StatusOr<std::shared_ptr<const Checkpoint>>& c) {
+    std::vector<DType> out;
+    if (c.ok()) {
+      for (const CheckpointEntry& e : (*c)->entries()) out.push_back(e.spec.dtype);
+    }
+    return out;
+  };
+  const std::string flags("\0\1\1\0", 4), bytes("\0\2\1\0", 4);
+  // Index 11: Bool in 0.14-0.15, U8 in 0.16. Nothing else fixes the table:
+  // Bool when every byte is 0 or 1, else U8.
+  EXPECT_EQ(dtypes(Parse(BincodeRecord(Bincode().Param(flags, {4}, 11)), {}, &one)), std::vector{DType::kBool});
+  EXPECT_EQ(dtypes(Parse(BincodeRecord(Bincode().Param(bytes, {4}, 11)), {}, &one)), std::vector{DType::kU8});
+  // Index 12: Bool in 0.16, U8 in 0.17+.
+  EXPECT_EQ(dtypes(Parse(BincodeRecord(Bincode().Param(flags, {4}, 12)), {}, &one)), std::vector{DType::kBool});
+
+  // Another tensor fixes the table, before or after the tie: index 10 of one
+  // byte an element is 0.14-0.15's U8; of two, 0.16's U16.
+  EXPECT_EQ(dtypes(Parse(BincodeRecord(Bincode().Param(flags, {4}, 11).Param("\7\10", {2}, 10)), {}, &two)),
+            (std::vector{DType::kBool, DType::kU8}));
+  EXPECT_EQ(dtypes(Parse(BincodeRecord(Bincode().Param(flags, {4}, 11).Param(std::string("\7\0\10\0", 4), {2}, 10)), {},
+                         &two)),
+            (std::vector{DType::kU8, DType::kU16}));
+  // Index 13 of one byte an element is 0.17+'s Bool: index 12 is then U8.
+  EXPECT_EQ(
+      dtypes(Parse(BincodeRecord(Bincode().Param(flags, {4}, 12).Param(std::string("\1\0", 2), {2}, 13)), {}, &two)),
+      (std::vector{DType::kU8, DType::kBool}));
+  // With the table fixed at 0.14-0.15, an index-11 byte of 2 is a bad Bool.
+  EXPECT_THAT(Parse(BincodeRecord(Bincode().Param(bytes, {4}, 11).Param("\7\10", {2}, 10)), {}, &two),
+              StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("parameter 'a'"), HasSubstr("not 0 or 1"))));
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // the two tokenizers that drive it (msgpack-cxx's visitor API, nlohmann's SAX).
 // Neither builds a tree: a pretty JSON record is about 10 times its tensor
 // bytes, and a MessagePack bin is kept as a view of the record.
+#include <algorithm>
 #include <bit>
 #include <cfloat>
 #include <cmath>
@@ -19,13 +20,14 @@
 namespace weightstore::burn_record_internal {
 namespace {
 
-void AppendLE(std::vector<std::byte>* out, uint64_t bits, int bytes) {
-  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<std::byte>(bits >> (8 * i)));
+bool IsTensorField(absl::string_view key) {
+  return key == "bytes" || key == "shape" || key == "dtype" || key == "value";
 }
 
 }  // namespace
 
-RecordWalker::RecordWalker(SharedBytes base, const OpenOptions& options) : base_(std::move(base)), options_(options) {
+RecordWalker::RecordWalker(SharedBytes base, const OpenOptions& options)
+    : base_(std::move(base)), options_(options), budget_(ConvertedBudget(base_.size(), options)) {
   frames_.reserve(kMaxDepth);
 }
 
@@ -73,17 +75,24 @@ bool RecordWalker::Start(bool is_map) {
     case Kind::kMetadata:
       return Fail(absl::StrCat("is ", what, ", not a string"));
     case Kind::kModule:
-      if (!IsParamValue(top)) {
-        kind = Kind::kModule;
-        break;
+      // A Param's fields come in any order: a map under "param" is a tensor
+      // or a module, as its first key (or a string "id" beside it) says.
+      kind = Kind::kModule;
+      if (!top.is_map) break;
+      if (top.key == "id") {
+        top.id_not_string = std::string(what);
+      } else if (top.key == "param") {
+        if (is_map) {
+          kind = Kind::kParamValue;
+        } else if (top.id) {
+          return Fail("is an array, not a tensor map");
+        } else {
+          top.param_not_tensor = std::string(what);
+        }
       }
-      if (!is_map) return Fail("is an array, not a tensor map");
-      kind = Kind::kTensor;
-      top.is_param = true;
-      tensor_.emplace();
-      tensor_->name = std::string(absl::StripPrefix(path_, "item."));
-      tensor_->param_id = DecodeBurnParamId(*top.id);
       break;
+    case Kind::kParamValue:  // the tokenizer gives a map's key before its value
+      return Fail("a map value comes before its key");
     case Kind::kTensor:
       if (is_map && top.key == "dtype") {
         kind = Kind::kDType;
@@ -110,7 +119,6 @@ bool RecordWalker::Start(bool is_map) {
       break;
   }
   absl::StrAppend(&path_, path_.empty() ? "" : ".", component);
-  if (kind == Kind::kTensor) tensor_->where = path_;
   frames_.push_back(Frame{.kind = kind, .is_map = is_map, .path_size = path_size});
   return true;
 }
@@ -118,13 +126,28 @@ bool RecordWalker::Start(bool is_map) {
 bool RecordWalker::StartMap() { return Start(/*is_map=*/true); }
 bool RecordWalker::StartArray() { return Start(/*is_map=*/false); }
 
+void RecordWalker::BeginTensor() {
+  tensor_.emplace();
+  tensor_->name = std::string(absl::StripPrefix(absl::string_view(path_).substr(0, frames_.back().path_size), "item."));
+  tensor_->where = path_;
+}
+
 bool RecordWalker::End() {
   if (failed()) return false;
-  const Kind kind = frames_.back().kind;
-  path_.resize(frames_.back().path_size);
+  Frame closed = std::move(frames_.back());
+  if (closed.kind == Kind::kParamValue) {  // an empty map: a tensor map only beside a string id
+    Frame& param_map = frames_[frames_.size() - 2];
+    if (param_map.id) {
+      BeginTensor();
+      closed.kind = Kind::kTensor;
+    } else {
+      param_map.param_not_tensor = "an empty map";
+    }
+  }
+  path_.resize(closed.path_size);
   frames_.pop_back();
   // Where() now names the container that closed.
-  switch (kind) {
+  switch (closed.kind) {
     case Kind::kRoot:
       done_ = true;
       if (!seen_metadata_) return Fail("has no metadata");
@@ -134,6 +157,8 @@ bool RecordWalker::End() {
       return FinishTensor();
     case Kind::kDType:
       return tensor_->has_dtype || Fail("is an empty map, not a dtype");
+    case Kind::kModule:
+      return !closed.is_map || FinishParam(closed);
     default:
       return true;
   }
@@ -150,15 +175,27 @@ bool RecordWalker::Key(absl::string_view key) {
   if (!f.keys.insert(std::string(key)).second) return fail(absl::StrCat("the key '", key, "' appears twice"));
   ++f.count;
   f.key = std::string(key);
+  if (f.kind == Kind::kParamValue) {
+    // A tensor map's first key is one of its fields; beside a string id,
+    // "param" is a tensor map whatever its keys (and unknown ones are refused).
+    Frame& param_map = frames_[frames_.size() - 2];
+    if (param_map.id || IsTensorField(key)) {
+      f.kind = Kind::kTensor;
+      BeginTensor();
+    } else {
+      f.kind = Kind::kModule;
+      param_map.param_not_tensor = "a map that is not a tensor map";
+    }
+  }
   switch (f.kind) {
     case Kind::kRoot:
       seen_metadata_ |= key == "metadata";
       seen_item_ |= key == "item";
       return true;
-    case Kind::kModule:
-      return !f.is_param || fail(absl::StrCat("a Param holds a key '", key, "' besides its id and param"));
+    case Kind::kModule:  // unknown keys beside a Param's id and param are read, as serde ignores them
+      return true;
     case Kind::kTensor:
-      if (key == "bytes" || key == "shape" || key == "dtype" || key == "value") return true;
+      if (IsTensorField(key)) return true;
       return fail(
           absl::StrCat("unknown tensor field '", key, "' (Burn writes bytes, shape, dtype; <= 0.13: value, shape)"));
     case Kind::kDType:
@@ -175,14 +212,23 @@ bool RecordWalker::Key(absl::string_view key) {
 }
 
 bool RecordWalker::Scalar(absl::string_view what) {
-  const Frame& f = frames_.back();
+  Frame& f = frames_.back();
   switch (f.kind) {
     case Kind::kRoot:
       return f.key != "metadata" || Fail(absl::StrCat("is ", what, ", not a map of strings"));
     case Kind::kMetadata:
       return Fail(absl::StrCat("is ", what, ", not a string"));
     case Kind::kModule:  // constants and plain scalars of custom records are skipped
-      return !IsParamValue(f) || Fail(absl::StrCat("is ", what, ", not a tensor map"));
+      if (!f.is_map) return true;
+      if (f.key == "param") {
+        if (f.id) return Fail(absl::StrCat("is ", what, ", not a tensor map"));
+        f.param_not_tensor = std::string(what);
+      } else if (f.key == "id") {
+        f.id_not_string = std::string(what);
+      }
+      return true;
+    case Kind::kParamValue:
+      return Fail("a map value comes before its key");
     case Kind::kSkip:
       return true;
     case Kind::kTensor:
@@ -245,10 +291,13 @@ bool RecordWalker::Int(int64_t value) {
 bool RecordWalker::Float(double value, int bits) {
   if (!BeginScalar()) return false;
   if (frames_.back().kind != Kind::kValue) return Scalar("a float");
-  return Value(bits == 32   ? ValueKind::kFloat32
-               : bits == 64 ? ValueKind::kFloat64
-                            : ValueKind::kFloatText,
-               0, 0, value);
+  return Value(bits == 64 ? ValueKind::kFloat64 : ValueKind::kFloatText, 0, 0, value);
+}
+
+bool RecordWalker::Float32(uint32_t bits) {
+  if (!BeginScalar()) return false;
+  if (frames_.back().kind != Kind::kValue) return Scalar("a float");
+  return Value(ValueKind::kFloat32, bits, 0, 0);
 }
 
 bool RecordWalker::Str(absl::string_view value) {
@@ -260,7 +309,10 @@ bool RecordWalker::Str(absl::string_view value) {
       record_.metadata[f.key] = std::string(value);
       return true;
     case Kind::kModule:
-      if (f.is_map && f.count == 1 && f.key == "id") f.id = std::string(value);
+      if (f.is_map && f.key == "id") {
+        f.id = std::string(value);
+        return true;
+      }
       break;
     case Kind::kTensor:
       if (f.key == "dtype") return ParseDTypeName(value);
@@ -290,7 +342,29 @@ bool RecordWalker::Dimension(uint64_t value) {
 
 bool RecordWalker::Byte(uint64_t value) {
   if (value > 255) return Fail(absl::StrCat("is ", value, ", not a byte (an integer from 0 to 255)"));
-  tensor_->data.push_back(static_cast<std::byte>(value));
+  return Append(value, 1, "bytes");
+}
+
+bool RecordWalker::Append(uint64_t bits, int bytes, absl::string_view field) {
+  std::vector<std::byte>& data = tensor_->data;
+  const uint64_t n = static_cast<uint64_t>(bytes);
+  if (n > budget_ - converted_) {  // converted_ <= budget_ always
+    if (error_.empty()) {
+      error_ = absl::StrCat(tensor_->where, ".", field, ": converting it takes more than the ", budget_,
+                            " bytes this record's converted tensors may take in all (2 x its ", base_.size(),
+                            " bytes + 64 MiB, at most OpenOptions::max_record_inflated_bytes, ",
+                            options_.max_record_inflated_bytes, ")");
+    }
+    return false;
+  }
+  if (data.size() + n > data.capacity()) {
+    // Geometric growth, but never past what the budget leaves this buffer.
+    const uint64_t room = budget_ - (converted_ - data.size());
+    const uint64_t grown = std::max<uint64_t>({data.capacity() * 2, data.size() + n, 64});
+    data.reserve(static_cast<size_t>(std::min(grown, room)));
+  }
+  for (int i = 0; i < bytes; ++i) data.push_back(static_cast<std::byte>(bits >> (8 * i)));
+  converted_ += n;
   return true;
 }
 
@@ -377,36 +451,43 @@ bool RecordWalker::Value(ValueKind element, uint64_t u, int64_t i, double f) {
   }
   const bool negative = element == ValueKind::kInteger && i < 0;
   auto range = [&](int64_t lo, int64_t hi) { return negative ? i >= lo : u <= static_cast<uint64_t>(hi); };
+  const uint64_t integer = negative ? static_cast<uint64_t>(i) : u;
+  bool appended = false;
   switch (t.dtype.dtype) {
     case DType::kF32:
+      if (element == ValueKind::kFloat32) {  // MessagePack f32: its bits, as they are
+        appended = Append(u, 4, "value");
+        break;
+      }
       if (element == ValueKind::kFloatText && std::fabs(f) > FLT_MAX) return Fail("is out of the f32 range");
-      AppendLE(&t.data, std::bit_cast<uint32_t>(static_cast<float>(f)), 4);
+      appended = Append(std::bit_cast<uint32_t>(static_cast<float>(f)), 4, "value");
       break;
     case DType::kF64:
-      AppendLE(&t.data, std::bit_cast<uint64_t>(f), 8);
+      appended = Append(std::bit_cast<uint64_t>(f), 8, "value");
       break;
     case DType::kF16:
       if (negative || u > 0xFFFF) return Fail("is not f16 bits (an integer from 0 to 65535)");
-      AppendLE(&t.data, u, 2);
+      appended = Append(u, 2, "value");
       break;
     case DType::kI16:
       if (!range(INT16_MIN, INT16_MAX)) return Fail("is out of the i16 range");
-      AppendLE(&t.data, negative ? static_cast<uint64_t>(i) : u, 2);
+      appended = Append(integer, 2, "value");
       break;
     case DType::kI32:
       if (!range(INT32_MIN, INT32_MAX)) return Fail("is out of the i32 range");
-      AppendLE(&t.data, negative ? static_cast<uint64_t>(i) : u, 4);
+      appended = Append(integer, 4, "value");
       break;
     case DType::kI64:
       if (!range(INT64_MIN, INT64_MAX)) return Fail("is out of the i64 range");
-      AppendLE(&t.data, negative ? static_cast<uint64_t>(i) : u, 8);
+      appended = Append(integer, 8, "value");
       break;
     case DType::kBool:
-      t.data.push_back(static_cast<std::byte>(u));
+      appended = Append(u, 1, "value");
       break;
     default:
       return Fail("has an element type no <= 0.13 record has");
   }
+  if (!appended) return false;
   ++t.values;
   return true;
 }
@@ -440,16 +521,39 @@ bool RecordWalker::FinishTensor() {
     }
     bytes = t.data.empty() ? t.view : SharedBytes::FromVector(std::move(t.data));
   }
-  if (record_.entries.size() >= options_.max_tensors) {
+  if (tensors_ >= options_.max_tensors) {
     return fail(absl::StrCat("the record holds more than ", options_.max_tensors, " tensors"));
   }
+  ++tensors_;
   absl::StatusOr<CheckpointEntry> entry =
-      MakeEntry(std::move(t.name), t.param_id, t.dtype, std::move(t.shape), std::move(bytes), t.where, options_);
+      MakeEntry(std::move(t.name), std::nullopt, t.dtype, std::move(t.shape), std::move(bytes), t.where, options_);
   if (!entry.ok()) {
     if (error_.empty()) error_ = std::string(entry.status().message());
     return false;
   }
-  record_.entries.push_back(*std::move(entry));
+  frames_.back().param = *std::move(entry);  // the Param map, whose id may come after
+  return true;
+}
+
+// serde-derive reads ParamSerde {id: String, param} from a map in any order,
+// ignoring unknown keys, and fails on a missing or non-string id: so does
+// this. A tensor map is never dropped silently.
+bool RecordWalker::FinishParam(Frame& closed) {
+  if (!closed.param) {
+    if (closed.id && !closed.param_not_tensor.empty()) {
+      error_ = absl::StrCat(Where(), ".param: is ", closed.param_not_tensor, " beside a string id, not a tensor map");
+      return false;
+    }
+    return true;
+  }
+  if (!closed.id_not_string.empty()) {
+    error_ = absl::StrCat(Where(), ".id: is ", closed.id_not_string,
+                          ", not a string (a Param's id, beside its tensor map 'param')");
+    return false;
+  }
+  if (!closed.id) return Fail("a Param's tensor map 'param' has no 'id' beside it");
+  closed.param->spec.param_id = DecodeBurnParamId(*closed.id);
+  record_.entries.push_back(*std::move(closed.param));
   return true;
 }
 
@@ -468,7 +572,8 @@ class MsgpackTokens {
   bool visit_boolean(bool v) { return Value() && w_->Bool(v); }
   bool visit_positive_integer(uint64_t v) { return Value() && w_->Uint(v); }
   bool visit_negative_integer(int64_t v) { return Value() && w_->Int(v); }
-  bool visit_float32(float v) { return Value() && w_->Float(v, 32); }
+  // The parser loads an f32's bits into a float without converting it.
+  bool visit_float32(float v) { return Value() && w_->Float32(std::bit_cast<uint32_t>(v)); }
   bool visit_float64(double v) { return Value() && w_->Float(v, 64); }
   bool visit_str(const char* v, uint32_t size) {
     const absl::string_view s(size == 0 ? "" : v, size);

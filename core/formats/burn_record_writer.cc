@@ -9,6 +9,7 @@
 #include <limits>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -227,8 +228,13 @@ absl::Status RecordPlanner::Shape(size_t node) {
     std::vector<size_t> by_index(n.children.size(), SIZE_MAX);
     for (size_t c = 0; c < n.children.size(); ++c) {
       if (index[c] >= by_index.size() || by_index[index[c]] != SIZE_MAX) {
-        size_t missing = 0;
-        while (missing < by_index.size() && std::count(index.begin(), index.end(), missing) == 1) ++missing;
+        // The keys differ, so the indices do (none has a leading zero): one
+        // of 0..n-1 is missing. One pass finds the first.
+        std::vector<bool> present(n.children.size());
+        for (uint64_t i : index) {
+          if (i < present.size()) present[i] = true;
+        }
+        const size_t missing = static_cast<size_t>(std::find(present.begin(), present.end(), false) - present.begin());
         return Refuse(nodes_[n.children[c]].first_tensor,
                       absl::StrCat("is indexed ", nodes_[n.children[c]].key, " among ", n.children.size(),
                                    " entries, and index ", missing,

@@ -374,6 +374,18 @@ TEST(BurnRecordWriterTest, RefusesIndicesThatAreNotZeroToNMinusOne) {
   EXPECT_OK(Plan({Spec("layers.1.w", DType::kF32, {1}), Spec("layers.0.w", DType::kF32, {1})}));
 }
 
+TEST(BurnRecordWriterTest, NamesTheMissingIndexAmong100kEntriesInOnePass) {
+  // Indices 0..99998 and 100000: the gap is found at the last child, and
+  // counting each candidate index over all of them took 10^10 steps.
+  std::vector<TensorSpec> specs;
+  for (uint64_t i = 0; i <= 100000; ++i) {
+    if (i != 99999) specs.push_back(Spec(absl::StrCat("layers.", i, ".w"), DType::kF32, {1}));
+  }
+  EXPECT_THAT(Plan(specs), StatusIs(absl::StatusCode::kInvalidArgument,
+                                    AllOf(HasSubstr("tensor 'layers.100000.w'"), HasSubstr("among 100000 entries"),
+                                          HasSubstr("index 99999 is missing"))));
+}
+
 TEST(BurnRecordWriterTest, RefusesAPathThatIsBothATensorAndAModule) {
   EXPECT_THAT(Plan({Spec("fc", DType::kF32, {1}), Spec("fc.bias", DType::kF32, {1})}),
               StatusIs(absl::StatusCode::kInvalidArgument,

@@ -167,6 +167,17 @@ class BurnRecordsTest(unittest.TestCase):
         self.assertIn(".mpk only", refused.stderr)
         self.assertFalse(os.path.exists(os.path.join(out, "x.mpk.gz")))
 
+    def test_a_push_never_rewrites_a_record_in_another_encoding(self):
+        # A gzipped record (or a bincode one) would be rewritten as plain
+        # MessagePack under its old name; the daemon refuses, naming the file.
+        before = self.stores["grpc"].info(f"{FOLDER}/connect4_0.16.1-gz")["version"]
+        pushed = subprocess.run([CLI, "push", "--server", ADDRESS, f"{FOLDER}/connect4_0.16.1-gz",
+                                 os.path.join(RECORDS, "connect4_0.16.1.mpk")], capture_output=True, text=True)
+        self.assertNotEqual(pushed.returncode, 0)
+        self.assertIn("connect4_0.16.1-gz.mpk.gz", pushed.stderr)
+        self.assertIn("pushes write one file of a writable format and ending", pushed.stderr)
+        self.assertEqual(self.stores["grpc"].info(f"{FOLDER}/connect4_0.16.1-gz")["version"], before)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
