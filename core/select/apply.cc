@@ -12,6 +12,7 @@
 #include "absl/strings/strip.h"
 #include "core/mapped_file.h"
 #include "core/select/dtype_cast.h"
+#include "core/select/quantized_shard.h"
 #include "core/status_macros.h"
 
 namespace weightstore {
@@ -191,14 +192,6 @@ absl::StatusOr<TargetSchema> TargetSchema::Load(const std::string& path) {
 absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, const Selection& selection,
                               const TargetSchema& target, const ApplyOptions& options) {
   WEIGHTSTORE_RETURN_IF_ERROR(CheckTarget(target, selection.limits()));
-  // Loading a rank's part into a target cuts tensors by the shard rules
-  // alone: scales that follow their weights and experts by rank are for
-  // fetches and listings (Snapshot::Select) so far.
-  if (!selection.options().shard.scales.empty() || !selection.options().shard.experts.empty()) {
-    return absl::InvalidArgumentError(
-        "scale rules and expert patterns (--shard-scale, --shard-experts) do not apply to a target yet; fetch the "
-        "rank's tensors without one");
-  }
   // Names after the top-level key, rename and contiguous indices, before the filter.
   const std::vector<CheckpointEntry>& entries = checkpoint->entries();
   const SelectionDeadline deadline(selection.limits());
@@ -214,6 +207,8 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
   std::vector<bool> used(entries.size(), false);
   absl::flat_hash_map<std::string, size_t> by_path;
   std::vector<std::pair<std::string, std::vector<uint64_t>>> transposable;
+  std::vector<SnapshotTensor> candidates;  // kept by the filter, in target order...
+  std::vector<size_t> candidate_params;    // ...and their target parameters
   for (size_t p = 0; p < target.parameters.size(); ++p) {
     const TargetParameter& param = target.parameters[p];
     WEIGHTSTORE_RETURN_IF_ERROR(deadline.Check("applying to the target", param.path.size() + 1));
@@ -242,7 +237,41 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
       result.skipped.push_back(param.path);
       continue;
     }
-    WEIGHTSTORE_RETURN_IF_ERROR(SliceTensor(selection, deadline, &t));
+    candidate_params.push_back(p);
+    candidates.push_back(std::move(t));
+  }
+  // A rank loads its own experts (another rank's are skipped, and are not
+  // unused in the checkpoint), and its part of each tensor: the shard rules
+  // cut the weights, and each scale follows its weight (as Snapshot::Select).
+  std::vector<bool> other_ranks(named.size(), false);
+  if (selection.options().shard.world_size > 0 && !selection.options().shard.experts.empty()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<bool> other, OtherRanksExperts(selection, deadline, candidates.size(),
+                                                                            [&](size_t i) -> absl::string_view {
+                                                                              return candidates[i].spec.name;
+                                                                            }));
+    size_t kept = 0;
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      if (other[i]) {
+        result.skipped.push_back(candidates[i].spec.name);
+        continue;
+      }
+      if (kept != i) {
+        candidates[kept] = std::move(candidates[i]);
+        candidate_params[kept] = candidate_params[i];
+      }
+      ++kept;
+    }
+    candidates.resize(kept);
+    candidate_params.resize(kept);
+    WEIGHTSTORE_ASSIGN_OR_RETURN(other_ranks,
+                                 OtherRanksExperts(selection, deadline, named.size(),
+                                                   [&](size_t i) -> absl::string_view { return named[i].name; }));
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(ShardTensors(*checkpoint, selection, deadline, &candidates));
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    SnapshotTensor& t = candidates[i];
+    const TargetParameter& param = target.parameters[candidate_params[i]];
+    const CheckpointEntry& entry = *t.source;
     if (t.spec.shape != param.shape) {
       result.errors.push_back({ApplyError::Kind::kShapeMismatch, param.path,
                                absl::StrCat("shape ", ShapeToString(t.spec.shape), " in the source, ",
@@ -266,8 +295,9 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
     tensors.push_back(std::move(t));
   }
   absl::flat_hash_set<std::string> skipped(result.skipped.begin(), result.skipped.end());
-  for (const NamedEntry& n : named) {
-    if (!used[n.entry] && !skipped.contains(n.name)) result.unused.push_back(n.name);
+  for (size_t i = 0; i < named.size(); ++i) {
+    const NamedEntry& n = named[i];
+    if (!used[n.entry] && !skipped.contains(n.name) && !other_ranks[i]) result.unused.push_back(n.name);
   }
   std::sort(result.skipped.begin(), result.skipped.end());
   std::sort(result.missing.begin(), result.missing.end());

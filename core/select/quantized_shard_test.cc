@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
+#include "core/select/apply.h"
 #include "core/select/selection.h"
 #include "core/select/snapshot.h"
 #include "tests/util/status_matchers.h"
@@ -157,6 +158,50 @@ TEST(QuantizedShardTest, ExpertsStoredOnePerTensorGoToTheirRank) {
   SelectionOptions no_group;
   no_group.shard = {0, 2, {}, {}, true, {"experts"}};
   EXPECT_THAT(Selection::Compile(no_group), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("capture")));
+}
+
+TEST(QuantizedShardTest, LoadingARankIntoATargetCutsScalesAndExpertsAsAFetchDoes) {
+  // A rank's module: its half of an NVFP4 layer (U8 [64, 32] packed, its
+  // F8_E4M3 scale per 16 values) and its two of four experts, with a router.
+  std::vector<SharedTensor> tensors = {Counting("p.weight", DType::kU8, {64, 32}),
+                                       Counting("p.weight_scale", DType::kF8E4M3, {64, 4}),
+                                       Counting("p.weight_scale_2", DType::kF32, {})};
+  for (int e = 0; e < 4; ++e) tensors.push_back(Counting(absl::StrCat("experts.", e, ".w"), DType::kBF16, {6}));
+  tensors.push_back(Counting("router.weight", DType::kF32, {4, 6}));
+  auto checkpoint = Parse(tensors);
+  SelectionOptions options;
+  options.shard = {1, 2, {{"^p\\.weight$", ShardSplit{1}}}, {}, true, {"experts\\.(\\d+)\\."}};
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile(options));
+  TargetSchema target;
+  target.parameters = {{"p.weight", std::nullopt, {64, 16}, "Linear"}, {"p.weight_scale", std::nullopt, {64, 2}, ""},
+                       {"p.weight_scale_2", std::nullopt, {}, ""},     {"experts.2.w", std::nullopt, {6}, ""},
+                       {"experts.3.w", std::nullopt, {6}, ""},         {"router.weight", std::nullopt, {4, 6}, ""}};
+  ASSERT_OK_AND_ASSIGN(Applied applied, Apply(checkpoint, *selection, target));
+  ASSERT_OK(applied.status);
+  EXPECT_EQ(applied.result.applied.size(), 6u);
+  EXPECT_TRUE(applied.result.errors.empty());
+  EXPECT_TRUE(applied.result.unused.empty());  // experts 0 and 1 are rank 0's, not unused
+  // The same bytes as the rank's fetch.
+  auto fetched = Shard(checkpoint, 1, 2, {{"^p\\.weight$", ShardSplit{1}}}, true, {}, {"experts\\.(\\d+)\\."});
+  for (const TargetParameter& param : target.parameters) {
+    const SnapshotTensor& a = Get(*applied.snapshot, param.path);
+    const SnapshotTensor& f = Get(*fetched, param.path);
+    std::vector<std::byte> got(a.spec.byte_size()), want(f.spec.byte_size());
+    ASSERT_OK(applied.snapshot->ReadInto(a, got));
+    ASSERT_OK(fetched->ReadInto(f, want));
+    EXPECT_EQ(got, want) << param.path;
+  }
+  EXPECT_EQ(Get(*applied.snapshot, "p.weight_scale").scale_of, "p.weight");
+  // A target that lists another rank's expert: skipped, not loaded.
+  target.parameters.push_back({"experts.0.w", std::nullopt, {6}, ""});
+  ASSERT_OK_AND_ASSIGN(Applied with_other, Apply(checkpoint, *selection, target));
+  EXPECT_THAT(with_other.result.skipped, ElementsAre("experts.0.w"));
+  EXPECT_EQ(with_other.snapshot->Find("experts.0.w"), nullptr);
+  // A target whose scale shape is the whole tensor's is a shape error, named.
+  target.parameters[1].shape = {64, 4};
+  ASSERT_OK_AND_ASSIGN(Applied wrong, Apply(checkpoint, *selection, target));
+  ASSERT_EQ(wrong.result.errors.size(), 1u);
+  EXPECT_EQ(wrong.result.errors[0].path, "p.weight_scale");
 }
 
 }  // namespace
