@@ -4,9 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
+#include "core/catalog/registry.h"
 #include "core/crc32c.h"
 #include "core/format.h"
-#include "core/registry.h"
 #include "core/select/served.h"
 #include "core/select/snapshot.h"
 #include "core/status_macros.h"

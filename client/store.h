@@ -77,7 +77,7 @@ struct TensorDescription {
   // shape (after any transpose) and the part. Both empty otherwise.
   std::vector<uint64_t> unsliced_shape;
   TensorSlice slice;
-  // The source tensor's digest (core/manifest.h), when the daemon computes them.
+  // The source tensor's digest (core/catalog/manifest.h), when the daemon computes them.
   std::string digest;
   // With Query::since_version: the same as in that version.
   bool unchanged = false;

@@ -1,7 +1,7 @@
 // Weight updates on the client: bring tensors fetched earlier up to a
 // checkpoint's current version, fetching only what changed (the daemon leaves
 // out tensors whose source digest, dtype and shape are those of the version
-// the caller holds; core/manifest.h).
+// the caller holds; core/catalog/manifest.h).
 #ifndef WEIGHTSTORE_CLIENT_UPDATES_H_
 #define WEIGHTSTORE_CLIENT_UPDATES_H_
 

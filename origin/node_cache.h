@@ -39,8 +39,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "core/pull.h"
-#include "core/registry.h"
+#include "core/catalog/pull.h"
+#include "core/catalog/registry.h"
 #include "core/shm/unix_socket.h"
 #include "origin/origin.h"
 

@@ -10,7 +10,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/atomic_file.h"
-#include "core/registry.h"
+#include "core/catalog/registry.h"
 #include "core/status_macros.h"
 
 namespace weightstore::origin::node_cache_internal {

@@ -29,7 +29,7 @@ std::array<uint64_t, 4> Identity(const struct stat& st);
 
 std::string Errno(const std::string& what, const std::string& path);
 
-// A path the node may create under its models folder (core/registry.h).
+// A path the node may create under its models folder (core/catalog/registry.h).
 bool PlaceablePath(absl::string_view path);
 
 // Marks a refusal that comes from what the origin holds, so that it is

@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "core/registry.h"
+#include "core/catalog/registry.h"
 #include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -43,7 +43,7 @@ constexpr size_t kMaxKeyBytes = 1024;  // S3's own limit on a key
 constexpr size_t kMaxHeaderValue = 1024;
 constexpr size_t kMaxShownMessage = 200;
 
-// A relative path the node may create (core/registry.h): names and prefixes
+// A relative path the node may create (core/catalog/registry.h): names and prefixes
 // follow the same rule.
 bool IsCleanRelativePath(absl::string_view path) { return IsPlaceableName(path, kMaxKeyBytes); }
 

@@ -63,7 +63,7 @@ class S3Origin final : public Origin {
   // `url`: "s3://bucket" or "s3://bucket/prefix/" (the trailing '/' optional).
   // InvalidArgument naming the url for anything else (a bucket is 3-63 of
   // [a-z0-9.-], starting and ending with a letter or digit; a prefix is a
-  // relative path as checkpoint names are, core/registry.h IsPlaceableName),
+  // relative path as checkpoint names are, core/catalog/registry.h IsPlaceableName),
   // and for an invalid config (naming the field, never its value).
   static absl::StatusOr<std::unique_ptr<Origin>> Create(const std::string& url, S3Config config);
 

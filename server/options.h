@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "core/pull.h"
-#include "core/registry.h"
+#include "core/catalog/pull.h"
+#include "core/catalog/registry.h"
 #include "core/select/selection.h"
 #include "server/stream_governor.h"
 

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "core/registry.h"
+#include "core/catalog/registry.h"
 #include "core/select/apply.h"
 #include "core/select/snapshot.h"
 #include "weightstore/v1/weight_store.pb.h"

@@ -156,7 +156,7 @@ void AddScrapedFamilies(ServerMetrics* metrics, const CheckpointRegistry* regist
                One([service] { return static_cast<double>(service->stalled_fetches()); }));
 }
 
-// The origin tier's families (core/pull.h), when the daemon has an origin.
+// The origin tier's families (core/catalog/pull.h), when the daemon has an origin.
 void AddPullFamilies(ServerMetrics* metrics, const Puller* puller) {
   using metrics::One;
   using metrics::Sample;

@@ -19,7 +19,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
-#include "core/registry.h"
+#include "core/catalog/registry.h"
 #include "server/options.h"
 
 namespace weightstore {

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "core/registry.h"
+#include "core/catalog/registry.h"
 #include "core/select/selection.h"
 #include "server/auth.h"
 #include "server/background.h"

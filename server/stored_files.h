@@ -6,7 +6,7 @@
 #include <functional>
 
 #include "absl/status/status.h"
-#include "core/registry.h"
+#include "core/catalog/registry.h"
 #include "weightstore/v1/weight_store.pb.h"
 
 namespace weightstore::server {

@@ -1,5 +1,5 @@
 // WatchHub: the WatchCheckpoints streams of one service. Each stream drives a
-// WatchCursor (core/watch_cursor.h) from a registry listener and writes one
+// WatchCursor (core/catalog/watch_cursor.h) from a registry listener and writes one
 // event at a time; the hub bounds how many there are and ends them all when
 // the daemon shuts down (they would otherwise hold it for their whole grace).
 // A publish only marks the watchers: their events are made on the hub's own
@@ -20,8 +20,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "core/registry.h"
-#include "core/watch_cursor.h"
+#include "core/catalog/registry.h"
+#include "core/catalog/watch_cursor.h"
 #include "server/auth.h"
 #include "server/options.h"
 #include "server/stream_governor.h"

@@ -30,8 +30,8 @@
 #include "client/store.h"
 #include "client/updates.h"
 #include "client/usable_cores.h"
+#include "core/catalog/manifest.h"
 #include "core/crc32c.h"
-#include "core/manifest.h"
 #include "tests/bench/bench_checkpoint.h"
 
 namespace weightstore {

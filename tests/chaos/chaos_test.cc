@@ -17,9 +17,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
+#include "core/catalog/registry.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
-#include "core/registry.h"
 #include "tests/util/daemon.h"
 #include "tests/util/test_env.h"
 

@@ -15,8 +15,8 @@
 // folder. What cannot be served (a dangling link, a link out of the repo, a
 // ref to a missing snapshot) is one error line naming the path, and the rest
 // of the repo is served all the same.
-#ifndef WEIGHTSTORE_CORE_HUB_CACHE_H_
-#define WEIGHTSTORE_CORE_HUB_CACHE_H_
+#ifndef WEIGHTSTORE_CORE_CATALOG_HUB_CACHE_H_
+#define WEIGHTSTORE_CORE_CATALOG_HUB_CACHE_H_
 
 #include <cstddef>
 #include <optional>
@@ -58,4 +58,4 @@ HubRepoScan ScanHubRepo(const std::string& dir, const HubCacheLimits& limits = {
 
 }  // namespace weightstore
 
-#endif  // WEIGHTSTORE_CORE_HUB_CACHE_H_
+#endif  // WEIGHTSTORE_CORE_CATALOG_HUB_CACHE_H_

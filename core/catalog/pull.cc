@@ -1,4 +1,4 @@
-#include "core/pull.h"
+#include "core/catalog/pull.h"
 
 #include <memory>
 

@@ -1,4 +1,4 @@
-#include "core/watch_cursor.h"
+#include "core/catalog/watch_cursor.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

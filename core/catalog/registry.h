@@ -8,8 +8,8 @@
 // files; a replaced file becomes a new version, and holders of the old version
 // (streams in flight) keep it, mapped and immutable, until they drop it.
 // Thread-safe.
-#ifndef WEIGHTSTORE_CORE_REGISTRY_H_
-#define WEIGHTSTORE_CORE_REGISTRY_H_
+#ifndef WEIGHTSTORE_CORE_CATALOG_REGISTRY_H_
+#define WEIGHTSTORE_CORE_CATALOG_REGISTRY_H_
 
 #include <atomic>
 #include <chrono>
@@ -28,11 +28,11 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/atomic_file.h"
+#include "core/catalog/manifest.h"
+#include "core/catalog/push.h"
 #include "core/checkpoint.h"
 #include "core/checksum_cache.h"
 #include "core/file_watcher.h"
-#include "core/manifest.h"
-#include "core/push.h"
 #include "core/shm/segment_cache.h"
 
 namespace weightstore {
@@ -76,7 +76,7 @@ class CheckpointVersion {
   // as this version lives. Called once, before the version is published.
   void HoldReservation(SegmentCache::Reservation reservation) { preload_ = std::move(reservation); }
 
-  // Every tensor's digest (core/manifest.h), computed when the version was
+  // Every tensor's digest (core/catalog/manifest.h), computed when the version was
   // opened; nullptr when the registry computes none (RegistryOptions).
   const std::shared_ptr<const CheckpointManifest>& manifest() const { return manifest_; }
   // Called once, before the version is published.
@@ -139,7 +139,7 @@ struct RegistryOptions {
   bool preload_all = false;
   std::set<std::string> preload;
   SegmentCache* shm = nullptr;
-  // Digest every tensor of each version as it is opened (core/manifest.h), for
+  // Digest every tensor of each version as it is opened (core/catalog/manifest.h), for
   // weight updates: watch events name the tensors that changed, and a fetch
   // since an earlier version sends only those. Costs one read of every byte at
   // load. Default: off (the daemon turns it on).
@@ -216,7 +216,7 @@ class CheckpointRegistry {
   // nothing is left behind.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> FinishPut(std::unique_ptr<PutSession> session);
 
-  // Starts a push (core/push.h): a new version of `name` from its current
+  // Starts a push (core/catalog/push.h): a new version of `name` from its current
   // version, options.base_version, and the tensors pushed. NotFound for a name
   // not served, Aborted when the base is no longer current, FailedPrecondition
   // for a checkpoint a push cannot rewrite (a multi-file index, a format
@@ -365,4 +365,4 @@ std::optional<std::string> NameForPath(const std::string& relative_path);
 
 }  // namespace weightstore
 
-#endif  // WEIGHTSTORE_CORE_REGISTRY_H_
+#endif  // WEIGHTSTORE_CORE_CATALOG_REGISTRY_H_

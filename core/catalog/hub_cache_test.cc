@@ -1,4 +1,4 @@
-#include "core/hub_cache.h"
+#include "core/catalog/hub_cache.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -7,9 +7,9 @@
 #include <filesystem>
 #include <map>
 
+#include "core/catalog/registry.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
-#include "core/registry.h"
 #include "tests/util/test_env.h"
 
 namespace weightstore {

@@ -1,4 +1,4 @@
-#include "core/registry.h"
+#include "core/catalog/registry.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -16,8 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "core/catalog/hub_cache.h"
 #include "core/crc32c.h"
-#include "core/hub_cache.h"
 #include "core/mapped_file.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/shm/unix_socket.h"
@@ -293,7 +293,7 @@ ScanReport CheckpointRegistry::Rescan() {
       continue;
     }
     // A Hugging Face hub cache's repo folder is served by repo id
-    // (core/hub_cache.h), not walked.
+    // (core/catalog/hub_cache.h), not walked.
     if (it->is_directory(item_ec) && !it->is_symlink(item_ec)) {
       if (std::optional<std::string> kind = HubRepoKind(it->path().string())) {
         it.disable_recursion_pending();

@@ -1,4 +1,4 @@
-#include "core/manifest.h"
+#include "core/catalog/manifest.h"
 
 #include <xxhash.h>
 

@@ -12,8 +12,8 @@
 // a cryptographic hash: it guards against accidents (a collision between two
 // versions of a tensor is ~2^-128 per pair), not against a writer crafting
 // collisions, who could as well write the bytes they want served.
-#ifndef WEIGHTSTORE_CORE_MANIFEST_H_
-#define WEIGHTSTORE_CORE_MANIFEST_H_
+#ifndef WEIGHTSTORE_CORE_CATALOG_MANIFEST_H_
+#define WEIGHTSTORE_CORE_CATALOG_MANIFEST_H_
 
 #include <cstdint>
 #include <memory>
@@ -113,4 +113,4 @@ ManifestDiff DiffManifests(const CheckpointManifest& base, const CheckpointManif
 
 }  // namespace weightstore
 
-#endif  // WEIGHTSTORE_CORE_MANIFEST_H_
+#endif  // WEIGHTSTORE_CORE_CATALOG_MANIFEST_H_

@@ -11,8 +11,8 @@
 //
 // Thread-safe: MarkChanged may be called from any thread; Next from one at a
 // time.
-#ifndef WEIGHTSTORE_CORE_WATCH_CURSOR_H_
-#define WEIGHTSTORE_CORE_WATCH_CURSOR_H_
+#ifndef WEIGHTSTORE_CORE_CATALOG_WATCH_CURSOR_H_
+#define WEIGHTSTORE_CORE_CATALOG_WATCH_CURSOR_H_
 
 #include <deque>
 #include <map>
@@ -23,8 +23,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "core/manifest.h"
-#include "core/registry.h"
+#include "core/catalog/manifest.h"
+#include "core/catalog/registry.h"
 
 namespace weightstore {
 
@@ -116,4 +116,4 @@ class WatchCursor {
 
 }  // namespace weightstore
 
-#endif  // WEIGHTSTORE_CORE_WATCH_CURSOR_H_
+#endif  // WEIGHTSTORE_CORE_CATALOG_WATCH_CURSOR_H_

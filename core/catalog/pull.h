@@ -1,8 +1,8 @@
 // Puller: how the daemon asks for a checkpoint it does not have (read-through:
 // a request naming it, PullCheckpoint, --pull). The node cache
 // (origin/node_cache.h) is the one implementation; the server sees only this.
-#ifndef WEIGHTSTORE_CORE_PULL_H_
-#define WEIGHTSTORE_CORE_PULL_H_
+#ifndef WEIGHTSTORE_CORE_CATALOG_PULL_H_
+#define WEIGHTSTORE_CORE_CATALOG_PULL_H_
 
 #include <cstdint>
 #include <functional>
@@ -66,4 +66,4 @@ class Puller {
 
 }  // namespace weightstore
 
-#endif  // WEIGHTSTORE_CORE_PULL_H_
+#endif  // WEIGHTSTORE_CORE_CATALOG_PULL_H_

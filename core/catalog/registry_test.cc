@@ -1,4 +1,4 @@
-#include "core/registry.h"
+#include "core/catalog/registry.h"
 
 #include <fcntl.h>
 #include <gmock/gmock.h>

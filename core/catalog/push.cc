@@ -1,5 +1,5 @@
 // PushSession, and CheckpointRegistry's BeginPush and FinishPush.
-#include "core/push.h"
+#include "core/catalog/push.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -11,11 +11,11 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "core/catalog/registry.h"
 #include "core/checked_math.h"
 #include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/mapped_file.h"
-#include "core/registry.h"
 #include "core/status_macros.h"
 #include "core/status_util.h"
 

@@ -1,4 +1,4 @@
-#include "core/hub_cache.h"
+#include "core/catalog/hub_cache.h"
 
 #include <fcntl.h>
 #include <unistd.h>

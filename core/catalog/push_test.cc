@@ -1,4 +1,4 @@
-#include "core/push.h"
+#include "core/catalog/push.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -7,10 +7,10 @@
 #include <filesystem>
 #include <thread>
 
+#include "core/catalog/registry.h"
 #include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
-#include "core/registry.h"
 #include "core/status_macros.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"

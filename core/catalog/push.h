@@ -5,8 +5,8 @@
 // finishes (CheckpointRegistry::FinishPush), the whole checkpoint is written
 // in the base's format, atomically, from the base's bytes and the pushed ones,
 // and published as a new version.
-#ifndef WEIGHTSTORE_CORE_PUSH_H_
-#define WEIGHTSTORE_CORE_PUSH_H_
+#ifndef WEIGHTSTORE_CORE_CATALOG_PUSH_H_
+#define WEIGHTSTORE_CORE_CATALOG_PUSH_H_
 
 #include <cstdint>
 #include <memory>
@@ -18,7 +18,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "core/atomic_file.h"
-#include "core/manifest.h"
+#include "core/catalog/manifest.h"
 #include "core/tensor.h"
 
 namespace weightstore {
@@ -86,4 +86,4 @@ class PushSession {
 
 }  // namespace weightstore
 
-#endif  // WEIGHTSTORE_CORE_PUSH_H_
+#endif  // WEIGHTSTORE_CORE_CATALOG_PUSH_H_
