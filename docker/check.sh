@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Checks docker/Dockerfile without a Docker engine (there is none on the CI
 # machine), on the same Debian 12 packages the image uses:
-#  1. builds the two binaries exactly as the build stage does (same CMake flags);
+#  1. the build stage installs every package the daemon builds from
+#     (scripts/install-deps.sh --daemon's list: header-only ones such as
+#     msgpack-cxx leave no trace in ldd), and the two binaries build exactly as
+#     the build stage builds them (same CMake flags);
 #  2. every shared library they link must come from a package the runtime stage
 #     installs (or from debian:12-slim itself);
 #  3. runs the ENTRYPOINT's command as the image's numeric user (10001) on the
@@ -14,6 +17,15 @@ dockerfile="$root/docker/Dockerfile"
 build="${1:-$root/build-docker}"
 
 echo "== 1. build stage"
+build_stage=$(sed -n '/^FROM debian:12 AS build/,/^FROM /p' "$dockerfile" | sed -n '/apt-get install/,/rm -rf/p' |
+              tr -s ' \\\n' '\n')
+needed=$(sed -n '/^daemon_packages=(/,/^)/p' "$root/scripts/install-deps.sh" | grep -v '^ *#' |
+         tr -s ' ()\n' '\n' | grep -E '^[a-z0-9][a-z0-9.+-]+$' | grep -v '^daemon_packages=' || true)
+for pkg in $needed; do
+  if ! grep -qx -- "$pkg" <<< "$build_stage"; then
+    echo "the build stage does not install $pkg (scripts/install-deps.sh --daemon does)"; exit 1
+  fi
+done
 flags=$(sed -n '/^RUN cmake -S/,/^ && cmake --build/p' "$dockerfile" | grep -o -- '-D[A-Z_]*=[A-Za-z]*' | tr '\n' ' ')
 echo "cmake flags from the Dockerfile: $flags"
 # shellcheck disable=SC2086
