@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import safetensors.torch
+import transformers
 import weightstore
 
 import grpc
@@ -187,9 +188,11 @@ class QuantizationConfigTest(unittest.TestCase):
                          "l.weight_scale_inv": torch.rand(2, 2, generator=g),
                          "lm_head.weight": torch.rand(4, 192, generator=g)},
                         "config.json",
-                        {"architectures": ["X"], "quantization_config": {
-                            "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                            "weight_block_size": [96, 96], "modules_to_not_convert": ["lm_head"]}}),
+                        # written by transformers' own FineGrainedFP8Config
+                        {"architectures": ["X"], "quantization_config": json.loads(
+                            transformers.FineGrainedFP8Config(weight_block_size=(96, 96),
+                                                              modules_to_not_convert=["lm_head"])
+                            .to_json_string(use_diff=False))}),
             # ModelOpt NVFP4: U8 packed pairs, F8_E4M3 scales per 16 values;
             # "q" is excluded, so its U8 weight is not called NVFP4.
             "cfg_nvfp4": ({"model.layers.0.mlp.p.weight": random_bits((64, 32), torch.uint8, g),
