@@ -42,4 +42,12 @@ absl::Status InterprocessErrorToStatus(const boost::interprocess::interprocess_e
   return absl::InternalError(absl::StrCat(context, ": ", e.what()));
 }
 
+std::string ShortForError(absl::string_view name) {
+  constexpr size_t kMaxQuotedBytes = 200;
+  if (name.size() <= kMaxQuotedBytes) return std::string(name);
+  size_t cut = kMaxQuotedBytes;
+  while (cut > 0 && (static_cast<uint8_t>(name[cut]) & 0xC0) == 0x80) --cut;  // not inside a character
+  return absl::StrCat(name.substr(0, cut), "...");
+}
+
 }  // namespace weightstore

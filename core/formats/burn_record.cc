@@ -20,6 +20,8 @@
 #include "core/formats/burn_record_internal.h"
 #include "core/formats/byte_reader.h"
 #include "core/status_macros.h"
+#include "core/status_util.h"
+#include "core/target_schema.h"
 
 namespace weightstore {
 namespace {
@@ -248,46 +250,29 @@ std::optional<uint64_t> DecodeBurnParamId(absl::string_view id) {
 }
 
 absl::StatusOr<RecordLayout> RecordLayout::FromJson(absl::string_view json, absl::string_view source) {
-  auto bad = [&](absl::string_view what) {
-    return absl::InvalidArgumentError(absl::StrCat("record layout '", source, "': ", what));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(TargetSchema schema, TargetSchema::FromJson(json, source));
+  auto bad = [&](size_t i, absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat("record layout '", source, "': parameters[", i, "]", what));
   };
-  nlohmann::json doc = nlohmann::json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) return bad("invalid JSON");
-  if (!doc.is_object() || !doc.contains("parameters") || !doc["parameters"].is_array()) {
-    return bad("needs a \"parameters\" array");
-  }
   RecordLayout layout;
-  absl::flat_hash_set<std::string> seen;
-  const nlohmann::json& parameters = doc["parameters"];
-  for (size_t i = 0; i < parameters.size(); ++i) {
-    const nlohmann::json& p = parameters[i];
-    const std::string where = absl::StrCat("parameters[", i, "]");
-    if (!p.is_object()) return bad(absl::StrCat(where, " is not an object"));
-    if (!p.contains("path") || !p["path"].is_string() || p["path"].get<std::string>().empty()) {
-      return bad(absl::StrCat(where, ".path must be a non-empty string"));
-    }
-    Parameter param{.path = p["path"].get<std::string>()};
+  layout.parameters.reserve(schema.parameters.size());
+  for (size_t i = 0; i < schema.parameters.size(); ++i) {
+    TargetParameter& p = schema.parameters[i];
     // Bounded, so that the bincode reader's work per path (its prefixes) is.
-    if (param.path.size() > burn_record_internal::kMaxLayoutPathBytes) {
-      return bad(absl::StrCat(where, ".path '", burn_record_internal::ShortName(param.path), "' is ", param.path.size(),
-                              " bytes; at most ", burn_record_internal::kMaxLayoutPathBytes));
+    if (p.path.size() > burn_record_internal::kMaxLayoutPathBytes) {
+      return bad(i, absl::StrCat(".path '", ShortForError(p.path), "' is ", p.path.size(), " bytes; at most ",
+                                 burn_record_internal::kMaxLayoutPathBytes));
     }
-    const size_t parts = static_cast<size_t>(std::count(param.path.begin(), param.path.end(), '.')) + 1;
+    const size_t parts = static_cast<size_t>(std::count(p.path.begin(), p.path.end(), '.')) + 1;
     if (parts > burn_record_internal::kMaxLayoutPathParts) {
-      return bad(absl::StrCat(where, ".path '", burn_record_internal::ShortName(param.path), "' has ", parts,
-                              " '.'-separated parts; at most ", burn_record_internal::kMaxLayoutPathParts));
+      return bad(i, absl::StrCat(".path '", ShortForError(p.path), "' has ", parts, " '.'-separated parts; at most ",
+                                 burn_record_internal::kMaxLayoutPathParts));
     }
-    if (!seen.insert(param.path).second) {
-      return bad(absl::StrCat(where, ".path '", burn_record_internal::ShortName(param.path), "' appears twice"));
+    if (p.shape.size() > burn_record_internal::kMaxRank) {
+      return bad(i,
+                 absl::StrCat(".shape has ", p.shape.size(), " dimensions; at most ", burn_record_internal::kMaxRank));
     }
-    if (!p.contains("shape") || !p["shape"].is_array() || p["shape"].size() > burn_record_internal::kMaxRank) {
-      return bad(absl::StrCat(where, ".shape must be an array of at most 64 dimensions"));
-    }
-    for (const nlohmann::json& d : p["shape"]) {
-      if (!d.is_number_unsigned()) return bad(absl::StrCat(where, ".shape must hold non-negative integers"));
-      param.shape.push_back(d.get<uint64_t>());
-    }
-    layout.parameters.push_back(std::move(param));
+    layout.parameters.push_back({std::move(p.path), std::move(p.shape)});
   }
   return layout;
 }
@@ -301,13 +286,6 @@ absl::StatusOr<RecordLayout> RecordLayout::Load(const std::string& path) {
 }
 
 namespace burn_record_internal {
-
-std::string ShortName(absl::string_view name) {
-  if (name.size() <= kMaxQuotedNameBytes) return std::string(name);
-  size_t cut = kMaxQuotedNameBytes;
-  while (cut > 0 && (static_cast<uint8_t>(name[cut]) & 0xC0) == 0x80) --cut;  // not inside a character
-  return absl::StrCat(name.substr(0, cut), "...");
-}
 
 uint64_t ConvertedBudget(uint64_t record_bytes, const OpenOptions& options) {
   const uint64_t natural =

@@ -39,9 +39,9 @@ namespace weightstore {
 // is told from a PyTorch ".bin" by its content.
 extern const FormatSpec kBurnRecordFormat;
 
-// A bincode record's parameters, in the module's declaration order: the
-// target-schema JSON {"parameters": [{"path": "a.b", "shape": [..]}, ...]}.
-// Nothing else in the JSON is read.
+// A bincode record's parameters, in the module's declaration order: a target
+// schema (core/target_schema.h, which parses it) of which only each path and
+// shape are used, bounded for the bincode reader's search.
 struct RecordLayout {
   struct Parameter {
     std::string path;

@@ -41,6 +41,7 @@
 #include "core/checked_math.h"
 #include "core/formats/burn_record_internal.h"
 #include "core/status_macros.h"
+#include "core/status_util.h"
 #include "core/utf8.h"
 
 namespace weightstore::burn_record_internal {
@@ -415,7 +416,7 @@ absl::Status BincodeReader::ConvertValues(const RecordLayout::Parameter& p, Foun
   const uint64_t need = found->values * size;
   if (need > budget_ - converted_) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "parameter '", ShortName(p.path), "': its ", found->values, " <= 0.13 values convert to ", need,
+        "parameter '", ShortForError(p.path), "': its ", found->values, " <= 0.13 values convert to ", need,
         " bytes, past the ", budget_, " bytes this record's converted tensors may take in all (2 x its ", base_.size(),
         " bytes + 64 MiB, at most OpenOptions::max_record_inflated_bytes, ", options_.max_record_inflated_bytes, ")"));
   }
@@ -519,7 +520,7 @@ absl::StatusOr<ParsedRecord> BincodeReader::Read() {
     const RecordLayout::Parameter& p = layout_.parameters[k];
     auto unfit = [&](absl::string_view what) {
       return absl::InvalidArgumentError(absl::StrCat("the layout does not fit the file at parameter '",
-                                                     ShortName(p.path), "' (layout entry ", k, "): ", what));
+                                                     ShortForError(p.path), "' (layout entry ", k, "): ", what));
     };
     const std::vector<uint64_t> lengths = ArrayLengths(k);
     size_t next_length = 0;
@@ -548,7 +549,7 @@ absl::StatusOr<ParsedRecord> BincodeReader::Read() {
   }
   // After the last parameter, only constants may remain.
   const size_t tail = c_.pos;
-  const std::string last = layout_.parameters.empty() ? "the metadata" : ShortName(layout_.parameters.back().path);
+  const std::string last = layout_.parameters.empty() ? "the metadata" : ShortForError(layout_.parameters.back().path);
   while (c_.left() > 0) {
     Cursor t = c_;
     absl::string_view id;
@@ -574,7 +575,7 @@ absl::StatusOr<ParsedRecord> BincodeReader::Read() {
     Found& found = all[k];
     absl::StatusOr<CheckpointEntry> entry =
         MakeEntry(p.path, DecodeBurnParamId(found.id), found.dtype, std::move(found.shape), std::move(found.bytes),
-                  absl::StrCat("parameter '", ShortName(p.path), "'"), options_);
+                  absl::StrCat("parameter '", ShortForError(p.path), "'"), options_);
     if (!entry.ok()) return entry.status();
     record.entries.push_back(*std::move(entry));
   }

@@ -25,9 +25,6 @@ inline constexpr size_t kMaxRank = 64;
 // parts (a real module path is < 200 bytes and < 15 parts).
 inline constexpr size_t kMaxLayoutPathBytes = 4096;
 inline constexpr size_t kMaxLayoutPathParts = 64;
-// Names quoted in errors are cut to about this many bytes (ShortName).
-inline constexpr size_t kMaxQuotedNameBytes = 200;
-
 // What a record's parser produces, before Checkpoint::Create.
 struct ParsedRecord {
   Metadata metadata;
@@ -40,11 +37,6 @@ struct RecordDType {
   DType dtype = DType::kF32;
   uint32_t bool_bytes = 1;
 };
-
-// `name` as an error message quotes it: whole up to kMaxQuotedNameBytes, else
-// its first kMaxQuotedNameBytes bytes (cut at a UTF-8 character boundary)
-// and "...".
-std::string ShortName(absl::string_view name);
 
 // The bytes one record's converted tensors (JSON bytes arrays, <= 0.13 values
 // that are not views of the file) may take in all, fixed before converting:

@@ -31,24 +31,9 @@
 #include "core/checkpoint.h"
 #include "core/select/selection.h"
 #include "core/select/snapshot.h"
+#include "core/target_schema.h"
 
 namespace weightstore {
-
-struct TargetParameter {
-  std::string path;
-  std::optional<DType> dtype;  // absent: any dtype is accepted
-  std::vector<uint64_t> shape;
-  std::string module;  // "Linear", "BatchNorm", ... ("Struct:" prefix allowed)
-};
-
-struct TargetSchema {
-  std::vector<TargetParameter> parameters;
-
-  // Parses {"parameters": [{"path", "shape", "dtype"?, "module"?}, ...]}.
-  // Returns InvalidArgument naming the field (and `source`) on bad input.
-  static absl::StatusOr<TargetSchema> FromJson(absl::string_view json, absl::string_view source);
-  static absl::StatusOr<TargetSchema> Load(const std::string& path);
-};
 
 struct ApplyError {
   enum class Kind { kShapeMismatch, kDTypeMismatch };
