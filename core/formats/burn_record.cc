@@ -32,7 +32,6 @@ using burn_record_internal::RecordWalker;
 // Deflate expands at most about 1032:1; a stream claiming more is a bomb.
 constexpr uint64_t kMaxInflateRatio = 1100;
 constexpr size_t kSniffBytes = 512;
-constexpr uint64_t kMaxLayoutBytes = uint64_t{64} << 20;
 
 enum class Encoding { kNone, kMsgpack, kJson, kBincode };
 
@@ -249,8 +248,11 @@ std::optional<uint64_t> DecodeBurnParamId(absl::string_view id) {
   return out;
 }
 
-absl::StatusOr<RecordLayout> RecordLayout::FromJson(absl::string_view json, absl::string_view source) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(TargetSchema schema, TargetSchema::FromJson(json, source));
+namespace {
+
+// A layout from a parsed schema: its paths and shapes, bounded for the bincode
+// reader's search.
+absl::StatusOr<RecordLayout> LayoutOf(TargetSchema schema, absl::string_view source) {
   auto bad = [&](size_t i, absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("record layout '", source, "': parameters[", i, "]", what));
   };
@@ -277,12 +279,16 @@ absl::StatusOr<RecordLayout> RecordLayout::FromJson(absl::string_view json, absl
   return layout;
 }
 
+}  // namespace
+
+absl::StatusOr<RecordLayout> RecordLayout::FromJson(absl::string_view json, absl::string_view source) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(TargetSchema schema, TargetSchema::FromJson(json, source));
+  return LayoutOf(std::move(schema), source);
+}
+
 absl::StatusOr<RecordLayout> RecordLayout::Load(const std::string& path) {
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::Open(path));
-  if (file->size() > kMaxLayoutBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("record layout '", path, "' is larger than 64 MiB"));
-  }
-  return FromJson(file->bytes().view(), path);
+  WEIGHTSTORE_ASSIGN_OR_RETURN(TargetSchema schema, TargetSchema::Load(path));
+  return LayoutOf(std::move(schema), path);
 }
 
 namespace burn_record_internal {
