@@ -75,6 +75,42 @@ const ManifestTensor* CheckpointManifest::Find(absl::string_view name) const {
 
 namespace {
 
+// Little-endian, 8 bytes.
+void AppendNumber(DigestBuilder& digest, uint64_t n) {
+  char le[8];
+  for (int i = 0; i < 8; ++i) le[i] = static_cast<char>(n >> (8 * i));
+  digest.Update(absl::string_view(le, 8));
+}
+
+void AppendSized(DigestBuilder& digest, absl::string_view bytes) {
+  AppendNumber(digest, bytes.size());
+  digest.Update(bytes);
+}
+
+}  // namespace
+
+std::string ContentVersion(const std::vector<ManifestTensor>& tensors, const Metadata& metadata) {
+  DigestBuilder digest;
+  digest.Update("weightstore content version 1");
+  AppendNumber(digest, tensors.size());
+  for (const ManifestTensor& t : tensors) {
+    AppendSized(digest, t.name);
+    AppendSized(digest, DTypeName(t.dtype));
+    AppendNumber(digest, t.shape.size());
+    for (uint64_t d : t.shape) AppendNumber(digest, d);
+    AppendNumber(digest, t.digest.high);
+    AppendNumber(digest, t.digest.low);
+  }
+  AppendNumber(digest, metadata.size());
+  for (const auto& [key, value] : metadata) {
+    AppendSized(digest, key);
+    AppendSized(digest, value);
+  }
+  return digest.Finish().Hex();
+}
+
+namespace {
+
 // Digests the entries of `checkpoint` that `known` (may be null) does not
 // give, into `tensors` (one per entry).
 absl::StatusOr<std::shared_ptr<const CheckpointManifest>> Digest(const Checkpoint& checkpoint, std::string version,
@@ -131,6 +167,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointManifest>> Digest(const Checkpoin
   work();
   for (std::thread& t : helpers) t.join();
   if (!failure.ok()) return failure;
+  if (version.empty()) version = ContentVersion(tensors, checkpoint.metadata());
   return std::make_shared<const CheckpointManifest>(std::move(version), std::move(tensors));
 }
 

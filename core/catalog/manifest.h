@@ -89,15 +89,24 @@ class CheckpointManifest {
   uint64_t memory_bytes_ = 0;
 };
 
-// The manifest of `checkpoint` under `version`, taking each tensor's digest
+// The id of a version named by its content: 32 lowercase hex digits of the
+// XXH3-128 of, in order, each tensor's name, dtype, shape and digest (entry
+// order) and then the metadata (key order), each length-prefixed. Equal for
+// equal contents whatever file, path, time or daemon holds them; independent
+// of the file's format. A file id (FileVersion) is 16 digits, so the two never
+// meet.
+std::string ContentVersion(const std::vector<ManifestTensor>& tensors, const Metadata& metadata);
+
+// The manifest of `checkpoint` under `version` (empty: its ContentVersion), taking each tensor's digest
 // from `known` (by name) where its dtype and shape match there, and computing
 // the others: for a file written from tensors whose digests are known.
 absl::StatusOr<std::shared_ptr<const CheckpointManifest>> ComputeManifest(const Checkpoint& checkpoint,
                                                                           std::string version,
                                                                           const CheckpointManifest& known);
 
-// Reads every tensor of `checkpoint` once and digests it. DataLoss naming the
-// tensor if its bytes cannot be read.
+// Reads every tensor of `checkpoint` once and digests it, naming the manifest
+// `version`, or by its content when empty (ContentVersion). DataLoss naming
+// the tensor if its bytes cannot be read.
 absl::StatusOr<std::shared_ptr<const CheckpointManifest>> ComputeManifest(const Checkpoint& checkpoint,
                                                                           std::string version);
 

@@ -55,6 +55,32 @@ TEST(ManifestTest, EqualTensorsHaveEqualDigestsAndOneChangedByteDoesNot) {
   EXPECT_EQ(ma->Find("missing"), nullptr);
 }
 
+TEST(ManifestTest, AnEmptyVersionNamesTheManifestByItsContent) {
+  auto a = Open({F32("w", {1, 2, 3, 4}), F32("b", {5})});
+  ASSERT_OK_AND_ASSIGN(auto m, ComputeManifest(*a, ""));
+  EXPECT_EQ(m->version(), ContentVersion(m->tensors(), a->metadata()));
+  EXPECT_TRUE(TensorDigest::FromHex(m->version()).has_value());  // 32 hex digits
+  // Each part of the content moves the id: a name, a dtype, a shape, a digest,
+  // the metadata, the order of the tensors.
+  const std::vector<ManifestTensor> base = m->tensors();
+  const std::string id = ContentVersion(base, {});
+  auto changed = [&](auto edit) {
+    std::vector<ManifestTensor> t = base;
+    edit(t);
+    return ContentVersion(t, {});
+  };
+  EXPECT_EQ(changed([](auto&) {}), id);
+  EXPECT_NE(changed([](auto& t) { t[0].name = "v"; }), id);
+  EXPECT_NE(changed([](auto& t) { t[0].dtype = DType::kI32; }), id);
+  EXPECT_NE(changed([](auto& t) { t[0].shape = {2, 2}; }), id);
+  EXPECT_NE(changed([](auto& t) { t[1].digest.low ^= 1; }), id);
+  EXPECT_NE(changed([](auto& t) { std::swap(t[0], t[1]); }), id);
+  EXPECT_NE(ContentVersion(base, {{"step", "1"}}), id);
+  EXPECT_NE(ContentVersion(base, {{"step", "1"}}), ContentVersion(base, {{"step", "2"}}));
+  // Lengths are framed: moving a byte from a key to its value is a change.
+  EXPECT_NE(ContentVersion(base, {{"ab", "c"}}), ContentVersion(base, {{"a", "bc"}}));
+}
+
 TEST(ManifestTest, TheSameBytesUnderAnotherShapeOrDtypeAreAChange) {
   auto a = Open({F32("w", {1, 2, 3, 4}, {2, 2})});
   auto b = Open({F32("w", {1, 2, 3, 4}, {4})});

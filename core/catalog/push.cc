@@ -297,15 +297,18 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> opened,
                                Checkpoint::Open(base.path(), FromDescriptor(options_.open, written.fd)));
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::string file_version, FileVersion(base.path()));
-  auto version = std::make_shared<CheckpointVersion>(name, base.path(), std::move(opened), file_version, file_version,
-                                                     NowUnixSeconds());
-  Prepare(version.get());
+  // Named by its content when digests are kept (as a rescan would name it),
+  // else by its file.
+  std::shared_ptr<const CheckpointManifest> manifest;
   if (options_.tensor_digests) {
     const CheckpointManifest known_manifest("", std::move(known));
-    WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const CheckpointManifest> manifest,
-                                 ComputeManifest(*version->checkpoint(), version->version(), known_manifest));
-    version->SetManifest(std::move(manifest));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(manifest, ComputeManifest(*opened, "", known_manifest));
   }
+  std::string id = manifest != nullptr ? manifest->version() : file_version;
+  auto version = std::make_shared<CheckpointVersion>(name, base.path(), std::move(opened), file_version, std::move(id),
+                                                     NowUnixSeconds());
+  Prepare(version.get());
+  if (manifest != nullptr) version->SetManifest(std::move(manifest));
   {
     absl::MutexLock lock(&mu_);
     (void)Watch(name, *version);  // best effort: the synchronous checks remain

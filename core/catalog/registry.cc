@@ -225,18 +225,24 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Ope
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::string after, FileVersion(path));
     if (before != after) continue;
     // A rewrite in place within one timestamp tick can keep every stat field:
-    // the new contents still get an id of their own.
-    std::string id = TakenId(name, after).value_or(after);
-    if (previous != nullptr && previous->stale() && previous->file_version() == after) {
+    // an id given for the files, or the files' own, would name two contents.
+    const bool rewritten_in_tick = previous != nullptr && previous->stale() && previous->file_version() == after;
+    // With digests, the id names the content (ContentVersion) unless the files
+    // were given one (a node's copy of an origin's version).
+    std::optional<std::string> taken = rewritten_in_tick ? std::nullopt : TakenId(name, after);
+    std::shared_ptr<const CheckpointManifest> manifest;
+    if (options_.tensor_digests) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(manifest, ComputeManifest(*checkpoint, taken.value_or("")));
+    }
+    std::string id = manifest != nullptr ? manifest->version() : taken.value_or(after);
+    if (manifest == nullptr && rewritten_in_tick) {
       id = absl::StrFormat(
           "%016x", Mix(std::hash<std::string>()(previous->version()), ++reopen_generation_ + 0x9e3779b97f4a7c15ULL));
     }
     auto version =
         std::make_shared<CheckpointVersion>(name, path, std::move(checkpoint), after, std::move(id), NowUnixSeconds());
     Prepare(version.get());
-    if (options_.tensor_digests) {
-      WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const CheckpointManifest> manifest,
-                                   ComputeManifest(*version->checkpoint(), version->version()));
+    if (manifest != nullptr) {
       // The digests vouch for the bytes as opened: a file written meanwhile is
       // opened again.
       if (!version->CheckUnchanged().ok()) continue;

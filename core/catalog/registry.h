@@ -61,10 +61,12 @@ class CheckpointVersion {
   const std::string& relative_path() const { return relative_path_; }
   void SetRelativePath(std::string path) { relative_path_ = std::move(path); }
   const std::shared_ptr<const Checkpoint>& checkpoint() const { return checkpoint_; }
-  // Changes whenever the file is replaced or written: a hash of device, inode,
+  // With digests kept (RegistryOptions::tensor_digests), its content's name
+  // (ContentVersion, core/catalog/manifest.h): the same on every daemon and
+  // across a touch or a copy. Without, a hash of the files' device, inode,
   // size, mtime and ctime (and, when a rewrite in place kept all of those, a
-  // reopening count), or the id its files were given (SetVersionIds). Never the
-  // same for two contents of one name in one run.
+  // reopening count). Or the id its files were given (SetVersionIds). Never
+  // the same for two contents of one name in one run.
   const std::string& version() const { return version_; }
   // FileVersion of the files as opened: what a rescan compares.
   const std::string& file_version() const { return file_version_; }

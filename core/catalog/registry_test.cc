@@ -139,14 +139,14 @@ TEST(RegistryTest, ARescanRemovesUploadsAKilledDaemonLeftBehind) {
   EXPECT_EQ(temporaries, 1u) << "the upload in progress is kept";
 }
 
-TEST(RegistryTest, AVersionIdIsNeverIssuedTwiceForOneName) {
-  // A rewrite in place that puts back size and mtime (touch -r, rsync -t)
+TEST(RegistryTest, AFileVersionIdIsNeverIssuedTwiceForOneName) {
+  // Without digests an id names the files. A rewrite in place that puts back size and mtime (touch -r, rsync -t)
   // still changes ctime; one that keeps even ctime (inside one timestamp tick)
   // gets a reissued id, and a later rescan must not go back to the old one.
   const std::string models = testing::MakeScratchDir("models");
   const std::string path = models + "/m.safetensors";
   WriteTiny(path);
-  CheckpointRegistry registry({.models_dir = models});
+  CheckpointRegistry registry({.models_dir = models, .tensor_digests = false});
   registry.Rescan();
   ASSERT_OK_AND_ASSIGN(auto v1, registry.Find("m"));
   struct stat st;
@@ -180,7 +180,7 @@ TEST(RegistryTest, AVersionTakesTheIdItsFilesAreGivenButNeverTwiceForOneName) {
   const std::string models = testing::MakeScratchDir("models");
   WriteTiny(models + "/m.safetensors");
   WriteTiny(models + "/bad.safetensors");
-  CheckpointRegistry registry({.models_dir = models});
+  CheckpointRegistry registry({.models_dir = models, .tensor_digests = false});
   std::string given;  // the file version the id is given for
   registry.SetVersionIds([&](const std::string& name, const std::string& file_version) -> std::optional<std::string> {
     if (name == "bad") return std::string("not an id");
@@ -206,6 +206,51 @@ TEST(RegistryTest, AVersionTakesTheIdItsFilesAreGivenButNeverTwiceForOneName) {
   registry.Rescan();
   ASSERT_OK_AND_ASSIGN(auto v3, registry.Find("m"));
   EXPECT_EQ(v3->version(), v3->file_version());
+}
+
+void WriteTensor(const std::string& path, float value, Metadata metadata = {}) {
+  SharedTensor t{{"w", DType::kF32, {1}}, SharedBytes::Copy(std::string(reinterpret_cast<const char*>(&value), 4))};
+  testing::WriteFileOrDie(path, *SerializeCheckpoint(kSafeTensorsFormat, {t}, metadata));
+}
+
+TEST(RegistryTest, WithDigestsAVersionIdNamesTheContentOnEveryDaemonAndAcrossATouchOrACopy) {
+  const std::string a = testing::MakeScratchDir("models-a");
+  const std::string b = testing::MakeScratchDir("models-b");
+  WriteTensor(a + "/m.safetensors", 1.0f);
+  CheckpointRegistry first({.models_dir = a, .tensor_digests = true});
+  first.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto v1, first.Find("m"));
+  EXPECT_EQ(v1->version().size(), 32u);
+  EXPECT_EQ(v1->version(), v1->manifest()->version());
+  // Another daemon, another path, another inode and time: the same id.
+  fs::copy_file(a + "/m.safetensors", b + "/copy.safetensors");
+  CheckpointRegistry second({.models_dir = b, .tensor_digests = true});
+  second.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto copy, second.Find("copy"));
+  EXPECT_EQ(copy->version(), v1->version());
+  // A touch reopens the file (its stat changed) under the same id, and a call
+  // pinned to that id goes on.
+  fs::last_write_time(a + "/m.safetensors", fs::last_write_time(a + "/m.safetensors") + std::chrono::seconds(5));
+  first.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto touched, first.Find("m"));
+  EXPECT_NE(touched->file_version(), v1->file_version());
+  EXPECT_EQ(touched->version(), v1->version());
+  EXPECT_OK(first.Find("m", v1->version()).status());
+  // Other bytes, or other metadata, are another version; the old id is gone.
+  WriteTensor(a + "/m.safetensors", 2.0f);
+  first.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto v2, first.Find("m"));
+  EXPECT_NE(v2->version(), v1->version());
+  EXPECT_THAT(first.Find("m", v1->version()), StatusIs(absl::StatusCode::kAborted, HasSubstr("was replaced")));
+  WriteTensor(a + "/m.safetensors", 2.0f, {{"step", "7"}});
+  first.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto v3, first.Find("m"));
+  EXPECT_NE(v3->version(), v2->version());
+  // Written back, the first content takes its first id again.
+  WriteTensor(a + "/m.safetensors", 1.0f);
+  first.Rescan();
+  ASSERT_OK_AND_ASSIGN(auto v4, first.Find("m"));
+  EXPECT_EQ(v4->version(), v1->version());
 }
 
 TEST(RegistryTest, AWalkCutShortRemovesNothing) {

@@ -84,8 +84,12 @@ TEST(ChaosTest, SixteenClientsThroughKillsRestartsAndReplacementsOnlyEverGetExac
     const std::string path = absl::StrCat(models, "/", Name(name), ".safetensors");
     testing::WriteFileOrDie(path + ".next", Contents(name, generation));
     std::filesystem::rename(path + ".next", path);
-    absl::StatusOr<std::string> version = FileVersion(path);
-    ASSERT_TRUE(version.ok());
+    // The daemon names each version by its content.
+    absl::StatusOr<std::shared_ptr<const Checkpoint>> written = Checkpoint::Open(path);
+    ASSERT_TRUE(written.ok()) << written.status();
+    absl::StatusOr<std::shared_ptr<const CheckpointManifest>> manifest = ComputeManifest(**written, "");
+    ASSERT_TRUE(manifest.ok()) << manifest.status();
+    const std::string* version = &(*manifest)->version();
     std::lock_guard<std::mutex> lock(mu);
     generation_of[{name, *version}] = generation;
   };
