@@ -3,12 +3,12 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <atomic>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
+#include "core/parallel_for.h"
+#include "core/status_macros.h"
 
 namespace weightstore {
 
@@ -131,42 +131,22 @@ absl::StatusOr<std::shared_ptr<const CheckpointManifest>> Digest(const Checkpoin
   }
   // Tensors are digested by a few threads taking the next one in turn: the cost
   // is reading the bytes (first-touch faults of the mapping), which spreads.
-  std::atomic<size_t> next{0};
-  absl::Mutex mu;
-  absl::Status failure;
-  auto work = [&] {
-    for (size_t t = next++; t < todo.size(); t = next++) {
-      const size_t i = todo[t];
-      const CheckpointEntry& entry = entries[i];
-      absl::StatusOr<SharedTensor> tensor = checkpoint.Read(entry);
-      if (!tensor.ok()) {
-        absl::MutexLock lock(&mu);
-        if (failure.ok()) {
-          failure = absl::DataLossError(absl::StrCat("cannot digest tensor '", entry.spec.name, "' of '",
-                                                     checkpoint.path(), "': ", tensor.status().message()));
-        }
-        next = todo.size();
-        return;
-      }
-      tensors[i] =
-          ManifestTensor{entry.spec.name, entry.spec.dtype, entry.spec.shape, DigestBytes(tensor->bytes.span())};
-    }
-  };
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   // One thread per 64 MiB, at most 4 and at most the cores: small checkpoints
   // are not worth a thread.
-  const size_t threads = std::min<uint64_t>({uint64_t{4}, cores, 1 + total / (uint64_t{64} << 20), todo.size()});
-  std::vector<std::thread> helpers;
-  for (size_t t = 1; t < threads; ++t) {
-    try {
-      helpers.emplace_back(work);
-    } catch (const std::system_error&) {
-      break;  // no thread to spare: the caller's does it all
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const auto threads =
+      static_cast<unsigned>(std::min<uint64_t>({uint64_t{4}, cores, 1 + total / (uint64_t{64} << 20)}));
+  WEIGHTSTORE_RETURN_IF_ERROR(ParallelFor(todo.size(), threads, [&](size_t t) -> absl::Status {
+    const CheckpointEntry& entry = entries[todo[t]];
+    absl::StatusOr<SharedTensor> tensor = checkpoint.Read(entry);
+    if (!tensor.ok()) {
+      return absl::DataLossError(absl::StrCat("cannot digest tensor '", entry.spec.name, "' of '", checkpoint.path(),
+                                              "': ", tensor.status().message()));
     }
-  }
-  work();
-  for (std::thread& t : helpers) t.join();
-  if (!failure.ok()) return failure;
+    tensors[todo[t]] =
+        ManifestTensor{entry.spec.name, entry.spec.dtype, entry.spec.shape, DigestBytes(tensor->bytes.span())};
+    return absl::OkStatus();
+  }));
   if (version.empty()) version = ContentVersion(tensors, checkpoint.metadata());
   return std::make_shared<const CheckpointManifest>(std::move(version), std::move(tensors));
 }
