@@ -309,10 +309,12 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
                                                      NowUnixSeconds());
   Prepare(version.get());
   if (manifest != nullptr) version->SetManifest(std::move(manifest));
+  // Element patches from the base, for clients that hold it.
+  std::shared_ptr<const VersionPatches> patches = PatchesBetween(&base, *version);
   {
     absl::MutexLock lock(&mu_);
     (void)Watch(name, *version);  // best effort: the synchronous checks remain
-    Published(name, version.get());
+    Published(name, version.get(), std::move(patches));
     served_[name].current = version;
   }
   notify.Add(name);

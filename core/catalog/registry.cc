@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <set>
+#include <thread>
 
 #include "absl/random/random.h"
 #include "absl/strings/ascii.h"
@@ -359,6 +360,7 @@ ScanReport CheckpointRegistry::Rescan() {
 
   // Open what is new or changed, outside the lock.
   std::map<std::string, std::shared_ptr<const CheckpointVersion>> opened;
+  std::map<std::string, std::shared_ptr<const VersionPatches>> patches;  // from the version each replaces
   {
     std::map<std::string, std::string> to_open;
     {
@@ -382,6 +384,7 @@ ScanReport CheckpointRegistry::Rescan() {
       std::shared_ptr<const CheckpointVersion> previous = Get(name);
       auto version = OpenVersion(name, path, previous.get());
       if (version.ok()) {
+        patches[name] = PatchesBetween(previous.get(), **version);
         opened[name] = *version;
       } else {
         report.errors.push_back(absl::StrCat(path, ": ", version.status().message()));
@@ -396,7 +399,10 @@ ScanReport CheckpointRegistry::Rescan() {
       (inserted ? report.added : report.replaced).push_back(name);
       if (std::string error = Watch(name, *version); !error.empty()) report.errors.push_back(error);
       const bool pinned = !inserted && cur->second.pinned && !found.contains(name);
-      Published(name, version.get());
+      // Patches hold only from the version they were diffed against.
+      std::shared_ptr<const VersionPatches>& step = patches[name];
+      if (step != nullptr && (inserted || cur->second.current->version() != step->from)) step = nullptr;
+      Published(name, version.get(), std::move(step));
       cur->second.current = std::move(version);
       cur->second.pinned = pinned;
       notify.Add(name);
@@ -416,7 +422,54 @@ ScanReport CheckpointRegistry::Rescan() {
   return report;
 }
 
-void CheckpointRegistry::Published(const std::string& name, const CheckpointVersion* version) {
+std::shared_ptr<const VersionPatches> CheckpointRegistry::PatchesBetween(const CheckpointVersion* from,
+                                                                         const CheckpointVersion& to) const {
+  if (options_.kept_patch_bytes == 0 || from == nullptr || from->manifest() == nullptr || to.manifest() == nullptr ||
+      from->version() == to.version() || !from->CheckUnchanged().ok()) {
+    return nullptr;
+  }
+  const unsigned threads = std::min(4u, std::max(1u, std::thread::hardware_concurrency()));
+  absl::StatusOr<std::shared_ptr<const VersionPatches>> patches = DiffVersions(
+      *from->checkpoint(), *from->manifest(), *to.checkpoint(), *to.manifest(), options_.kept_patch_bytes, threads);
+  // The bytes read must have been the versions' own: neither was written in
+  // place meanwhile.
+  if (!patches.ok() || !from->CheckUnchanged().ok() || !to.CheckUnchanged().ok()) return nullptr;
+  return *std::move(patches);
+}
+
+void CheckpointRegistry::Published(const std::string& name, const CheckpointVersion* version,
+                                   std::shared_ptr<const VersionPatches> patches) {
+  {
+    auto& steps = patches_[name];
+    auto drop_all = [&] {
+      for (const auto& step : steps) patch_bytes_ -= step->memory_bytes;
+      steps.clear();
+    };
+    if (version == nullptr) {
+      drop_all();
+    } else if (patches != nullptr) {
+      if (!steps.empty() && steps.back()->to != patches->from) drop_all();
+      patch_bytes_ += patches->memory_bytes;
+      steps.push_back(std::move(patches));
+    } else if (!steps.empty() && steps.back()->to != version->version()) {
+      drop_all();  // a new version without patches: the chain is broken
+    }
+    while (steps.size() + 1 > std::max<size_t>(options_.kept_versions, 1) && !steps.empty()) {
+      patch_bytes_ -= steps.front()->memory_bytes;
+      steps.pop_front();
+    }
+    if (steps.empty()) patches_.erase(name);
+    // Over the byte bound: the oldest step of each name first.
+    for (bool dropped = true; patch_bytes_ > options_.kept_patch_bytes && dropped;) {
+      dropped = false;
+      for (auto it = patches_.begin(); it != patches_.end() && patch_bytes_ > options_.kept_patch_bytes;) {
+        patch_bytes_ -= it->second.front()->memory_bytes;
+        it->second.pop_front();
+        dropped = true;
+        it = it->second.empty() ? patches_.erase(it) : std::next(it);
+      }
+    }
+  }
   if (version == nullptr) {  // no longer served: nothing to compare with
     auto it = kept_.find(name);
     if (it == kept_.end()) return;
@@ -477,6 +530,22 @@ std::shared_ptr<const CheckpointManifest> CheckpointRegistry::FindManifest(const
   if (it == kept_.end()) return nullptr;
   for (const auto& m : it->second) {
     if (m->version() == version) return m;
+  }
+  return nullptr;
+}
+
+std::shared_ptr<const PatchChain> CheckpointRegistry::FindPatches(const std::string& name, const std::string& since,
+                                                                  const std::string& to) const {
+  absl::MutexLock lock(&mu_);
+  auto it = patches_.find(name);
+  if (it == patches_.end() || it->second.back()->to != to || since == to) return nullptr;
+  std::vector<std::shared_ptr<const VersionPatches>> steps;
+  for (auto step = it->second.rbegin(); step != it->second.rend(); ++step) {
+    steps.push_back(*step);
+    if ((*step)->from == since) {
+      std::reverse(steps.begin(), steps.end());
+      return std::make_shared<const PatchChain>(std::move(steps));
+    }
   }
   return nullptr;
 }

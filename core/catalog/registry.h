@@ -30,6 +30,7 @@
 #include "core/atomic_file.h"
 #include "core/catalog/manifest.h"
 #include "core/catalog/push.h"
+#include "core/catalog/version_patches.h"
 #include "core/checkpoint.h"
 #include "core/checksum_cache.h"
 #include "core/file_watcher.h"
@@ -152,6 +153,14 @@ struct RegistryOptions {
   // Bytes all kept manifests may hold; past it the oldest earlier versions'
   // are dropped first (a current version's never). Default: 256 MiB.
   uint64_t kept_manifest_bytes = uint64_t{256} << 20;
+  // Bytes the element patches between consecutive versions may hold, all
+  // checkpoints together (core/catalog/version_patches.h): when a version
+  // replaces another (a rescan, a push) the changed tensors are diffed while
+  // both are mapped, and a client that holds an earlier version gets patches
+  // for them. Past the bound the oldest steps go first; a checkpoint keeps at
+  // most kept_versions - 1 steps. Needs tensor_digests. 0: off (the default;
+  // the daemon turns it on).
+  uint64_t kept_patch_bytes = 0;
   // Called after every attempt to open a checkpoint version (metrics).
   std::function<void(const std::string& name, double seconds, const absl::Status& status)> on_load;
 };
@@ -235,6 +244,13 @@ class CheckpointRegistry {
   // one's. nullptr when it is not kept (or digests are off).
   std::shared_ptr<const CheckpointManifest> FindManifest(const std::string& name, const std::string& version) const;
 
+  // The element patches that bring `name` from version `since` to version
+  // `to` (core/catalog/version_patches.h), when every step between is kept;
+  // nullptr otherwise (patches off, a version that arrived without them, or
+  // steps dropped for the bounds).
+  std::shared_ptr<const PatchChain> FindPatches(const std::string& name, const std::string& since,
+                                                const std::string& to) const;
+
   // Calls `listener` with a checkpoint's name after each change of what is
   // served under it (added, replaced, removed), on the thread that made it and
   // outside the registry's locks; it may call the registry, and must be quick.
@@ -282,8 +298,15 @@ class CheckpointRegistry {
   // The file watcher's report: `names` were written in place.
   void OnFilesModified(const std::set<std::string>& names);
   // Records that `name` now serves `version` (nullptr: nothing), keeping its
-  // manifest within the bounds.
-  void Published(const std::string& name, const CheckpointVersion* version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // manifest and `patches` (from the version it replaces; nullptr: none, and
+  // the chain of steps to it is broken) within the bounds.
+  void Published(const std::string& name, const CheckpointVersion* version,
+                 std::shared_ptr<const VersionPatches> patches = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The patches from `from` (may be null) to `to`, diffed while both are
+  // mapped; nullptr when patches are off, either has no manifest, or `from`'s
+  // files changed in place.
+  std::shared_ptr<const VersionPatches> PatchesBetween(const CheckpointVersion* from,
+                                                       const CheckpointVersion& to) const;
   // Tells the listeners about `names`. Called without mu_ or scan_mu_.
   void Notify(const std::vector<std::string>& names);
   // Collects names and tells the listeners about them when it goes out of
@@ -315,6 +338,10 @@ class CheckpointRegistry {
   // Manifests of the versions each name served, oldest first, the current last.
   std::map<std::string, std::deque<std::shared_ptr<const CheckpointManifest>>> kept_ ABSL_GUARDED_BY(mu_);
   uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Patches between each name's consecutive versions, oldest first, each
+  // step's `to` the next one's `from`, the last one's `to` the current version.
+  std::map<std::string, std::deque<std::shared_ptr<const VersionPatches>>> patches_ ABSL_GUARDED_BY(mu_);
+  uint64_t patch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   mutable absl::Mutex listeners_mu_;
   std::map<uint64_t, std::shared_ptr<const std::function<void(const std::string&)>>> listeners_
       ABSL_GUARDED_BY(listeners_mu_);
