@@ -1,5 +1,6 @@
 #include "client/chunk_assembler.h"
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "client/proto_convert.h"
 #include "core/crc32c.h"
@@ -13,11 +14,43 @@ absl::Status ChunkAssembler::Begin(const pb::TensorInfo& info, TensorSink* sink)
   if (absl::Status s = FromProto(info, &d); !s.ok()) {
     return absl::DataLossError(absl::StrCat("stream sent an invalid tensor description: ", s.message()));
   }
+  if (info.has_patch()) return BeginPatch(info, d.spec, sink);
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(d.spec));
   if (out.size() != d.spec.byte_size()) {
     return absl::InternalError(absl::StrCat("sink gave ", out.size(), " bytes for tensor '", d.spec.name, "'"));
   }
   current_ = InProgress{d.spec, out, 0, 0};
+  return absl::OkStatus();
+}
+
+absl::Status ChunkAssembler::BeginPatch(const pb::TensorInfo& info, const TensorSpec& spec, TensorSink* sink) {
+  const pb::TensorPatch& p = info.patch();
+  auto refuse = [&](absl::string_view why) {
+    return absl::DataLossError(absl::StrCat("stream sent an invalid patch of tensor '", spec.name, "': ", why));
+  };
+  std::optional<PatchEncoding> encoding = ParsePatchEncoding(p.encoding());
+  if (!encoding) return refuse(absl::StrCat("unknown encoding '", absl::CHexEscape(p.encoding().substr(0, 32)), "'"));
+  ElementPatch header;
+  header.encoding = *encoding;
+  header.element_size = PatchElementSize(spec.dtype);
+  if (p.element_size() != header.element_size) {
+    return refuse(absl::StrCat("elements of ", p.element_size(), " bytes where ", DTypeName(spec.dtype), " has ",
+                               header.element_size));
+  }
+  header.elements = spec.byte_size() / header.element_size;
+  header.changed = p.changed_elements();
+  // A patch is sent only where it is smaller than the tensor: its size is
+  // bounded by what the tensor itself would have cost.
+  if (p.patch_bytes() == 0 || p.patch_bytes() >= spec.byte_size() || header.changed > header.elements) {
+    return refuse(absl::StrCat(p.patch_bytes(), " bytes for ", header.changed, " of ", header.elements, " elements (",
+                               spec.byte_size(), " bytes)"));
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out,
+                               sink->BeginPatch(spec, header, p.patch_bytes(), info.digest()));
+  if (out.size() != p.patch_bytes()) {
+    return absl::InternalError(absl::StrCat("sink gave ", out.size(), " bytes for the patch of '", spec.name, "'"));
+  }
+  current_ = InProgress{spec, out, 0, 0, true};
   return absl::OkStatus();
 }
 
@@ -81,7 +114,7 @@ absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink)
     return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' failed its CRC32C check (got ", t.crc,
                                             ", the server sent ", fields.crc32c, ")"));
   }
-  WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
+  WEIGHTSTORE_RETURN_IF_ERROR(t.patch ? sink->EndPatch(t.spec) : sink->End(t.spec));
   ++next_index_;
   current_.reset();
   return absl::OkStatus();

@@ -40,12 +40,16 @@ class ChunkAssembler {
  private:
   // Starts the tensor `info` describes in `sink`.
   absl::Status Begin(const pb::TensorInfo& info, TensorSink* sink);
+  // Starts the element patch `info` announces for `spec`, after checking its
+  // header against the tensor.
+  absl::Status BeginPatch(const pb::TensorInfo& info, const TensorSpec& spec, TensorSink* sink);
 
   struct InProgress {
     TensorSpec spec;
     std::span<std::byte> out;
     uint64_t received = 0;
     uint32_t crc = 0;
+    bool patch = false;  // out receives an element patch, not the tensor
   };
   std::optional<InProgress> current_;
   std::string version_;

@@ -157,5 +157,69 @@ TEST(ChunkAssemblerTest, ADeltaStreamMaySkipAheadButNeverBackNorToTheLastIndex) 
   EXPECT_EQ(sink.tensors().size(), 1u);
 }
 
+// A first and last chunk carrying `patch` for tensor "w" (U8 [6]).
+v1::TensorChunk PatchChunk(const std::string& patch, const std::string& encoding = "positions",
+                           uint32_t element_size = 1, uint64_t changed = 1, uint64_t patch_bytes = 0) {
+  v1::TensorChunk c = Chunk(patch, 0, true, true, Crc32c(patch));
+  v1::TensorPatch* p = c.mutable_info()->mutable_patch();
+  p->set_encoding(encoding);
+  p->set_element_size(element_size);
+  p->set_changed_elements(changed);
+  p->set_patch_bytes(patch_bytes == 0 ? patch.size() : patch_bytes);
+  c.mutable_info()->set_digest(std::string(32, 'a'));
+  return c;
+}
+
+TEST(ChunkAssemblerTest, APatchGoesToTheSinkAsAPatchWithItsHeaderAndDigest) {
+  ChunkAssembler a;
+  CollectingSink sink;
+  const std::string body("\x01\x03Z", 3);  // element 3 becomes 'Z'
+  grpc::ByteBuffer only = Buffer(PatchChunk(body));
+  ASSERT_OK(a.Consume(&only, &sink));
+  EXPECT_TRUE(sink.tensors().empty());
+  ASSERT_EQ(sink.patches().size(), 1u);
+  const ReceivedPatch& p = sink.patches()[0];
+  EXPECT_EQ(p.spec.name, "w");
+  EXPECT_EQ(p.digest, std::string(32, 'a'));
+  EXPECT_EQ(p.patch.elements, 6u);
+  EXPECT_EQ(p.patch.changed, 1u);
+  EXPECT_EQ(p.patch.body.view(), body);
+  std::string tensor = "abcdef";
+  ASSERT_OK(ApplyPatch(p.patch, std::as_writable_bytes(std::span(tensor.data(), tensor.size()))));
+  EXPECT_EQ(tensor, "abcZef");
+}
+
+TEST(ChunkAssemblerTest, RefusesPatchHeadersThatDoNotFitTheirTensor) {
+  const std::string body("\x01\x03Z", 3);
+  struct Case {
+    v1::TensorChunk chunk;
+    const char* error;
+  };
+  const Case cases[] = {
+      {PatchChunk(body, "xor"), "unknown encoding 'xor'"},
+      {PatchChunk(body, "positions", 2), "elements of 2 bytes where U8 has 1"},
+      {PatchChunk(body, "positions", 1, 7), "for 7 of 6 elements"},
+      {PatchChunk("abcdef"), "6 bytes for 1 of 6 elements (6 bytes)"},  // not smaller than the tensor
+      {PatchChunk(body, "positions", 1, 1, 1), "does not follow"},      // more data than announced
+  };
+  for (const Case& c : cases) {
+    ChunkAssembler a;
+    CollectingSink sink;
+    grpc::ByteBuffer buffer = Buffer(c.chunk);
+    absl::Status status = a.Consume(&buffer, &sink);
+    EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.error));
+    EXPECT_TRUE(sink.patches().empty());
+  }
+  // A sink that takes no patches says so.
+  struct Plain : TensorSink {
+    absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec&) override { return std::span<std::byte>(); }
+    absl::Status End(const TensorSpec&) override { return absl::OkStatus(); }
+  } plain;
+  ChunkAssembler a;
+  grpc::ByteBuffer buffer = Buffer(PatchChunk(body));
+  EXPECT_THAT(a.Consume(&buffer, &plain), StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("no element patches")));
+}
+
 }  // namespace
 }  // namespace weightstore::client

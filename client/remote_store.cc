@@ -254,6 +254,7 @@ class RemoteStore final : public Store {
     req.set_name(name);
     req.set_version(query.version);
     req.set_since_version(query.since_version);
+    req.set_patches(query.patches && !query.since_version.empty());
     ToProto(query, req.mutable_selection());
     return FetchRange(channel_.get(), std::move(req), query.cancel, sink);
   }

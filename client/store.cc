@@ -23,6 +23,35 @@ absl::Status CollectingSink::End(const TensorSpec& spec) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::span<std::byte>> CollectingSink::BeginPatch(const TensorSpec& spec, const ElementPatch& header,
+                                                                uint64_t bytes, const std::string& digest) {
+  if (cancel_ != nullptr && cancel_->load()) {
+    return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(bytes));
+  current_ = std::move(buffer);
+  current_patch_ = ReceivedPatch{spec, digest, header};
+  return current_->span();
+}
+
+absl::Status CollectingSink::EndPatch(const TensorSpec& spec) {
+  if (!current_ || !current_patch_) return absl::FailedPreconditionError("EndPatch without BeginPatch");
+  current_patch_->patch.body = std::move(*current_).Freeze();
+  patches_.push_back(*std::move(current_patch_));
+  current_.reset();
+  current_patch_.reset();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::span<std::byte>> TensorSink::BeginPatch(const TensorSpec& spec, const ElementPatch&, uint64_t,
+                                                            const std::string&) {
+  return absl::UnimplementedError(absl::StrCat("this sink takes no element patches (tensor '", spec.name, "')"));
+}
+
+absl::Status TensorSink::EndPatch(const TensorSpec& spec) {
+  return absl::UnimplementedError(absl::StrCat("this sink takes no element patches (tensor '", spec.name, "')"));
+}
+
 void TuneAllocatorForStreaming() {
   ::mallopt(M_MMAP_THRESHOLD, 256 << 20);
   ::mallopt(M_TRIM_THRESHOLD, 1 << 30);

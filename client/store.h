@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/catalog/element_patch.h"
 #include "core/checkpoint.h"
 #include "core/host_buffer.h"
 #include "core/mapped_file.h"
@@ -67,6 +68,11 @@ struct Query {
   // honour it; the local store lists and sends every tensor as changed.
   // Default: empty, off.
   std::string since_version;
+  // With since_version, from a remote store: a changed tensor the daemon
+  // keeps an element patch of (docs/updates.md) arrives as that patch, through
+  // TensorSink::BeginPatch, for a caller that holds the tensor at
+  // since_version. Default: off.
+  bool patches = false;
 };
 
 struct TensorDescription {
@@ -121,6 +127,21 @@ class TensorSink {
   virtual absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) = 0;
   // Called once the tensor's bytes are complete and verified.
   virtual absl::Status End(const TensorSpec& spec) = 0;
+  // With Query::patches: returns the destination for an element patch of
+  // `spec` (`header` without its body) of `bytes` bytes (less than the
+  // tensor's), whose digest once applied is `digest`. Default: Unimplemented.
+  virtual absl::StatusOr<std::span<std::byte>> BeginPatch(const TensorSpec& spec, const ElementPatch& header,
+                                                          uint64_t bytes, const std::string& digest);
+  // Called once the patch's bytes are complete and their CRC32C verified.
+  virtual absl::Status EndPatch(const TensorSpec& spec);
+};
+
+// An element patch received for a tensor, and the digest (32 hex digits) its
+// result must have.
+struct ReceivedPatch {
+  TensorSpec spec;
+  std::string digest;
+  ElementPatch patch;
 };
 
 // Collects tensors into HostBuffers (2 MiB-aligned, huge-page backed).
@@ -130,12 +151,19 @@ class CollectingSink : public TensorSink {
   explicit CollectingSink(std::shared_ptr<const std::atomic<bool>> cancel = nullptr) : cancel_(std::move(cancel)) {}
   absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override;
   absl::Status End(const TensorSpec& spec) override;
+  // Collects patches too, in patches().
+  absl::StatusOr<std::span<std::byte>> BeginPatch(const TensorSpec& spec, const ElementPatch& header, uint64_t bytes,
+                                                  const std::string& digest) override;
+  absl::Status EndPatch(const TensorSpec& spec) override;
   std::vector<SharedTensor>& tensors() { return tensors_; }
+  std::vector<ReceivedPatch>& patches() { return patches_; }
 
  private:
   std::shared_ptr<const std::atomic<bool>> cancel_;
   std::optional<HostBuffer> current_;
+  std::optional<ReceivedPatch> current_patch_;
   std::vector<SharedTensor> tensors_;
+  std::vector<ReceivedPatch> patches_;
 };
 
 // A change of what a daemon serves, relative to what the watcher holds

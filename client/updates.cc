@@ -3,10 +3,16 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
+#include <algorithm>
+#include <cstring>
+
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "client/proto_convert.h"
+#include "client/usable_cores.h"
+#include "core/catalog/manifest.h"
+#include "core/parallel_for.h"
 #include "core/status_macros.h"
 
 namespace weightstore::client {
@@ -50,6 +56,7 @@ absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& nam
       CollectingSink sink(query.cancel);
       WEIGHTSTORE_RETURN_IF_ERROR(store.FetchTensors(name, query, &sink));
       r.received = std::move(sink.tensors());
+      r.patched = std::move(sink.patches());
     }
     r.version = std::move(listing.version);
     delta = std::move(listing.delta);
@@ -64,6 +71,60 @@ absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& nam
   return r;
 }
 
+absl::Status ApplyReceivedPatches(std::span<const ReceivedPatch> patches,
+                                  std::span<const std::span<std::byte>> destinations) {
+  if (patches.size() != destinations.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(patches.size(), " patches for ", destinations.size(), " destinations"));
+  }
+  std::vector<PatchTarget> targets;
+  targets.reserve(patches.size());
+  for (size_t i = 0; i < patches.size(); ++i) {
+    targets.push_back({patches[i].spec.name, &patches[i].patch, destinations[i]});
+  }
+  const auto threads = static_cast<unsigned>(std::max(1, UsableCores()));
+  WEIGHTSTORE_RETURN_IF_ERROR(ApplyPatches(targets, threads));
+  return ParallelFor(patches.size(), threads, [&](size_t i) -> absl::Status {
+    const std::string got = DigestBytes(destinations[i]).Hex();
+    if (got == patches[i].digest) return absl::OkStatus();
+    return absl::DataLossError(absl::StrCat("tensor '", patches[i].spec.name, "' patched has digest ", got,
+                                            " where the listing says ", patches[i].digest));
+  });
+}
+
+namespace {
+
+// The changed tensors that came as patches, applied to copies of the held
+// ones (`by_name`), as tensors in their own memory; an error when a patch does
+// not fit what is held or fails.
+absl::StatusOr<std::vector<SharedTensor>> PatchCopies(
+    const std::vector<ReceivedPatch>& patches, const absl::flat_hash_map<std::string, const SharedTensor*>& by_name) {
+  std::vector<HostBuffer> copies;
+  std::vector<std::span<std::byte>> destinations;
+  for (const ReceivedPatch& p : patches) {
+    auto it = by_name.find(p.spec.name);
+    if (it == by_name.end() || it->second->spec.dtype != p.spec.dtype || it->second->spec.shape != p.spec.shape) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("a patch came for tensor '", p.spec.name, "', which is not held as listed"));
+    }
+    WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer copy, HostBuffer::Allocate(p.spec.byte_size()));
+    copies.push_back(std::move(copy));
+    destinations.push_back(copies.back().span());
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(
+      ParallelFor(patches.size(), static_cast<unsigned>(std::max(1, UsableCores())), [&](size_t i) -> absl::Status {
+        const SharedBytes& from = by_name.at(patches[i].spec.name)->bytes;
+        std::memcpy(destinations[i].data(), from.data(), from.size());
+        return absl::OkStatus();
+      }));
+  WEIGHTSTORE_RETURN_IF_ERROR(ApplyReceivedPatches(patches, destinations));
+  std::vector<SharedTensor> out;
+  for (size_t i = 0; i < patches.size(); ++i) out.push_back({patches[i].spec, std::move(copies[i]).Freeze()});
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name, Query query, HeldTensors* held) {
   UpdateResult result;
   result.old_version = held->version;
@@ -73,6 +134,7 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
   const std::string selection = SelectionKey(query);
   const bool reselected = !held->version.empty() && !held->selection.empty() && held->selection != selection;
   query.since_version = reselected ? "" : held->version;
+  query.patches = true;
   WEIGHTSTORE_ASSIGN_OR_RETURN(ChangedTensors r, FetchChanged(store, name, query));
   result.delta = r.delta;
   result.full_reason =
@@ -91,8 +153,25 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
     }
   }
 
+  if (!r.patched.empty()) {
+    absl::StatusOr<std::vector<SharedTensor>> patched = PatchCopies(r.patched, by_name);
+    if (patched.ok()) {
+      for (const ReceivedPatch& p : r.patched) {
+        result.patched.push_back(p.spec.name);
+        result.fetched_bytes += p.patch.body.size();
+      }
+      for (SharedTensor& t : *patched) r.received.push_back(std::move(t));
+    } else {
+      // Fetch the changed tensors whole, pinned to the version listed.
+      result.patch_failure = std::string(patched.status().message());
+      query.patches = false;
+      query.version = r.version;
+      WEIGHTSTORE_ASSIGN_OR_RETURN(r, FetchChanged(store, name, query));
+    }
+  }
   absl::flat_hash_map<std::string, SharedTensor*> sent;
   for (SharedTensor& t : r.received) sent.emplace(t.spec.name, &t);
+  absl::flat_hash_set<std::string> came_patched(result.patched.begin(), result.patched.end());
   HeldTensors next{r.version, {}, selection};
   next.tensors.reserve(r.listed.size());
   absl::flat_hash_set<std::string> listed;
@@ -117,7 +196,7 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
     if (!(result.delta && d.unchanged)) {
       (by_name.contains(d.spec.name) ? result.changed : result.added).push_back(d.spec.name);
     }
-    result.fetched_bytes += f->second->bytes.size();
+    if (!came_patched.contains(d.spec.name)) result.fetched_bytes += f->second->bytes.size();
     ++result.fetched_tensors;
     next.tensors.push_back(std::move(*f->second));
   }

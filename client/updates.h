@@ -6,6 +6,7 @@
 #define WEIGHTSTORE_CLIENT_UPDATES_H_
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -32,8 +33,14 @@ struct UpdateResult {
   std::string full_reason;
   // By served name: fetched again, fetched for the first time, dropped.
   std::vector<std::string> changed, added, removed;
+  // Of `changed`, those that came as element patches (docs/updates.md).
+  std::vector<std::string> patched;
+  // Bytes received: whole tensors and patches.
   uint64_t fetched_bytes = 0;
   uint64_t fetched_tensors = 0;
+  // Set when patches came but could not be used (a malformed one, a result
+  // unlike its digest): the changed tensors were then fetched whole.
+  std::string patch_failure;
 };
 
 // The tensors changed since query.since_version (empty: all of them): the
@@ -46,7 +53,19 @@ struct ChangedTensors {
   std::string full_reason;
   std::vector<TensorDescription> listed;
   std::vector<SharedTensor> received;  // the changed ones (all, without a delta), in listing order
+  // With Query::patches: the changed tensors that came as element patches
+  // instead (not in `received`), in listing order.
+  std::vector<ReceivedPatch> patched;
 };
+
+// Applies an update's patches in one call, on several threads: patches[i]
+// into destinations[i] (its tensor as held at the since version, overwritten
+// in place), then checks each result against the patch's digest. On a
+// malformed patch, InvalidArgument naming the tensor, and nothing was
+// written; on a result unlike its digest, DataLoss naming the tensor (the
+// patches were written).
+absl::Status ApplyReceivedPatches(std::span<const ReceivedPatch> patches,
+                                  std::span<const std::span<std::byte>> destinations);
 
 // Through a socket store the changed tensors are mapped (the unchanged get
 // no mapping: the caller keeps its own); from the others they are fetched,
@@ -57,7 +76,10 @@ absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& nam
 // Brings `held` (tensors `query` fetched earlier from `name`, or nothing) to
 // the current version. Lists with Query::since_version = held->version, then
 // fetches, pinned to the listed version, only the tensors not unchanged; the
-// unchanged ones keep their memory. Falls back to a full fetch, and says why,
+// unchanged ones keep their memory. From a remote store a changed tensor may
+// come as an element patch (Query::patches is set), applied to a copy of the
+// held tensor (held memory is shared and immutable) and checked against its
+// digest; patches that fail are followed by a fetch of the tensors whole. Falls back to a full fetch, and says why,
 // when the store or daemon cannot tell what changed, or when `held` is not
 // what `query` selects (held under another selection, or a tensor's dtype or
 // shape unlike the listing). On error `held` is left as it was.

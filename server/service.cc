@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/catalog/element_patch.h"
+#include "core/catalog/version_patches.h"
 #include "core/crc32c.h"
 #include "core/select/served.h"
 #include "core/select/snapshot.h"
@@ -162,7 +164,27 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       return absl::OutOfRangeError(absl::StrCat("start_index ", index_, " is past end_index ", end_, " (",
                                                 resolved_.snapshot->size(), " selected tensors)"));
     }
+    if (request_.patches() && resolved_.since != nullptr && resolved_.since_version != resolved_.version->version()) {
+      patches_ =
+          service_->registry_->FindPatches(request_.name(), resolved_.since_version, resolved_.version->version());
+      if (patches_ == nullptr) {
+        patch_reason_ = absl::StrCat("no element patches are kept from version ", resolved_.since_version, " to ",
+                                     resolved_.version->version(),
+                                     " (a version between came without them, or they passed --kept-patch-bytes or "
+                                     "--kept-versions)");
+      }
+    }
     return absl::OkStatus();
+  }
+
+  // The element patch that brings the current tensor (plan_) from the
+  // since version, when one is kept and the tensor is served as stored.
+  std::optional<ElementPatch> PatchFor(const Snapshot& snapshot) const {
+    if (patches_ == nullptr || !plan_.is_byte_range()) return std::nullopt;
+    const CheckpointEntry& entry = snapshot.checkpoint().entries()[plan_.entry];
+    if (plan_.byte_size != entry.spec.byte_size() || entry.spec.dtype == DType::kBool) return std::nullopt;
+    absl::StatusOr<std::optional<ElementPatch>> patch = patches_->For(entry.spec.name);
+    return patch.ok() ? *std::move(patch) : std::nullopt;  // a patch that cannot compose: the tensor
   }
 
   // Writes the next chunk, or finishes.
@@ -195,7 +217,10 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       // a chunk at a time, so a stream never holds a whole one.
       plan_ = PlanServedTensor(snapshot, snapshot.tensors()[index_]);
       bytes_ = SharedBytes();
-      if (plan_.is_byte_range()) {
+      patch_ = PatchFor(snapshot);
+      if (patch_) {
+        bytes_ = patch_->body;
+      } else if (plan_.is_byte_range()) {
         absl::StatusOr<SharedBytes> view = ReadServedView(snapshot, plan_);
         if (!view.ok()) {
           Done(service_->ClientStatus(view.status()));
@@ -203,26 +228,34 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         }
         bytes_ = *std::move(view);
       }
-      cached_crc_ = resolved_.version->checksums().Find(plan_.key);
+      cached_crc_ = patch_ ? std::nullopt : resolved_.version->checksums().Find(plan_.key);
       crc_ = 0;
       ToProto(*plan_.tensor, chunk.mutable_info());
       if (const ManifestTensor* digest = resolved_.Digest(*plan_.tensor)) {
         chunk.mutable_info()->set_digest(digest->digest.Hex());
       }
+      if (patch_) {
+        v1::TensorPatch* p = chunk.mutable_info()->mutable_patch();
+        p->set_encoding(std::string(PatchEncodingName(patch_->encoding)));
+        p->set_element_size(patch_->element_size);
+        p->set_changed_elements(patch_->changed);
+        p->set_patch_bytes(patch_->body.size());
+      }
       if (!sent_any_) SetStreamFields(&chunk);
     }
-    const uint64_t size = plan_.byte_size;
+    const bool whole_bytes = patch_.has_value() || plan_.is_byte_range();
+    const uint64_t size = patch_ ? patch_->body.size() : plan_.byte_size;
     // A produced tensor goes in whole served units (an F6 unit is 3 bytes),
     // a transposed one in whole served rows when a row fits in a chunk:
     // those are made by tiles, other ranges an element at a time.
     uint64_t step = chunk_bytes_;
-    if (!plan_.is_byte_range()) {
+    if (!whole_bytes) {
       const uint64_t pieces = ServedPieceBytes(plan_, chunk_bytes_);
       if (pieces <= chunk_bytes_ || !plan_.transpose) step = pieces;
     }
     const uint64_t n = std::min<uint64_t>(step, size - offset_);
     SharedBytes payload;
-    if (plan_.is_byte_range()) {
+    if (whole_bytes) {
       payload = bytes_.Subspan(offset_, n);
     } else {
       absl::StatusOr<SharedBytes> produced = Produce(snapshot, n);
@@ -245,7 +278,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       const uint32_t crc = cached_crc_.value_or(crc_);
       chunk.set_last(true);
       chunk.set_crc32c(crc);
-      if (!cached_crc_) (void)resolved_.version->checksums().Store(plan_.key, crc);
+      if (!cached_crc_ && !patch_) (void)resolved_.version->checksums().Store(plan_.key, crc);
     }
     buffer_ =
         service_->options_.zero_copy ? wire::EncodeChunk(chunk, payload) : wire::EncodeChunkCopying(chunk, payload);
@@ -268,6 +301,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     chunk->set_version(resolved_.version->version());
     if (!resolved_.since_version.empty()) {
       *chunk->mutable_delta() = resolved_.DeltaInfo(request_.start_index(), end_);
+      chunk->mutable_delta()->set_patch_reason(patch_reason_);
     }
   }
 
@@ -306,8 +340,11 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   Resolved resolved_;
   uint32_t chunk_bytes_ = 1 << 20;
   uint64_t index_ = 0, end_ = 0, offset_ = 0;
-  ServedTensorPlan plan_;  // of the current tensor
-  SharedBytes bytes_;      // the current tensor, when it is a byte range
+  ServedTensorPlan plan_;                      // of the current tensor
+  SharedBytes bytes_;                          // the current tensor (or its patch), when it is a byte range
+  std::shared_ptr<const PatchChain> patches_;  // with request_.patches, from the since version
+  std::string patch_reason_;                   // why there are none
+  std::optional<ElementPatch> patch_;          // the current tensor's, when it goes as one
   std::shared_ptr<std::vector<std::byte>> buffers_[2];
   int next_buffer_ = 0;
   uint32_t crc_ = 0;

@@ -244,6 +244,13 @@ int main(int argc, char** argv) {
                  "Memory all kept digests may hold (bytes, or with a unit); the oldest go first")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
+  options.registry.kept_patch_bytes = uint64_t{1} << 30;
+  app.add_option("--kept-patch-bytes", options.registry.kept_patch_bytes,
+                 "Memory the element patches between kept versions may hold (bytes, or with a unit; 0: no "
+                 "patches): a client a few versions behind gets the changed elements, not whole tensors; the "
+                 "oldest go first")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
   app.add_option("--max-watches", options.service.watches.max_watches, "WatchCheckpoints streams at once")
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();

@@ -4,7 +4,8 @@
 // seconds per GB and the client's peak RSS.
 //
 // With --updates, weight updates instead: digest cost, watch latency and a
-// delta fetch against a full one (RunUpdates).
+// delta fetch against a full one (RunUpdates), then element patches of a BF16
+// checkpoint that changes a little everywhere (RunPatches).
 //
 // Usage: grpc_bench [--gb N] [--updates]   ($WEIGHTSTORED overrides the daemon binary)
 #include <arpa/inet.h>
@@ -21,6 +22,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,6 +34,7 @@
 #include "client/updates.h"
 #include "client/usable_cores.h"
 #include "core/catalog/manifest.h"
+#include "core/catalog/version_patches.h"
 #include "core/crc32c.h"
 #include "tests/bench/bench_checkpoint.h"
 
@@ -229,13 +233,13 @@ absl::Status WriteVersion(const std::string& path, uint64_t count, int version) 
   return absl::OkStatus();
 }
 
-// Times the first REPLACED event of checkpoint "big" after `version`, on a
+// Times the first REPLACED event of checkpoint `name` after `version`, on a
 // watch of its own thread, open once constructed.
 class EventTimer {
  public:
-  EventTimer(client::Store* store, const std::string& version) {
-    thread_ = std::thread([this, store, version] {
-      (void)store->Watch({.name = "big", .known = {{"big", version}}, .cancel = cancel_},
+  EventTimer(client::Store* store, const std::string& version, const std::string& name = "big") {
+    thread_ = std::thread([this, store, version, name] {
+      (void)store->Watch({.name = name, .known = {{name, version}}, .cancel = cancel_},
                          [this](const client::CheckpointEvent& e) {
                            if (e.kind != client::CheckpointEvent::Kind::kReplaced) return true;
                            absl::MutexLock lock(&mu_);
@@ -264,6 +268,15 @@ class EventTimer {
   std::optional<Clock::time_point> event_at_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
+
+// Seconds a full fetch of `name` at `version` takes; negative if it fails.
+double TimeFullFetch(client::Store& store, const std::string& name, const std::string& version) {
+  client::Query pinned;
+  pinned.version = version;
+  const auto start = Clock::now();
+  auto full = store.FetchAll(name, pinned);
+  return full.ok() ? Since(start) : -1;
+}
 
 // Weight updates (issue 15): digests at load beside CRC32C of the same bytes;
 // the time from a new version's file to a watcher's event; a delta fetch after
@@ -315,12 +328,8 @@ int RunUpdates(const std::string& models, uint64_t count) {
     auto delta = client::UpdateTensors(*store, "big", {}, &held);
     const double delta_s = Since(start);
     if (!delta.ok() || !delta->delta) return 1;
-    client::Query pinned;
-    pinned.version = held.version;
-    start = Clock::now();
-    auto full = store->FetchAll("big", pinned);
-    const double full_s = Since(start);
-    if (!full.ok()) return 1;
+    const double full_s = TimeFullFetch(*store, "big", held.version);
+    if (full_s < 0) return 1;
     std::printf(
         "version %d: event %.1f ms after the file was in place (rescan and digests of %llu MiB included); delta %llu "
         "tensors %llu MiB in %.3f s, full %llu MiB in %.3f s: %.1f%% of the bytes, %.1f%% of the time\n",
@@ -366,6 +375,130 @@ int RunUpdates(const std::string& models, uint64_t count) {
   return 0;
 }
 
+// Element patches (issue 28): a BF16 checkpoint of `count` [1024, 2048]
+// tensors that changes a little everywhere per version, as an RL policy does.
+// For each kind of change: the daemon's diff (DiffVersions, what a rescan and
+// a push run) in GB/s of checkpoint; the update's bytes on the wire and time
+// beside a full fetch of the same version (what per-tensor deltas cost when
+// every tensor changed); and the apply alone, in place, on the client.
+int RunPatches(const std::string& models, uint64_t count) {
+  const std::string path = models + "/rl.safetensors";
+  const uint64_t elements = kTensorBytes / 2, total = count * kTensorBytes;
+  std::vector<std::vector<uint16_t>> state(count, std::vector<uint16_t>(elements));
+  std::mt19937_64 rng(7);
+  for (auto& t : state) {
+    for (auto& v : t) v = static_cast<uint16_t>(rng());
+  }
+  auto write = [&](const std::string& to) -> absl::Status {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(to, kSafeTensorsFormat));
+    for (uint64_t i = 0; i < count; ++i) {
+      const auto* data = reinterpret_cast<const std::byte*>(state[i].data());
+      SharedBytes view(nullptr, std::span<const std::byte>(data, kTensorBytes));
+      WEIGHTSTORE_RETURN_IF_ERROR(writer->Add({absl::StrCat("layers.", i, ".weight"), DType::kBF16, {1024, 2048}},
+                                              [view] { return absl::StatusOr<SharedBytes>(view); }));
+    }
+    return writer->Finish();
+  };
+  if (absl::Status s = write(path); !s.ok()) {
+    std::fprintf(stderr, "bench: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  Daemon daemon(models, false);
+  if (daemon.port == 0) return 1;
+  auto store = *client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon.port), Options());
+  auto watcher_store = *client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon.port), Options());
+  client::HeldTensors held;
+  if (!client::UpdateTensors(*store, "rl", {}, &held).ok()) return 1;
+  std::printf("\nelement patches: %llu MiB of BF16 (%llu tensors [1024, 2048]), every tensor changed per version\n",
+              static_cast<unsigned long long>(total >> 20), static_cast<unsigned long long>(count));
+
+  struct Change {
+    const char* what;
+    double fraction;  // at random; 0: a block of 16 rows per tensor
+  };
+  // Three versions of each kind, taking turns; then the medians.
+  const Change changes[] = {{"1% at random", 0.01}, {"0.1% at random", 0.001}, {"16 rows of 1024 per tensor", 0}};
+  std::map<std::string, std::vector<std::vector<double>>> runs;  // what: [wire %, diff GB/s, update %, apply %]
+  for (int round = 0; round < 9; ++round) {
+    const Change& change = changes[round % 3];
+    for (auto& t : state) {
+      if (change.fraction == 0) {
+        for (uint64_t k = 512 * 2048; k < 528 * 2048; ++k) t[k] ^= 0x5a;
+      } else {
+        const auto n = static_cast<uint64_t>(elements * change.fraction);
+        for (uint64_t k = 0; k < n; ++k) t[rng() % elements] ^= 0x5a;
+      }
+    }
+    // The daemon's diff, timed alone: both versions open and digested, as
+    // when a rescan or a push diffs them.
+    const std::string next = path + ".next";
+    if (!write(next).ok()) return 1;
+    auto before = *Checkpoint::Open(path);
+    auto after = *Checkpoint::Open(next);
+    auto before_manifest = *ComputeManifest(*before, "");
+    auto after_manifest = *ComputeManifest(*after, "");
+    const unsigned threads = std::min(4u, std::max(1u, std::thread::hardware_concurrency()));
+    auto start = Clock::now();
+    auto patches = DiffVersions(*before, *before_manifest, *after, *after_manifest, uint64_t{1} << 40, threads);
+    const double diff_s = Since(start);
+    if (!patches.ok()) return 1;
+    uint64_t patch_bytes = 0;
+    for (const auto& [name, patch] : (*patches)->patches) patch_bytes += patch.body.size();
+
+    const client::HeldTensors old = held;
+    EventTimer timer(watcher_store.get(), held.version, "rl");
+    std::filesystem::rename(next, path);
+    ::kill(daemon.pid, SIGHUP);  // rescan: digests and diffs the new version
+    if (!timer.Wait()) return 1;
+    start = Clock::now();
+    auto update = client::UpdateTensors(*store, "rl", {}, &held);
+    const double update_s = Since(start);
+    if (!update.ok() || !update->patch_failure.empty()) return 1;
+    const double full_s = TimeFullFetch(*store, "rl", held.version);
+    if (full_s < 0) return 1;
+
+    // The apply alone, in place, into copies of the tensors held before.
+    client::Query since;
+    since.since_version = old.version;
+    since.patches = true;
+    auto changed = client::FetchChanged(*store, "rl", since);
+    if (!changed.ok() || changed->patched.size() != count) return 1;
+    std::vector<std::vector<std::byte>> copies;
+    std::vector<std::span<std::byte>> destinations;
+    for (const SharedTensor& t : old.tensors) copies.emplace_back(t.bytes.data(), t.bytes.data() + t.bytes.size());
+    for (auto& c : copies) destinations.emplace_back(c);
+    start = Clock::now();
+    absl::Status applied = client::ApplyReceivedPatches(changed->patched, destinations);
+    const double apply_s = Since(start);
+    if (!applied.ok()) return 1;
+
+    std::printf(
+        "%s: patches %.2f%% of the checkpoint (%llu of %llu tensors patched); diff %.2f GB/s; update %.3f s "
+        "(%.2f%% of the bytes) vs full fetch %.3f s (100%%): %.1f%% of the time; apply in place with digest "
+        "checks %.3f s, %.1f%% of the full fetch\n",
+        change.what, 100.0 * patch_bytes / total, static_cast<unsigned long long>(update->patched.size()),
+        static_cast<unsigned long long>(count), total / diff_s / 1e9, update_s, 100.0 * update->fetched_bytes / total,
+        full_s, 100.0 * update_s / full_s, apply_s, 100.0 * apply_s / full_s);
+    runs[change.what].push_back({100.0 * update->fetched_bytes / total, total / diff_s / 1e9, 100.0 * update_s / full_s,
+                                 100.0 * apply_s / full_s});
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  for (const Change& change : changes) {
+    std::vector<double> column[4];
+    for (const auto& run : runs[change.what]) {
+      for (int k = 0; k < 4; ++k) column[k].push_back(run[k]);
+    }
+    std::printf(
+        "median of 3, %s: %.2f%% of the bytes on the wire; diff %.2f GB/s; update %.1f%% of a full fetch's time; "
+        "apply %.1f%%\n",
+        change.what, median(column[0]), median(column[1]), median(column[2]), median(column[3]));
+  }
+  return 0;
+}
+
 }  // namespace
 }  // namespace weightstore
 
@@ -384,7 +517,11 @@ int main(int argc, char** argv) {
   std::filesystem::create_directories(models);
   const uint64_t count = (static_cast<uint64_t>(gb) << 30) / kTensorBytes;
   if (updates) {
-    const int status = RunUpdates(models, count);
+    int status = RunUpdates(models, count);
+    if (status == 0) {
+      std::filesystem::create_directories(dir + "/patches/models");
+      status = RunPatches(dir + "/patches/models", count);
+    }
     std::filesystem::remove_all(dir);
     return status;
   }

@@ -70,6 +70,26 @@ class Model {
   const std::string& name(size_t i) const { return tensors_[i].spec.name; }
   // New values for tensor i.
   void Change(size_t i) { tensors_[i] = Random(tensors_[i].spec.name, tensors_[i].spec.shape); }
+  // A training step's worth of change to tensor i: about `fraction` of its
+  // elements (at least one) move a little.
+  void Nudge(size_t i, double fraction) {
+    std::string bytes(tensors_[i].bytes.view());
+    const size_t n = bytes.size() / 4;
+    std::uniform_int_distribution<size_t> pick(0, n - 1);
+    for (size_t k = 0; k < std::max<size_t>(1, static_cast<size_t>(n * fraction)); ++k) {
+      float v;
+      const size_t at = 4 * pick(rng_);
+      std::memcpy(&v, bytes.data() + at, 4);
+      v += 1e-3f;
+      std::memcpy(bytes.data() + at, &v, 4);
+    }
+    tensors_[i].bytes = SharedBytes::Copy(bytes);
+  }
+  uint64_t bytes() const {
+    uint64_t total = 0;
+    for (const SharedTensor& t : tensors_) total += t.bytes.size();
+    return total;
+  }
   // Writes the model as a trainer publishes: a temporary renamed over `path`.
   void Publish(const std::string& path) const {
     // Timestamps are coarse and freed inode numbers come back: keep two
@@ -339,6 +359,93 @@ TEST_F(UpdatesTest, TwoWatchersFollowFiveVersionsWithDeltasEqualToFullFetches) {
     ExpectSameTensors(cast.tensors, full_cast);
   }
   EXPECT_THAT(watcher.Stop(), StatusIs(absl::StatusCode::kCancelled));
+}
+
+TEST_F(UpdatesTest, ElementPatchesBringHeldTensorsToTheNewVersionBitForBitWithAFewPercentOfTheBytes) {
+  client::HeldTensors held;
+  ASSERT_OK(client::UpdateTensors(*store_, "gpt", {}, &held).status());
+  // Every tensor moves a little, as in an RL step: whole-tensor deltas would
+  // send everything.
+  for (size_t i = 0; i < model_.size(); ++i) model_.Nudge(i, 0.01);
+  model_.Publish(path_);
+  Rescan();
+  client::HeldTensors behind = held;  // a late joiner, from here
+  ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store_, "gpt", {}, &held));
+  EXPECT_TRUE(r.delta) << r.full_reason;
+  EXPECT_EQ(r.patch_failure, "");
+  EXPECT_EQ(r.changed.size(), model_.size());
+  EXPECT_EQ(r.patched.size(), model_.size());
+  EXPECT_LE(r.fetched_bytes, model_.bytes() / 20) << "of " << model_.bytes();
+  ExpectSameTensors(held.tensors, model_.tensors());
+
+  // Three versions later, the late joiner gets one composed patch per tensor.
+  for (int step = 0; step < 3; ++step) {
+    for (size_t i = 0; i < model_.size(); ++i) model_.Nudge(i, 0.01);
+    model_.Publish(path_);
+    Rescan();
+  }
+  ASSERT_OK_AND_ASSIGN(r, client::UpdateTensors(*store_, "gpt", {}, &behind));
+  EXPECT_EQ(r.patched.size(), model_.size());
+  EXPECT_LE(r.fetched_bytes, model_.bytes() / 5);
+  ExpectSameTensors(behind.tensors, model_.tensors());
+  ASSERT_OK_AND_ASSIGN(r, client::UpdateTensors(*store_, "gpt", {}, &held));  // three steps behind too
+  ExpectSameTensors(held.tensors, model_.tensors());
+
+  // A held tensor that is not what its version says (changed here): its
+  // patched result fails the digest check, and the changed tensors come whole.
+  const std::string tampered = held.tensors[0].spec.name;
+  {
+    std::string bytes(held.tensors[0].bytes.view());
+    bytes[0] ^= 1;
+    held.tensors[0].bytes = SharedBytes::Copy(bytes);
+  }
+  for (size_t i = 0; i < model_.size(); ++i) model_.Nudge(i, 0.01);
+  model_.Publish(path_);
+  Rescan();
+  ASSERT_OK_AND_ASSIGN(r, client::UpdateTensors(*store_, "gpt", {}, &held));
+  EXPECT_THAT(r.patch_failure, HasSubstr(absl::StrCat("tensor '", tampered, "' patched has digest")));
+  EXPECT_TRUE(r.patched.empty());
+  EXPECT_EQ(r.fetched_bytes, model_.bytes());
+  ExpectSameTensors(held.tensors, model_.tensors());
+
+  // Served otherwise than stored (a cast): the changed tensors come whole,
+  // equal to a full fetch.
+  client::Query bf16;
+  bf16.selection.dtype = DType::kBF16;
+  client::HeldTensors cast;
+  ASSERT_OK(client::UpdateTensors(*store_, "gpt", bf16, &cast).status());
+  for (size_t i = 0; i < model_.size(); ++i) model_.Nudge(i, 0.01);
+  model_.Publish(path_);
+  Rescan();
+  ASSERT_OK_AND_ASSIGN(r, client::UpdateTensors(*store_, "gpt", bf16, &cast));
+  EXPECT_TRUE(r.patched.empty());
+  EXPECT_EQ(r.changed.size(), model_.size());
+  ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> full, store_->FetchAll("gpt", bf16));
+  ExpectSameTensors(cast.tensors, full);
+}
+
+TEST(UpdatesPatchesOffTest, ADaemonKeepingNoPatchesSendsChangedTensorsWhole) {
+  const std::string models = testing::MakeScratchDir("updates-nopatch");
+  Model model(2);
+  model.Publish(models + "/gpt.safetensors");
+  Daemon daemon(models, {"--kept-patch-bytes", "0"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto store = *client::ConnectRemoteStore(daemon.address());
+  client::HeldTensors held;
+  ASSERT_OK(client::UpdateTensors(*store, "gpt", {}, &held).status());
+  for (size_t i = 0; i < model.size(); ++i) model.Nudge(i, 0.01);
+  model.Publish(models + "/gpt.safetensors");
+  {
+    auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    pb::RescanResponse resp;
+    ASSERT_TRUE(stub->Rescan(&ctx, pb::RescanRequest(), &resp).ok());
+  }
+  ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store, "gpt", {}, &held));
+  EXPECT_TRUE(r.delta);
+  EXPECT_TRUE(r.patched.empty());
+  EXPECT_EQ(r.fetched_bytes, model.bytes());
+  ExpectSameTensors(held.tensors, model.tensors());
 }
 
 TEST_F(UpdatesTest, AWatcherAwayForThreeVersionsCatchesUpInOneStep) {

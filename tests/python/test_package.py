@@ -600,6 +600,55 @@ class PackageTest(unittest.TestCase):
         for n, t in other.state_dict().items():
             self.assertTrue(same_bytes(t, before[n]), n)
 
+    def test_update_writes_an_rl_steps_element_patches_into_the_module_in_one_call(self):
+        torch.manual_seed(9)
+        trained = torch.nn.Linear(256, 256).to(torch.bfloat16)
+        self.publish("pkg/rl", trained.state_dict())
+        serving = torch.nn.Linear(256, 256).to(torch.bfloat16)
+        held = {}
+        first = self.remote.update(serving, "pkg/rl")
+        first_dict = self.remote.update(held, "pkg/rl")
+        weight, before = serving.weight, held["weight"]
+        # An RL step: 1% of every tensor's elements move.
+        with torch.no_grad():
+            for p in trained.parameters():
+                flat = p.view(-1)
+                flat[torch.randperm(flat.numel())[:max(1, flat.numel() // 100)]] += 1.0
+        self.publish("pkg/rl", trained.state_dict())
+        total = sum(t.element_size() * t.nelement() for t in trained.state_dict().values())
+        second = self.remote.update(serving, "pkg/rl", since=first.version)
+        self.assertTrue(second.delta, second.full_reason)
+        self.assertEqual(second.patched, ["weight", "bias"])
+        self.assertLess(second.fetched_bytes, total // 20)
+        self.assertIs(serving.weight, weight)  # written in place
+        for n, t in trained.state_dict().items():
+            self.assertTrue(same_bytes(serving.state_dict()[n], t), n)
+        # A dict gets patched copies: tensors handed out before keep their bytes.
+        kept = before.clone()
+        again = self.remote.update(held, "pkg/rl", since=first_dict.version)
+        self.assertEqual(again.patched, ["weight", "bias"])
+        self.assertTrue(same_bytes(before, kept))
+        for n, t in trained.state_dict().items():
+            self.assertTrue(same_bytes(held[n], t), n)
+        # A module changed here is not what `since` names: the patched result
+        # fails its digest check, and the changed tensors come whole.
+        with torch.no_grad():
+            serving.weight.view(-1)[0] += 1.0
+            trained.weight.view(-1)[1:3] += 1.0
+            trained.bias.view(-1)[0] += 1.0
+        self.publish("pkg/rl", trained.state_dict())
+        third = self.remote.update(serving, "pkg/rl", since=second.version)
+        self.assertEqual(third.patched, [])
+        self.assertEqual(third.changed, ["weight", "bias"])
+        for n, t in trained.state_dict().items():
+            self.assertTrue(same_bytes(serving.state_dict()[n], t), n)
+        # The socket maps changed tensors anew: no patches, the same result.
+        mapped = {}
+        on_socket = self.socket.update(mapped, "pkg/rl")
+        self.assertEqual(on_socket.patched, [])
+        for n, t in trained.state_dict().items():
+            self.assertTrue(same_bytes(mapped[n], t), n)
+
     def test_two_watchers_keep_torch_models_equal_to_each_new_version(self):
         # A trainer publishes five versions, each changing another parameter;
         # two watchers hear of each over gRPC (events come only that way) and

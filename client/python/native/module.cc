@@ -380,6 +380,11 @@ py::list ToTensors(std::vector<SharedTensor> tensors, bool writable) {
   return out;
 }
 
+// The element patches one Store.delta() received (client::ReceivedPatch).
+struct Patches {
+  std::vector<client::ReceivedPatch> patches;
+};
+
 class Store {
  public:
   Store(std::unique_ptr<client::Store> store, client::SharedMemoryStore* shm, std::string kind)
@@ -500,11 +505,15 @@ class Store {
   // the tensors received (the rest):
   // fetched pinned to the listed version, or through a socket mapped. The
   // local store sends everything.
-  py::dict Delta(const std::string& name, const py::dict& selection, const std::string& since) {
+  // With `patches`, a changed tensor may come as an element patch instead:
+  // "patched" maps its name to its (dtype, shape), and "patches" holds them
+  // for apply_patches().
+  py::dict Delta(const std::string& name, const py::dict& selection, const std::string& since, bool patches) {
     client::Query query = ToQuery(selection);
     auto cancel = std::make_shared<std::atomic<bool>>(false);
     query.cancel = cancel;
     query.since_version = since;
+    query.patches = patches;
     client::ChangedTensors changed = Unwrap(RunInterruptibly<absl::StatusOr<client::ChangedTensors>>(
         cancel, [&] { return client::FetchChanged(*store_, name, query); }));
     py::dict out;
@@ -523,7 +532,45 @@ class Store {
     out["names"] = names;
     out["unchanged"] = unchanged;
     out["tensors"] = ToTensors(std::move(changed.received), /*writable=*/true);
+    py::dict patched;
+    uint64_t patch_bytes = 0;
+    for (const client::ReceivedPatch& p : changed.patched) {
+      patched[py::str(p.spec.name)] =
+          py::make_tuple(std::string(DTypeName(p.spec.dtype)), py::tuple(py::cast(p.spec.shape)));
+      patch_bytes += p.patch.body.size();
+    }
+    out["patched"] = patched;
+    out["patch_bytes"] = patch_bytes;
+    out["patches"] = Patches{std::move(changed.patched)};
     return out;
+  }
+
+  // Applies `patches` in one call, with the GIL released, on several threads:
+  // each into the memory `destinations` gives for its name, as (address,
+  // bytes) of a writable, contiguous CPU tensor holding it at the since
+  // version; then checks each result's digest (Error DATA_LOSS naming the
+  // tensor otherwise; INVALID_ARGUMENT, with nothing written, for a
+  // malformed patch or a destination that does not fit).
+  static void ApplyPatches(const Patches& patches, const py::dict& destinations) {
+    std::vector<std::span<std::byte>> spans;
+    for (const client::ReceivedPatch& p : patches.patches) {
+      const py::str key(p.spec.name);
+      if (!destinations.contains(key)) {
+        Raise(absl::InvalidArgumentError(absl::StrCat("no destination for the patch of tensor '", p.spec.name, "'")));
+      }
+      const auto [address, bytes] = destinations[key].cast<std::pair<uintptr_t, uint64_t>>();
+      if (address == 0 || bytes != p.spec.byte_size()) {
+        Raise(absl::InvalidArgumentError(absl::StrCat("the destination of tensor '", p.spec.name, "' holds ", bytes,
+                                                      " bytes, the patch is for ", p.spec.byte_size())));
+      }
+      spans.emplace_back(reinterpret_cast<std::byte*>(address), bytes);
+    }
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = client::ApplyReceivedPatches(patches.patches, spans);
+    }
+    if (!status.ok()) Raise(status);
   }
 
   // Follows checkpoints: calls `callback` with each event (a dict) until it
@@ -653,6 +700,7 @@ PYBIND11_MODULE(_native, m) {
       .def("__len__", &DeviceBuffer::size)
       .def("__dlpack__", &DeviceBuffer::DLPack, py::arg("stream") = py::none())
       .def("__dlpack_device__", &DeviceBuffer::Device);
+  py::class_<Patches>(m, "Patches").def("__len__", [](const Patches& p) { return p.patches.size(); });
   py::class_<Store>(m, "Store")
       .def_property_readonly("kind", &Store::kind)
       .def("list", &Store::List)
@@ -660,7 +708,8 @@ PYBIND11_MODULE(_native, m) {
       .def("listing", &Store::Listing, py::arg("name"), py::arg("selection"))
       .def("fetch", &Store::Fetch, py::arg("name"), py::arg("selection"))
       .def("fetch_to_device", &Store::FetchToDevice, py::arg("name"), py::arg("selection"), py::arg("device"))
-      .def("delta", &Store::Delta, py::arg("name"), py::arg("selection"), py::arg("since"))
+      .def("delta", &Store::Delta, py::arg("name"), py::arg("selection"), py::arg("since"), py::arg("patches") = false)
+      .def_static("apply_patches", &Store::ApplyPatches, py::arg("patches"), py::arg("destinations"))
       .def("watch", &Store::Watch, py::arg("name"), py::arg("prefix"), py::arg("known"), py::arg("callback"));
   m.def("connect", &Connect, py::arg("url"), py::arg("token") = "", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
         py::arg("tls_key") = "", py::arg("parallel_streams") = 0, py::arg("pipeline") = py::none(),

@@ -99,7 +99,8 @@ class Update:
     changed: list       # served names fetched again
     added: list         # served names fetched for the first time
     removed: list       # served names no longer selected (dropped from a dict)
-    fetched_bytes: int
+    fetched_bytes: int  # received: whole tensors and element patches
+    patched: list = dataclasses.field(default_factory=list)  # of `changed`, those that came as element patches
 
 
 def connect(url, *, token=None, tls_ca="", tls_cert="", tls_key="", parallel_streams=0, pipeline=None,
@@ -240,6 +241,38 @@ def _holds(tensor, dtype, shape):
     import numpy as np
     return (tuple(tensor.shape) == tuple(shape) and dtype in _NUMPY_DTYPES and
             tensor.dtype == np.dtype(_NUMPY_DTYPES[dtype]))
+
+
+def _patchable(tensor):
+    """Whether an element patch can be written into `tensor`'s memory: a
+    contiguous CPU torch tensor, or a writable C-contiguous numpy array."""
+    if hasattr(tensor, "element_size"):  # torch
+        return tensor.device.type == "cpu" and tensor.is_contiguous()
+    flags = getattr(tensor, "flags", None)
+    return flags is not None and flags.c_contiguous and flags.writeable
+
+
+def _apply_patches(native, got, held, in_place):
+    """Applies the element patches `got` (a delta) carries to the held tensors
+    (each _patchable and as its patch expects), in one native call with the
+    GIL released: into their own memory, or into copies. Returns {name:
+    patched tensor}, or None when a patch fails (tensors written in place may
+    then be partly written: the caller fetches the changed tensors whole)."""
+    targets, destinations = {}, {}
+    for n in got["patched"]:
+        t = held[n]
+        if hasattr(t, "element_size"):  # torch
+            t = t.detach() if in_place else t.detach().clone()
+            destinations[n] = (t.data_ptr(), t.element_size() * t.nelement())
+        else:
+            t = t if in_place else t.copy()
+            destinations[n] = (t.ctypes.data, t.nbytes)
+        targets[n] = t
+    try:
+        native.apply_patches(got["patches"], destinations)
+    except Error:
+        return None
+    return targets
 
 
 def _as_tensor(name, dtype, shape, buffer, as_):
@@ -413,9 +446,18 @@ class Store:
         parameters and buffers are copied into, and every fetched name must be
         one of them with the same shape, checked before anything is copied
         (Error FAILED_PRECONDITION otherwise, the module untouched).
+        From a remote store a changed tensor may come as an element patch
+        (its changed elements), written in one call with the GIL released into
+        a module's CPU tensors in place, or into copies of a dict's; each
+        result is checked against the version's digest, and patches that
+        cannot be used are followed by the tensors whole (docs/updates.md).
         Returns an Update."""
         if as_ not in ("torch", "numpy"):
             raise ValueError(f"as_={as_!r}: 'torch' or 'numpy'")
+        return self._update(state, name, since, as_, selection, patches=True)
+
+    def _update(self, state, name, since, as_, selection, patches):
+        """update(), asking for element patches or not."""
         is_module = not isinstance(state, dict)
         if is_module:
             as_ = "torch"
@@ -427,7 +469,10 @@ class Store:
         # A version this Store returned under another selection (a shard rank,
         # a dtype) holds other bytes under the same names: fetch everything.
         reselected = bool(since) and self._selections.get((id(state), name, since), key) != key
-        got = self._native.delta(name, s, "" if reselected else (since or ""))
+        # Element patches (docs/updates.md) are asked for when every held
+        # tensor is CPU memory they can be written into.
+        want_patches = patches and bool(since) and not reselected and all(_patchable(t) for t in held.values())
+        got = self._native.delta(name, s, "" if reselected else (since or ""), want_patches)
         delta, full_reason = got["delta"], got["full_reason"]
         if reselected:
             full_reason = f"version {since} was fetched with another selection (shard, dtype, renames...)"
@@ -436,30 +481,43 @@ class Store:
         if delta and unheld:
             # What the daemon calls unchanged must be held as listed: else
             # `state` came from another selection, and everything is fetched.
-            got = self._native.delta(name, s, "")
+            got = self._native.delta(name, s, "", False)
             delta, unchanged = False, set()
             full_reason = (f"the state does not hold '{unheld[0]}' as the selection serves it "
                            "(missing, or another dtype or shape)")
+        patched = got["patched"]  # name: (dtype, shape)
+        if patched and not all(_holds(held.get(n), *spec) and _patchable(held.get(n)) for n, spec in patched.items()):
+            return self._update(state, name, since, as_, selection, patches=False)
         fetched = {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in got["tensors"]}
         names = got["names"]
         listed = set(names)
-        changed = [n for n in names if n in fetched and n in held]
+        nbytes = sum(t.nbytes if as_ == "numpy" else t.element_size() * t.nelement() for t in fetched.values())
+        nbytes += got["patch_bytes"] if patched else 0
+        changed = [n for n in names if (n in fetched or n in patched) and n in held]
         added = [n for n in names if n in fetched and n not in held]
         removed = [n for n in held if n not in listed]
-        nbytes = sum(t.nbytes if as_ == "numpy" else t.element_size() * t.nelement() for t in fetched.values())
         if is_module:
             import torch
             problems = [f"{n}: not a parameter or buffer of the module" for n in added]
             problems += [f"{n}: shape {tuple(fetched[n].shape)}, the module has {tuple(held[n].shape)}"
-                         for n in changed if tuple(fetched[n].shape) != tuple(held[n].shape)]
+                         for n in changed if n in fetched and tuple(fetched[n].shape) != tuple(held[n].shape)]
             if problems:
                 raise Error("FAILED_PRECONDITION",
                             f"update of '{name}' does not fit the module: " + "; ".join(problems[:8]))
+            if patched and _apply_patches(self._native, got, held, in_place=True) is None:
+                # Partly written, maybe: the changed tensors come whole.
+                return self._update(state, name, since, as_, selection, patches=False)
             with torch.no_grad():
                 for n in changed:
-                    held[n].copy_(fetched[n])
+                    if n not in patched:  # a patch was written in place
+                        held[n].copy_(fetched[n])
             removed = []  # a module keeps its parameters
         else:
+            if patched:
+                copies = _apply_patches(self._native, got, held, in_place=False)
+                if copies is None:
+                    return self._update(state, name, since, as_, selection, patches=False)
+                fetched.update(copies)
             for n in removed:
                 del state[n]
             state.update(fetched)
@@ -469,7 +527,8 @@ class Store:
         while len(self._selections) > 1024:  # the states and versions recently returned
             self._selections.pop(next(iter(self._selections)), None)
         return Update(version=got["version"], delta=delta, full_reason="" if delta else full_reason,
-                      changed=changed, added=added, removed=removed, fetched_bytes=nbytes)
+                      changed=changed, added=added, removed=removed, fetched_bytes=nbytes,
+                      patched=[n for n in changed if n in patched])
 
     def watch(self, on_event, name="", prefix="", known=None):
         """Follows checkpoints (one by name, or those under a prefix; all by
