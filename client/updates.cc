@@ -94,32 +94,48 @@ absl::Status ApplyReceivedPatches(std::span<const ReceivedPatch> patches,
 
 namespace {
 
-// The changed tensors that came as patches, applied to copies of the held
-// ones (`by_name`), as tensors in their own memory; an error when a patch does
-// not fit what is held or fails.
-absl::StatusOr<std::vector<SharedTensor>> PatchCopies(
-    const std::vector<ReceivedPatch>& patches, const absl::flat_hash_map<std::string, const SharedTensor*>& by_name) {
-  std::vector<HostBuffer> copies;
+// The changed tensors that came as patches, applied to the held ones
+// (`by_name`): in place where UpdateTensors made a held tensor's memory and
+// nothing else shares it (HostBuffer::SoleWritable), else into a copy. An
+// error when a patch does not fit what is held or fails; `*wrote_in_place`
+// then says whether held memory may have been written.
+absl::StatusOr<std::vector<SharedTensor>> PatchHeld(
+    const std::vector<ReceivedPatch>& patches, const absl::flat_hash_map<std::string, const SharedTensor*>& by_name,
+    bool* wrote_in_place) {
+  std::vector<std::optional<HostBuffer>> copies(patches.size());
   std::vector<std::span<std::byte>> destinations;
-  for (const ReceivedPatch& p : patches) {
+  std::vector<size_t> to_copy;
+  for (size_t i = 0; i < patches.size(); ++i) {
+    const ReceivedPatch& p = patches[i];
     auto it = by_name.find(p.spec.name);
     if (it == by_name.end() || it->second->spec.dtype != p.spec.dtype || it->second->spec.shape != p.spec.shape) {
       return absl::FailedPreconditionError(
           absl::StrCat("a patch came for tensor '", p.spec.name, "', which is not held as listed"));
     }
+    std::span<std::byte> own = HostBuffer::SoleWritable(it->second->bytes);
+    if (!own.empty()) {
+      destinations.push_back(own);
+      *wrote_in_place = true;
+      continue;
+    }
     WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer copy, HostBuffer::Allocate(p.spec.byte_size()));
-    copies.push_back(std::move(copy));
-    destinations.push_back(copies.back().span());
+    destinations.push_back(copy.span());
+    copies[i] = std::move(copy);
+    to_copy.push_back(i);
   }
   WEIGHTSTORE_RETURN_IF_ERROR(
-      ParallelFor(patches.size(), static_cast<unsigned>(std::max(1, UsableCores())), [&](size_t i) -> absl::Status {
+      ParallelFor(to_copy.size(), static_cast<unsigned>(std::max(1, UsableCores())), [&](size_t k) -> absl::Status {
+        const size_t i = to_copy[k];
         const SharedBytes& from = by_name.at(patches[i].spec.name)->bytes;
         std::memcpy(destinations[i].data(), from.data(), from.size());
         return absl::OkStatus();
       }));
   WEIGHTSTORE_RETURN_IF_ERROR(ApplyReceivedPatches(patches, destinations));
   std::vector<SharedTensor> out;
-  for (size_t i = 0; i < patches.size(); ++i) out.push_back({patches[i].spec, std::move(copies[i]).Freeze()});
+  for (size_t i = 0; i < patches.size(); ++i) {
+    out.push_back(
+        {patches[i].spec, copies[i] ? std::move(*copies[i]).Freeze() : by_name.at(patches[i].spec.name)->bytes});
+  }
   return out;
 }
 
@@ -154,7 +170,8 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
   }
 
   if (!r.patched.empty()) {
-    absl::StatusOr<std::vector<SharedTensor>> patched = PatchCopies(r.patched, by_name);
+    bool wrote_in_place = false;
+    absl::StatusOr<std::vector<SharedTensor>> patched = PatchHeld(r.patched, by_name, &wrote_in_place);
     if (patched.ok()) {
       for (const ReceivedPatch& p : r.patched) {
         result.patched.push_back(p.spec.name);
@@ -166,7 +183,13 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
       result.patch_failure = std::string(patched.status().message());
       query.patches = false;
       query.version = r.version;
-      WEIGHTSTORE_ASSIGN_OR_RETURN(r, FetchChanged(store, name, query));
+      absl::StatusOr<ChangedTensors> whole = FetchChanged(store, name, query);
+      if (!whole.ok()) {
+        // Held memory written in place is no longer its version's.
+        if (wrote_in_place) held->version.clear();
+        return whole.status();
+      }
+      r = *std::move(whole);
     }
   }
   absl::flat_hash_map<std::string, SharedTensor*> sent;

@@ -77,12 +77,17 @@ absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& nam
 // the current version. Lists with Query::since_version = held->version, then
 // fetches, pinned to the listed version, only the tensors not unchanged; the
 // unchanged ones keep their memory. From a remote store a changed tensor may
-// come as an element patch (Query::patches is set), applied to a copy of the
-// held tensor (held memory is shared and immutable) and checked against its
-// digest; patches that fail are followed by a fetch of the tensors whole. Falls back to a full fetch, and says why,
+// come as an element patch (Query::patches is set), applied in one call and
+// checked against its digest: in place into a held tensor whose memory an
+// earlier UpdateTensors made and that `held` alone references (a caller that
+// kept a copy of it keeps its bytes), else into a copy. Patches that fail are
+// followed by a fetch of the changed tensors whole; should that fail too
+// after a patch was written in place, `held->version` is cleared (the next
+// update fetches everything). Falls back to a full fetch, and says why,
 // when the store or daemon cannot tell what changed, or when `held` is not
 // what `query` selects (held under another selection, or a tensor's dtype or
-// shape unlike the listing). On error `held` is left as it was.
+// shape unlike the listing). On error `held` is left as it was, but for the
+// case above.
 absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name, Query query, HeldTensors* held);
 
 }  // namespace weightstore::client

@@ -13,22 +13,34 @@ namespace {
 
 constexpr size_t kHugePage = size_t{2} << 20;
 
-struct Mapping {
-  void* base = nullptr;
-  size_t length = 0;
-  ~Mapping() {
-    if (base != nullptr) ::munmap(base, length);
+}  // namespace
+
+// Every HostBuffer's owner is released by this deleter: what SoleWritable
+// recognizes.
+struct HostBuffer::Release {
+  size_t mapped_length = 0;  // 0: from the heap
+  void operator()(void* p) const {
+    if (mapped_length > 0) {
+      ::munmap(p, mapped_length);
+    } else {
+      std::free(p);
+    }
   }
 };
 
-}  // namespace
+std::span<std::byte> HostBuffer::SoleWritable(const SharedBytes& bytes) {
+  if (bytes.empty() || bytes.owner().use_count() != 1 || std::get_deleter<Release>(bytes.owner()) == nullptr) {
+    return {};
+  }
+  return std::span<std::byte>(const_cast<std::byte*>(bytes.data()), bytes.size());
+}
 
 absl::StatusOr<HostBuffer> HostBuffer::Allocate(size_t size) {
   HostBuffer buffer;
   if (size < kHugePage) {
     void* p = std::aligned_alloc(64, (size + 63) / 64 * 64 + 64);
     if (p == nullptr) return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", size, " bytes"));
-    buffer.owner_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+    buffer.owner_ = std::shared_ptr<void>(p, Release{});
     buffer.span_ = std::span<std::byte>(static_cast<std::byte*>(p), size);
     return buffer;
   }
@@ -43,11 +55,9 @@ absl::StatusOr<HostBuffer> HostBuffer::Allocate(size_t size) {
   const uintptr_t end = start + length, used_end = aligned + rounded;
   if (end > used_end) ::munmap(reinterpret_cast<void*>(used_end), end - used_end);
   ::madvise(reinterpret_cast<void*>(aligned), rounded, MADV_HUGEPAGE);
-  auto mapping = std::make_shared<Mapping>();
-  mapping->base = reinterpret_cast<void*>(aligned);
-  mapping->length = rounded;
-  buffer.span_ = std::span<std::byte>(static_cast<std::byte*>(mapping->base), size);
-  buffer.owner_ = std::move(mapping);
+  void* base = reinterpret_cast<void*>(aligned);
+  buffer.owner_ = std::shared_ptr<void>(base, Release{rounded});
+  buffer.span_ = std::span<std::byte>(static_cast<std::byte*>(base), size);
   return buffer;
 }
 

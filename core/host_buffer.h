@@ -32,7 +32,13 @@ class HostBuffer {
   // Returns the bytes as SharedBytes; this buffer is left empty.
   SharedBytes Freeze() &&;
 
+  // The bytes of `bytes` as writable memory when they are a frozen
+  // HostBuffer's and `bytes` holds the only reference to it: writing them then
+  // changes no one else's view. Else empty.
+  static std::span<std::byte> SoleWritable(const SharedBytes& bytes);
+
  private:
+  struct Release;
   HostBuffer() = default;
   std::shared_ptr<void> owner_;
   std::span<std::byte> span_;

@@ -445,7 +445,11 @@ int RunPatches(const std::string& models, uint64_t count) {
     uint64_t patch_bytes = 0;
     for (const auto& [name, patch] : (*patches)->patches) patch_bytes += patch.body.size();
 
-    const client::HeldTensors old = held;
+    // The held tensors' bytes, for the apply below (a copy: the update
+    // writes the held ones in place).
+    const std::string old_version = held.version;
+    std::vector<std::vector<std::byte>> copies;
+    for (const SharedTensor& t : held.tensors) copies.emplace_back(t.bytes.data(), t.bytes.data() + t.bytes.size());
     EventTimer timer(watcher_store.get(), held.version, "rl");
     std::filesystem::rename(next, path);
     ::kill(daemon.pid, SIGHUP);  // rescan: digests and diffs the new version
@@ -457,15 +461,13 @@ int RunPatches(const std::string& models, uint64_t count) {
     const double full_s = TimeFullFetch(*store, "rl", held.version);
     if (full_s < 0) return 1;
 
-    // The apply alone, in place, into copies of the tensors held before.
+    // The apply alone, in place, into the copies of the tensors held before.
     client::Query since;
-    since.since_version = old.version;
+    since.since_version = old_version;
     since.patches = true;
     auto changed = client::FetchChanged(*store, "rl", since);
     if (!changed.ok() || changed->patched.size() != count) return 1;
-    std::vector<std::vector<std::byte>> copies;
     std::vector<std::span<std::byte>> destinations;
-    for (const SharedTensor& t : old.tensors) copies.emplace_back(t.bytes.data(), t.bytes.data() + t.bytes.size());
     for (auto& c : copies) destinations.emplace_back(c);
     start = Clock::now();
     absl::Status applied = client::ApplyReceivedPatches(changed->patched, destinations);

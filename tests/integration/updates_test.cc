@@ -388,8 +388,14 @@ TEST_F(UpdatesTest, ElementPatchesBringHeldTensorsToTheNewVersionBitForBitWithAF
   EXPECT_EQ(r.patched.size(), model_.size());
   EXPECT_LE(r.fetched_bytes, model_.bytes() / 5);
   ExpectSameTensors(behind.tensors, model_.tensors());
-  ASSERT_OK_AND_ASSIGN(r, client::UpdateTensors(*store_, "gpt", {}, &held));  // three steps behind too
+  // Three steps behind too; `held` alone holds its tensors, which an update
+  // made: the patches are written in place.
+  std::vector<const std::byte*> memory;
+  for (const SharedTensor& t : held.tensors) memory.push_back(t.bytes.data());
+  ASSERT_OK_AND_ASSIGN(r, client::UpdateTensors(*store_, "gpt", {}, &held));
+  EXPECT_EQ(r.patched.size(), model_.size());
   ExpectSameTensors(held.tensors, model_.tensors());
+  for (size_t i = 0; i < held.tensors.size(); ++i) EXPECT_EQ(held.tensors[i].bytes.data(), memory[i]) << i;
 
   // A held tensor that is not what its version says (changed here): its
   // patched result fails the digest check, and the changed tensors come whole.
