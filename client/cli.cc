@@ -537,21 +537,47 @@ absl::Status RunPush(const PushArgs& args, std::FILE* out) {
   } else if (args.only_changed) {
     std::fprintf(out, "the daemon computes no tensor digests: pushing every tensor\n");
   }
+  // The local copy of the served version, for element patches.
+  std::shared_ptr<const Checkpoint> base_file;
+  std::shared_ptr<const CheckpointManifest> base_manifest;
+  if (!args.base_file.empty() && manifest != nullptr) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(base_file, Checkpoint::Open(args.base_file, open));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(base_manifest, ComputeManifest(*base_file, ""));
+  }
+  // A patch of `t` against the base file's tensor of that name, when that
+  // holds the served bytes and the patch is smaller.
+  auto patch_of = [&](const SharedTensor& t,
+                      const std::string& served_digest) -> absl::StatusOr<std::optional<ElementPatch>> {
+    const ManifestTensor* local = base_manifest != nullptr ? base_manifest->Find(t.spec.name) : nullptr;
+    if (local == nullptr || local->digest.Hex() != served_digest) return std::nullopt;
+    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor before, base_file->Read(*base_file->Find(t.spec.name)));
+    return DiffElements(before.bytes.span(), t.bytes.span(), PatchElementSize(t.spec.dtype));
+  };
   client::PushRequest request;
   request.base_version = base.version;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0, patch_bytes = 0;
   for (size_t i = 0; i < file->size(); ++i) {
     const CheckpointEntry& entry = file->entries()[i];
     auto b = in_base.find(entry.spec.name);
+    const bool replaces =
+        b != in_base.end() && b->second->spec.dtype == entry.spec.dtype && b->second->spec.shape == entry.spec.shape;
     if (b == in_base.end()) {
       request.allow_new_tensors = true;
-    } else if (b->second->spec.dtype != entry.spec.dtype || b->second->spec.shape != entry.spec.shape) {
+    } else if (!replaces) {
       request.remove.push_back(entry.spec.name);  // redefined: removed and pushed anew
       request.allow_new_tensors = true;
     } else if (manifest != nullptr && b->second->digest == manifest->tensors()[i].digest.Hex()) {
       continue;  // unchanged
     }
     WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, file->Read(entry));
+    if (replaces && manifest != nullptr) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(std::optional<ElementPatch> patch, patch_of(t, b->second->digest));
+      if (patch) {
+        patch_bytes += patch->body.size();
+        request.patched.push_back({t.spec, *std::move(patch), b->second->digest, manifest->tensors()[i].digest.Hex()});
+        continue;
+      }
+    }
     bytes += t.bytes.size();
     request.tensors.push_back(std::move(t));
   }
@@ -561,8 +587,12 @@ absl::Status RunPush(const PushArgs& args, std::FILE* out) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary pushed, store->Push(args.name, request));
   size_t removed = 0;  // not counting the redefined
   for (const std::string& r : request.remove) removed += file->Find(r) == nullptr ? 1 : 0;
-  std::fprintf(out, "pushed %zu of %zu tensors (%s), removed %zu: '%s' is now version %s (was %s)\n",
-               request.tensors.size(), file->size(), HumanBytes(bytes).c_str(), removed, args.name.c_str(),
+  std::fprintf(out, "pushed %zu of %zu tensors (%s)", request.tensors.size() + request.patched.size(), file->size(),
+               HumanBytes(bytes + patch_bytes).c_str());
+  if (!request.patched.empty()) {
+    std::fprintf(out, ", %zu as element patches (%s)", request.patched.size(), HumanBytes(patch_bytes).c_str());
+  }
+  std::fprintf(out, ", removed %zu: '%s' is now version %s (was %s)\n", removed, args.name.c_str(),
                pushed.version.c_str(), base.version.c_str());
   return absl::OkStatus();
 }

@@ -108,6 +108,10 @@ struct PushArgs {
   std::string file;           // the new version, a checkpoint file of any format
   bool only_changed = false;  // push only tensors whose digest, dtype or shape differ
   std::string record_layout;  // FILE is a Burn bincode record read with this layout
+  // With only_changed: the served version as a file here (the trainer's last
+  // push): a changed tensor whose bytes there are the served ones goes as an
+  // element patch against them where that is smaller.
+  std::string base_file;
 };
 
 // Publishes FILE as the next version of NAME: its tensors (with

@@ -393,25 +393,37 @@ class RemoteStore final : public Store {
     for (const std::string& r : request.remove) header->add_remove(r);
     header->set_allow_new_tensors(request.allow_new_tensors);
     bool sent = writer->Write(msg);
-    constexpr size_t kChunk = 1 << 20;
-    for (const SharedTensor& t : request.tensors) {
-      if (!sent) break;
+    // A tensor's description, then its bytes (or its patch's) in chunks.
+    auto send = [&](const TensorSpec& spec, const SharedBytes& bytes, const PushRequest::Patched* patched) {
+      if (!sent) return;
       msg.Clear();
       pb::PushTensor* tensor = msg.mutable_tensor();
-      tensor->set_name(t.spec.name);
-      tensor->set_dtype(std::string(DTypeName(t.spec.dtype)));
-      for (uint64_t d : t.spec.shape) tensor->add_shape(d);
-      tensor->set_crc32c(Crc32c(t.bytes.view()));
+      tensor->set_name(spec.name);
+      tensor->set_dtype(std::string(DTypeName(spec.dtype)));
+      for (uint64_t d : spec.shape) tensor->add_shape(d);
+      tensor->set_crc32c(Crc32c(bytes.view()));
+      if (patched != nullptr) {
+        pb::TensorPatch* p = tensor->mutable_patch();
+        p->set_encoding(std::string(PatchEncodingName(patched->patch.encoding)));
+        p->set_element_size(patched->patch.element_size);
+        p->set_changed_elements(patched->patch.changed);
+        p->set_patch_bytes(bytes.size());
+        tensor->set_base_digest(patched->base_digest);
+        tensor->set_digest(patched->digest);
+      }
       sent = writer->Write(msg);
-      for (size_t offset = 0; sent && offset < t.bytes.size(); offset += kChunk) {
+      constexpr size_t kChunk = 1 << 20;
+      for (size_t offset = 0; sent && offset < bytes.size(); offset += kChunk) {
         msg.Clear();
-        msg.set_data(std::string(t.bytes.view().substr(offset, kChunk)));
+        msg.set_data(std::string(bytes.view().substr(offset, kChunk)));
         sent = writer->Write(msg);
       }
-    }
+    };
+    for (const SharedTensor& t : request.tensors) send(t.spec, t.bytes, nullptr);
+    for (const PushRequest::Patched& p : request.patched) send(p.spec, p.patch.body, &p);
     if (sent) {
       msg.Clear();
-      msg.mutable_commit()->set_tensors(request.tensors.size());
+      msg.mutable_commit()->set_tensors(request.tensors.size() + request.patched.size());
       writer->Write(msg);
     }
     writer->WritesDone();

@@ -199,6 +199,15 @@ struct PushRequest {
   std::string base_version;
   // Tensors that replace the base's (same dtype and shape), or new ones.
   std::vector<SharedTensor> tensors;
+  // Tensors that replace the base's as element patches of them (docs/
+  // updates.md): the daemon applies each to its base tensor, whose digest
+  // must be `base_digest`, and checks the result against `digest`.
+  struct Patched {
+    TensorSpec spec;
+    ElementPatch patch;
+    std::string base_digest, digest;  // 32 hex digits each
+  };
+  std::vector<Patched> patched;
   // Base tensors to leave out.
   std::vector<std::string> remove;
   // Allow tensors the base does not have.

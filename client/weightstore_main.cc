@@ -185,6 +185,11 @@ int main(int argc, char** argv) {
   push_cmd->add_option("FILE", push.file, "The new version: a checkpoint file of any format")->required();
   push_cmd->add_flag("--only-changed", push.only_changed,
                      "Send only the tensors whose bytes, dtype or shape differ from the served version (by digest)");
+  push_cmd
+      ->add_option("--base", push.base_file,
+                   "With --only-changed: the served version as a local file (any format); a changed tensor whose "
+                   "bytes there are the served ones is sent as its changed elements where that is smaller")
+      ->needs("--only-changed");
   AddRemoteFlags(push_cmd, &push.remote);
 
   cli::WatchArgs watch;

@@ -109,6 +109,12 @@ for p in glob.glob(os.path.join(src, "burn", "pytorch-*", "*.pt")):
                     open(os.path.join(out, os.path.basename(p) + ".pkl"), "wb").write(z.read(n))
 PY
 
+mkdir -p "$build/corpus/element_patch_fuzz"
+# A positions patch and a runs patch of 8 two-byte elements: the fuzzer's
+# header (encoding, element size, elements, changed), then the body.
+printf '\x01\x01\x08\x00\x02\x00\x02\x01\x03abcd' >"$build/corpus/element_patch_fuzz/positions"
+printf '\x02\x01\x08\x00\x03\x00\x01\x02\x02abcdef' >"$build/corpus/element_patch_fuzz/runs"
+
 mkdir -p "$build/corpus/request_fuzz"
 "$build/tests/fuzz/request_fuzz_seeds" "$build/corpus/request_fuzz" >/dev/null
 
@@ -117,7 +123,7 @@ mkdir -p "$build/corpus/request_fuzz"
 declare -A extra=([request_fuzz]="-max_len=1048576 -timeout=20 -detect_leaks=0"
                   [burn_record_fuzz]="-max_len=2097152")  # the fixtures: up to 1.9 MB
 status=0
-for target in safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz burn_record_fuzz chunk_fuzz request_fuzz; do
+for target in safetensors_fuzz burnpack_fuzz pickle_fuzz zip_fuzz pytorch_fuzz burn_record_fuzz element_patch_fuzz chunk_fuzz request_fuzz; do
   echo "== $target (${seconds}s)"
   # shellcheck disable=SC2086
   if ! "$build/tests/fuzz/$target" -max_total_time="$seconds" -rss_limit_mb=2048 -max_len=65536 \

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/catalog/element_patch.h"
 #include "core/catalog/version_patches.h"
@@ -799,7 +800,8 @@ class PushReactor : public grpc::ServerReadReactor<v1::PushCheckpointRequest> {
                                                               ", more than ", kMaxRank)));
         }
         TensorSpec spec{t.name(), *dtype, {t.shape().begin(), t.shape().end()}};
-        if (absl::Status s = session_->BeginTensor(spec, t.crc32c()); !s.ok()) return Fail(s);
+        absl::Status begun = t.has_patch() ? BeginPatched(t, spec) : session_->BeginTensor(spec, t.crc32c());
+        if (!begun.ok()) return Fail(begun);
         break;
       }
       case v1::PushCheckpointRequest::kData:
@@ -832,6 +834,31 @@ class PushReactor : public grpc::ServerReadReactor<v1::PushCheckpointRequest> {
   }
 
  private:
+  // Starts `t`, a tensor pushed as an element patch, after parsing its header
+  // and digests.
+  absl::Status BeginPatched(const v1::PushTensor& t, const TensorSpec& spec) {
+    const std::string where =
+        absl::StrCat("push to '", session_->name(), "': the patch of tensor '", t.name().substr(0, 256), "'");
+    std::optional<PatchEncoding> encoding = ParsePatchEncoding(t.patch().encoding());
+    if (!encoding) {
+      return absl::InvalidArgumentError(absl::StrCat(where, " has unknown encoding '",
+                                                     absl::CHexEscape(t.patch().encoding().substr(0, 32)),
+                                                     "' (\"positions\" or \"runs\")"));
+    }
+    std::optional<TensorDigest> base = TensorDigest::FromHex(t.base_digest());
+    std::optional<TensorDigest> digest = TensorDigest::FromHex(t.digest());
+    if (!base || !digest) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " needs base_digest and digest, each 32 lowercase hex digits"));
+    }
+    const uint32_t element_size = t.patch().element_size();
+    ElementPatch header{*encoding,
+                        element_size,
+                        element_size == 0 ? 0 : spec.byte_size() / element_size,
+                        t.patch().changed_elements(),
+                        {}};
+    return session_->BeginPatchedTensor(spec, t.crc32c(), header, t.patch().patch_bytes(), *base, *digest);
+  }
   void Fail(const absl::Status& status) {
     session_.reset();  // removes the staging file
     End(service_->ClientStatus(status));

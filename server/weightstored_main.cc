@@ -132,6 +132,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-request-bytes", options.max_receive_message_bytes, "Largest request message")
       ->capture_default_str();
+  app.add_option("--max-push-patch-bytes", options.registry.max_push_patch_bytes,
+                 "Largest element patch a push may send for one tensor (held in memory while it arrives; bytes, "
+                 "or with a unit)")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
   app.add_option("--max-put-bytes", options.registry.max_put_bytes, "Largest PutCheckpoint upload")
       ->capture_default_str();
   app.add_option("--max-fetches-waiting-on-pulls", options.service.pull_waits.total,

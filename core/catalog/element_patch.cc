@@ -263,6 +263,30 @@ absl::Status ApplyPatch(const ElementPatch& patch, std::span<std::byte> tensor) 
   return absl::OkStatus();
 }
 
+absl::Status WritePatched(const ElementPatch& patch, std::span<const std::byte> base,
+                          const std::function<absl::Status(absl::string_view)>& out) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(const size_t values_at, ParseRuns(patch, [](uint64_t, uint64_t) {}));
+  if (base.size() != patch.tensor_bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("patch is for ", patch.tensor_bytes(), " bytes, the base holds ", base.size()));
+  }
+  const uint32_t e = patch.element_size;
+  auto bytes = [](const std::byte* p, uint64_t n) { return absl::string_view(reinterpret_cast<const char*>(p), n); };
+  const std::byte* values = patch.body.data() + values_at;
+  uint64_t at = 0;  // elements of `base` written so far
+  absl::Status status;
+  (void)ParseRuns(patch, [&](uint64_t start, uint64_t length) {
+    if (!status.ok()) return;
+    if (start > at) status = out(bytes(base.data() + at * e, (start - at) * e));
+    if (status.ok()) status = out(bytes(values, length * e));
+    values += length * e;
+    at = start + length;
+  });
+  WEIGHTSTORE_RETURN_IF_ERROR(status);
+  if (at < patch.elements) return out(bytes(base.data() + at * e, (patch.elements - at) * e));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::optional<ElementPatch>> ComposePatches(const ElementPatch& first, const ElementPatch& second) {
   if (first.element_size != second.element_size || first.elements != second.elements) {
     return absl::InvalidArgumentError(absl::StrCat("patches of ", first.elements, "x", first.element_size, " and ",

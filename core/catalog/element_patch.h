@@ -21,6 +21,7 @@
 #define WEIGHTSTORE_CORE_CATALOG_ELEMENT_PATCH_H_
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -69,6 +70,13 @@ absl::Status CheckPatch(const ElementPatch& patch);
 // Writes `patch`'s values into `tensor` (tensor_bytes() bytes), after
 // CheckPatch: on error nothing was written.
 absl::Status ApplyPatch(const ElementPatch& patch, std::span<std::byte> tensor);
+
+// Streams `base` (tensor_bytes() bytes) with `patch` applied to `out`, in
+// order, in pieces: what a patched push stages without holding the tensor.
+// InvalidArgument (before `out` is called) for a patch CheckPatch refuses or a
+// base of another size; `out`'s errors.
+absl::Status WritePatched(const ElementPatch& patch, std::span<const std::byte> base,
+                          const std::function<absl::Status(absl::string_view)>& out);
 
 // One patch that does what `first` and then `second` do (both checked, to
 // one tensor); nullopt when it would not be smaller than the tensor.

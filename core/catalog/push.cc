@@ -24,6 +24,53 @@ namespace fs = std::filesystem;
 
 absl::Status PushSession::BeginTensor(const TensorSpec& spec, uint32_t crc32c) {
   if (current_) WEIGHTSTORE_RETURN_IF_ERROR(EndTensor());
+  return StartTensor(spec, crc32c);
+}
+
+absl::Status PushSession::BeginPatchedTensor(const TensorSpec& spec, uint32_t crc32c, const ElementPatch& patch,
+                                             uint64_t patch_bytes, const TensorDigest& base_digest,
+                                             const TensorDigest& digest) {
+  if (current_) WEIGHTSTORE_RETURN_IF_ERROR(EndTensor());
+  const std::string where = absl::StrCat("push to '", name_, "': the patch of tensor '", spec.name.substr(0, 256), "'");
+  const CheckpointEntry* before = base_->checkpoint()->Find(spec.name);
+  if (before == nullptr || removed_.contains(spec.name)) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": a patch replaces a tensor of version ", base_->version(),
+                                                   ", which has none by that name"));
+  }
+  const ManifestTensor* base = base_->manifest() != nullptr ? base_->manifest()->Find(spec.name) : nullptr;
+  if (base == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": the daemon keeps no digests (--tensor-digests=false); push the tensor whole"));
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(StartTensor(spec, crc32c));  // dtype, shape and bounds, as a whole tensor's
+  const uint32_t element_size = PatchElementSize(spec.dtype);
+  auto refuse = [&](absl::Status status) {
+    current_.reset();  // nothing of it was staged
+    return status;
+  };
+  if (base->digest != base_digest) {
+    return refuse(absl::AbortedError(absl::StrCat(where, " was made against bytes with digest ", base_digest.Hex(),
+                                                  "; version ", base_->version(), " has ", base->digest.Hex())));
+  }
+  if (patch.element_size != element_size || patch.elements != spec.byte_size() / element_size ||
+      patch.changed > patch.elements) {
+    return refuse(absl::InvalidArgumentError(absl::StrCat(
+        where, " is for ", patch.elements, " elements of ", patch.element_size, " bytes, changing ", patch.changed,
+        "; the tensor is ", spec.byte_size() / element_size, " elements of ", element_size)));
+  }
+  if (patch_bytes == 0 || patch_bytes >= spec.byte_size() || patch_bytes > max_patch_bytes_) {
+    return refuse(absl::ResourceExhaustedError(absl::StrCat(where, " is ", patch_bytes,
+                                                            " bytes; a patch is smaller than its tensor (",
+                                                            spec.byte_size(), ") and at most ", max_patch_bytes_)));
+  }
+  Patch p{patch, {}, patch_bytes, digest};
+  p.body.reserve(patch_bytes);
+  patch_ = std::move(p);
+  return absl::OkStatus();
+}
+
+absl::Status PushSession::StartTensor(const TensorSpec& spec, uint32_t crc32c) {
+  patch_.reset();
   const std::string where = absl::StrCat("push to '", name_, "': tensor '", spec.name.substr(0, 256), "'");
   if (spec.name.empty() || spec.name.size() > max_name_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("push to '", name_, "': a tensor name of ", spec.name.size(),
@@ -74,6 +121,17 @@ absl::Status PushSession::BeginTensor(const TensorSpec& spec, uint32_t crc32c) {
 absl::Status PushSession::Append(absl::string_view data) {
   if (!current_) return absl::InvalidArgumentError(absl::StrCat("push to '", name_, "': data before a tensor"));
   const Pushed& t = pushed_[current_->index];
+  if (patch_) {
+    if (data.size() > patch_->patch_bytes - current_->received) {
+      return absl::InvalidArgumentError(absl::StrCat("push to '", name_, "': the patch of tensor '", t.spec.name,
+                                                     "' has ", patch_->patch_bytes, " bytes; more arrived"));
+    }
+    const auto* bytes = reinterpret_cast<const std::byte*>(data.data());
+    patch_->body.insert(patch_->body.end(), bytes, bytes + data.size());
+    current_->received += data.size();
+    current_->crc = Crc32cExtend(current_->crc, data);
+    return absl::OkStatus();
+  }
   if (data.size() > t.spec.byte_size() - current_->received) {
     return absl::InvalidArgumentError(absl::StrCat("push to '", name_, "': tensor '", t.spec.name, "' has ",
                                                    t.spec.byte_size(), " bytes; more arrived"));
@@ -88,6 +146,7 @@ absl::Status PushSession::Append(absl::string_view data) {
 absl::Status PushSession::EndTensor() {
   if (!current_) return absl::OkStatus();
   Pushed& t = pushed_[current_->index];
+  if (patch_) return EndPatchedTensor(t);
   if (current_->received != t.spec.byte_size()) {
     return absl::InvalidArgumentError(absl::StrCat("push to '", name_, "': tensor '", t.spec.name, "' ended after ",
                                                    current_->received, " of ", t.spec.byte_size(), " bytes"));
@@ -99,6 +158,37 @@ absl::Status PushSession::EndTensor() {
   }
   t.digest = current_->digest.Finish();
   current_.reset();
+  return absl::OkStatus();
+}
+
+absl::Status PushSession::EndPatchedTensor(Pushed& t) {
+  Patch p = *std::exchange(patch_, std::nullopt);
+  const std::string where = absl::StrCat("push to '", name_, "': the patch of tensor '", t.spec.name, "'");
+  if (current_->received != p.patch_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " ended after ", current_->received, " of ", p.patch_bytes, " bytes"));
+  }
+  if (current_->crc != current_->expected_crc) {
+    return absl::DataLossError(absl::StrCat(where, " failed its CRC32C check (the client sent ", current_->expected_crc,
+                                            ", the bytes make ", current_->crc, ")"));
+  }
+  p.header.body = SharedBytes::FromVector(std::move(p.body));
+  if (absl::Status valid = CheckPatch(p.header); !valid.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", valid.message()));
+  }
+  const CheckpointEntry* entry = base_->checkpoint()->Find(t.spec.name);
+  absl::StatusOr<SharedTensor> base = base_->checkpoint()->Read(*entry);
+  if (!base.ok()) return absl::DataLossError(absl::StrCat(where, ": ", base.status().message()));
+  WEIGHTSTORE_RETURN_IF_ERROR(WritePatched(p.header, base->bytes.span(), [&](absl::string_view bytes) {
+    current_->digest.Update(bytes);
+    return staging_->Append(bytes);
+  }));
+  t.digest = current_->digest.Finish();
+  current_.reset();
+  if (t.digest != p.expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " makes bytes with digest ", t.digest.Hex(), "; the client said ", p.expected.Hex()));
+  }
   return absl::OkStatus();
 }
 
@@ -190,6 +280,7 @@ absl::StatusOr<std::unique_ptr<PushSession>> CheckpointRegistry::BeginPush(const
   session->base_ = base;
   session->options_ = std::move(options);
   session->max_bytes_ = options_.max_put_bytes;
+  session->max_patch_bytes_ = options_.max_push_patch_bytes;
   session->max_tensors_ = options_.open.max_tensors;
   session->max_name_bytes_ = options_.open.max_name_bytes;
   // Beside the checkpoint, so the final write reads it from the same disk.

@@ -18,6 +18,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "core/atomic_file.h"
+#include "core/catalog/element_patch.h"
 #include "core/catalog/manifest.h"
 #include "core/tensor.h"
 
@@ -46,7 +47,20 @@ class PushSession {
   // allowed), is not removed and was not pushed before; ResourceExhausted past
   // the push's byte or tensor bounds.
   absl::Status BeginTensor(const TensorSpec& spec, uint32_t crc32c);
-  // Appends bytes of the current tensor; InvalidArgument past its size.
+  // Starts a tensor pushed as an element patch of the base's
+  // (core/catalog/element_patch.h): `patch` is its header (no body), whose
+  // `patch_bytes` bytes follow through Append, with CRC32C `crc32c`. The
+  // tensor must replace a base tensor of its dtype and shape whose digest is
+  // `base_digest` (else Aborted: the patch was made against other bytes), and
+  // the patched tensor must have digest `digest` (checked when it ends).
+  // Bounded before anything is allocated: the patch is smaller than the
+  // tensor and at most RegistryOptions::max_push_patch_bytes. The patch is
+  // checked in full when its bytes are in, and the base streamed through it
+  // into the staging file: refused, naming the tensor, with nothing published.
+  absl::Status BeginPatchedTensor(const TensorSpec& spec, uint32_t crc32c, const ElementPatch& patch,
+                                  uint64_t patch_bytes, const TensorDigest& base_digest, const TensorDigest& digest);
+  // Appends bytes of the current tensor (or its patch); InvalidArgument past
+  // its size.
   absl::Status Append(absl::string_view data);
 
   const std::string& name() const { return name_; }
@@ -55,8 +69,12 @@ class PushSession {
 
  private:
   friend class CheckpointRegistry;
-  // Ends the current tensor: all its bytes, and its checksum.
+  // Ends the current tensor: all its bytes, and its checksum; a patch is
+  // then applied.
   absl::Status EndTensor();
+  // Checks `spec` (new, removed, pushed twice, another dtype or shape, the
+  // bounds) and records it as the tensor being pushed.
+  absl::Status StartTensor(const TensorSpec& spec, uint32_t crc32c);
 
   struct Pushed {
     TensorSpec spec;
@@ -71,17 +89,29 @@ class PushSession {
     uint32_t crc, expected_crc;
     DigestBuilder digest;
   };
+  // The patch of the current tensor, when it came as one.
+  struct Patch {
+    ElementPatch header;
+    std::vector<std::byte> body;  // patch_bytes, reserved up front
+    uint64_t patch_bytes;
+    TensorDigest expected;
+  };
   std::string name_;
   std::shared_ptr<const CheckpointVersion> base_;
   PushOptions options_;
   absl::flat_hash_set<std::string> removed_;
-  uint64_t max_bytes_ = 0, bytes_ = 0;
+  uint64_t max_bytes_ = 0, bytes_ = 0, max_patch_bytes_ = 0;
   size_t max_tensors_ = 0, max_name_bytes_ = 0;
   size_t new_tensors_ = 0;  // pushed tensors the base does not have
   std::unique_ptr<AtomicFile> staging_;
   std::vector<Pushed> pushed_;
   absl::flat_hash_map<std::string, size_t> by_name_;
   std::optional<Current> current_;
+  std::optional<Patch> patch_;
+
+  // EndTensor of a patched tensor `t`: checks the patch and streams the base
+  // through it into the staging file.
+  absl::Status EndPatchedTensor(Pushed& t);
 };
 
 }  // namespace weightstore

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "core/catalog/element_patch.h"
 #include "core/catalog/registry.h"
 #include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"
@@ -218,6 +219,104 @@ TEST(PushFormatTest, APyTorchCheckpointCannotBePushedTo) {
   ASSERT_NE(registry.Get("f"), nullptr);
   EXPECT_THAT(registry.BeginPush("f", {.base_version = registry.Get("f")->version()}),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("pytorch")));
+}
+
+// A push of "b" as an element patch from the base's {3, 4} to `values`, with
+// the fields a test may spoil.
+struct PatchedPush {
+  TensorSpec spec{"b", DType::kF32, {2}};
+  ElementPatch patch;
+  std::string body;      // sent through Append
+  uint64_t patch_bytes;  // announced
+  uint32_t crc;          // announced
+  TensorDigest base, digest;
+};
+
+PatchedPush PatchOfB(const CheckpointVersion& base, std::vector<float> values) {
+  const SharedTensor after = F32("b", values);
+  PatchedPush p;
+  p.patch = *DiffElements(base.checkpoint()->Read("b")->bytes.span(), after.bytes.span(), 4);
+  p.body = std::string(p.patch.body.view());
+  p.patch_bytes = p.body.size();
+  p.crc = Crc32c(p.body);
+  p.base = base.manifest()->Find("b")->digest;
+  p.digest = DigestBytes(after.bytes.span());
+  return p;
+}
+
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> Send(CheckpointRegistry& registry,
+                                                              const CheckpointVersion& base, const PatchedPush& p) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto session, registry.BeginPush("m", {.base_version = base.version()}));
+  ElementPatch header = p.patch;
+  header.body = SharedBytes();
+  WEIGHTSTORE_RETURN_IF_ERROR(session->BeginPatchedTensor(p.spec, p.crc, header, p.patch_bytes, p.base, p.digest));
+  WEIGHTSTORE_RETURN_IF_ERROR(session->Append(p.body));
+  return registry.FinishPush(std::move(session));
+}
+
+TEST_F(PushTest, APatchedPushStreamsTheBaseThroughThePatchAndServesTheResult) {
+  const PatchedPush p = PatchOfB(*base_, {3, 40});
+  EXPECT_LT(p.body.size(), 8u);  // smaller than the tensor
+  ASSERT_OK_AND_ASSIGN(auto pushed, Send(registry_, *base_, p));
+  ASSERT_OK_AND_ASSIGN(auto reopened, Checkpoint::Open(path()));
+  EXPECT_EQ(reopened->Read("b")->bytes.view(), F32("b", {3, 40}).bytes.view());
+  EXPECT_EQ(reopened->Read("a")->bytes.view(), base_->checkpoint()->Read("a")->bytes.view());
+  EXPECT_EQ(pushed->manifest()->Find("b")->digest, p.digest);
+  EXPECT_EQ(pushed->version(), ComputeManifest(*reopened, "").value()->version());
+}
+
+TEST_F(PushTest, BadPatchedPushesAreRefusedNamingTheTensorAndChangeNothing) {
+  struct Case {
+    const char* what;
+    std::function<void(PatchedPush&)> spoil;
+    absl::StatusCode code;
+    const char* error;
+  };
+  const Case cases[] = {
+      {"a base that moved", [](PatchedPush& p) { p.base.low ^= 1; }, absl::StatusCode::kAborted,
+       "was made against bytes with digest"},
+      {"a result unlike its digest", [](PatchedPush& p) { p.digest.low ^= 1; }, absl::StatusCode::kInvalidArgument,
+       "makes bytes with digest"},
+      {"a position past the tensor",
+       [](PatchedPush& p) {
+         p.body = std::string("\x01\x05xxxx", 6);
+         p.crc = Crc32c(p.body);
+       },
+       absl::StatusCode::kInvalidArgument, "reaches past the tensor"},
+      {"values in excess",
+       [](PatchedPush& p) {
+         p.body = std::string("\x01\x00xxxx", 6);
+         p.patch_bytes = 7;
+         p.body += "y";
+         p.crc = Crc32c(p.body);
+       },
+       absl::StatusCode::kInvalidArgument, "5 bytes of values"},
+      {"a patch as large as the tensor", [](PatchedPush& p) { p.patch_bytes = 8; },
+       absl::StatusCode::kResourceExhausted, "smaller than its tensor (8)"},
+      {"another element size", [](PatchedPush& p) { p.patch.element_size = 2; }, absl::StatusCode::kInvalidArgument,
+       "elements of 2 bytes"},
+      {"another dtype", [](PatchedPush& p) { p.spec.dtype = DType::kI32; }, absl::StatusCode::kInvalidArgument,
+       "is I32 [2], but F32 [2]"},
+      {"a tensor the base lacks", [](PatchedPush& p) { p.spec.name = "z"; }, absl::StatusCode::kInvalidArgument,
+       "has none by that name"},
+      {"a bad checksum", [](PatchedPush& p) { p.crc ^= 1; }, absl::StatusCode::kDataLoss, "CRC32C"},
+      {"bytes past the patch", [](PatchedPush& p) { p.patch_bytes = p.body.size() - 1; },
+       absl::StatusCode::kInvalidArgument, "more arrived"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    PatchedPush p = PatchOfB(*base_, {3, 40});
+    c.spoil(p);
+    absl::StatusOr<std::shared_ptr<const CheckpointVersion>> pushed = Send(registry_, *base_, p);
+    EXPECT_THAT(pushed, StatusIs(c.code, HasSubstr(c.error)));
+    EXPECT_THAT(pushed.status().message(), HasSubstr("'m'"));
+    ExpectNothingChanged();
+  }
+  // The daemon's bound on a patch's memory, checked from its header.
+  CheckpointRegistry tight({.models_dir = models_, .max_push_patch_bytes = 4, .tensor_digests = true});
+  tight.Rescan();
+  EXPECT_THAT(Send(tight, *tight.Get("m"), PatchOfB(*tight.Get("m"), {3, 40})),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("at most 4")));
 }
 
 }  // namespace

@@ -124,6 +124,10 @@ struct RegistryOptions {
   size_t max_name_bytes = 512;
   // Largest upload accepted by Put. Default: 64 GiB.
   uint64_t max_put_bytes = uint64_t{64} << 30;
+  // Largest element patch a push may send for one tensor (held in memory
+  // while it arrives), checked from its header before anything is allocated.
+  // Default: 1 GiB.
+  uint64_t max_push_patch_bytes = uint64_t{1} << 30;
   // Folders besides models_dir whose files Load() may serve (after resolving
   // symlinks). Default: none.
   std::vector<std::string> load_roots;

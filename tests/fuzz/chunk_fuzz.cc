@@ -20,8 +20,23 @@ class BoundedSink : public weightstore::client::TensorSink {
     return std::span<std::byte>(buffer_);
   }
   absl::Status End(const weightstore::TensorSpec&) override { return absl::OkStatus(); }
+  // Patches too, bounded alike, and checked once complete.
+  absl::StatusOr<std::span<std::byte>> BeginPatch(const weightstore::TensorSpec& spec,
+                                                  const weightstore::ElementPatch& header, uint64_t bytes,
+                                                  const std::string&) override {
+    if (bytes > (1 << 20)) return absl::ResourceExhaustedError("too large for the fuzzer");
+    header_ = header;
+    buffer_.assign(bytes, std::byte{0});
+    return std::span<std::byte>(buffer_);
+  }
+  absl::Status EndPatch(const weightstore::TensorSpec&) override {
+    header_.body = weightstore::SharedBytes::Copy(
+        absl::string_view(reinterpret_cast<const char*>(buffer_.data()), buffer_.size()));
+    return weightstore::CheckPatch(header_);
+  }
 
  private:
+  weightstore::ElementPatch header_;
   std::vector<std::byte> buffer_;
 };
 

@@ -41,6 +41,7 @@ namespace pb = ::weightstore::v1;
 using client::CheckpointEvent;
 using testing::Daemon;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::UnorderedElementsAreArray;
 using ::weightstore::testing::StatusIs;
 
@@ -662,6 +663,43 @@ TEST_F(UpdatesTest, TheCliPushesOnlyTheTensorsThatChanged) {
   EXPECT_THAT(out, HasSubstr(absl::StrCat("pushed 3 of ", model_.size(), " tensors")));
   EXPECT_THAT(out, HasSubstr(absl::StrCat("(was ", v1, ")")));
   ASSERT_OK_AND_ASSIGN(auto served, store_->FetchAll("gpt", {}));
+  ExpectSameTensors(served, model_.tensors());
+}
+
+TEST_F(UpdatesTest, TheCliPushesElementPatchesAgainstTheBaseFileAndWorkersGetThemToo) {
+  const std::string cli = testing::ShellQuote(testing::CliPath());
+  const std::string folder = testing::MakeScratchDir("cli-push-patch");
+  model_.Publish(folder + "/base.safetensors");  // the trainer's last push: the served version
+  client::HeldTensors held;
+  ASSERT_OK(client::UpdateTensors(*store_, "gpt", {}, &held).status());
+  for (size_t i = 0; i < model_.size(); ++i) model_.Nudge(i, 0.01);
+  model_.Change(5);  // one tensor changed throughout: sent whole
+  model_.Publish(folder + "/next.safetensors");
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(cli, " push --server ", daemon_->address(), " gpt ", folder,
+                                             "/next.safetensors --only-changed --base ", folder, "/base.safetensors"),
+                                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("pushed ", model_.size(), " of ", model_.size(), " tensors")));
+  EXPECT_THAT(out, HasSubstr(absl::StrCat(model_.size() - 1, " as element patches")));
+  ASSERT_OK_AND_ASSIGN(auto served, store_->FetchAll("gpt", {}));
+  ExpectSameTensors(served, model_.tensors());
+  // The daemon diffed the pushed version against its base: workers get patches.
+  ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store_, "gpt", {}, &held));
+  EXPECT_EQ(r.patched.size(), model_.size() - 1);
+  ExpectSameTensors(held.tensors, model_.tensors());
+  // A base file that is not the served version: its tensors go whole.
+  model_.Nudge(0, 0.01);
+  model_.Publish(folder + "/next.safetensors");
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(cli, " push --server ", daemon_->address(), " gpt ", folder,
+                                             "/next.safetensors --only-changed --base ", folder, "/base.safetensors"),
+                                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("pushed 1 of"));
+  EXPECT_THAT(out, Not(HasSubstr("element patches")));
+  ASSERT_OK_AND_ASSIGN(served, store_->FetchAll("gpt", {}));
   ExpectSameTensors(served, model_.tensors());
 }
 
