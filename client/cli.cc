@@ -551,7 +551,11 @@ absl::Status RunPush(const PushArgs& args, std::FILE* out) {
     const ManifestTensor* local = base_manifest != nullptr ? base_manifest->Find(t.spec.name) : nullptr;
     if (local == nullptr || local->digest.Hex() != served_digest) return std::nullopt;
     WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor before, base_file->Read(*base_file->Find(t.spec.name)));
-    return DiffElements(before.bytes.span(), t.bytes.span(), PatchElementSize(t.spec.dtype));
+    std::optional<ElementPatch> patch =
+        DiffElements(before.bytes.span(), t.bytes.span(), PatchElementSize(t.spec.dtype));
+    // Past the daemon's default --max-push-patch-bytes: the tensor goes whole.
+    if (patch && patch->body.size() > (uint64_t{1} << 30)) return std::nullopt;
+    return patch;
   };
   client::PushRequest request;
   request.base_version = base.version;

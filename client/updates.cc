@@ -77,6 +77,15 @@ absl::Status ApplyReceivedPatches(std::span<const ReceivedPatch> patches,
     return absl::InvalidArgumentError(
         absl::StrCat(patches.size(), " patches for ", destinations.size(), " destinations"));
   }
+  // Two patches into one memory would race (tied weights held under two
+  // names): refused before anything is written.
+  std::vector<std::span<std::byte>> sorted(destinations.begin(), destinations.end());
+  std::sort(sorted.begin(), sorted.end(), [](auto a, auto b) { return a.data() < b.data(); });
+  for (size_t i = 1; i < sorted.size(); ++i) {
+    if (sorted[i - 1].data() + sorted[i - 1].size() > sorted[i].data()) {
+      return absl::InvalidArgumentError("two patched tensors share memory; they are fetched whole");
+    }
+  }
   std::vector<PatchTarget> targets;
   targets.reserve(patches.size());
   for (size_t i = 0; i < patches.size(); ++i) {
@@ -112,6 +121,10 @@ absl::StatusOr<std::vector<SharedTensor>> PatchHeld(
       return absl::FailedPreconditionError(
           absl::StrCat("a patch came for tensor '", p.spec.name, "', which is not held as listed"));
     }
+    if (it->second->bytes.size() != p.spec.byte_size()) {
+      return absl::FailedPreconditionError(absl::StrCat("held tensor '", p.spec.name, "' has ",
+                                                        it->second->bytes.size(), " bytes, not ", p.spec.byte_size()));
+    }
     std::span<std::byte> own = HostBuffer::SoleWritable(it->second->bytes);
     if (!own.empty()) {
       destinations.push_back(own);
@@ -141,7 +154,11 @@ absl::StatusOr<std::vector<SharedTensor>> PatchHeld(
 
 }  // namespace
 
-absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name, Query query, HeldTensors* held) {
+namespace {
+
+// UpdateTensors; `*wrote_in_place` says whether held memory was written.
+absl::StatusOr<UpdateResult> Update(Store& store, const std::string& name, Query query, HeldTensors* held,
+                                    bool* wrote_in_place) {
   UpdateResult result;
   result.old_version = held->version;
   absl::flat_hash_map<std::string, const SharedTensor*> by_name;
@@ -170,8 +187,7 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
   }
 
   if (!r.patched.empty()) {
-    bool wrote_in_place = false;
-    absl::StatusOr<std::vector<SharedTensor>> patched = PatchHeld(r.patched, by_name, &wrote_in_place);
+    absl::StatusOr<std::vector<SharedTensor>> patched = PatchHeld(r.patched, by_name, wrote_in_place);
     if (patched.ok()) {
       for (const ReceivedPatch& p : r.patched) {
         result.patched.push_back(p.spec.name);
@@ -183,13 +199,7 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
       result.patch_failure = std::string(patched.status().message());
       query.patches = false;
       query.version = r.version;
-      absl::StatusOr<ChangedTensors> whole = FetchChanged(store, name, query);
-      if (!whole.ok()) {
-        // Held memory written in place is no longer its version's.
-        if (wrote_in_place) held->version.clear();
-        return whole.status();
-      }
-      r = *std::move(whole);
+      WEIGHTSTORE_ASSIGN_OR_RETURN(r, FetchChanged(store, name, query));
     }
   }
   absl::flat_hash_map<std::string, SharedTensor*> sent;
@@ -232,6 +242,17 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
   }
   result.new_version = next.version;
   *held = std::move(next);
+  return result;
+}
+
+}  // namespace
+
+absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name, Query query, HeldTensors* held) {
+  bool wrote_in_place = false;
+  absl::StatusOr<UpdateResult> result = Update(store, name, std::move(query), held, &wrote_in_place);
+  // Held memory written in place is no longer its version's: the next update
+  // fetches everything.
+  if (!result.ok() && wrote_in_place) held->version.clear();
   return result;
 }
 

@@ -47,67 +47,114 @@ bool GetVarint(const std::byte*& p, const std::byte* end, uint64_t* v) {
   return false;
 }
 
-// Calls on_run(start, length) for each run `segments` make once adjacent ones
-// are joined.
-template <typename F>
-void ForEachJoinedRun(const std::vector<Segment>& segments, F on_run) {
-  uint64_t start = 0, length = 0;
-  for (const Segment& s : segments) {
-    if (length > 0 && start + length == s.start) {
-      length += s.length;
-      continue;
-    }
-    if (length > 0) on_run(start, length);
-    start = s.start;
-    length = s.length;
-  }
-  if (length > 0) on_run(start, length);
-}
+// Builds a patch from runs added in position order, in one pass: the values,
+// and the positions both ways (positions and runs), so the smaller can be
+// chosen at the end without a second look at the tensors. Holds O(tensor)
+// bytes at most: Add says once the patch can no longer be smaller than the
+// tensor.
+class PatchBuilder {
+ public:
+  PatchBuilder(uint32_t element_size, uint64_t elements)
+      : e_(element_size), elements_(elements), limit_(elements * element_size) {}
 
-// The patch that writes `segments` (sorted, disjoint) into a tensor of
-// `elements` elements, in the smaller encoding; nullopt if not smaller than
-// the tensor.
-std::optional<ElementPatch> Encode(const std::vector<Segment>& segments, uint32_t element_size, uint64_t elements) {
-  uint64_t changed = 0, runs = 0, runs_bytes = 0, positions_bytes = 0, end = 0;
-  ForEachJoinedRun(segments, [&](uint64_t start, uint64_t length) {
-    const uint64_t skip = start - end;  // the first run's start, or the gap
-    runs_bytes += VarintSize(skip) + VarintSize(length - 1);
-    positions_bytes += VarintSize(skip) + (length - 1);  // a gap of 0 is one byte
-    changed += length;
-    end = start + length;
-    ++runs;
-  });
-  const uint64_t values = changed * element_size;
-  const uint64_t as_runs = VarintSize(runs) + runs_bytes + values;
-  const uint64_t as_positions = VarintSize(changed) + positions_bytes + values;
-  const uint64_t size = std::min(as_runs, as_positions);
-  if (size >= elements * element_size) return std::nullopt;
-
-  ElementPatch patch;
-  patch.encoding = as_runs < as_positions ? PatchEncoding::kRuns : PatchEncoding::kPositions;
-  patch.element_size = element_size;
-  patch.elements = elements;
-  patch.changed = changed;
-  std::vector<std::byte> body(size);
-  std::byte* p = body.data();
-  p = PutVarint(p, patch.encoding == PatchEncoding::kRuns ? runs : changed);
-  end = 0;
-  ForEachJoinedRun(segments, [&](uint64_t start, uint64_t length) {
-    p = PutVarint(p, start - end);
-    if (patch.encoding == PatchEncoding::kRuns) {
-      p = PutVarint(p, length - 1);
+  // Adds elements [start, start + length), after all added so far, whose new
+  // values are at `values`. False once the patch cannot be smaller than the
+  // tensor (the caller may stop).
+  bool Add(uint64_t start, uint64_t length, const std::byte* values) {
+    if (length_ > 0 && start_ + length_ == start) {
+      length_ += length;
     } else {
-      for (uint64_t i = 1; i < length; ++i) *p++ = std::byte{0};
+      Flush();
+      start_ = start;
+      length_ = length;
     }
-    end = start + length;
-  });
-  for (const Segment& s : segments) {
-    std::memcpy(p, s.values, s.length * element_size);
-    p += s.length * element_size;
+    values_.insert(values_.end(), values, values + length * e_);
+    changed_ += length;
+    // At least a byte a position, or two a run, besides the values.
+    return values_.size() + std::min(positions_.size() + length_, runs_.size() + 2) < limit_;
   }
-  patch.body = SharedBytes::FromVector(std::move(body));
-  return patch;
-}
+
+  // The patch, in the smaller encoding; nullopt if not smaller than the tensor.
+  std::optional<ElementPatch> Finish() && {
+    Flush();
+    const uint64_t as_runs = VarintSize(runs_count_) + runs_.size() + values_.size();
+    const uint64_t as_positions = VarintSize(changed_) + positions_.size() + values_.size();
+    if (std::min(as_runs, as_positions) >= limit_) return std::nullopt;
+    ElementPatch patch;
+    patch.encoding = as_runs < as_positions ? PatchEncoding::kRuns : PatchEncoding::kPositions;
+    patch.element_size = e_;
+    patch.elements = elements_;
+    patch.changed = changed_;
+    const bool runs = patch.encoding == PatchEncoding::kRuns;
+    const std::vector<std::byte>& index = runs ? runs_ : positions_;
+    std::vector<std::byte> body(std::min(as_runs, as_positions));
+    std::byte* p = PutVarint(body.data(), runs ? runs_count_ : changed_);
+    if (!index.empty()) p = static_cast<std::byte*>(std::memcpy(p, index.data(), index.size())) + index.size();
+    if (!values_.empty()) std::memcpy(p, values_.data(), values_.size());
+    patch.body = SharedBytes::FromVector(std::move(body));
+    return patch;
+  }
+
+ private:
+  // Writes the pending run's position both ways.
+  void Flush() {
+    if (length_ == 0) return;
+    const uint64_t skip = start_ - end_;  // the first run's start, or the gap
+    Put(runs_, skip);
+    Put(runs_, length_ - 1);
+    Put(positions_, skip);
+    positions_.insert(positions_.end(), length_ - 1, std::byte{0});  // a gap of 0 is one byte
+    end_ = start_ + length_;
+    ++runs_count_;
+    length_ = 0;
+  }
+  static void Put(std::vector<std::byte>& out, uint64_t v) {
+    std::byte bytes[10];
+    out.insert(out.end(), bytes, PutVarint(bytes, v));
+  }
+
+  uint32_t e_;
+  uint64_t elements_, limit_;
+  uint64_t start_ = 0, length_ = 0;  // the pending run
+  uint64_t end_ = 0;                 // where the last flushed run ended
+  uint64_t changed_ = 0, runs_count_ = 0;
+  std::vector<std::byte> values_, positions_, runs_;
+};
+
+// Reads the entries of a checked patch one at a time (an entry: one position,
+// or one run), with its values.
+class EntryReader {
+ public:
+  EntryReader(const ElementPatch& patch, size_t values_at)
+      : p_(patch.body.data()),
+        end_(patch.body.data() + values_at),
+        values_(patch.body.data() + values_at),
+        runs_(patch.encoding == PatchEncoding::kRuns),
+        e_(patch.element_size) {
+    (void)GetVarint(p_, end_, &count_);
+  }
+  // The next entry; false after the last.
+  bool Next(Segment* s) {
+    if (read_ == count_) return false;
+    uint64_t skip = 0, length = 0;
+    (void)GetVarint(p_, end_, &skip);
+    if (runs_) (void)GetVarint(p_, end_, &length);
+    ++length;
+    *s = {next_ + skip, length, values_};
+    values_ += length * e_;
+    next_ = s->start + length;
+    ++read_;
+    return true;
+  }
+
+ private:
+  const std::byte* p_;
+  const std::byte* end_;
+  const std::byte* values_;
+  bool runs_;
+  uint32_t e_;
+  uint64_t count_ = 0, read_ = 0, next_ = 0;
+};
 
 // Parses the positions or runs of `patch`, calling on_run(start, length) for
 // each run (consecutive positions joined), and checks them and the values'
@@ -169,17 +216,6 @@ absl::StatusOr<size_t> ParseRuns(const ElementPatch& patch, F on_run) {
   return values_at;
 }
 
-// The segments `patch` (checked) writes, its values in its body.
-std::vector<Segment> Segments(const ElementPatch& patch, size_t values_at) {
-  std::vector<Segment> out;
-  const std::byte* values = patch.body.data() + values_at;
-  (void)ParseRuns(patch, [&](uint64_t start, uint64_t length) {
-    out.push_back({start, length, values});
-    values += length * patch.element_size;
-  });
-  return out;
-}
-
 // Writes the values of `patch`, checked (its values at `values_at`), into
 // `tensor` of its size.
 void WriteChecked(const ElementPatch& patch, size_t values_at, std::span<std::byte> tensor) {
@@ -209,23 +245,10 @@ std::optional<ElementPatch> DiffElements(std::span<const std::byte> before, std:
                                          uint32_t element_size) {
   if (element_size == 0 || before.size() != after.size() || after.size() % element_size != 0) return std::nullopt;
   const uint64_t elements = after.size() / element_size;
-  std::vector<Segment> segments;
-  uint64_t changed = 0;
-  // Not smaller once the values and the least their positions can take (a
-  // byte per element, or two per run) reach the tensor's size.
-  auto hopeless = [&] {
-    return changed * element_size + std::min<uint64_t>(changed, 2 * segments.size()) >= after.size();
-  };
-  auto add = [&](uint64_t i) {
-    if (!segments.empty() && segments.back().start + segments.back().length == i) {
-      ++segments.back().length;
-    } else {
-      segments.push_back({i, 1, after.data() + i * element_size});
-    }
-    ++changed;
-  };
+  PatchBuilder builder(element_size, elements);
   const std::byte* a = before.data();
   const std::byte* b = after.data();
+  auto differs = [&](uint64_t k) { return std::memcmp(a + k * element_size, b + k * element_size, element_size) != 0; };
   uint64_t i = 0;  // element
   if (element_size <= 8 && 8 % element_size == 0) {
     // 32 bytes at a time; only a block that differs is looked at by element.
@@ -236,17 +259,14 @@ std::optional<ElementPatch> DiffElements(std::span<const std::byte> before, std:
       std::memcpy(y, b + i * element_size, 32);
       if (((x[0] ^ y[0]) | (x[1] ^ y[1]) | (x[2] ^ y[2]) | (x[3] ^ y[3])) == 0) continue;
       for (uint64_t k = i; k < i + per_block; ++k) {
-        if (std::memcmp(a + k * element_size, b + k * element_size, element_size) != 0) add(k);
+        if (differs(k) && !builder.Add(k, 1, b + k * element_size)) return std::nullopt;
       }
-      if (hopeless()) return std::nullopt;
     }
   }
   for (; i < elements; ++i) {
-    if (std::memcmp(a + i * element_size, b + i * element_size, element_size) == 0) continue;
-    add(i);
-    if (hopeless()) return std::nullopt;
+    if (differs(i) && !builder.Add(i, 1, b + i * element_size)) return std::nullopt;
   }
-  return Encode(segments, element_size, elements);
+  return std::move(builder).Finish();
 }
 
 absl::Status CheckPatch(const ElementPatch& patch) {
@@ -295,49 +315,43 @@ absl::StatusOr<std::optional<ElementPatch>> ComposePatches(const ElementPatch& f
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(const size_t first_at, ParseRuns(first, [](uint64_t, uint64_t) {}));
   WEIGHTSTORE_ASSIGN_OR_RETURN(const size_t second_at, ParseRuns(second, [](uint64_t, uint64_t) {}));
-  const std::vector<Segment> older = Segments(first, first_at);
-  const std::vector<Segment> newer = Segments(second, second_at);
   const uint32_t e = first.element_size;
-  // Sweep both in position order: a newer segment is taken whole, the older
-  // ones only where no newer one covers them.
-  std::vector<Segment> out;
-  size_t i = 0, j = 0;
-  Segment piece;  // what is left of older[i]
-  bool have_piece = false;
-  auto next_piece = [&] {
-    have_piece = i < older.size();
-    if (have_piece) piece = older[i++];
-  };
-  next_piece();
-  while (have_piece || j < newer.size()) {
-    if (j < newer.size() && (!have_piece || newer[j].start <= piece.start)) {
-      const Segment& n = newer[j++];
-      out.push_back(n);
-      const uint64_t n_end = n.start + n.length;
-      while (have_piece && piece.start < n_end) {
-        const uint64_t p_end = piece.start + piece.length;
-        if (p_end <= n_end) {
-          next_piece();
+  EntryReader older(first, first_at), newer(second, second_at);
+  PatchBuilder out(e, first.elements);
+  // Sweep both in position order: a newer entry is taken whole, the older
+  // ones only where no newer one covers them. `piece` is what is left of the
+  // current older entry; `next` the newer entry due.
+  Segment piece, next;
+  bool have_piece = older.Next(&piece), have_next = newer.Next(&next);
+  while (have_piece || have_next) {
+    if (have_next && (!have_piece || next.start <= piece.start)) {
+      if (!out.Add(next.start, next.length, next.values)) return std::nullopt;
+      const uint64_t next_end = next.start + next.length;
+      while (have_piece && piece.start < next_end) {
+        const uint64_t piece_end = piece.start + piece.length;
+        if (piece_end <= next_end) {
+          have_piece = older.Next(&piece);
         } else {
-          piece.values += (n_end - piece.start) * e;
-          piece.length = p_end - n_end;
-          piece.start = n_end;
+          piece.values += (next_end - piece.start) * e;
+          piece.length = piece_end - next_end;
+          piece.start = next_end;
         }
       }
+      have_next = newer.Next(&next);
     } else {
-      const uint64_t p_end = piece.start + piece.length;
-      const uint64_t cut = j < newer.size() ? std::min(p_end, newer[j].start) : p_end;
-      out.push_back({piece.start, cut - piece.start, piece.values});
-      if (cut == p_end) {
-        next_piece();
+      const uint64_t piece_end = piece.start + piece.length;
+      const uint64_t cut = have_next ? std::min(piece_end, next.start) : piece_end;
+      if (!out.Add(piece.start, cut - piece.start, piece.values)) return std::nullopt;
+      if (cut == piece_end) {
+        have_piece = older.Next(&piece);
       } else {
         piece.values += (cut - piece.start) * e;
-        piece.length = p_end - cut;
+        piece.length = piece_end - cut;
         piece.start = cut;
       }
     }
   }
-  return Encode(out, e, first.elements);
+  return std::move(out).Finish();
 }
 
 absl::Status ApplyPatches(std::span<const PatchTarget> targets, unsigned threads) {

@@ -89,6 +89,10 @@ TEST(ElementPatchTest, ATensorChangedThroughoutIsNotPatched) {
   EXPECT_FALSE(DiffElements(before, after, 2).has_value());
   const auto every = ChangeAtRandom(before, 2, 1.0, 5);  // the values alone are the tensor
   EXPECT_FALSE(DiffElements(before, every, 2).has_value());
+  // Every other byte: a value and a position byte each, the tensor's size.
+  auto alternate = before;
+  for (size_t i = 0; i < alternate.size(); i += 2) alternate[i] ^= std::byte{1};
+  EXPECT_FALSE(DiffElements(before, alternate, 1).has_value());
 }
 
 TEST(ElementPatchTest, ComposedPatchesDoWhatBothDoInTurn) {

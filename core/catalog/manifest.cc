@@ -89,7 +89,8 @@ void AppendSized(DigestBuilder& digest, absl::string_view bytes) {
 
 }  // namespace
 
-std::string ContentVersion(const std::vector<ManifestTensor>& tensors, const Metadata& metadata) {
+std::string ContentVersion(const std::vector<ManifestTensor>& tensors, const Metadata& metadata,
+                           absl::string_view quantization) {
   DigestBuilder digest;
   digest.Update("weightstore content version 1");
   AppendNumber(digest, tensors.size());
@@ -106,6 +107,7 @@ std::string ContentVersion(const std::vector<ManifestTensor>& tensors, const Met
     AppendSized(digest, key);
     AppendSized(digest, value);
   }
+  if (!quantization.empty()) AppendSized(digest, quantization);
   return digest.Finish().Hex();
 }
 
@@ -147,7 +149,15 @@ absl::StatusOr<std::shared_ptr<const CheckpointManifest>> Digest(const Checkpoin
         ManifestTensor{entry.spec.name, entry.spec.dtype, entry.spec.shape, DigestBytes(tensor->bytes.span())};
     return absl::OkStatus();
   }));
-  if (version.empty()) version = ContentVersion(tensors, checkpoint.metadata());
+  if (version.empty()) {
+    std::string quantization;  // each quantized tensor's scheme, as the config gives it
+    for (const CheckpointEntry& entry : entries) {
+      if (const QuantScheme* scheme = checkpoint.QuantSchemeOf(entry)) {
+        absl::StrAppend(&quantization, entry.spec.name, "=", DescribeQuantScheme(*scheme), "\n");
+      }
+    }
+    version = ContentVersion(tensors, checkpoint.metadata(), quantization);
+  }
   return std::make_shared<const CheckpointManifest>(std::move(version), std::move(tensors));
 }
 

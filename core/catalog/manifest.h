@@ -91,11 +91,13 @@ class CheckpointManifest {
 
 // The id of a version named by its content: 32 lowercase hex digits of the
 // XXH3-128 of, in order, each tensor's name, dtype, shape and digest (entry
-// order) and then the metadata (key order), each length-prefixed. Equal for
-// equal contents whatever file, path, time or daemon holds them; independent
-// of the file's format. A file id (FileVersion) is 16 digits, so the two never
-// meet.
-std::string ContentVersion(const std::vector<ManifestTensor>& tensors, const Metadata& metadata);
+// order), the metadata (key order), and `quantization` when not empty (what
+// the quantization config beside the checkpoint makes of its tensors, which
+// changes what shards serve), each length-prefixed. Equal for equal contents
+// whatever file, path, time or daemon holds them; independent of the file's
+// format. A file id (FileVersion) is 16 digits, so the two never meet.
+std::string ContentVersion(const std::vector<ManifestTensor>& tensors, const Metadata& metadata,
+                           absl::string_view quantization = "");
 
 // The manifest of `checkpoint` under `version` (empty: its ContentVersion), taking each tensor's digest
 // from `known` (by name) where its dtype and shape match there, and computing

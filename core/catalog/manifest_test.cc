@@ -77,6 +77,8 @@ TEST(ManifestTest, AnEmptyVersionNamesTheManifestByItsContent) {
   EXPECT_NE(changed([](auto& t) { std::swap(t[0], t[1]); }), id);
   EXPECT_NE(ContentVersion(base, {{"step", "1"}}), id);
   EXPECT_NE(ContentVersion(base, {{"step", "1"}}), ContentVersion(base, {{"step", "2"}}));
+  // So is what a quantization config makes of the tensors.
+  EXPECT_NE(ContentVersion(base, {}, "w=NVFP4, 4-bit values, blocks of 1x16\n"), id);
   // Lengths are framed: moving a byte from a key to its value is a change.
   EXPECT_NE(ContentVersion(base, {{"ab", "c"}}), ContentVersion(base, {{"a", "bc"}}));
 }

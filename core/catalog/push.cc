@@ -179,10 +179,25 @@ absl::Status PushSession::EndPatchedTensor(Pushed& t) {
   const CheckpointEntry* entry = base_->checkpoint()->Find(t.spec.name);
   absl::StatusOr<SharedTensor> base = base_->checkpoint()->Read(*entry);
   if (!base.ok()) return absl::DataLossError(absl::StrCat(where, ": ", base.status().message()));
+  // Pieces are as small as an element: gathered into writes of about 1 MiB.
+  std::string buffer;
+  buffer.reserve(1 << 20);
+  auto flush = [&] {
+    current_->digest.Update(buffer);
+    absl::Status status = staging_->Append(buffer);
+    buffer.clear();
+    return status;
+  };
   WEIGHTSTORE_RETURN_IF_ERROR(WritePatched(p.header, base->bytes.span(), [&](absl::string_view bytes) {
-    current_->digest.Update(bytes);
-    return staging_->Append(bytes);
+    if (buffer.size() + bytes.size() > (1 << 20)) WEIGHTSTORE_RETURN_IF_ERROR(flush());
+    if (bytes.size() >= (1 << 20)) {  // a long unchanged stretch goes as it is
+      current_->digest.Update(bytes);
+      return staging_->Append(bytes);
+    }
+    buffer.append(bytes.data(), bytes.size());
+    return absl::OkStatus();
   }));
+  WEIGHTSTORE_RETURN_IF_ERROR(flush());
   t.digest = current_->digest.Finish();
   current_.reset();
   if (t.digest != p.expected) {

@@ -440,6 +440,7 @@ std::shared_ptr<const VersionPatches> CheckpointRegistry::PatchesBetween(const C
 void CheckpointRegistry::Published(const std::string& name, const CheckpointVersion* version,
                                    std::shared_ptr<const VersionPatches> patches) {
   {
+    chains_.erase(name);
     auto& steps = patches_[name];
     auto drop_all = [&] {
       for (const auto& step : steps) patch_bytes_ -= step->memory_bytes;
@@ -465,6 +466,7 @@ void CheckpointRegistry::Published(const std::string& name, const CheckpointVers
       for (auto it = patches_.begin(); it != patches_.end() && patch_bytes_ > options_.kept_patch_bytes;) {
         patch_bytes_ -= it->second.front()->memory_bytes;
         it->second.pop_front();
+        chains_.erase(it->first);  // it may hold the step dropped
         dropped = true;
         it = it->second.empty() ? patches_.erase(it) : std::next(it);
       }
@@ -539,12 +541,15 @@ std::shared_ptr<const PatchChain> CheckpointRegistry::FindPatches(const std::str
   absl::MutexLock lock(&mu_);
   auto it = patches_.find(name);
   if (it == patches_.end() || it->second.back()->to != to || since == to) return nullptr;
+  std::shared_ptr<const PatchChain>& chain = chains_[name];
+  if (chain != nullptr && chain->from() == since && chain->to() == to) return chain;
   std::vector<std::shared_ptr<const VersionPatches>> steps;
   for (auto step = it->second.rbegin(); step != it->second.rend(); ++step) {
     steps.push_back(*step);
     if ((*step)->from == since) {
       std::reverse(steps.begin(), steps.end());
-      return std::make_shared<const PatchChain>(std::move(steps));
+      chain = std::make_shared<const PatchChain>(std::move(steps));
+      return chain;
     }
   }
   return nullptr;

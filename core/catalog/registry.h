@@ -345,6 +345,9 @@ class CheckpointRegistry {
   // Patches between each name's consecutive versions, oldest first, each
   // step's `to` the next one's `from`, the last one's `to` the current version.
   std::map<std::string, std::deque<std::shared_ptr<const VersionPatches>>> patches_ ABSL_GUARDED_BY(mu_);
+  // The chain FindPatches last made for each name, reused (with what it
+  // composed) while it is asked for again and nothing is published.
+  mutable std::map<std::string, std::shared_ptr<const PatchChain>> chains_ ABSL_GUARDED_BY(mu_);
   uint64_t patch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   mutable absl::Mutex listeners_mu_;
   std::map<uint64_t, std::shared_ptr<const std::function<void(const std::string&)>>> listeners_

@@ -3,6 +3,7 @@
 #include <atomic>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "core/parallel_for.h"
 #include "core/status_macros.h"
 
@@ -64,6 +65,10 @@ absl::StatusOr<std::shared_ptr<const VersionPatches>> DiffVersions(const Checkpo
 }
 
 absl::StatusOr<std::optional<ElementPatch>> PatchChain::For(const std::string& name) const {
+  if (steps_.size() > 1) {
+    absl::MutexLock lock(&mu_);
+    if (auto it = composed_.find(name); it != composed_.end()) return it->second;
+  }
   std::optional<ElementPatch> composed;
   for (const auto& step : steps_) {
     if (step->whole.contains(name)) return std::nullopt;
@@ -74,7 +79,11 @@ absl::StatusOr<std::optional<ElementPatch>> PatchChain::For(const std::string& n
       continue;
     }
     WEIGHTSTORE_ASSIGN_OR_RETURN(composed, ComposePatches(*composed, it->second));
-    if (!composed) return std::nullopt;
+    if (!composed) break;
+  }
+  if (steps_.size() > 1) {
+    absl::MutexLock lock(&mu_);
+    composed_.emplace(name, composed);
   }
   return composed;
 }

@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "core/catalog/element_patch.h"
 #include "core/catalog/manifest.h"
 #include "core/checkpoint.h"
@@ -53,12 +54,16 @@ class PatchChain {
   size_t steps() const { return steps_.size(); }
 
   // The patch that brings tensor `name` from from() to to(): the steps that
-  // changed it composed; nullopt when one of them sent it whole, when none
-  // changed it, or when the composition is not smaller than the tensor.
+  // changed it composed (once: kept for the next caller, so what the chain
+  // holds is at most its steps' patches again); nullopt when one of them sent
+  // it whole, when none changed it, or when the composition is not smaller
+  // than the tensor.
   absl::StatusOr<std::optional<ElementPatch>> For(const std::string& name) const;
 
  private:
   std::vector<std::shared_ptr<const VersionPatches>> steps_;
+  mutable absl::Mutex mu_;
+  mutable absl::flat_hash_map<std::string, std::optional<ElementPatch>> composed_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace weightstore

@@ -97,6 +97,9 @@ TEST_F(VersionPatchesTest, ARescanDiffsAReplacedFileAndALateJoinerGetsOneCompose
   ASSERT_NE(chain, nullptr);
   EXPECT_EQ(chain->steps(), 2u);
   EXPECT_EQ(Patched(*chain, "w", w0), w2);
+  // The next late joiner from v0 gets the same chain, with its composition.
+  EXPECT_EQ(registry.FindPatches("m", v0, v2), chain);
+  EXPECT_EQ(Patched(*chain, "w", w0), w2);
   EXPECT_EQ(*chain->For("b"), std::nullopt);  // whole in a step: whole
   chain = registry.FindPatches("m", v1, v2);
   ASSERT_NE(chain, nullptr);

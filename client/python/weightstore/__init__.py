@@ -486,6 +486,8 @@ class Store:
             full_reason = (f"the state does not hold '{unheld[0]}' as the selection serves it "
                            "(missing, or another dtype or shape)")
         patched = got["patched"]  # name: (dtype, shape)
+        if patched and not want_patches:
+            raise Error("DATA_LOSS", f"update of '{name}': the daemon sent element patches that were not asked for")
         if patched and not all(_holds(held.get(n), *spec) and _patchable(held.get(n)) for n, spec in patched.items()):
             return self._update(state, name, since, as_, selection, patches=False)
         fetched = {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in got["tensors"]}
@@ -506,7 +508,11 @@ class Store:
                             f"update of '{name}' does not fit the module: " + "; ".join(problems[:8]))
             if patched and _apply_patches(self._native, got, held, in_place=True) is None:
                 # Partly written, maybe: the changed tensors come whole.
-                return self._update(state, name, since, as_, selection, patches=False)
+                try:
+                    return self._update(state, name, since, as_, selection, patches=False)
+                except Error as e:
+                    raise Error(e.code, f"{e.message} (the module's tensors may be partly patched: update it "
+                                        "again with since=None)") from e
             with torch.no_grad():
                 for n in changed:
                     if n not in patched:  # a patch was written in place
