@@ -71,7 +71,9 @@ class GrpcOrigin : public Origin {
       file.checkpoint = name;
       file.key = f.path();
       file.size = f.size();
-      file.etag = response.version();
+      // The version id for Find, and the files' own etag where the origin
+      // gives one (a version id names content; the etag these bytes).
+      file.etag = f.etag().empty() ? response.version() : absl::StrCat(response.version(), ":", f.etag());
       file.crc32c = f.crc32c();
       checkpoint.files.push_back(std::move(file));
     }
@@ -84,7 +86,10 @@ class GrpcOrigin : public Origin {
     Tracked tracked(this, &ctx);
     v1::ReadCheckpointFileRequest request;
     request.set_name(file.checkpoint);
-    request.set_version(file.etag);
+    // "VERSION:ETAG", or a version alone (ids and etags hold no ':').
+    const size_t colon = file.etag.find(':');
+    request.set_version(file.etag.substr(0, colon));
+    if (colon != std::string::npos) request.set_etag(file.etag.substr(colon + 1));
     request.set_path(file.key);
     request.set_offset(offset);
     request.set_length(length);

@@ -88,6 +88,7 @@ absl::Status DescribeStoredFiles(const CheckpointVersion& version, v1::ListCheck
     s->set_main(f.main);
     s->set_size(f.size);
     s->set_crc32c(absl::StrFormat("%08x", crc));
+    s->set_etag(version.file_version());
   }
   return absl::OkStatus();
 }
@@ -141,6 +142,11 @@ class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     }
     WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, service_->streams_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); }));
     WEIGHTSTORE_ASSIGN_OR_RETURN(version_, service_->registry_->Find(request.name(), request.version()));
+    if (!request.etag().empty() && request.etag() != version_->file_version()) {
+      return absl::AbortedError(absl::StrCat("checkpoint '", request.name(), "': its files were replaced since they ",
+                                             "were listed (version ", version_->version(),
+                                             " names the same content in other bytes); list them again"));
+    }
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<StoredFile> files, StoredFiles(*version_));
     for (StoredFile& f : files) {
       if (f.path == request.path()) file_ = std::move(f);
