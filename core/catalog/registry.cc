@@ -442,18 +442,18 @@ void CheckpointRegistry::Published(const std::string& name, const CheckpointVers
   {
     chains_.erase(name);
     auto& steps = patches_[name];
-    auto drop_all = [&] {
+    // Drops every step when the chain ends: nothing is served, or the new
+    // version does not follow the last step (it came without patches).
+    const bool broken =
+        version == nullptr ||
+        (!steps.empty() && steps.back()->to != (patches != nullptr ? patches->from : version->version()));
+    if (broken) {
       for (const auto& step : steps) patch_bytes_ -= step->memory_bytes;
       steps.clear();
-    };
-    if (version == nullptr) {
-      drop_all();
-    } else if (patches != nullptr) {
-      if (!steps.empty() && steps.back()->to != patches->from) drop_all();
+    }
+    if (version != nullptr && patches != nullptr) {
       patch_bytes_ += patches->memory_bytes;
       steps.push_back(std::move(patches));
-    } else if (!steps.empty() && steps.back()->to != version->version()) {
-      drop_all();  // a new version without patches: the chain is broken
     }
     while (steps.size() + 1 > std::max<size_t>(options_.kept_versions, 1) && !steps.empty()) {
       patch_bytes_ -= steps.front()->memory_bytes;
