@@ -134,7 +134,8 @@ void FromProto(const pb::CheckpointInfo& in, CheckpointSummary* out) {
 }
 
 DeltaInfo FromProto(const pb::DeltaInfo& in) {
-  return DeltaInfo{in.since_version(), in.delta(), in.full_reason(), in.changed_tensors(), in.unchanged_tensors()};
+  return DeltaInfo{in.since_version(),     in.delta(),       in.full_reason(), in.changed_tensors(),
+                   in.unchanged_tensors(), in.patch_reason()};
 }
 
 }  // namespace weightstore::client

@@ -221,6 +221,7 @@ class RemoteStore final : public Store {
     req.set_with_checksums(query.with_checksums);
     req.set_version(query.version);
     req.set_since_version(query.since_version);
+    req.set_patches(query.patches && !query.since_version.empty());
     ToProto(query, req.mutable_selection());
     pb::ListTensorsResponse resp;
     {

@@ -107,6 +107,9 @@ struct DeltaInfo {
   bool delta = false;
   std::string full_reason;
   uint64_t changed_tensors = 0, unchanged_tensors = 0;
+  // With Query::patches, from a remote store: why changed tensors come whole
+  // because no element patches from since_version are kept (empty if they are).
+  std::string patch_reason;
 };
 
 struct TensorListing {

@@ -59,6 +59,7 @@ absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& nam
       r.patched = std::move(sink.patches());
     }
     r.version = std::move(listing.version);
+    if (listing.delta) r.patch_reason = listing.delta->patch_reason;
     delta = std::move(listing.delta);
     r.listed = std::move(listing.tensors);
   }
@@ -170,6 +171,7 @@ absl::StatusOr<UpdateResult> Update(Store& store, const std::string& name, Query
   query.patches = true;
   WEIGHTSTORE_ASSIGN_OR_RETURN(ChangedTensors r, FetchChanged(store, name, query));
   result.delta = r.delta;
+  result.patch_reason = r.patch_reason;
   result.full_reason =
       reselected ? "the held tensors were selected otherwise (another selection, shard or dtype)" : r.full_reason;
   // What the daemon calls unchanged must be held as listed: else the held

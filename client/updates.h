@@ -41,6 +41,10 @@ struct UpdateResult {
   // Set when patches came but could not be used (a malformed one, a result
   // unlike its digest): the changed tensors were then fetched whole.
   std::string patch_failure;
+  // Set when the daemon keeps no patches from the version held (past
+  // --kept-patch-bytes or --kept-versions, or a version between arrived
+  // without them): the changed tensors came whole.
+  std::string patch_reason;
 };
 
 // The tensors changed since query.since_version (empty: all of them): the
@@ -54,8 +58,10 @@ struct ChangedTensors {
   std::vector<TensorDescription> listed;
   std::vector<SharedTensor> received;  // the changed ones (all, without a delta), in listing order
   // With Query::patches: the changed tensors that came as element patches
-  // instead (not in `received`), in listing order.
+  // instead (not in `received`), in listing order; and why none could, when
+  // the daemon keeps none from since_version.
   std::vector<ReceivedPatch> patched;
+  std::string patch_reason;
 };
 
 // Applies an update's patches in one call, on several threads: patches[i]

@@ -40,6 +40,19 @@ v1::DeltaInfo Resolved::DeltaInfo(size_t begin, size_t end) const {
   return info;
 }
 
+PatchesFound FindPatches(const CheckpointRegistry& registry, const Resolved& resolved) {
+  PatchesFound found;
+  if (resolved.since == nullptr || resolved.since_version == resolved.version->version()) return found;
+  found.chain = registry.FindPatches(resolved.version->name(), resolved.since_version, resolved.version->version());
+  if (found.chain == nullptr) {
+    found.reason = absl::StrCat("no element patches are kept from version ", resolved.since_version, " to ",
+                                resolved.version->version(),
+                                " (a version between came without them, or they passed --kept-patch-bytes or "
+                                "--kept-versions)");
+  }
+  return found;
+}
+
 bool IsCostlySelection(const v1::Selection& selection) {
   return !selection.include().empty() || !selection.exclude().empty() || !selection.renames().empty() ||
          !selection.shard().rules().empty() || !selection.shard().scales().empty() ||

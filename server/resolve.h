@@ -36,6 +36,15 @@ struct Resolved {
   v1::DeltaInfo DeltaInfo(size_t begin, size_t end) const;
 };
 
+// The element patches that bring `resolved`'s checkpoint from its since
+// version to its version (CheckpointRegistry::FindPatches), or why there are
+// none; nothing without a delta.
+struct PatchesFound {
+  std::shared_ptr<const PatchChain> chain;
+  std::string reason;  // for DeltaInfo.patch_reason
+};
+PatchesFound FindPatches(const CheckpointRegistry& registry, const Resolved& resolved);
+
 // Returns NotFound for an unknown checkpoint, Aborted when `pinned_version` is
 // set and no longer current, InvalidArgument for a bad selection (naming the
 // field or pattern), FailedPrecondition with the load summary when applying to

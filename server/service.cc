@@ -165,15 +165,10 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       return absl::OutOfRangeError(absl::StrCat("start_index ", index_, " is past end_index ", end_, " (",
                                                 resolved_.snapshot->size(), " selected tensors)"));
     }
-    if (request_.patches() && resolved_.since != nullptr && resolved_.since_version != resolved_.version->version()) {
-      patches_ =
-          service_->registry_->FindPatches(request_.name(), resolved_.since_version, resolved_.version->version());
-      if (patches_ == nullptr) {
-        patch_reason_ = absl::StrCat("no element patches are kept from version ", resolved_.since_version, " to ",
-                                     resolved_.version->version(),
-                                     " (a version between came without them, or they passed --kept-patch-bytes or "
-                                     "--kept-versions)");
-      }
+    if (request_.patches()) {
+      PatchesFound found = FindPatches(*service_->registry_, resolved_);
+      patches_ = std::move(found.chain);
+      patch_reason_ = std::move(found.reason);
     }
     return absl::OkStatus();
   }
@@ -548,7 +543,10 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
         const Snapshot& snapshot = *resolved.snapshot;
         resp->set_name(req->name());
         resp->set_version(resolved.version->version());
-        if (!resolved.since_version.empty()) *resp->mutable_delta() = resolved.DeltaInfo(0, snapshot.size());
+        if (!resolved.since_version.empty()) {
+          *resp->mutable_delta() = resolved.DeltaInfo(0, snapshot.size());
+          if (req->patches()) resp->mutable_delta()->set_patch_reason(FindPatches(*registry_, resolved).reason);
+        }
         for (const SnapshotTensor& t : snapshot.tensors()) {
           v1::TensorInfo* info = resp->add_tensors();
           ToProto(t, info);

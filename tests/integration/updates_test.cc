@@ -374,6 +374,7 @@ TEST_F(UpdatesTest, ElementPatchesBringHeldTensorsToTheNewVersionBitForBitWithAF
   ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store_, "gpt", {}, &held));
   EXPECT_TRUE(r.delta) << r.full_reason;
   EXPECT_EQ(r.patch_failure, "");
+  EXPECT_EQ(r.patch_reason, "");
   EXPECT_EQ(r.changed.size(), model_.size());
   EXPECT_EQ(r.patched.size(), model_.size());
   EXPECT_LE(r.fetched_bytes, model_.bytes() / 20) << "of " << model_.bytes();
@@ -451,6 +452,7 @@ TEST(UpdatesPatchesOffTest, ADaemonKeepingNoPatchesSendsChangedTensorsWhole) {
   ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store, "gpt", {}, &held));
   EXPECT_TRUE(r.delta);
   EXPECT_TRUE(r.patched.empty());
+  EXPECT_THAT(r.patch_reason, HasSubstr("no element patches are kept from version"));
   EXPECT_EQ(r.fetched_bytes, model.bytes());
   ExpectSameTensors(held.tensors, model.tensors());
 }

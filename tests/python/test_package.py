@@ -619,6 +619,7 @@ class PackageTest(unittest.TestCase):
         second = self.remote.update(serving, "pkg/rl", since=first.version)
         self.assertTrue(second.delta, second.full_reason)
         self.assertEqual(second.patched, ["weight", "bias"])
+        self.assertEqual(second.patch_reason, "")
         self.assertLess(second.fetched_bytes, total // 20)
         self.assertIs(serving.weight, weight)  # written in place
         for n, t in trained.state_dict().items():

@@ -541,6 +541,7 @@ class Store {
     }
     out["patched"] = patched;
     out["patch_bytes"] = patch_bytes;
+    out["patch_reason"] = changed.patch_reason;
     out["patches"] = Patches{std::move(changed.patched)};
     return out;
   }

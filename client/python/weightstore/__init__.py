@@ -101,6 +101,7 @@ class Update:
     removed: list       # served names no longer selected (dropped from a dict)
     fetched_bytes: int  # received: whole tensors and element patches
     patched: list = dataclasses.field(default_factory=list)  # of `changed`, those that came as element patches
+    patch_reason: str = ""  # why changed tensors came whole: the daemon keeps no patches from `since`
 
 
 def connect(url, *, token=None, tls_ca="", tls_cert="", tls_key="", parallel_streams=0, pipeline=None,
@@ -534,7 +535,7 @@ class Store:
             self._selections.pop(next(iter(self._selections)), None)
         return Update(version=got["version"], delta=delta, full_reason="" if delta else full_reason,
                       changed=changed, added=added, removed=removed, fetched_bytes=nbytes,
-                      patched=[n for n in changed if n in patched])
+                      patched=[n for n in changed if n in patched], patch_reason=got["patch_reason"])
 
     def watch(self, on_event, name="", prefix="", known=None):
         """Follows checkpoints (one by name, or those under a prefix; all by
