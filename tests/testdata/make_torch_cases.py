@@ -41,7 +41,9 @@ def flatten(obj, prefix, out):
 
 
 def expect_from_torch(path, top_level_key=None):
-    obj = torch.load(path, map_location="cpu")
+    # Only files this script just wrote, so the full unpickler: torch >= 2.6
+    # defaults to weights_only=True, which refuses protocol 4's FRAME opcode.
+    obj = torch.load(path, map_location="cpu", weights_only=False)
     if top_level_key:
         obj = obj[top_level_key]
     out = collections.OrderedDict()
