@@ -24,29 +24,14 @@ absl::Status ChunkAssembler::Begin(const pb::TensorInfo& info, TensorSink* sink)
 }
 
 absl::Status ChunkAssembler::BeginPatch(const pb::TensorInfo& info, const TensorSpec& spec, TensorSink* sink) {
+  absl::StatusOr<ElementPatch> header = FromProto(info.patch(), spec);
+  if (!header.ok()) {
+    return absl::DataLossError(
+        absl::StrCat("stream sent an invalid patch of tensor '", spec.name, "': ", header.status().message()));
+  }
   const pb::TensorPatch& p = info.patch();
-  auto refuse = [&](absl::string_view why) {
-    return absl::DataLossError(absl::StrCat("stream sent an invalid patch of tensor '", spec.name, "': ", why));
-  };
-  std::optional<PatchEncoding> encoding = ParsePatchEncoding(p.encoding());
-  if (!encoding) return refuse(absl::StrCat("unknown encoding '", absl::CHexEscape(p.encoding().substr(0, 32)), "'"));
-  ElementPatch header;
-  header.encoding = *encoding;
-  header.element_size = PatchElementSize(spec.dtype);
-  if (p.element_size() != header.element_size) {
-    return refuse(absl::StrCat("elements of ", p.element_size(), " bytes where ", DTypeName(spec.dtype), " has ",
-                               header.element_size));
-  }
-  header.elements = spec.byte_size() / header.element_size;
-  header.changed = p.changed_elements();
-  // A patch is sent only where it is smaller than the tensor: its size is
-  // bounded by what the tensor itself would have cost.
-  if (p.patch_bytes() == 0 || p.patch_bytes() >= spec.byte_size() || header.changed > header.elements) {
-    return refuse(absl::StrCat(p.patch_bytes(), " bytes for ", header.changed, " of ", header.elements, " elements (",
-                               spec.byte_size(), " bytes)"));
-  }
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out,
-                               sink->BeginPatch(spec, header, p.patch_bytes(), info.digest()));
+                               sink->BeginPatch(spec, *header, p.patch_bytes(), info.digest()));
   if (out.size() != p.patch_bytes()) {
     return absl::InternalError(absl::StrCat("sink gave ", out.size(), " bytes for the patch of '", spec.name, "'"));
   }

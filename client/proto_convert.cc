@@ -1,5 +1,6 @@
 #include "client/proto_convert.h"
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/checked_math.h"
 
@@ -84,6 +85,7 @@ absl::Status FromProto(const pb::TensorInfo& in, TensorDescription* out) {
   if (in.has_param_id()) out->spec.param_id = in.param_id();
   out->digest = in.digest();
   out->unchanged = in.unchanged();
+  out->patched = in.has_patch();
   out->scale_of = in.scale_of();
   out->shares_scale_blocks = in.shares_scale_blocks();
   out->scale_block.assign(in.scale_block().begin(), in.scale_block().end());
@@ -136,6 +138,27 @@ void FromProto(const pb::CheckpointInfo& in, CheckpointSummary* out) {
 DeltaInfo FromProto(const pb::DeltaInfo& in) {
   return DeltaInfo{in.since_version(),     in.delta(),       in.full_reason(), in.changed_tensors(),
                    in.unchanged_tensors(), in.patch_reason()};
+}
+
+absl::StatusOr<ElementPatch> FromProto(const pb::TensorPatch& in, const TensorSpec& spec) {
+  std::optional<PatchEncoding> encoding = ParsePatchEncoding(in.encoding());
+  if (!encoding) {
+    return absl::DataLossError(absl::StrCat("unknown encoding '", absl::CHexEscape(in.encoding().substr(0, 32)), "'"));
+  }
+  ElementPatch header;
+  header.encoding = *encoding;
+  header.element_size = PatchElementSize(spec.dtype);
+  if (in.element_size() != header.element_size) {
+    return absl::DataLossError(absl::StrCat("elements of ", in.element_size(), " bytes where ", DTypeName(spec.dtype),
+                                            " has ", header.element_size));
+  }
+  header.elements = spec.byte_size() / header.element_size;
+  header.changed = in.changed_elements();
+  if (in.patch_bytes() == 0 || in.patch_bytes() >= spec.byte_size() || header.changed > header.elements) {
+    return absl::DataLossError(absl::StrCat(in.patch_bytes(), " bytes for ", header.changed, " of ", header.elements,
+                                            " elements (", spec.byte_size(), " bytes)"));
+  }
+  return header;
 }
 
 }  // namespace weightstore::client

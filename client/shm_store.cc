@@ -119,15 +119,34 @@ class ShmStore final : public SharedMemoryStore {
         out.tensors.push_back({d.spec, SharedBytes()});
         continue;
       }
+      std::optional<ElementPatch> patch;
+      if (d.patched) {
+        if (!query.patches || query.since_version.empty()) {
+          return absl::DataLossError(absl::StrCat("tensor '", d.spec.name, "' came as an element patch, unasked"));
+        }
+        absl::StatusOr<ElementPatch> header = FromProto(t.info().patch(), d.spec);
+        if (!header.ok()) {
+          return absl::DataLossError(absl::StrCat("the daemon sent an invalid patch of tensor '", d.spec.name,
+                                                  "': ", header.status().message()));
+        }
+        patch = *std::move(header);
+      }
       // Offsets count from the segment's start; the mapping from its window's.
-      const uint64_t size = d.spec.byte_size();
+      const uint64_t size = patch ? t.info().patch().patch_bytes() : d.spec.byte_size();
       const MappedFile* segment = t.segment() < out.segments.size() ? out.segments[t.segment()].get() : nullptr;
       if (segment == nullptr || t.offset() < segment->offset() || t.offset() - segment->offset() > segment->size() ||
           size > segment->size() - (t.offset() - segment->offset())) {
-        return absl::DataLossError(
-            absl::StrCat("tensor '", d.spec.name, "' lies outside segment ", t.segment(), "'s mapped bytes"));
+        return absl::DataLossError(absl::StrCat(patch ? "the patch of tensor '" : "tensor '", d.spec.name,
+                                                "' lies outside segment ", t.segment(), "'s mapped bytes"));
       }
-      out.tensors.push_back({d.spec, out.segments[t.segment()]->bytes().Subspan(t.offset() - segment->offset(), size)});
+      SharedBytes bytes = out.segments[t.segment()]->bytes().Subspan(t.offset() - segment->offset(), size);
+      if (patch) {  // applied by the caller, checked against the digest
+        patch->body = std::move(bytes);
+        out.patches.push_back({d.spec, d.digest, *std::move(patch)});
+        out.tensors.push_back({d.spec, SharedBytes()});
+        continue;
+      }
+      out.tensors.push_back({d.spec, std::move(bytes)});
     }
     if (map.has_apply_result()) FromProto(map.apply_result(), &out.apply_result.emplace());
     out.delta = DeltaFromProto(map);
@@ -136,9 +155,22 @@ class ShmStore final : public SharedMemoryStore {
 
   absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
     WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, MapTensors(name, query));
+    size_t next_patch = 0;
     for (size_t i = 0; i < mapped.tensors.size(); ++i) {
       const SharedTensor& t = mapped.tensors[i];
       if (mapped.descriptions[i].unchanged) continue;  // a delta leaves it out
+      if (mapped.descriptions[i].patched) {
+        const ReceivedPatch& p = mapped.patches[next_patch++];
+        WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out,
+                                     sink->BeginPatch(p.spec, p.patch, p.patch.body.size(), p.digest));
+        if (out.size() != p.patch.body.size()) {
+          return absl::InternalError(
+              absl::StrCat("sink gave ", out.size(), " bytes for the patch of '", p.spec.name, "'"));
+        }
+        std::memcpy(out.data(), p.patch.body.data(), out.size());
+        WEIGHTSTORE_RETURN_IF_ERROR(sink->EndPatch(p.spec));
+        continue;
+      }
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
       // An empty tensor's view may be null: memcpy must not see it.
@@ -170,6 +202,7 @@ class ShmStore final : public SharedMemoryStore {
     out->set_name(name);
     out->set_version(query.version);
     out->set_since_version(query.since_version);
+    out->set_patches(query.patches);
     ToProto(query, out->mutable_selection());
   }
 

@@ -68,9 +68,10 @@ struct Query {
   // honour it; the local store lists and sends every tensor as changed.
   // Default: empty, off.
   std::string since_version;
-  // With since_version, from a remote store: a changed tensor the daemon
-  // keeps an element patch of (docs/updates.md) arrives as that patch, through
-  // TensorSink::BeginPatch, for a caller that holds the tensor at
+  // With since_version, from a remote or socket store: a changed tensor the
+  // daemon keeps an element patch of (docs/updates.md) arrives as that patch
+  // (through TensorSink::BeginPatch; MapTensors maps it, in
+  // MappedTensors::patches), for a caller that holds the tensor at
   // since_version. Default: off.
   bool patches = false;
 };
@@ -87,6 +88,9 @@ struct TensorDescription {
   std::string digest;
   // With Query::since_version: the same as in that version.
   bool unchanged = false;
+  // With Query::patches: the tensor came as an element patch, not as bytes
+  // (through a socket: MappedTensors::patches).
+  bool patched = false;
   // A scale served as its weight's shard asks (ShardSpec::scales): the
   // weight's name, and whether a block it serves is shared with another rank.
   std::string scale_of;
@@ -107,7 +111,7 @@ struct DeltaInfo {
   bool delta = false;
   std::string full_reason;
   uint64_t changed_tensors = 0, unchanged_tensors = 0;
-  // With Query::patches, from a remote store: why changed tensors come whole
+  // With Query::patches: why changed tensors come whole
   // because no element patches from since_version are kept (empty if they are).
   std::string patch_reason;
 };
@@ -332,6 +336,10 @@ struct MappedTensors {
   // (descriptions[i].unchanged) is not mapped again: its entry in `tensors`
   // has the spec and no bytes, and the caller keeps the mapping it holds.
   std::optional<DeltaInfo> delta;
+  // With Query::patches: the changed tensors that came as element patches
+  // (descriptions[i].patched; their entry in `tensors` has no bytes), in
+  // listing order, each body a view of its mapped segment.
+  std::vector<ReceivedPatch> patches;
   std::vector<std::shared_ptr<const MappedFile>> segments;
 
   // Reads every byte once and checks each tensor's CRC32C (DataLoss naming the

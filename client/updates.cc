@@ -43,9 +43,12 @@ absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& nam
   if (auto* shm = dynamic_cast<SharedMemoryStore*>(&store)) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, shm->MapTensors(name, query));
     for (size_t i = 0; i < mapped.tensors.size(); ++i) {
-      if (!mapped.descriptions[i].unchanged) r.received.push_back(std::move(mapped.tensors[i]));
+      const TensorDescription& d = mapped.descriptions[i];
+      if (!d.unchanged && !d.patched) r.received.push_back(std::move(mapped.tensors[i]));
     }
+    r.patched = std::move(mapped.patches);
     r.version = std::move(mapped.version);
+    if (mapped.delta) r.patch_reason = mapped.delta->patch_reason;
     delta = std::move(mapped.delta);
     r.listed = std::move(mapped.descriptions);
   } else {

@@ -74,7 +74,8 @@ absl::Status ApplyReceivedPatches(std::span<const ReceivedPatch> patches,
                                   std::span<const std::span<std::byte>> destinations);
 
 // Through a socket store the changed tensors are mapped (the unchanged get
-// no mapping: the caller keeps its own); from the others they are fetched,
+// no mapping: the caller keeps its own; with Query::patches, a patch is
+// mapped instead of a tensor it patches); from the others they are fetched,
 // pinned to the version listed. A local store tells nothing: all of them.
 // What UpdateTensors and the Python package's update() are made of.
 absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& name, Query query);
@@ -82,8 +83,8 @@ absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& nam
 // Brings `held` (tensors `query` fetched earlier from `name`, or nothing) to
 // the current version. Lists with Query::since_version = held->version, then
 // fetches, pinned to the listed version, only the tensors not unchanged; the
-// unchanged ones keep their memory. From a remote store a changed tensor may
-// come as an element patch (Query::patches is set), applied in one call and
+// unchanged ones keep their memory. From a remote or socket store a changed
+// tensor may come as an element patch (Query::patches is set), applied in one call and
 // checked against its digest: in place into a held tensor whose memory an
 // earlier UpdateTensors made and that `held` alone references (a caller that
 // kept a copy of it keeps its bytes), else into a copy. Patches that fail are

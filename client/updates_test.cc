@@ -2,15 +2,24 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
+#include <cstring>
+#include <thread>
 #include <vector>
 
 #include "core/catalog/manifest.h"
+#include "core/shm/sealed_memfd.h"
+#include "core/shm/unix_socket.h"
 #include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
+#include "weightstore/v1/shm.pb.h"
 
 namespace weightstore::client {
 namespace {
 
+namespace pb = ::weightstore::v1;
 using ::testing::HasSubstr;
 using ::weightstore::testing::StatusIs;
 
@@ -45,6 +54,107 @@ TEST(ApplyReceivedPatchesTest, PatchesIntoSharedMemoryAreRefusedBeforeAnythingIs
   EXPECT_THAT(ApplyReceivedPatches(patches, destinations),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("share memory")));
   EXPECT_EQ(tied, "abcdefgh");
+}
+
+// A socket "daemon" that answers one request with `response` and one sealed
+// memfd holding `segment`, as weightstored's socket would: for the answers a
+// real daemon never gives.
+class OneAnswerSocket {
+ public:
+  OneAnswerSocket(pb::ShmResponse response, std::string segment)
+      : path_(testing::MakeScratchDir("fake-shm") + "/s.sock") {
+    listener_ = UniqueFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, path_.c_str(), sizeof(addr.sun_path) - 1);
+    EXPECT_EQ(::bind(listener_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    EXPECT_EQ(::listen(listener_.get(), 1), 0);
+    thread_ = std::thread([this, response = std::move(response), segment = std::move(segment)] {
+      UniqueFd connection(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      std::string frame;
+      std::vector<UniqueFd> fds;
+      if (!RecvFrame(connection.get(), 1 << 20, &frame, &fds).ok()) return;
+      auto memfd = CreateSealedMemfd("fake", segment.size(), [&](std::span<std::byte> out) {
+        std::memcpy(out.data(), segment.data(), segment.size());
+        return absl::OkStatus();
+      });
+      if (!memfd.ok()) return;
+      const int fd = (*memfd)->fd();
+      (void)SendFrame(connection.get(), response.SerializeAsString(), std::span<const int>(&fd, 1));
+      (void)RecvFrame(connection.get(), 1 << 20, &frame, &fds);  // until the client leaves
+    });
+  }
+  ~OneAnswerSocket() {
+    ::shutdown(listener_.get(), SHUT_RDWR);
+    thread_.join();
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  UniqueFd listener_;
+  std::thread thread_;
+};
+
+// An answer mapping tensor "w" (U8 [64], changed since "v1") as a patch of
+// `patch_bytes` bytes at `offset` of a 4096-byte segment.
+pb::ShmResponse PatchAnswer(uint32_t element_size, uint64_t patch_bytes, uint64_t offset) {
+  pb::ShmResponse response;
+  pb::MapTensorsResponse* map = response.mutable_map_tensors();
+  map->set_name("m");
+  map->set_version("v2");
+  pb::Segment* segment = map->add_segments();
+  segment->set_kind(pb::Segment::SEALED_MEMFD);
+  segment->set_size(4096);
+  pb::MappedTensor* t = map->add_tensors();
+  pb::TensorInfo* info = t->mutable_info();
+  info->set_name("w");
+  info->set_dtype("U8");
+  info->add_shape(64);
+  info->set_byte_size(64);
+  info->set_digest(std::string(32, '0'));
+  pb::TensorPatch* patch = info->mutable_patch();
+  patch->set_encoding("positions");
+  patch->set_element_size(element_size);
+  patch->set_changed_elements(1);
+  patch->set_patch_bytes(patch_bytes);
+  t->set_segment(0);
+  t->set_offset(offset);
+  map->mutable_delta()->set_since_version("v1");
+  map->mutable_delta()->set_delta(true);
+  return response;
+}
+
+absl::Status MapFrom(const pb::ShmResponse& answer, bool patches) {
+  OneAnswerSocket daemon(answer, std::string(4096, '\0'));
+  absl::StatusOr<std::unique_ptr<SharedMemoryStore>> store = ConnectSharedMemoryStore(daemon.path());
+  if (!store.ok()) return store.status();
+  Query query;
+  query.since_version = "v1";
+  query.patches = patches;
+  absl::StatusOr<MappedTensors> mapped = (*store)->MapTensors("m", query);
+  if (!mapped.ok()) return mapped.status();
+  if (mapped->patches.size() != 1 ||
+      mapped->patches[0].patch.body.size() != answer.map_tensors().tensors(0).info().patch().patch_bytes()) {
+    return absl::InternalError("the patch was not mapped as sent");
+  }
+  return absl::OkStatus();
+}
+
+TEST(SocketPatchesTest, ASocketPatchIsMappedFromItsSegmentAndBadOnesAreRefusedNamingTheTensor) {
+  EXPECT_OK(MapFrom(PatchAnswer(1, 2, 128), /*patches=*/true));
+  EXPECT_THAT(MapFrom(PatchAnswer(1, 2, 128), /*patches=*/false),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 'w' came as an element patch, unasked")));
+  EXPECT_THAT(MapFrom(PatchAnswer(2, 2, 128), true),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("invalid patch of tensor 'w': elements of 2 bytes")));
+  // Never as large as the tensor: a patch costs less than what it replaces.
+  EXPECT_THAT(MapFrom(PatchAnswer(1, 64, 128), true),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("invalid patch of tensor 'w': 64 bytes")));
+  EXPECT_THAT(MapFrom(PatchAnswer(1, 60, 4090), true),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("the patch of tensor 'w' lies outside segment 0")));
+  pb::ShmResponse unknown = PatchAnswer(1, 2, 128);
+  unknown.mutable_map_tensors()->mutable_tensors(0)->mutable_info()->mutable_patch()->set_encoding("xor+zstd");
+  EXPECT_THAT(MapFrom(unknown, true), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("unknown encoding 'xor+zstd'")));
 }
 
 }  // namespace

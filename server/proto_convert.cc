@@ -126,4 +126,11 @@ void ToProto(const ApplyResult& in, pb::ApplyResult* out) {
   for (const auto& s : in.suggestions) out->add_suggestions(s);
 }
 
+void ToProto(const ElementPatch& patch, pb::TensorPatch* out) {
+  out->set_encoding(std::string(PatchEncodingName(patch.encoding)));
+  out->set_element_size(patch.element_size);
+  out->set_changed_elements(patch.changed);
+  out->set_patch_bytes(patch.body.size());
+}
+
 }  // namespace weightstore

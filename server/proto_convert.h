@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "absl/status/status.h"
+#include "core/catalog/element_patch.h"
 #include "core/select/apply.h"
 #include "core/select/selection.h"
 #include "core/select/snapshot.h"
@@ -29,6 +30,8 @@ absl::Status FromProto(const pb::Selection& in, const SelectionLimits& limits, S
 // The tensor as served: name, dtype, shape, source name, and its slice if any.
 void ToProto(const SnapshotTensor& tensor, pb::TensorInfo* out);
 void ToProto(const ApplyResult& in, pb::ApplyResult* out);
+// The header of an element patch sent for a tensor (its body travels apart).
+void ToProto(const ElementPatch& patch, pb::TensorPatch* out);
 
 }  // namespace weightstore
 

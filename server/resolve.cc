@@ -53,6 +53,15 @@ PatchesFound FindPatches(const CheckpointRegistry& registry, const Resolved& res
   return found;
 }
 
+std::optional<ElementPatch> ServedPatch(const PatchChain* chain, const Snapshot& snapshot,
+                                        const ServedTensorPlan& plan) {
+  if (chain == nullptr || !plan.is_byte_range()) return std::nullopt;
+  const CheckpointEntry& entry = snapshot.checkpoint().entries()[plan.entry];
+  if (plan.byte_size != entry.spec.byte_size() || entry.spec.dtype == DType::kBool) return std::nullopt;
+  absl::StatusOr<std::optional<ElementPatch>> patch = chain->For(entry.spec.name);
+  return patch.ok() ? *std::move(patch) : std::nullopt;  // a patch that cannot compose: the tensor
+}
+
 bool IsCostlySelection(const v1::Selection& selection) {
   return !selection.include().empty() || !selection.exclude().empty() || !selection.renames().empty() ||
          !selection.shard().rules().empty() || !selection.shard().scales().empty() ||

@@ -9,8 +9,11 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "core/catalog/element_patch.h"
 #include "core/catalog/registry.h"
+#include "core/catalog/version_patches.h"
 #include "core/select/apply.h"
+#include "core/select/served.h"
 #include "core/select/snapshot.h"
 #include "weightstore/v1/weight_store.pb.h"
 
@@ -44,6 +47,13 @@ struct PatchesFound {
   std::string reason;  // for DeltaInfo.patch_reason
 };
 PatchesFound FindPatches(const CheckpointRegistry& registry, const Resolved& resolved);
+
+// The element patch of `chain` (may be null) for the tensor `plan` serves,
+// when one is kept and the tensor is served as stored (no cast, shard, slice
+// or transpose; not BOOL, which is normalized when served); what both
+// transports send instead of the tensor.
+std::optional<ElementPatch> ServedPatch(const PatchChain* chain, const Snapshot& snapshot,
+                                        const ServedTensorPlan& plan);
 
 // Returns NotFound for an unknown checkpoint, Aborted when `pinned_version` is
 // set and no longer current, InvalidArgument for a bad selection (naming the

@@ -173,16 +173,6 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     return absl::OkStatus();
   }
 
-  // The element patch that brings the current tensor (plan_) from the
-  // since version, when one is kept and the tensor is served as stored.
-  std::optional<ElementPatch> PatchFor(const Snapshot& snapshot) const {
-    if (patches_ == nullptr || !plan_.is_byte_range()) return std::nullopt;
-    const CheckpointEntry& entry = snapshot.checkpoint().entries()[plan_.entry];
-    if (plan_.byte_size != entry.spec.byte_size() || entry.spec.dtype == DType::kBool) return std::nullopt;
-    absl::StatusOr<std::optional<ElementPatch>> patch = patches_->For(entry.spec.name);
-    return patch.ok() ? *std::move(patch) : std::nullopt;  // a patch that cannot compose: the tensor
-  }
-
   // Writes the next chunk, or finishes.
   void Next() {
     if (cancelled_) {
@@ -213,7 +203,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       // a chunk at a time, so a stream never holds a whole one.
       plan_ = PlanServedTensor(snapshot, snapshot.tensors()[index_]);
       bytes_ = SharedBytes();
-      patch_ = PatchFor(snapshot);
+      patch_ = ServedPatch(patches_.get(), snapshot, plan_);
       if (patch_) {
         bytes_ = patch_->body;
       } else if (plan_.is_byte_range()) {
@@ -230,13 +220,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       if (const ManifestTensor* digest = resolved_.Digest(*plan_.tensor)) {
         chunk.mutable_info()->set_digest(digest->digest.Hex());
       }
-      if (patch_) {
-        v1::TensorPatch* p = chunk.mutable_info()->mutable_patch();
-        p->set_encoding(std::string(PatchEncodingName(patch_->encoding)));
-        p->set_element_size(patch_->element_size);
-        p->set_changed_elements(patch_->changed);
-        p->set_patch_bytes(patch_->body.size());
-      }
+      if (patch_) ToProto(*patch_, chunk.mutable_info()->mutable_patch());
       if (!sent_any_) SetStreamFields(&chunk);
     }
     const bool whole_bytes = patch_.has_value() || plan_.is_byte_range();

@@ -368,7 +368,10 @@ void ShmServer::LogRequest(const v1::ShmRequest& request, const v1::ShmResponse&
       fields["method"] = request.map_tensors().table_only() ? "shm/ListTensors" : "shm/MapTensors";
       checkpoint = request.map_tensors().name();
       if (!request.map_tensors().table_only()) {
-        for (const auto& t : response.map_tensors().tensors()) bytes += t.info().byte_size();
+        for (const auto& t : response.map_tensors().tensors()) {
+          if (!t.info().unchanged())
+            bytes += t.info().has_patch() ? t.info().patch().patch_bytes() : t.info().byte_size();
+        }
       }
       break;
     default:
@@ -446,11 +449,18 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
   response->set_version(resolved->version->version());
   if (resolved->apply_result) ToProto(*resolved->apply_result, response->mutable_apply_result());
   if (!resolved->since_version.empty()) *response->mutable_delta() = resolved->DeltaInfo(0, snapshot.size());
+  std::shared_ptr<const PatchChain> chain;  // with request.patches: from the since version
+  if (request.patches()) {
+    PatchesFound found = FindPatches(*registry_, *resolved);
+    chain = std::move(found.chain);
+    if (response->has_delta()) response->mutable_delta()->set_patch_reason(std::move(found.reason));
+  }
 
   const ChecksumCache& checksums = resolved->version->checksums();
   absl::flat_hash_map<const MappedFile*, uint32_t> segment_of;
   absl::flat_hash_map<const MappedFile*, bool> file_allowed;  // MayPassFile, once per file
   std::vector<ServedTensorPlan> derived;                      // tensors to materialize
+  std::vector<std::pair<size_t, ElementPatch>> patched;       // by tensor index, sent as patches
   uint64_t bytes = 0;
   for (size_t i = 0; i < snapshot.size(); ++i) {
     const SnapshotTensor& t = snapshot.tensors()[i];
@@ -461,6 +471,14 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
     if (resolved->Unchanged(t)) {  // the caller keeps what it mapped
       out->mutable_info()->set_unchanged(true);
       continue;
+    }
+    if (!request.table_only()) {
+      if (std::optional<ElementPatch> patch = ServedPatch(chain.get(), snapshot, plan)) {
+        ToProto(*patch, out->mutable_info()->mutable_patch());
+        bytes += patch->body.size();
+        patched.emplace_back(i, *std::move(patch));
+        continue;
+      }
     }
     bytes += plan.byte_size;
     if (request.table_only()) {
@@ -584,6 +602,38 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
       out->mutable_info()->set_crc32c(*crc);
     }
   }
+  if (!patched.empty()) {
+    // The patches in one sealed memfd, cached under the versions they join
+    // and the tensors they patch (so every worker of a host shares one copy).
+    const CheckpointVersion& version = *resolved->version;
+    std::string key = absl::StrCat("patches|", version.name().size(), ":", version.name(), "|", resolved->since_version,
+                                   "|", version.version(), "|", version.file_version());
+    std::vector<uint64_t> offsets;
+    uint64_t size = 0;
+    for (const auto& [i, patch] : patched) {
+      const std::string& name = snapshot.tensors()[i].source->spec.name;
+      absl::StrAppend(&key, "|", name.size(), ":", name);
+      size = (size + kAlignment - 1) / kAlignment * kAlignment;
+      offsets.push_back(size);
+      size += patch.body.size();
+    }
+    auto fill = [&](SegmentWriter& writer) -> absl::Status {
+      for (size_t k = 0; k < patched.size(); ++k) {
+        WEIGHTSTORE_RETURN_IF_ERROR(writer.Write(offsets[k], patched[k].second.body.span()));
+      }
+      return absl::OkStatus();
+    };
+    WEIGHTSTORE_ASSIGN_OR_RETURN(
+        std::shared_ptr<const MappedFile> segment,
+        cache_->GetOrCreate(key, size, absl::StrCat(request.name(), ": ", patched.size(), " element patches"), fill));
+    const uint32_t index = static_cast<uint32_t>(segments->size());
+    segments->push_back(std::move(segment));
+    for (size_t k = 0; k < patched.size(); ++k) {
+      v1::MappedTensor* out = response->mutable_tensors(static_cast<int>(patched[k].first));
+      out->set_segment(index);
+      out->set_offset(offsets[k]);
+    }
+  }
   if (segments->size() > kMaxFdsPerFrame) {
     return absl::FailedPreconditionError(absl::StrCat("'", request.name(), "' spans ", segments->size(),
                                                       " files; at most ", kMaxFdsPerFrame, " can be passed at once"));
@@ -597,7 +647,7 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
     if (request.table_only() || t.segment() >= window.size()) continue;  // a table: no segments
     auto& [begin, end] = window[t.segment()];
     begin = std::min(begin, t.offset());
-    end = std::max(end, t.offset() + t.info().byte_size());
+    end = std::max(end, t.offset() + (t.info().has_patch() ? t.info().patch().patch_bytes() : t.info().byte_size()));
   }
   for (size_t i = 0; i < segments->size(); ++i) {
     const std::shared_ptr<const MappedFile>& segment = (*segments)[i];

@@ -5,7 +5,8 @@
 //
 // With --updates, weight updates instead: digest cost, watch latency and a
 // delta fetch against a full one (RunUpdates), then element patches of a BF16
-// checkpoint that changes a little everywhere (RunPatches).
+// checkpoint that changes a little everywhere, over gRPC and the socket
+// (RunPatches).
 //
 // Usage: grpc_bench [--gb N] [--updates]   ($WEIGHTSTORED overrides the daemon binary)
 #include <arpa/inet.h>
@@ -68,7 +69,8 @@ class ReusedBufferSink : public client::TensorSink {
 struct Daemon {
   pid_t pid = -1;
   int port = 0;
-  Daemon(const std::string& models, bool copy_payloads) {
+  // `socket`: also serve the same-host socket there.
+  Daemon(const std::string& models, bool copy_payloads, const std::string& socket = "") {
     const std::string port_file = models + "/../port";
     std::filesystem::remove(port_file);
     pid = ::fork();
@@ -82,6 +84,10 @@ struct Daemon {
                                        "--port-file",
                                        port_file};
       if (copy_payloads) args.push_back("--copy-payloads");
+      if (!socket.empty()) {
+        args.push_back("--socket");
+        args.push_back(socket);
+      }
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -403,10 +409,13 @@ int RunPatches(const std::string& models, uint64_t count) {
     std::fprintf(stderr, "bench: %s\n", s.ToString().c_str());
     return 1;
   }
-  Daemon daemon(models, false);
+  const std::string socket = models + "/../ws.sock";
+  Daemon daemon(models, false, socket);
   if (daemon.port == 0) return 1;
   auto store = *client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon.port), Options());
   auto watcher_store = *client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon.port), Options());
+  auto shm = client::ConnectSharedMemoryStore(socket);
+  if (!shm.ok()) return 1;
   client::HeldTensors held;
   if (!client::UpdateTensors(*store, "rl", {}, &held).ok()) return 1;
   std::printf("\nelement patches: %llu MiB of BF16 (%llu tensors [1024, 2048]), every tensor changed per version\n",
@@ -418,7 +427,8 @@ int RunPatches(const std::string& models, uint64_t count) {
   };
   // Three versions of each kind, taking turns; then the medians.
   const Change changes[] = {{"1% at random", 0.01}, {"0.1% at random", 0.001}, {"16 rows of 1024 per tensor", 0}};
-  std::map<std::string, std::vector<std::vector<double>>> runs;  // what: [wire %, diff GB/s, update %, apply %]
+  // what: [wire %, diff GB/s, update %, apply %, socket %, socket patched / copied]
+  std::map<std::string, std::vector<std::vector<double>>> runs;
   for (int round = 0; round < 9; ++round) {
     const Change& change = changes[round % 3];
     for (auto& t : state) {
@@ -450,6 +460,8 @@ int RunPatches(const std::string& models, uint64_t count) {
     const std::string old_version = held.version;
     std::vector<std::vector<std::byte>> copies;
     for (const SharedTensor& t : held.tensors) copies.emplace_back(t.bytes.data(), t.bytes.data() + t.bytes.size());
+    std::vector<std::vector<std::byte>> socket_copies = copies;
+    std::vector<std::vector<std::byte>> targets(count, std::vector<std::byte>(kTensorBytes));
     EventTimer timer(watcher_store.get(), held.version, "rl");
     std::filesystem::rename(next, path);
     ::kill(daemon.pid, SIGHUP);  // rescan: digests and diffs the new version
@@ -474,29 +486,55 @@ int RunPatches(const std::string& models, uint64_t count) {
     const double apply_s = Since(start);
     if (!applied.ok()) return 1;
 
+    // Through the socket, held tensors written in place (a module following
+    // updates): the mapped patches applied, against the changed tensors
+    // mapped whole and copied in (what an update without patches costs).
+    start = Clock::now();
+    auto mapped_patches = (*shm)->MapTensors("rl", since);
+    if (!mapped_patches.ok() || mapped_patches->patches.size() != count) return 1;
+    destinations.clear();
+    for (auto& c : socket_copies) destinations.emplace_back(c);
+    if (!client::ApplyReceivedPatches(mapped_patches->patches, destinations).ok()) return 1;
+    const double socket_patched_s = Since(start);
+    uint64_t socket_bytes = 0;
+    for (const auto& segment : mapped_patches->segments) socket_bytes += segment->size();
+    since.patches = false;
+    start = Clock::now();
+    auto mapped_whole = (*shm)->MapTensors("rl", since);
+    if (!mapped_whole.ok() || mapped_whole->tensors.size() != count) return 1;
+    for (size_t i = 0; i < count; ++i) {
+      std::memcpy(targets[i].data(), mapped_whole->tensors[i].bytes.data(), mapped_whole->tensors[i].bytes.size());
+    }
+    const double socket_copied_s = Since(start);
+
     std::printf(
         "%s: patches %.2f%% of the checkpoint (%llu of %llu tensors patched); diff %.2f GB/s; update %.3f s "
         "(%.2f%% of the bytes) vs full fetch %.3f s (100%%): %.1f%% of the time; apply in place with digest "
-        "checks %.3f s, %.1f%% of the full fetch\n",
+        "checks %.3f s, %.1f%% of the full fetch; socket: patches mapped %.2f%% of the bytes, applied in place "
+        "%.3f s vs changed tensors mapped and copied in %.3f s (%.1f%%)\n",
         change.what, 100.0 * patch_bytes / total, static_cast<unsigned long long>(update->patched.size()),
         static_cast<unsigned long long>(count), total / diff_s / 1e9, update_s, 100.0 * update->fetched_bytes / total,
-        full_s, 100.0 * update_s / full_s, apply_s, 100.0 * apply_s / full_s);
+        full_s, 100.0 * update_s / full_s, apply_s, 100.0 * apply_s / full_s, 100.0 * socket_bytes / total,
+        socket_patched_s, socket_copied_s, 100.0 * socket_patched_s / socket_copied_s);
     runs[change.what].push_back({100.0 * update->fetched_bytes / total, total / diff_s / 1e9, 100.0 * update_s / full_s,
-                                 100.0 * apply_s / full_s});
+                                 100.0 * apply_s / full_s, 100.0 * socket_bytes / total,
+                                 100.0 * socket_patched_s / socket_copied_s});
   }
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
   for (const Change& change : changes) {
-    std::vector<double> column[4];
+    std::vector<double> column[6];
     for (const auto& run : runs[change.what]) {
-      for (int k = 0; k < 4; ++k) column[k].push_back(run[k]);
+      for (int k = 0; k < 6; ++k) column[k].push_back(run[k]);
     }
     std::printf(
         "median of 3, %s: %.2f%% of the bytes on the wire; diff %.2f GB/s; update %.1f%% of a full fetch's time; "
-        "apply %.1f%%\n",
-        change.what, median(column[0]), median(column[1]), median(column[2]), median(column[3]));
+        "apply %.1f%%; socket: %.2f%% of the bytes mapped, patches applied in place in %.1f%% of the time of "
+        "copying the changed tensors in\n",
+        change.what, median(column[0]), median(column[1]), median(column[2]), median(column[3]), median(column[4]),
+        median(column[5]));
   }
   return 0;
 }

@@ -432,15 +432,74 @@ TEST_F(UpdatesTest, ElementPatchesBringHeldTensorsToTheNewVersionBitForBitWithAF
   ExpectSameTensors(cast.tensors, full);
 }
 
+TEST_F(UpdatesTest, ASocketClientMapsOneSegmentOfElementPatchesInsteadOfTheChangedTensors) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::SharedMemoryStore> shm, client::ConnectSharedMemoryStore(socket_));
+  client::HeldTensors held;
+  ASSERT_OK(client::UpdateTensors(*shm, "gpt", {}, &held).status());
+  const std::string since = held.version;
+  for (size_t i = 0; i < model_.size(); ++i) model_.Nudge(i, 0.01);
+  model_.Publish(path_);
+  Rescan();
+
+  // What the socket passes: one sealed memfd of patches, a few percent of the
+  // checkpoint, and no tensor's bytes.
+  client::Query query;
+  query.since_version = since;
+  query.patches = true;
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors mapped, shm->MapTensors("gpt", query));
+  ASSERT_EQ(mapped.patches.size(), model_.size());
+  ASSERT_EQ(mapped.segments.size(), 1u);
+  EXPECT_LE(mapped.segments[0]->size(), model_.bytes() / 20) << "of " << model_.bytes();
+  for (size_t i = 0; i < mapped.tensors.size(); ++i) {
+    EXPECT_TRUE(mapped.descriptions[i].patched) << mapped.descriptions[i].spec.name;
+    EXPECT_TRUE(mapped.tensors[i].bytes.empty());
+  }
+  // Unasked, the changed tensors are mapped as before.
+  query.patches = false;
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors whole, shm->MapTensors("gpt", query));
+  EXPECT_TRUE(whole.patches.empty());
+  ASSERT_EQ(whole.tensors.size(), model_.size());
+  ExpectSameTensors(whole.tensors, model_.tensors());
+
+  // An update applies them: into copies of the held tensors, which were the
+  // daemon's read-only mappings...
+  ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*shm, "gpt", {}, &held));
+  EXPECT_TRUE(r.delta) << r.full_reason;
+  EXPECT_EQ(r.patch_failure, "");
+  EXPECT_EQ(r.patched.size(), model_.size());
+  EXPECT_LE(r.fetched_bytes, model_.bytes() / 20);
+  ExpectSameTensors(held.tensors, model_.tensors());
+  // ...and the next one writes those copies in place.
+  std::vector<const std::byte*> memory;
+  for (const SharedTensor& t : held.tensors) memory.push_back(t.bytes.data());
+  for (size_t i = 0; i < model_.size(); ++i) model_.Nudge(i, 0.01);
+  model_.Publish(path_);
+  Rescan();
+  ASSERT_OK_AND_ASSIGN(r, client::UpdateTensors(*shm, "gpt", {}, &held));
+  EXPECT_EQ(r.patched.size(), model_.size());
+  ExpectSameTensors(held.tensors, model_.tensors());
+  for (size_t i = 0; i < held.tensors.size(); ++i) EXPECT_EQ(held.tensors[i].bytes.data(), memory[i]) << i;
+
+  // A sink gets them as it does over gRPC.
+  query.since_version = since;
+  query.patches = true;
+  client::CollectingSink sink;
+  ASSERT_OK(shm->FetchTensors("gpt", query, &sink));
+  EXPECT_TRUE(sink.tensors().empty());
+  EXPECT_EQ(sink.patches().size(), model_.size());
+}
+
 TEST(UpdatesPatchesOffTest, ADaemonKeepingNoPatchesSendsChangedTensorsWhole) {
   const std::string models = testing::MakeScratchDir("updates-nopatch");
   Model model(2);
   model.Publish(models + "/gpt.safetensors");
-  Daemon daemon(models, {"--kept-patch-bytes", "0"});
+  const std::string socket = testing::MakeScratchDir("updates-nopatch-socket") + "/ws.sock";
+  Daemon daemon(models, {"--kept-patch-bytes", "0", "--socket", socket});
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   auto store = *client::ConnectRemoteStore(daemon.address());
   client::HeldTensors held;
   ASSERT_OK(client::UpdateTensors(*store, "gpt", {}, &held).status());
+  client::HeldTensors mapped = held;
   for (size_t i = 0; i < model.size(); ++i) model.Nudge(i, 0.01);
   model.Publish(models + "/gpt.safetensors");
   {
@@ -455,6 +514,12 @@ TEST(UpdatesPatchesOffTest, ADaemonKeepingNoPatchesSendsChangedTensorsWhole) {
   EXPECT_THAT(r.patch_reason, HasSubstr("no element patches are kept from version"));
   EXPECT_EQ(r.fetched_bytes, model.bytes());
   ExpectSameTensors(held.tensors, model.tensors());
+  // The socket says so too, and maps the tensors.
+  auto shm = *client::ConnectSharedMemoryStore(socket);
+  ASSERT_OK_AND_ASSIGN(r, client::UpdateTensors(*shm, "gpt", {}, &mapped));
+  EXPECT_TRUE(r.patched.empty());
+  EXPECT_THAT(r.patch_reason, HasSubstr("no element patches are kept from version"));
+  ExpectSameTensors(mapped.tensors, model.tensors());
 }
 
 TEST_F(UpdatesTest, AWatcherAwayForThreeVersionsCatchesUpInOneStep) {

@@ -643,12 +643,22 @@ class PackageTest(unittest.TestCase):
         self.assertEqual(third.changed, ["weight", "bias"])
         for n, t in trained.state_dict().items():
             self.assertTrue(same_bytes(serving.state_dict()[n], t), n)
-        # The socket maps changed tensors anew: no patches, the same result.
-        mapped = {}
-        on_socket = self.socket.update(mapped, "pkg/rl")
-        self.assertEqual(on_socket.patched, [])
+        # Through the socket: the patches are mapped, and written in place.
+        local = torch.nn.Linear(256, 256).to(torch.bfloat16)
+        on_socket = self.socket.update(local, "pkg/rl")
+        weight = local.weight
+        with torch.no_grad():
+            for p in trained.parameters():
+                flat = p.view(-1)
+                flat[torch.randperm(flat.numel())[:max(1, flat.numel() // 100)]] += 1.0
+        self.publish("pkg/rl", trained.state_dict())
+        on_socket = self.socket.update(local, "pkg/rl", since=on_socket.version)
+        self.assertTrue(on_socket.delta, on_socket.full_reason)
+        self.assertEqual(on_socket.patched, ["weight", "bias"])
+        self.assertLess(on_socket.fetched_bytes, total // 20)
+        self.assertIs(local.weight, weight)
         for n, t in trained.state_dict().items():
-            self.assertTrue(same_bytes(mapped[n], t), n)
+            self.assertTrue(same_bytes(local.state_dict()[n], t), n)
 
     def test_two_watchers_keep_torch_models_equal_to_each_new_version(self):
         # A trainer publishes five versions, each changing another parameter;

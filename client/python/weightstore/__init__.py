@@ -447,7 +447,7 @@ class Store:
         parameters and buffers are copied into, and every fetched name must be
         one of them with the same shape, checked before anything is copied
         (Error FAILED_PRECONDITION otherwise, the module untouched).
-        From a remote store a changed tensor may come as an element patch
+        From a remote or socket store a changed tensor may come as an element patch
         (its changed elements), written in one call with the GIL released into
         a module's CPU tensors in place, or into copies of a dict's; each
         result is checked against the version's digest, and patches that
