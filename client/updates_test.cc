@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/device_patches.h"
 #include "core/catalog/manifest.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/shm/unix_socket.h"
@@ -53,6 +54,24 @@ TEST(ApplyReceivedPatchesTest, PatchesIntoSharedMemoryAreRefusedBeforeAnythingIs
   std::vector<std::span<std::byte>> destinations = {whole, whole};
   EXPECT_THAT(ApplyReceivedPatches(patches, destinations),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("share memory")));
+  EXPECT_EQ(tied, "abcdefgh");
+}
+
+TEST(DevicePatchesTest, DestinationsAreCheckedBeforeAnyGpuIsAsked) {
+  std::string tied = "abcdefgh";
+  const std::vector<ReceivedPatch> patches = {PatchOf("wte", tied, "abcXefgh"), PatchOf("lm_head", tied, "abcYefgh")};
+  std::vector<void*> one = {tied.data()};
+  EXPECT_THAT(ApplyReceivedPatchesOnDevice(patches, one),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("2 patches for 1 destinations")));
+  std::vector<void*> same = {tied.data(), tied.data() + 4};  // overlapping ranges
+  EXPECT_THAT(ApplyReceivedPatchesOnDevice(patches, same),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("share device memory")));
+  ReceivedPatch wrong = patches[0];
+  wrong.spec.shape = {16};
+  std::vector<void*> first = {tied.data()};
+  EXPECT_THAT(ApplyReceivedPatchesOnDevice(std::span(&wrong, 1), first),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the patch of tensor 'wte' is for 8 bytes, the tensor holds 16")));
   EXPECT_EQ(tied, "abcdefgh");
 }
 

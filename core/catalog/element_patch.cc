@@ -283,6 +283,17 @@ absl::Status ApplyPatch(const ElementPatch& patch, std::span<std::byte> tensor) 
   return absl::OkStatus();
 }
 
+absl::Status ForEachRun(const ElementPatch& patch,
+                        const std::function<void(uint64_t start, uint64_t length, const std::byte* values)>& on_run) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(const size_t values_at, ParseRuns(patch, [](uint64_t, uint64_t) {}));
+  const std::byte* values = patch.body.data() + values_at;
+  (void)ParseRuns(patch, [&](uint64_t start, uint64_t length) {
+    on_run(start, length, values);
+    values += length * patch.element_size;
+  });
+  return absl::OkStatus();
+}
+
 absl::Status WritePatched(const ElementPatch& patch, std::span<const std::byte> base,
                           const std::function<absl::Status(absl::string_view)>& out) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(const size_t values_at, ParseRuns(patch, [](uint64_t, uint64_t) {}));

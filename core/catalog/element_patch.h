@@ -71,6 +71,14 @@ absl::Status CheckPatch(const ElementPatch& patch);
 // CheckPatch: on error nothing was written.
 absl::Status ApplyPatch(const ElementPatch& patch, std::span<std::byte> tensor);
 
+// Calls on_run(start, length, values) for each run of `patch` (consecutive
+// positions joined), in order: elements [start, start + length) take the
+// length * element_size bytes at `values` (in the body). Checks the whole
+// patch first (CheckPatch): on error on_run was never called. What writers
+// into memory this process cannot address (a GPU's) plan their copies from.
+absl::Status ForEachRun(const ElementPatch& patch,
+                        const std::function<void(uint64_t start, uint64_t length, const std::byte* values)>& on_run);
+
 // Streams `base` (tensor_bytes() bytes) with `patch` applied to `out`, in
 // order, in pieces: what a patched push stages without holding the tensor.
 // InvalidArgument (before `out` is called) for a patch CheckPatch refuses or a

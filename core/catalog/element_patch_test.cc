@@ -160,6 +160,35 @@ TEST(ElementPatchTest, MalformedPatchesAreRefusedBeforeAnythingIsWritten) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("for 16 bytes, the tensor holds 4")));
 }
 
+TEST(ElementPatchTest, ItsRunsWrittenOneByOneGiveWhatApplyingItGives) {
+  for (uint32_t e : {1u, 2u, 3u}) {
+    SCOPED_TRACE(e);
+    const auto before = RandomBytes(e * 4099, e);
+    auto after = ChangeAtRandom(before, e, 0.05, 11);
+    for (size_t k = 1000 * e; k < 1300 * e; ++k) after[k] ^= std::byte{1};  // a block: one run
+    std::optional<ElementPatch> patch = DiffElements(before, after, e);
+    ASSERT_TRUE(patch.has_value());
+    std::vector<std::byte> written = before;
+    uint64_t changed = 0, runs = 0, next = 0;
+    ASSERT_OK(ForEachRun(*patch, [&](uint64_t start, uint64_t length, const std::byte* values) {
+      EXPECT_GE(start, next);  // in order, never adjacent to the last
+      EXPECT_TRUE(runs == 0 || start > next);
+      std::memcpy(written.data() + start * e, values, length * e);
+      changed += length;
+      next = start + length;
+      ++runs;
+    }));
+    EXPECT_EQ(written, after);
+    EXPECT_EQ(changed, patch->changed);
+    EXPECT_LT(runs, changed);  // the block's positions came joined
+  }
+  int calls = 0;
+  EXPECT_THAT(ForEachRun(Patch(PatchEncoding::kPositions, 2, 8, 2, std::string("\x02\x00\x08xxxx", 7)),
+                         [&](uint64_t, uint64_t, const std::byte*) { ++calls; }),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("past the tensor")));
+  EXPECT_EQ(calls, 0);
+}
+
 TEST(ElementPatchTest, OneCallAppliesAnUpdateOnThreadsAndOneBadPatchLeavesEveryTensorAsItWas) {
   std::vector<std::vector<std::byte>> before, after, held;
   std::vector<ElementPatch> patches;

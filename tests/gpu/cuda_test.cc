@@ -1,13 +1,20 @@
 // CUDA materializers. Every test skips when no GPU is present (CI compiles
 // them; a GPU machine runs them).
+#include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <random>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "client/cuda_materializer.h"
+#include "client/device_patches.h"
 #include "client/materialize.h"
+#include "client/updates.h"
+#include "core/catalog/manifest.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
 #include "server/server.h"
@@ -201,6 +208,126 @@ TEST_F(CudaTest, EachRanksShardLandsOnTheGpuFromEveryStore) {
   }
 }
 
+// `n` elements of `e` bytes, and a copy with some changed: about `fraction`
+// at random, and a block of `block` elements from the middle.
+std::pair<std::string, std::string> Versions(uint32_t e, uint64_t n, double fraction, uint64_t block, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::string before(e * n, '\0');
+  for (char& c : before) c = static_cast<char>(rng());
+  std::string after = before;
+  std::bernoulli_distribution pick(fraction);
+  for (uint64_t k = 0; k < n; ++k) {
+    if (pick(rng) || (k >= n / 2 && k < n / 2 + block)) after[k * e] ^= 0x5a;
+  }
+  return {before, after};
+}
+
+ReceivedPatch PatchBetween(const std::string& name, DType dtype, uint32_t e, const std::string& before,
+                           const std::string& after) {
+  auto bytes = [](const std::string& s) { return std::as_bytes(std::span(s.data(), s.size())); };
+  std::optional<ElementPatch> patch = DiffElements(bytes(before), bytes(after), e);
+  EXPECT_TRUE(patch.has_value()) << name;
+  return {{name, dtype, {after.size() / e}}, DigestBytes(bytes(after)).Hex(), patch.value_or(ElementPatch{})};
+}
+
+std::string DeviceBytes(const void* p, size_t n) {
+  std::string out(n, '\0');
+  EXPECT_EQ(cudaMemcpy(out.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+TEST_F(CudaTest, ElementPatchesScatterIntoDeviceTensorsOfEveryElementSizeAndAlignment) {
+  struct Case {
+    DType dtype;
+    uint32_t e;
+    uint64_t n;
+    double fraction;
+    uint64_t block;   // a block this long is a run of one copy (>= 4 KiB) or of the kernel
+    size_t misalign;  // bytes off an e-aligned address: the bytewise kernel
+  };
+  const Case cases[] = {{DType::kBF16, 2, 1 << 20, 0.01, 16 * 1024, 0},
+                        {DType::kF32, 4, 300000, 0.001, 100, 0},
+                        {DType::kU8, 1, 100001, 0.02, 0, 0},
+                        {DType::kF64, 8, 50000, 0.01, 1024, 0},
+                        {DType::kF16, 2, 70000, 0.01, 5000, 1},
+                        {DType::kF32, 4, 70000, 0.01, 0, 2},
+                        {DType::kC64, 8, 30000, 0.01, 700, 4}};
+  std::vector<ReceivedPatch> patches;
+  std::vector<std::string> after;
+  size_t total = 0;
+  for (const Case& c : cases) total += c.e * c.n + 64;
+  void* memory = nullptr;
+  ASSERT_EQ(cudaMalloc(&memory, total), cudaSuccess);
+  std::vector<void*> destinations;
+  size_t at = 0;
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    const Case& c = cases[i];
+    auto [b, a] = Versions(c.e, c.n, c.fraction, c.block, static_cast<uint32_t>(i));
+    std::byte* to = static_cast<std::byte*>(memory) + at + c.misalign;
+    ASSERT_EQ(cudaMemcpy(to, b.data(), b.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    destinations.push_back(to);
+    patches.push_back(PatchBetween(absl::StrCat("t", i), c.dtype, c.e, b, a));
+    after.push_back(std::move(a));
+    at += (c.e * c.n + 63) / 64 * 64 + 64;
+  }
+  ASSERT_OK(ApplyReceivedPatchesOnDevice(patches, destinations));
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_TRUE(DeviceBytes(destinations[i], after[i].size()) == after[i]) << patches[i].spec.name;
+  }
+  // Device bytes that are not the since version's: the check says which.
+  const char flip = 1;
+  ASSERT_EQ(cudaMemcpy(destinations[0], &flip, 1, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_THAT(ApplyReceivedPatchesOnDevice(std::span(patches).first(1), std::span(destinations).first(1)),
+              testing::StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("tensor 't0' patched on the GPU")));
+  cudaFree(memory);
+}
+
+TEST_F(CudaTest, AWorkerHoldingTensorsOnTheGpuFollowsAnRlStepByPatchesScatteredInPlace) {
+  const std::string models = testing::MakeScratchDir("gpu-rl");
+  std::vector<SharedTensor> tensors;
+  std::vector<std::string> before, after;
+  for (int i = 0; i < 8; ++i) {
+    auto [b, a] = Versions(2, 512 * 1024, 0.01, 0, 100 + i);
+    tensors.push_back({{absl::StrCat("layers.", i, ".weight"), DType::kBF16, {512, 1024}}, SharedBytes::Copy(b)});
+    before.push_back(std::move(b));
+    after.push_back(std::move(a));
+  }
+  testing::WriteFileOrDie(models + "/rl.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
+  server::ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.registry.models_dir = models;
+  ASSERT_OK_AND_ASSIGN(auto server, server::WeightStoreServer::Start(options));
+  ASSERT_OK_AND_ASSIGN(auto store, ConnectRemoteStore(absl::StrCat("127.0.0.1:", server->port())));
+  ASSERT_OK_AND_ASSIGN(auto sink, CudaSink::Create());
+  ASSERT_OK(store->FetchTensors("rl", {}, sink.get()));
+  ASSERT_OK_AND_ASSIGN(std::vector<DeviceTensor> held, sink->Finish());
+  const std::string since = store->GetCheckpoint("rl")->version;
+
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].bytes = SharedBytes::Copy(after[i]);
+  std::this_thread::sleep_for(std::chrono::milliseconds(15));  // coarse timestamps
+  const std::string temporary = models + "/rl.safetensors.tmp";
+  testing::WriteFileOrDie(temporary, *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
+  ASSERT_EQ(std::rename(temporary.c_str(), (models + "/rl.safetensors").c_str()), 0);
+  server->registry().Rescan();
+
+  Query query;
+  query.since_version = since;
+  query.patches = true;
+  ASSERT_OK_AND_ASSIGN(ChangedTensors changed, FetchChanged(*store, "rl", query));
+  ASSERT_EQ(changed.patched.size(), tensors.size()) << changed.patch_reason;
+  std::vector<void*> destinations;
+  for (const ReceivedPatch& p : changed.patched) {
+    auto it = std::find_if(held.begin(), held.end(), [&](const DeviceTensor& t) { return t.spec.name == p.spec.name; });
+    ASSERT_NE(it, held.end());
+    destinations.push_back(it->data());
+  }
+  ASSERT_OK(ApplyReceivedPatchesOnDevice(changed.patched, destinations));
+  for (size_t i = 0; i < held.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(SharedBytes back, CopyToHost(held[i]));
+    EXPECT_TRUE(back.view() == after[i]) << held[i].spec.name;
+  }
+}
+
 TEST(CudaAvailabilityTest, CreatingASinkWithoutAGpuIsAClearError) {
   if (CudaAvailable()) GTEST_SKIP() << "a GPU is present";
   EXPECT_THAT(CudaSink::Create(), testing::StatusIs(absl::StatusCode::kUnavailable));
@@ -209,6 +336,15 @@ TEST(CudaAvailabilityTest, CreatingASinkWithoutAGpuIsAClearError) {
   on_gpu.device = Device::Cuda(0);
   EXPECT_THAT(Materialize(*store, "mixed", {}, on_gpu),
               testing::StatusIs(absl::StatusCode::kUnavailable, ::testing::HasSubstr("cuda:0")));
+}
+
+TEST(CudaAvailabilityTest, PatchingDeviceTensorsWithoutAGpuIsAClearError) {
+  if (CudaAvailable()) GTEST_SKIP() << "a GPU is present";
+  auto [b, a] = Versions(2, 1000, 0.01, 0, 1);
+  const std::vector<ReceivedPatch> patches = {PatchBetween("w", DType::kBF16, 2, b, a)};
+  std::vector<void*> destinations = {b.data()};
+  EXPECT_THAT(ApplyReceivedPatchesOnDevice(patches, destinations),
+              testing::StatusIs(absl::StatusCode::kUnavailable, ::testing::HasSubstr("no CUDA device")));
 }
 
 }  // namespace

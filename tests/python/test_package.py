@@ -660,6 +660,43 @@ class PackageTest(unittest.TestCase):
         for n, t in trained.state_dict().items():
             self.assertTrue(same_bytes(local.state_dict()[n], t), n)
 
+    def test_update_scatters_an_rl_steps_patches_into_a_gpu_module_or_says_there_is_no_gpu(self):
+        def rl_step(module):
+            with torch.no_grad():
+                for p in module.parameters():
+                    flat = p.view(-1)
+                    flat[torch.randperm(flat.numel())[:max(1, flat.numel() // 100)]] += 1.0
+
+        torch.manual_seed(11)
+        trained = torch.nn.Linear(256, 256).to(torch.bfloat16)
+        self.publish("pkg/rl_gpu", trained.state_dict())
+        held = {}
+        first = self.remote.update(held, "pkg/rl_gpu")
+        rl_step(trained)
+        self.publish("pkg/rl_gpu", trained.state_dict())
+        if not torch.cuda.is_available():
+            # The device path fails cleanly without a GPU, before any host
+            # destination of the same call is written.
+            got = self.remote._native.delta("pkg/rl_gpu", weightstore._selection(), first.version, True)
+            self.assertEqual(sorted(got["patched"]), ["bias", "weight"])
+            weight, bias = held["weight"].clone(), held["bias"].clone()
+            destinations = {"weight": (weight.data_ptr(), weight.nbytes, 0), "bias": (bias.data_ptr(), bias.nbytes)}
+            with self.assertRaises(weightstore.Error) as e:
+                self.remote._native.apply_patches(got["patches"], destinations)
+            self.assertEqual(e.exception.code, "UNAVAILABLE" if weightstore._native.has_cuda else "UNIMPLEMENTED")
+            self.assertTrue(same_bytes(bias, held["bias"]))
+            return  # the scatter itself runs where a GPU is
+        serving = torch.nn.Linear(256, 256).to(torch.bfloat16).cuda()
+        on_gpu = self.remote.update(serving, "pkg/rl_gpu")
+        weight = serving.weight
+        rl_step(trained)
+        self.publish("pkg/rl_gpu", trained.state_dict())
+        update = self.remote.update(serving, "pkg/rl_gpu", since=on_gpu.version)
+        self.assertEqual(update.patched, ["weight", "bias"])
+        self.assertIs(serving.weight, weight)
+        for n, t in trained.state_dict().items():
+            self.assertTrue(same_bytes(serving.state_dict()[n].cpu(), t), n)
+
     def test_two_watchers_keep_torch_models_equal_to_each_new_version(self):
         # A trainer publishes five versions, each changing another parameter;
         # two watchers hear of each over gRPC (events come only that way) and

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -30,6 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/device_patches.h"
 #include "client/materialize.h"
 #include "client/store.h"
 #include "client/updates.h"
@@ -546,30 +548,62 @@ class Store {
     return out;
   }
 
-  // Applies `patches` in one call, with the GIL released, on several threads:
-  // each into the memory `destinations` gives for its name, as (address,
-  // bytes) of a writable, contiguous CPU tensor holding it at the since
-  // version; then checks each result's digest (Error DATA_LOSS naming the
-  // tensor otherwise; INVALID_ARGUMENT, with nothing written, for a
-  // malformed patch or a destination that does not fit).
+  // Applies `patches` in one call, with the GIL released: each into the
+  // memory `destinations` gives for its name, as (address, bytes) of a
+  // writable, contiguous CPU tensor holding it at the since version, or
+  // (address, bytes, device) with device >= 0 for a CUDA tensor on that
+  // device (scattered there: client/device_patches.h); then checks each
+  // result's digest (Error DATA_LOSS naming the tensor otherwise;
+  // INVALID_ARGUMENT, with nothing written, for a malformed patch or a
+  // destination that does not fit; UNAVAILABLE or UNIMPLEMENTED for a CUDA
+  // destination without a GPU or in a build without CUDA).
   static void ApplyPatches(const Patches& patches, const py::dict& destinations) {
-    std::vector<std::span<std::byte>> spans;
+    struct Group {
+      std::vector<client::ReceivedPatch> patches;
+      std::vector<std::span<std::byte>> host;
+      std::vector<void*> device;
+    };
+    // GPUs first (-1, host memory, last): a GPU that cannot be used fails
+    // the call before host memory is written.
+    std::map<int, Group, std::greater<int>> by_device;
     for (const client::ReceivedPatch& p : patches.patches) {
       const py::str key(p.spec.name);
       if (!destinations.contains(key)) {
         Raise(absl::InvalidArgumentError(absl::StrCat("no destination for the patch of tensor '", p.spec.name, "'")));
       }
-      const auto [address, bytes] = destinations[key].cast<std::pair<uintptr_t, uint64_t>>();
-      if (address == 0 || bytes != p.spec.byte_size()) {
+      const py::tuple where = destinations[key].cast<py::tuple>();
+      if (where.size() != 2 && where.size() != 3) {
+        Raise(absl::InvalidArgumentError(
+            absl::StrCat("the destination of tensor '", p.spec.name, "' is not (address, bytes[, device])")));
+      }
+      const auto address = where[0].cast<uintptr_t>();
+      const auto bytes = where[1].cast<uint64_t>();
+      const int device = where.size() == 3 ? where[2].cast<int>() : -1;
+      if (address == 0 || bytes != p.spec.byte_size() || device < -1) {
         Raise(absl::InvalidArgumentError(absl::StrCat("the destination of tensor '", p.spec.name, "' holds ", bytes,
                                                       " bytes, the patch is for ", p.spec.byte_size())));
       }
-      spans.emplace_back(reinterpret_cast<std::byte*>(address), bytes);
+      // Every patch is checked before any group writes.
+      if (absl::Status checked = CheckPatch(p.patch); !checked.ok()) {
+        Raise(absl::InvalidArgumentError(
+            absl::StrCat("the patch of tensor '", p.spec.name, "' is malformed: ", checked.message())));
+      }
+      Group& group = by_device[device];
+      group.patches.push_back(p);
+      if (device < 0) {
+        group.host.emplace_back(reinterpret_cast<std::byte*>(address), bytes);
+      } else {
+        group.device.push_back(reinterpret_cast<void*>(address));
+      }
     }
     absl::Status status;
     {
       py::gil_scoped_release release;
-      status = client::ApplyReceivedPatches(patches.patches, spans);
+      for (const auto& [device, group] : by_device) {
+        status = device < 0 ? client::ApplyReceivedPatches(group.patches, group.host)
+                            : client::ApplyReceivedPatchesOnDevice(group.patches, group.device, {.device = device});
+        if (!status.ok()) break;
+      }
     }
     if (!status.ok()) Raise(status);
   }

@@ -246,9 +246,11 @@ def _holds(tensor, dtype, shape):
 
 def _patchable(tensor):
     """Whether an element patch can be written into `tensor`'s memory: a
-    contiguous CPU torch tensor, or a writable C-contiguous numpy array."""
+    contiguous torch tensor on the CPU (or on a CUDA device, in a build with
+    CUDA), or a writable C-contiguous numpy array."""
     if hasattr(tensor, "element_size"):  # torch
-        return tensor.device.type == "cpu" and tensor.is_contiguous()
+        on = tensor.device.type
+        return tensor.is_contiguous() and (on == "cpu" or (on == "cuda" and _native.has_cuda))
     flags = getattr(tensor, "flags", None)
     return flags is not None and flags.c_contiguous and flags.writeable
 
@@ -260,15 +262,21 @@ def _apply_patches(native, got, held, in_place):
     patched tensor}, or None when a patch fails (tensors written in place may
     then be partly written: the caller fetches the changed tensors whole)."""
     targets, destinations = {}, {}
+    on_gpu = False
     for n in got["patched"]:
         t = held[n]
         if hasattr(t, "element_size"):  # torch
             t = t.detach() if in_place else t.detach().clone()
-            destinations[n] = (t.data_ptr(), t.element_size() * t.nelement())
+            device = t.device.index if t.device.type == "cuda" else -1
+            on_gpu = on_gpu or device >= 0
+            destinations[n] = (t.data_ptr(), t.element_size() * t.nelement(), device)
         else:
             t = t if in_place else t.copy()
             destinations[n] = (t.ctypes.data, t.nbytes)
         targets[n] = t
+    if on_gpu:  # the scatter runs on its own stream: torch's pending work (the clones) first
+        import torch
+        torch.cuda.synchronize()
     try:
         native.apply_patches(got["patches"], destinations)
     except Error:
@@ -447,9 +455,10 @@ class Store:
         parameters and buffers are copied into, and every fetched name must be
         one of them with the same shape, checked before anything is copied
         (Error FAILED_PRECONDITION otherwise, the module untouched).
-        From a remote or socket store a changed tensor may come as an element patch
-        (its changed elements), written in one call with the GIL released into
-        a module's CPU tensors in place, or into copies of a dict's; each
+        From a remote or socket store a changed tensor may come as an element
+        patch (its changed elements), written in one call with the GIL released
+        into a module's tensors in place (CPU, or CUDA by a scatter kernel in a
+        build with CUDA), or into copies of a dict's; each
         result is checked against the version's digest, and patches that
         cannot be used are followed by the tensors whole (docs/updates.md).
         Returns an Update."""
