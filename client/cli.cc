@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -20,7 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "client/file_sink.h"
 #include "client/store.h"
-#include "core/catalog/manifest.h"
+#include "client/updates.h"
 #include "core/checkpoint.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/pem.h"
@@ -522,82 +523,44 @@ absl::Status RunWatch(const WatchArgs& args, std::FILE* out) {
 absl::Status RunPush(const PushArgs& args, std::FILE* out) {
   OpenOptions open;
   open.record_layout = args.record_layout;
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> file, Checkpoint::Open(args.file, open));
+  // Every tensor of a file, as views of its mapping where it has one.
+  auto read_all = [&](const std::string& path) -> absl::StatusOr<std::vector<SharedTensor>> {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> c, Checkpoint::Open(path, open));
+    std::vector<SharedTensor> tensors;
+    for (const CheckpointEntry& entry : c->entries()) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, c->Read(entry));
+      tensors.push_back(std::move(t));
+    }
+    return tensors;
+  };
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<SharedTensor> next, read_all(args.file));
   WEIGHTSTORE_ASSIGN_OR_RETURN(auto store, Connect(args.server, "", args.remote));
-  WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing base, store->ListTensors(args.name, {}));
-  absl::flat_hash_map<std::string, const client::TensorDescription*> in_base;
-  bool digests = true;
-  for (const auto& t : base.tensors) {
-    in_base.emplace(t.spec.name, &t);
-    digests &= !t.digest.empty();
-  }
-  std::shared_ptr<const CheckpointManifest> manifest;
-  if (args.only_changed && digests) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(manifest, ComputeManifest(*file, ""));
-  } else if (args.only_changed) {
-    std::fprintf(out, "the daemon computes no tensor digests: pushing every tensor\n");
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing served, store->ListTensors(args.name, {}));
+  if (!args.only_changed) {
+    for (auto& t : served.tensors) t.digest.clear();  // every tensor goes
   }
   // The local copy of the served version, for element patches.
-  std::shared_ptr<const Checkpoint> base_file;
-  std::shared_ptr<const CheckpointManifest> base_manifest;
-  if (!args.base_file.empty() && manifest != nullptr) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(base_file, Checkpoint::Open(args.base_file, open));
-    WEIGHTSTORE_ASSIGN_OR_RETURN(base_manifest, ComputeManifest(*base_file, ""));
+  std::vector<SharedTensor> base;
+  if (!args.base_file.empty() && args.only_changed) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(base, read_all(args.base_file));
   }
-  // A patch of `t` against the base file's tensor of that name, when that
-  // holds the served bytes and the patch is smaller.
-  auto patch_of = [&](const SharedTensor& t,
-                      const std::string& served_digest) -> absl::StatusOr<std::optional<ElementPatch>> {
-    const ManifestTensor* local = base_manifest != nullptr ? base_manifest->Find(t.spec.name) : nullptr;
-    if (local == nullptr || local->digest.Hex() != served_digest) return std::nullopt;
-    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor before, base_file->Read(*base_file->Find(t.spec.name)));
-    std::optional<ElementPatch> patch =
-        DiffElements(before.bytes.span(), t.bytes.span(), PatchElementSize(t.spec.dtype));
-    // Past the daemon's default --max-push-patch-bytes: the tensor goes whole.
-    if (patch && patch->body.size() > (uint64_t{1} << 30)) return std::nullopt;
-    return patch;
-  };
-  client::PushRequest request;
-  request.base_version = base.version;
-  uint64_t bytes = 0, patch_bytes = 0;
-  for (size_t i = 0; i < file->size(); ++i) {
-    const CheckpointEntry& entry = file->entries()[i];
-    auto b = in_base.find(entry.spec.name);
-    const bool replaces =
-        b != in_base.end() && b->second->spec.dtype == entry.spec.dtype && b->second->spec.shape == entry.spec.shape;
-    if (b == in_base.end()) {
-      request.allow_new_tensors = true;
-    } else if (!replaces) {
-      request.remove.push_back(entry.spec.name);  // redefined: removed and pushed anew
-      request.allow_new_tensors = true;
-    } else if (manifest != nullptr && b->second->digest == manifest->tensors()[i].digest.Hex()) {
-      continue;  // unchanged
-    }
-    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, file->Read(entry));
-    if (replaces && manifest != nullptr) {
-      WEIGHTSTORE_ASSIGN_OR_RETURN(std::optional<ElementPatch> patch, patch_of(t, b->second->digest));
-      if (patch) {
-        patch_bytes += patch->body.size();
-        request.patched.push_back({t.spec, *std::move(patch), b->second->digest, manifest->tensors()[i].digest.Hex()});
-        continue;
-      }
-    }
-    bytes += t.bytes.size();
-    request.tensors.push_back(std::move(t));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::PushPlan plan, client::PlanPush(served, next, base));
+  if (args.only_changed && !plan.digests) {
+    std::fprintf(out, "the daemon computes no tensor digests: pushing every tensor\n");
   }
-  for (const auto& t : base.tensors) {
-    if (file->Find(t.spec.name) == nullptr) request.remove.push_back(t.spec.name);
-  }
+  const client::PushRequest& request = plan.request;
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary pushed, store->Push(args.name, request));
+  absl::flat_hash_set<std::string> in_file;
+  for (const SharedTensor& t : next) in_file.insert(t.spec.name);
   size_t removed = 0;  // not counting the redefined
-  for (const std::string& r : request.remove) removed += file->Find(r) == nullptr ? 1 : 0;
-  std::fprintf(out, "pushed %zu of %zu tensors (%s)", request.tensors.size() + request.patched.size(), file->size(),
-               HumanBytes(bytes + patch_bytes).c_str());
+  for (const std::string& r : request.remove) removed += in_file.contains(r) ? 0 : 1;
+  std::fprintf(out, "pushed %zu of %zu tensors (%s)", request.tensors.size() + request.patched.size(), next.size(),
+               HumanBytes(plan.whole_bytes + plan.patch_bytes).c_str());
   if (!request.patched.empty()) {
-    std::fprintf(out, ", %zu as element patches (%s)", request.patched.size(), HumanBytes(patch_bytes).c_str());
+    std::fprintf(out, ", %zu as element patches (%s)", request.patched.size(), HumanBytes(plan.patch_bytes).c_str());
   }
   std::fprintf(out, ", removed %zu: '%s' is now version %s (was %s)\n", removed, args.name.c_str(),
-               pushed.version.c_str(), base.version.c_str());
+               pushed.version.c_str(), served.version.c_str());
   return absl::OkStatus();
 }
 

@@ -261,4 +261,79 @@ absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name
   return result;
 }
 
+absl::StatusOr<PushPlan> PlanPush(const TensorListing& served, std::span<const SharedTensor> next,
+                                  std::span<const SharedTensor> base, uint64_t max_patch_bytes) {
+  PushPlan plan;
+  plan.request.base_version = served.version;
+  absl::flat_hash_map<std::string, const TensorDescription*> in_served;
+  for (const TensorDescription& t : served.tensors) {
+    in_served.emplace(t.spec.name, &t);
+    plan.digests &= !t.digest.empty();
+  }
+  absl::flat_hash_set<std::string> names;
+  for (const SharedTensor& t : next) {
+    if (!names.insert(t.spec.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.spec.name, "' is given twice"));
+    }
+  }
+  absl::flat_hash_map<std::string, const SharedTensor*> in_base;
+  for (const SharedTensor& t : base) in_base.emplace(t.spec.name, &t);
+
+  // Per tensor of `next`, on threads: its digest, and its patch against
+  // `base` where that holds the served bytes.
+  struct Planned {
+    const TensorDescription* served = nullptr;  // replaced as it is (same dtype and shape)
+    std::string digest;
+    std::optional<ElementPatch> patch;
+  };
+  std::vector<Planned> planned(next.size());
+  const auto threads = static_cast<unsigned>(std::max(1, UsableCores()));
+  WEIGHTSTORE_RETURN_IF_ERROR(ParallelFor(next.size(), threads, [&](size_t i) -> absl::Status {
+    const SharedTensor& t = next[i];
+    if (t.bytes.size() != t.spec.byte_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.spec.name, "' has ", t.bytes.size(),
+                                                     " bytes; its shape needs ", t.spec.byte_size()));
+    }
+    auto s = in_served.find(t.spec.name);
+    if (s == in_served.end() || s->second->spec.dtype != t.spec.dtype || s->second->spec.shape != t.spec.shape) {
+      return absl::OkStatus();
+    }
+    Planned& p = planned[i];
+    p.served = s->second;
+    if (!plan.digests) return absl::OkStatus();
+    p.digest = DigestBytes(t.bytes.span()).Hex();
+    auto b = in_base.find(t.spec.name);
+    if (p.digest == p.served->digest || b == in_base.end() || b->second->spec.dtype != t.spec.dtype ||
+        b->second->bytes.size() != t.bytes.size() || DigestBytes(b->second->bytes.span()).Hex() != p.served->digest) {
+      return absl::OkStatus();
+    }
+    p.patch = DiffElements(b->second->bytes.span(), t.bytes.span(), PatchElementSize(t.spec.dtype));
+    if (p.patch && p.patch->body.size() > max_patch_bytes) p.patch.reset();
+    return absl::OkStatus();
+  }));
+
+  for (size_t i = 0; i < next.size(); ++i) {
+    const SharedTensor& t = next[i];
+    Planned& p = planned[i];
+    if (p.served == nullptr) {
+      if (in_served.contains(t.spec.name)) plan.request.remove.push_back(t.spec.name);  // redefined
+      plan.request.allow_new_tensors = true;
+    } else if (plan.digests && p.digest == p.served->digest) {
+      ++plan.unchanged;
+      continue;
+    }
+    if (p.patch) {
+      plan.patch_bytes += p.patch->body.size();
+      plan.request.patched.push_back({t.spec, *std::move(p.patch), p.served->digest, std::move(p.digest)});
+      continue;
+    }
+    plan.whole_bytes += t.bytes.size();
+    plan.request.tensors.push_back(t);
+  }
+  for (const TensorDescription& t : served.tensors) {
+    if (!names.contains(t.spec.name)) plan.request.remove.push_back(t.spec.name);
+  }
+  return plan;
+}
+
 }  // namespace weightstore::client

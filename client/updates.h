@@ -97,6 +97,27 @@ absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& nam
 // case above.
 absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name, Query query, HeldTensors* held);
 
+// What to push to make `next` (every tensor of the new version) the version
+// after the one `served` lists (ListTensors of the whole checkpoint):
+// tensors whose dtype, shape and digest are the served ones' are left out; a
+// changed one that `base` (what the caller pushed last, as it was) holds
+// with the served digest goes as an element patch where that is smaller and
+// at most `max_patch_bytes` (the daemon's --max-push-patch-bytes); the rest
+// go whole; served tensors `next` lacks are removed, and tensors the served
+// version lacks (or holds with another dtype or shape) are added. Without
+// digests in `served` (a daemon with --tensor-digests=false) every tensor of
+// `next` goes whole. Bytes are shared, not copied; digests and diffs run on
+// several threads. InvalidArgument for two tensors of one name in `next`.
+struct PushPlan {
+  PushRequest request;  // for Store::Push(name, request)
+  uint64_t whole_bytes = 0, patch_bytes = 0;
+  size_t unchanged = 0;
+  bool digests = true;  // false: `served` had none, and nothing was left out
+};
+absl::StatusOr<PushPlan> PlanPush(const TensorListing& served, std::span<const SharedTensor> next,
+                                  std::span<const SharedTensor> base = {},
+                                  uint64_t max_patch_bytes = uint64_t{1} << 30);
+
 }  // namespace weightstore::client
 
 #endif  // WEIGHTSTORE_CLIENT_UPDATES_H_

@@ -57,6 +57,71 @@ TEST(ApplyReceivedPatchesTest, PatchesIntoSharedMemoryAreRefusedBeforeAnythingIs
   EXPECT_EQ(tied, "abcdefgh");
 }
 
+SharedTensor U8(const std::string& name, const std::string& bytes) {
+  return {{name, DType::kU8, {bytes.size()}}, SharedBytes::Copy(bytes)};
+}
+
+// A listing of `tensors` as a daemon with digests serves them.
+TensorListing Served(const std::vector<SharedTensor>& tensors) {
+  TensorListing listing;
+  listing.version = "v1";
+  for (const SharedTensor& t : tensors) {
+    TensorDescription d;
+    d.spec = t.spec;
+    d.digest = DigestBytes(t.bytes.span()).Hex();
+    listing.tensors.push_back(d);
+  }
+  return listing;
+}
+
+TEST(PlanPushTest, UnchangedTensorsStayChangedOnesGoAsPatchesAgainstTheBaseOrWholeAndTheGoneAreRemoved) {
+  const std::string a(4096, 'a'), b(4096, 'b');
+  std::string a2 = a, b2 = b;
+  a2[100] = 'x';
+  b2[7] = 'y';
+  const std::vector<SharedTensor> v1 = {U8("same", "unchanged"), U8("a", a), U8("b", b), U8("gone", "x"),
+                                        U8("redefined", "xy")};
+  // The trainer's base holds "a" as served, and "b" otherwise (a stale copy).
+  const std::vector<SharedTensor> base = {U8("a", a), U8("b", b2)};
+  const std::vector<SharedTensor> v2 = {U8("same", "unchanged"), U8("a", a2), U8("b", b2), U8("new", "n"),
+                                        U8("redefined", "xyz")};
+  ASSERT_OK_AND_ASSIGN(PushPlan plan, PlanPush(Served(v1), v2, base));
+  EXPECT_TRUE(plan.digests);
+  EXPECT_EQ(plan.unchanged, 1u);
+  EXPECT_EQ(plan.request.base_version, "v1");
+  ASSERT_EQ(plan.request.patched.size(), 1u);
+  const PushRequest::Patched& p = plan.request.patched[0];
+  EXPECT_EQ(p.spec.name, "a");
+  EXPECT_EQ(p.base_digest, DigestBytes(std::as_bytes(std::span(a.data(), a.size()))).Hex());
+  EXPECT_EQ(p.digest, DigestBytes(std::as_bytes(std::span(a2.data(), a2.size()))).Hex());
+  std::string patched = a;
+  ASSERT_OK(ApplyPatch(p.patch, std::as_writable_bytes(std::span(patched.data(), patched.size()))));
+  EXPECT_EQ(patched, a2);
+  EXPECT_EQ(plan.patch_bytes, p.patch.body.size());
+  std::vector<std::string> whole;
+  for (const SharedTensor& t : plan.request.tensors) whole.push_back(t.spec.name);
+  EXPECT_THAT(whole, ::testing::ElementsAre("b", "new", "redefined"));
+  EXPECT_EQ(plan.whole_bytes, b2.size() + 1 + 3);
+  EXPECT_THAT(plan.request.remove, ::testing::UnorderedElementsAre("redefined", "gone"));
+  EXPECT_TRUE(plan.request.allow_new_tensors);
+
+  // A patch past the bound goes whole; without digests, everything does.
+  ASSERT_OK_AND_ASSIGN(plan, PlanPush(Served(v1), v2, base, /*max_patch_bytes=*/1));
+  EXPECT_TRUE(plan.request.patched.empty());
+  TensorListing no_digests = Served(v1);
+  for (TensorDescription& d : no_digests.tensors) d.digest.clear();
+  ASSERT_OK_AND_ASSIGN(plan, PlanPush(no_digests, v2, base));
+  EXPECT_FALSE(plan.digests);
+  EXPECT_EQ(plan.request.tensors.size(), v2.size());
+  EXPECT_THAT(PlanPush(Served(v1), std::vector<SharedTensor>{U8("a", a), U8("a", a2)}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tensor 'a' is given twice")));
+  SharedTensor short_one = U8("a", a);
+  short_one.spec.shape = {5000};
+  EXPECT_THAT(
+      PlanPush(Served(v1), std::vector<SharedTensor>{short_one}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tensor 'a' has 4096 bytes; its shape needs 5000")));
+}
+
 TEST(DevicePatchesTest, DestinationsAreCheckedBeforeAnyGpuIsAsked) {
   std::string tied = "abcdefgh";
   const std::vector<ReceivedPatch> patches = {PatchOf("wte", tied, "abcXefgh"), PatchOf("lm_head", tied, "abcYefgh")};

@@ -101,7 +101,8 @@ def cases(seed, count):
     rng = random.Random(seed)
     out = []
     for _ in range(count):
-        kind = rng.choice(["tensors", "describe", "info", "update", "safe_open", "slice", "connect", "load_into"])
+        kind = rng.choice(["tensors", "describe", "info", "update", "safe_open", "slice", "connect", "load_into",
+                           "push"])
         kwargs = {}
         for key in rng.sample(SELECTION_KEYS, rng.randrange(4)):
             kwargs[key] = shaped(rng, key) if rng.random() < 0.6 else junk(rng)
@@ -127,6 +128,9 @@ def call(store, weightstore, kind, name, kwargs, extra):
         return store.info(name)
     if kind == "update":
         return store.update(extra[0] if isinstance(extra[0], dict) else {}, name, since=extra[1], **kwargs)
+    if kind == "push":  # the served fixtures are symlinks, which a push never rewrites
+        state = extra[0] if isinstance(extra[0], dict) else {"w": extra[0]}
+        return store.push(name, state, base=extra[1], max_patch_bytes=extra[2])
     if kind == "safe_open":
         with weightstore.safe_open(store, name, framework=extra[0], device=extra[1]) as f:
             return f.keys()

@@ -5,8 +5,10 @@ WS_ADDRESS, WS_SOCKET, WS_MODELS and WS_METRICS (its metrics port); the
 package comes from PYTHONPATH (the build tree) or from a venv it was
 pip-installed into."""
 import glob
+import json
 import os
 import signal
+import struct
 import threading
 import time
 import unittest
@@ -497,6 +499,72 @@ class PackageTest(unittest.TestCase):
         with grpc.insecure_channel(ADDRESS) as channel:
             weight_store_pb2_grpc.WeightStoreStub(channel).Rescan(weight_store_pb2.RescanRequest(), timeout=60)
 
+    def publish_safetensors(self, name, state):
+        """publish(), as a SafeTensors file (written here: Debian's torch 1.13
+        has no safetensors package), which pushes can rewrite."""
+        dtypes = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+        header, blobs, at = {}, [], 0
+        for n, t in state.items():
+            b = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            header[n] = {"dtype": dtypes[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + len(b)]}
+            blobs.append(b)
+            at += len(b)
+        encoded = json.dumps(header).encode()
+        path = os.path.join(MODELS, name + ".safetensors")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
+        os.replace(path + ".tmp", path)
+        with grpc.insecure_channel(ADDRESS) as channel:
+            weight_store_pb2_grpc.WeightStoreStub(channel).Rescan(weight_store_pb2.RescanRequest(), timeout=60)
+
+    def test_update_follows_a_trainer_that_pushes_element_patches_from_python(self):
+        torch.manual_seed(12)
+        trained = torch.nn.Linear(256, 256).to(torch.bfloat16)
+        self.publish_safetensors("pkg/pushed", trained.state_dict())
+        total = sum(t.element_size() * t.nelement() for t in trained.state_dict().values())
+        serving = torch.nn.Linear(256, 256).to(torch.bfloat16)
+        held = self.remote.update(serving, "pkg/pushed")
+        last = {n: t.clone() for n, t in trained.state_dict().items()}  # as pushed: training writes in place
+        with torch.no_grad():
+            for p in trained.parameters():
+                flat = p.view(-1)
+                flat[torch.randperm(flat.numel())[:max(1, flat.numel() // 100)]] += 1.0
+        pushed = self.remote.push("pkg/pushed", trained, base=last)
+        self.assertEqual(pushed.previous_version, held.version)
+        self.assertEqual(sorted(pushed.patched), ["bias", "weight"])
+        self.assertEqual((pushed.whole, pushed.removed, pushed.unchanged), ([], [], 0))
+        self.assertLess(pushed.sent_bytes, total // 20)
+        update = self.remote.update(serving, "pkg/pushed", since=held.version)
+        self.assertEqual(update.version, pushed.version)
+        self.assertEqual(sorted(update.patched), ["bias", "weight"])
+        for n, t in trained.state_dict().items():
+            self.assertTrue(same_bytes(serving.state_dict()[n], t), n)
+        # Nothing changed: the daemon publishes nothing and says so.
+        with self.assertRaises(weightstore.Error) as e:
+            self.remote.push("pkg/pushed", trained)
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("changes nothing", e.exception.message)
+        # Without a base, a changed tensor goes whole and the unchanged stay.
+        bias = trained.bias.detach().clone()
+        bias[0] += 1.0
+        pushed = self.remote.push("pkg/pushed", {"weight": trained.weight, "bias": bias})
+        self.assertEqual((pushed.whole, pushed.patched, pushed.unchanged), (["bias"], [], 1))
+        # numpy arrays push too: a tensor of another dtype replaces the served
+        # one, new ones are added and those the state lacks removed.
+        extra = np.arange(4, dtype=np.int32)
+        pushed = self.remote.push("pkg/pushed", {"bias": bias.float().numpy(), "extra": extra})
+        self.assertEqual(sorted(pushed.whole), ["bias", "extra"])
+        self.assertEqual(sorted(pushed.removed), ["bias", "weight"])
+        got = self.remote.tensors("pkg/pushed")
+        self.assertEqual(sorted(got), ["bias", "extra"])
+        self.assertTrue(same_bytes(got["bias"], bias.float()))
+        self.assertTrue(same_bytes(got["extra"], torch.arange(4, dtype=torch.int32)))
+        # Only a daemon reached over gRPC takes pushes.
+        with self.assertRaises(weightstore.Error) as e:
+            self.socket.push("pkg/pushed", trained)
+        self.assertEqual(e.exception.code, "UNIMPLEMENTED")
+
     def test_update_fetches_only_the_changed_tensors_into_a_dict(self):
         weights = {f"layer.{i}.weight": torch.randn(64, 64) for i in range(10)}
         self.publish("pkg/upd", weights)
@@ -680,7 +748,8 @@ class PackageTest(unittest.TestCase):
             got = self.remote._native.delta("pkg/rl_gpu", weightstore._selection(), first.version, True)
             self.assertEqual(sorted(got["patched"]), ["bias", "weight"])
             weight, bias = held["weight"].clone(), held["bias"].clone()
-            destinations = {"weight": (weight.data_ptr(), weight.nbytes, 0), "bias": (bias.data_ptr(), bias.nbytes)}
+            size = lambda t: t.element_size() * t.nelement()  # torch 1.13 has no Tensor.nbytes
+            destinations = {"weight": (weight.data_ptr(), size(weight), 0), "bias": (bias.data_ptr(), size(bias))}
             with self.assertRaises(weightstore.Error) as e:
                 self.remote._native.apply_patches(got["patches"], destinations)
             self.assertEqual(e.exception.code, "UNAVAILABLE" if weightstore._native.has_cuda else "UNIMPLEMENTED")

@@ -387,6 +387,27 @@ struct Patches {
   std::vector<client::ReceivedPatch> patches;
 };
 
+// Views of caller-owned memory, [(name, dtype, shape, address, bytes)], as
+// tensors (not copied: the caller keeps the memory alive for the call).
+std::vector<SharedTensor> Views(const py::list& tensors) {
+  std::vector<SharedTensor> out;
+  for (const py::handle& item : tensors) {
+    const auto [name, dtype_name, shape, address, bytes] =
+        item.cast<std::tuple<std::string, std::string, std::vector<uint64_t>, uintptr_t, uint64_t>>();
+    std::optional<DType> dtype = ParseDType(dtype_name);
+    if (!dtype)
+      Raise(absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' has an unknown dtype '", dtype_name, "'")));
+    TensorSpec spec{name, *dtype, shape};
+    if (bytes != spec.byte_size() || (address == 0 && bytes > 0)) {
+      Raise(absl::InvalidArgumentError(
+          absl::StrCat("tensor '", name, "' has ", bytes, " bytes; its shape needs ", spec.byte_size())));
+    }
+    out.push_back({std::move(spec), SharedBytes(nullptr, std::span<const std::byte>(
+                                                             reinterpret_cast<const std::byte*>(address), bytes))});
+  }
+  return out;
+}
+
 class Store {
  public:
   Store(std::unique_ptr<client::Store> store, client::SharedMemoryStore* shm, std::string kind)
@@ -545,6 +566,39 @@ class Store {
     out["patch_bytes"] = patch_bytes;
     out["patch_reason"] = changed.patch_reason;
     out["patches"] = Patches{std::move(changed.patched)};
+    return out;
+  }
+
+  // Publishes `tensors`, [(name, dtype, shape, address, bytes)] of contiguous
+  // CPU memory the caller keeps alive and unchanged for the call, as the next
+  // version of `name` (client::PlanPush against the served version, with
+  // `base`, in the same form, for element patches; then Store::Push), with
+  // the GIL released. Returns {version, previous_version, whole, patched,
+  // removed, unchanged, whole_bytes, patch_bytes}.
+  py::dict Push(const std::string& name, const py::list& tensors, const py::list& base, uint64_t max_patch_bytes) {
+    std::vector<SharedTensor> next = Views(tensors), held = Views(base);
+    absl::StatusOr<client::PushPlan> plan;
+    absl::StatusOr<client::CheckpointSummary> pushed;
+    {
+      py::gil_scoped_release release;
+      absl::StatusOr<client::TensorListing> served = store_->ListTensors(name, {});
+      plan = served.ok() ? client::PlanPush(*served, next, held, max_patch_bytes)
+                         : absl::StatusOr<client::PushPlan>(served.status());
+      pushed = plan.ok() ? store_->Push(name, plan->request) : absl::StatusOr<client::CheckpointSummary>(plan.status());
+    }
+    if (!pushed.ok()) Raise(pushed.status());
+    py::dict out;
+    out["version"] = pushed->version;
+    out["previous_version"] = plan->request.base_version;
+    py::list whole, patched;
+    for (const SharedTensor& t : plan->request.tensors) whole.append(t.spec.name);
+    for (const client::PushRequest::Patched& p : plan->request.patched) patched.append(p.spec.name);
+    out["whole"] = whole;
+    out["patched"] = patched;
+    out["removed"] = plan->request.remove;
+    out["unchanged"] = plan->unchanged;
+    out["whole_bytes"] = plan->whole_bytes;
+    out["patch_bytes"] = plan->patch_bytes;
     return out;
   }
 
@@ -745,6 +799,7 @@ PYBIND11_MODULE(_native, m) {
       .def("fetch_to_device", &Store::FetchToDevice, py::arg("name"), py::arg("selection"), py::arg("device"))
       .def("delta", &Store::Delta, py::arg("name"), py::arg("selection"), py::arg("since"), py::arg("patches") = false)
       .def_static("apply_patches", &Store::ApplyPatches, py::arg("patches"), py::arg("destinations"))
+      .def("push", &Store::Push, py::arg("name"), py::arg("tensors"), py::arg("base"), py::arg("max_patch_bytes"))
       .def("watch", &Store::Watch, py::arg("name"), py::arg("prefix"), py::arg("known"), py::arg("callback"));
   m.def("connect", &Connect, py::arg("url"), py::arg("token") = "", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
         py::arg("tls_key") = "", py::arg("parallel_streams") = 0, py::arg("pipeline") = py::none(),

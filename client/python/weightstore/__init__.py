@@ -6,6 +6,7 @@ numpy tensors, through the C++ client.
     tensors = store.tensors("llama/8b", include=[r"^model\\.layers\\.0\\."], dtype="bf16")
     result = store.load_into(model, "llama/8b", rename=[(r"^model\\.", "")])
     update = store.update(model, "llama/8b", since=held_version)  # only what changed since
+    pushed = store.push("policy", model, base=last_pushed)  # a trainer publishes what changed
 
 Tensors come without a copy: a fetch lands in memory the tensors own, and a
 socket store maps the daemon's shared memory copy-on-write (a tensor written
@@ -23,7 +24,7 @@ try:
 except ImportError as e:  # the stubs in weightstore.v1 stay usable without the extension
     _native, _native_error = None, e
 
-__all__ = ["connect", "Store", "Error", "TensorInfo", "LoadResult", "Update", "tune_allocator_for_streaming",
+__all__ = ["connect", "Store", "Error", "TensorInfo", "LoadResult", "Update", "Push", "tune_allocator_for_streaming",
            "safe_open"]
 
 # SafeTensors dtype -> torch's name for it. torch has the unsigned 16-64 bit
@@ -102,6 +103,53 @@ class Update:
     fetched_bytes: int  # received: whole tensors and element patches
     patched: list = dataclasses.field(default_factory=list)  # of `changed`, those that came as element patches
     patch_reason: str = ""  # why changed tensors came whole: the daemon keeps no patches from `since`
+
+
+@dataclasses.dataclass
+class Push:
+    """What Store.push published."""
+    version: str           # the new version
+    previous_version: str  # the version it replaced
+    whole: list            # tensors sent whole (changed, new, or redefined)
+    patched: list          # tensors sent as element patches of `base`'s
+    removed: list          # served tensors the state lacks (and those redefined)
+    unchanged: int         # tensors left out: the served digest is theirs
+    sent_bytes: int        # whole tensors and patches sent
+
+
+_FROM_TORCH = {torch_name: name for name, torch_name in _TORCH_DTYPES.items()}
+
+
+def _push_views(state, what):
+    """[(name, dtype, shape, address, bytes)] of a dict of tensors or a
+    module's state_dict, and the objects that own that memory (contiguous
+    CPU copies where a tensor was not one), to keep while it is read."""
+    if not isinstance(state, dict):
+        state = state.state_dict()
+    views, keep = [], []
+    for n, t in state.items():
+        if hasattr(t, "element_size"):  # torch
+            t = t.detach()
+            if t.device.type != "cpu" or not t.is_contiguous():
+                t = t.to("cpu").contiguous()
+            dtype = _FROM_TORCH.get(str(t.dtype)[len("torch."):])
+            if dtype is None:
+                raise Error("INVALID_ARGUMENT", f"{what} tensor '{n}' is {t.dtype}, which weightstore does not store")
+            shape = tuple(t.shape)
+            if dtype == "F4":  # two values a byte: the last dimension counts values
+                if not shape:
+                    raise Error("INVALID_ARGUMENT", f"{what} tensor '{n}' is a float4_e2m1fn_x2 scalar")
+                shape = shape[:-1] + (shape[-1] * 2,)
+            views.append((n, dtype, list(shape), t.data_ptr(), t.element_size() * t.nelement()))
+        else:
+            import numpy as np
+            t = np.ascontiguousarray(t)
+            dtype = next((k for k, v in _NUMPY_DTYPES.items() if np.dtype(v) == t.dtype), None)
+            if dtype is None:
+                raise Error("INVALID_ARGUMENT", f"{what} tensor '{n}' is {t.dtype}, which weightstore does not store")
+            views.append((n, dtype, list(t.shape), t.ctypes.data, t.nbytes))
+        keep.append(t)
+    return views, keep
 
 
 def connect(url, *, token=None, tls_ca="", tls_cert="", tls_key="", parallel_streams=0, pipeline=None,
@@ -545,6 +593,27 @@ class Store:
         return Update(version=got["version"], delta=delta, full_reason="" if delta else full_reason,
                       changed=changed, added=added, removed=removed, fetched_bytes=nbytes,
                       patched=[n for n in changed if n in patched], patch_reason=got["patch_reason"])
+
+    def push(self, name, state, base=None, max_patch_bytes=1 << 30):
+        """Publishes `state` (a dict of tensors by name, or a torch module)
+        as the next version of checkpoint `name` on the daemon (a remote
+        store; the admin scope). Only what changed since the served version
+        is sent: tensors whose digest is the served one's are left out, and a
+        changed tensor that `base` holds as served (the state pushed last,
+        kept as it was: a copy, since training writes in place) goes as an
+        element patch of it where that is smaller (at most max_patch_bytes,
+        the daemon's --max-push-patch-bytes); the rest go whole. Served
+        tensors `state` lacks are removed, new ones added. Digests, diffs and
+        the upload run with the GIL released; the daemon checks every patch
+        and result and publishes all or nothing (docs/updates.md). Returns a
+        Push."""
+        views, keep = _push_views(state, "state")
+        base_views, base_keep = _push_views(base, "base") if base is not None else ([], [])
+        got = self._native.push(name, views, base_views, int(max_patch_bytes))
+        del keep, base_keep  # read by then
+        return Push(version=got["version"], previous_version=got["previous_version"], whole=got["whole"],
+                    patched=got["patched"], removed=got["removed"], unchanged=got["unchanged"],
+                    sent_bytes=got["whole_bytes"] + got["patch_bytes"])
 
     def watch(self, on_event, name="", prefix="", known=None):
         """Follows checkpoints (one by name, or those under a prefix; all by
