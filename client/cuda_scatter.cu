@@ -33,6 +33,8 @@ __global__ void ScatterBytes(const uint64_t* __restrict__ addresses, const unsig
 int LaunchScatter(const uint64_t* addresses, const void* values, uint64_t count, uint32_t element_size, bool aligned,
                   void* stream) {
   if (count == 0) return cudaSuccess;
+  // An error left pending by an earlier launch would be taken for this one's.
+  (void)cudaGetLastError();
   const auto blocks = static_cast<unsigned>(std::min<uint64_t>((count + kThreads - 1) / kThreads, kMaxBlocks));
   auto s = static_cast<cudaStream_t>(stream);
   switch (aligned ? element_size : 0) {

@@ -1,6 +1,7 @@
 // Element patches applied to tensors in GPU memory: what an update does for
 // held tensors that live on a CUDA device (docs/updates.md). Declared in every
-// build; without CUDA the call is Unimplemented.
+// build; without the CUDA kernel (client/cuda_scatter.cu) the call is
+// Unimplemented.
 #ifndef WEIGHTSTORE_CLIENT_DEVICE_PATCHES_H_
 #define WEIGHTSTORE_CLIENT_DEVICE_PATCHES_H_
 
@@ -21,15 +22,19 @@ struct DevicePatchOptions {
 
 // Applies patches[i] to destinations[i] (memory of options.device holding
 // the tensor as of the since version: patches[i].spec.byte_size() bytes), in
-// one call. Every patch is checked and planned on the host first; then one
-// scatter kernel per element size writes the short runs (an address of 8
-// bytes and the value per element, both copied to the device) and a copy per
-// run of 4 KiB or more writes the long ones, all on one stream; then, with
-// `verify`, each result is checked. InvalidArgument naming the tensor for a
-// malformed patch or a destination of another size, or destinations that
-// overlap (nothing written); Unavailable without a GPU; Unimplemented in a
-// build without CUDA; Internal for a CUDA error once writing began; DataLoss
-// naming the tensor for a result unlike its digest.
+// one call, on a stream of its own that is synchronized before it returns;
+// the caller's current device is restored. First, with nothing written: every
+// destination is checked to lie in options.device's memory, and every patch to
+// parse; the scratch is allocated (pinned and device memory for two batches
+// of at most 2M elements: an 8-byte address and the value each). Then runs of
+// 4 KiB or more are copied as they are and the shorter ones scattered by the
+// kernel, a batch at a time. Then, with `verify`, each result is copied back
+// and checked. InvalidArgument naming the tensor for a malformed patch, a
+// destination of another size or device, or destinations that overlap;
+// ResourceExhausted for scratch that cannot be had; Unavailable without a
+// GPU; Unimplemented in a build without the kernel (all with nothing
+// written). Internal for a CUDA error once writing began (the tensors may be
+// partly written); DataLoss naming the tensor for a result unlike its digest.
 absl::Status ApplyReceivedPatchesOnDevice(std::span<const ReceivedPatch> patches, std::span<void* const> destinations,
                                           const DevicePatchOptions& options = {});
 

@@ -139,6 +139,12 @@ class ShmStore final : public SharedMemoryStore {
         return absl::DataLossError(absl::StrCat(patch ? "the patch of tensor '" : "tensor '", d.spec.name,
                                                 "' lies outside segment ", t.segment(), "'s mapped bytes"));
       }
+      // A patch is parsed twice (checked, then applied): its bytes must be
+      // ones no one can change, as the daemon's sealed memfds are.
+      if (patch && map.segments(static_cast<int>(t.segment())).kind() != pb::Segment::SEALED_MEMFD) {
+        return absl::DataLossError(absl::StrCat("the patch of tensor '", d.spec.name, "' lies in segment ", t.segment(),
+                                                ", which is not a sealed memfd"));
+      }
       SharedBytes bytes = out.segments[t.segment()]->bytes().Subspan(t.offset() - segment->offset(), size);
       if (patch) {  // applied by the caller, checked against the digest
         patch->body = std::move(bytes);

@@ -236,6 +236,10 @@ TEST(SocketPatchesTest, ASocketPatchIsMappedFromItsSegmentAndBadOnesAreRefusedNa
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("invalid patch of tensor 'w': 64 bytes")));
   EXPECT_THAT(MapFrom(PatchAnswer(1, 60, 4090), true),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("the patch of tensor 'w' lies outside segment 0")));
+  pb::ShmResponse unsealed = PatchAnswer(1, 2, 128);  // a file anyone may write
+  unsealed.mutable_map_tensors()->mutable_segments(0)->set_kind(pb::Segment::FILE);
+  EXPECT_THAT(MapFrom(unsealed, true), StatusIs(absl::StatusCode::kDataLoss,
+                                                HasSubstr("the patch of tensor 'w' lies in segment 0, which is not")));
   pb::ShmResponse unknown = PatchAnswer(1, 2, 128);
   unknown.mutable_map_tensors()->mutable_tensors(0)->mutable_info()->mutable_patch()->set_encoding("xor+zstd");
   EXPECT_THAT(MapFrom(unknown, true), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("unknown encoding 'xor+zstd'")));

@@ -119,6 +119,60 @@ absl::Status ClearStaleSocket(const std::string& path) {
   return absl::OkStatus();
 }
 
+// The element patches a MapTensors answer sends instead of changed tensors.
+struct MappedPatches {
+  std::shared_ptr<const MappedFile> segment;
+  absl::flat_hash_map<size_t, std::pair<ElementPatch, uint64_t>> at;  // by tensor index: the patch, its offset
+};
+
+// The patches of `chain` for `resolved`'s changed tensors served as stored,
+// in one sealed memfd of `cache`, keyed by the versions they join and each
+// patch, so the workers of a host that follow a checkpoint share one copy.
+// ResourceExhausted when they do not fit the cache's budget.
+absl::StatusOr<MappedPatches> MapPatches(SegmentCache& cache, const Resolved& resolved, const PatchChain& chain,
+                                         const std::string& name) {
+  const Snapshot& snapshot = *resolved.snapshot;
+  const CheckpointVersion& version = *resolved.version;
+  MappedPatches out;
+  std::vector<std::pair<size_t, ElementPatch>> patched;
+  for (size_t i = 0; i < snapshot.size(); ++i) {
+    const SnapshotTensor& t = snapshot.tensors()[i];
+    if (resolved.Unchanged(t)) continue;
+    if (std::optional<ElementPatch> patch = ServedPatch(&chain, snapshot, PlanServedTensor(snapshot, t))) {
+      patched.emplace_back(i, *std::move(patch));
+    }
+  }
+  if (patched.empty()) return out;
+  std::string key = absl::StrCat("patches|", version.name().size(), ":", version.name(), "|", resolved.since_version,
+                                 "|", version.version(), "|", version.file_version());
+  std::vector<uint64_t> offsets;
+  uint64_t size = 0;
+  for (const auto& [i, patch] : patched) {
+    const std::string& source = snapshot.tensors()[i].source->spec.name;
+    absl::StrAppend(&key, "|", source.size(), ":", source, ":", static_cast<int>(patch.encoding), ":", patch.changed,
+                    ":", patch.body.size());
+    size = (size + kAlignment - 1) / kAlignment * kAlignment;
+    offsets.push_back(size);
+    size += patch.body.size();
+  }
+  auto fill = [&](SegmentWriter& writer) -> absl::Status {
+    for (size_t k = 0; k < patched.size(); ++k) {
+      WEIGHTSTORE_RETURN_IF_ERROR(writer.Write(offsets[k], patched[k].second.body.span()));
+    }
+    return absl::OkStatus();
+  };
+  WEIGHTSTORE_ASSIGN_OR_RETURN(
+      out.segment, cache.GetOrCreate(key, size, absl::StrCat(name, ": ", patched.size(), " element patches"), fill));
+  if (out.segment->size() != size) {
+    return absl::InternalError(absl::StrCat("the cached patches of '", name, "' are ", out.segment->size(),
+                                            " bytes where ", size, " were made"));
+  }
+  for (size_t k = 0; k < patched.size(); ++k) {
+    out.at.emplace(patched[k].first, std::make_pair(std::move(patched[k].second), offsets[k]));
+  }
+  return out;
+}
+
 }  // namespace
 
 bool PeerCouldWrite(int fd, const ShmPeer& peer) {
@@ -449,18 +503,29 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
   response->set_version(resolved->version->version());
   if (resolved->apply_result) ToProto(*resolved->apply_result, response->mutable_apply_result());
   if (!resolved->since_version.empty()) *response->mutable_delta() = resolved->DeltaInfo(0, snapshot.size());
-  std::shared_ptr<const PatchChain> chain;  // with request.patches: from the since version
+  MappedPatches patches;  // with request.patches: segment 0
   if (request.patches()) {
     PatchesFound found = FindPatches(*registry_, *resolved);
-    chain = std::move(found.chain);
-    if (response->has_delta()) response->mutable_delta()->set_patch_reason(std::move(found.reason));
+    std::string reason = std::move(found.reason);
+    if (found.chain != nullptr && !request.table_only()) {
+      absl::StatusOr<MappedPatches> mapped = MapPatches(*cache_, *resolved, *found.chain, request.name());
+      if (mapped.ok()) {
+        patches = *std::move(mapped);
+      } else if (absl::IsResourceExhausted(mapped.status())) {  // the tensors are mapped instead
+        reason = absl::StrCat("the element patches do not fit the segment budget (--shm-budget): ",
+                              mapped.status().message());
+      } else {
+        return mapped.status();
+      }
+    }
+    if (response->has_delta()) response->mutable_delta()->set_patch_reason(std::move(reason));
+    if (patches.segment != nullptr) segments->push_back(patches.segment);
   }
 
   const ChecksumCache& checksums = resolved->version->checksums();
   absl::flat_hash_map<const MappedFile*, uint32_t> segment_of;
   absl::flat_hash_map<const MappedFile*, bool> file_allowed;  // MayPassFile, once per file
   std::vector<ServedTensorPlan> derived;                      // tensors to materialize
-  std::vector<std::pair<size_t, ElementPatch>> patched;       // by tensor index, sent as patches
   uint64_t bytes = 0;
   for (size_t i = 0; i < snapshot.size(); ++i) {
     const SnapshotTensor& t = snapshot.tensors()[i];
@@ -472,13 +537,13 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
       out->mutable_info()->set_unchanged(true);
       continue;
     }
-    if (!request.table_only()) {
-      if (std::optional<ElementPatch> patch = ServedPatch(chain.get(), snapshot, plan)) {
-        ToProto(*patch, out->mutable_info()->mutable_patch());
-        bytes += patch->body.size();
-        patched.emplace_back(i, *std::move(patch));
-        continue;
-      }
+    if (auto p = patches.at.find(i); p != patches.at.end()) {
+      const auto& [patch, offset] = p->second;
+      ToProto(patch, out->mutable_info()->mutable_patch());
+      out->set_segment(0);
+      out->set_offset(offset);
+      bytes += patch.body.size();
+      continue;
     }
     bytes += plan.byte_size;
     if (request.table_only()) {
@@ -600,38 +665,6 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
         WEIGHTSTORE_RETURN_IF_ERROR(checksums.Store(derived[k].key, *crc));
       }
       out->mutable_info()->set_crc32c(*crc);
-    }
-  }
-  if (!patched.empty()) {
-    // The patches in one sealed memfd, cached under the versions they join
-    // and the tensors they patch (so every worker of a host shares one copy).
-    const CheckpointVersion& version = *resolved->version;
-    std::string key = absl::StrCat("patches|", version.name().size(), ":", version.name(), "|", resolved->since_version,
-                                   "|", version.version(), "|", version.file_version());
-    std::vector<uint64_t> offsets;
-    uint64_t size = 0;
-    for (const auto& [i, patch] : patched) {
-      const std::string& name = snapshot.tensors()[i].source->spec.name;
-      absl::StrAppend(&key, "|", name.size(), ":", name);
-      size = (size + kAlignment - 1) / kAlignment * kAlignment;
-      offsets.push_back(size);
-      size += patch.body.size();
-    }
-    auto fill = [&](SegmentWriter& writer) -> absl::Status {
-      for (size_t k = 0; k < patched.size(); ++k) {
-        WEIGHTSTORE_RETURN_IF_ERROR(writer.Write(offsets[k], patched[k].second.body.span()));
-      }
-      return absl::OkStatus();
-    };
-    WEIGHTSTORE_ASSIGN_OR_RETURN(
-        std::shared_ptr<const MappedFile> segment,
-        cache_->GetOrCreate(key, size, absl::StrCat(request.name(), ": ", patched.size(), " element patches"), fill));
-    const uint32_t index = static_cast<uint32_t>(segments->size());
-    segments->push_back(std::move(segment));
-    for (size_t k = 0; k < patched.size(); ++k) {
-      v1::MappedTensor* out = response->mutable_tensors(static_cast<int>(patched[k].first));
-      out->set_segment(index);
-      out->set_offset(offsets[k]);
     }
   }
   if (segments->size() > kMaxFdsPerFrame) {

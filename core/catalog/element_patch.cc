@@ -287,11 +287,12 @@ absl::Status ForEachRun(const ElementPatch& patch,
                         const std::function<void(uint64_t start, uint64_t length, const std::byte* values)>& on_run) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(const size_t values_at, ParseRuns(patch, [](uint64_t, uint64_t) {}));
   const std::byte* values = patch.body.data() + values_at;
-  (void)ParseRuns(patch, [&](uint64_t start, uint64_t length) {
-    on_run(start, length, values);
-    values += length * patch.element_size;
-  });
-  return absl::OkStatus();
+  return ParseRuns(patch,
+                   [&](uint64_t start, uint64_t length) {
+                     on_run(start, length, values);
+                     values += length * patch.element_size;
+                   })
+      .status();
 }
 
 absl::Status WritePatched(const ElementPatch& patch, std::span<const std::byte> base,

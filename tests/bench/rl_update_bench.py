@@ -10,7 +10,13 @@ fetched whole into the module (store.update with since=None), the per-tensor
 delta's cost when every tensor changed. Prints bytes received and times per
 step, and their medians.
 
-Usage: build-tools/venv/bin/python tests/bench/rl_update_bench.py [--build build] [--gb 1] [--steps 5]
+With --push the trainer publishes by store.push(name, trainer, base=last)
+instead (only the changed elements, as element patches against its copy of
+what it pushed last), taking turns with a push without a base (the changed
+tensors whole), and the worker follows each; prints both pushes' times and
+the worker's updates.
+
+Usage: build-tools/venv/bin/python tests/bench/rl_update_bench.py [--build build] [--gb 1] [--steps 5] [--push]
 """
 import argparse
 import os
@@ -33,6 +39,7 @@ def main():
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
     parser.add_argument("--gb", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--push", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(args.build, "python"))
     import weightstore
@@ -63,6 +70,9 @@ def main():
         held = store.update(worker, "policy")
         print(f"rl_update_bench: {total >> 20} MiB of BF16 in {layers} weights [2048, 2048], 1% of each changed "
               f"per step, gRPC on loopback, torch {torch.__version__}")
+        if args.push:
+            run_pushes(store, trainer, worker, held, total, layers, args.steps)
+            return
         patched_s, whole_s, fractions = [], [], []
         for step in range(args.steps):
             with torch.no_grad():
@@ -92,6 +102,44 @@ def main():
         daemon.terminate()
         daemon.wait()
         shutil.rmtree(work)
+
+
+def rl_step(module):
+    """1% of every weight's elements move, at random."""
+    with torch.no_grad():
+        for p in module.parameters():
+            flat = p.view(-1)
+            flat[torch.randint(0, flat.numel(), (flat.numel() // 100,))] += 0.01
+
+
+def run_pushes(store, trainer, worker, held, total, layers, steps):
+    """--push: steps pushed with a base (patches) and without one (whole), in turns."""
+    last = {n: t.detach().clone() for n, t in trainer.state_dict().items()}
+    times = {"patches": [], "whole": []}
+    copy_s, sent = [], {"patches": [], "whole": []}
+    for step in range(2 * steps):
+        kind = "patches" if step % 2 == 0 else "whole"
+        rl_step(trainer)
+        start = time.perf_counter()
+        pushed = store.push("policy", trainer, base=last if kind == "patches" else None)
+        times[kind].append(time.perf_counter() - start)
+        sent[kind].append(pushed.sent_bytes / total)
+        start = time.perf_counter()
+        for n, t in trainer.state_dict().items():  # the trainer's copy of what it pushed
+            last[n].copy_(t)
+        copy_s.append(time.perf_counter() - start)
+        update = store.update(worker, "policy", since=held.version)
+        same = all(torch.equal(a, b) for a, b in zip(worker.parameters(), trainer.parameters()))
+        print(f"push {step + 1} ({kind}): {len(pushed.patched)} patched, {len(pushed.whole)} whole of {layers}, "
+              f"{100 * sent[kind][-1]:.2f}% of the bytes sent, {times[kind][-1]:.3f} s; the worker's update "
+              f"{100 * update.fetched_bytes / total:.2f}% of the bytes, {len(update.patched)} patched; "
+              f"equal to the trainer's: {same}")
+        held = update
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"median push: with a base {med['patches']:.3f} s ({100 * statistics.median(sent['patches']):.2f}% of the "
+          f"bytes), without {med['whole']:.3f} s ({100 * statistics.median(sent['whole']):.2f}%): "
+          f"{100 * med['patches'] / med['whole']:.1f}% of the time; the base's copy_ "
+          f"{statistics.median(copy_s):.3f} s")
 
 
 if __name__ == "__main__":

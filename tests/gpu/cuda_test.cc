@@ -274,9 +274,14 @@ TEST_F(CudaTest, ElementPatchesScatterIntoDeviceTensorsOfEveryElementSizeAndAlig
   for (size_t i = 0; i < after.size(); ++i) {
     EXPECT_TRUE(DeviceBytes(destinations[i], after[i].size()) == after[i]) << patches[i].spec.name;
   }
-  // Device bytes that are not the since version's: the check says which.
-  const char flip = 1;
-  ASSERT_EQ(cudaMemcpy(destinations[0], &flip, 1, cudaMemcpyHostToDevice), cudaSuccess);
+  // Device bytes that are not the since version's (an element the patch
+  // leaves as it is, changed here): the check says which.
+  auto [b0, a0] = Versions(2, 1 << 20, 0.01, 16 * 1024, 0);  // case 0's versions again
+  size_t same = 0;
+  while (same + 1 < a0.size() && (b0[same] != a0[same] || b0[same + 1] != a0[same + 1])) same += 2;
+  ASSERT_EQ(cudaMemcpy(destinations[0], b0.data(), b0.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  const char flipped = static_cast<char>(b0[same] ^ 1);
+  ASSERT_EQ(cudaMemcpy(static_cast<char*>(destinations[0]) + same, &flipped, 1, cudaMemcpyHostToDevice), cudaSuccess);
   EXPECT_THAT(ApplyReceivedPatchesOnDevice(std::span(patches).first(1), std::span(destinations).first(1)),
               testing::StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("tensor 't0' patched on the GPU")));
   cudaFree(memory);

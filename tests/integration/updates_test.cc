@@ -189,6 +189,14 @@ void ExpectSameTensors(const std::vector<SharedTensor>& got, const std::vector<S
   }
 }
 
+// Has `daemon` rescan its models folder.
+void RescanDaemon(const Daemon& daemon) {
+  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  pb::RescanResponse resp;
+  ASSERT_TRUE(stub->Rescan(&ctx, pb::RescanRequest(), &resp).ok());
+}
+
 class UpdatesTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -215,12 +223,7 @@ class UpdatesTest : public ::testing::Test {
     Rescan();
     return names;
   }
-  void Rescan() {
-    auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    pb::RescanResponse resp;
-    ASSERT_TRUE(stub->Rescan(&ctx, pb::RescanRequest(), &resp).ok());
-  }
+  void Rescan() { RescanDaemon(*daemon_); }
   std::string Version() { return store_->GetCheckpoint("gpt")->version; }
 
   Model model_{6};  // 52 tensors: 10% is 5
@@ -489,6 +492,28 @@ TEST_F(UpdatesTest, ASocketClientMapsOneSegmentOfElementPatchesInsteadOfTheChang
   EXPECT_EQ(sink.patches().size(), model_.size());
 }
 
+TEST(UpdatesPatchesOffTest, PatchesPastTheSegmentBudgetLeaveTheSocketMappingTheTensorsAndSayWhy) {
+  const std::string models = testing::MakeScratchDir("updates-tight");
+  Model model(6);
+  model.Publish(models + "/gpt.safetensors");
+  const std::string socket = testing::MakeScratchDir("updates-tight-socket") + "/ws.sock";
+  // Room for no patch segment; the file itself is passed, as ever.
+  Daemon daemon(models, {"--socket", socket, "--shm-budget", "1024", "--socket-file-segments", "always"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  auto shm = *client::ConnectSharedMemoryStore(socket);
+  client::HeldTensors held;
+  ASSERT_OK(client::UpdateTensors(*shm, "gpt", {}, &held).status());
+  for (size_t i = 0; i < model.size(); ++i) model.Nudge(i, 0.01);
+  model.Publish(models + "/gpt.safetensors");
+  RescanDaemon(daemon);
+  ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*shm, "gpt", {}, &held));
+  EXPECT_TRUE(r.delta) << r.full_reason;
+  EXPECT_TRUE(r.patched.empty());
+  EXPECT_THAT(r.patch_reason, HasSubstr("do not fit the segment budget (--shm-budget)"));
+  EXPECT_EQ(r.changed.size(), model.size());
+  ExpectSameTensors(held.tensors, model.tensors());
+}
+
 TEST(UpdatesPatchesOffTest, ADaemonKeepingNoPatchesSendsChangedTensorsWhole) {
   const std::string models = testing::MakeScratchDir("updates-nopatch");
   Model model(2);
@@ -502,12 +527,7 @@ TEST(UpdatesPatchesOffTest, ADaemonKeepingNoPatchesSendsChangedTensorsWhole) {
   client::HeldTensors mapped = held;
   for (size_t i = 0; i < model.size(); ++i) model.Nudge(i, 0.01);
   model.Publish(models + "/gpt.safetensors");
-  {
-    auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    pb::RescanResponse resp;
-    ASSERT_TRUE(stub->Rescan(&ctx, pb::RescanRequest(), &resp).ok());
-  }
+  RescanDaemon(daemon);
   ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store, "gpt", {}, &held));
   EXPECT_TRUE(r.delta);
   EXPECT_TRUE(r.patched.empty());

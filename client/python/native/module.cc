@@ -32,6 +32,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/device_patches.h"
+#if WEIGHTSTORE_HAVE_CUDA
+#include "client/cuda_materializer.h"
+#endif
 #include "client/materialize.h"
 #include "client/store.h"
 #include "client/updates.h"
@@ -811,4 +814,14 @@ PYBIND11_MODULE(_native, m) {
 #else
   m.attr("has_cuda") = false;
 #endif
+  // Whether element patches can be written into GPU memory here: a build
+  // with the scatter kernel, and a CUDA device its runtime can use (asked
+  // once, by the caller).
+  m.def("cuda_patches_usable", []() -> bool {
+#if WEIGHTSTORE_HAVE_CUDA_KERNELS
+    return weightstore::client::CudaAvailable();
+#else
+    return false;
+#endif
+  });
 }

@@ -292,13 +292,23 @@ def _holds(tensor, dtype, shape):
             tensor.dtype == np.dtype(_NUMPY_DTYPES[dtype]))
 
 
+_CUDA_PATCHES = []  # [usable], asked of the extension once
+
+
+def _cuda_patches_usable():
+    """Whether this build's scatter kernel can write into GPU memory here."""
+    if not _CUDA_PATCHES:
+        _CUDA_PATCHES.append(bool(_native.cuda_patches_usable()))
+    return _CUDA_PATCHES[0]
+
+
 def _patchable(tensor):
     """Whether an element patch can be written into `tensor`'s memory: a
-    contiguous torch tensor on the CPU (or on a CUDA device, in a build with
-    CUDA), or a writable C-contiguous numpy array."""
+    contiguous torch tensor on the CPU (or on a CUDA device, where this
+    build's scatter kernel can run), or a writable C-contiguous numpy array."""
     if hasattr(tensor, "element_size"):  # torch
         on = tensor.device.type
-        return tensor.is_contiguous() and (on == "cpu" or (on == "cuda" and _native.has_cuda))
+        return tensor.is_contiguous() and (on == "cpu" or (on == "cuda" and _cuda_patches_usable()))
     flags = getattr(tensor, "flags", None)
     return flags is not None and flags.c_contiguous and flags.writeable
 
@@ -310,21 +320,26 @@ def _apply_patches(native, got, held, in_place):
     patched tensor}, or None when a patch fails (tensors written in place may
     then be partly written: the caller fetches the changed tensors whole)."""
     targets, destinations = {}, {}
-    on_gpu = False
+    gpus = set()
     for n in got["patched"]:
         t = held[n]
         if hasattr(t, "element_size"):  # torch
             t = t.detach() if in_place else t.detach().clone()
             device = t.device.index if t.device.type == "cuda" else -1
-            on_gpu = on_gpu or device >= 0
+            if device >= 0:
+                gpus.add(device)
             destinations[n] = (t.data_ptr(), t.element_size() * t.nelement(), device)
         else:
             t = t if in_place else t.copy()
             destinations[n] = (t.ctypes.data, t.nbytes)
         targets[n] = t
-    if on_gpu:  # the scatter runs on its own stream: torch's pending work (the clones) first
+    # The scatter runs on a stream of its own, synchronized before the call
+    # returns: torch's work pending on each GPU patched (the clones, a forward
+    # pass) finishes first.
+    if gpus:
         import torch
-        torch.cuda.synchronize()
+        for device in sorted(gpus):
+            torch.cuda.synchronize(device)
     try:
         native.apply_patches(got["patches"], destinations)
     except Error:
@@ -528,7 +543,7 @@ class Store:
         # a dtype) holds other bytes under the same names: fetch everything.
         reselected = bool(since) and self._selections.get((id(state), name, since), key) != key
         # Element patches (docs/updates.md) are asked for when every held
-        # tensor is CPU memory they can be written into.
+        # tensor is memory they can be written into (CPU, or a usable GPU).
         want_patches = patches and bool(since) and not reselected and all(_patchable(t) for t in held.values())
         got = self._native.delta(name, s, "" if reselected else (since or ""), want_patches)
         delta, full_reason = got["delta"], got["full_reason"]
