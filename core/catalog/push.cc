@@ -179,31 +179,30 @@ absl::Status PushSession::EndPatchedTensor(Pushed& t) {
   const CheckpointEntry* entry = base_->checkpoint()->Find(t.spec.name);
   absl::StatusOr<SharedTensor> base = base_->checkpoint()->Read(*entry);
   if (!base.ok()) return absl::DataLossError(absl::StrCat(where, ": ", base.status().message()));
-  // Pieces are as small as an element: gathered into writes of about 1 MiB.
+  // Pieces are as small as an element: gathered into pieces of about 1 MiB.
   std::string buffer;
   buffer.reserve(1 << 20);
-  auto flush = [&] {
-    current_->digest.Update(buffer);
-    absl::Status status = staging_->Append(buffer);
-    buffer.clear();
-    return status;
-  };
   WEIGHTSTORE_RETURN_IF_ERROR(WritePatched(p.header, base->bytes.span(), [&](absl::string_view bytes) {
-    if (buffer.size() + bytes.size() > (1 << 20)) WEIGHTSTORE_RETURN_IF_ERROR(flush());
+    if (buffer.size() + bytes.size() > (1 << 20)) {
+      current_->digest.Update(buffer);
+      buffer.clear();
+    }
     if (bytes.size() >= (1 << 20)) {  // a long unchanged stretch goes as it is
       current_->digest.Update(bytes);
-      return staging_->Append(bytes);
+    } else {
+      buffer.append(bytes.data(), bytes.size());
     }
-    buffer.append(bytes.data(), bytes.size());
     return absl::OkStatus();
   }));
-  WEIGHTSTORE_RETURN_IF_ERROR(flush());
+  current_->digest.Update(buffer);
   t.digest = current_->digest.Finish();
   current_.reset();
   if (t.digest != p.expected) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, " makes bytes with digest ", t.digest.Hex(), "; the client said ", p.expected.Hex()));
   }
+  patches_[t.spec.name] = p.header;
+  t.patch = std::move(p.header);
   return absl::OkStatus();
 }
 
@@ -327,6 +326,17 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   std::vector<ManifestTensor> known;  // digests of what is written: the base's and the pushed
   auto push_bytes = [&](const PushSession::Pushed& p) -> BytesProducer {
     known.push_back({p.spec.name, p.spec.dtype, p.spec.shape, p.digest});
+    if (p.patch) {  // the base's bytes with the patch applied, one tensor at a time
+      std::shared_ptr<const Checkpoint> source = base.checkpoint();
+      const CheckpointEntry* e = source->Find(p.spec.name);
+      const ElementPatch* patch = &*p.patch;
+      return [source, e, patch]() -> absl::StatusOr<SharedBytes> {
+        WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, source->Read(*e));
+        std::vector<std::byte> bytes(t.bytes.data(), t.bytes.data() + t.bytes.size());
+        WEIGHTSTORE_RETURN_IF_ERROR(ApplyPatch(*patch, bytes));
+        return SharedBytes::FromVector(std::move(bytes));
+      };
+    }
     SharedBytes bytes = staged->bytes().Subspan(p.offset, p.spec.byte_size());
     return [bytes] { return absl::StatusOr<SharedBytes>(bytes); };
   };
@@ -416,7 +426,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   Prepare(version.get());
   if (manifest != nullptr) version->SetManifest(std::move(manifest));
   // Element patches from the base, for clients that hold it.
-  std::shared_ptr<const VersionPatches> patches = PatchesBetween(&base, *version);
+  std::shared_ptr<const VersionPatches> patches = PatchesBetween(&base, *version, &session->patches_);
   {
     absl::MutexLock lock(&mu_);
     (void)Watch(name, *version);  // best effort: the synchronous checks remain

@@ -80,6 +80,9 @@ class PushSession {
     TensorSpec spec;
     uint64_t offset = 0;  // in the staging file
     TensorDigest digest;
+    // Came as a patch of the base's tensor: not staged, but applied to the
+    // base's bytes as the new file is written.
+    std::optional<ElementPatch> patch;
   };
   // (No default member initializers: clang decides std::optional<Current>
   // is not default-constructible while the enclosing class is incomplete.)
@@ -108,9 +111,12 @@ class PushSession {
   absl::flat_hash_map<std::string, size_t> by_name_;
   std::optional<Current> current_;
   std::optional<Patch> patch_;
+  // The patches received, checked against their results' digests: the step
+  // kept for clients of the base is made of them (no diff needed).
+  absl::flat_hash_map<std::string, ElementPatch> patches_;
 
-  // EndTensor of a patched tensor `t`: checks the patch and streams the base
-  // through it into the staging file.
+  // EndTensor of a patched tensor `t`: checks the patch, and the digest of
+  // the base streamed through it (nothing is staged: FinishPush applies it).
   absl::Status EndPatchedTensor(Pushed& t);
 };
 

@@ -422,15 +422,17 @@ ScanReport CheckpointRegistry::Rescan() {
   return report;
 }
 
-std::shared_ptr<const VersionPatches> CheckpointRegistry::PatchesBetween(const CheckpointVersion* from,
-                                                                         const CheckpointVersion& to) const {
+std::shared_ptr<const VersionPatches> CheckpointRegistry::PatchesBetween(
+    const CheckpointVersion* from, const CheckpointVersion& to,
+    const absl::flat_hash_map<std::string, ElementPatch>* known) const {
   if (options_.kept_patch_bytes == 0 || from == nullptr || from->manifest() == nullptr || to.manifest() == nullptr ||
       from->version() == to.version() || !from->CheckUnchanged().ok()) {
     return nullptr;
   }
   const unsigned threads = std::min(4u, std::max(1u, std::thread::hardware_concurrency()));
-  absl::StatusOr<std::shared_ptr<const VersionPatches>> patches = DiffVersions(
-      *from->checkpoint(), *from->manifest(), *to.checkpoint(), *to.manifest(), options_.kept_patch_bytes, threads);
+  absl::StatusOr<std::shared_ptr<const VersionPatches>> patches =
+      DiffVersions(*from->checkpoint(), *from->manifest(), *to.checkpoint(), *to.manifest(), options_.kept_patch_bytes,
+                   threads, known);
   // The bytes read must have been the versions' own: neither was written in
   // place meanwhile.
   if (!patches.ok() || !from->CheckUnchanged().ok() || !to.CheckUnchanged().ok()) return nullptr;

@@ -307,10 +307,12 @@ class CheckpointRegistry {
   void Published(const std::string& name, const CheckpointVersion* version,
                  std::shared_ptr<const VersionPatches> patches = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The patches from `from` (may be null) to `to`, diffed while both are
-  // mapped; nullptr when patches are off, either has no manifest, or `from`'s
-  // files changed in place.
-  std::shared_ptr<const VersionPatches> PatchesBetween(const CheckpointVersion* from,
-                                                       const CheckpointVersion& to) const;
+  // mapped (`known` ones taken as they are: DiffVersions); nullptr when
+  // patches are off, either has no manifest, or `from`'s files changed in
+  // place.
+  std::shared_ptr<const VersionPatches> PatchesBetween(
+      const CheckpointVersion* from, const CheckpointVersion& to,
+      const absl::flat_hash_map<std::string, ElementPatch>* known = nullptr) const;
   // Tells the listeners about `names`. Called without mu_ or scan_mu_.
   void Notify(const std::vector<std::string>& names);
   // Collects names and tells the listeners about them when it goes out of

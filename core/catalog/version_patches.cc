@@ -9,11 +9,10 @@
 
 namespace weightstore {
 
-absl::StatusOr<std::shared_ptr<const VersionPatches>> DiffVersions(const Checkpoint& from,
-                                                                   const CheckpointManifest& from_manifest,
-                                                                   const Checkpoint& to,
-                                                                   const CheckpointManifest& to_manifest,
-                                                                   uint64_t max_bytes, unsigned threads) {
+absl::StatusOr<std::shared_ptr<const VersionPatches>> DiffVersions(
+    const Checkpoint& from, const CheckpointManifest& from_manifest, const Checkpoint& to,
+    const CheckpointManifest& to_manifest, uint64_t max_bytes, unsigned threads,
+    const absl::flat_hash_map<std::string, ElementPatch>* known) {
   auto out = std::make_shared<VersionPatches>();
   out->from = from_manifest.version();
   out->to = to_manifest.version();
@@ -40,6 +39,12 @@ absl::StatusOr<std::shared_ptr<const VersionPatches>> DiffVersions(const Checkpo
   WEIGHTSTORE_RETURN_IF_ERROR(ParallelFor(todo.size(), threads, [&](size_t t) -> absl::Status {
     const CheckpointEntry& now = to.entries()[todo[t].first];
     const CheckpointEntry& before = from.entries()[todo[t].second];
+    if (known != nullptr) {
+      if (auto it = known->find(now.spec.name); it != known->end()) {
+        if (kept.fetch_add(it->second.body.size()) + it->second.body.size() <= max_bytes) patches[t] = it->second;
+        return absl::OkStatus();
+      }
+    }
     absl::StatusOr<SharedTensor> a = from.Read(before);
     absl::StatusOr<SharedTensor> b = to.Read(now);
     if (!a.ok() || !b.ok()) {

@@ -36,12 +36,14 @@ struct VersionPatches {
 // Diffs every tensor whose digest, dtype or shape differs between the two
 // versions (their manifests say which), reading both. Patches are kept up to
 // `max_bytes` in all (the rest are whole), computed on up to `threads`
-// threads. DataLoss naming the tensor if either cannot be read.
-absl::StatusOr<std::shared_ptr<const VersionPatches>> DiffVersions(const Checkpoint& from,
-                                                                   const CheckpointManifest& from_manifest,
-                                                                   const Checkpoint& to,
-                                                                   const CheckpointManifest& to_manifest,
-                                                                   uint64_t max_bytes, unsigned threads);
+// threads. `known` (may be null): patches by tensor name already known to
+// turn `from`'s tensor into `to`'s (a patched push's, checked against the
+// result's digest), taken instead of a diff. DataLoss naming the tensor if
+// either cannot be read.
+absl::StatusOr<std::shared_ptr<const VersionPatches>> DiffVersions(
+    const Checkpoint& from, const CheckpointManifest& from_manifest, const Checkpoint& to,
+    const CheckpointManifest& to_manifest, uint64_t max_bytes, unsigned threads,
+    const absl::flat_hash_map<std::string, ElementPatch>* known = nullptr);
 
 // The steps from one version to a later one, oldest first, each step's `to`
 // the next one's `from`. Thread-safe.

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <random>
 
+#include "core/catalog/manifest.h"
+#include "core/catalog/push.h"
 #include "core/catalog/registry.h"
 #include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"
@@ -165,6 +167,33 @@ TEST_F(VersionPatchesTest, APushKeepsPatchesOfThePushedTensorsAgainstItsBase) {
   ASSERT_NE(chain, nullptr);
   EXPECT_EQ(Patched(*chain, "w", w0), w1);
   EXPECT_EQ(*chain->For("b"), std::nullopt);
+}
+
+TEST_F(VersionPatchesTest, APatchedPushKeepsThePatchItReceivedInsteadOfDiffingAgain) {
+  CheckpointRegistry registry({.models_dir = models_, .tensor_digests = true, .kept_patch_bytes = 1 << 20});
+  const std::vector<float> w0(4096, 0.25f);
+  Publish({F32("w", w0)});
+  registry.Rescan();
+  auto base = registry.Get("m");
+  std::vector<float> w1 = w0;
+  w1[100] = 7.0f;
+  // One element as a run: a diff would write it as a position, a byte shorter.
+  std::string body("\x01\x64\x00", 3);
+  body.append(reinterpret_cast<const char*>(&w1[100]), 4);
+  const ElementPatch patch{PatchEncoding::kRuns, 4, 4096, 1, SharedBytes::Copy(body)};
+  const SharedTensor after = F32("w", w1);
+  ASSERT_OK_AND_ASSIGN(auto session, registry.BeginPush("m", {.base_version = base->version()}));
+  ASSERT_OK(session->BeginPatchedTensor(after.spec, Crc32c(body), patch, body.size(),
+                                        base->manifest()->Find("w")->digest, DigestBytes(after.bytes.span())));
+  ASSERT_OK(session->Append(body));
+  ASSERT_OK_AND_ASSIGN(auto pushed, registry.FinishPush(std::move(session)));
+  std::shared_ptr<const PatchChain> chain = registry.FindPatches("m", base->version(), pushed->version());
+  ASSERT_NE(chain, nullptr);
+  ASSERT_OK_AND_ASSIGN(std::optional<ElementPatch> kept, chain->For("w"));
+  ASSERT_TRUE(kept.has_value());
+  EXPECT_EQ(kept->encoding, PatchEncoding::kRuns);
+  EXPECT_EQ(kept->body.view(), body);
+  EXPECT_EQ(Patched(*chain, "w", w0), w1);
 }
 
 }  // namespace
