@@ -11,6 +11,7 @@
 
 #include "client/device_patches.h"
 #include "core/catalog/manifest.h"
+#include "core/host_buffer.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/shm/unix_socket.h"
 #include "tests/util/status_matchers.h"
@@ -140,35 +141,44 @@ TEST(DevicePatchesTest, DestinationsAreCheckedBeforeAnyGpuIsAsked) {
   EXPECT_EQ(tied, "abcdefgh");
 }
 
-// A socket "daemon" that answers one request with `response` and one sealed
-// memfd holding `segment`, as weightstored's socket would: for the answers a
-// real daemon never gives.
-class OneAnswerSocket {
+// A socket "daemon" that answers the requests of one connection in turn, as
+// weightstored's socket would, each with its segment in a sealed memfd (none
+// when empty): for the answers a real daemon never gives.
+class ScriptedSocket {
  public:
-  OneAnswerSocket(pb::ShmResponse response, std::string segment)
-      : path_(testing::MakeScratchDir("fake-shm") + "/s.sock") {
+  struct Answer {
+    pb::ShmResponse response;
+    std::string segment;
+  };
+  explicit ScriptedSocket(std::vector<Answer> answers) : path_(testing::MakeScratchDir("fake-shm") + "/s.sock") {
     listener_ = UniqueFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
     std::strncpy(addr.sun_path, path_.c_str(), sizeof(addr.sun_path) - 1);
     EXPECT_EQ(::bind(listener_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
     EXPECT_EQ(::listen(listener_.get(), 1), 0);
-    thread_ = std::thread([this, response = std::move(response), segment = std::move(segment)] {
+    thread_ = std::thread([this, answers = std::move(answers)] {
       UniqueFd connection(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
       std::string frame;
       std::vector<UniqueFd> fds;
-      if (!RecvFrame(connection.get(), 1 << 20, &frame, &fds).ok()) return;
-      auto memfd = CreateSealedMemfd("fake", segment.size(), [&](std::span<std::byte> out) {
-        std::memcpy(out.data(), segment.data(), segment.size());
-        return absl::OkStatus();
-      });
-      if (!memfd.ok()) return;
-      const int fd = (*memfd)->fd();
-      (void)SendFrame(connection.get(), response.SerializeAsString(), std::span<const int>(&fd, 1));
+      for (const Answer& a : answers) {
+        if (!RecvFrame(connection.get(), 1 << 20, &frame, &fds).ok()) return;
+        std::vector<int> sent;
+        absl::StatusOr<std::shared_ptr<const MappedFile>> memfd;
+        if (!a.segment.empty()) {
+          memfd = CreateSealedMemfd("fake", a.segment.size(), [&](std::span<std::byte> out) {
+            std::memcpy(out.data(), a.segment.data(), a.segment.size());
+            return absl::OkStatus();
+          });
+          if (!memfd.ok()) return;
+          sent.push_back((*memfd)->fd());
+        }
+        (void)SendFrame(connection.get(), a.response.SerializeAsString(), sent);
+      }
       (void)RecvFrame(connection.get(), 1 << 20, &frame, &fds);  // until the client leaves
     });
   }
-  ~OneAnswerSocket() {
+  ~ScriptedSocket() {
     ::shutdown(listener_.get(), SHUT_RDWR);
     thread_.join();
   }
@@ -210,7 +220,7 @@ pb::ShmResponse PatchAnswer(uint32_t element_size, uint64_t patch_bytes, uint64_
 }
 
 absl::Status MapFrom(const pb::ShmResponse& answer, bool patches) {
-  OneAnswerSocket daemon(answer, std::string(4096, '\0'));
+  ScriptedSocket daemon({{answer, std::string(4096, '\0')}});
   absl::StatusOr<std::unique_ptr<SharedMemoryStore>> store = ConnectSharedMemoryStore(daemon.path());
   if (!store.ok()) return store.status();
   Query query;
@@ -243,6 +253,33 @@ TEST(SocketPatchesTest, ASocketPatchIsMappedFromItsSegmentAndBadOnesAreRefusedNa
   pb::ShmResponse unknown = PatchAnswer(1, 2, 128);
   unknown.mutable_map_tensors()->mutable_tensors(0)->mutable_info()->mutable_patch()->set_encoding("xor+zstd");
   EXPECT_THAT(MapFrom(unknown, true), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("unknown encoding 'xor+zstd'")));
+}
+
+TEST(SocketPatchesTest, HeldMemoryPatchedInPlaceBeforeTheUpdateFailsIsNoLongerCalledItsVersion) {
+  const std::string before(64, 'a');
+  std::string after = before;
+  after[5] = 'b';
+  // Held as an update holds it: memory the held set alone references.
+  ASSERT_OK_AND_ASSIGN(HostBuffer buffer, HostBuffer::Allocate(before.size()));
+  std::memcpy(buffer.data(), before.data(), before.size());
+  HeldTensors held{"v1", {{{"w", DType::kU8, {64}}, std::move(buffer).Freeze()}}, ""};
+  // The daemon sends a patch whose result it lists with another digest (the
+  // patch is written, then refused), then fails the whole fetch that follows.
+  auto span = [](const std::string& b) { return std::as_bytes(std::span(b.data(), b.size())); };
+  const std::optional<ElementPatch> patch = DiffElements(span(before), span(after), 1);
+  ASSERT_TRUE(patch.has_value());
+  ASSERT_EQ(patch->encoding, PatchEncoding::kPositions);
+  std::string segment(4096, '\0');
+  segment.replace(128, patch->body.size(), std::string(patch->body.view()));
+  pb::ShmResponse failed;
+  failed.set_code(static_cast<int>(absl::StatusCode::kUnavailable));
+  failed.set_message("the daemon is going away");
+  ScriptedSocket daemon({{PatchAnswer(1, patch->body.size(), 128), segment}, {failed, ""}});
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<SharedMemoryStore> store, ConnectSharedMemoryStore(daemon.path()));
+  EXPECT_THAT(UpdateTensors(*store, "m", {}, &held).status(),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("going away")));
+  EXPECT_EQ(held.tensors[0].bytes.view(), after);  // written in place
+  EXPECT_EQ(held.version, "");                     // so no version names these bytes: the next update is full
 }
 
 }  // namespace

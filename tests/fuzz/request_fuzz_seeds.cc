@@ -105,6 +105,27 @@ int main(int argc, char** argv) {
     fetch.set_end_index(3);
     Write(dir, 1, fetch);
   }
+  {  // issue 28: updates since a version, asking for element patches, on every transport
+    pb::ListTensorsRequest list;
+    list.set_name("tiny-mlp");
+    list.set_since_version("0123456789abcdef0123456789abcdef");
+    list.set_patches(true);
+    Write(dir, 0, list);
+    pb::FetchTensorsRequest fetch;
+    fetch.set_name("tiny-mlp");
+    fetch.set_since_version(std::string(64, 'f'));
+    fetch.set_patches(true);
+    Write(dir, 1, fetch);
+    *fetch.mutable_selection() = Ordinary();
+    Write(dir, 1, fetch);
+    pb::MapTensorsRequest map;
+    map.set_name("tiny-mlp");
+    map.set_since_version("0123456789abcdef");
+    map.set_patches(true);
+    Write(dir, 4, map);
+    map.set_table_only(true);
+    Write(dir, 4, map);
+  }
   // Issue 11's attacks.
   for (const std::string& name : {std::string("\xff\xfe"), std::string("a\r\nb"), std::string(600, 'n')}) {
     pb::GetCheckpointRequest get;
