@@ -605,6 +605,9 @@ absl::Status RunConvert(const ConvertArgs& args, std::FILE* out) {
   WriteOptions options;
   options.overwrite = args.overwrite;
   options.progress = [&bar](uint64_t done, uint64_t total) { bar.Update(done, total); };
+  if (!args.record_template.empty()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(options.plan, RecordTemplatePlan(*format, args.record_template));
+  }
   return WriteSnapshot(*loaded.snapshot, args.output, *format, metadata, options);
 }
 

@@ -64,6 +64,7 @@ struct ConvertArgs {
   bool overwrite = false;
   std::vector<std::string> metadata;  // KEY=VALUE
   bool progress = true;               // shown only when stderr is a terminal
+  std::string record_template;        // a Burn record laid out as OUT is to be
 };
 
 struct LsArgs {

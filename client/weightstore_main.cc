@@ -126,6 +126,10 @@ int main(int argc, char** argv) {
   convert_cmd->add_flag("--overwrite", convert.overwrite, "Replace OUT if it exists");
   convert_cmd->add_option("--metadata", convert.metadata, "Add or replace a metadata entry (KEY=VALUE, repeatable)");
   convert_cmd->add_flag("!--no-progress", convert.progress, "Never draw a progress bar");
+  convert_cmd->add_option("--record-template", convert.record_template,
+                          "Write a Burn record (.mpk) laid out as this one: a record your Burn application saved "
+                          "from its model (Burn 0.14 or later). Its ParamIds, constants, metadata and encodings "
+                          "are kept; only the tensors' bytes are replaced, matched by name, dtype and shape");
 
   cli::ApplyArgs apply;
   CLI::App* apply_cmd = app.add_subcommand(

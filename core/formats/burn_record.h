@@ -27,6 +27,7 @@
 #include "absl/strings/string_view.h"
 #include "core/checkpoint.h"
 #include "core/format.h"
+#include "core/formats/write_plan.h"
 
 namespace weightstore {
 
@@ -70,6 +71,19 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseBurnRecord(SharedBytes by
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadBurnRecord(std::shared_ptr<const MappedFile> file,
                                                                  const OpenOptions& options);
+
+// The plan of a NamedMpk record laid out as `record_template` (the bytes of
+// an uncompressed NamedMpk record of Burn >= 0.14, named `path` in errors:
+// one the target application saved from its own model, as initialized) with
+// its tensors' bytes replaced by `tensors`' of the same names. Every other
+// byte of the template stays as that Burn version wrote it: metadata,
+// ParamIds, constants (`[nil, nil]` arrays before 0.21, `EmptyRecord` after),
+// dtype encodings (`"Bool"` or `{"Bool": "Native"}`), so that version loads
+// the result. Each template tensor must be given with its dtype and shape,
+// and no other tensor: InvalidArgument naming the first that is not (or a
+// template of another kind: gzipped, JSON, bincode, the <= 0.13 layout).
+absl::StatusOr<WritePlan> PlanFromRecordTemplate(const SharedBytes& record_template, const std::string& path,
+                                                 const std::vector<TensorSpec>& tensors);
 
 // Burn's ParamId from its string: base32hex (RFC 4648, lowercase, no padding;
 // 13 characters since Burn 0.15, 10 in 0.14) of at most 8 little-endian bytes.

@@ -12,12 +12,16 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/formats/burn_record.h"
 #include "core/formats/burn_record_internal.h"
+#include "core/formats/checkpoint_writer.h"
 #include "core/formats/write_plan.h"
+#include "core/mapped_file.h"
+#include "core/status_macros.h"
 #include "core/utf8.h"
 
 namespace weightstore {
@@ -319,6 +323,83 @@ std::string EncodeBurnParamId(uint64_t id) {
   std::string out(13, '0');
   for (int c = 0; c < 13; ++c) out[c] = kAlphabet[static_cast<unsigned>(bits >> (60 - 5 * c)) & 31];
   return out;
+}
+
+absl::StatusOr<WritePlan> PlanFromRecordTemplate(const SharedBytes& record_template, const std::string& path,
+                                                 const std::vector<TensorSpec>& tensors) {
+  auto refuse = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("record template '", path, "': ", why));
+  };
+  const absl::string_view file = record_template.view();
+  const uint8_t first = file.empty() ? 0 : static_cast<uint8_t>(file[0]);
+  if ((first & 0xF0) != 0x80 && first != 0xde && first != 0xdf) {
+    return refuse("is not a MessagePack record (an uncompressed .mpk that NamedMpkFileRecorder saved)");
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> parsed,
+                               ParseBurnRecord(record_template, path, OpenOptions{}));
+  absl::flat_hash_map<std::string, size_t> given;
+  for (size_t i = 0; i < tensors.size(); ++i) given.emplace(tensors[i].name, i);
+
+  // Each template tensor's bytes, where they lie in the file.
+  struct Slot {
+    uint64_t offset, size;
+    size_t input;
+  };
+  std::vector<Slot> slots;
+  absl::flat_hash_set<size_t> used;
+  for (const CheckpointEntry& e : parsed->entries()) {
+    auto it = given.find(e.spec.name);
+    if (it == given.end()) {
+      return refuse(absl::StrCat("tensor '", e.spec.name, "' (", DTypeName(e.spec.dtype), " ",
+                                 ShapeToString(e.spec.shape), ") is not among the tensors written"));
+    }
+    const TensorSpec& t = tensors[it->second];
+    if (t.dtype != e.spec.dtype || t.shape != e.spec.shape) {
+      return refuse(absl::StrCat("tensor '", e.spec.name, "' is ", DTypeName(e.spec.dtype), " ",
+                                 ShapeToString(e.spec.shape), " there, and ", DTypeName(t.dtype), " ",
+                                 ShapeToString(t.shape), " here (cast with --dtype, or fix the source)"));
+    }
+    used.insert(it->second);
+    if (e.spec.byte_size() == 0) continue;  // nothing to replace
+    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor bytes, parsed->Read(e));
+    const std::byte* at = bytes.bytes.data();
+    if (at < record_template.data() || at + bytes.bytes.size() > record_template.data() + record_template.size()) {
+      return refuse(absl::StrCat("tensor '", e.spec.name,
+                                 "' is not stored as raw bytes (a Burn <= 0.13 record's {value, shape} layout): "
+                                 "save the template with Burn 0.14 or later"));
+    }
+    slots.push_back({static_cast<uint64_t>(at - record_template.data()), bytes.bytes.size(), it->second});
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!used.contains(i)) return refuse(absl::StrCat("has no tensor '", tensors[i].name, "'"));
+  }
+  std::sort(slots.begin(), slots.end(), [](const Slot& a, const Slot& b) { return a.offset < b.offset; });
+  WritePlan plan;
+  uint64_t pos = slots.empty() ? file.size() : slots.front().offset;
+  plan.header = std::string(file.substr(0, pos));
+  for (size_t k = 0; k < slots.size(); ++k) {
+    const uint64_t end = slots[k].offset + slots[k].size;
+    const uint64_t next = k + 1 < slots.size() ? slots[k + 1].offset : file.size();
+    if (slots[k].offset < pos || next < end) return refuse("has tensors whose bytes overlap");
+    plan.order.push_back(slots[k].input);
+    plan.offsets.push_back(slots[k].offset);
+    plan.after.emplace_back(file.substr(end, next - end));
+    pos = next;
+  }
+  plan.file_size = file.size();
+  return plan;
+}
+
+absl::StatusOr<decltype(WriteOptions::plan)> RecordTemplatePlan(const FormatSpec& format,
+                                                                const std::string& template_path) {
+  if (&format != &kBurnRecordFormat) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a record template lays out a Burn record (.mpk), not ", format.name, " (--record-template)"));
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::Open(template_path));
+  return [file, template_path](const std::vector<TensorSpec>& tensors, const Metadata&) {
+    return PlanFromRecordTemplate(file->bytes(), template_path, tensors);
+  };
 }
 
 namespace burn_record_internal {

@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -15,6 +16,7 @@
 #include "core/formats/burn_record.h"
 #include "core/formats/burn_record_internal.h"
 #include "core/formats/checkpoint_writer.h"
+#include "core/status_macros.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 
@@ -275,6 +277,88 @@ TEST(BurnRecordWriterTest, WritesEachMessagePackFixtureAsBurnWouldWithoutItsCons
     ASSERT_OK_AND_ASSIGN(const std::string again, Write(ReadAll(*back), back->metadata()));
     EXPECT_TRUE(again == written);
   }
+}
+
+// Writes `tensors` laid out as the record `template_file` (a fixture).
+absl::StatusOr<std::string> WriteFromTemplate(const std::string& template_file,
+                                              const std::vector<SharedTensor>& tensors) {
+  const std::string bytes = testing::ReadFileOrEmpty(absl::StrCat(RecordsDir(), "/", template_file));
+  const SharedBytes record = SharedBytes::Copy(bytes);
+  WriteOptions options;
+  options.plan = [&](const std::vector<TensorSpec>& specs, const Metadata&) {
+    return PlanFromRecordTemplate(record, template_file, specs);
+  };
+  const std::string path = testing::MakeScratchDir("record-template") + "/out.mpk";
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(path, kBurnRecordFormat, options));
+  for (const SharedTensor& t : tensors) {
+    WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(t.spec, [t] { return absl::StatusOr<SharedBytes>(t.bytes); }));
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(writer->Finish());
+  return testing::ReadFileOrEmpty(path);
+}
+
+TEST(BurnRecordWriterTest, ATemplateKeepsEveryByteOfTheRecordButTheTensorsIncludingItsConstants) {
+  for (const char* file : {"connect4_0.16.1.mpk", "modern-lstm_0.17-half.mpk"}) {
+    SCOPED_TRACE(file);
+    const std::string fixture = testing::ReadFileOrEmpty(absl::StrCat(RecordsDir(), "/", file));
+    ASSERT_OK_AND_ASSIGN(auto original, ParseBurnRecord(SharedBytes::Copy(fixture), file, OpenOptions{}));
+    std::vector<SharedTensor> tensors = ReadAll(*original);
+    // Its own tensors, in another order: the record itself, byte for byte
+    // (the nil constants the reader drops among them).
+    std::reverse(tensors.begin(), tensors.end());
+    ASSERT_OK_AND_ASSIGN(std::string written, WriteFromTemplate(file, tensors));
+    EXPECT_TRUE(written == fixture);
+    // New values: only the tensors' bytes differ, and they read back.
+    for (SharedTensor& t : tensors) {
+      std::string bytes(t.bytes.view());
+      for (char& c : bytes) c = static_cast<char>(c ^ 0x11);
+      t.bytes = SharedBytes::Copy(bytes);
+    }
+    ASSERT_OK_AND_ASSIGN(written, WriteFromTemplate(file, tensors));
+    ASSERT_EQ(written.size(), fixture.size());
+    EXPECT_EQ(WithoutNilEntries(written).size(), WithoutNilEntries(fixture).size());
+    ASSERT_OK_AND_ASSIGN(auto back, ReadBack(written));
+    EXPECT_EQ(back->metadata(), original->metadata());
+    std::vector<SharedTensor> got = ReadAll(*back);
+    std::reverse(got.begin(), got.end());
+    ExpectSameTensors(got, tensors);
+    size_t differing = 0;
+    for (size_t i = 0; i < fixture.size(); ++i) differing += fixture[i] != written[i] ? 1 : 0;
+    uint64_t tensor_bytes = 0;
+    for (const SharedTensor& t : tensors) tensor_bytes += t.bytes.size();
+    EXPECT_EQ(differing, tensor_bytes);  // every tensor byte was flipped; nothing else moved
+  }
+}
+
+TEST(BurnRecordWriterTest, ATemplateRefusesTensorsThatDoNotFitItAndTemplatesOfOtherKinds) {
+  ASSERT_OK_AND_ASSIGN(auto original, Checkpoint::Open(RecordsDir() + "/connect4_0.16.1.mpk"));
+  const std::vector<SharedTensor> tensors = ReadAll(*original);
+  ASSERT_GE(tensors.size(), 2u);
+  const std::string first = tensors[0].spec.name;
+  auto without_first = std::vector<SharedTensor>(tensors.begin() + 1, tensors.end());
+  EXPECT_THAT(WriteFromTemplate("connect4_0.16.1.mpk", without_first),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("record template 'connect4_0.16.1.mpk'"),
+                             HasSubstr(absl::StrCat("tensor '", first, "'")), HasSubstr("is not among"))));
+  std::vector<SharedTensor> extra = tensors;
+  extra.push_back(Tensor("head.weight", DType::kF32, {2, 2}));
+  EXPECT_THAT(WriteFromTemplate("connect4_0.16.1.mpk", extra),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("has no tensor 'head.weight'")));
+  std::vector<SharedTensor> half = tensors;
+  half[0] = Tensor(first, DType::kF16, half[0].spec.shape);
+  EXPECT_THAT(WriteFromTemplate("connect4_0.16.1.mpk", half),
+              StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr(absl::StrCat("tensor '", first, "' is F32")),
+                                                                 HasSubstr("and F16"), HasSubstr("--dtype"))));
+  std::vector<SharedTensor> reshaped = tensors;
+  reshaped[0] = Tensor(first, DType::kF32, {reshaped[0].spec.num_elements()});
+  EXPECT_THAT(WriteFromTemplate("connect4_0.16.1.mpk", reshaped),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(absl::StrCat("tensor '", first, "' is F32 ["))));
+  // Burn 0.13's {value, shape} records and bincode ones cannot be laid out anew.
+  ASSERT_OK_AND_ASSIGN(auto old, Checkpoint::Open(RecordsDir() + "/customimage_0.13-half-old-layout.mpk"));
+  EXPECT_THAT(WriteFromTemplate("customimage_0.13-half-old-layout.mpk", ReadAll(*old)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("Burn 0.14 or later")));
+  EXPECT_THAT(WriteFromTemplate("mnistweb_0.21.bin", tensors),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is not a MessagePack record")));
 }
 
 TEST(BurnRecordWriterTest, WritesTheOldLayoutFixtureInTheNewLayoutKeepingItsMetadata) {

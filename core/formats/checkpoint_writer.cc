@@ -123,7 +123,9 @@ absl::Status CheckpointWriter::Add(TensorSpec spec, BytesProducer bytes) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<WritePlan> CheckpointWriter::Plan() const { return PlanCheckpoint(*format_, specs_, metadata_); }
+absl::StatusOr<WritePlan> CheckpointWriter::Plan() const {
+  return options_.plan ? options_.plan(specs_, metadata_) : PlanCheckpoint(*format_, specs_, metadata_);
+}
 
 absl::Status CheckpointWriter::Finish() {
   WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, Plan());

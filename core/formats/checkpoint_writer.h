@@ -27,6 +27,9 @@ struct WriteOptions {
   bool overwrite = false;
   // Called after each tensor with (bytes written, total bytes). Default: none.
   std::function<void(uint64_t, uint64_t)> progress;
+  // Lays the file out instead of the format's own plan (a Burn record
+  // template: RecordTemplatePlan). Default: none.
+  std::function<absl::StatusOr<WritePlan>(const std::vector<TensorSpec>&, const Metadata&)> plan;
 };
 
 // Produces one tensor's bytes; called once, during Finish().
@@ -68,6 +71,13 @@ absl::StatusOr<WritePlan> PlanCheckpoint(const FormatSpec& format, const std::ve
 // with `metadata`.
 absl::Status WriteCheckpoint(const Checkpoint& checkpoint, const std::string& path, const FormatSpec& format,
                              const Metadata& metadata, const WriteOptions& options);
+
+// WriteOptions::plan for a file of `format` laid out as the Burn record at
+// `template_path` (mapped now; PlanFromRecordTemplate in burn_record.h when
+// writing). InvalidArgument unless `format` is the Burn record format; the
+// file's errors. Defined in burn_record_writer.cc.
+absl::StatusOr<decltype(WriteOptions::plan)> RecordTemplatePlan(const FormatSpec& format,
+                                                                const std::string& template_path);
 
 // Serializes tensors to memory (tests, fuzzing and small payloads).
 absl::StatusOr<std::string> SerializeCheckpoint(const FormatSpec& format, const std::vector<SharedTensor>& tensors,

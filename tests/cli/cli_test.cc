@@ -321,5 +321,33 @@ TEST(CliSelectionTest, BadSelectionsAreClearErrors) {
   EXPECT_THAT(out, HasSubstr("both renamed to 'x'"));
 }
 
+TEST(CliTest, ConvertWritesABurnRecordLaidOutAsATemplateTheApplicationSaved) {
+  // A Burn application's record (Burn 0.16, a nil constant among its fields),
+  // taken apart into SafeTensors and put back: the same bytes, constants and
+  // ParamIds included, which a plain .mpk conversion would leave out.
+  const std::string record = testing::FixturesDir() + "/burn-records/connect4_0.16.1.mpk";
+  const std::string dir = testing::MakeScratchDir("cli-template");
+  std::string out;
+  ASSERT_EQ(Cli(absl::StrCat("convert ", ShellQuote(record), " ", dir, "/weights.safetensors"), &out), 0) << out;
+  ASSERT_EQ(Cli(absl::StrCat("convert ", dir, "/weights.safetensors ", dir, "/model.mpk --record-template ",
+                             ShellQuote(record)),
+                &out),
+            0)
+      << out;
+  EXPECT_TRUE(testing::ReadFileOrEmpty(dir + "/model.mpk") == testing::ReadFileOrEmpty(record));
+  // Another output format, and tensors that do not fit, are refused, and no file is left.
+  EXPECT_EQ(Cli(absl::StrCat("convert ", dir, "/weights.safetensors ", dir, "/model.bpk --record-template ",
+                             ShellQuote(record)),
+                &out),
+            1);
+  EXPECT_THAT(out, HasSubstr("a record template lays out a Burn record (.mpk), not burnpack"));
+  EXPECT_EQ(Cli(absl::StrCat("convert --dtype f16 ", dir, "/weights.safetensors ", dir, "/half.mpk --record-template ",
+                             ShellQuote(record)),
+                &out),
+            1);
+  EXPECT_THAT(out, HasSubstr("is F32"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/half.mpk"));
+}
+
 }  // namespace
 }  // namespace weightstore

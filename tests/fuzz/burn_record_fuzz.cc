@@ -1,8 +1,11 @@
 // Fuzzes the whole Burn record reader: gzip, MessagePack, JSON and bincode
-// (read with the layouts of the two bincode fixtures), then every tensor read.
+// (read with the layouts of the two bincode fixtures), then every tensor read;
+// and each record parsed as a template for its own tensors.
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "core/formats/burn_record.h"
 #include "tests/fuzz/fuzz_util.h"
@@ -48,7 +51,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const SharedBytes bytes = SharedBytes::Copy(absl::string_view(reinterpret_cast<const char*>(data), size));
   // The layout is read only for bincode, which starts with a float type's
   // length (3 or 19) unless gzipped.
-  ReadEverything(ParseBurnRecord(bytes, "fuzz", options, &kMnist021));
+  absl::StatusOr<std::shared_ptr<const Checkpoint>> parsed = ParseBurnRecord(bytes, "fuzz", options, &kMnist021);
+  if (parsed.ok()) {
+    // The record as a template for its own tensors: a plan within the input.
+    std::vector<TensorSpec> specs;
+    for (const CheckpointEntry& e : (*parsed)->entries()) specs.push_back(e.spec);
+    absl::StatusOr<WritePlan> plan = PlanFromRecordTemplate(bytes, "fuzz", specs);
+    if (plan.ok() && plan->file_size != size) std::abort();
+  }
+  ReadEverything(std::move(parsed));
   if (size > 0 && (data[0] == 0x03 || data[0] == 0x13 || data[0] == 0x1f)) {
     ReadEverything(ParseBurnRecord(bytes, "fuzz", options, &kMnist014));
   }
