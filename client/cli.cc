@@ -606,6 +606,10 @@ absl::Status RunConvert(const ConvertArgs& args, std::FILE* out) {
   options.overwrite = args.overwrite;
   options.progress = [&bar](uint64_t done, uint64_t total) { bar.Update(done, total); };
   if (!args.record_template.empty()) {
+    if (!args.metadata.empty()) {
+      return absl::InvalidArgumentError(
+          "--metadata and --record-template: the template's metadata is written as it is");
+    }
     WEIGHTSTORE_ASSIGN_OR_RETURN(options.plan, RecordTemplatePlan(*format, args.record_template));
   }
   return WriteSnapshot(*loaded.snapshot, args.output, *format, metadata, options);

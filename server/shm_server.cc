@@ -677,7 +677,8 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
   static const uint64_t kPageBytes = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   std::vector<std::pair<uint64_t, uint64_t>> window(segments->size(), {UINT64_MAX, 0});
   for (const v1::MappedTensor& t : response->tensors()) {
-    if (request.table_only() || t.segment() >= window.size()) continue;  // a table: no segments
+    // A table has no segments; an unchanged tensor has none either.
+    if (request.table_only() || t.info().unchanged() || t.segment() >= window.size()) continue;
     auto& [begin, end] = window[t.segment()];
     begin = std::min(begin, t.offset());
     end = std::max(end, t.offset() + (t.info().has_patch() ? t.info().patch().patch_bytes() : t.info().byte_size()));

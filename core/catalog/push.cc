@@ -201,7 +201,12 @@ absl::Status PushSession::EndPatchedTensor(Pushed& t) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, " makes bytes with digest ", t.digest.Hex(), "; the client said ", p.expected.Hex()));
   }
-  patches_[t.spec.name] = p.header;
+  // Staged, so that a push holds one patch in memory at a time, however many
+  // it sends.
+  t.offset = staging_->bytes_written();
+  t.patch_bytes = p.header.body.size();
+  WEIGHTSTORE_RETURN_IF_ERROR(staging_->Append(p.header.body.view()));
+  p.header.body = SharedBytes();
   t.patch = std::move(p.header);
   return absl::OkStatus();
 }
@@ -324,16 +329,31 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(written_path, checkpoint.format()));
   writer->SetMetadata(checkpoint.metadata());
   std::vector<ManifestTensor> known;  // digests of what is written: the base's and the pushed
+  // The patches pushed, their bodies read from the staging file: applied
+  // below, and the step kept for clients of the base (no diff needed).
+  absl::flat_hash_map<std::string, ElementPatch> patches;
+  for (const PushSession::Pushed& p : session->pushed_) {
+    if (!p.patch) continue;
+    ElementPatch patch = *p.patch;
+    patch.body = staged->bytes().Subspan(p.offset, p.patch_bytes);
+    patches.emplace(p.spec.name, std::move(patch));
+  }
   auto push_bytes = [&](const PushSession::Pushed& p) -> BytesProducer {
     known.push_back({p.spec.name, p.spec.dtype, p.spec.shape, p.digest});
     if (p.patch) {  // the base's bytes with the patch applied, one tensor at a time
       std::shared_ptr<const Checkpoint> source = base.checkpoint();
       const CheckpointEntry* e = source->Find(p.spec.name);
-      const ElementPatch* patch = &*p.patch;
-      return [source, e, patch]() -> absl::StatusOr<SharedBytes> {
+      const ElementPatch* patch = &patches.at(p.spec.name);
+      const TensorDigest digest = p.digest;
+      return [source, e, patch, digest]() -> absl::StatusOr<SharedBytes> {
         WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, source->Read(*e));
         std::vector<std::byte> bytes(t.bytes.data(), t.bytes.data() + t.bytes.size());
         WEIGHTSTORE_RETURN_IF_ERROR(ApplyPatch(*patch, bytes));
+        // The digest published is of these bytes, even should the base have
+        // changed since the patch was checked against it.
+        if (DigestBytes(bytes) != digest) {
+          return absl::AbortedError("the base changed while the push was sent; nothing was published");
+        }
         return SharedBytes::FromVector(std::move(bytes));
       };
     }
@@ -426,11 +446,11 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   Prepare(version.get());
   if (manifest != nullptr) version->SetManifest(std::move(manifest));
   // Element patches from the base, for clients that hold it.
-  std::shared_ptr<const VersionPatches> patches = PatchesBetween(&base, *version, &session->patches_);
+  std::shared_ptr<const VersionPatches> steps = PatchesBetween(&base, *version, &patches);
   {
     absl::MutexLock lock(&mu_);
     (void)Watch(name, *version);  // best effort: the synchronous checks remain
-    Published(name, version.get(), std::move(patches));
+    Published(name, version.get(), std::move(steps));
     served_[name].current = version;
   }
   notify.Add(name);

@@ -80,9 +80,11 @@ class PushSession {
     TensorSpec spec;
     uint64_t offset = 0;  // in the staging file
     TensorDigest digest;
-    // Came as a patch of the base's tensor: not staged, but applied to the
-    // base's bytes as the new file is written.
+    // Came as a patch of the base's tensor: the patch is staged at `offset`
+    // (its header here, its body read back from the staging file), and
+    // applied to the base's bytes as the new file is written.
     std::optional<ElementPatch> patch;
+    uint64_t patch_bytes = 0;
   };
   // (No default member initializers: clang decides std::optional<Current>
   // is not default-constructible while the enclosing class is incomplete.)
@@ -111,12 +113,10 @@ class PushSession {
   absl::flat_hash_map<std::string, size_t> by_name_;
   std::optional<Current> current_;
   std::optional<Patch> patch_;
-  // The patches received, checked against their results' digests: the step
-  // kept for clients of the base is made of them (no diff needed).
-  absl::flat_hash_map<std::string, ElementPatch> patches_;
 
-  // EndTensor of a patched tensor `t`: checks the patch, and the digest of
-  // the base streamed through it (nothing is staged: FinishPush applies it).
+  // EndTensor of a patched tensor `t`: checks the patch and the digest of
+  // the base streamed through it, then stages the patch (not the tensor:
+  // FinishPush applies it) and frees its memory.
   absl::Status EndPatchedTensor(Pushed& t);
 };
 

@@ -41,7 +41,10 @@ absl::StatusOr<std::shared_ptr<const VersionPatches>> DiffVersions(
     const CheckpointEntry& before = from.entries()[todo[t].second];
     if (known != nullptr) {
       if (auto it = known->find(now.spec.name); it != known->end()) {
-        if (kept.fetch_add(it->second.body.size()) + it->second.body.size() <= max_bytes) patches[t] = it->second;
+        if (kept.fetch_add(it->second.body.size()) + it->second.body.size() <= max_bytes) {
+          patches[t] = it->second;
+          patches[t]->body = SharedBytes::Copy(it->second.body.view());  // kept: its own memory
+        }
         return absl::OkStatus();
       }
     }

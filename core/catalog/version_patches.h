@@ -38,8 +38,9 @@ struct VersionPatches {
 // `max_bytes` in all (the rest are whole), computed on up to `threads`
 // threads. `known` (may be null): patches by tensor name already known to
 // turn `from`'s tensor into `to`'s (a patched push's, checked against the
-// result's digest), taken instead of a diff. DataLoss naming the tensor if
-// either cannot be read.
+// result's digest), taken instead of a diff (a body kept is copied: it may
+// be a view of a temporary file). DataLoss naming the tensor if either
+// cannot be read.
 absl::StatusOr<std::shared_ptr<const VersionPatches>> DiffVersions(
     const Checkpoint& from, const CheckpointManifest& from_manifest, const Checkpoint& to,
     const CheckpointManifest& to_manifest, uint64_t max_bytes, unsigned threads,

@@ -362,13 +362,16 @@ absl::StatusOr<WritePlan> PlanFromRecordTemplate(const SharedBytes& record_templ
     used.insert(it->second);
     if (e.spec.byte_size() == 0) continue;  // nothing to replace
     WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor bytes, parsed->Read(e));
-    const std::byte* at = bytes.bytes.data();
-    if (at < record_template.data() || at + bytes.bytes.size() > record_template.data() + record_template.size()) {
+    const auto at = reinterpret_cast<uintptr_t>(bytes.bytes.data());
+    const auto begin = reinterpret_cast<uintptr_t>(record_template.data());
+    if (at < begin || at - begin > record_template.size() ||
+        bytes.bytes.size() > record_template.size() - (at - begin)) {
       return refuse(absl::StrCat("tensor '", e.spec.name,
-                                 "' is not stored as raw bytes (a Burn <= 0.13 record's {value, shape} layout): "
-                                 "save the template with Burn 0.14 or later"));
+                                 "' is not stored as its raw bytes (a Burn <= 0.13 record's {value, shape} layout, "
+                                 "bytes written as numbers, or bools of 4 bytes): save the template with Burn 0.14 "
+                                 "or later"));
     }
-    slots.push_back({static_cast<uint64_t>(at - record_template.data()), bytes.bytes.size(), it->second});
+    slots.push_back({static_cast<uint64_t>(at - begin), bytes.bytes.size(), it->second});
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!used.contains(i)) return refuse(absl::StrCat("has no tensor '", tensors[i].name, "'"));

@@ -552,12 +552,13 @@ class PackageTest(unittest.TestCase):
         self.assertEqual((pushed.whole, pushed.patched, pushed.unchanged), (["bias"], [], 1))
         # numpy arrays push too: a tensor of another dtype replaces the served
         # one, new ones are added and those the state lacks removed.
-        extra = np.arange(4, dtype=np.int32)
-        pushed = self.remote.push("pkg/pushed", {"bias": bias.float().numpy(), "extra": extra})
-        self.assertEqual(sorted(pushed.whole), ["bias", "extra"])
+        extra, step = np.arange(4, dtype=np.int32), np.array(3.0, dtype=np.float32)  # a 0-d array stays 0-d
+        pushed = self.remote.push("pkg/pushed", {"bias": bias.float().numpy(), "extra": extra, "step": step})
+        self.assertEqual(sorted(pushed.whole), ["bias", "extra", "step"])
         self.assertEqual(sorted(pushed.removed), ["bias", "weight"])
         got = self.remote.tensors("pkg/pushed")
-        self.assertEqual(sorted(got), ["bias", "extra"])
+        self.assertEqual(sorted(got), ["bias", "extra", "step"])
+        self.assertEqual(tuple(got["step"].shape), ())
         self.assertTrue(same_bytes(got["bias"], bias.float()))
         self.assertTrue(same_bytes(got["extra"], torch.arange(4, dtype=torch.int32)))
         # Only a daemon reached over gRPC takes pushes.

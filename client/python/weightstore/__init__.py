@@ -120,6 +120,11 @@ class Push:
 _FROM_TORCH = {torch_name: name for name, torch_name in _TORCH_DTYPES.items()}
 
 
+def _torch():
+    import torch
+    return torch
+
+
 def _push_views(state, what):
     """[(name, dtype, shape, address, bytes)] of a dict of tensors or a
     module's state_dict, and the objects that own that memory (contiguous
@@ -130,6 +135,10 @@ def _push_views(state, what):
     for n, t in state.items():
         if hasattr(t, "element_size"):  # torch
             t = t.detach()
+            if t.layout != _torch().strided:
+                raise Error("INVALID_ARGUMENT", f"{what} tensor '{n}' is {t.layout}: push dense tensors")
+            if t.is_conj() or t.is_neg():  # lazy views: their bytes are not their values
+                t = t.resolve_conj().resolve_neg()
             if t.device.type != "cpu" or not t.is_contiguous():
                 t = t.to("cpu").contiguous()
             dtype = _FROM_TORCH.get(str(t.dtype)[len("torch."):])
@@ -143,7 +152,7 @@ def _push_views(state, what):
             views.append((n, dtype, list(shape), t.data_ptr(), t.element_size() * t.nelement()))
         else:
             import numpy as np
-            t = np.ascontiguousarray(t)
+            t = np.asarray(t, order="C")  # keeps a 0-d array 0-d
             dtype = next((k for k, v in _NUMPY_DTYPES.items() if np.dtype(v) == t.dtype), None)
             if dtype is None:
                 raise Error("INVALID_ARGUMENT", f"{what} tensor '{n}' is {t.dtype}, which weightstore does not store")
@@ -619,9 +628,14 @@ class Store:
         element patch of it where that is smaller (at most max_patch_bytes,
         the daemon's --max-push-patch-bytes); the rest go whole. Served
         tensors `state` lacks are removed, new ones added. Digests, diffs and
-        the upload run with the GIL released; the daemon checks every patch
-        and result and publishes all or nothing (docs/updates.md). Returns a
-        Push."""
+        the upload run with the GIL released, reading the tensors in place:
+        no other thread may change them meanwhile. The daemon checks every
+        patch and result and publishes all or nothing (docs/updates.md).
+        Keep `base` on the CPU (`t.detach().to("cpu", copy=True)`) for a GPU
+        model. Returns a Push."""
+        if not isinstance(max_patch_bytes, int) or isinstance(max_patch_bytes, bool) or \
+                not 0 < max_patch_bytes < 2**63:
+            raise ValueError(f"max_patch_bytes={max_patch_bytes!r}: a positive number of bytes")
         views, keep = _push_views(state, "state")
         base_views, base_keep = _push_views(base, "base") if base is not None else ([], [])
         got = self._native.push(name, views, base_views, int(max_patch_bytes))
