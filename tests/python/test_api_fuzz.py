@@ -102,7 +102,7 @@ def cases(seed, count):
     out = []
     for _ in range(count):
         kind = rng.choice(["tensors", "describe", "info", "update", "safe_open", "slice", "connect", "load_into",
-                           "push"])
+                           "push", "changes", "iter_tensors"])
         kwargs = {}
         for key in rng.sample(SELECTION_KEYS, rng.randrange(4)):
             kwargs[key] = shaped(rng, key) if rng.random() < 0.6 else junk(rng)
@@ -112,7 +112,7 @@ def cases(seed, count):
         if rng.random() < 0.5:
             # Deep: a served name and one keyword shaped as expected, so that
             # the call reaches the extension's own conversions.
-            kind, name = rng.choice(["tensors", "describe", "update"]), rng.choice(NAMES)
+            kind, name = rng.choice(["tensors", "describe", "update", "changes", "iter_tensors"]), rng.choice(NAMES)
             key = rng.choice(["target", "target", "shard", "slices", "rename", "include"])
             kwargs = {key: shaped(rng, key)}
         out.append((kind, name, kwargs, [junk(rng) for _ in range(3)]))
@@ -131,6 +131,13 @@ def call(store, weightstore, kind, name, kwargs, extra):
     if kind == "push":  # the served fixtures are symlinks, which a push never rewrites
         state = extra[0] if isinstance(extra[0], dict) else {"w": extra[0]}
         return store.push(name, state, base=extra[1], max_patch_bytes=extra[2])
+    if kind == "changes":
+        patches = extra[2] if isinstance(extra[2], bool) else True
+        return store.changes(name, since=extra[1], patches=patches, **kwargs).apply(
+            extra[0] if isinstance(extra[0], dict) else {})
+    if kind == "iter_tensors":
+        ok = isinstance(extra[0], int) and not isinstance(extra[0], bool) and extra[0] > 0
+        return list(store.iter_tensors(name, batch_bytes=extra[0] if ok else 1 << 20, **kwargs))
     if kind == "safe_open":
         with weightstore.safe_open(store, name, framework=extra[0], device=extra[1]) as f:
             return f.keys()

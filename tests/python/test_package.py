@@ -729,6 +729,71 @@ class PackageTest(unittest.TestCase):
         for n, t in trained.state_dict().items():
             self.assertTrue(same_bytes(local.state_dict()[n], t), n)
 
+    def test_update_changes_hand_out_an_rl_steps_patches_as_flat_indices_and_values(self):
+        torch.manual_seed(13)
+        trained = torch.nn.Linear(256, 256).to(torch.bfloat16)
+        self.publish("pkg/changes", trained.state_dict())
+        held = {}
+        since = self.remote.update(held, "pkg/changes").version
+        with torch.no_grad():
+            for p in trained.parameters():
+                flat = p.view(-1)
+                flat[torch.randperm(flat.numel())[:max(1, flat.numel() // 100)]] += 1.0
+        self.publish("pkg/changes", trained.state_dict())
+        total = sum(t.element_size() * t.nelement() for t in trained.state_dict().values())
+        for store in (self.remote, self.socket):
+            changes = store.changes("pkg/changes", since=since)
+            self.assertTrue(changes.delta, changes.full_reason)
+            self.assertEqual((changes.since, changes.names, changes.tensors), (since, ["weight", "bias"], {}))
+            self.assertEqual(changes.version, self.remote.info("pkg/changes")["version"])
+            self.assertLess(changes.fetched_bytes, total // 20)
+            self.assertEqual([p.name for p in changes.patches], ["weight", "bias"])
+            for patch in changes.patches:
+                self.assertEqual((patch.dtype, patch.shape), ("BF16", tuple(trained.state_dict()[patch.name].shape)))
+                self.assertEqual((patch.indices.dtype, patch.values.dtype), (torch.int64, torch.bfloat16))
+                self.assertEqual(patch.indices.numel(), patch.values.numel())
+                self.assertTrue(bool((patch.indices[1:] > patch.indices[:-1]).all()))  # ascending, each once
+                written = held[patch.name].clone()
+                written.view(-1)[patch.indices] = patch.values
+                self.assertTrue(same_bytes(written, trained.state_dict()[patch.name]), patch.name)
+                self.assertEqual(len(patch.digest), 32)
+            # apply() writes them into copies, checked against the digests.
+            before = held["weight"].clone()
+            applied = changes.apply(held)
+            self.assertTrue(same_bytes(held["weight"], before))
+            for n, t in trained.state_dict().items():
+                self.assertTrue(same_bytes(applied[n], t), n)
+            wrong = dict(held, weight=held["weight"].clone())
+            wrong["weight"].view(-1)[0] += 1.0
+            with self.assertRaises(weightstore.Error) as e:
+                changes.apply(wrong)
+            self.assertEqual(e.exception.code, "DATA_LOSS")
+            self.assertIn("'weight'", e.exception.message)
+            with self.assertRaises(weightstore.Error) as e:
+                changes.apply({"weight": held["weight"].float(), "bias": held["bias"]})
+            self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        # The changed tensors whole instead, and everything without `since`.
+        whole = self.remote.changes("pkg/changes", since=since, patches=False)
+        self.assertEqual((whole.patches, sorted(whole.tensors)), ([], ["bias", "weight"]))
+        everything = self.remote.changes("pkg/changes", since=None)
+        self.assertFalse(everything.delta)
+        for n, t in trained.state_dict().items():
+            self.assertTrue(same_bytes(everything.tensors[n], t), n)
+
+    def test_iter_tensors_yields_every_tensor_in_batches_pinned_to_one_version(self):
+        name = "pkg/mlp"
+        expected = self.remote.tensors(name)
+        for store in (self.remote, self.socket, self.local):
+            for batch_bytes in (1, 1 << 30):  # one tensor a batch; one batch
+                got = list(store.iter_tensors(name, batch_bytes=batch_bytes))
+                self.assertEqual([n for n, _ in got], list(expected))
+                for n, t in got:
+                    self.assertTrue(same_bytes(t, expected[n]), n)
+        renamed = list(self.remote.iter_tensors(name, batch_bytes=1, rename=[("^", "m.")], exclude=["bias"]))
+        self.assertEqual([n for n, _ in renamed], ["m." + n for n in expected if "bias" not in n])
+        with self.assertRaises(ValueError):
+            next(self.remote.iter_tensors(name, batch_bytes=0))
+
     def test_update_scatters_an_rl_steps_patches_into_a_gpu_module_or_says_there_is_no_gpu(self):
         def rl_step(module):
             with torch.no_grad():

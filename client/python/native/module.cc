@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -605,6 +606,60 @@ class Store {
     return out;
   }
 
+  // Each patch of `patches` decoded, for callers that write elements
+  // themselves (vLLM's load_checkpoint_weight_patches): [(name, dtype, shape,
+  // digest, indices, values)], `indices` the changed elements' flat positions
+  // as little-endian int64 in ascending order, `values` their new bytes in
+  // the same order (PatchElementSize(dtype) bytes each). Each patch is checked
+  // in full first (INVALID_ARGUMENT naming the tensor); decoding runs with the
+  // GIL released.
+  static py::list DecodePatches(const Patches& patches) {
+    struct Decoded {
+      std::vector<std::byte> indices, values;
+    };
+    std::vector<Decoded> decoded(patches.patches.size());
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      for (size_t i = 0; i < patches.patches.size() && status.ok(); ++i) {
+        const client::ReceivedPatch& p = patches.patches[i];
+        const ElementPatch& patch = p.patch;
+        if (absl::Status checked = CheckPatch(patch); !checked.ok()) {
+          status = absl::InvalidArgumentError(
+              absl::StrCat("the patch of tensor '", p.spec.name, "' is malformed: ", checked.message()));
+          break;
+        }
+        // CheckPatch bounds `changed` by the tensor's elements, and the body
+        // holds changed * element_size bytes of values.
+        Decoded& d = decoded[i];
+        d.indices.resize(patch.changed * sizeof(int64_t));
+        d.values.resize(patch.changed * patch.element_size);
+        uint64_t at = 0;
+        status = ForEachRun(patch, [&](uint64_t start, uint64_t length, const std::byte* values) {
+          for (uint64_t k = 0; k < length; ++k) {
+            const int64_t position = static_cast<int64_t>(start + k);
+            std::memcpy(d.indices.data() + (at + k) * sizeof(int64_t), &position, sizeof(position));
+          }
+          std::memcpy(d.values.data() + at * patch.element_size, values, length * patch.element_size);
+          at += length;
+        });
+        if (status.ok() && at != patch.changed) {
+          status = absl::InvalidArgumentError(absl::StrCat("the patch of tensor '", p.spec.name, "' writes ", at,
+                                                           " elements and says ", patch.changed));
+        }
+      }
+    }
+    if (!status.ok()) Raise(status);
+    py::list out;
+    for (size_t i = 0; i < decoded.size(); ++i) {
+      const client::ReceivedPatch& p = patches.patches[i];
+      out.append(py::make_tuple(p.spec.name, std::string(DTypeName(p.spec.dtype)), py::tuple(py::cast(p.spec.shape)),
+                                p.digest, Buffer(SharedBytes::FromVector(std::move(decoded[i].indices)), true),
+                                Buffer(SharedBytes::FromVector(std::move(decoded[i].values)), true)));
+    }
+    return out;
+  }
+
   // Applies `patches` in one call, with the GIL released: each into the
   // memory `destinations` gives for its name, as (address, bytes) of a
   // writable, contiguous CPU tensor holding it at the since version, or
@@ -802,6 +857,7 @@ PYBIND11_MODULE(_native, m) {
       .def("fetch_to_device", &Store::FetchToDevice, py::arg("name"), py::arg("selection"), py::arg("device"))
       .def("delta", &Store::Delta, py::arg("name"), py::arg("selection"), py::arg("since"), py::arg("patches") = false)
       .def_static("apply_patches", &Store::ApplyPatches, py::arg("patches"), py::arg("destinations"))
+      .def_static("decode_patches", &Store::DecodePatches, py::arg("patches"))
       .def("push", &Store::Push, py::arg("name"), py::arg("tensors"), py::arg("base"), py::arg("max_patch_bytes"))
       .def("watch", &Store::Watch, py::arg("name"), py::arg("prefix"), py::arg("known"), py::arg("callback"));
   m.def("connect", &Connect, py::arg("url"), py::arg("token") = "", py::arg("tls_ca") = "", py::arg("tls_cert") = "",

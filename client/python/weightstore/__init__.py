@@ -6,6 +6,7 @@ numpy tensors, through the C++ client.
     tensors = store.tensors("llama/8b", include=[r"^model\\.layers\\.0\\."], dtype="bf16")
     result = store.load_into(model, "llama/8b", rename=[(r"^model\\.", "")])
     update = store.update(model, "llama/8b", since=held_version)  # only what changed since
+    changes = store.changes("llama/8b", since=held_version)   # the same, as patches' indices and values
     pushed = store.push("policy", model, base=last_pushed)  # a trainer publishes what changed
 
 Tensors come without a copy: a fetch lands in memory the tensors own, and a
@@ -24,8 +25,8 @@ try:
 except ImportError as e:  # the stubs in weightstore.v1 stay usable without the extension
     _native, _native_error = None, e
 
-__all__ = ["connect", "Store", "Error", "TensorInfo", "LoadResult", "Update", "Push", "tune_allocator_for_streaming",
-           "safe_open"]
+__all__ = ["connect", "Store", "Error", "TensorInfo", "LoadResult", "Update", "Push", "Changes", "ElementPatch",
+           "tune_allocator_for_streaming", "safe_open"]
 
 # SafeTensors dtype -> torch's name for it. torch has the unsigned 16-64 bit
 # types from 2.3, the F8 types from 2.1 (FNUZ 2.2, E8M0 2.7) and
@@ -115,6 +116,60 @@ class Push:
     removed: list          # served tensors the state lacks (and those redefined)
     unchanged: int         # tensors left out: the served digest is theirs
     sent_bytes: int        # whole tensors and patches sent
+
+
+@dataclasses.dataclass
+class ElementPatch:
+    """One changed tensor's changed elements (Store.changes): on the tensor as
+    held at `since`, `tensor.view(-1)[indices] = values` gives the new
+    version's bytes, whose XXH3-128 is `digest`. An element is one of the
+    tensor's dtype (one byte, two values, of F4)."""
+    name: str      # served name
+    dtype: str     # the tensor's SafeTensors dtype
+    shape: tuple   # the tensor's served shape
+    indices: object  # 1-D int64 (torch or numpy): flat element positions, ascending, each once
+    values: object   # 1-D, the tensor's dtype (torch: float4_e2m1fn_x2 for F4), values[i] goes to indices[i]
+    digest: str    # of the whole tensor after the patch (32 hex digits)
+
+
+@dataclasses.dataclass
+class Changes:
+    """What changed in `name` from version `since` to `version`
+    (Store.changes), nothing applied: the changed tensors that came as element
+    patches, and the changed or new ones that came whole."""
+    version: str        # the version these changes lead to
+    since: str
+    delta: bool         # False: `tensors` holds every selected tensor (full_reason says why)
+    full_reason: str
+    names: list         # every served name at `version`, in listing order
+    unchanged: list     # of `names`, those equal to `since`'s
+    patches: list       # ElementPatch, one per changed tensor sent as a patch
+    tensors: dict       # served name -> tensor: changed tensors sent whole, and new ones
+    fetched_bytes: int  # received: whole tensors and element patches
+    patch_reason: str = ""  # why changed tensors came whole: the daemon keeps no patches from `since`
+    _native: object = dataclasses.field(default=None, repr=False, compare=False)
+    _raw: object = dataclasses.field(default=None, repr=False, compare=False)  # the received patches
+
+    def apply(self, held, in_place=False):
+        """Writes each patch into a copy of held[name] (the tensor at `since`:
+        torch on the CPU or a usable GPU, or numpy), or with `in_place` into
+        held[name] itself, in one native call with the GIL released, checks
+        every result against its digest, and returns {name: patched tensor}.
+        Error DATA_LOSS naming the tensor when a result is not the version's
+        (held was not `since`'s bytes; in place, the held tensors are then
+        written in part), FAILED_PRECONDITION, with nothing written, when a
+        held tensor is missing or of another dtype or shape."""
+        for p in self.patches:
+            t = held.get(p.name)
+            if not _holds(t, p.dtype, p.shape) or not _patchable(t):
+                raise Error("FAILED_PRECONDITION", f"tensor '{p.name}': the patch is for {p.dtype} {list(p.shape)} in "
+                                                   "contiguous memory, which the held tensors do not have")
+        if not self.patches:
+            return {}
+        if not isinstance(in_place, bool):
+            raise TypeError(f"in_place={in_place!r}: True or False")
+        return _apply_patches(self._native, {"patched": [p.name for p in self.patches], "patches": self._raw}, held,
+                              in_place=in_place, raise_errors=True)
 
 
 _FROM_TORCH = {torch_name: name for name, torch_name in _TORCH_DTYPES.items()}
@@ -322,12 +377,13 @@ def _patchable(tensor):
     return flags is not None and flags.c_contiguous and flags.writeable
 
 
-def _apply_patches(native, got, held, in_place):
+def _apply_patches(native, got, held, in_place, raise_errors=False):
     """Applies the element patches `got` (a delta) carries to the held tensors
     (each _patchable and as its patch expects), in one native call with the
     GIL released: into their own memory, or into copies. Returns {name:
     patched tensor}, or None when a patch fails (tensors written in place may
-    then be partly written: the caller fetches the changed tensors whole)."""
+    then be partly written: the caller fetches the changed tensors whole);
+    with `raise_errors`, the failure's Error instead of None."""
     targets, destinations = {}, {}
     gpus = set()
     for n in got["patched"]:
@@ -352,6 +408,8 @@ def _apply_patches(native, got, held, in_place):
     try:
         native.apply_patches(got["patches"], destinations)
     except Error:
+        if raise_errors:
+            raise
         return None
     return targets
 
@@ -485,6 +543,56 @@ class Store:
             fetched = self._native.fetch_to_device(name, _selection(**selection), target.index)
         return {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in fetched["tensors"]}
 
+    def iter_tensors(self, name, batch_bytes=256 << 20, **selection):
+        """Yields (served name, torch tensor) for every selected tensor, in
+        listing order, holding at most two batches of about `batch_bytes` at
+        a time: what a loader hands a model that copies each tensor into its
+        own parameters (vLLM's load_weights). Through a socket or from files
+        the tensors are views of the daemon's shared memory or the file's
+        mapping, as in tensors(); over gRPC they are fetched in batches, the
+        next while the caller consumes one, all pinned to one version (the
+        current one unless `version=` is given). A tensor larger than
+        `batch_bytes` is a batch of its own."""
+        if not isinstance(batch_bytes, int) or isinstance(batch_bytes, bool) or batch_bytes <= 0:
+            raise ValueError(f"batch_bytes={batch_bytes!r}: a positive number of bytes")
+        if self.kind != "remote":
+            yield from self.tensors(name, **selection).items()
+            return
+        s = _selection(**selection)
+        listing = self._native.listing(name, s)
+        pinned = dict(selection, version=listing["version"])
+        batches, batch, size = [], [], 0
+        for t in listing["tensors"]:
+            if batch and size + t["byte_size"] > batch_bytes:
+                batches.append(batch)
+                batch, size = [], 0
+            batch.append(t["name"])
+            size += t["byte_size"]
+        if batch:
+            batches.append(batch)
+        # Each batch asks for its served names (`paths` are names after
+        # renaming; the filters already chose them).
+        for key in ("include", "exclude", "paths"):
+            pinned.pop(key, None)
+        import concurrent.futures
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightstore-prefetch")
+        try:
+            ahead = pool.submit(self._fetch_batch, name, batches[0], pinned) if batches else None
+            for k in range(len(batches)):
+                tensors = ahead.result()
+                ahead = pool.submit(self._fetch_batch, name, batches[k + 1], pinned) \
+                    if k + 1 < len(batches) else None
+                while tensors:
+                    served = next(iter(tensors))
+                    yield served, tensors.pop(served)  # the caller's reference is the last one
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _fetch_batch(self, name, names, pinned):
+        """One batch of iter_tensors: the tensors served as `names`."""
+        fetched = self._native.fetch(name, _selection(**dict(pinned, paths=list(names))))
+        return {n: _as_tensor(n, dtype, shape, buffer, "torch") for n, dtype, shape, buffer in fetched["tensors"]}
+
     def load_into(self, module, name, allow_partial=False, **selection):
         """Loads `name` into a torch module's parameters and buffers (burn-store's
         apply: its target is the module) and returns the LoadResult. A failing
@@ -537,6 +645,45 @@ class Store:
         if as_ not in ("torch", "numpy"):
             raise ValueError(f"as_={as_!r}: 'torch' or 'numpy'")
         return self._update(state, name, since, as_, selection, patches=True)
+
+    def changes(self, name, since, as_="torch", patches=True, **selection):
+        """What changed in `name` since version `since` (a version this store
+        served; None or "": everything), received but not applied: a Changes
+        whose `patches` are the element patches of the changed tensors the
+        daemon keeps patches for (flat int64 indices and their new values, for
+        writers of their own such as vLLM's load_checkpoint_weight_patches),
+        and whose `tensors` are the changed tensors that came whole and the new
+        ones. Pin the version reached with version=ID. Nothing checks a patch's
+        result here: `digest` is what it must be. A local store sends every
+        tensor whole; a socket store maps them (views, as tensors() gives).
+        patches=False asks for the changed tensors whole. Changes.apply(held)
+        writes the patches into copies and checks them."""
+        if as_ not in ("torch", "numpy"):
+            raise ValueError(f"as_={as_!r}: 'torch' or 'numpy'")
+        if since is not None and not isinstance(since, str):
+            raise TypeError(f"since={since!r}: a version id (str) or None")
+        if not isinstance(patches, bool):
+            raise TypeError(f"patches={patches!r}: True or False")
+        got = self._native.delta(name, _selection(**selection), since or "", bool(since) and patches)
+        patches = []
+        for n, dtype, shape, digest, indices, values in self._native.decode_patches(got["patches"]):
+            count = len(indices) // 8
+            if as_ == "numpy":
+                import numpy as np
+                indices = np.frombuffer(indices, dtype="<i8")
+            else:
+                indices = _torch().from_dlpack(indices).view(_torch().int64) if count else \
+                    _torch().empty(0, dtype=_torch().int64)
+            # F4's element is a byte of two values: served shapes count values.
+            values = _as_tensor(n, dtype, (count * 2 if dtype == "F4" else count,), values, as_)
+            patches.append(ElementPatch(name=n, dtype=dtype, shape=tuple(shape), indices=indices, values=values,
+                                        digest=digest))
+        tensors = {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in got["tensors"]}
+        nbytes = sum(len(buffer) for _, _, _, buffer in got["tensors"]) + got["patch_bytes"]
+        return Changes(version=got["version"], since=since or "", delta=got["delta"],
+                       full_reason="" if got["delta"] else got["full_reason"], names=list(got["names"]),
+                       unchanged=list(got["unchanged"]), patches=patches, tensors=tensors, fetched_bytes=nbytes,
+                       patch_reason=got["patch_reason"], _native=self._native, _raw=got["patches"])
 
     def _update(self, state, name, since, as_, selection, patches):
         """update(), asking for element patches or not."""
