@@ -763,6 +763,12 @@ class PackageTest(unittest.TestCase):
             self.assertTrue(same_bytes(held["weight"], before))
             for n, t in trained.state_dict().items():
                 self.assertTrue(same_bytes(applied[n], t), n)
+            # In place: into the held tensors themselves.
+            mine = {n: t.clone() for n, t in held.items()}
+            written = changes.apply(mine, in_place=True)
+            self.assertEqual(written["weight"].data_ptr(), mine["weight"].data_ptr())
+            for n, t in trained.state_dict().items():
+                self.assertTrue(same_bytes(mine[n], t), n)
             wrong = dict(held, weight=held["weight"].clone())
             wrong["weight"].view(-1)[0] += 1.0
             with self.assertRaises(weightstore.Error) as e:
