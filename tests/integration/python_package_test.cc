@@ -94,39 +94,17 @@ TEST(PythonPackageTest, HostileArgumentsToEveryCallRaiseAndNeverCrashOrHang) {
 }
 
 TEST(PythonPackageTest, PipBuildsAWheelThatInstallsIntoAFreshVenvOfflineAndItsTestsPassThere) {
+  // The fresh venv sees the test environment's packages (torch, grpcio)
+  // through a .pth file, rather than installing them again; the build folder
+  // the tests were built in is reused, so pip only packages the extension
+  // (scripts/check-wheel.sh builds one from nothing).
   const std::string dir = testing::MakeScratchDir("venv");
   std::string output;
-  ASSERT_EQ(testing::RunCommand(
-                absl::StrCat(ShellQuote(testing::TorchPython()), " -m venv ", ShellQuote(dir + "/venv")), &output),
-            0)
-      << output;
-  // The fresh venv sees the test environment's packages (torch, grpcio)
-  // through a .pth file, rather than installing them again.
-  ASSERT_EQ(testing::RunCommand(
-                absl::StrCat(ShellQuote(testing::TorchPython()),
-                             " -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])' > \"$(",
-                             ShellQuote(dir + "/venv/bin/python"),
-                             " -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')/test-env.pth\""),
-                &output),
-            0)
-      << output;
-  // The build folder the tests were built in is reused: the extension is
-  // already built there, so pip only packages it. (scripts/check-wheel.sh
-  // builds one from nothing.)
-  const std::string pip = ShellQuote(dir + "/venv/bin/pip");
-  ASSERT_EQ(testing::RunCommand(absl::StrCat("WEIGHTSTORE_CMAKE_BUILD_DIR=", ShellQuote(WEIGHTSTORE_CMAKE_BINARY_DIR),
-                                             " WEIGHTSTORE_PY_SCRATCH=", ShellQuote(dir + "/scratch"), " ", pip,
-                                             " wheel --no-index --no-build-isolation --no-deps --quiet -w ",
-                                             ShellQuote(dir + "/dist"), " ", ShellQuote(WEIGHTSTORE_PACKAGE_SOURCE)),
-                                &output),
-            0)
-      << output;
-  ASSERT_EQ(testing::RunCommand(
-                absl::StrCat(pip, " install --no-index --quiet ", ShellQuote(dir), "/dist/weightstore-*.whl"), &output),
-            0)
-      << output;
+  const std::string python = testing::InstallPackageOver(testing::TorchPython(), dir, WEIGHTSTORE_PACKAGE_SOURCE,
+                                                         WEIGHTSTORE_CMAKE_BINARY_DIR, &output);
+  ASSERT_NE(python, "") << output;
   // From a folder away from the sources, with no PYTHONPATH: the installed package.
-  RunPackageTests("env -u PYTHONPATH", dir + "/venv/bin/python", dir);
+  RunPackageTests("env -u PYTHONPATH", python, dir);
 }
 
 TEST(PythonPackageTest, SendsTheBearerTokenItIsGiven) {

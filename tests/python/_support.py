@@ -1,6 +1,9 @@
 """What several of the package's Python tests share (tests/python/test_*.py).
 Imported by name: each test runs as a script from this folder."""
+import hashlib
+import json
 import os
+import shutil
 
 import numpy as np
 import torch
@@ -23,3 +26,35 @@ def random_bits(shape, dtype, generator):
     count = int(np.prod(shape)) if shape else 1
     raw = torch.randint(0, 256, (count * size,), dtype=torch.uint8, generator=generator)
     return raw.view(dtype).reshape(shape)
+
+
+def write_hub_repo(models, repo, files):
+    """Lays `files` ({name in the repo: path}) out as huggingface_hub writes a
+    cache: models--ORG--NAME/blobs/<sha256 for LFS files, the git blob sha1
+    for the others>, snapshots/<commit>/<name> relative symlinks into
+    ../../blobs, refs/main holding the commit. Returns the commit."""
+    root = os.path.join(models, "models--" + repo.replace("/", "--"))
+    shutil.rmtree(root, ignore_errors=True)
+    blobs = {}
+    for name, path in sorted(files.items()):
+        with open(path, "rb") as f:
+            data = f.read()
+        if name.endswith((".safetensors", ".bin")):  # stored with Git LFS: the etag is the sha256
+            etag = hashlib.sha256(data).hexdigest()
+        else:  # a plain git blob: the etag is its git hash
+            etag = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        blobs[name] = (etag, data)
+    commit = hashlib.sha1(json.dumps(sorted((n, e) for n, (e, _) in blobs.items())).encode()).hexdigest()
+    snapshot = os.path.join(root, "snapshots", commit)
+    os.makedirs(os.path.join(root, "blobs"))
+    os.makedirs(os.path.join(root, "refs"))
+    for name, (etag, data) in blobs.items():
+        blob = os.path.join(root, "blobs", etag)
+        with open(blob, "wb") as f:
+            f.write(data)
+        link = os.path.join(snapshot, name)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(os.path.relpath(blob, os.path.dirname(link)), link)
+    with open(os.path.join(root, "refs", "main"), "w") as f:
+        f.write(commit)  # huggingface_hub writes the bare hash, no newline
+    return commit

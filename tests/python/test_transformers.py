@@ -5,7 +5,6 @@ pytorch_model.bin, laid out as a Hugging Face hub cache in WS_MODELS, served by
 repo id and loaded into fresh models over the socket, over gRPC and from local
 files. Needs WS_ADDRESS, WS_SOCKET and WS_MODELS (a daemon serving it);
 `python tests/python/test_transformers.py`."""
-import hashlib
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import weightstore  # noqa: E402
+from _support import write_hub_repo  # noqa: E402
 from weightstore.v1 import weight_store_pb2, weight_store_pb2_grpc  # noqa: E402
 
 ADDRESS, SOCKET, MODELS = os.environ["WS_ADDRESS"], os.environ["WS_SOCKET"], os.environ["WS_MODELS"]
@@ -52,38 +52,6 @@ def served_name(repo, revision=None):
     """The checkpoint a hub cache repo is served as: refs/main by repo id,
     another ref or a commit as REPO@REV."""
     return repo if revision is None else f"{repo}@{revision}"
-
-
-def write_hub_repo(models, repo, files):
-    """Lays `files` ({name in the repo: path}) out as huggingface_hub writes a
-    cache: models--ORG--NAME/blobs/<sha256 for LFS files, the git blob sha1
-    for the others>, snapshots/<commit>/<name> relative symlinks into
-    ../../blobs, refs/main holding the commit. Returns the commit."""
-    root = os.path.join(models, "models--" + repo.replace("/", "--"))
-    shutil.rmtree(root, ignore_errors=True)
-    blobs = {}
-    for name, path in sorted(files.items()):
-        with open(path, "rb") as f:
-            data = f.read()
-        if name.endswith((".safetensors", ".bin")):  # stored with Git LFS: the etag is the sha256
-            etag = hashlib.sha256(data).hexdigest()
-        else:  # a plain git blob: the etag is its git hash
-            etag = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-        blobs[name] = (etag, data)
-    commit = hashlib.sha1(json.dumps(sorted((n, e) for n, (e, _) in blobs.items())).encode()).hexdigest()
-    snapshot = os.path.join(root, "snapshots", commit)
-    os.makedirs(os.path.join(root, "blobs"))
-    os.makedirs(os.path.join(root, "refs"))
-    for name, (etag, data) in blobs.items():
-        blob = os.path.join(root, "blobs", etag)
-        with open(blob, "wb") as f:
-            f.write(data)
-        link = os.path.join(snapshot, name)
-        os.makedirs(os.path.dirname(link), exist_ok=True)
-        os.symlink(os.path.relpath(blob, os.path.dirname(link)), link)
-    with open(os.path.join(root, "refs", "main"), "w") as f:
-        f.write(commit)  # huggingface_hub writes the bare hash, no newline
-    return commit
 
 
 def logits(model, inputs):

@@ -126,4 +126,31 @@ std::string HttpGet(int port, const std::string& path) {
   return body == std::string::npos ? "" : response.substr(body + 4);
 }
 
+std::string InstallPackageOver(const std::string& base_python, const std::string& dir,
+                               const std::string& package_source, const std::string& cmake_build_dir,
+                               std::string* output) {
+  const std::string venv = dir + "/venv";
+  const std::string purelib = " -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'";
+  // The wheel is built by the test environment's pip (setuptools and wheel
+  // are there), reusing the build folder: pip only packages the extension.
+  const std::string steps[] = {
+      absl::StrCat(ShellQuote(base_python), " -m venv ", ShellQuote(venv)),
+      absl::StrCat(ShellQuote(base_python), purelib, " > \"$(", ShellQuote(venv + "/bin/python"), purelib,
+                   ")/base-env.pth\""),
+      absl::StrCat("WEIGHTSTORE_CMAKE_BUILD_DIR=", ShellQuote(cmake_build_dir),
+                   " WEIGHTSTORE_PY_SCRATCH=", ShellQuote(dir + "/scratch"), " ", ShellQuote(TorchPython()),
+                   " -m pip wheel --no-index --no-build-isolation --no-deps --quiet -w ", ShellQuote(dir + "/dist"),
+                   " ", ShellQuote(package_source)),
+      absl::StrCat(ShellQuote(venv + "/bin/pip"), " install --no-index --no-deps --quiet ", ShellQuote(dir),
+                   "/dist/weightstore-*.whl"),
+  };
+  for (const std::string& step : steps) {
+    if (RunCommand(step, output) != 0) {
+      *output = absl::StrCat("failed: ", step, "\n", *output);
+      return "";
+    }
+  }
+  return venv + "/bin/python";
+}
+
 }  // namespace weightstore::testing

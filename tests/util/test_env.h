@@ -43,6 +43,16 @@ int RunCommand(const std::string& command, std::string* output, bool merge_stder
 // Quotes `s` for /bin/sh.
 std::string ShellQuote(absl::string_view s);
 
+// Makes a venv in `dir`/venv that sees `base_python`'s packages (a .pth file
+// names its site-packages) and has the `weightstore` package installed into
+// it from a wheel: the package at `package_source`, its extension taken from
+// the CMake build folder `cmake_build_dir` (built there already), packaged
+// by the test environment's pip. Returns the venv's interpreter, or "" with
+// what failed in `*output`.
+std::string InstallPackageOver(const std::string& base_python, const std::string& dir,
+                               const std::string& package_source, const std::string& cmake_build_dir,
+                               std::string* output);
+
 }  // namespace weightstore::testing
 
 #endif  // WEIGHTSTORE_TESTS_UTIL_TEST_ENV_H_

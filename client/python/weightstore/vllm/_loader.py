@@ -1,0 +1,102 @@
+"""The load format "weightstore": a vLLM model's weights from weightstored,
+under their checkpoint names, as vLLM's own loaders hand them to
+model.load_weights (docs/vllm.md)."""
+import logging
+import time
+
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from weightstore._errors import Error
+from weightstore.vllm import Options
+
+# A child of vLLM's logger: its lines come out as vLLM's do.
+logger = logging.getLogger("vllm.weightstore")
+
+
+def checkpoint_weights(store, options, version):
+    """(name, tensor) for every tensor of the checkpoint at `version`: views
+    of the daemon's shared memory through a socket (each tensor-parallel rank
+    then reads only the pages of its own slice) or of the files' mappings
+    with file:, fetched in batches over gRPC (store.iter_tensors). A failure
+    names the checkpoint and the URL."""
+    try:
+        yield from store.iter_tensors(options.checkpoint, batch_bytes=options.batch_bytes, version=version)
+    except Error as e:
+        raise Error(e.code, f"checkpoint '{options.checkpoint}' version '{version}' at '{options.url}': "
+                            f"{e.message}") from None
+
+
+def load_weights_checked(model, weights, what):
+    """model.load_weights(weights), with a failure while loading a tensor
+    said as a tensor that does not fit the model (ValueError naming it, its
+    dtype and shape, and `what`). Returns the names it loaded, or None when the
+    model does not say."""
+    current = []
+
+    def tracked():
+        for name, tensor in weights:
+            current[:] = [(name, tensor)]
+            yield name, tensor
+
+    try:
+        return model.load_weights(tracked())
+    except Error:
+        raise  # the daemon's, already naming the checkpoint
+    except Exception as e:
+        if not current:
+            raise
+        name, tensor = current[0]
+        raise ValueError(f"{what} does not fit the model ({type(model).__name__}): tensor '{name}' "
+                         f"({str(tensor.dtype).replace('torch.', '')}, shape {list(tensor.shape)}) could not be "
+                         f"loaded, as the model has no parameter of that name and shape: {type(e).__name__}: "
+                         f"{e}") from e
+
+
+def check_every_parameter_loaded(model, model_config, loaded, what):
+    """What vLLM's default loader checks of an unquantized model: every
+    parameter got a tensor (ValueError naming those that did not)."""
+    if loaded is None or getattr(model_config, "quantization", None) is not None:
+        return
+    missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+    if missing:
+        raise ValueError(f"{what} does not fit the model ({type(model).__name__}): {len(missing)} of its parameters "
+                         f"got no tensor, e.g. {', '.join(repr(n) for n in missing[:5])} (missing from the checkpoint, "
+                         "or named otherwise)")
+
+
+class WeightstoreModelLoader(BaseModelLoader):
+    """--load-format weightstore: model_loader_extra_config is {"url",
+    "checkpoint"} and optionally "version", "token", "tls_ca", "tls_cert",
+    "tls_key", "batch_bytes", "timeout" (weightstore.vllm.Options)."""
+
+    def __init__(self, load_config):
+        super().__init__(load_config)
+        self.options = Options.parse(load_config.model_loader_extra_config, "model_loader_extra_config")
+
+    def download_model(self, model_config):
+        """Nothing to download: checks that the daemon serves the checkpoint."""
+        self.options.current_version(self.options.connect())
+
+    def load_weights(self, model, model_config):
+        start = time.perf_counter()
+        store = self.options.connect()
+        version = self.options.current_version(store)
+        what = f"weightstore checkpoint '{self.options.checkpoint}' (version {version} at '{self.options.url}')"
+        loaded = load_weights_checked(model, checkpoint_weights(store, self.options, version), what)
+        check_every_parameter_loaded(model, model_config, loaded, what)
+        mark_loaded(model, self.options, version)
+        logger.info("weightstore: loaded %s over %s in %.2f s", what, store.kind, time.perf_counter() - start)
+
+    def get_all_weights(self, model_config, model):
+        """The checkpoint's newest version (or the pinned one), for
+        collective_rpc("reload_weights")."""
+        store = self.options.connect()
+        version = self.options.current_version(store)
+        yield from checkpoint_weights(store, self.options, version)
+        mark_loaded(model, self.options, version)
+
+
+def mark_loaded(model, options, version):
+    """Records on the model which checkpoint version it holds: the weight
+    transfer backend then fetches only what changed since."""
+    model._weightstore_loaded = {"checkpoint": options.checkpoint, "version": version}
