@@ -133,8 +133,9 @@ def call(store, weightstore, kind, name, kwargs, extra):
         return store.push(name, state, base=extra[1], max_patch_bytes=extra[2])
     if kind == "changes":
         patches = extra[2] if isinstance(extra[2], bool) else True
-        return store.changes(name, since=extra[1], patches=patches, **kwargs).apply(
-            extra[0] if isinstance(extra[0], dict) else {})
+        changes = store.changes(name, since=extra[1], patches=patches, **kwargs)
+        changes.decode()
+        return changes.apply(extra[0] if isinstance(extra[0], dict) else {})
     if kind == "iter_tensors":
         ok = isinstance(extra[0], int) and not isinstance(extra[0], bool) and extra[0] > 0
         return list(store.iter_tensors(name, batch_bytes=extra[0] if ok else 1 << 20, **kwargs))

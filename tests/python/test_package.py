@@ -747,8 +747,10 @@ class PackageTest(unittest.TestCase):
             self.assertEqual((changes.since, changes.names, changes.tensors), (since, ["weight", "bias"], {}))
             self.assertEqual(changes.version, self.remote.info("pkg/changes")["version"])
             self.assertLess(changes.fetched_bytes, total // 20)
-            self.assertEqual([p.name for p in changes.patches], ["weight", "bias"])
-            for patch in changes.patches:
+            self.assertEqual(changes.patched, ["weight", "bias"])
+            self.assertEqual([p.name for p in changes.decode()], ["weight", "bias"])
+            self.assertIs(changes.decode(), changes.decode())  # decoded once
+            for patch in changes.decode():
                 self.assertEqual((patch.dtype, patch.shape), ("BF16", tuple(trained.state_dict()[patch.name].shape)))
                 self.assertEqual((patch.indices.dtype, patch.values.dtype), (torch.int64, torch.bfloat16))
                 self.assertEqual(patch.indices.numel(), patch.values.numel())
@@ -780,7 +782,7 @@ class PackageTest(unittest.TestCase):
             self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
         # The changed tensors whole instead, and everything without `since`.
         whole = self.remote.changes("pkg/changes", since=since, patches=False)
-        self.assertEqual((whole.patches, sorted(whole.tensors)), ([], ["bias", "weight"]))
+        self.assertEqual((whole.patched, whole.decode(), sorted(whole.tensors)), ([], [], ["bias", "weight"]))
         everything = self.remote.changes("pkg/changes", since=None)
         self.assertFalse(everything.delta)
         for n, t in trained.state_dict().items():

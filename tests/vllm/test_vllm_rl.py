@@ -119,9 +119,12 @@ class WeightTransferTest(unittest.TestCase):
                 self.check_serves(llm, 2)
                 report = llm.collective_rpc(last_update)[0]
                 self.assertEqual(report["since"], self.versions[1])
-                self.assertEqual(len(report["patched"]), len(self.states[2]))  # every tensor changed, as a patch
-                self.assertEqual(report["whole"], [])
-                self.assertLess(report["fetched_bytes"], total * 0.05)  # 1% of the elements and their positions
+                self.assertEqual(report["layers"], 3)  # every layer changed: the two decoders and the rest
+                if transport == "grpc":  # every tensor changed, as a patch: 1% of the elements and positions
+                    self.assertEqual((len(report["patched"]), report["whole"]), (len(self.states[2]), []))
+                    self.assertLess(report["fetched_bytes"], total * 0.05)
+                else:  # the changed tensors mapped anew from the daemon's memory: nothing copied
+                    self.assertEqual((report["patched"], report["whole"]), ([], sorted(self.states[2])))
 
     def test_2_an_engine_that_missed_two_steps_catches_up_in_one_update(self):
         self.train_and_push(3)
@@ -162,7 +165,7 @@ class WeightTransferTest(unittest.TestCase):
         self.check_serves(llm, 4)
 
     def test_5_a_patch_that_fails_its_digest_is_fetched_whole_or_refused(self):
-        llm, url = self.engines["socket"]
+        llm, url = self.engines["grpc"]  # the engine that receives patches
         name = llm.collective_rpc(corrupt_held)[0]
         self.train_and_push(5)
         update(llm)  # the patched result is not the version's: the tensors come whole
@@ -181,9 +184,11 @@ class WeightTransferTest(unittest.TestCase):
         self.assertIn(name, str(caught.exception))
         self.assertIn(f"keeps serving version {self.versions[5]}", str(caught.exception))
         self.check_serves(llm, 5)
-        llm.init_weight_transfer_engine({"init_info": {"url": url, "checkpoint": CHECKPOINT}})  # takes 5 again
+        # Version 5, which the model holds, is replaced: the next update reloads every layer.
+        llm.init_weight_transfer_engine({"init_info": {"url": url, "checkpoint": CHECKPOINT}})
         update(llm)
         self.check_serves(llm, 6)
+        self.assertEqual(llm.collective_rpc(last_update)[0]["layers"], 3)
 
     def test_6_a_dropped_connection_keeps_the_version_until_the_daemon_is_back(self):
         llm, url = self.engines["socket"]
@@ -202,6 +207,17 @@ class WeightTransferTest(unittest.TestCase):
         self.train_and_push(7)
         update(llm)
         self.check_serves(llm, 7)
+
+    def test_7_weights_loaded_from_elsewhere_are_reloaded_whole_at_the_next_update(self):
+        llm, _ = self.engines["socket"]
+        self.check_serves(llm, 7)
+        # reload_weights with other weights (version 1's): the model no longer
+        # holds version 7, though nothing told the backend.
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(self.states[1].items())})
+        self.assertEqual(support.greedy(llm), self.tokens[1])
+        update(llm, version=self.versions[7])
+        self.check_serves(llm, 7)
+        self.assertEqual(llm.collective_rpc(last_update)[0]["layers"], 3)
 
 
 if __name__ == "__main__":

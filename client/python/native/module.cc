@@ -636,6 +636,12 @@ class Store {
         d.values.resize(patch.changed * patch.element_size);
         uint64_t at = 0;
         status = ForEachRun(patch, [&](uint64_t start, uint64_t length, const std::byte* values) {
+          // CheckPatch counted the runs already; a second parse that says
+          // more (bytes changed under it) writes nothing past the buffers.
+          if (at > patch.changed || length > patch.changed - at) {
+            at = patch.changed + 1;
+            return;
+          }
           for (uint64_t k = 0; k < length; ++k) {
             const int64_t position = static_cast<int64_t>(start + k);
             std::memcpy(d.indices.data() + (at + k) * sizeof(int64_t), &position, sizeof(position));

@@ -6,7 +6,7 @@ numpy tensors, through the C++ client.
     tensors = store.tensors("llama/8b", include=[r"^model\\.layers\\.0\\."], dtype="bf16")
     result = store.load_into(model, "llama/8b", rename=[(r"^model\\.", "")])
     update = store.update(model, "llama/8b", since=held_version)  # only what changed since
-    changes = store.changes("llama/8b", since=held_version)   # the same, as patches' indices and values
+    changes = store.changes("llama/8b", since=held_version)   # the same, unapplied: changes.decode() for indices
     pushed = store.push("policy", model, base=last_pushed)  # a trainer publishes what changed
 
 Tensors come without a copy: a fetch lands in memory the tensors own, and a
@@ -120,7 +120,7 @@ class Push:
 
 @dataclasses.dataclass
 class ElementPatch:
-    """One changed tensor's changed elements (Store.changes): on the tensor as
+    """One changed tensor's changed elements (Changes.decode()): on the tensor as
     held at `since`, `tensor.view(-1)[indices] = values` gives the new
     version's bytes, whose XXH3-128 is `digest`. An element is one of the
     tensor's dtype (one byte, two values, of F4)."""
@@ -143,12 +143,38 @@ class Changes:
     full_reason: str
     names: list         # every served name at `version`, in listing order
     unchanged: list     # of `names`, those equal to `since`'s
-    patches: list       # ElementPatch, one per changed tensor sent as a patch
+    patched: list       # of `names`, the changed tensors that came as element patches (decode(), apply())
     tensors: dict       # served name -> tensor: changed tensors sent whole, and new ones
     fetched_bytes: int  # received: whole tensors and element patches
     patch_reason: str = ""  # why changed tensors came whole: the daemon keeps no patches from `since`
     _native: object = dataclasses.field(default=None, repr=False, compare=False)
     _raw: object = dataclasses.field(default=None, repr=False, compare=False)  # the received patches
+    _specs: dict = dataclasses.field(default=None, repr=False, compare=False)  # name: (dtype, shape)
+    _as: str = dataclasses.field(default="torch", repr=False, compare=False)
+    _decoded: list = dataclasses.field(default=None, repr=False, compare=False)
+
+    def decode(self):
+        """The patches as ElementPatch (flat indices and values), decoded
+        natively with the GIL released on the first call (each patch checked
+        in full first) and kept. Decoding holds 8 bytes of index and one
+        element of value per changed element."""
+        if self._decoded is None:
+            out = []
+            for n, dtype, shape, digest, indices, values in self._native.decode_patches(self._raw):
+                count = len(indices) // 8
+                if self._as == "numpy":
+                    import numpy as np
+                    indices = np.frombuffer(indices, dtype="<i8")
+                else:
+                    torch = _torch()
+                    indices = torch.from_dlpack(indices).view(torch.int64) if count else \
+                        torch.empty(0, dtype=torch.int64)
+                # F4's element is a byte of two values: served shapes count values.
+                values = _as_tensor(n, dtype, (count * 2 if dtype == "F4" else count,), values, self._as)
+                out.append(ElementPatch(name=n, dtype=dtype, shape=tuple(shape), indices=indices, values=values,
+                                        digest=digest))
+            self._decoded = out
+        return self._decoded
 
     def apply(self, held, in_place=False):
         """Writes each patch into a copy of held[name] (the tensor at `since`:
@@ -159,16 +185,16 @@ class Changes:
         (held was not `since`'s bytes; in place, the held tensors are then
         written in part), FAILED_PRECONDITION, with nothing written, when a
         held tensor is missing or of another dtype or shape."""
-        for p in self.patches:
-            t = held.get(p.name)
-            if not _holds(t, p.dtype, p.shape) or not _patchable(t):
-                raise Error("FAILED_PRECONDITION", f"tensor '{p.name}': the patch is for {p.dtype} {list(p.shape)} in "
-                                                   "contiguous memory, which the held tensors do not have")
-        if not self.patches:
-            return {}
         if not isinstance(in_place, bool):
             raise TypeError(f"in_place={in_place!r}: True or False")
-        return _apply_patches(self._native, {"patched": [p.name for p in self.patches], "patches": self._raw}, held,
+        for n in self.patched:
+            dtype, shape = self._specs[n]
+            if not _holds(held.get(n), dtype, shape) or not _patchable(held.get(n)):
+                raise Error("FAILED_PRECONDITION", f"tensor '{n}': the patch is for {dtype} {list(shape)} in "
+                                                   "contiguous memory, which the held tensors do not have")
+        if not self.patched:
+            return {}
+        return _apply_patches(self._native, {"patched": list(self.patched), "patches": self._raw}, held,
                               in_place=in_place, raise_errors=True)
 
 
@@ -547,15 +573,15 @@ class Store:
         """Yields (served name, torch tensor) for every selected tensor, in
         listing order, holding at most two batches of about `batch_bytes` at
         a time: what a loader hands a model that copies each tensor into its
-        own parameters (vLLM's load_weights). Through a socket or from files
-        the tensors are views of the daemon's shared memory or the file's
-        mapping, as in tensors(); over gRPC they are fetched in batches, the
-        next while the caller consumes one, all pinned to one version (the
-        current one unless `version=` is given). A tensor larger than
-        `batch_bytes` is a batch of its own."""
+        own parameters (vLLM's load_weights). Through a socket the tensors are
+        views of the daemon's shared memory, as in tensors(); over gRPC and
+        from files they are fetched (read) in batches, the next while the
+        caller consumes one, all pinned to one version (the current one unless
+        `version=` is given). A tensor larger than `batch_bytes` is a batch of
+        its own."""
         if not isinstance(batch_bytes, int) or isinstance(batch_bytes, bool) or batch_bytes <= 0:
             raise ValueError(f"batch_bytes={batch_bytes!r}: a positive number of bytes")
-        if self.kind != "remote":
+        if self.kind == "socket":  # views of the daemon's mappings: nothing to bound
             yield from self.tensors(name, **selection).items()
             return
         s = _selection(**selection)
@@ -586,7 +612,9 @@ class Store:
                     served = next(iter(tensors))
                     yield served, tensors.pop(served)  # the caller's reference is the last one
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            # A batch in flight finishes on its thread, and is dropped: a
+            # caller that stops early does not wait for it.
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _fetch_batch(self, name, names, pinned):
         """One batch of iter_tensors: the tensors served as `names`."""
@@ -649,15 +677,16 @@ class Store:
     def changes(self, name, since, as_="torch", patches=True, **selection):
         """What changed in `name` since version `since` (a version this store
         served; None or "": everything), received but not applied: a Changes
-        whose `patches` are the element patches of the changed tensors the
-        daemon keeps patches for (flat int64 indices and their new values, for
-        writers of their own such as vLLM's load_checkpoint_weight_patches),
-        and whose `tensors` are the changed tensors that came whole and the new
-        ones. Pin the version reached with version=ID. Nothing checks a patch's
-        result here: `digest` is what it must be. A local store sends every
-        tensor whole; a socket store maps them (views, as tensors() gives).
-        patches=False asks for the changed tensors whole. Changes.apply(held)
-        writes the patches into copies and checks them."""
+        whose `patched` tensors came as element patches (where the daemon
+        keeps them) and whose `tensors` are the changed tensors that came whole
+        and the new ones. Changes.apply(held) writes the patches into copies of
+        the held tensors (or into them) and checks each result's digest;
+        Changes.decode() gives them as ElementPatch (flat int64 indices and
+        their new values), for writers of their own such as vLLM's
+        load_checkpoint_weight_patches, unchecked: `digest` is what the result
+        must be. Pin the version reached with version=ID. patches=False asks
+        for the changed tensors whole. A local store sends every tensor whole;
+        a socket store maps them (views, as tensors() gives)."""
         if as_ not in ("torch", "numpy"):
             raise ValueError(f"as_={as_!r}: 'torch' or 'numpy'")
         if since is not None and not isinstance(since, str):
@@ -665,25 +694,13 @@ class Store:
         if not isinstance(patches, bool):
             raise TypeError(f"patches={patches!r}: True or False")
         got = self._native.delta(name, _selection(**selection), since or "", bool(since) and patches)
-        patches = []
-        for n, dtype, shape, digest, indices, values in self._native.decode_patches(got["patches"]):
-            count = len(indices) // 8
-            if as_ == "numpy":
-                import numpy as np
-                indices = np.frombuffer(indices, dtype="<i8")
-            else:
-                indices = _torch().from_dlpack(indices).view(_torch().int64) if count else \
-                    _torch().empty(0, dtype=_torch().int64)
-            # F4's element is a byte of two values: served shapes count values.
-            values = _as_tensor(n, dtype, (count * 2 if dtype == "F4" else count,), values, as_)
-            patches.append(ElementPatch(name=n, dtype=dtype, shape=tuple(shape), indices=indices, values=values,
-                                        digest=digest))
         tensors = {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in got["tensors"]}
         nbytes = sum(len(buffer) for _, _, _, buffer in got["tensors"]) + got["patch_bytes"]
         return Changes(version=got["version"], since=since or "", delta=got["delta"],
                        full_reason="" if got["delta"] else got["full_reason"], names=list(got["names"]),
-                       unchanged=list(got["unchanged"]), patches=patches, tensors=tensors, fetched_bytes=nbytes,
-                       patch_reason=got["patch_reason"], _native=self._native, _raw=got["patches"])
+                       unchanged=list(got["unchanged"]), patched=list(got["patched"]), tensors=tensors,
+                       fetched_bytes=nbytes, patch_reason=got["patch_reason"], _native=self._native,
+                       _raw=got["patches"], _specs=dict(got["patched"]), _as=as_)
 
     def _update(self, state, name, since, as_, selection, patches):
         """update(), asking for element patches or not."""

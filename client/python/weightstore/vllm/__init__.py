@@ -28,12 +28,13 @@ __all__ = ["register", "Options"]
 _KEYS = {
     "url": "what weightstore.connect takes: unix:/path (same host), host:port (gRPC), file:/path",
     "checkpoint": "the served checkpoint's name (weightstore ls)",
-    "version": "a version id to load (default: the newest); init_info ignores it",
+    "version": "a version id to load (default: the newest); not in init_info: pass it to update_weights",
     "token": "the daemon's bearer token (default: $WEIGHTSTORE_TOKEN)",
     "tls_ca": "PEM file of the CA the daemon's certificate is checked with (gRPC over TLS)",
     "tls_cert": "PEM file of this client's certificate (mutual TLS)",
     "tls_key": "PEM file of this client's key (mutual TLS)",
-    "batch_bytes": "over gRPC, the bytes fetched per batch (two at most are held; default 256 MiB)",
+    "batch_bytes": "loading over gRPC or from files, the bytes fetched per batch (two at most are held; "
+                   "default 256 MiB)",
     "timeout": "seconds a call may take (default 600)",
 }
 
@@ -116,7 +117,6 @@ def register():
     in every process it starts, maybe more than once: later calls do nothing."""
     if _REGISTERED:
         return
-    _REGISTERED.append(True)
     from vllm.model_executor.model_loader import register_model_loader
 
     from weightstore.vllm._loader import WeightstoreModelLoader
@@ -125,5 +125,6 @@ def register():
     if "weightstore" not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine("weightstore", "weightstore.vllm._transfer",
                                                     "WeightstoreWeightTransferEngine")
-    from weightstore.vllm._transfer import report_versions_to_engine_core
-    report_versions_to_engine_core()
+    from weightstore.vllm._transfer import patch_vllm
+    patch_vllm()
+    _REGISTERED.append(True)

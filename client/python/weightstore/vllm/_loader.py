@@ -16,9 +16,9 @@ logger = logging.getLogger("vllm.weightstore")
 def checkpoint_weights(store, options, version):
     """(name, tensor) for every tensor of the checkpoint at `version`: views
     of the daemon's shared memory through a socket (each tensor-parallel rank
-    then reads only the pages of its own slice) or of the files' mappings
-    with file:, fetched in batches over gRPC (store.iter_tensors). A failure
-    names the checkpoint and the URL."""
+    then reads only the pages of its own slice), fetched over gRPC or read
+    from files with file: in batches of about batch_bytes
+    (store.iter_tensors). A failure names the checkpoint and the URL."""
     try:
         yield from store.iter_tensors(options.checkpoint, batch_bytes=options.batch_bytes, version=version)
     except Error as e:
@@ -42,14 +42,14 @@ def load_weights_checked(model, weights, what):
         return model.load_weights(tracked())
     except Error:
         raise  # the daemon's, already naming the checkpoint
-    except Exception as e:
+    except (KeyError, AssertionError, ValueError, RuntimeError, IndexError, AttributeError) as e:
         if not current:
             raise
         name, tensor = current[0]
-        raise ValueError(f"{what} does not fit the model ({type(model).__name__}): tensor '{name}' "
-                         f"({str(tensor.dtype).replace('torch.', '')}, shape {list(tensor.shape)}) could not be "
-                         f"loaded, as the model has no parameter of that name and shape: {type(e).__name__}: "
-                         f"{e}") from e
+        raise ValueError(f"{what} does not fit the model ({type(model).__name__}): loading tensor '{name}' "
+                         f"({str(tensor.dtype).replace('torch.', '')}, shape {list(tensor.shape)}) failed, as it "
+                         f"does for a tensor the model has no parameter for, or of another shape: "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def check_every_parameter_loaded(model, model_config, loaded, what):
@@ -80,9 +80,18 @@ class WeightstoreModelLoader(BaseModelLoader):
     def load_weights(self, model, model_config):
         start = time.perf_counter()
         store = self.options.connect()
-        version = self.options.current_version(store)
-        what = f"weightstore checkpoint '{self.options.checkpoint}' (version {version} at '{self.options.url}')"
-        loaded = load_weights_checked(model, checkpoint_weights(store, self.options, version), what)
+        for attempt in range(3):
+            version = self.options.current_version(store)
+            what = f"weightstore checkpoint '{self.options.checkpoint}' (version {version} at '{self.options.url}')"
+            try:
+                loaded = load_weights_checked(model, checkpoint_weights(store, self.options, version), what)
+                break
+            except Error as e:
+                # The newest version was replaced while its batches came: the
+                # next pass loads the one after it into every parameter.
+                if self.options.version or e.code not in ("ABORTED", "NOT_FOUND") or attempt == 2:
+                    raise
+                logger.info("weightstore: %s was replaced while loading; loading the newest again", what)
         check_every_parameter_loaded(model, model_config, loaded, what)
         mark_loaded(model, self.options, version)
         logger.info("weightstore: loaded %s over %s in %.2f s", what, store.kind, time.perf_counter() - start)
@@ -92,6 +101,7 @@ class WeightstoreModelLoader(BaseModelLoader):
         collective_rpc("reload_weights")."""
         store = self.options.connect()
         version = self.options.current_version(store)
+        model._weightstore_loaded = None  # partly reloaded until the last tensor is in
         yield from checkpoint_weights(store, self.options, version)
         mark_loaded(model, self.options, version)
 

@@ -1,19 +1,29 @@
 """The RL weight-transfer backend "weightstore": a running vLLM engine
 follows a checkpoint that a trainer pushes to weightstored (docs/vllm.md).
 
-Each worker keeps the checkpoint at the version its model holds ("held":
-views of the daemon's shared memory through a socket, a host copy over gRPC),
-which is what element patches apply to. An update lists what changed since,
-receives the changed tensors (element patches where the daemon keeps them),
-writes the patches into the held tensors and checks every result against the
-new version's digest, and only then touches the model: it
-reloads each changed decoder layer through vLLM's layerwise reload, sending
-every tensor of that layer (vLLM rebuilds a layer from what arrives for it),
-or, on a GPU, writes the patches' elements with vLLM's
-load_checkpoint_weight_patches. A failure before that point (a version that
-is not served, a dropped connection, a patch whose result fails its digest
-with on_patch_failure "fail") leaves the model and the held tensors as they
-were: the engine keeps serving its version.
+Each worker keeps the checkpoint at the version its model holds ("held"),
+which is what element patches apply to: over gRPC a host copy, through a
+socket views of the daemon's shared memory (refreshed by mapping the changed
+tensors anew, not patched: writing patches into those copy-on-write views
+would copy them page by page in every rank). An update, in order:
+
+1. the engine core pins "the newest" to one version for every rank;
+2. each rank receives what changed since its version, checks that the
+   tensors still fit, writes the patches into the held tensors and checks
+   every result against the new version's digest ("staging");
+3. the ranks agree that every one of them staged (an all-reduce over vLLM's
+   world group), or none touches its model;
+4. each rank reloads each changed decoder layer through vLLM's layerwise
+   reload, sending every tensor of that layer (vLLM rebuilds a layer from
+   what arrives for it), or on a GPU writes the patches' elements with vLLM's
+   load_checkpoint_weight_patches.
+
+A failure in steps 1-3 (a version that is not served, a dropped connection,
+a patch whose result fails its digest with on_patch_failure "fail", a
+version that does not fit) leaves every model as it was: the engine keeps
+serving its version, and the error says which failure it was. A failure in
+step 4 leaves layers mixed: the engine then reports its weight version as
+INCONSISTENT until an update reloads every layer.
 """
 import dataclasses
 import logging
@@ -30,6 +40,8 @@ from weightstore.vllm._loader import load_weights_checked, mark_loaded
 logger = logging.getLogger("vllm.weightstore")
 
 _PATCH_FAILURE_CHOICES = ("fetch_whole", "fail")
+# The weight version an engine reports when a reload failed partway.
+INCONSISTENT = "weightstore:inconsistent"
 
 
 @dataclasses.dataclass
@@ -38,8 +50,8 @@ class WeightstoreInitInfo(WeightTransferInitInfo):
     # On a GPU, write element patches with load_checkpoint_weight_patches
     # instead of reloading the changed layers.
     sparse_patches: bool = True
-    # A patch whose result fails its digest: "fetch_whole" fetches the changed
-    # tensors whole and goes on; "fail" refuses the update.
+    # A patch whose result fails its digest: "fetch_whole" fetches tensors
+    # whole and goes on; "fail" refuses the update.
     on_patch_failure: str = "fetch_whole"
 
 
@@ -64,45 +76,117 @@ def layer_groups(names):
     return ([loose] if loose else []) + list(groups.values())
 
 
-def _committed_version(worker):
-    """Run on each worker by the engine core: the version its weightstore
-    backend committed last, or None."""
+def _backend(worker):
     engine = getattr(worker, "weight_transfer_engine", None)
-    return engine.committed_version if isinstance(engine, WeightstoreWeightTransferEngine) else None
+    return engine if isinstance(engine, WeightstoreWeightTransferEngine) else None
 
 
-def report_versions_to_engine_core():
-    """After finish_weight_update, vLLM's engine core reports the version
-    the weightstore backend reached as its weight version (get_weight_version),
-    when every worker agrees on it. vLLM sets that version only from the
-    caller's finish_weight_update(weight_version=...), which a caller following
-    "the newest" cannot know, so the engine core's collective_rpc is wrapped
-    once per process."""
+def _newest_version(worker):
+    """Run on each worker by the engine core: the newest version its daemon
+    serves, or None when it cannot say (the update then says why)."""
+    engine = _backend(worker)
+    return engine.newest_version() if engine is not None else None
+
+
+def _held_version(worker):
+    """Run on each worker by the engine core: the version its model holds
+    (INCONSISTENT after a reload that failed partway), or None."""
+    engine = _backend(worker)
+    return engine.model_version() if engine is not None else None
+
+
+def _forget_version(method, discards):
+    """Wraps a Worker method that changes the model's weights from outside
+    the backend (reload_weights, sleep): the model's recorded version is
+    cleared first, so that the next update reloads every layer. The
+    weightstore load format records the version again when it reloaded.
+    `discards(args, kwargs)` says whether this call changes the weights."""
+    def wrapper(self, *args, **kwargs):
+        if discards(args, kwargs):
+            model_runner = getattr(self, "model_runner", None)
+            model = getattr(model_runner, "model", None)
+            if model is not None:
+                model._weightstore_loaded = None
+        return method(self, *args, **kwargs)
+    wrapper._weightstore = True
+    return wrapper
+
+
+def patch_vllm():
+    """Once per process:
+
+    - vLLM's engine core pins an update to "the newest" to one version for
+      every rank, and reports the version the weightstore backend reached as
+      its weight version (get_weight_version) after finish_weight_update and
+      after a failed update. vLLM sets that version only from the caller's
+      finish_weight_update(weight_version=...), which a caller following "the
+      newest" cannot know.
+    - Worker.reload_weights and Worker.sleep(level=2) clear the model's
+      recorded version (see _forget_version).
+    """
     try:
         from vllm.v1.engine.core import EngineCore
-    except ImportError:  # another vLLM layout: versions are then the caller's
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception as e:  # another vLLM layout: versions are then the caller's
+        logger.warning("weightstore: vLLM's engine core or worker was not found (%s): get_weight_version() is "
+                       "the caller's, and outside reloads are not noticed", e)
         return
+    if not getattr(Worker.reload_weights, "_weightstore", False):
+        Worker.reload_weights = _forget_version(Worker.reload_weights, lambda args, kwargs: True)
+        Worker.sleep = _forget_version(Worker.sleep, lambda args, kwargs: kwargs.get("level", (args or (1,))[0]) == 2)
     original = EngineCore.collective_rpc
     if getattr(original, "_weightstore", False):
         return
 
+    def report(core, timeout):
+        try:
+            versions = set(original(core, _held_version, timeout))
+        except Exception as e:  # the update's own outcome stands
+            logger.warning("weightstore: the workers' versions could not be read back: %s", e)
+            return
+        if versions == {None}:
+            return
+        version = versions.pop() if len(versions) == 1 else INCONSISTENT
+        core.set_weight_version(version or INCONSISTENT)
+
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        out = original(self, method, timeout, args, kwargs)
         config = getattr(getattr(self, "vllm_config", None), "weight_transfer_config", None)
-        if method == "finish_weight_update" and getattr(config, "backend", None) == "weightstore":
-            versions = set(original(self, _committed_version, timeout))
-            if len(versions) == 1 and None not in versions:
-                self.set_weight_version(versions.pop())
-        return out
+        if getattr(config, "backend", None) != "weightstore" or method not in ("update_weights",
+                                                                                "finish_weight_update"):
+            return original(self, method, timeout, args, kwargs)
+        if method == "finish_weight_update":
+            out = original(self, method, timeout, args, kwargs)
+            report(self, timeout)
+            return out
+        info = (kwargs or {}).get("update_info")
+        if isinstance(info, dict) and not info.get("version"):
+            newest = [v for v in original(self, _newest_version, timeout) if v]
+            if newest:  # rank 0's view, for every rank
+                kwargs = dict(kwargs, update_info=dict(info, version=newest[0]))
+        try:
+            return original(self, method, timeout, args, kwargs)
+        except BaseException:
+            report(self, timeout)  # what the models hold after the failure
+            raise
 
     collective_rpc._weightstore = True
     EngineCore.collective_rpc = collective_rpc
 
 
+class _QuietUnchangedLayers(logging.Filter):
+    """vLLM's layerwise reload warns "Failed to load weights" for every layer
+    that received nothing, though it then keeps that layer's tensors, as an
+    update of some layers wants: those lines are left out while the backend
+    finalizes its reload."""
+
+    def filter(self, record):
+        return "Failed to load weights" not in record.getMessage()
+
+
 class WeightstoreWeightTransferEngine(WeightTransferEngine):
     """WeightTransferConfig(backend="weightstore"). init_info: {"url",
     "checkpoint"} and optionally "token", "tls_ca", "tls_cert", "tls_key",
-    "batch_bytes", "timeout" (as the load format's), "sparse_patches" (bool),
+    "timeout" (as the load format's), "sparse_patches" (bool),
     "on_patch_failure" ("fetch_whole" or "fail"). update_info: {} for the
     newest version, or {"version": ID}."""
 
@@ -115,10 +199,11 @@ class WeightstoreWeightTransferEngine(WeightTransferEngine):
         super().__init__(config, vllm_config, device, model)
         self._info = None
         self._store = None
-        self._held = None     # {name: tensor}: the checkpoint at _version, or None when unknown
-        self._version = None  # what the model holds (None: not known to come from this checkpoint)
+        self._held = None     # {name: tensor}: the checkpoint at _version, or None when not held
+        self._version = None  # the version _held is
+        self._model_version = None  # what the model holds (None: not known to come from this checkpoint)
+        self._inconsistent = False  # a reload failed partway: layers are mixed
         self._marked = None   # the model's own record of its version (mark_loaded) when _held was taken
-        self.committed_version = None  # _version at the last finish_weight_update
         self.last_update = {}  # what the last update did, for logs and tests
 
     def parse_init_info(self, init_dict):
@@ -153,33 +238,45 @@ class WeightstoreWeightTransferEngine(WeightTransferEngine):
         store = options.connect()
         options.current_version(store)  # the checkpoint is served
         self._info, self._store = init_info, store
-        self._held, self._version = None, None
-        loaded = getattr(self.model, "_weightstore_loaded", None)
-        if loaded and loaded["checkpoint"] == options.checkpoint:
-            self._hold(loaded["version"])
-        self._marked = loaded
-        self.committed_version = self._version
+        self._sync_with_model()
         logger.info("weightstore: following checkpoint '%s' at '%s' (%s) from version %s", options.checkpoint,
                     options.url, store.kind, self._version or "unknown: the first update reloads every layer")
 
-    def _hold(self, version):
-        """Takes the checkpoint at `version` as what the model holds: a full
-        fetch over gRPC, mappings through a socket. A version no longer
-        served leaves nothing held (the next update reloads every layer)."""
+    def _sync_with_model(self):
+        """Takes the version the model records (the load format's, or the
+        last update's) as held: a full fetch over gRPC, mappings through a
+        socket. Another checkpoint's, none, or one no longer served leaves
+        nothing held: the next update reloads every layer."""
+        loaded = getattr(self.model, "_weightstore_loaded", None)
+        # Whatever reloaded the model replaced every layer.
+        self._held, self._version, self._marked, self._inconsistent = None, None, loaded, False
+        self._model_version = None
+        if not loaded or loaded["checkpoint"] != self._info.options.checkpoint:
+            return
+        self._model_version = loaded["version"]
         try:
-            self._held = self._store.changes(self._info.options.checkpoint, since=None, version=version).tensors
-            self._version = version
+            self._held = self._store.changes(self._info.options.checkpoint, since=None,
+                                             version=loaded["version"]).tensors
+            self._version = loaded["version"]
         except Error as e:
-            self._held, self._version = None, None
+            self._held = None
             logger.warning("weightstore: version %s of '%s', which the model holds, is not served (%s): the next "
-                           "update reloads every layer", version, self._info.options.checkpoint, e)
+                           "update reloads every layer", loaded["version"], self._info.options.checkpoint, e)
+
+    def newest_version(self):
+        try:
+            return self._store.info(self._info.options.checkpoint)["version"] if self._store else None
+        except Error:
+            return None
+
+    def model_version(self):
+        return INCONSISTENT if self._inconsistent else self._model_version
 
     def start_weight_update(self):
         self._require_init()
 
     def finish_weight_update(self):
         self._require_init()
-        self.committed_version = self._version
 
     def update_weights(self, update_info):
         # The base class ends with torch.accelerator.synchronize(), which
@@ -200,75 +297,119 @@ class WeightstoreWeightTransferEngine(WeightTransferEngine):
         self._require_init()
         options = self._info.options
         start = time.perf_counter()
-        loaded = getattr(self.model, "_weightstore_loaded", None)
-        if loaded != self._marked:  # reload_weights moved the model meanwhile
-            self._held, self._version = None, None
-            if loaded and loaded["checkpoint"] == options.checkpoint:
-                self._hold(loaded["version"])
-            self._marked = loaded
         what = f"checkpoint '{options.checkpoint}' at '{options.url}'"
-        keeps = f"the engine keeps serving version {self._version or '(the one it was loaded with)'}"
+        staged, failure = None, None
         try:
-            target = update_info.version or self._store.info(options.checkpoint)["version"]
+            staged = self._stage(update_info, what)
+        except Exception as e:  # said after every rank has answered
+            failure = e
+        if not self._every_rank_staged(failure is None):
+            if failure is None:
+                # This rank staged, another did not: the held tensors may be
+                # patched already, so they are dropped.
+                self._held, self._version = None, None
+                raise RuntimeError(f"weightstore: update of {what} failed on another rank (its error says why); "
+                                   f"{self._keeps()}")
+            raise failure
+        if staged is None:  # nothing changed
+            return
+        held, changes, target = staged
+        unchanged = set(changes.unchanged)
+        changed = [n for n in changes.names if n not in unchanged]
+        groups = [g for g in layer_groups(changes.names) if any(n not in unchanged for n in g)]
+        if changed or self._inconsistent:
+            clock = time.perf_counter()
+            self._load(groups, held, changes, changed, what, target)
+            self.last_update["seconds"]["load"] = time.perf_counter() - clock
+        self._held, self._version, self._model_version, self._inconsistent = held, target, target, False
+        mark_loaded(self.model, options, target)
+        self._marked = getattr(self.model, "_weightstore_loaded", None)
+        self.last_update.update(layers=len(groups), fetched_bytes=changes.fetched_bytes,
+                                patched=list(changes.patched), whole=sorted(changes.tensors))
+        logger.info("weightstore: %s to version %s in %.3f s: %d tensors changed (%d as element patches), %d "
+                    "layers %s, %d bytes received", what, target, time.perf_counter() - start, len(changed),
+                    len(changes.patched), len(groups), "patched" if self.last_update["sparse"] else "reloaded",
+                    changes.fetched_bytes)
+
+    def _keeps(self):
+        if self._inconsistent:
+            return "the engine's layers are mixed from an earlier failed reload: update again"
+        return f"the engine keeps serving version {self._model_version or '(the one it was loaded with)'}"
+
+    def _stage(self, update_info, what):
+        """Steps 1-2 of an update on this rank: the version to reach, and
+        what the model is to receive. None when the model holds it already."""
+        if getattr(self.model, "_weightstore_loaded", None) != self._marked:
+            self._sync_with_model()  # reload_weights or sleep changed the model meanwhile
+        keeps = self._keeps()
+        try:
+            target = update_info.version or self._store.info(self._info.options.checkpoint)["version"]
         except Error as e:
             raise Error(e.code, f"weightstore: update of {what} failed, {keeps}: {e.message}") from None
         self.last_update = {"version": target, "since": self._version, "patched": [], "whole": [], "layers": 0,
                             "fetched_bytes": 0, "patch_failure": "", "sparse": False, "seconds": {}}
-        if target == self._version:
-            return
+        if target == self._model_version and not self._inconsistent:
+            return None
         try:
             held, changes = self._next_held(target, what, keeps)
         except Error as e:
-            if update_info.version and e.code in ("NOT_FOUND", "ABORTED"):
+            if e.code in ("NOT_FOUND", "ABORTED"):
                 raise Error(e.code, f"weightstore: version '{target}' of {what} is not served ({e.message}); "
                                     f"{keeps}") from None
             raise Error(e.code, f"weightstore: update of {what} to version {target} failed, {keeps}: "
                                 f"{e.message}") from None
-        unchanged = set(changes.unchanged)
-        changed = [n for n in changes.names if n not in unchanged]
-        groups = [g for g in layer_groups(changes.names) if any(n not in unchanged for n in g)]
-        if changed:
-            clock = time.perf_counter()
-            self._load(groups, held, changes, changed, what, target)
-            self.last_update["seconds"]["load"] = time.perf_counter() - clock
-        self._held, self._version = held, target
-        mark_loaded(self.model, options, target)
-        self._marked = getattr(self.model, "_weightstore_loaded", None)
-        self.last_update.update(layers=len(groups), fetched_bytes=changes.fetched_bytes,
-                                patched=[p.name for p in changes.patches], whole=sorted(changes.tensors))
-        logger.info("weightstore: %s to version %s in %.3f s: %d tensors changed (%d as element patches), %d "
-                    "layers %s, %d bytes received", what, target, time.perf_counter() - start, len(changed),
-                    len(changes.patches), len(groups), "patched" if self.last_update["sparse"] else "reloaded",
-                    changes.fetched_bytes)
+        return held, changes, target
+
+    def _every_rank_staged(self, staged):
+        """Step 3: whether every rank of the engine staged its update (an
+        all-reduce over vLLM's world group; every rank gets here, staged or
+        not)."""
+        from vllm.distributed.parallel_state import get_world_group
+        group = get_world_group()
+        if group.world_size == 1:
+            return staged
+        failed = torch.tensor([0 if staged else 1], dtype=torch.int32)
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+        return int(failed.item()) == 0
+
+    def _sparse_possible(self):
+        """Whether vLLM's sparse patch path may take this update: on a GPU,
+        for an unquantized model (a quantized or repacked parameter is not
+        the checkpoint's tensor)."""
+        return (self._info.sparse_patches and self.device is not None and torch.device(self.device).type == "cuda"
+                and getattr(self.model_config, "quantization", None) is None)
 
     def _next_held(self, target, what, keeps):
         """The checkpoint at `target` ({name: tensor}, every patched result
-        checked against its digest), and the Changes it came from. The patches
-        are written into the held tensors themselves, with no second copy:
-        when one fails its digest they are written in part, so they are
-        dropped (the next update reloads every layer) unless the changed
-        tensors then come whole in their place."""
+        checked against its digest), and the Changes it came from. Over gRPC
+        the patches are written into the held tensors themselves, with no
+        second copy: when one fails its digest they are written in part, so
+        the whole checkpoint is fetched in their place (or, with
+        on_patch_failure "fail", nothing is held: the next update reloads
+        every layer). Through a socket, the changed tensors are mapped anew."""
         name = self._info.options.checkpoint
         since = self._version if self._held is not None else None
+        patches = self._store.kind != "socket" or self._sparse_possible()
         clock = time.perf_counter()
-        changes = self._store.changes(name, since=since, version=target)
+        changes = self._store.changes(name, since=since, version=target, patches=patches)
         self.last_update["seconds"]["receive"] = time.perf_counter() - clock
         self._check_fits(changes, what, target, keeps)
         clock = time.perf_counter()
         before = self._held
         patched = {}
-        if changes.delta:
+        if changes.delta and changes.patched:
             try:
                 patched = changes.apply(before, in_place=True)
             except Error as e:
-                if e.code == "DATA_LOSS":  # written in part
-                    self._held, self._version = None, None
+                if e.code == "DATA_LOSS":  # written in part: the held checkpoint is not `since`'s bytes
+                    self._held, self._version, before = None, None, None
                 if self._info.on_patch_failure == "fail":
                     raise Error(e.code, f"an element patch failed ({e.message}); nothing was loaded") from None
-                logger.warning("weightstore: an element patch of '%s' failed (%s): fetching the changed tensors "
-                               "whole", name, e.message)
+                logger.warning("weightstore: an element patch of '%s' failed (%s): fetching %s whole", name,
+                               e.message, "every tensor" if before is None else "the changed tensors")
                 self.last_update["patch_failure"] = e.message
-                changes = self._store.changes(name, since=since, version=target, patches=False)
+                changes = self._store.changes(name, since=since if before is not None else None, version=target,
+                                              patches=False)
                 self._check_fits(changes, what, target, keeps)
                 patched = {}
         held = {n: before[n] for n in changes.unchanged} if changes.delta else {}
@@ -301,17 +442,20 @@ class WeightstoreWeightTransferEngine(WeightTransferEngine):
                              f"({'; '.join(problems)}); {keeps}")
 
     def _load(self, groups, held, changes, changed, what, target):
-        """Writes version `target` into the model: element patches on a GPU
-        where vLLM's sparse path takes them, else every tensor of each changed
-        layer through vLLM's layerwise reload."""
-        if self._sparse_ok(changes, changed):
+        """Step 4: writes version `target` into the model: element patches on
+        a GPU where vLLM's sparse path takes them, else every tensor of each
+        changed layer (every layer after a failed reload) through vLLM's
+        layerwise reload. A failure partway leaves the layers mixed: the
+        engine then reports INCONSISTENT, and the next update reloads every
+        layer."""
+        if not self._inconsistent and self._sparse_ok(changes, changed):
             from vllm.model_executor.model_loader.checkpoint_weight_patch import (CheckpointWeightPatch,
                                                                                   load_checkpoint_weight_patches)
             try:
                 load_checkpoint_weight_patches(self.model, [
                     CheckpointWeightPatch(name=p.name, shape=tuple(p.shape), dtype=p.values.dtype,
                                           values=p.values.to(self.device), indices=p.indices.to(self.device))
-                    for p in changes.patches])
+                    for p in changes.decode()])
                 self.last_update["sparse"] = True
                 return
             except Exception as e:  # written in part, maybe: the changed layers are reloaded whole below
@@ -319,26 +463,36 @@ class WeightstoreWeightTransferEngine(WeightTransferEngine):
                                "changed layers", e)
         from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
                                                                       initialize_layerwise_reload)
+        if self._inconsistent:
+            groups = layer_groups(changes.names)
         names = [n for group in groups for n in group]
-        initialize_layerwise_reload(self.model)
+        quiet = _QuietUnchangedLayers()
+        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
         try:
+            initialize_layerwise_reload(self.model)
             load_weights_checked(self.model, ((n, held[n]) for n in names),
                                  f"weightstore version {target} of {what}")
-        except BaseException:
-            # The layers are mixed now: the next update reloads every one.
-            self._held, self._version, self._marked = None, None, None
+            layerwise.addFilter(quiet)
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            finally:
+                layerwise.removeFilter(quiet)
+        except BaseException as e:
+            self._held, self._version, self._model_version, self._marked = None, None, None, None
+            self._inconsistent = True
             self.model._weightstore_loaded = None
-            raise
-        finally:
-            finalize_layerwise_reload(self.model, self.model_config)
+            raise RuntimeError(f"weightstore: vLLM's layerwise reload of version {target} of {what} failed partway "
+                               f"({type(e).__name__}: {e}); the engine's layers are now mixed and it reports its "
+                               f"weight version as {INCONSISTENT}: update again (every layer is then reloaded) or "
+                               "reload_weights") from e
 
     def _sparse_ok(self, changes, changed):
         """vLLM's sparse path: on a GPU, for floating-point patches only (NaN
         marks an unchanged element there, so no new value may be NaN), every
         changed tensor a patch."""
-        if not self._info.sparse_patches or self.device is None or torch.device(self.device).type != "cuda":
+        if not self._sparse_possible() or not changes.delta or changes.tensors:
             return False
-        if not changes.delta or changes.tensors or len(changes.patches) != len(changed):
+        if len(changes.patched) != len(changed):
             return False
         return all(p.values.dtype.is_floating_point and p.values.element_size() > 1 and
-                   not bool(torch.isnan(p.values).any()) for p in changes.patches)
+                   not bool(torch.isnan(p.values).any()) for p in changes.decode())
