@@ -2,10 +2,11 @@
 follows a checkpoint that a trainer pushes to weightstored (docs/vllm.md).
 
 Each worker keeps the checkpoint at the version its model holds ("held"),
-which is what element patches apply to: over gRPC a host copy, through a
-socket views of the daemon's shared memory (refreshed by mapping the changed
-tensors anew, not patched: writing patches into those copy-on-write views
-would copy them page by page in every rank). An update, in order:
+which is what element patches apply to: a host copy (over gRPC fetched,
+through a socket copied once out of the daemon's mapping, so that no
+version's segment stays mapped), or with init_info's "patches": false through
+a socket, views of the daemon's shared memory, refreshed by mapping the
+changed tensors anew. An update, in order:
 
 1. the engine core pins "the newest" to one version for every rank;
 2. each rank receives what changed since its version, checks that the
@@ -53,6 +54,9 @@ class WeightstoreInitInfo(WeightTransferInitInfo):
     # A patch whose result fails its digest: "fetch_whole" fetches tensors
     # whole and goes on; "fail" refuses the update.
     on_patch_failure: str = "fetch_whole"
+    # Ask for element patches. False: the changed tensors come whole (through
+    # a socket, mapped anew: the held checkpoint is then views, not a copy).
+    patches: bool = True
 
 
 @dataclasses.dataclass
@@ -186,8 +190,8 @@ class _QuietUnchangedLayers(logging.Filter):
 class WeightstoreWeightTransferEngine(WeightTransferEngine):
     """WeightTransferConfig(backend="weightstore"). init_info: {"url",
     "checkpoint"} and optionally "token", "tls_ca", "tls_cert", "tls_key",
-    "timeout" (as the load format's), "sparse_patches" (bool),
-    "on_patch_failure" ("fetch_whole" or "fail"). update_info: {} for the
+    "timeout" (as the load format's), "patches" (bool), "sparse_patches"
+    (bool), "on_patch_failure" ("fetch_whole" or "fail"). update_info: {} for the
     newest version, or {"version": ID}."""
 
     init_info_cls = WeightstoreInitInfo
@@ -210,8 +214,10 @@ class WeightstoreWeightTransferEngine(WeightTransferEngine):
         init = dict(init_dict or {})
         sparse = init.pop("sparse_patches", True)
         failure = init.pop("on_patch_failure", "fetch_whole")
-        if not isinstance(sparse, bool):
-            raise ValueError(f"weightstore: 'sparse_patches' in init_info must be true or false, not {sparse!r}")
+        patches = init.pop("patches", True)
+        for key, value in (("sparse_patches", sparse), ("patches", patches)):
+            if not isinstance(value, bool):
+                raise ValueError(f"weightstore: '{key}' in init_info must be true or false, not {value!r}")
         if failure not in _PATCH_FAILURE_CHOICES:
             raise ValueError(f"weightstore: 'on_patch_failure' in init_info must be one of "
                              f"{', '.join(_PATCH_FAILURE_CHOICES)}, not {failure!r}")
@@ -219,7 +225,7 @@ class WeightstoreWeightTransferEngine(WeightTransferEngine):
             raise ValueError("weightstore: init_info takes no 'version': pass it to update_weights "
                              "({'update_info': {'version': ID}})")
         return WeightstoreInitInfo(options=Options.parse(init, "init_info"), sparse_patches=sparse,
-                                   on_patch_failure=failure)
+                                   on_patch_failure=failure, patches=patches)
 
     def parse_update_info(self, update_dict):
         update = dict(update_dict or {})
@@ -255,13 +261,21 @@ class WeightstoreWeightTransferEngine(WeightTransferEngine):
             return
         self._model_version = loaded["version"]
         try:
-            self._held = self._store.changes(self._info.options.checkpoint, since=None,
-                                             version=loaded["version"]).tensors
+            self._held = self._own(self._store.changes(self._info.options.checkpoint, since=None,
+                                                       version=loaded["version"]).tensors)
             self._version = loaded["version"]
         except Error as e:
             self._held = None
             logger.warning("weightstore: version %s of '%s', which the model holds, is not served (%s): the next "
                            "update reloads every layer", loaded["version"], self._info.options.checkpoint, e)
+
+    def _own(self, tensors):
+        """Tensors to hold: through a socket with patches, copies of the
+        daemon's views (a patch written into a copy-on-write view would copy
+        its pages anyway, and keep that version's segment mapped for good)."""
+        if self._store.kind != "socket" or not self._info.patches:
+            return tensors
+        return {n: t.clone() for n, t in tensors.items()}
 
     def newest_version(self):
         try:
@@ -381,15 +395,14 @@ class WeightstoreWeightTransferEngine(WeightTransferEngine):
 
     def _next_held(self, target, what, keeps):
         """The checkpoint at `target` ({name: tensor}, every patched result
-        checked against its digest), and the Changes it came from. Over gRPC
-        the patches are written into the held tensors themselves, with no
-        second copy: when one fails its digest they are written in part, so
-        the whole checkpoint is fetched in their place (or, with
-        on_patch_failure "fail", nothing is held: the next update reloads
-        every layer). Through a socket, the changed tensors are mapped anew."""
+        checked against its digest), and the Changes it came from. The
+        patches are written into the held tensors themselves, with no second
+        copy: when one fails its digest they are written in part, so the
+        whole checkpoint is fetched in their place (or, with on_patch_failure
+        "fail", nothing is held: the next update reloads every layer)."""
         name = self._info.options.checkpoint
         since = self._version if self._held is not None else None
-        patches = self._store.kind != "socket" or self._sparse_possible()
+        patches = self._info.patches
         clock = time.perf_counter()
         changes = self._store.changes(name, since=since, version=target, patches=patches)
         self.last_update["seconds"]["receive"] = time.perf_counter() - clock
@@ -414,7 +427,7 @@ class WeightstoreWeightTransferEngine(WeightTransferEngine):
                 patched = {}
         held = {n: before[n] for n in changes.unchanged} if changes.delta else {}
         held.update(patched)
-        held.update(changes.tensors)
+        held.update(self._own(changes.tensors))
         self.last_update["seconds"]["apply"] = time.perf_counter() - clock
         missing = [n for n in changes.names if n not in held]
         if missing:
