@@ -2,7 +2,8 @@
 tiny Qwen3-MoE, saved by transformers and served by weightstored from a hub
 cache, load over the socket, over gRPC and from files with the token ids of
 vLLM's default loader reading the same files under greedy decoding;
-collective_rpc("reload_weights") takes the daemon's new version; each way a
+collective_rpc("reload_weights") takes the daemon's new version, and with
+weights_path the files there; each way a
 checkpoint can fail to fit, and each bad key, is an error naming it; and
 `vllm serve --load-format weightstore` finds the plugin through its entry
 point alone, in vLLM's own processes.
@@ -105,6 +106,11 @@ class LoadFormatTest(unittest.TestCase):
         rescan(self.daemon.address)
         llm.collective_rpc("reload_weights")
         self.assertEqual(support.greedy(llm), expected)
+        # From files: vLLM points the model at weights_path, whose files its
+        # default loader reads (here the first weights, the daemon serving
+        # the new ones).
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": self.dirs["llama"][0]})
+        self.assertEqual(support.greedy(llm), self.baseline["llama"])
         support.close(llm)
         # Back to the first weights for the other tests.
         support.hub_repo(self.models, "acme/tiny-llama", self.dirs["llama"][0])

@@ -94,11 +94,22 @@ class WeightstoreModelLoader(BaseModelLoader):
                 logger.info("weightstore: %s was replaced while loading; loading the newest again", what)
         check_every_parameter_loaded(model, model_config, loaded, what)
         mark_loaded(model, self.options, version)
+        model._weightstore_model_dir = model_config.model  # what a reload_weights(weights_path=...) moves away from
         logger.info("weightstore: loaded %s over %s in %.2f s", what, store.kind, time.perf_counter() - start)
 
     def get_all_weights(self, model_config, model):
         """The checkpoint's newest version (or the pinned one), for
-        collective_rpc("reload_weights")."""
+        collective_rpc("reload_weights"). reload_weights(weights_path=P)
+        points model_config.model at P: the files there are then read by
+        vLLM's default loader, as that call means."""
+        loaded_from = getattr(model, "_weightstore_model_dir", None)
+        if loaded_from is not None and model_config.model != loaded_from:
+            from vllm.config.load import LoadConfig
+            from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+            model._weightstore_loaded = None  # not a version of the checkpoint
+            files = DefaultModelLoader(LoadConfig(load_format="auto", download_dir=self.load_config.download_dir))
+            yield from files.get_all_weights(model_config, model)
+            return
         store = self.options.connect()
         version = self.options.current_version(store)
         model._weightstore_loaded = None  # partly reloaded until the last tensor is in
