@@ -295,16 +295,18 @@ TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrSh
   // exited, so no pull can have ended on its own.
   const auto stopping = std::chrono::steady_clock::now();
   node->Signal(SIGTERM);
+  // The bound is half the grace: under ASan on 2 busy cores a prompt stop
+  // has taken 60-120 s here, a stop that waits for the grace takes 600.
   while (!absl::StrContains(node->log(), "weightstored: stopped") &&
-         std::chrono::steady_clock::now() - stopping < std::chrono::seconds(60)) {
+         std::chrono::steady_clock::now() - stopping < std::chrono::seconds(300)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   const auto stopped = std::chrono::steady_clock::now() - stopping;
   std::cout << "the node stopped " << std::chrono::duration_cast<std::chrono::milliseconds>(stopped).count()
             << " ms after SIGTERM (grace: 600 s)\n";
   // Far within the grace: only a stop that waited for it breaks this bound.
-  EXPECT_LT(stopped, std::chrono::seconds(60)) << node->log();
-  EXPECT_NE(node->WaitExit(60000), -1) << node->log();
+  EXPECT_LT(stopped, std::chrono::seconds(300)) << node->log();
+  EXPECT_NE(node->WaitExit(300000), -1) << node->log();
   for (auto& t : clients) t.join();
   EXPECT_EQ(failed.load(), 48);
   origin_->Signal(SIGCONT);
