@@ -12,6 +12,7 @@
 #include "absl/strings/strip.h"
 #include "core/mapped_file.h"
 #include "core/select/dtype_cast.h"
+#include "core/select/pipeline.h"
 #include "core/select/quantized_shard.h"
 #include "core/status_macros.h"
 
@@ -177,56 +178,38 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
       continue;
     }
     used[it->second] = true;
-    const CheckpointEntry& entry = entries[it->second];
-    SnapshotTensor t;
-    t.source = &entry;
-    t.spec = entry.spec;
-    t.spec.name = param.path;
-    if (adapter != Adapter::kNone && param.module == "Linear" && LastSegment(param.path) == "weight" &&
-        entry.spec.shape.size() == 2) {
-      t.transpose = true;
-      t.spec.shape = {entry.spec.shape[1], entry.spec.shape[0]};
-    }
     WEIGHTSTORE_ASSIGN_OR_RETURN(bool kept, selection.Matches(param.path, deadline));
     if (!kept) {
       result.skipped.push_back(param.path);
       continue;
     }
+    const CheckpointEntry& entry = entries[it->second];
+    SnapshotTensor& t = candidates.emplace_back(StartTensor(*checkpoint, entry, param.path));
+    if (adapter != Adapter::kNone && param.module == "Linear" && LastSegment(param.path) == "weight" &&
+        entry.spec.shape.size() == 2) {
+      t.transpose = true;
+      t.spec.shape = {entry.spec.shape[1], entry.spec.shape[0]};
+    }
     candidate_params.push_back(p);
-    candidates.push_back(std::move(t));
   }
   // A rank loads its own experts (another rank's are skipped, and are not
   // unused in the checkpoint), and its part of each tensor: the shard rules
-  // cut the weights, and each scale follows its weight (as Snapshot::Select).
-  std::vector<bool> other_ranks(named.size(), false);
-  if (selection.options().shard.world_size > 0 && !selection.options().shard.experts.empty()) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<bool> other, OtherRanksExperts(selection, deadline, candidates.size(),
-                                                                            [&](size_t i) -> absl::string_view {
-                                                                              return candidates[i].spec.name;
-                                                                            }));
-    size_t kept = 0;
-    for (size_t i = 0; i < candidates.size(); ++i) {
-      if (other[i]) {
-        result.skipped.push_back(candidates[i].spec.name);
-        continue;
-      }
-      if (kept != i) {
-        candidates[kept] = std::move(candidates[i]);
-        candidate_params[kept] = candidate_params[i];
-      }
-      ++kept;
+  // cut the weights, and each scale follows its weight.
+  size_t kept_params = 0;
+  WEIGHTSTORE_RETURN_IF_ERROR(CutTensors(*checkpoint, selection, deadline, &candidates, [&](size_t i, bool dropped) {
+    if (dropped) {
+      result.skipped.push_back(candidates[i].spec.name);
+    } else {
+      candidate_params[kept_params++] = candidate_params[i];
     }
-    candidates.resize(kept);
-    candidate_params.resize(kept);
-    WEIGHTSTORE_ASSIGN_OR_RETURN(other_ranks,
-                                 OtherRanksExperts(selection, deadline, named.size(),
-                                                   [&](size_t i) -> absl::string_view { return named[i].name; }));
-  }
-  WEIGHTSTORE_RETURN_IF_ERROR(ShardTensors(*checkpoint, selection, deadline, &candidates));
+  }));
+  candidate_params.resize(kept_params);
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<bool> other_ranks,
+                               OtherRanksExperts(selection, deadline, named.size(),
+                                                 [&](size_t i) -> absl::string_view { return named[i].name; }));
   for (size_t i = 0; i < candidates.size(); ++i) {
     SnapshotTensor& t = candidates[i];
     const TargetParameter& param = target.parameters[candidate_params[i]];
-    const CheckpointEntry& entry = *t.source;
     if (t.spec.shape != param.shape) {
       result.errors.push_back({ApplyError::Kind::kShapeMismatch, param.path,
                                absl::StrCat("shape ", ShapeToString(t.spec.shape), " in the source, ",
@@ -237,14 +220,18 @@ absl::StatusOr<Applied> Apply(std::shared_ptr<const Checkpoint> checkpoint, cons
       }
       continue;
     }
-    if (selection.options().dtype && IsFloatingPoint(t.spec.dtype)) t.spec.dtype = *selection.options().dtype;
+    // The target's dtype, when asked, replaces the selection's (whose cast
+    // need not be possible then).
+    absl::Status selected = CastToSelectionDType(selection, &t);
     if (options.cast_to_target && param.dtype && *param.dtype != t.spec.dtype) {
-      absl::Status cast = CheckCast(entry.spec.dtype, *param.dtype);
+      absl::Status cast = CheckCast(t.source->spec.dtype, *param.dtype);
       if (!cast.ok()) {
         result.errors.push_back({ApplyError::Kind::kDTypeMismatch, param.path, std::string(cast.message())});
         continue;
       }
       t.spec.dtype = *param.dtype;
+    } else {
+      WEIGHTSTORE_RETURN_IF_ERROR(selected);
     }
     result.applied.push_back(param.path);
     tensors.push_back(std::move(t));

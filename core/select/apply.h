@@ -17,6 +17,9 @@
 //      (so a rank's target describes its shards);
 //   5. P is applied with the file's dtype, or the selection's --dtype, or the
 //      target's dtype when cast_to_target is set.
+// P goes through the steps Snapshot::Select takes (core/select/pipeline.h),
+// so it is served as a fetch serves it: with its quantization, a rank's
+// experts only, and each scale following its weight.
 // Unused: selection names no parameter used, sorted. Unlike burn-store, a
 // tensor found through an alternative name counts as used.
 #ifndef WEIGHTSTORE_CORE_SELECT_APPLY_H_

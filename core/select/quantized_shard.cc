@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/select/pipeline.h"
 #include "core/status_macros.h"
 
 namespace weightstore {

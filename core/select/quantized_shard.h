@@ -2,8 +2,9 @@
 // (docs/selection.md, "Quantized checkpoints"): the experts that are its own
 // (ShardSpec::experts), and each scale cut as its weight is
 // (ShardSpec::scales, the standard names, the checkpoint's quantization
-// config). Shared by Snapshot::Select and Apply, so a fetch and a load into a
-// target cut a rank alike.
+// config). Both Snapshot::Select and Apply reach them through the shared
+// steps of core/select/pipeline.h, so a fetch and a load into a target cut a
+// rank alike.
 #ifndef WEIGHTSTORE_CORE_SELECT_QUANTIZED_SHARD_H_
 #define WEIGHTSTORE_CORE_SELECT_QUANTIZED_SHARD_H_
 
@@ -35,7 +36,8 @@ absl::Status ShardTensors(const Checkpoint& checkpoint, const Selection& selecti
                           std::vector<SnapshotTensor>* tensors);
 
 // Sets tensor->quantization when the checkpoint's quantization config
-// describes the tensor and a scale of a standard name follows it in the file.
+// describes the tensor and a scale of a standard name follows it in the file
+// (StartTensor, for every selected tensor).
 void DescribeQuantization(const Checkpoint& checkpoint, SnapshotTensor* tensor);
 
 }  // namespace weightstore

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -13,6 +14,7 @@
 #include "core/select/selection.h"
 #include "core/select/snapshot.h"
 #include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
 
 namespace weightstore {
 namespace {
@@ -202,6 +204,35 @@ TEST(QuantizedShardTest, LoadingARankIntoATargetCutsScalesAndExpertsAsAFetchDoes
   ASSERT_OK_AND_ASSIGN(Applied wrong, Apply(checkpoint, *selection, target));
   ASSERT_EQ(wrong.result.errors.size(), 1u);
   EXPECT_EQ(wrong.result.errors[0].path, "p.weight_scale");
+}
+
+TEST(QuantizedShardTest, ATensorLoadedIntoATargetCarriesItsQuantizationAsAFetchedOneDoes) {
+  // An NVFP4 checkpoint as ModelOpt writes it: the config beside the file, a
+  // weight of packed values with its scale, and a tensor the config leaves alone
+  // (no scale follows it).
+  const std::filesystem::path dir(testing::MakeScratchDir("select-quantization"));
+  const std::string model = (dir / "model.safetensors").string();
+  ASSERT_OK_AND_ASSIGN(std::string file, SerializeCheckpoint(kSafeTensorsFormat,
+                                                             {Counting("p.weight", DType::kU8, {4, 16}),
+                                                              Counting("p.weight_scale", DType::kF8E4M3, {4, 2}),
+                                                              Counting("norm.weight", DType::kF32, {4})},
+                                                             {}));
+  testing::WriteFileOrDie(model, file);
+  testing::WriteFileOrDie((dir / "hf_quant_config.json").string(), R"({"quantization": {"quant_algo": "NVFP4"}})");
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<const Checkpoint> checkpoint, Checkpoint::Open(model));
+  ASSERT_OK_AND_ASSIGN(auto selection, Selection::Compile({}));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<const Snapshot> fetched, Snapshot::Select(checkpoint, *selection));
+  EXPECT_EQ(Get(*fetched, "p.weight").quantization, "NVFP4, 4-bit values, blocks of 1x16 (hf_quant_config.json)");
+  EXPECT_EQ(Get(*fetched, "norm.weight").quantization, "");
+  TargetSchema target;
+  target.parameters = {{"p.weight", std::nullopt, {4, 16}, ""},
+                       {"p.weight_scale", std::nullopt, {4, 2}, ""},
+                       {"norm.weight", std::nullopt, {4}, "LayerNorm"}};
+  ASSERT_OK_AND_ASSIGN(Applied applied, Apply(checkpoint, *selection, target));
+  ASSERT_OK(applied.status);
+  for (const TargetParameter& param : target.parameters) {
+    EXPECT_EQ(Get(*applied.snapshot, param.path).quantization, Get(*fetched, param.path).quantization) << param.path;
+  }
 }
 
 }  // namespace

@@ -14,7 +14,7 @@
 //   5. slice: a tensor named by an explicit slice, or matched by a shard rule,
 //      is served in part (core/select/slice.h); the rest are served whole.
 // Adapters need to know module types, so they run when a selection is applied
-// to a target schema (core/apply.h).
+// to a target schema (core/select/apply.h).
 #ifndef WEIGHTSTORE_CORE_SELECT_SELECTION_H_
 #define WEIGHTSTORE_CORE_SELECT_SELECTION_H_
 

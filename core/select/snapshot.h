@@ -51,12 +51,6 @@ struct SnapshotTensor {
   std::optional<uint64_t> ByteRangeStart() const;
 };
 
-// A checkpoint entry under its selected name.
-struct NamedEntry {
-  std::string name;  // after top-level key, rename and contiguous indices
-  size_t entry;      // index into checkpoint.entries()
-};
-
 // InvalidArgument naming the tensor when `slice` of a sub-byte tensor of
 // `dtype` and (unsliced) `shape` would split a byte: a range of its last
 // dimension that does not start and stop on a whole unit of storage, or a
@@ -69,17 +63,6 @@ absl::Status CheckUnitSlice(DType dtype, std::span<const uint64_t> shape, const 
 // (ReadRange) starts and ends on them. One element, but for a sub-byte source
 // (a unit's elements, cast).
 uint64_t ServedUnitBytes(const SnapshotTensor& tensor);
-
-// Step 5 of the pipeline: sets `tensor`'s slice from `selection` and its
-// served shape from the slice. REQUIRES: tensor->spec.shape unsliced.
-absl::Status SliceTensor(const Selection& selection, const SelectionDeadline& deadline, SnapshotTensor* tensor);
-
-// Steps 0-2 of the pipeline (top-level key, rename, contiguous indices), before
-// the filter. Returns NotFound listing the available keys when no tensor is under
-// the top-level key, and InvalidArgument naming both tensors when two get the
-// same name. Charges `deadline` for the renaming.
-absl::StatusOr<std::vector<NamedEntry>> ResolveNames(const Checkpoint& checkpoint, const Selection& selection,
-                                                     bool applying_to_target, const SelectionDeadline& deadline);
 
 class Snapshot {
  public:
