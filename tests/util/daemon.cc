@@ -31,6 +31,22 @@ std::string MakeFixtureModelsDir() {
   return dir;
 }
 
+std::string MakeExampleModelsDir() {
+  namespace fs = std::filesystem;
+  const std::string dir = MakeScratchDir("models");
+  for (const auto& e : fs::directory_iterator(ExampleModelsDir())) {
+    if (e.path().extension() != ".py") fs::create_symlink(e.path(), fs::path(dir) / e.path().filename());
+  }
+  return dir;
+}
+
+std::unique_ptr<Daemon> StartNode(const Daemon& origin, const std::string& models_dir,
+                                  std::vector<std::string> extra_args) {
+  std::vector<std::string> args = {"--origin", "grpc://" + origin.address()};
+  args.insert(args.end(), extra_args.begin(), extra_args.end());
+  return std::make_unique<Daemon>(models_dir, std::move(args));
+}
+
 Daemon::Daemon(const std::string& models_dir, std::vector<std::string> extra_args, const std::string& listen) {
   dir_ = MakeScratchDir("daemon");
   log_path_ = dir_ + "/stderr.log";

@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,15 @@ class Daemon {
 // Returns a new models folder of symlinks to every fixture (never copies):
 // <dir>/{pytorch-models,pytorch-reader,safetensors,burnpack}/<file>.
 std::string MakeFixtureModelsDir();
+
+// Returns a new models folder of symlinks to the bundled example models
+// (deploy/models, its scripts left out), for tests that add files of their own.
+std::string MakeExampleModelsDir();
+
+// Starts a node: a Daemon on `models_dir` with `extra_args` that pulls what it
+// lacks from `origin` (--origin grpc://<origin's address>). Check its port().
+std::unique_ptr<Daemon> StartNode(const Daemon& origin, const std::string& models_dir,
+                                  std::vector<std::string> extra_args = {});
 
 // Path of the weightstored binary.
 std::string DaemonPath();

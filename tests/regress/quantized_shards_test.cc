@@ -1,18 +1,18 @@
-// Issue 27: quantized checkpoints, against a real daemon in this process. The
-// findings of the attacker's review of the new dtypes and quantized shards;
-// each test here failed before its fix.
+// Quantized checkpoints (narrow float dtypes, scales that follow their
+// weights' shards): a gathered F6 slice is served over gRPC as locally, and
+// scale following refuses, naming the tensors, what it could only guess.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "client/store.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
-#include "server/resolve.h"
-#include "server/server.h"
+#include "tests/util/serving.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 
@@ -33,17 +33,13 @@ SharedTensor Counting(const std::string& name, DType dtype, std::vector<uint64_t
 // An F6 tensor is stored in units of 3 bytes, and a gRPC chunk is a multiple
 // of 64: a gathered slice larger than a chunk was refused at its first chunk
 // ("not a range of F6_E2M3 elements"), where the socket and files served it.
-TEST(Issue27Test, AGatheredF6SliceLargerThanAChunkIsServedOverGrpcAsLocally) {
+TEST(QuantizedShardsTest, AGatheredF6SliceLargerThanAChunkIsServedOverGrpcAsLocally) {
   const std::string models = testing::MakeScratchDir("models");
   testing::WriteFileOrDie(models + "/f6.safetensors",
                           *SerializeCheckpoint(kSafeTensorsFormat, {Counting("w", DType::kF6E2M3, {4, 1 << 20})}, {}));
-  server::ServerOptions options;
-  options.listen = "127.0.0.1:0";
-  options.registry.models_dir = models;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<server::WeightStoreServer> daemon, server::WeightStoreServer::Start(options));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<server::WeightStoreServer> daemon, testing::StartInProcessServer(models));
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Store> local, client::OpenLocalStore(models));
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Store> remote,
-                       client::ConnectRemoteStore(absl::StrCat("127.0.0.1:", daemon->port())));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Store> remote, client::ConnectRemoteStore(testing::AddressOf(*daemon)));
   for (uint32_t rank : {0u, 1u}) {
     client::Query query;  // columns: every row's half, 1.5 MiB in all, gathered
     query.selection.shard = {rank, 2, {{"^w$", ShardSplit{1}}}};
@@ -56,9 +52,9 @@ TEST(Issue27Test, AGatheredF6SliceLargerThanAChunkIsServedOverGrpcAsLocally) {
   }
 }
 
-// Scale following: what the review found ambiguous or silently ignored is
-// now refused naming the tensors.
-TEST(Issue27Test, ScaleFollowingRefusesWhatItCouldOnlyGuess) {
+// Scale following: what a review found ambiguous or silently ignored is
+// refused naming the tensors.
+TEST(QuantizedShardsTest, ScaleFollowingRefusesWhatItCouldOnlyGuess) {
   const std::string models = testing::MakeScratchDir("models");
   testing::WriteFileOrDie(
       models + "/q.safetensors",
@@ -91,23 +87,6 @@ TEST(Issue27Test, ScaleFollowingRefusesWhatItCouldOnlyGuess) {
   // An expert index of 2^64 - 1 was dropped on every rank.
   EXPECT_THAT(refused({0, 2, {}, {}, true, {"experts\\.(\\d+)\\."}}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("out of range")));
-}
-
-// Scale rules and expert patterns run regexes over every name: they pass the
-// --max-concurrent-selections gate and run on the selection workers, as
-// shard rules do (they were left out of it).
-TEST(Issue27Test, ScaleRulesAndExpertPatternsAreCostlySelections) {
-  v1::Selection experts;
-  experts.mutable_shard()->set_world_size(2);
-  experts.mutable_shard()->add_experts("experts\\.(\\d+)\\.");
-  EXPECT_TRUE(server::IsCostlySelection(experts));
-  v1::Selection scales;
-  scales.mutable_shard()->set_world_size(2);
-  scales.mutable_shard()->add_scales()->set_pattern("scale$");
-  EXPECT_TRUE(server::IsCostlySelection(scales));
-  v1::Selection plain;
-  plain.set_dtype("BF16");
-  EXPECT_FALSE(server::IsCostlySelection(plain));
 }
 
 }  // namespace
