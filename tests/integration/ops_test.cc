@@ -12,21 +12,21 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/store.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/util/daemon.h"
+#include "tests/util/metrics.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
@@ -52,27 +52,6 @@ std::string Models() {
   }
   testing::WriteFileOrDie(dir + "/m.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
   return dir;
-}
-
-// The value of the sample `series` (exact text up to the value) in `text`, or -1.
-// A series as name plus its labels in name order: the exposition may order
-// labels any way (prometheus-cpp sorts them). Label values here hold no ','.
-std::string Normalized(absl::string_view series) {
-  const size_t open = series.find('{');
-  if (open == absl::string_view::npos) return std::string(series);
-  std::vector<std::string> labels = absl::StrSplit(series.substr(open + 1, series.size() - open - 2), ',');
-  std::sort(labels.begin(), labels.end());
-  return absl::StrCat(series.substr(0, open), "{", absl::StrJoin(labels, ","), "}");
-}
-
-double Sample(const std::string& text, const std::string& series) {
-  const std::string wanted = Normalized(series);
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    const size_t space = line.rfind(' ');
-    if (space == absl::string_view::npos || absl::StartsWith(line, "#")) continue;
-    if (Normalized(line.substr(0, space)) == wanted) return std::stod(std::string(line.substr(space + 1)));
-  }
-  return -1;
 }
 
 // A free loopback TCP port (bound, then released).
@@ -256,7 +235,7 @@ TEST(ConfigTest, ConfigFileSetsOptionsAndErrorsNameTheKey) {
   Daemon good(Models(), {"--config", dir + "/good.toml"});
   ASSERT_NE(good.port(), 0) << good.log();
   EXPECT_NE(good.metrics_port(), 0);
-  EXPECT_THAT(testing::HttpGet(good.metrics_port(), "/metrics"), HasSubstr("weightstore_shm_budget_bytes 67108864"));
+  EXPECT_EQ(testing::MetricValue(good.metrics_port(), "weightstore_shm_budget_bytes"), 67108864);
 
   testing::WriteFileOrDie(dir + "/unknown.toml", "listen = \"127.0.0.1:0\"\nmax-conncurrent-fetches = 3\n");
   Daemon unknown(Models(), {"--config", dir + "/unknown.toml"});
@@ -349,40 +328,41 @@ TEST_F(MetricsTest, CountsMatchAMixedLoadAndPassPromtool) {
   }
   ASSERT_EQ(read, size + 100);
 
-  const std::string text = testing::HttpGet(daemon_->metrics_port(), "/metrics");
-  const std::string ws = "grpc_service=\"weightstore.v1.WeightStore\"";
-  EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_handled_total{grpc_type=\"unary\",", ws,
-                                      ",grpc_method=\"ListCheckpoints\",grpc_code=\"OK\"}")),
+  auto metric = [&](absl::string_view name, std::initializer_list<absl::string_view> labels = {}) {
+    return testing::MetricValue(daemon_->metrics_port(), name, labels);
+  };
+  constexpr absl::string_view ws = "grpc_service=\"weightstore.v1.WeightStore\"";
+  EXPECT_EQ(metric("grpc_server_handled_total",
+                   {"grpc_type=\"unary\"", ws, "grpc_method=\"ListCheckpoints\"", "grpc_code=\"OK\""}),
             3);
-  EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_handled_total{grpc_type=\"unary\",", ws,
-                                      ",grpc_method=\"GetCheckpoint\",grpc_code=\"NotFound\"}")),
+  EXPECT_EQ(metric("grpc_server_handled_total",
+                   {"grpc_type=\"unary\"", ws, "grpc_method=\"GetCheckpoint\"", "grpc_code=\"NotFound\""}),
             2);
   // FetchAll lists, then fetches: 4 of each.
-  EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_started_total{grpc_type=\"server_stream\",", ws,
-                                      ",grpc_method=\"FetchTensors\"}")),
+  EXPECT_EQ(metric("grpc_server_started_total", {"grpc_type=\"server_stream\"", ws, "grpc_method=\"FetchTensors\""}),
             4);
-  EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_handling_seconds_count{grpc_type=\"server_stream\",", ws,
-                                      ",grpc_method=\"FetchTensors\"}")),
-            4);
-  EXPECT_EQ(Sample(text, "weightstore_served_bytes_total{transport=\"grpc\",api=\"FetchTensors\"}"),
+  EXPECT_EQ(
+      metric("grpc_server_handling_seconds_count", {"grpc_type=\"server_stream\"", ws, "grpc_method=\"FetchTensors\""}),
+      4);
+  EXPECT_EQ(metric("weightstore_served_bytes_total", {"transport=\"grpc\"", "api=\"FetchTensors\""}),
             static_cast<double>(fetched));
-  EXPECT_EQ(Sample(text, "weightstore_served_bytes_total{transport=\"grpc\",api=\"ReadCheckpointFile\"}"),
+  EXPECT_EQ(metric("weightstore_served_bytes_total", {"transport=\"grpc\"", "api=\"ReadCheckpointFile\""}),
             static_cast<double>(read));
-  EXPECT_EQ(Sample(text, "weightstore_served_bytes_total{transport=\"socket\",api=\"MapTensors\"}"),
+  EXPECT_EQ(metric("weightstore_served_bytes_total", {"transport=\"socket\"", "api=\"MapTensors\""}),
             static_cast<double>(fetched / 4));
   // Every method's series is there from the start, at 0 until called.
-  EXPECT_EQ(
-      Sample(text, absl::StrCat("grpc_server_started_total{grpc_type=\"unary\",", ws, ",grpc_method=\"Rescan\"}")), 0);
-  EXPECT_EQ(Sample(text, absl::StrCat("grpc_server_handled_total{grpc_type=\"unary\",", ws,
-                                      ",grpc_method=\"Rescan\",grpc_code=\"PermissionDenied\"}")),
+  EXPECT_EQ(metric("grpc_server_started_total", {"grpc_type=\"unary\"", ws, "grpc_method=\"Rescan\""}), 0);
+  EXPECT_EQ(metric("grpc_server_handled_total",
+                   {"grpc_type=\"unary\"", ws, "grpc_method=\"Rescan\"", "grpc_code=\"PermissionDenied\""}),
             0);
-  EXPECT_EQ(Sample(text, "weightstore_checkpoints_loaded"), 1);
-  EXPECT_EQ(Sample(text, "weightstore_checkpoint_load_seconds_count"), 1);
-  EXPECT_EQ(Sample(text, "weightstore_socket_requests_total"), 1);
-  EXPECT_GT(Sample(text, "process_resident_memory_bytes"), 1e6);
-  EXPECT_GT(Sample(text, "process_open_fds"), 5);
-  EXPECT_EQ(Sample(text, "weightstore_shm_budget_bytes"), 4.0 * (1 << 30));
+  EXPECT_EQ(metric("weightstore_checkpoints_loaded"), 1);
+  EXPECT_EQ(metric("weightstore_checkpoint_load_seconds_count"), 1);
+  EXPECT_EQ(metric("weightstore_socket_requests_total"), 1);
+  EXPECT_GT(metric("process_resident_memory_bytes"), 1e6);
+  EXPECT_GT(metric("process_open_fds"), 5);
+  EXPECT_EQ(metric("weightstore_shm_budget_bytes"), 4.0 * (1 << 30));
 
+  const std::string text = testing::HttpGet(daemon_->metrics_port(), "/metrics");
   const std::string file = testing::MakeScratchDir("metrics") + "/metrics.txt";
   testing::WriteFileOrDie(file, text);
   std::string out;

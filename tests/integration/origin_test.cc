@@ -1,7 +1,6 @@
 // The origin tier with real daemons on loopback: an origin weightstored and
 // nodes pulling from it (weightstored --origin grpc://...).
 #include <gmock/gmock.h>
-#include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -11,18 +10,19 @@
 #include <thread>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "client/store.h"
 #include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
 #include "tests/util/daemon.h"
+#include "tests/util/metrics.h"
+#include "tests/util/serving.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
+#include "tests/util/wait.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore {
@@ -59,16 +59,6 @@ void WriteSharded(const std::string& folder, const std::string& stem, const std:
   }
   testing::WriteFileOrDie(folder + "/" + stem + ".safetensors.index.json",
                           absl::StrCat("{\"metadata\":{},\"weight_map\":{", map, "}}"));
-}
-
-// The value of a sample in the Prometheus text, -1 if absent.
-double Sample(const std::string& text, absl::string_view series) {
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (!absl::StartsWith(line, series) || line.size() <= series.size() || line[series.size()] != ' ') continue;
-    double v = -1;
-    if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
-  }
-  return -1;
 }
 
 // Every tensor of `name` from `address`, by name.
@@ -108,16 +98,15 @@ class OriginTest : public ::testing::Test {
     ASSERT_NE(origin_->port(), 0) << origin_->log();
   }
   std::unique_ptr<Daemon> StartNode(std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"--origin", absl::StrCat("grpc://", origin_->address()), "--metrics-listen",
-                                     "127.0.0.1:0"};
+    std::vector<std::string> args = {"--metrics-listen", "127.0.0.1:0"};
     args.insert(args.end(), extra.begin(), extra.end());
-    auto node = std::make_unique<Daemon>(testing::MakeScratchDir("node-models"), args);
+    auto node = testing::StartNode(*origin_, testing::MakeScratchDir("node-models"), args);
     EXPECT_NE(node->port(), 0) << node->log();
     return node;
   }
   static double PulledBytes(Daemon& node, const std::string& origin) {
-    return Sample(testing::HttpGet(node.metrics_port(), "/metrics"),
-                  absl::StrCat("weightstore_origin_pulled_bytes_total{origin=\"grpc://", origin, "\"}"));
+    return testing::MetricValue(node.metrics_port(), "weightstore_origin_pulled_bytes_total",
+                                {absl::StrCat("origin=\"grpc://", origin, "\"")});
   }
   static std::map<std::string, std::string> Expected(const std::vector<SharedTensor>& tensors) {
     std::map<std::string, std::string> out;
@@ -164,14 +153,14 @@ TEST_F(OriginTest, EightClientsOnEachOfTwoNodesGetByteExactTensorsAndEachNodeRea
   const double stored = static_cast<double>(FolderBytes(origin_models_ + "/llm"));
   EXPECT_EQ(PulledBytes(*node_a, origin_->address()), stored);
   EXPECT_EQ(PulledBytes(*node_b, origin_->address()), stored);
-  const std::string text = testing::HttpGet(node_a->metrics_port(), "/metrics");
-  EXPECT_EQ(Sample(text, "weightstore_origin_pulls_total{outcome=\"ok\"}"), 2);
-  EXPECT_GE(Sample(text, "weightstore_node_cache_lookups_total{result=\"miss\"}"), 2);
+  EXPECT_EQ(testing::MetricValue(node_a->metrics_port(), "weightstore_origin_pulls_total", {"outcome=\"ok\""}), 2);
+  EXPECT_GE(testing::MetricValue(node_a->metrics_port(), "weightstore_node_cache_lookups_total", {"result=\"miss\""}),
+            2);
 }
 
 TEST_F(OriginTest, AnAdminPullPrefetchesAndTheFlagPullsAtStart) {
   auto node = StartNode({"--pull", "llm/sharded"});
-  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(node->address(), grpc::InsecureChannelCredentials()));
+  auto stub = testing::NewStub(node->address());
   grpc::ClientContext ctx;
   pb::PullCheckpointRequest request;
   request.set_name("llm/small");
@@ -180,22 +169,15 @@ TEST_F(OriginTest, AnAdminPullPrefetchesAndTheFlagPullsAtStart) {
   EXPECT_FALSE(response.already_present());
   EXPECT_EQ(response.checkpoint().tensor_count(), 16u);
   EXPECT_GT(response.bytes_pulled(), 4u << 20);
-  // --pull ran in the background: wait for it to be served (60 s only catches
-  // a pull that never ends).
-  const auto asked = std::chrono::steady_clock::now();
-  while (testing::HttpGet(node->metrics_port(), "/metrics").find("weightstore_checkpoints_loaded 2") ==
-             std::string::npos &&
-         std::chrono::steady_clock::now() - asked < std::chrono::seconds(60)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
+  // --pull ran in the background: wait for it to be served.
+  testing::WaitUntil([&] { return testing::MetricValue(node->metrics_port(), "weightstore_checkpoints_loaded") == 2; });
   grpc::ClientContext list_ctx;
   pb::ListCheckpointsResponse listed;
   ASSERT_TRUE(stub->ListCheckpoints(&list_ctx, pb::ListCheckpointsRequest(), &listed).ok());
   EXPECT_EQ(listed.checkpoints_size(), 2) << node->log();
   // Each is served under the origin's version id: a client pinned to the
   // version it saw on the origin fetches it from the node.
-  auto origin_stub =
-      pb::WeightStore::NewStub(grpc::CreateChannel(origin_->address(), grpc::InsecureChannelCredentials()));
+  auto origin_stub = testing::NewStub(origin_->address());
   for (const pb::CheckpointInfo& on_node : listed.checkpoints()) {
     grpc::ClientContext get_ctx;
     pb::GetCheckpointRequest get;
@@ -264,24 +246,14 @@ TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrSh
   }
   // Every client's call is in (and waits on a stalled pull: none can end).
   auto started = [&] {
-    double n = 0;
-    for (absl::string_view line : absl::StrSplit(testing::HttpGet(node->metrics_port(), "/metrics"), '\n')) {
-      if (absl::StartsWith(line, "grpc_server_started_total{") &&
-          absl::StrContains(line, "grpc_service=\"weightstore.v1.WeightStore\"")) {
-        double v = 0;
-        if (absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v)) n += v;
-      }
-    }
-    return n;
+    return testing::MetricValue(node->metrics_port(), "grpc_server_started_total",
+                                {"grpc_service=\"weightstore.v1.WeightStore\""});
   };
-  const auto launched = std::chrono::steady_clock::now();
-  while (started() < 48 && std::chrono::steady_clock::now() - launched < std::chrono::seconds(60)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  testing::WaitUntil([&] { return started() >= 48; });
   EXPECT_GE(started(), 48) << node->log();
   // Others are served meanwhile (the deadline only keeps a node that does not
   // answer from hanging the test).
-  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(node->address(), grpc::InsecureChannelCredentials()));
+  auto stub = testing::NewStub(node->address());
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   pb::ListCheckpointsResponse listed;
@@ -315,7 +287,7 @@ TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrSh
 TEST_F(OriginTest, CallsWhoseClientsGiveUpWaitingOnAStalledPullEndAtOnce) {
   auto node = StartNode();
   ASSERT_TRUE(origin_->Stop());
-  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(node->address(), grpc::InsecureChannelCredentials()));
+  auto stub = testing::NewStub(node->address());
   for (int i = 0; i < 20; ++i) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
@@ -338,23 +310,13 @@ TEST_F(OriginTest, CallsWhoseClientsGiveUpWaitingOnAStalledPullEndAtOnce) {
   // The node let each call go when its client did, though the pull is stalled:
   // none waits for it any more.
   auto ended = [&](absl::string_view method) {
-    double n = 0;
-    for (absl::string_view line : absl::StrSplit(testing::HttpGet(node->metrics_port(), "/metrics"), '\n')) {
-      if (absl::StartsWith(line, "grpc_server_handled_total{") && absl::StrContains(line, method)) {
-        double v = 0;
-        if (absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v)) n += v;
-      }
-    }
-    return n;
+    return testing::MetricValue(node->metrics_port(), "grpc_server_handled_total",
+                                {absl::StrCat("grpc_method=\"", method, "\"")});
   };
-  const auto gave_up = std::chrono::steady_clock::now();
-  while ((ended("\"GetCheckpoint\"") < 20 || ended("\"FetchTensors\"") < 5) &&
-         std::chrono::steady_clock::now() - gave_up < std::chrono::seconds(30)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  EXPECT_EQ(ended("\"GetCheckpoint\""), 20) << testing::HttpGet(node->metrics_port(), "/metrics");
-  EXPECT_EQ(ended("\"FetchTensors\""), 5);
-  EXPECT_EQ(Sample(testing::HttpGet(node->metrics_port(), "/metrics"), "weightstore_origin_pulls_in_flight"), 1);
+  testing::WaitUntil([&] { return ended("GetCheckpoint") >= 20 && ended("FetchTensors") >= 5; });
+  EXPECT_EQ(ended("GetCheckpoint"), 20) << testing::HttpGet(node->metrics_port(), "/metrics");
+  EXPECT_EQ(ended("FetchTensors"), 5);
+  EXPECT_EQ(testing::MetricValue(node->metrics_port(), "weightstore_origin_pulls_in_flight"), 1);
   origin_->Signal(SIGCONT);
 }
 
@@ -375,13 +337,12 @@ TEST_F(OriginTest, TheBudgetEvictsButNeverACheckpointMappedThroughTheSocket) {
   mapped = absl::CancelledError("dropped");
   FetchAll(node->address(), "llm/sharded", &status);
   EXPECT_TRUE(status.ok()) << status;
-  const std::string text = testing::HttpGet(node->metrics_port(), "/metrics");
-  EXPECT_EQ(Sample(text, "weightstore_node_cache_evictions_total"), 1);
-  EXPECT_EQ(Sample(text, "weightstore_node_cache_budget_bytes"), 5000000);
+  EXPECT_EQ(testing::MetricValue(node->metrics_port(), "weightstore_node_cache_evictions_total"), 1);
+  EXPECT_EQ(testing::MetricValue(node->metrics_port(), "weightstore_node_cache_budget_bytes"), 5000000);
 }
 
 TEST_F(OriginTest, TheUpstreamListsStoredFilesWithTheirCrcAndReadsRangesPinnedToAVersion) {
-  auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(origin_->address(), grpc::InsecureChannelCredentials()));
+  auto stub = testing::NewStub(origin_->address());
   // Sixteen first listings at once, on checksum workers (one CRC pass per file:
   // ChecksumCacheTest): the same answer for all.
   std::vector<pb::ListCheckpointFilesResponse> listed(16);
