@@ -24,13 +24,13 @@
 #include "client/updates.h"
 #include "core/checkpoint.h"
 #include "core/formats/checkpoint_writer.h"
-#include "core/pem.h"
 #include "core/select/apply.h"
 #include "core/select/dtype_cast.h"
 #include "core/select/selection.h"
 #include "core/select/snapshot.h"
 #include "core/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "proto/codec/tls.h"
 
 namespace weightstore::cli {
 namespace {
@@ -352,12 +352,8 @@ absl::Status RunInspect(const InspectArgs& args, std::FILE* out) {
 }
 
 absl::Status RunHealth(const HealthArgs& args, std::FILE* out) {
-  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
-  if (!args.remote.tls_ca.empty()) {
-    grpc::SslCredentialsOptions ssl;
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPemFile(args.remote.tls_ca, "CA certificate"));
-    credentials = grpc::SslCredentials(ssl);
-  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                               wire::ChannelCredentialsFromPem(args.remote.tls_ca));
   auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(args.server, credentials));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +

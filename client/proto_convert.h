@@ -6,7 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/store.h"
-#include "core/catalog/element_patch.h"
+#include "core/element_patch.h"
 #include "weightstore/v1/weight_store.pb.h"
 
 namespace weightstore::client {

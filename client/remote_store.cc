@@ -24,9 +24,9 @@
 #include "client/store.h"
 #include "client/usable_cores.h"
 #include "core/crc32c.h"
-#include "core/pem.h"
 #include "core/status_macros.h"
 #include "proto/codec/status.h"
+#include "proto/codec/tls.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore::client {
@@ -553,17 +553,7 @@ class RemoteStore final : public Store {
 namespace {
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(const RemoteOptions& options) {
-  if (options.tls_ca_file.empty()) {
-    if (!options.tls_cert_file.empty()) return absl::InvalidArgumentError("a client certificate needs --tls-ca too");
-    return grpc::InsecureChannelCredentials();
-  }
-  grpc::SslCredentialsOptions ssl;
-  WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPemFile(options.tls_ca_file, "CA certificate"));
-  if (!options.tls_cert_file.empty()) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPemFile(options.tls_cert_file, "client certificate"));
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPemFile(options.tls_key_file, "client key"));
-  }
-  return grpc::SslCredentials(ssl);
+  return wire::ChannelCredentialsFromPem(options.tls_ca_file, options.tls_cert_file, options.tls_key_file);
 }
 
 }  // namespace

@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/catalog/element_patch.h"
 #include "core/checkpoint.h"
+#include "core/element_patch.h"
 #include "core/host_buffer.h"
 #include "core/mapped_file.h"
 #include "core/select/apply.h"

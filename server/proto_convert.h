@@ -6,7 +6,11 @@
 #include <optional>
 
 #include "absl/status/status.h"
-#include "core/catalog/element_patch.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/catalog/manifest.h"
+#include "core/catalog/registry.h"
+#include "core/element_patch.h"
 #include "core/select/apply.h"
 #include "core/select/selection.h"
 #include "core/select/snapshot.h"

@@ -9,12 +9,14 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "core/catalog/element_patch.h"
+#include "absl/strings/string_view.h"
 #include "core/catalog/registry.h"
 #include "core/catalog/version_patches.h"
+#include "core/element_patch.h"
 #include "core/select/apply.h"
 #include "core/select/served.h"
 #include "core/select/snapshot.h"
+#include "server/admission_gate.h"
 #include "weightstore/v1/weight_store.pb.h"
 
 namespace weightstore::server {

@@ -10,9 +10,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "core/pem.h"
 #include "core/shm/segment_cache.h"
 #include "grpc/health/v1/health.pb.h"
+#include "proto/codec/tls.h"
 #include "server/auth.h"
 #include "server/log.h"
 #include "server/observability.h"
@@ -29,29 +29,7 @@ constexpr std::chrono::milliseconds kGoawayWindow(500);
 
 // Plaintext, TLS, or mutual TLS, from the options' PEM files.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const ServerOptions::Tls& tls) {
-  if (tls.cert_file.empty()) {
-    if (!tls.key_file.empty() || !tls.client_ca_file.empty()) {
-      return absl::InvalidArgumentError("tls: a key or client CA was given without a certificate (tls-cert)");
-    }
-    return grpc::InsecureServerCredentials();
-  }
-  if (tls.key_file.empty()) return absl::InvalidArgumentError("tls: a certificate was given without its key (tls-key)");
-  grpc::SslServerCredentialsOptions options;
-  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  absl::StatusOr<std::string> cert = ReadPemFile(tls.cert_file, "TLS certificate");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPemFile(tls.key_file, "TLS key");
-  if (!key.ok()) return key.status();
-  pair.cert_chain = *cert;
-  pair.private_key = *key;
-  options.pem_key_cert_pairs.push_back(pair);
-  if (!tls.client_ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadPemFile(tls.client_ca_file, "client CA");
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *ca;
-    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-  }
-  return grpc::SslServerCredentials(options);
+  return wire::ServerCredentialsFromPem(tls.cert_file, tls.key_file, tls.client_ca_file);
 }
 
 // The folders a registry serves from, as given and as absolute paths: the

@@ -10,9 +10,9 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "core/catalog/element_patch.h"
 #include "core/catalog/version_patches.h"
 #include "core/crc32c.h"
+#include "core/element_patch.h"
 #include "core/select/served.h"
 #include "core/select/snapshot.h"
 #include "core/status_macros.h"

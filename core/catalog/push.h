@@ -18,7 +18,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "core/atomic_file.h"
-#include "core/catalog/element_patch.h"
+#include "core/element_patch.h"
 #include "core/catalog/manifest.h"
 #include "core/tensor.h"
 
@@ -48,7 +48,7 @@ class PushSession {
   // the push's byte or tensor bounds.
   absl::Status BeginTensor(const TensorSpec& spec, uint32_t crc32c);
   // Starts a tensor pushed as an element patch of the base's
-  // (core/catalog/element_patch.h): `patch` is its header (no body), whose
+  // (core/element_patch.h): `patch` is its header (no body), whose
   // `patch_bytes` bytes follow through Append, with CRC32C `crc32c`. The
   // tensor must replace a base tensor of its dtype and shape whose digest is
   // `base_digest` (else Aborted: the patch was made against other bytes), and

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <thread>
 
-#include "core/catalog/element_patch.h"
+#include "core/element_patch.h"
 #include "core/catalog/registry.h"
 #include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"

@@ -1,4 +1,4 @@
-// Version patches: the element patches (core/catalog/element_patch.h) from one
+// Version patches: the element patches (core/element_patch.h) from one
 // version of a checkpoint to the next, computed while both are mapped (a
 // rescan that finds a file replaced, a push), and chains of them that bring a
 // client several versions behind up to date.
@@ -15,7 +15,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "core/catalog/element_patch.h"
+#include "core/element_patch.h"
 #include "core/catalog/manifest.h"
 #include "core/checkpoint.h"
 

@@ -1,4 +1,4 @@
-// Fuzzes element patches (core/catalog/element_patch.h), which arrive from
+// Fuzzes element patches (core/element_patch.h), which arrive from
 // clients (a patched push) and daemons (an update): a patch body checked,
 // applied, streamed through and composed with itself; and a diff of two
 // buffers made from the input, which must apply back exactly.
@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "core/catalog/element_patch.h"
+#include "core/element_patch.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace weightstore;

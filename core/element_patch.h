@@ -17,8 +17,8 @@
 // position past the tensor, a varint too long, values short or in excess) is
 // refused before anything is written. The smaller encoding is chosen per
 // tensor: positions cost a varint per changed element, runs two per run.
-#ifndef WEIGHTSTORE_CORE_CATALOG_ELEMENT_PATCH_H_
-#define WEIGHTSTORE_CORE_CATALOG_ELEMENT_PATCH_H_
+#ifndef WEIGHTSTORE_CORE_ELEMENT_PATCH_H_
+#define WEIGHTSTORE_CORE_ELEMENT_PATCH_H_
 
 #include <cstdint>
 #include <functional>
@@ -105,4 +105,4 @@ absl::Status ApplyPatches(std::span<const PatchTarget> targets, unsigned threads
 
 }  // namespace weightstore
 
-#endif  // WEIGHTSTORE_CORE_CATALOG_ELEMENT_PATCH_H_
+#endif  // WEIGHTSTORE_CORE_ELEMENT_PATCH_H_

@@ -1,4 +1,4 @@
-#include "core/catalog/element_patch.h"
+#include "core/element_patch.h"
 
 #include <algorithm>
 #include <cstring>
