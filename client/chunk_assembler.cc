@@ -14,7 +14,13 @@ absl::Status ChunkAssembler::Begin(const pb::TensorInfo& info, TensorSink* sink)
   if (absl::Status s = FromProto(info, &d); !s.ok()) {
     return absl::DataLossError(absl::StrCat("stream sent an invalid tensor description: ", s.message()));
   }
-  if (info.has_patch()) return BeginPatch(info, d.spec, sink);
+  if (info.has_patch()) {
+    if (!allow_patches_) {
+      return absl::DataLossError(
+          absl::StrCat("stream sent tensor '", d.spec.name, "' as an element patch, which the fetch did not ask for"));
+    }
+    return BeginPatch(info, d.spec, sink);
+  }
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(d.spec));
   if (out.size() != d.spec.byte_size()) {
     return absl::InternalError(absl::StrCat("sink gave ", out.size(), " bytes for tensor '", d.spec.name, "'"));

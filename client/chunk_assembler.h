@@ -29,6 +29,9 @@ class ChunkAssembler {
   // Accepts a tensor later than the next one due (a delta fetch leaves out
   // the unchanged ones); indices still only go up.
   void AllowSkips() { allow_skips_ = true; }
+  // Accepts element patches (a fetch with since_version and patches); any
+  // other stream that sends one is DataLoss, whatever the sink would take.
+  void AllowPatches() { allow_patches_ = true; }
   // Forgets a tensor in progress (its stream broke); it will start again.
   void Restart() { current_.reset(); }
 
@@ -55,6 +58,7 @@ class ChunkAssembler {
   std::string version_;
   uint64_t next_index_ = 0;
   bool allow_skips_ = false;
+  bool allow_patches_ = false;
 };
 
 }  // namespace weightstore::client

@@ -172,7 +172,8 @@ v1::TensorChunk PatchChunk(const std::string& patch, const std::string& encoding
 
 TEST(ChunkAssemblerTest, APatchGoesToTheSinkAsAPatchWithItsHeaderAndDigest) {
   ChunkAssembler a;
-  CollectingSink sink;
+  a.AllowPatches();
+  CollectingSink sink(nullptr, /*take_patches=*/true);
   const std::string body("\x01\x03Z", 3);  // element 3 becomes 'Z'
   grpc::ByteBuffer only = Buffer(PatchChunk(body));
   ASSERT_OK(a.Consume(&only, &sink));
@@ -204,7 +205,8 @@ TEST(ChunkAssemblerTest, RefusesPatchHeadersThatDoNotFitTheirTensor) {
   };
   for (const Case& c : cases) {
     ChunkAssembler a;
-    CollectingSink sink;
+    a.AllowPatches();
+    CollectingSink sink(nullptr, /*take_patches=*/true);
     grpc::ByteBuffer buffer = Buffer(c.chunk);
     absl::Status status = a.Consume(&buffer, &sink);
     EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
@@ -217,8 +219,36 @@ TEST(ChunkAssemblerTest, RefusesPatchHeadersThatDoNotFitTheirTensor) {
     absl::Status End(const TensorSpec&) override { return absl::OkStatus(); }
   } plain;
   ChunkAssembler a;
+  a.AllowPatches();
   grpc::ByteBuffer buffer = Buffer(PatchChunk(body));
   EXPECT_THAT(a.Consume(&buffer, &plain), StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("no element patches")));
+}
+
+// A server that sends a patch nobody asked for must not cost the caller that
+// tensor in silence (tensors() would return without it): the stream is
+// refused, and so is the patch by a sink not told to take patches.
+TEST(ChunkAssemblerTest, AnElementPatchTheFetchDidNotAskForIsDataLossNotADroppedTensor) {
+  const std::string body("\x01\x03Z", 3);
+  {
+    ChunkAssembler a;
+    CollectingSink sink(nullptr, /*take_patches=*/true);
+    grpc::ByteBuffer buffer = Buffer(PatchChunk(body));
+    EXPECT_THAT(a.Consume(&buffer, &sink),
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 'w' as an element patch, which the fetch did "
+                                                                "not ask for")));
+    EXPECT_TRUE(sink.patches().empty());
+  }
+  {
+    ChunkAssembler a;
+    a.AllowPatches();
+    CollectingSink sink;  // what Store::FetchAll (tensors()) collects into
+    grpc::ByteBuffer buffer = Buffer(PatchChunk(body));
+    EXPECT_THAT(a.Consume(&buffer, &sink),
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 'w' came as an element patch, which the fetch "
+                                                                "did not ask for")));
+    EXPECT_TRUE(sink.patches().empty());
+    EXPECT_TRUE(sink.tensors().empty());
+  }
 }
 
 }  // namespace

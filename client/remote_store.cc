@@ -448,7 +448,10 @@ class RemoteStore final : public Store {
     int resumes = 0;
     absl::Status first_break;  // why the stream first broke, for the final error
     ChunkAssembler assembler(req.start_index());
-    if (!req.since_version().empty()) assembler.AllowSkips();  // a delta leaves out what is unchanged
+    if (!req.since_version().empty()) {
+      assembler.AllowSkips();  // a delta leaves out what is unchanged
+      if (req.patches()) assembler.AllowPatches();
+    }
     std::chrono::system_clock::time_point resume_until;
     while (true) {
       grpc::ClientContext ctx;

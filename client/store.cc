@@ -25,6 +25,10 @@ absl::Status CollectingSink::End(const TensorSpec& spec) {
 
 absl::StatusOr<std::span<std::byte>> CollectingSink::BeginPatch(const TensorSpec& spec, const ElementPatch& header,
                                                                 uint64_t bytes, const std::string& digest) {
+  if (!take_patches_) {
+    return absl::DataLossError(
+        absl::StrCat("tensor '", spec.name, "' came as an element patch, which the fetch did not ask for"));
+  }
   if (cancel_ != nullptr && cancel_->load()) {
     return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
   }

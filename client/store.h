@@ -154,11 +154,15 @@ struct ReceivedPatch {
 // Collects tensors into HostBuffers (2 MiB-aligned, huge-page backed).
 class CollectingSink : public TensorSink {
  public:
-  // With `cancel`: Begin() returns Cancelled once it is set.
-  explicit CollectingSink(std::shared_ptr<const std::atomic<bool>> cancel = nullptr) : cancel_(std::move(cancel)) {}
+  // With `cancel`: Begin() returns Cancelled once it is set. With
+  // `take_patches` (a fetch that asked for them) element patches are
+  // collected in patches(); else one is DataLoss: a caller of tensors()
+  // alone would otherwise lose that tensor without a word.
+  explicit CollectingSink(std::shared_ptr<const std::atomic<bool>> cancel = nullptr, bool take_patches = false)
+      : cancel_(std::move(cancel)), take_patches_(take_patches) {}
   absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override;
   absl::Status End(const TensorSpec& spec) override;
-  // Collects patches too, in patches().
+  // Collects patches too, in patches(), when constructed to take them.
   absl::StatusOr<std::span<std::byte>> BeginPatch(const TensorSpec& spec, const ElementPatch& header, uint64_t bytes,
                                                   const std::string& digest) override;
   absl::Status EndPatch(const TensorSpec& spec) override;
@@ -167,6 +171,7 @@ class CollectingSink : public TensorSink {
 
  private:
   std::shared_ptr<const std::atomic<bool>> cancel_;
+  bool take_patches_ = false;
   std::optional<HostBuffer> current_;
   std::optional<ReceivedPatch> current_patch_;
   std::vector<SharedTensor> tensors_;

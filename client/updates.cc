@@ -56,7 +56,7 @@ absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& nam
     query.version = listing.version;  // fetch what was listed, or fail ABORTED
     if (!listing.delta || !listing.delta->delta) query.since_version.clear();
     if (!listing.delta || !listing.delta->delta || listing.delta->changed_tensors > 0) {
-      CollectingSink sink(query.cancel);
+      CollectingSink sink(query.cancel, /*take_patches=*/query.patches);
       WEIGHTSTORE_RETURN_IF_ERROR(store.FetchTensors(name, query, &sink));
       r.received = std::move(sink.tensors());
       r.patched = std::move(sink.patches());

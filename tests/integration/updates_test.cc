@@ -486,7 +486,7 @@ TEST_F(UpdatesTest, ASocketClientMapsOneSegmentOfElementPatchesInsteadOfTheChang
   // A sink gets them as it does over gRPC.
   query.since_version = since;
   query.patches = true;
-  client::CollectingSink sink;
+  client::CollectingSink sink(nullptr, /*take_patches=*/true);
   ASSERT_OK(shm->FetchTensors("gpt", query, &sink));
   EXPECT_TRUE(sink.tensors().empty());
   EXPECT_EQ(sink.patches().size(), model_.size());
