@@ -17,10 +17,7 @@
 
 namespace weightstore::client {
 
-namespace {
-
-// What `query` selects, as bytes that are equal exactly when two queries
-// select alike: its Selection message, serialized deterministically.
+// Its Selection message, serialized deterministically.
 std::string SelectionKey(const Query& query) {
   pb::Selection selection;
   ToProto(query, &selection);
@@ -34,14 +31,12 @@ std::string SelectionKey(const Query& query) {
   return out;
 }
 
-}  // namespace
-
 absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& name, Query query) {
   ChangedTensors r;
   const bool asked = !query.since_version.empty();
   std::optional<DeltaInfo> delta;
-  if (auto* shm = dynamic_cast<SharedMemoryStore*>(&store)) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, shm->MapTensors(name, query));
+  if (store.maps()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, store.MapTensors(name, query));
     for (size_t i = 0; i < mapped.tensors.size(); ++i) {
       const TensorDescription& d = mapped.descriptions[i];
       if (!d.unchanged && !d.patched) r.received.push_back(std::move(mapped.tensors[i]));
@@ -169,14 +164,17 @@ absl::StatusOr<UpdateResult> Update(Store& store, const std::string& name, Query
   for (const SharedTensor& t : held->tensors) by_name.emplace(t.spec.name, &t);
 
   const std::string selection = SelectionKey(query);
-  const bool reselected = !held->version.empty() && !held->selection.empty() && held->selection != selection;
+  const bool reselected = !held->version.empty() && held->selection != selection;
   query.since_version = reselected ? "" : held->version;
   query.patches = true;
   WEIGHTSTORE_ASSIGN_OR_RETURN(ChangedTensors r, FetchChanged(store, name, query));
   result.delta = r.delta;
   result.patch_reason = r.patch_reason;
-  result.full_reason =
-      reselected ? "the held tensors were selected otherwise (another selection, shard or dtype)" : r.full_reason;
+  result.full_reason = !reselected ? r.full_reason
+                       : held->selection.empty()
+                           ? "the held tensors' selection is not recorded (HeldTensors::selection)"
+                           : "the held tensors were selected otherwise (another selection, shard "
+                             "or dtype)";
   // What the daemon calls unchanged must be held as listed: else the held
   // tensors came from another query, and everything is received again.
   for (const TensorDescription& d : r.listed) {

@@ -19,11 +19,18 @@ namespace weightstore::client {
 struct HeldTensors {
   std::string version;                // empty: nothing held yet
   std::vector<SharedTensor> tensors;  // in listing order
-  // The selection that chose them, as UpdateTensors records it: another
-  // selection (a shard rank, a dtype) refetches everything, even where names,
-  // dtypes and shapes agree. Empty: not known.
+  // The selection that chose them, as SelectionKey() gives it (UpdateTensors
+  // records it): another selection (a shard rank, a dtype) refetches
+  // everything, even where names, dtypes and shapes agree. Empty: not known,
+  // and then a held version is fetched whole too, since a same-shaped tensor
+  // of another shard rank would otherwise pass as unchanged.
   std::string selection;
 };
+
+// What `query` selects (not which version), as bytes equal exactly when two
+// queries select alike: for HeldTensors::selection of tensors a caller
+// fetched itself.
+std::string SelectionKey(const Query& query);
 
 struct UpdateResult {
   std::string old_version, new_version;

@@ -262,7 +262,7 @@ TEST(SocketPatchesTest, HeldMemoryPatchedInPlaceBeforeTheUpdateFailsIsNoLongerCa
   // Held as an update holds it: memory the held set alone references.
   ASSERT_OK_AND_ASSIGN(HostBuffer buffer, HostBuffer::Allocate(before.size()));
   std::memcpy(buffer.data(), before.data(), before.size());
-  HeldTensors held{"v1", {{{"w", DType::kU8, {64}}, std::move(buffer).Freeze()}}, ""};
+  HeldTensors held{"v1", {{{"w", DType::kU8, {64}}, std::move(buffer).Freeze()}}, SelectionKey({})};
   // The daemon sends a patch whose result it lists with another digest (the
   // patch is written, then refused), then fails the whole fetch that follows.
   auto span = [](const std::string& b) { return std::as_bytes(std::span(b.data(), b.size())); };

@@ -581,6 +581,38 @@ TEST_F(UpdatesTest, ABaseVersionTheDaemonDoesNotKeepIsAFullFetchThatSaysSo) {
   ExpectSameTensors(wrong.tensors, full);
 }
 
+// Tensors a caller fetched itself, as shard rank 0, have the shapes rank 1's
+// have: with no recorded selection they must be fetched whole, or rank 0's
+// rows would pass as rank 1's, unchanged.
+TEST_F(UpdatesTest, HeldTensorsWhoseSelectionWasNotRecordedAreFetchedWholeNotTrustedAsAnotherShardRank) {
+  client::Query rank0;
+  rank0.selection.shard.world_size = 2;
+  rank0.selection.shard.rules = {{"weight$", ShardSplit{0}}};
+  client::Query rank1 = rank0;
+  rank1.selection.shard.rank = 1;
+  client::HeldTensors held;
+  ASSERT_OK_AND_ASSIGN(held.tensors, store_->FetchAll("gpt", rank0));
+  held.version = Version();
+  for (client::Store* store : {store_.get(), static_cast<client::Store*>(nullptr)}) {
+    std::unique_ptr<client::Store> mapper;
+    if (store == nullptr) {
+      ASSERT_OK_AND_ASSIGN(mapper, client::ConnectSharedMemoryStore(socket_));
+      store = mapper.get();
+    }
+    client::HeldTensors h = held;
+    ASSERT_OK_AND_ASSIGN(client::UpdateResult r, client::UpdateTensors(*store, "gpt", rank1, &h));
+    EXPECT_FALSE(r.delta);
+    EXPECT_THAT(r.full_reason, HasSubstr("selection is not recorded"));
+    ASSERT_OK_AND_ASSIGN(auto want, store_->FetchAll("gpt", rank1));
+    ExpectSameTensors(h.tensors, want);
+    // Recorded, the same selection is a delta with nothing to fetch.
+    EXPECT_EQ(h.selection, client::SelectionKey(rank1));
+    ASSERT_OK_AND_ASSIGN(r, client::UpdateTensors(*store, "gpt", rank1, &h));
+    EXPECT_TRUE(r.delta) << r.full_reason;
+    EXPECT_EQ(r.fetched_tensors, 0u);
+  }
+}
+
 TEST_F(UpdatesTest, RemovalAndReturnAreEventsAndWatchRequestsAreChecked) {
   Watcher watcher(store_.get(), {});
   ASSERT_TRUE(watcher.WaitFor([](const CheckpointEvent& e) { return e.kind == CheckpointEvent::Kind::kAdded; }));

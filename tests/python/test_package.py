@@ -606,8 +606,8 @@ class PackageTest(unittest.TestCase):
             self.assertTrue(same_bytes(mapped[n], t), n)
         # A local store tells nothing: a full read that says so.
         files, local = weightstore.connect("file:" + MODELS), {}  # opened after the file was written
-        files.update(local, "pkg/upd")
-        full = files.update(local, "pkg/upd", since=again.version)
+        first_local = files.update(local, "pkg/upd")
+        full = files.update(local, "pkg/upd", since=first_local.version)
         self.assertFalse(full.delta)
         self.assertIn("does not tell", full.full_reason)
 
@@ -639,8 +639,28 @@ class PackageTest(unittest.TestCase):
             other = weightstore.connect(ADDRESS if store is self.remote else "unix:" + SOCKET)
             fifth = other.update(state, "pkg/reshard", since=fourth.version, shard=(1, 2, rules))
             self.assertFalse(fifth.delta)
-            self.assertIn("another dtype or shape", fifth.full_reason)
+            self.assertIn("selection (shard, dtype, renames...) is not known", fifth.full_reason)
             self.assertEqual(state["layer.0.weight"].dtype, torch.float32)
+
+    def test_update_of_a_state_it_did_not_fill_fetches_it_whole_and_one_tensors_filled_is_a_delta(self):
+        # Rank 0's rows have rank 1's shape: a state whose selection is not
+        # known must not pass as rank 1's, unchanged.
+        weights = {f"layer.{i}.weight": torch.randn(8, 4) for i in range(3)}
+        self.publish("pkg/unrecorded", weights)
+        rules = {r"weight$": 0}
+        for store in (self.remote, self.socket):
+            version = store.info("pkg/unrecorded")["version"]
+            state = dict(weightstore.connect(ADDRESS).tensors("pkg/unrecorded", shard=(0, 2, rules)))
+            update = store.update(state, "pkg/unrecorded", since=version, shard=(1, 2, rules))
+            self.assertFalse(update.delta)
+            self.assertIn("is not known", update.full_reason)
+            for n, t in weights.items():
+                self.assertTrue(same_bytes(state[n], t[4:].contiguous()), n)  # rank 1's rows
+            # What tensors() of this Store filled at a known version is: a delta.
+            mine = store.tensors("pkg/unrecorded", shard=(1, 2, rules), version=version)
+            again = store.update(mine, "pkg/unrecorded", since=version, shard=(1, 2, rules))
+            self.assertTrue(again.delta, again.full_reason)
+            self.assertEqual(again.fetched_bytes, 0)
 
     def test_update_copies_the_changed_tensors_into_a_module_in_place(self):
         torch.manual_seed(5)

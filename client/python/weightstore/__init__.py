@@ -364,9 +364,10 @@ def _selection(include=(), exclude=(), paths=(), rename=(), top_level_key="", co
 
 
 def _selection_key(selection):
-    """Equal for equal selections (a normalized selection dict)."""
+    """Equal for equal selections (a normalized selection dict), whichever
+    version they pinned."""
     import json
-    return json.dumps(selection, sort_keys=True, default=repr)
+    return json.dumps({k: v for k, v in selection.items() if k != "version"}, sort_keys=True, default=repr)
 
 
 def _holds(tensor, dtype, shape):
@@ -563,11 +564,15 @@ class Store:
         if as_ not in ("torch", "numpy"):
             raise ValueError(f"as_={as_!r}: 'torch' or 'numpy'")
         target = _device(device, as_)
+        s = _selection(**selection)
         if target is None:
-            fetched = self._native.fetch(name, _selection(**selection))
+            fetched = self._native.fetch(name, s)
         else:
-            fetched = self._native.fetch_to_device(name, _selection(**selection), target.index)
-        return {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in fetched["tensors"]}
+            fetched = self._native.fetch_to_device(name, s, target.index)
+        out = {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in fetched["tensors"]}
+        if fetched["version"]:  # known when pinned (version=), mapped, or applied to a target
+            self._record(out, name, fetched["version"], s)  # update(out, since=it) may then be a delta
+        return out
 
     def iter_tensors(self, name, batch_bytes=256 << 20, **selection):
         """Yields (served name, torch tensor) for every selected tensor, in
@@ -654,8 +659,11 @@ class Store:
 
     def update(self, state, name, since=None, as_="torch", **selection):
         """Brings `state` to the current version of `name`: a dict of tensors
-        by served name (from an earlier update or tensors() with the same
-        selection) or a torch.nn.Module, changed in place. Only the tensors
+        by served name (from an earlier update or tensors() of this Store
+        with the same selection) or a torch.nn.Module, changed in place. A
+        state this Store did not fill with version `since` (by update(), or
+        by tensors() pinned with version=, or through a socket) is fetched
+        whole, since its selection (a shard rank, a dtype) is not known. Only the tensors
         changed since version `since` (the last Update.version; None: nothing
         held) are fetched from a remote store, or mapped through a socket
         (the others keep their mappings); a local store reads everything.
@@ -713,15 +721,20 @@ class Store:
         s = _selection(**selection)
         key = _selection_key(s)
         # A version this Store returned under another selection (a shard rank,
-        # a dtype) holds other bytes under the same names: fetch everything.
-        reselected = bool(since) and self._selections.get((id(state), name, since), key) != key
+        # a dtype) holds other bytes under the same names, and so may a state
+        # it never filled (rank 0's rows have rank 1's shape): fetch everything.
+        recorded = self._selections.get((id(state), name, since)) if since else None
+        reselected = bool(since) and recorded != key
         # Element patches (docs/updates.md) are asked for when every held
         # tensor is memory they can be written into (CPU, or a usable GPU).
         want_patches = patches and bool(since) and not reselected and all(_patchable(t) for t in held.values())
         got = self._native.delta(name, s, "" if reselected else (since or ""), want_patches)
         delta, full_reason = got["delta"], got["full_reason"]
         if reselected:
-            full_reason = f"version {since} was fetched with another selection (shard, dtype, renames...)"
+            full_reason = (f"version {since} was fetched with another selection (shard, dtype, renames...)"
+                           if recorded is not None else
+                           f"this Store did not fill the state with version {since}, so its selection (shard, "
+                           "dtype, renames...) is not known")
         unchanged = set(got["unchanged"])
         unheld = [n for n, (dtype, shape) in got["unchanged"].items() if not _holds(held.get(n), dtype, shape)]
         if delta and unheld:
@@ -773,14 +786,19 @@ class Store:
             for n in removed:
                 del state[n]
             state.update(fetched)
-        recorded = (id(state), name, got["version"])
-        self._selections.pop(recorded, None)  # re-inserted: the most recent
-        self._selections[recorded] = key
-        while len(self._selections) > 1024:  # the states and versions recently returned
-            self._selections.pop(next(iter(self._selections)), None)
+        self._record(state, name, got["version"], s)
         return Update(version=got["version"], delta=delta, full_reason="" if delta else full_reason,
                       changed=changed, added=added, removed=removed, fetched_bytes=nbytes,
                       patched=[n for n in changed if n in patched], patch_reason=got["patch_reason"])
+
+    def _record(self, state, name, version, selection):
+        """Remembers that `state` holds `version` of `name` as `selection`
+        chose it, for update(state, name, since=version)."""
+        recorded = (id(state), name, version)
+        self._selections.pop(recorded, None)  # re-inserted: the most recent
+        self._selections[recorded] = _selection_key(selection)
+        while len(self._selections) > 1024:  # the states and versions recently returned
+            self._selections.pop(next(iter(self._selections)), None)
 
     def push(self, name, state, base=None, max_patch_bytes=1 << 30):
         """Publishes `state` (a dict of tensors by name, or a torch module)
