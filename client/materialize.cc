@@ -27,8 +27,8 @@ std::vector<MaterializedTensor> OnHost(const std::vector<SharedTensor>& tensors)
 absl::StatusOr<std::vector<MaterializedTensor>> OnCuda(Store& store, const std::string& name, const Query& query,
                                                        const MaterializeOptions& options) {
   std::vector<DeviceTensor> tensors;
-  if (auto* shm = dynamic_cast<SharedMemoryStore*>(&store)) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, shm->MapTensors(name, query));
+  if (store.maps()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, store.MapTensors(name, query));
     CopyToDeviceOptions copy;
     copy.device = options.device.index;
     copy.pinned = options.pinned;
@@ -70,8 +70,8 @@ absl::StatusOr<std::vector<MaterializedTensor>> Materialize(Store& store, const 
                                                options.device.ToString(), "); configure with the CUDA toolkit"));
 #endif
   }
-  if (auto* shm = dynamic_cast<SharedMemoryStore*>(&store)) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, shm->MapTensors(name, query));
+  if (store.maps()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, store.MapTensors(name, query));
     return OnHost(mapped.tensors);
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<SharedTensor> tensors, store.FetchAll(name, query));

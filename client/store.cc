@@ -75,6 +75,11 @@ TensorDescription Describe(const SnapshotTensor& tensor) {
   return d;
 }
 
+absl::StatusOr<MappedTensors> Store::MapTensors(const std::string& name, const Query&) {
+  return absl::UnimplementedError(
+      absl::StrCat("this store cannot map the tensors of '", name, "': only a daemon's socket maps (unix:PATH)"));
+}
+
 absl::Status Store::Watch(const WatchOptions&, const std::function<bool(const CheckpointEvent&)>&) {
   return absl::UnimplementedError("only a daemon's checkpoints can be watched: connect to it over gRPC");
 }

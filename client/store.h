@@ -226,6 +226,8 @@ struct PushRequest {
   bool allow_new_tensors = false;
 };
 
+struct MappedTensors;
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -247,6 +249,13 @@ class Store {
 
   // Every selected tensor, in owned memory.
   virtual absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query);
+  // Whether MapTensors maps the selected tensors as views of the daemon's
+  // memory, copying nothing (a same-host socket store). Callers that can use
+  // views ask this rather than the store's type.
+  virtual bool maps() const { return false; }
+  // Maps every selected tensor without copying it; Unimplemented unless
+  // maps().
+  virtual absl::StatusOr<MappedTensors> MapTensors(const std::string& name, const Query& query);
   // One tensor by its served name (after the query's renaming).
   absl::StatusOr<SharedTensor> FetchTensor(const std::string& name, const std::string& tensor, Query query = {});
 
@@ -371,9 +380,10 @@ struct SharedMemoryOptions {
 // zero-copy way. Reconnects once per call if the daemon restarted.
 class SharedMemoryStore : public Store {
  public:
-  // Maps every selected tensor without copying it. Segments are checked before
-  // mapping: sizes against fstat, and memfds for all four seals.
-  virtual absl::StatusOr<MappedTensors> MapTensors(const std::string& name, const Query& query) = 0;
+  bool maps() const override { return true; }
+  // Segments are checked before mapping: sizes against fstat, and memfds for
+  // all four seals.
+  absl::StatusOr<MappedTensors> MapTensors(const std::string& name, const Query& query) override = 0;
 };
 
 // Connects to weightstored's socket at `socket_path`. PermissionDenied if the

@@ -96,8 +96,8 @@ absl::StatusOr<std::vector<std::pair<std::string, torch::Tensor>>> LoadTorchTens
                                                                                     const std::string& name,
                                                                                     const Query& query) {
   std::vector<SharedTensor> tensors;
-  if (auto* shm = dynamic_cast<SharedMemoryStore*>(&store)) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, shm->MapTensors(name, query));
+  if (store.maps()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, store.MapTensors(name, query));
     tensors = std::move(mapped.tensors);
   } else {
     WEIGHTSTORE_ASSIGN_OR_RETURN(tensors, store.FetchAll(name, query));
@@ -132,8 +132,8 @@ absl::StatusOr<ApplyResult> LoadIntoModule(Store& store, const std::string& name
   // from a listing otherwise.
   std::optional<ApplyResult> result;
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
-  if (auto* shm = dynamic_cast<SharedMemoryStore*>(&store)) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, shm->MapTensors(name, query));
+  if (store.maps()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, store.MapTensors(name, query));
     for (const SharedTensor& t : mapped.tensors) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(torch::Tensor tensor, ToTorch(t));
       tensors.emplace_back(t.spec.name, std::move(tensor));
