@@ -9,6 +9,9 @@
 #                    core includes it
 #   the base         (core/*.{h,cc}) includes no room
 #   a format's name  appears in code outside core/formats/ only in tests
+#   server/*.cc      includes no other handler's header (service.h,
+#                    shm_server.h, watch.h): handlers share serving.h,
+#                    resolve.h and the gates; only server.cc composes them
 # Prints each violation; exits 1 if there is any.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +63,17 @@ for name in safetensors pytorch burnpack burn_record; do
   done < <(grep -rInE "k(SafeTensors|PyTorch|Burnpack|BurnRecord)Format|core/formats/(safetensors|pytorch|burnpack|burn_record)\.h" \
              core server client proto --include='*.h' --include='*.cc' | grep -v '^core/formats/' | grep -v '_test\.cc:' |
            grep -iE "${name/_/_?}")
+done
+
+# The handlers of server/ meet only in server.cc, which composes them.
+for file in $(sources server | grep '\.cc$'); do
+  case "$file" in server/server.cc | server/weightstored_main.cc) continue ;; esac
+  while IFS=: read -r _ inc; do
+    case "$inc" in
+      server/service.h | server/shm_server.h | server/watch.h)
+        [ "$inc" = "${file%.cc}.h" ] || fail "$file includes $inc (another handler's header: share serving.h, resolve.h or a gate instead)" ;;
+    esac
+  done < <(includes "$file")
 done
 
 exit $status

@@ -302,4 +302,10 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(cons
 
 MetricsHttpServer::~MetricsHttpServer() = default;
 
+// The name comes from the request: gRPC aborts the process on a metadata value
+// that is not printable ASCII, so it is encoded first (TrailerValue).
+void Annotate(grpc::ServerContextBase* ctx, const std::string& checkpoint) {
+  if (!checkpoint.empty()) ctx->AddTrailingMetadata(kCheckpointTrailer, TrailerValue(checkpoint));
+}
+
 }  // namespace weightstore::server

@@ -10,6 +10,7 @@
 #ifndef WEIGHTSTORE_SERVER_OBSERVABILITY_H_
 #define WEIGHTSTORE_SERVER_OBSERVABILITY_H_
 
+#include <grpcpp/server_context.h>
 #include <grpcpp/support/server_interceptor.h>
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
@@ -99,6 +100,8 @@ class ServerMetrics {
 // '%', become %XX (as grpc-message encodes), and anything past 256 bytes is cut
 // and marked with "...".
 std::string TrailerValue(absl::string_view value);
+// Names the checkpoint of a call for the request log, in its trailers.
+void Annotate(grpc::ServerContextBase* ctx, const std::string& checkpoint);
 
 // go-grpc-prometheus's code label: "OK", "NotFound", "PermissionDenied", ...
 std::string GrpcCodeName(int code);

@@ -16,7 +16,7 @@
 #include "core/catalog/pull.h"
 #include "core/catalog/registry.h"
 #include "core/select/selection.h"
-#include "server/stream_governor.h"
+#include "server/admission_gate.h"
 
 namespace weightstore::server {
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
 namespace weightstore {
@@ -131,6 +132,61 @@ void ToProto(const ElementPatch& patch, pb::TensorPatch* out) {
   out->set_element_size(patch.element_size);
   out->set_changed_elements(patch.changed);
   out->set_patch_bytes(patch.body.size());
+}
+
+absl::StatusOr<PushedTensor> FromProto(const pb::PushTensor& in, absl::string_view checkpoint) {
+  // Names come from the client: bounded in messages.
+  const std::string tensor = absl::StrCat("push to '", checkpoint, "': tensor '", in.name().substr(0, 256), "'");
+  std::optional<DType> dtype = ParseDType(in.dtype());
+  if (!dtype) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(tensor, " has unknown dtype '", absl::CHexEscape(in.dtype().substr(0, 32)), "'"));
+  }
+  if (in.shape_size() > static_cast<int>(kMaxRank)) {
+    return absl::InvalidArgumentError(absl::StrCat(tensor, " has rank ", in.shape_size(), ", more than ", kMaxRank));
+  }
+  PushedTensor out;
+  out.spec = TensorSpec{in.name(), *dtype, {in.shape().begin(), in.shape().end()}};
+  out.crc32c = in.crc32c();
+  if (!in.has_patch()) return out;
+  const std::string where =
+      absl::StrCat("push to '", checkpoint, "': the patch of tensor '", in.name().substr(0, 256), "'");
+  std::optional<PatchEncoding> encoding = ParsePatchEncoding(in.patch().encoding());
+  if (!encoding) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " has unknown encoding '",
+                                                   absl::CHexEscape(in.patch().encoding().substr(0, 32)),
+                                                   "' (\"positions\" or \"runs\")"));
+  }
+  std::optional<TensorDigest> base = TensorDigest::FromHex(in.base_digest());
+  std::optional<TensorDigest> digest = TensorDigest::FromHex(in.digest());
+  if (!base || !digest) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " needs base_digest and digest, each 32 lowercase hex digits"));
+  }
+  const uint32_t element_size = in.patch().element_size();
+  out.patch = ElementPatch{*encoding,
+                           element_size,
+                           element_size == 0 ? 0 : out.spec.byte_size() / element_size,
+                           in.patch().changed_elements(),
+                           {}};
+  out.patch_bytes = in.patch().patch_bytes();
+  out.base_digest = *base;
+  out.digest = *digest;
+  return out;
+}
+
+void ToProto(const CheckpointVersion& version, pb::CheckpointInfo* out) {
+  const Checkpoint& c = *version.checkpoint();
+  out->set_name(version.name());
+  out->set_format(std::string(c.format().name));
+  out->set_container(c.detail());
+  out->set_path(version.relative_path());
+  out->set_total_bytes(c.total_bytes());
+  out->set_tensor_count(c.size());
+  for (const auto& [k, v] : c.metadata()) (*out->mutable_metadata())[k] = v;
+  out->set_version(version.version());
+  out->set_loaded_at_unix_seconds(version.loaded_at_unix_seconds());
+  if (c.quantization() != nullptr) out->set_quantization(c.quantization()->Describe());
 }
 
 }  // namespace weightstore

@@ -31,11 +31,28 @@ struct SelectionRequest {
 // for more rules, slices or slice dimensions than `limits` allow (checked
 // before anything is converted).
 absl::Status FromProto(const pb::Selection& in, const SelectionLimits& limits, SelectionRequest* out);
+// A served checkpoint's version as every transport lists it.
+void ToProto(const CheckpointVersion& version, pb::CheckpointInfo* out);
 // The tensor as served: name, dtype, shape, source name, and its slice if any.
 void ToProto(const SnapshotTensor& tensor, pb::TensorInfo* out);
 void ToProto(const ApplyResult& in, pb::ApplyResult* out);
 // The header of an element patch sent for a tensor (its body travels apart).
 void ToProto(const ElementPatch& patch, pb::TensorPatch* out);
+
+// A PushTensor's header, parsed: its spec and CRC32C, and for a tensor pushed
+// as an element patch, the patch's header (no body), its byte count, and the
+// digests of its base and of the result.
+struct PushedTensor {
+  TensorSpec spec;
+  uint32_t crc32c = 0;
+  std::optional<ElementPatch> patch;
+  uint64_t patch_bytes = 0;
+  TensorDigest base_digest, digest;
+};
+// InvalidArgument naming the push's `checkpoint` and the tensor for an unknown
+// dtype or patch encoding, a rank past kMaxRank, or a patch without both
+// digests. Sizes are the push session's to check.
+absl::StatusOr<PushedTensor> FromProto(const pb::PushTensor& in, absl::string_view checkpoint);
 
 }  // namespace weightstore
 

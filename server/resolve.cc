@@ -68,6 +68,17 @@ bool IsCostlySelection(const v1::Selection& selection) {
          !selection.shard().experts().empty() || selection.has_target();
 }
 
+absl::StatusOr<GateTicket> AdmitSelection(AdmissionGate* gate, absl::string_view peer, const v1::Selection& selection) {
+  if (gate == nullptr || !IsCostlySelection(selection)) return GateTicket();
+  return gate->Admit(peer);
+}
+
+void Resolved::Describe(const SnapshotTensor& tensor, v1::TensorInfo* out) const {
+  ToProto(tensor, out);
+  if (const ManifestTensor* digest = Digest(tensor)) out->set_digest(digest->digest.Hex());
+  if (Unchanged(tensor)) out->set_unchanged(true);
+}
+
 absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::string& name,
                                  const v1::Selection& selection, const std::string& pinned_version,
                                  const SelectionLimits& limits, const std::string& since_version) {

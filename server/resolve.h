@@ -39,6 +39,9 @@ struct Resolved {
   const ManifestTensor* Digest(const SnapshotTensor& tensor) const;
   // DeltaInfo for the snapshot's tensors in [begin, end).
   v1::DeltaInfo DeltaInfo(size_t begin, size_t end) const;
+  // What every transport says of `tensor` (one of the snapshot's): its
+  // spec, source and quantization, its digest when kept, and `unchanged`.
+  void Describe(const SnapshotTensor& tensor, v1::TensorInfo* out) const;
 };
 
 // The element patches that bring `resolved`'s checkpoint from its since
@@ -73,6 +76,11 @@ absl::StatusOr<Resolved> Resolve(const CheckpointRegistry& registry, const std::
 // selections counted
 // by --max-concurrent-selections, on every transport.
 bool IsCostlySelection(const v1::Selection& selection);
+
+// The slot of `gate` (--max-concurrent-selections; may be null) that a costly
+// `selection` holds while it is resolved, whatever the transport; an empty
+// ticket for a plain one. ResourceExhausted when none is free.
+absl::StatusOr<GateTicket> AdmitSelection(AdmissionGate* gate, absl::string_view peer, const v1::Selection& selection);
 
 }  // namespace weightstore::server
 

@@ -6,22 +6,18 @@
 #include <cstdio>
 #include <thread>
 #include <utility>
-#include <vector>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "core/catalog/version_patches.h"
-#include "core/crc32c.h"
-#include "core/element_patch.h"
 #include "core/select/served.h"
 #include "core/select/snapshot.h"
 #include "core/status_macros.h"
-#include "proto/codec/chunk_codec.h"
+#include "server/fetch_stream.h"
 #include "server/grpc_status.h"
 #include "server/observability.h"
 #include "server/proto_convert.h"
 #include "server/resolve.h"
 #include "server/stored_files.h"
+#include "server/uploads.h"
 
 namespace weightstore::server {
 
@@ -34,304 +30,6 @@ int SelectionThreads(const ServiceOptions& options) {
 }
 
 }  // namespace
-
-// The name comes from the request: gRPC aborts the process on a metadata value
-// that is not printable ASCII, so it is encoded first (TrailerValue).
-void Annotate(grpc::CallbackServerContext* ctx, const std::string& checkpoint) {
-  if (!checkpoint.empty()) ctx->AddTrailingMetadata(kCheckpointTrailer, TrailerValue(checkpoint));
-}
-
-void ToProto(const CheckpointVersion& version, v1::CheckpointInfo* out) {
-  const Checkpoint& c = *version.checkpoint();
-  out->set_name(version.name());
-  out->set_format(std::string(c.format().name));
-  out->set_container(c.detail());
-  out->set_path(version.relative_path());
-  out->set_total_bytes(c.total_bytes());
-  out->set_tensor_count(c.size());
-  for (const auto& [k, v] : c.metadata()) (*out->mutable_metadata())[k] = v;
-  out->set_version(version.version());
-  out->set_loaded_at_unix_seconds(version.loaded_at_unix_seconds());
-  if (c.quantization() != nullptr) out->set_quantization(c.quantization()->Describe());
-}
-
-// Streams one FetchTensors response, one chunk in flight at a time: gRPC's flow
-// control paces it, so a client that stops reading holds at most one chunk.
-class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
- public:
-  FetchReactor(WeightStoreService* service, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request)
-      : service_(service) {
-    absl::Status status = Start(ctx, request);
-    // A checkpoint the daemon lacks is pulled first (read-through), on the
-    // pull's own thread: this one returns to gRPC. Meanwhile the stream holds
-    // a waiting slot, not a serving one, and takes that once the pull is done.
-    const bool waits =
-        status.ok() && service_->puller_ != nullptr && service_->registry_->Get(request_.name()) == nullptr;
-    if (status.ok()) status = waits ? AdmitWaiting(ctx) : AdmitServing(ctx);
-    if (!status.ok()) {
-      Done(service_->ClientStatus(status));
-      return;
-    }
-    if (service_->puller_ == nullptr) {
-      Begin();
-      return;
-    }
-    // Present a moment ago, it may be evicted before the pull asks: a serving
-    // slot held meanwhile is kept from the stall watchdog.
-    if (ticket_ != 0) service_->streams_.Busy(ticket_);
-    pull_ticket_ = service_->puller_->PullAsync(request_.name(), [this, ctx](absl::StatusOr<PullResult> pulled) {
-      if (wait_ticket_ != 0) service_->pull_waits_.Release(std::exchange(wait_ticket_, 0));
-      if (ticket_ != 0) service_->streams_.Resume(ticket_);
-      absl::Status admitted = pulled.ok() ? (ticket_ != 0 ? absl::OkStatus() : AdmitServing(ctx)) : pulled.status();
-      if (!admitted.ok()) {
-        Done(service_->ClientStatus(admitted));
-        return;
-      }
-      Begin();
-    });
-  }
-
-  void OnWriteDone(bool ok) override {
-    if (!ok) {
-      Done(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
-      return;
-    }
-    if (ticket_ != 0) service_->streams_.Progress(ticket_, last_write_bytes_);
-    Next();
-  }
-  void OnCancel() override {
-    cancelled_ = true;
-    // Waiting on a pull: stop waiting (a stale ticket does nothing).
-    if (service_->puller_ != nullptr) service_->puller_->Abandon(request_.name(), pull_ticket_);
-  }
-  void OnDone() override {
-    if (ticket_ != 0) service_->streams_.Release(ticket_);
-    if (wait_ticket_ != 0) service_->pull_waits_.Release(wait_ticket_);
-    delete this;
-  }
-
- private:
-  absl::Status Start(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
-    ctx_ = ctx;
-    if (absl::Status s = service_->Admit(*ctx, Scope::kRead); !s.ok()) return s;
-    if (!wire::ParseMessage(*raw, &request_)) return absl::InvalidArgumentError("request is not a FetchTensorsRequest");
-    Annotate(ctx, request_.name());
-    return absl::OkStatus();
-  }
-  // A serving slot: a stream whose client stops reading is cancelled by the
-  // governor, which frees its slot (and its share of its client's).
-  absl::Status AdmitServing(grpc::CallbackServerContext* ctx) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, service_->streams_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); }));
-    return absl::OkStatus();
-  }
-  // A waiting slot, kept from the stall watchdog: the pull is watched, not
-  // the stream, which moves nothing until the checkpoint is here.
-  absl::Status AdmitWaiting(grpc::CallbackServerContext* ctx) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(wait_ticket_, service_->pull_waits_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); }));
-    service_->pull_waits_.Busy(wait_ticket_);
-    return absl::OkStatus();
-  }
-
-  // Resolves the request and starts writing, or finishes with its error: at
-  // once for a plain selection, on a selection worker for a costly one.
-  // Meanwhile the stream is kept from the stall watchdog: its selection is
-  // bounded by its own budgets.
-  void Begin() {
-    if (ticket_ != 0) service_->streams_.Busy(ticket_);
-    service_->ResolveAsync(*ctx_, request_.name(), request_.selection(), request_.version(), request_.since_version(),
-                           [this](absl::StatusOr<Resolved> resolved) {
-                             if (ticket_ != 0) service_->streams_.Resume(ticket_);
-                             absl::Status status = resolved.ok() ? Accept(*std::move(resolved)) : resolved.status();
-                             if (!status.ok()) {
-                               Done(service_->ClientStatus(status));
-                               return;
-                             }
-                             Next();
-                           });
-  }
-
-  // Takes the resolved request: the range of tensors to send, the chunk size.
-  absl::Status Accept(Resolved resolved) {
-    resolved_ = std::move(resolved);
-    chunk_bytes_ = request_.chunk_bytes() == 0 ? service_->options_.chunk_bytes
-                                               : std::min<uint32_t>(request_.chunk_bytes(), 4 << 20);
-    // A multiple of 64 bytes, so a chunk of a transformed tensor ends on a
-    // served unit whatever its dtype (the largest: four F6 cast to F64, 32).
-    chunk_bytes_ = std::max<uint32_t>(chunk_bytes_, 4096) & ~uint32_t{63};
-    index_ = request_.start_index();
-    end_ = request_.end_index() == 0 ? resolved_.snapshot->size()
-                                     : std::min<uint64_t>(request_.end_index(), resolved_.snapshot->size());
-    if (index_ > end_) {
-      return absl::OutOfRangeError(absl::StrCat("start_index ", index_, " is past end_index ", end_, " (",
-                                                resolved_.snapshot->size(), " selected tensors)"));
-    }
-    if (request_.patches()) {
-      PatchesFound found = FindPatches(*service_->registry_, resolved_);
-      patches_ = std::move(found.chain);
-      patch_reason_ = std::move(found.reason);
-    }
-    return absl::OkStatus();
-  }
-
-  // Writes the next chunk, or finishes.
-  void Next() {
-    if (cancelled_) {
-      Done(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-      return;
-    }
-    const Snapshot& snapshot = *resolved_.snapshot;
-    if (offset_ == 0) {  // a delta leaves out what the client holds
-      while (index_ < end_ && resolved_.Unchanged(snapshot.tensors()[index_])) ++index_;
-    }
-    if (index_ >= end_) {
-      if (!sent_any_) {  // an empty selection still tells the client its version
-        v1::TensorChunk chunk;
-        SetStreamFields(&chunk);
-        chunk.set_last(true);
-        buffer_ = wire::EncodeChunk(chunk, SharedBytes());
-        sent_any_ = true;
-        last_write_bytes_ = buffer_.Length();
-        StartWrite(&buffer_);
-        return;
-      }
-      Done(grpc::Status::OK);
-      return;
-    }
-    v1::TensorChunk chunk;
-    if (offset_ == 0) {
-      // Byte ranges go out as slices of the mapping; the others are produced
-      // a chunk at a time, so a stream never holds a whole one.
-      plan_ = PlanServedTensor(snapshot, snapshot.tensors()[index_]);
-      bytes_ = SharedBytes();
-      patch_ = ServedPatch(patches_.get(), snapshot, plan_);
-      if (patch_) {
-        bytes_ = patch_->body;
-      } else if (plan_.is_byte_range()) {
-        absl::StatusOr<SharedBytes> view = ReadServedView(snapshot, plan_);
-        if (!view.ok()) {
-          Done(service_->ClientStatus(view.status()));
-          return;
-        }
-        bytes_ = *std::move(view);
-      }
-      cached_crc_ = patch_ ? std::nullopt : resolved_.version->checksums().Find(plan_.key);
-      crc_ = 0;
-      ToProto(*plan_.tensor, chunk.mutable_info());
-      if (const ManifestTensor* digest = resolved_.Digest(*plan_.tensor)) {
-        chunk.mutable_info()->set_digest(digest->digest.Hex());
-      }
-      if (patch_) ToProto(*patch_, chunk.mutable_info()->mutable_patch());
-      if (!sent_any_) SetStreamFields(&chunk);
-    }
-    const bool whole_bytes = patch_.has_value() || plan_.is_byte_range();
-    const uint64_t size = patch_ ? patch_->body.size() : plan_.byte_size;
-    // A produced tensor goes in whole served units (an F6 unit is 3 bytes),
-    // a transposed one in whole served rows when a row fits in a chunk:
-    // those are made by tiles, other ranges an element at a time.
-    uint64_t step = chunk_bytes_;
-    if (!whole_bytes) {
-      const uint64_t pieces = ServedPieceBytes(plan_, chunk_bytes_);
-      if (pieces <= chunk_bytes_ || !plan_.transpose) step = pieces;
-    }
-    const uint64_t n = std::min<uint64_t>(step, size - offset_);
-    SharedBytes payload;
-    if (whole_bytes) {
-      payload = bytes_.Subspan(offset_, n);
-    } else {
-      absl::StatusOr<SharedBytes> produced = Produce(snapshot, n);
-      if (!produced.ok()) {
-        Done(service_->ClientStatus(produced.status()));
-        return;
-      }
-      payload = *std::move(produced);
-    }
-    if (!cached_crc_) crc_ = Crc32cExtend(crc_, payload.view());
-    const bool last = offset_ + n == size;
-    chunk.set_tensor_index(index_);
-    chunk.set_offset(offset_);
-    if (last) {
-      // The checksum vouches for what was read: not if the file changed under it.
-      if (absl::Status unchanged = resolved_.version->CheckUnchanged(); !unchanged.ok()) {
-        Done(service_->ClientStatus(unchanged));
-        return;
-      }
-      const uint32_t crc = cached_crc_.value_or(crc_);
-      chunk.set_last(true);
-      chunk.set_crc32c(crc);
-      if (!cached_crc_ && !patch_) (void)resolved_.version->checksums().Store(plan_.key, crc);
-    }
-    buffer_ =
-        service_->options_.zero_copy ? wire::EncodeChunk(chunk, payload) : wire::EncodeChunkCopying(chunk, payload);
-    sent_any_ = true;
-    sent_bytes_ += n;
-    last_write_bytes_ = buffer_.Length();
-    if (last) {
-      ++index_;
-      offset_ = 0;
-      bytes_ = SharedBytes();
-    } else {
-      offset_ += n;
-    }
-    StartWrite(&buffer_);
-  }
-
-  // What a stream's first chunk carries: its version, and how a since_version
-  // was used.
-  void SetStreamFields(v1::TensorChunk* chunk) const {
-    chunk->set_version(resolved_.version->version());
-    if (!resolved_.since_version.empty()) {
-      *chunk->mutable_delta() = resolved_.DeltaInfo(request_.start_index(), end_);
-      chunk->mutable_delta()->set_patch_reason(patch_reason_);
-    }
-  }
-
-  // The next `n` bytes of a transformed tensor, in one of two chunk buffers
-  // that take turns: gRPC has let go of a buffer by the time it is reused (one
-  // write is in flight at a time), else a new one is made.
-  absl::StatusOr<SharedBytes> Produce(const Snapshot& snapshot, uint64_t n) {
-    std::shared_ptr<std::vector<std::byte>>& buffer = buffers_[next_buffer_];
-    next_buffer_ ^= 1;
-    if (buffer == nullptr || buffer.use_count() > 1) buffer = std::make_shared<std::vector<std::byte>>();
-    buffer->resize(n);
-    absl::Status status = MaterializeServed(snapshot, plan_, offset_, *buffer);
-    if (!status.ok()) return status;
-    return SharedBytes(buffer, *buffer);
-  }
-
-  // Finishes, telling the request log how many tensor bytes were sent.
-  void Done(const grpc::Status& status) {
-    if (ctx_ != nullptr) ctx_->AddTrailingMetadata(kBytesTrailer, std::to_string(sent_bytes_));
-    // Free before the client can see the status: one that starts its next
-    // stream when this one ends must find the slot free (OnDone runs later).
-    if (ticket_ != 0) service_->streams_.Release(std::exchange(ticket_, 0));
-    if (wait_ticket_ != 0) service_->pull_waits_.Release(std::exchange(wait_ticket_, 0));
-    Finish(status);
-  }
-
-  WeightStoreService* service_;
-  grpc::CallbackServerContext* ctx_ = nullptr;
-  uint64_t sent_bytes_ = 0;
-  uint64_t ticket_ = 0;       // from the stream governor, once admitted to serve
-  uint64_t wait_ticket_ = 0;  // from the waiting governor, while it waits on a pull
-  uint64_t pull_ticket_ = 0;  // from the puller, while the checkpoint is pulled
-  uint64_t last_write_bytes_ = 0;
-  std::atomic<bool> cancelled_{false};
-  v1::FetchTensorsRequest request_;
-  Resolved resolved_;
-  uint32_t chunk_bytes_ = 1 << 20;
-  uint64_t index_ = 0, end_ = 0, offset_ = 0;
-  ServedTensorPlan plan_;                      // of the current tensor
-  SharedBytes bytes_;                          // the current tensor (or its patch), when it is a byte range
-  std::shared_ptr<const PatchChain> patches_;  // with request_.patches, from the since version
-  std::string patch_reason_;                   // why there are none
-  std::optional<ElementPatch> patch_;          // the current tensor's, when it goes as one
-  std::shared_ptr<std::vector<std::byte>> buffers_[2];
-  int next_buffer_ = 0;
-  uint32_t crc_ = 0;
-  std::optional<uint32_t> cached_crc_;
-  bool sent_any_ = false;
-  grpc::ByteBuffer buffer_;
-};
 
 grpc::Status WeightStoreService::ClientStatus(const absl::Status& status) const {
   return ToGrpcStatus(WithoutPaths(status, options_.hidden_folders));
@@ -360,6 +58,22 @@ WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOpti
       uploads_(options.uploads),
       background_(options.background_threads, options.max_background_queue, "checksum work"),
       selections_(SelectionThreads(options), options.selection_work.total, "selection work"),
+      serving_{.registry = registry,
+               .puller = puller,
+               .options = &options_,
+               .admit = [this](const grpc::ServerContextBase& ctx, Scope scope) { return Admit(ctx, scope); },
+               .client_status = [this](const absl::Status& s) { return ClientStatus(s); },
+               .streams = &streams_,
+               .stalls = &stalls_,
+               .stream_limits = &options_.streams,
+               .pull_waits = &pull_waits_,
+               .uploads = &uploads_,
+               .resolve_async =
+                   [this](const grpc::CallbackServerContext& ctx, const std::string& name,
+                          const v1::Selection& selection, const std::string& version, const std::string& since_version,
+                          std::function<void(absl::StatusOr<Resolved>)> done) {
+                     ResolveAsync(ctx, name, selection, version, since_version, std::move(done));
+                   }},
       watches_(registry, auth_, options.watches, [this](const absl::Status& s) { return ClientStatus(s); }) {}
 
 // The reactor of a unary call that may wait on a pull: a client that goes
@@ -395,28 +109,28 @@ grpc::ServerUnaryReactor* WeightStoreService::UnaryReadingThrough(grpc::Callback
       return;
     }
     // A costly selection holds a slot of selection_work_ from here until it
-    // is answered, and runs on a selection worker.
+    // is answered (or its job is dropped unrun), and runs on a selection
+    // worker.
     const bool selection = work() == Work::kSelection;
-    uint64_t ticket = 0;
+    auto slot = std::make_shared<GateTicket>();
     if (selection) {
-      absl::StatusOr<uint64_t> admitted = selection_work_.Admit(ctx->peer(), [] {});
+      absl::StatusOr<GateTicket> admitted = selection_work_.Admit(ctx->peer());
       if (!admitted.ok()) {
         reactor->Finish(ClientStatus(admitted.status()));
         return;
       }
-      ticket = *admitted;
-      selection_work_.Busy(ticket);  // bounded by the selection's own budgets, not by bytes moved
+      *slot = *std::move(admitted);
     }
     absl::Status queued = (selection ? selections_ : background_)
-                              .Post([this, ctx, reactor, body, ticket, pulled = *pulled](absl::Status runnable) {
+                              .Post([this, ctx, reactor, body, slot, pulled = *pulled](absl::Status runnable) {
                                 if (runnable.ok() && Cancelled(ctx))
                                   runnable = absl::CancelledError("the client went away");
                                 const grpc::Status status = ClientStatus(runnable.ok() ? body(pulled) : runnable);
-                                if (ticket != 0) selection_work_.Release(ticket);
+                                slot->Release();  // before the client can see the status
                                 reactor->Finish(status);
                               });
     if (!queued.ok()) {
-      if (ticket != 0) selection_work_.Release(ticket);
+      slot->Release();
       reactor->Finish(ClientStatus(queued));
     }
   };
@@ -468,14 +182,8 @@ absl::StatusOr<Resolved> WeightStoreService::ResolveInSlot(const grpc::CallbackS
                                                            const std::string& name, const v1::Selection& selection,
                                                            const std::string& version,
                                                            const std::string& since_version) {
-  uint64_t ticket = 0;
-  if (IsCostlySelection(selection)) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket, selection_work_.Admit(ctx.peer(), [] {}));
-    selection_work_.Busy(ticket);
-  }
-  absl::StatusOr<Resolved> resolved = Resolve(*registry_, name, selection, version, LimitsFor(ctx), since_version);
-  if (ticket != 0) selection_work_.Release(ticket);
-  return resolved;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(GateTicket slot, AdmitSelection(&selection_work_, ctx.peer(), selection));
+  return Resolve(*registry_, name, selection, version, LimitsFor(ctx), since_version);
 }
 
 void WeightStoreService::ResolveAsync(const grpc::CallbackServerContext& ctx, const std::string& name,
@@ -486,25 +194,25 @@ void WeightStoreService::ResolveAsync(const grpc::CallbackServerContext& ctx, co
     done(Resolve(*registry_, name, selection, version, options_.selection_limits, since_version));
     return;
   }
-  absl::StatusOr<uint64_t> ticket = selection_work_.Admit(ctx.peer(), [] {});
-  if (!ticket.ok()) {
-    done(ticket.status());
+  absl::StatusOr<GateTicket> admitted = AdmitSelection(&selection_work_, ctx.peer(), selection);
+  if (!admitted.ok()) {
+    done(admitted.status());
     return;
   }
-  selection_work_.Busy(*ticket);  // bounded by the selection's own budgets, not by bytes moved
   // Shared so that a Post that refuses (and drops the job) leaves `done` here.
   auto shared_done = std::make_shared<std::function<void(absl::StatusOr<Resolved>)>>(std::move(done));
-  absl::Status queued = selections_.Post(
-      [this, &ctx, name, selection, version, since_version, ticket = *ticket, shared_done](absl::Status runnable) {
+  auto slot = std::make_shared<GateTicket>(*std::move(admitted));
+  absl::Status queued =
+      selections_.Post([this, &ctx, name, selection, version, since_version, slot, shared_done](absl::Status runnable) {
         if (runnable.ok() && ctx.IsCancelled()) runnable = absl::CancelledError("the client went away");
         absl::StatusOr<Resolved> resolved =
             runnable.ok() ? Resolve(*registry_, name, selection, version, LimitsFor(ctx), since_version)
                           : absl::StatusOr<Resolved>(runnable);
-        selection_work_.Release(ticket);
+        slot->Release();
         (*shared_done)(std::move(resolved));
       });
   if (!queued.ok()) {
-    selection_work_.Release(*ticket);
+    slot->Release();
     (*shared_done)(queued);
   }
 }
@@ -533,9 +241,7 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
         }
         for (const SnapshotTensor& t : snapshot.tensors()) {
           v1::TensorInfo* info = resp->add_tensors();
-          ToProto(t, info);
-          if (const ManifestTensor* digest = resolved.Digest(t)) info->set_digest(digest->digest.Hex());
-          info->set_unchanged(resolved.Unchanged(t));
+          resolved.Describe(t, info);
           if (!req->with_checksums()) continue;
           WEIGHTSTORE_ASSIGN_OR_RETURN(
               uint32_t crc, ServedChecksum(snapshot, PlanServedTensor(snapshot, t), resolved.version->checksums(),
@@ -553,7 +259,7 @@ grpc::ServerUnaryReactor* WeightStoreService::ListTensors(grpc::CallbackServerCo
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::FetchTensors(grpc::CallbackServerContext* ctx,
                                                                              const grpc::ByteBuffer* req) {
-  return new FetchReactor(this, ctx, req);
+  return StreamTensors(serving_, ctx, req);
 }
 
 grpc::ServerUnaryReactor* WeightStoreService::LoadCheckpoint(grpc::CallbackServerContext* ctx,
@@ -634,233 +340,24 @@ grpc::ServerUnaryReactor* WeightStoreService::ListCheckpointFiles(grpc::Callback
       });
 }
 
+grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::ReadCheckpointFile(grpc::CallbackServerContext* ctx,
+                                                                                   const grpc::ByteBuffer* req) {
+  return ReadStoredFile(serving_, ctx, req);
+}
+
 grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::WatchCheckpoints(grpc::CallbackServerContext* ctx,
                                                                                  const grpc::ByteBuffer* req) {
   return watches_.Start(ctx, req);
 }
 
-// Receives an upload into a temporary file; validates and stores it when its
-// commit message arrives. Only that message commits: the end of the stream
-// reads the same whether the client finished or was cancelled.
-class PutReactor : public grpc::ServerReadReactor<v1::PutCheckpointRequest> {
- public:
-  PutReactor(WeightStoreService* service, v1::CheckpointInfo* response, grpc::CallbackServerContext* ctx)
-      : service_(service), registry_(service->registry_), response_(response), ctx_(ctx) {
-    absl::Status authorized = service->Admit(*ctx, Scope::kAdmin);
-    if (!authorized.ok()) {
-      Finish(service->ClientStatus(authorized));
-      return;
-    }
-    // An upload that stalls holds a temporary file and its descriptors: its
-    // slot is taken back like a stalled fetch's.
-    absl::StatusOr<uint64_t> ticket = service->uploads_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); });
-    if (!ticket.ok()) {
-      Finish(service->ClientStatus(ticket.status()));
-      return;
-    }
-    ticket_ = *ticket;
-    StartRead(&request_);
-  }
-  void OnReadDone(bool ok) override {
-    if (ok) service_->uploads_.Progress(ticket_, request_.ByteSizeLong());
-    if (!ok) {
-      return Fail(absl::CancelledError(
-          absl::StrCat("the upload", session_ == nullptr ? "" : absl::StrCat(" of '", session_->name(), "'"),
-                       " ended without a commit message; nothing was stored")));
-    }
-    switch (request_.part_case()) {
-      case v1::PutCheckpointRequest::kHeader: {
-        if (session_ != nullptr) return Fail(absl::InvalidArgumentError("a second header"));
-        const v1::PutHeader& h = request_.header();
-        Annotate(ctx_, h.name());
-        auto session = registry_->BeginPut(h.name(), h.extension(), h.overwrite(), h.size());
-        if (!session.ok()) return Fail(session.status());
-        session_ = *std::move(session);
-        break;
-      }
-      case v1::PutCheckpointRequest::kData:
-        if (session_ == nullptr) return Fail(absl::InvalidArgumentError("data before the header"));
-        if (absl::Status status = session_->Append(request_.data()); !status.ok()) return Fail(status);
-        break;
-      case v1::PutCheckpointRequest::kCommit:
-        return Commit(request_.commit());
-      default:
-        return Fail(absl::InvalidArgumentError("a PutCheckpointRequest with no part"));
-    }
-    StartRead(&request_);
-  }
-  void OnDone() override {
-    if (ticket_ != 0) service_->uploads_.Release(ticket_);
-    delete this;
-  }
-
- private:
-  void Commit(const v1::PutCommit& commit) {
-    if (session_ == nullptr) return Fail(absl::InvalidArgumentError("a commit before the header"));
-    if (commit.size() != session_->bytes() || commit.crc32c() != session_->crc32c()) {
-      return Fail(absl::DataLossError(absl::StrCat(
-          "upload of '", session_->name(), "': the commit says ", commit.size(), " bytes with CRC32C ", commit.crc32c(),
-          ", ", session_->bytes(), " bytes with CRC32C ", session_->crc32c(), " arrived; nothing was stored")));
-    }
-    auto version = registry_->FinishPut(std::move(session_));
-    if (!version.ok()) return Fail(version.status());
-    ToProto(**version, response_);
-    End(grpc::Status::OK);
-  }
-  void Fail(const absl::Status& status) {
-    session_.reset();  // removes the temporary file
-    End(service_->ClientStatus(status));
-  }
-  // The slot is free before the client can see the status (see FetchReactor).
-  void End(const grpc::Status& status) {
-    if (ticket_ != 0) service_->uploads_.Release(std::exchange(ticket_, 0));
-    Finish(status);
-  }
-  WeightStoreService* service_;
-  CheckpointRegistry* registry_;
-  v1::CheckpointInfo* response_;
-  grpc::CallbackServerContext* ctx_;
-  v1::PutCheckpointRequest request_;
-  std::unique_ptr<PutSession> session_;
-  uint64_t ticket_ = 0;  // from the upload governor, once admitted
-};
-
 grpc::ServerReadReactor<v1::PutCheckpointRequest>* WeightStoreService::PutCheckpoint(grpc::CallbackServerContext* ctx,
                                                                                      v1::CheckpointInfo* resp) {
-  return new PutReactor(this, resp, ctx);
+  return ReceivePut(serving_, ctx, resp);
 }
-
-// Receives a push: the header starts a PushSession on the base, each tensor's
-// bytes go to its staging file, and only the commit message publishes.
-// Admitted and timed like an upload.
-class PushReactor : public grpc::ServerReadReactor<v1::PushCheckpointRequest> {
- public:
-  PushReactor(WeightStoreService* service, v1::CheckpointInfo* response, grpc::CallbackServerContext* ctx)
-      : service_(service), response_(response), ctx_(ctx) {
-    absl::Status status = service->Admit(*ctx, Scope::kAdmin);
-    if (status.ok()) {
-      absl::StatusOr<uint64_t> ticket = service->uploads_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); });
-      if (ticket.ok()) ticket_ = *ticket;
-      status = ticket.status();
-    }
-    if (!status.ok()) {
-      Finish(service->ClientStatus(status));
-      return;
-    }
-    StartRead(&request_);
-  }
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      return Fail(absl::CancelledError(
-          absl::StrCat("the push", session_ == nullptr ? "" : absl::StrCat(" to '", session_->name(), "'"),
-                       " ended without a commit message; nothing was published")));
-    }
-    service_->uploads_.Progress(ticket_, request_.ByteSizeLong());
-    switch (request_.part_case()) {
-      case v1::PushCheckpointRequest::kHeader: {
-        if (session_ != nullptr) return Fail(absl::InvalidArgumentError("a second header"));
-        const v1::PushHeader& h = request_.header();
-        Annotate(ctx_, h.name());
-        PushOptions options{h.base_version(), {h.remove().begin(), h.remove().end()}, h.allow_new_tensors()};
-        auto session = service_->registry_->BeginPush(h.name(), std::move(options));
-        if (!session.ok()) return Fail(session.status());
-        session_ = *std::move(session);
-        break;
-      }
-      case v1::PushCheckpointRequest::kTensor: {
-        if (session_ == nullptr) return Fail(absl::InvalidArgumentError("a tensor before the header"));
-        const v1::PushTensor& t = request_.tensor();
-        std::optional<DType> dtype = ParseDType(t.dtype());
-        if (!dtype) {
-          return Fail(absl::InvalidArgumentError(absl::StrCat("push to '", session_->name(), "': tensor '",
-                                                              t.name().substr(0, 256), "' has unknown dtype '",
-                                                              t.dtype().substr(0, 32), "'")));
-        }
-        if (t.shape_size() > static_cast<int>(kMaxRank)) {
-          return Fail(absl::InvalidArgumentError(absl::StrCat("push to '", session_->name(), "': tensor '",
-                                                              t.name().substr(0, 256), "' has rank ", t.shape_size(),
-                                                              ", more than ", kMaxRank)));
-        }
-        TensorSpec spec{t.name(), *dtype, {t.shape().begin(), t.shape().end()}};
-        absl::Status begun = t.has_patch() ? BeginPatched(t, spec) : session_->BeginTensor(spec, t.crc32c());
-        if (!begun.ok()) return Fail(begun);
-        break;
-      }
-      case v1::PushCheckpointRequest::kData:
-        if (session_ == nullptr) return Fail(absl::InvalidArgumentError("data before the header"));
-        if (absl::Status s = session_->Append(request_.data()); !s.ok()) return Fail(s);
-        break;
-      case v1::PushCheckpointRequest::kCommit: {
-        if (session_ == nullptr) return Fail(absl::InvalidArgumentError("a commit before the header"));
-        if (request_.commit().tensors() != session_->tensors()) {
-          return Fail(absl::DataLossError(absl::StrCat("push to '", session_->name(), "': the commit says ",
-                                                       request_.commit().tensors(), " tensors, ", session_->tensors(),
-                                                       " arrived; nothing was published")));
-        }
-        // Writing the new version can take long; the client is not stalled.
-        service_->uploads_.Busy(ticket_);
-        auto version = service_->registry_->FinishPush(std::move(session_));
-        if (!version.ok()) return Fail(version.status());
-        ToProto(**version, response_);
-        End(grpc::Status::OK);
-        return;
-      }
-      default:
-        return Fail(absl::InvalidArgumentError("a PushCheckpointRequest with no part"));
-    }
-    StartRead(&request_);
-  }
-  void OnDone() override {
-    if (ticket_ != 0) service_->uploads_.Release(ticket_);
-    delete this;
-  }
-
- private:
-  // Starts `t`, a tensor pushed as an element patch, after parsing its header
-  // and digests.
-  absl::Status BeginPatched(const v1::PushTensor& t, const TensorSpec& spec) {
-    const std::string where =
-        absl::StrCat("push to '", session_->name(), "': the patch of tensor '", t.name().substr(0, 256), "'");
-    std::optional<PatchEncoding> encoding = ParsePatchEncoding(t.patch().encoding());
-    if (!encoding) {
-      return absl::InvalidArgumentError(absl::StrCat(where, " has unknown encoding '",
-                                                     absl::CHexEscape(t.patch().encoding().substr(0, 32)),
-                                                     "' (\"positions\" or \"runs\")"));
-    }
-    std::optional<TensorDigest> base = TensorDigest::FromHex(t.base_digest());
-    std::optional<TensorDigest> digest = TensorDigest::FromHex(t.digest());
-    if (!base || !digest) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, " needs base_digest and digest, each 32 lowercase hex digits"));
-    }
-    const uint32_t element_size = t.patch().element_size();
-    ElementPatch header{*encoding,
-                        element_size,
-                        element_size == 0 ? 0 : spec.byte_size() / element_size,
-                        t.patch().changed_elements(),
-                        {}};
-    return session_->BeginPatchedTensor(spec, t.crc32c(), header, t.patch().patch_bytes(), *base, *digest);
-  }
-  void Fail(const absl::Status& status) {
-    session_.reset();  // removes the staging file
-    End(service_->ClientStatus(status));
-  }
-  // The slot is free before the client can see the status (see FetchReactor).
-  void End(const grpc::Status& status) {
-    if (ticket_ != 0) service_->uploads_.Release(std::exchange(ticket_, 0));
-    Finish(status);
-  }
-  WeightStoreService* service_;
-  v1::CheckpointInfo* response_;
-  grpc::CallbackServerContext* ctx_;
-  v1::PushCheckpointRequest request_;
-  std::unique_ptr<PushSession> session_;
-  uint64_t ticket_ = 0;
-};
 
 grpc::ServerReadReactor<v1::PushCheckpointRequest>* WeightStoreService::PushCheckpoint(grpc::CallbackServerContext* ctx,
                                                                                        v1::CheckpointInfo* resp) {
-  return new PushReactor(this, resp, ctx);
+  return ReceivePush(serving_, ctx, resp);
 }
 
 }  // namespace weightstore::server

@@ -1,6 +1,10 @@
-// WeightStoreService: the gRPC handlers. Each validates, converts, makes one call
-// into core or the registry, and converts the result back; no format logic here.
-// Unary handlers run through Unary() (auth, request log, reply).
+// WeightStoreService: the gRPC service. Each unary handler validates, converts,
+// makes one call into core or the registry, and converts the result back,
+// through Unary() or UnaryReadingThrough() (auth, request log, reply); no
+// format logic here. The streaming handlers live in files of their own and take
+// a Serving (server/serving.h), not the service: fetch_stream.h (FetchTensors),
+// uploads.h (PutCheckpoint, PushCheckpoint), stored_files.h
+// (ReadCheckpointFile), watch.h (WatchCheckpoints).
 //
 // FetchTensors is implemented on raw ByteBuffers: each chunk is a small
 // serialized header followed by a payload slice that points into the checkpoint's
@@ -16,12 +20,14 @@
 
 #include "core/catalog/registry.h"
 #include "core/select/selection.h"
+#include "server/admission_gate.h"
 #include "server/auth.h"
-#include "server/background.h"
 #include "server/options.h"
 #include "server/resolve.h"
-#include "server/stream_governor.h"
+#include "server/serving.h"
+#include "server/stall_watchdog.h"
 #include "server/watch.h"
+#include "server/worker_pool.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore::server {
@@ -106,13 +112,12 @@ class WeightStoreService final : public ServiceBase {
   int active_selections() const { return selection_work_.active(); }
   // The gate of costly selections (--max-concurrent-selections), for the
   // same-host socket's to share.
-  StreamGovernor* selection_gate() { return &selection_work_; }
+  AdmissionGate* selection_gate() { return &selection_work_; }
   // Streams being served now, and those cancelled for stalling.
   int active_fetches() const { return streams_.active(); }
-  uint64_t stalled_fetches() const { return streams_.cancelled(); }
+  uint64_t stalled_fetches() const { return stalls_.cancelled(options_.streams); }
 
  private:
-  friend class FetchReactor;
   // The first step of every call: UNAVAILABLE once StopAccepting was called,
   // else the authenticator's verdict on `scope`.
   absl::Status Admit(const grpc::ServerContextBase& ctx, Scope scope) const;
@@ -144,9 +149,6 @@ class WeightStoreService final : public ServiceBase {
   bool Cancelled(grpc::CallbackServerContext* ctx) const {
     return ctx->IsCancelled() || background_.stopping() || selections_.stopping();
   }
-  friend class PutReactor;
-  friend class FileReadReactor;
-  friend class PushReactor;
   CheckpointRegistry* registry_;
   Puller* puller_;
   ServiceOptions options_;
@@ -168,21 +170,17 @@ class WeightStoreService final : public ServiceBase {
                     const std::string& version, const std::string& since_version,
                     std::function<void(absl::StatusOr<Resolved>)> done);
 
-  StreamGovernor streams_;
-  StreamGovernor pull_waits_;      // fetches waiting on a pull (ServiceOptions::pull_waits)
-  StreamGovernor selection_work_;  // costly selections being resolved (ServiceOptions::selection_work)
-  StreamGovernor uploads_;
-  Background background_;
-  Background selections_;  // ServiceOptions::selection_threads
+  AdmissionGate streams_;         // FetchTensors and ReadCheckpointFile streams (ServiceOptions::streams)
+  AdmissionGate pull_waits_;      // fetches waiting on a pull (ServiceOptions::pull_waits)
+  AdmissionGate selection_work_;  // costly selections being resolved (ServiceOptions::selection_work)
+  AdmissionGate uploads_;         // PutCheckpoint and PushCheckpoint streams (ServiceOptions::uploads)
+  StallWatchdog stalls_;          // cancels the streams and uploads that stall
+  WorkerPool background_;
+  WorkerPool selections_;  // ServiceOptions::selection_threads
   std::atomic<bool> stopping_{false};
+  Serving serving_;   // for the handlers in files of their own
   WatchHub watches_;  // last: its streams end first
 };
-
-// Names the checkpoint of a call for the request log (server/observability.h).
-void Annotate(grpc::CallbackServerContext* ctx, const std::string& checkpoint);
-
-// Fills `out` from a served version.
-void ToProto(const CheckpointVersion& version, v1::CheckpointInfo* out);
 
 }  // namespace weightstore::server
 

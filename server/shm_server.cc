@@ -33,7 +33,6 @@
 #include "server/observability.h"
 #include "server/proto_convert.h"
 #include "server/resolve.h"
-#include "server/service.h"
 
 namespace weightstore::server {
 namespace {
@@ -199,7 +198,7 @@ bool PeerCouldWrite(int fd, const ShmPeer& peer) {
 
 absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const CheckpointRegistry* registry, SegmentCache* cache,
                                                             ShmServerOptions options, Puller* puller,
-                                                            StreamGovernor* selection_gate) {
+                                                            AdmissionGate* selection_gate) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (options.path.empty() || options.path.size() >= sizeof(addr.sun_path)) {
@@ -486,16 +485,13 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
                                    v1::MapTensorsResponse* response,
                                    std::vector<std::shared_ptr<const MappedFile>>* segments) {
   if (puller_ != nullptr) WEIGHTSTORE_RETURN_IF_ERROR(puller_->Pull(request.name()).status());
-  uint64_t ticket = 0;
-  if (selection_gate_ != nullptr && IsCostlySelection(request.selection())) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket, selection_gate_->Admit(absl::StrCat("unix:uid=", peer.uid), [] {}));
-    selection_gate_->Busy(ticket);  // bounded by the selection's own budgets
-  }
   SelectionLimits limits = options_.selection_limits;
   limits.cancelled = [this] { return stopping_.load(); };
-  absl::StatusOr<Resolved> resolved =
-      Resolve(*registry_, request.name(), request.selection(), request.version(), limits, request.since_version());
-  if (ticket != 0) selection_gate_->Release(ticket);
+  absl::StatusOr<Resolved> resolved = [&]() -> absl::StatusOr<Resolved> {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(
+        GateTicket slot, AdmitSelection(selection_gate_, absl::StrCat("unix:uid=", peer.uid), request.selection()));
+    return Resolve(*registry_, request.name(), request.selection(), request.version(), limits, request.since_version());
+  }();
   if (!resolved.ok()) return resolved.status();
   const Snapshot& snapshot = *resolved->snapshot;
   const Checkpoint& checkpoint = snapshot.checkpoint();
@@ -531,12 +527,8 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
     const SnapshotTensor& t = snapshot.tensors()[i];
     const ServedTensorPlan plan = PlanServedTensor(snapshot, t);
     v1::MappedTensor* out = response->add_tensors();
-    ToProto(t, out->mutable_info());
-    if (const ManifestTensor* digest = resolved->Digest(t)) out->mutable_info()->set_digest(digest->digest.Hex());
-    if (resolved->Unchanged(t)) {  // the caller keeps what it mapped
-      out->mutable_info()->set_unchanged(true);
-      continue;
-    }
+    resolved->Describe(t, out->mutable_info());
+    if (out->info().unchanged()) continue;  // the caller keeps what it mapped
     if (auto p = patches.at.find(i); p != patches.at.end()) {
       const auto& [patch, offset] = p->second;
       ToProto(patch, out->mutable_info()->mutable_patch());

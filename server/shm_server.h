@@ -38,8 +38,8 @@
 #include "core/select/selection.h"
 #include "core/shm/segment_cache.h"
 #include "core/shm/unix_socket.h"
+#include "server/admission_gate.h"
 #include "server/options.h"
-#include "server/stream_governor.h"
 #include "weightstore/v1/shm.pb.h"
 
 namespace weightstore::server {
@@ -77,7 +77,7 @@ class ShmServer {
   // both transports together are held to --max-concurrent-selections.
   static absl::StatusOr<std::unique_ptr<ShmServer>> Start(const CheckpointRegistry* registry, SegmentCache* cache,
                                                           ShmServerOptions options, Puller* puller = nullptr,
-                                                          StreamGovernor* selection_gate = nullptr);
+                                                          AdmissionGate* selection_gate = nullptr);
   ~ShmServer();  // Stop()s
 
   // Stops accepting, closes every connection, removes the socket file. Mappings
@@ -89,7 +89,7 @@ class ShmServer {
 
  private:
   ShmServer(const CheckpointRegistry* registry, SegmentCache* cache, ShmServerOptions options, Puller* puller,
-            StreamGovernor* selection_gate)
+            AdmissionGate* selection_gate)
       : registry_(registry),
         cache_(cache),
         puller_(puller),
@@ -118,7 +118,7 @@ class ShmServer {
   const CheckpointRegistry* registry_;
   SegmentCache* cache_;
   Puller* puller_;
-  StreamGovernor* selection_gate_;
+  AdmissionGate* selection_gate_;
   const ShmServerOptions options_;
   UniqueFd listener_;
   std::thread acceptor_;

@@ -18,7 +18,6 @@
 #include "core/status_macros.h"
 #include "proto/codec/chunk_codec.h"
 #include "server/observability.h"
-#include "server/service.h"
 
 namespace weightstore::server {
 
@@ -100,19 +99,21 @@ bool StoredCrcsKnown(const CheckpointVersion& version) {
                      [&](const StoredFile& f) { return version.checksums().Find(StoredCrcKey(f)).has_value(); });
 }
 
+namespace {
+
 // Streams one ReadCheckpointFile response, one chunk in flight at a time,
-// admitted and paced by the fetch streams' governor. A mapped file's bytes go
+// admitted and watched as fetch streams are. A mapped file's bytes go
 // out as slices of its mapping, as FetchTensors sends tensors.
 class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  FileReadReactor(WeightStoreService* service, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw)
-      : service_(service), ctx_(ctx) {
+  FileReadReactor(const Serving& serving, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw)
+      : serving_(serving), ctx_(ctx) {
     v1::ReadCheckpointFileRequest request;
     absl::Status status = wire::ParseMessage(*raw, &request)
                               ? Start(ctx, request)
                               : absl::InvalidArgumentError("request is not a ReadCheckpointFileRequest");
     if (!status.ok()) {
-      Done(service_->ClientStatus(status));
+      Done(serving_.client_status(status));
       return;
     }
     Next();
@@ -124,24 +125,22 @@ class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       return;
     }
     sent_bytes_ += last_write_bytes_;
-    service_->streams_.Progress(ticket_, last_write_bytes_);
+    watch_.Progress(last_write_bytes_);
     Next();
   }
   void OnCancel() override { cancelled_ = true; }
-  void OnDone() override {
-    if (ticket_ != 0) service_->streams_.Release(ticket_);
-    delete this;
-  }
+  void OnDone() override { delete this; }  // the slot goes with its ticket
 
  private:
   absl::Status Start(grpc::CallbackServerContext* ctx, const v1::ReadCheckpointFileRequest& request) {
-    if (absl::Status s = service_->Admit(*ctx, Scope::kRead); !s.ok()) return s;
+    if (absl::Status s = serving_.admit(*ctx, Scope::kRead); !s.ok()) return s;
     Annotate(ctx, request.name());
     if (request.version().empty()) {
       return absl::InvalidArgumentError("version is required: take it from ListCheckpointFiles");
     }
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, service_->streams_.Admit(ctx->peer(), [ctx] { ctx->TryCancel(); }));
-    WEIGHTSTORE_ASSIGN_OR_RETURN(version_, service_->registry_->Find(request.name(), request.version()));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(slot_, serving_.streams->Admit(ctx->peer()));
+    watch_ = serving_.stalls->Watch(ctx->peer(), *serving_.stream_limits, [ctx] { ctx->TryCancel(); });
+    WEIGHTSTORE_ASSIGN_OR_RETURN(version_, serving_.registry->Find(request.name(), request.version()));
     if (!request.etag().empty() && request.etag() != version_->file_version()) {
       return absl::AbortedError(absl::StrCat("checkpoint '", request.name(), "': its files were replaced since they ",
                                              "were listed (version ", version_->version(),
@@ -184,7 +183,7 @@ class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (bytes.ok()) header.set_crc32c(Crc32c(bytes->view()));
     absl::Status status = bytes.ok() ? version_->CheckUnchanged() : bytes.status();
     if (!status.ok()) {
-      Done(service_->ClientStatus(status));
+      Done(serving_.client_status(status));
       return;
     }
     header.set_offset(cursor_);
@@ -198,14 +197,16 @@ class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   // were sent, with the slot freed before the client can see the status.
   void Done(const grpc::Status& status) {
     ctx_->AddTrailingMetadata(kBytesTrailer, std::to_string(sent_bytes_));
-    if (ticket_ != 0) service_->streams_.Release(std::exchange(ticket_, 0));
+    watch_.Unwatch();
+    slot_.Release();
     Finish(status);
   }
 
-  WeightStoreService* service_;
+  const Serving& serving_;
   grpc::CallbackServerContext* ctx_;
   uint64_t sent_bytes_ = 0;
-  uint64_t ticket_ = 0;
+  GateTicket slot_;
+  StallWatchdog::Watched watch_;
   std::shared_ptr<const CheckpointVersion> version_;
   StoredFile file_;
   uint64_t cursor_ = 0, end_ = 0;
@@ -214,9 +215,11 @@ class FileReadReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   std::atomic<bool> cancelled_{false};
 };
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* WeightStoreService::ReadCheckpointFile(grpc::CallbackServerContext* ctx,
-                                                                                   const grpc::ByteBuffer* req) {
-  return new FileReadReactor(this, ctx, req);
+}  // namespace
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* ReadStoredFile(const Serving& serving, grpc::CallbackServerContext* ctx,
+                                                           const grpc::ByteBuffer* request) {
+  return new FileReadReactor(serving, ctx, request);
 }
 
 }  // namespace weightstore::server

@@ -90,7 +90,6 @@ class WatchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the watcher went away"));
       return;
     }
-    hub_->streams_.Progress(ticket_, event_bytes_);
     Pump();
   }
   void OnCancel() override { FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")); }
@@ -100,7 +99,7 @@ class WatchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       handle_->reactor = nullptr;
     }
     if (listener_ != 0) hub_->registry_->RemoveListener(listener_);
-    if (ticket_ != 0) hub_->Remove(this, ticket_);
+    if (slot_) hub_->Remove(this, std::move(slot_));
     delete this;
   }
 
@@ -136,7 +135,7 @@ class WatchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         return absl::InvalidArgumentError(absl::StrCat("known lists '", k.name(), "' twice"));
       }
     }
-    WEIGHTSTORE_ASSIGN_OR_RETURN(ticket_, hub_->Add(this, ctx.peer()));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(slot_, hub_->Add(this, ctx.peer()));
     cursor_ = std::make_unique<WatchCursor>(hub_->registry_, WatchScope{request.name(), request.prefix()},
                                             std::move(known), &hub_->diffs_);
     {
@@ -191,7 +190,7 @@ class WatchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   std::shared_ptr<Handle> handle_ = std::make_shared<Handle>();
   std::unique_ptr<WatchCursor> cursor_;
   uint64_t listener_ = 0;
-  uint64_t ticket_ = 0;  // from the hub's governor, once admitted
+  GateTicket slot_;  // from the hub's gate, once admitted
   absl::Mutex mu_;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
@@ -202,12 +201,11 @@ class WatchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
 namespace {
 
-// Watches idle for as long as nothing changes: never reclaimed for stalling
-// (min_bytes 0); a watcher that stops reading holds one event.
-StreamLimits GovernorLimits(const WatchLimits& limits) {
+// Watches idle for as long as nothing changes: never watched for stalling; a
+// watcher that stops reading holds one event.
+StreamLimits GateLimits(const WatchLimits& limits) {
   return StreamLimits{.total = limits.max_watches,
                       .per_peer = limits.max_watches_per_peer,
-                      .min_bytes = 0,
                       .what = "WatchCheckpoints streams",
                       .total_flag = "--max-watches",
                       .per_peer_flag = "--max-watches-per-peer"};
@@ -226,7 +224,7 @@ WatchHub::WatchHub(CheckpointRegistry* registry, const Authenticator* auth, Watc
       auth_(auth),
       limits_(limits),
       client_status_(std::move(client_status)),
-      streams_(GovernorLimits(limits)),
+      streams_(GateLimits(limits)),
       worker_([this] { RunScheduled(); }) {}
 
 WatchHub::~WatchHub() {
@@ -284,16 +282,16 @@ std::shared_ptr<const grpc::ByteBuffer> WatchHub::Event(const CheckpointUpdate& 
   return buffer;
 }
 
-absl::StatusOr<uint64_t> WatchHub::Add(WatchReactor* reactor, absl::string_view peer) {
+absl::StatusOr<GateTicket> WatchHub::Add(WatchReactor* reactor, absl::string_view peer) {
   absl::MutexLock lock(&mu_);
   if (stopped_) return absl::UnavailableError("the daemon is shutting down");
-  WEIGHTSTORE_ASSIGN_OR_RETURN(uint64_t ticket, streams_.Admit(peer, [] {}));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(GateTicket slot, streams_.Admit(peer));
   reactors_.insert(reactor);
-  return ticket;
+  return slot;
 }
 
-void WatchHub::Remove(WatchReactor* reactor, uint64_t ticket) {
-  streams_.Release(ticket);
+void WatchHub::Remove(WatchReactor* reactor, GateTicket slot) {
+  slot.Release();
   bool last = false;
   {
     absl::MutexLock lock(&mu_);

@@ -22,9 +22,9 @@
 #include "absl/synchronization/mutex.h"
 #include "core/catalog/registry.h"
 #include "core/catalog/watch_cursor.h"
+#include "server/admission_gate.h"
 #include "server/auth.h"
 #include "server/options.h"
-#include "server/stream_governor.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore::server {
@@ -51,10 +51,10 @@ class WatchHub {
 
  private:
   friend class WatchReactor;
-  // Admits `reactor`, from `peer`: a governor ticket, or ResourceExhausted
-  // naming the limit (Unavailable once stopped).
-  absl::StatusOr<uint64_t> Add(WatchReactor* reactor, absl::string_view peer);
-  void Remove(WatchReactor* reactor, uint64_t ticket);
+  // Admits `reactor`, from `peer`: its slot, or ResourceExhausted naming the
+  // limit (Unavailable once stopped).
+  absl::StatusOr<GateTicket> Add(WatchReactor* reactor, absl::string_view peer);
+  void Remove(WatchReactor* reactor, GateTicket slot);
   // Runs `work` on the hub's thread (a watcher to wake), in order.
   void Schedule(std::function<void()> work);
   void RunScheduled();
@@ -67,7 +67,7 @@ class WatchHub {
   const Authenticator* auth_;
   const WatchLimits limits_;
   std::function<grpc::Status(const absl::Status&)> client_status_;
-  StreamGovernor streams_;  // counts, per client address too
+  AdmissionGate streams_;  // counts, per client address too
   DiffCache diffs_;
   mutable absl::Mutex mu_;
   std::set<WatchReactor*> reactors_ ABSL_GUARDED_BY(mu_);

@@ -1,4 +1,4 @@
-#include "server/background.h"
+#include "server/worker_pool.h"
 
 #include <gtest/gtest.h>
 
@@ -12,8 +12,8 @@
 namespace weightstore::server {
 namespace {
 
-TEST(BackgroundTest, JobsRunOnTheWorkersWithOkStatus) {
-  Background background(2, 16, "test work");
+TEST(WorkerPoolTest, JobsRunOnTheWorkersWithOkStatus) {
+  WorkerPool background(2, 16, "test work");
   std::atomic<int> ran{0};
   absl::Notification all;
   for (int i = 0; i < 10; ++i) {
@@ -30,7 +30,7 @@ TEST(BackgroundTest, JobsRunOnTheWorkersWithOkStatus) {
 
 // Gives `background`'s one worker a job that runs until `release`, and waits
 // until it has started.
-void OccupyTheWorker(Background& background, absl::Notification& release) {
+void OccupyTheWorker(WorkerPool& background, absl::Notification& release) {
   auto started = std::make_shared<absl::Notification>();  // outlives this call, for the job
   ASSERT_TRUE(background
                   .Post([started, &release](absl::Status) {
@@ -41,8 +41,8 @@ void OccupyTheWorker(Background& background, absl::Notification& release) {
   started->WaitForNotification();
 }
 
-TEST(BackgroundTest, AFullQueueRefusesAJobWithoutCallingIt) {
-  Background background(1, 2, "checksum work");
+TEST(WorkerPoolTest, AFullQueueRefusesAJobWithoutCallingIt) {
+  WorkerPool background(1, 2, "checksum work");
   absl::Notification release;
   ASSERT_NO_FATAL_FAILURE(OccupyTheWorker(background, release));
   std::atomic<int> ran{0}, called{0};
@@ -64,8 +64,8 @@ TEST(BackgroundTest, AFullQueueRefusesAJobWithoutCallingIt) {
   EXPECT_EQ(ran.load(), 2);
 }
 
-TEST(BackgroundTest, StopEndsQueuedJobsUnavailableAndRefusesNewOnes) {
-  Background background(1, 8, "test work");
+TEST(WorkerPoolTest, StopEndsQueuedJobsUnavailableAndRefusesNewOnes) {
+  WorkerPool background(1, 8, "test work");
   absl::Notification release;
   ASSERT_NO_FATAL_FAILURE(OccupyTheWorker(background, release));
   std::vector<absl::StatusCode> codes;

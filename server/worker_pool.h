@@ -1,12 +1,12 @@
-// Background: a few threads for request work too long for gRPC's callback
+// WorkerPool: a few threads for request work too long for gRPC's callback
 // threads (a checksum over whole files), fed by a bounded queue.
 //
 // A job is called once: with OK on a worker when its turn comes, or with
 // Unavailable when the queue stops before it ran (on the thread that stops
 // it). Either way it must finish its call: a gRPC reactor left unfinished
 // keeps the server from shutting down. Thread-safe.
-#ifndef WEIGHTSTORE_SERVER_BACKGROUND_H_
-#define WEIGHTSTORE_SERVER_BACKGROUND_H_
+#ifndef WEIGHTSTORE_SERVER_WORKER_POOL_H_
+#define WEIGHTSTORE_SERVER_WORKER_POOL_H_
 
 #include <atomic>
 #include <cstddef>
@@ -22,17 +22,17 @@
 
 namespace weightstore::server {
 
-class Background {
+class WorkerPool {
  public:
   using Job = std::function<void(absl::Status runnable)>;
 
   // `threads` workers (at least 1); at most `max_queued` jobs wait. `what`
   // names the work in errors. If no thread can be started, every Post is
   // Unavailable (fewer than asked: those that started serve).
-  Background(int threads, size_t max_queued, std::string what);
-  ~Background();  // Stop()
-  Background(const Background&) = delete;
-  Background& operator=(const Background&) = delete;
+  WorkerPool(int threads, size_t max_queued, std::string what);
+  ~WorkerPool();  // Stop()
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
 
   // Queues `job`. ResourceExhausted when max_queued wait already, Unavailable
   // once stopped: `job` is then not called.
@@ -63,4 +63,4 @@ class Background {
 
 }  // namespace weightstore::server
 
-#endif  // WEIGHTSTORE_SERVER_BACKGROUND_H_
+#endif  // WEIGHTSTORE_SERVER_WORKER_POOL_H_

@@ -1,4 +1,4 @@
-#include "server/background.h"
+#include "server/worker_pool.h"
 
 #include <algorithm>
 #include <system_error>
@@ -8,7 +8,7 @@
 
 namespace weightstore::server {
 
-Background::Background(int threads, size_t max_queued, std::string what)
+WorkerPool::WorkerPool(int threads, size_t max_queued, std::string what)
     : max_queued_(max_queued), what_(std::move(what)) {
   for (int i = 0; i < std::max(threads, 1); ++i) {
     try {
@@ -23,9 +23,9 @@ Background::Background(int threads, size_t max_queued, std::string what)
   }
 }
 
-Background::~Background() { Stop(); }
+WorkerPool::~WorkerPool() { Stop(); }
 
-absl::Status Background::Post(Job job) {
+absl::Status WorkerPool::Post(Job job) {
   absl::MutexLock lock(&mu_);
   if (threads_.empty()) return absl::UnavailableError(absl::StrCat(what_, ": no worker thread could be started"));
   if (stopping_) return absl::UnavailableError(absl::StrCat(what_, ": the daemon is shutting down"));
@@ -37,7 +37,7 @@ absl::Status Background::Post(Job job) {
   return absl::OkStatus();
 }
 
-void Background::Stop() {
+void WorkerPool::Stop() {
   std::deque<Job> dropped;
   {
     absl::MutexLock lock(&mu_);
@@ -51,19 +51,19 @@ void Background::Stop() {
   }
 }
 
-size_t Background::queued() const {
+size_t WorkerPool::queued() const {
   absl::MutexLock lock(&mu_);
   return queue_.size();
 }
 
-bool Background::HasWork() const { return stopping_ || !queue_.empty(); }
+bool WorkerPool::HasWork() const { return stopping_ || !queue_.empty(); }
 
-void Background::Work() {
+void WorkerPool::Work() {
   for (;;) {
     Job job;
     {
       absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(this, &Background::HasWork));
+      mu_.Await(absl::Condition(this, &WorkerPool::HasWork));
       if (queue_.empty()) return;  // stopping, and Stop() took the rest
       job = std::move(queue_.front());
       queue_.pop_front();
