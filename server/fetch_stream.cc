@@ -80,8 +80,9 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     Annotate(ctx, request_.name());
     return absl::OkStatus();
   }
-  // A serving slot: a stream whose client stops reading is cancelled by the
-  // governor, which frees its slot (and its share of its client's).
+  // A serving slot, watched: a stream whose client stops reading is
+  // cancelled by the stall watchdog, and its slot (and its share of its
+  // client's) freed as it ends.
   absl::Status AdmitServing(grpc::CallbackServerContext* ctx) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(slot_, serving_.streams->Admit(ctx->peer()));
     watch_ = serving_.stalls->Watch(ctx->peer(), *serving_.stream_limits, [ctx] { ctx->TryCancel(); });

@@ -81,7 +81,7 @@ TEST(PerClientLimitsTest, StreamsWhoseClientStoppedReadingAreCancelledAndTheirSl
     later = store->FetchAll("tiny-mlp", {}).status();
     return later.ok();
   })) << later;
-  // One freed slot is enough for that fetch; the governor may cancel the other
+  // One freed slot is enough for that fetch; the stall watchdog may cancel the other
   // stalled streams a sweep later (on a loaded machine, under ASan). Reading
   // them before would be progress that saves them: wait for all four.
   EXPECT_TRUE(testing::WaitUntil([&] { return metric("weightstore_fetch_streams_stalled_total") >= 4; }))
