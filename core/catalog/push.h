@@ -18,8 +18,8 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "core/atomic_file.h"
-#include "core/element_patch.h"
 #include "core/catalog/manifest.h"
+#include "core/element_patch.h"
 #include "core/tensor.h"
 
 namespace weightstore {

@@ -7,9 +7,9 @@
 #include <filesystem>
 #include <thread>
 
-#include "core/element_patch.h"
 #include "core/catalog/registry.h"
 #include "core/crc32c.h"
+#include "core/element_patch.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
 #include "core/status_macros.h"

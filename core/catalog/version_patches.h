@@ -15,9 +15,9 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "core/element_patch.h"
 #include "core/catalog/manifest.h"
 #include "core/checkpoint.h"
+#include "core/element_patch.h"
 
 namespace weightstore {
 
