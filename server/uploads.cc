@@ -17,7 +17,7 @@ namespace {
 // What PutCheckpoint and PushCheckpoint share: admission (the admin scope, a
 // slot of the uploads gate, the stall watchdog), one reading loop that counts
 // every message's bytes as progress, and an end that frees the slot before
-// the client can see the status (see FetchReactor). Only a commit message
+// the client can see the status (as fetch_stream.cc does). Only a commit message
 // commits: the end of the stream reads the same whether the client finished
 // or was cancelled.
 template <typename Request>
