@@ -147,7 +147,9 @@ absl::StatusOr<std::string> FileVersion(const std::string& path) {
 }
 
 CheckpointRegistry::CheckpointRegistry(RegistryOptions options)
-    : options_(std::move(options)), reopen_generation_(absl::Uniform<uint64_t>(absl::BitGen())) {
+    : options_(std::move(options)),
+      compositions_(std::make_shared<PatchCompositions>(options_.kept_patch_bytes)),
+      reopen_generation_(absl::Uniform<uint64_t>(absl::BitGen())) {
   if (!options_.watch_files) return;
   auto watcher =
       FileWatcher::Start([this](const std::set<std::string>& names) { OnFilesModified(names); }, options_.watch_settle);
@@ -442,7 +444,8 @@ std::shared_ptr<const VersionPatches> CheckpointRegistry::PatchesBetween(
 void CheckpointRegistry::Published(const std::string& name, const CheckpointVersion* version,
                                    std::shared_ptr<const VersionPatches> patches) {
   {
-    chains_.erase(name);
+    // Compositions to an earlier version are asked for no more.
+    compositions_->Forget(name, version != nullptr ? version->version() : "");
     auto& steps = patches_[name];
     // Drops every step when the chain ends: nothing is served, or the new
     // version does not follow the last step (it came without patches).
@@ -468,7 +471,6 @@ void CheckpointRegistry::Published(const std::string& name, const CheckpointVers
       for (auto it = patches_.begin(); it != patches_.end() && patch_bytes_ > options_.kept_patch_bytes;) {
         patch_bytes_ -= it->second.front()->memory_bytes;
         it->second.pop_front();
-        chains_.erase(it->first);  // it may hold the step dropped
         dropped = true;
         it = it->second.empty() ? patches_.erase(it) : std::next(it);
       }
@@ -543,15 +545,13 @@ std::shared_ptr<const PatchChain> CheckpointRegistry::FindPatches(const std::str
   absl::MutexLock lock(&mu_);
   auto it = patches_.find(name);
   if (it == patches_.end() || it->second.back()->to != to || since == to) return nullptr;
-  std::shared_ptr<const PatchChain>& chain = chains_[name];
-  if (chain != nullptr && chain->from() == since && chain->to() == to) return chain;
   std::vector<std::shared_ptr<const VersionPatches>> steps;
   for (auto step = it->second.rbegin(); step != it->second.rend(); ++step) {
     steps.push_back(*step);
     if ((*step)->from == since) {
       std::reverse(steps.begin(), steps.end());
-      chain = std::make_shared<const PatchChain>(std::move(steps));
-      return chain;
+      // Cheap: what it composes lives in compositions_, shared by every chain.
+      return std::make_shared<const PatchChain>(std::move(steps), name, compositions_);
     }
   }
   return nullptr;

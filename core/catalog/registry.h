@@ -163,7 +163,10 @@ struct RegistryOptions {
   // both are mapped, and a client that holds an earlier version gets patches
   // for them. Past the bound the oldest steps go first; a checkpoint keeps at
   // most kept_versions - 1 steps. Needs tensor_digests. 0: off (the default;
-  // the daemon turns it on).
+  // the daemon turns it on). The patches composed from them for clients
+  // several versions behind (PatchCompositions) may hold as much again,
+  // counted while cached or being sent; one that does not fit is not made
+  // and its tensor goes whole.
   uint64_t kept_patch_bytes = 0;
   // Called after every attempt to open a checkpoint version (metrics).
   std::function<void(const std::string& name, double seconds, const absl::Status& status)> on_load;
@@ -254,6 +257,8 @@ class CheckpointRegistry {
   // steps dropped for the bounds).
   std::shared_ptr<const PatchChain> FindPatches(const std::string& name, const std::string& since,
                                                 const std::string& to) const;
+  // What the chains' compositions hold and did (PatchCompositions).
+  PatchCompositions::Stats CompositionStats() const { return compositions_->stats(); }
 
   // Calls `listener` with a checkpoint's name after each change of what is
   // served under it (added, replaced, removed), on the thread that made it and
@@ -347,9 +352,9 @@ class CheckpointRegistry {
   // Patches between each name's consecutive versions, oldest first, each
   // step's `to` the next one's `from`, the last one's `to` the current version.
   std::map<std::string, std::deque<std::shared_ptr<const VersionPatches>>> patches_ ABSL_GUARDED_BY(mu_);
-  // The chain FindPatches last made for each name, reused (with what it
-  // composed) while it is asked for again and nothing is published.
-  mutable std::map<std::string, std::shared_ptr<const PatchChain>> chains_ ABSL_GUARDED_BY(mu_);
+  // What the chains FindPatches hands out compose, shared per (name, since,
+  // version, tensor) and bounded by kept_patch_bytes of its own.
+  const std::shared_ptr<PatchCompositions> compositions_;
   uint64_t patch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   mutable absl::Mutex listeners_mu_;
   std::map<uint64_t, std::shared_ptr<const std::function<void(const std::string&)>>> listeners_

@@ -1,5 +1,6 @@
 #include "core/catalog/version_patches.h"
 
+#include <algorithm>
 #include <atomic>
 
 #include "absl/strings/str_cat.h"
@@ -72,28 +73,190 @@ absl::StatusOr<std::shared_ptr<const VersionPatches>> DiffVersions(
   return std::shared_ptr<const VersionPatches>(std::move(out));
 }
 
-absl::StatusOr<std::optional<ElementPatch>> PatchChain::For(const std::string& name) const {
-  if (steps_.size() > 1) {
-    absl::MutexLock lock(&mu_);
-    if (auto it = composed_.find(name); it != composed_.end()) return it->second;
-  }
-  std::optional<ElementPatch> composed;
-  for (const auto& step : steps_) {
-    if (step->whole.contains(name)) return std::nullopt;
-    auto it = step->patches.find(name);
-    if (it == step->patches.end()) continue;  // unchanged in this step
-    if (!composed) {
-      composed = it->second;
-      continue;
-    }
-    WEIGHTSTORE_ASSIGN_OR_RETURN(composed, ComposePatches(*composed, it->second));
-    if (!composed) break;
-  }
-  if (steps_.size() > 1) {
-    absl::MutexLock lock(&mu_);
-    composed_.emplace(name, composed);
+namespace {
+
+// `parts` (at least one) composed in order.
+absl::StatusOr<std::optional<ElementPatch>> ComposeAll(const std::vector<const ElementPatch*>& parts) {
+  std::optional<ElementPatch> composed = *parts.front();
+  for (size_t i = 1; i < parts.size() && composed; ++i) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(composed, ComposePatches(*composed, *parts[i]));
   }
   return composed;
+}
+
+}  // namespace
+
+// Bytes taken lock-free: a body's last holder gives them back from any
+// thread, perhaps after the PatchCompositions is gone.
+struct PatchCompositions::Budget {
+  explicit Budget(uint64_t max) : max(max) {}
+
+  bool TryTake(uint64_t n) {
+    uint64_t now = bytes.load();
+    while (now + n <= max) {
+      if (bytes.compare_exchange_weak(now, now + n)) return true;
+    }
+    return false;
+  }
+
+  const uint64_t max;
+  std::atomic<uint64_t> bytes{0};
+};
+
+struct PatchCompositions::Entry {
+  std::string checkpoint, to;
+  bool ready = false;  // made (or failed); until then askers wait
+  absl::Status status;
+  std::optional<ElementPatch> patch;
+  uint64_t used = 0;  // tick of the last ask
+};
+
+PatchCompositions::PatchCompositions(uint64_t max_bytes) : budget_(std::make_shared<Budget>(max_bytes)) {}
+
+PatchCompositions::Stats PatchCompositions::stats() const {
+  absl::MutexLock lock(&mu_);
+  Stats s;
+  s.bytes = budget_->bytes.load();
+  s.budget_bytes = budget_->max;
+  for (const auto& [key, entry] : entries_) s.cached += entry->ready && entry->patch ? 1 : 0;
+  s.made = made_;
+  s.shared = shared_;
+  s.over_budget = over_budget_;
+  return s;
+}
+
+void PatchCompositions::Forget(const std::string& checkpoint, const std::string& keep_to) {
+  std::vector<std::shared_ptr<Entry>> dropped;  // let go outside the lock
+  absl::MutexLock lock(&mu_);
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    const Entry& e = *it->second;
+    if (e.checkpoint == checkpoint && (keep_to.empty() || e.to != keep_to)) {
+      dropped.push_back(std::move(it->second));
+      entries_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+bool PatchCompositions::Cached(const std::string& key) const {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(key);
+  return it != entries_.end() && it->second->ready;
+}
+
+bool PatchCompositions::Reserve(uint64_t bytes) {
+  while (!budget_->TryTake(bytes)) {
+    std::shared_ptr<Entry> victim;  // dropped after the lock: gives its bytes back unless held
+    absl::MutexLock lock(&mu_);
+    auto oldest = entries_.end();
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      const Entry& e = *it->second;
+      if (e.ready && e.patch && (oldest == entries_.end() || e.used < oldest->second->used)) oldest = it;
+    }
+    if (oldest == entries_.end()) return false;
+    victim = std::move(oldest->second);
+    entries_.erase(oldest);
+  }
+  return true;
+}
+
+absl::StatusOr<std::optional<ElementPatch>> PatchCompositions::Compose(const std::string& key,
+                                                                       const std::string& checkpoint,
+                                                                       const std::string& to,
+                                                                       const std::vector<const ElementPatch*>& parts) {
+  std::shared_ptr<Entry> entry;
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = entries_.try_emplace(key);
+    if (!inserted) {
+      entry = it->second;
+      entry->used = ++tick_;
+      ++shared_;
+      mu_.Await(absl::Condition(&entry->ready));
+      if (!entry->status.ok()) return entry->status;
+      return entry->patch;
+    }
+    it->second = entry = std::make_shared<Entry>();
+    entry->checkpoint = checkpoint;
+    entry->to = to;
+    entry->used = ++tick_;
+  }
+  // What the composition can hold: the union of what the parts change, so
+  // about their sum, and never the tensor (else it is not made). Checked
+  // against the real size once made.
+  uint64_t estimate = 0;
+  for (const ElementPatch* part : parts) estimate += part->body.size();
+  estimate = std::min(estimate, parts.front()->tensor_bytes());
+  const bool fits = Reserve(estimate);
+  absl::StatusOr<std::optional<ElementPatch>> made = std::nullopt;
+  bool counted = fits;
+  if (fits) {
+    made = ComposeAll(parts);
+    const uint64_t size = made.ok() && made->has_value() ? (*made)->body.size() : 0;
+    if (size > estimate && !budget_->TryTake(size - estimate)) {
+      budget_->bytes.fetch_sub(estimate);
+      made = std::nullopt;
+      counted = false;
+    } else if (size < estimate) {
+      budget_->bytes.fetch_sub(estimate - size);
+    }
+    if (counted && size > 0) {
+      // The bytes go back when the last holder lets the body go.
+      struct Held {
+        SharedBytes body;
+        std::shared_ptr<Budget> budget;
+        uint64_t bytes = 0;
+        ~Held() {
+          if (budget != nullptr) budget->bytes.fetch_sub(bytes);
+        }
+      };
+      auto held = std::make_shared<Held>();
+      held->body = (*made)->body;
+      held->budget = budget_;
+      held->bytes = size;
+      (*made)->body = SharedBytes(std::shared_ptr<const void>(held, held.get()), (*made)->body.span());
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  entry->ready = true;
+  if (!made.ok()) entry->status = made.status();
+  if (made.ok()) entry->patch = *made;
+  if (counted && made.ok()) {
+    ++made_;
+  } else {
+    if (made.ok()) ++over_budget_;
+    // Not kept: a later ask tries again, when room may have been freed.
+    if (auto it = entries_.find(key); it != entries_.end() && it->second == entry) entries_.erase(it);
+  }
+  return made;
+}
+
+std::optional<std::vector<const ElementPatch*>> PatchChain::Parts(const std::string& name) const {
+  std::vector<const ElementPatch*> parts;
+  for (const auto& step : steps_) {
+    if (step->whole.contains(name)) return std::nullopt;
+    if (auto it = step->patches.find(name); it != step->patches.end()) parts.push_back(&it->second);
+  }
+  return parts;
+}
+
+std::string PatchChain::Key(const std::string& name) const {
+  return absl::StrCat(checkpoint_.size(), ":", checkpoint_, "|", from(), "|", to(), "|", name);
+}
+
+absl::StatusOr<std::optional<ElementPatch>> PatchChain::For(const std::string& name) const {
+  std::optional<std::vector<const ElementPatch*>> parts = Parts(name);
+  if (!parts || parts->empty()) return std::nullopt;  // sent whole, or unchanged
+  if (parts->size() == 1) return *parts->front();
+  if (compositions_ == nullptr) return ComposeAll(*parts);
+  return compositions_->Compose(Key(name), checkpoint_, to(), *parts);
+}
+
+bool PatchChain::Composes(const std::string& name) const {
+  std::optional<std::vector<const ElementPatch*>> parts = Parts(name);
+  if (!parts || parts->size() < 2) return false;
+  return compositions_ == nullptr || !compositions_->Cached(Key(name));
 }
 
 }  // namespace weightstore

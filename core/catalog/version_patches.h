@@ -46,27 +46,93 @@ absl::StatusOr<std::shared_ptr<const VersionPatches>> DiffVersions(
     const CheckpointManifest& to_manifest, uint64_t max_bytes, unsigned threads,
     const absl::flat_hash_map<std::string, ElementPatch>* known = nullptr);
 
+// Compositions of kept steps for clients several versions behind, shared by
+// every chain a registry hands out: one per (checkpoint, since, version,
+// tensor), made once (an asker finding it being made waits for it), and
+// counted against `max_bytes` for as long as anyone holds its body (cached,
+// or being sent). One that would not fit, after the least recently used
+// cached ones are dropped, is not made: its tensor goes whole. Thread-safe;
+// the bodies it made may outlive it.
+class PatchCompositions {
+ public:
+  struct Stats {
+    uint64_t bytes = 0;         // bodies of compositions alive, cached or held
+    uint64_t budget_bytes = 0;  // max_bytes
+    uint64_t cached = 0;        // compositions cached
+    uint64_t made = 0;          // compositions made
+    uint64_t shared = 0;        // asks answered by one made before or in flight
+    uint64_t over_budget = 0;   // compositions not made for the budget
+  };
+
+  explicit PatchCompositions(uint64_t max_bytes);
+  PatchCompositions(const PatchCompositions&) = delete;
+  PatchCompositions& operator=(const PatchCompositions&) = delete;
+
+  Stats stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops the cached compositions of `checkpoint` except those to version
+  // `keep_to` (empty: all); those held elsewhere stay counted until let go.
+  void Forget(const std::string& checkpoint, const std::string& keep_to = "") ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  friend class PatchChain;
+  struct Budget;
+  struct Entry;
+
+  // The composition of `name` over `steps` (more than one changed it), made
+  // here or by the asker already making it.
+  absl::StatusOr<std::optional<ElementPatch>> Compose(const std::string& key, const std::string& checkpoint,
+                                                      const std::string& to,
+                                                      const std::vector<const ElementPatch*>& parts)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether `key` is cached, made.
+  bool Cached(const std::string& key) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Takes `bytes` from the budget, dropping cached compositions (least
+  // recently used first) to make room; false when it cannot.
+  bool Reserve(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const std::shared_ptr<Budget> budget_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;  // for least recently used
+  uint64_t made_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t shared_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t over_budget_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 // The steps from one version to a later one, oldest first, each step's `to`
-// the next one's `from`. Thread-safe.
+// the next one's `from`, of checkpoint `checkpoint`. Thread-safe.
 class PatchChain {
  public:
-  explicit PatchChain(std::vector<std::shared_ptr<const VersionPatches>> steps) : steps_(std::move(steps)) {}
+  // `compositions` (may be null: each For composes anew, uncounted) shares
+  // and bounds what For composes.
+  explicit PatchChain(std::vector<std::shared_ptr<const VersionPatches>> steps, std::string checkpoint = "",
+                      std::shared_ptr<PatchCompositions> compositions = nullptr)
+      : steps_(std::move(steps)), checkpoint_(std::move(checkpoint)), compositions_(std::move(compositions)) {}
 
   const std::string& from() const { return steps_.front()->from; }
   const std::string& to() const { return steps_.back()->to; }
   size_t steps() const { return steps_.size(); }
 
   // The patch that brings tensor `name` from from() to to(): the steps that
-  // changed it composed (once: kept for the next caller, so what the chain
-  // holds is at most its steps' patches again); nullopt when one of them sent
-  // it whole, when none changed it, or when the composition is not smaller
-  // than the tensor.
+  // changed it composed (through the shared compositions: made once, and
+  // only within their budget); nullopt when one of them sent it whole, when
+  // none changed it, when the composition is not smaller than the tensor, or
+  // when it does not fit the budget. May compose, or wait for another
+  // asker's composition: see Composes.
   absl::StatusOr<std::optional<ElementPatch>> For(const std::string& name) const;
+  // True when For(name) would compose, or wait for a composition being made:
+  // more than one step changed the tensor and no composition is cached.
+  // Callers that must not block run For elsewhere then.
+  bool Composes(const std::string& name) const;
 
  private:
+  // The steps' patches of `name`, in order; nullopt when a step sent it whole.
+  std::optional<std::vector<const ElementPatch*>> Parts(const std::string& name) const;
+  std::string Key(const std::string& name) const;
+
   std::vector<std::shared_ptr<const VersionPatches>> steps_;
-  mutable absl::Mutex mu_;
-  mutable absl::flat_hash_map<std::string, std::optional<ElementPatch>> composed_ ABSL_GUARDED_BY(mu_);
+  std::string checkpoint_;
+  std::shared_ptr<PatchCompositions> compositions_;
 };
 
 }  // namespace weightstore

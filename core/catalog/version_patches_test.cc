@@ -5,7 +5,9 @@
 
 #include <filesystem>
 #include <random>
+#include <thread>
 
+#include "absl/synchronization/notification.h"
 #include "core/catalog/manifest.h"
 #include "core/catalog/push.h"
 #include "core/catalog/registry.h"
@@ -99,9 +101,10 @@ TEST_F(VersionPatchesTest, ARescanDiffsAReplacedFileAndALateJoinerGetsOneCompose
   ASSERT_NE(chain, nullptr);
   EXPECT_EQ(chain->steps(), 2u);
   EXPECT_EQ(Patched(*chain, "w", w0), w2);
-  // The next late joiner from v0 gets the same chain, with its composition.
-  EXPECT_EQ(registry.FindPatches("m", v0, v2), chain);
-  EXPECT_EQ(Patched(*chain, "w", w0), w2);
+  // The next late joiner from v0 gets the same composition, made once.
+  EXPECT_EQ(Patched(*registry.FindPatches("m", v0, v2), "w", w0), w2);
+  EXPECT_EQ(registry.CompositionStats().made, 1u);
+  EXPECT_EQ(registry.CompositionStats().shared, 1u);
   EXPECT_EQ(*chain->For("b"), std::nullopt);  // whole in a step: whole
   chain = registry.FindPatches("m", v1, v2);
   ASSERT_NE(chain, nullptr);
@@ -194,6 +197,167 @@ TEST_F(VersionPatchesTest, APatchedPushKeepsThePatchItReceivedInsteadOfDiffingAg
   EXPECT_EQ(kept->encoding, PatchEncoding::kRuns);
   EXPECT_EQ(kept->body.view(), body);
   EXPECT_EQ(Patched(*chain, "w", w0), w1);
+}
+
+// Versions 0..n-1 of tensors "t0".."t{k-1}" (F32), each a training Step of
+// the one before, and the steps between them as kept patches.
+struct History {
+  std::vector<std::vector<std::vector<float>>> values;  // [version][tensor]
+  std::vector<std::shared_ptr<const VersionPatches>> steps;
+
+  static History Make(size_t tensors, size_t elements, size_t versions) {
+    History h;
+    h.values.emplace_back();
+    for (size_t t = 0; t < tensors; ++t) h.values[0].push_back(std::vector<float>(elements, 0.5f));
+    for (size_t v = 1; v < versions; ++v) {
+      auto step = std::make_shared<VersionPatches>();
+      step->from = absl::StrCat("v", v - 1);
+      step->to = absl::StrCat("v", v);
+      h.values.emplace_back();
+      for (size_t t = 0; t < tensors; ++t) {
+        const std::vector<float>& before = h.values[v - 1][t];
+        h.values[v].push_back(Step(before, static_cast<uint32_t>(v * 100 + t)));
+        std::optional<ElementPatch> patch =
+            DiffElements(std::as_bytes(std::span(before)), std::as_bytes(std::span(h.values[v][t])), 4);
+        EXPECT_TRUE(patch.has_value());
+        step->memory_bytes += patch->body.size();
+        step->patches.emplace(absl::StrCat("t", t), *std::move(patch));
+      }
+      h.steps.push_back(std::move(step));
+    }
+    return h;
+  }
+  // The chain from version `since` to the last, as a registry hands it out.
+  PatchChain Chain(size_t since, std::shared_ptr<PatchCompositions> compositions) const {
+    return PatchChain({steps.begin() + since, steps.end()}, "m", std::move(compositions));
+  }
+  // Whether `patch` turns tensor `t` of version `since` into the last one's.
+  bool Brings(const ElementPatch& patch, size_t since, size_t t) const {
+    std::vector<float> out = values[since][t];
+    if (!ApplyPatch(patch, std::as_writable_bytes(std::span(out))).ok()) return false;
+    return out == values.back()[t];
+  }
+};
+
+TEST(PatchCompositionsTest, ManySinceVersionsStayWithinTheBudgetHeldOrNotAndWhatDoesNotFitGoesWhole) {
+  const History h = History::Make(/*tensors=*/4, /*elements=*/16384, /*versions=*/8);
+  // What every composition (since v0..v5: v6 is one step) takes, measured
+  // unbounded; the budget holds a third of it.
+  uint64_t all = 0;
+  {
+    auto unbounded = std::make_shared<PatchCompositions>(uint64_t{1} << 40);
+    for (size_t since = 0; since + 2 < h.values.size(); ++since) {
+      for (size_t t = 0; t < 4; ++t) {
+        ASSERT_OK_AND_ASSIGN(std::optional<ElementPatch> p, h.Chain(since, unbounded).For(absl::StrCat("t", t)));
+        ASSERT_TRUE(p.has_value());
+        all += p->body.size();
+      }
+    }
+    EXPECT_EQ(unbounded->stats().bytes, all);
+  }
+  const uint64_t budget = all / 3;
+  auto compositions = std::make_shared<PatchCompositions>(budget);
+  // Held, as streams that never read further would hold them.
+  std::vector<ElementPatch> held;
+  size_t whole = 0;
+  for (int round = 0; round < 3; ++round) {
+    for (size_t since = 0; since + 2 < h.values.size(); ++since) {
+      for (size_t t = 0; t < 4; ++t) {
+        ASSERT_OK_AND_ASSIGN(std::optional<ElementPatch> p, h.Chain(since, compositions).For(absl::StrCat("t", t)));
+        EXPECT_LE(compositions->stats().bytes, budget);
+        if (!p) {
+          ++whole;
+          continue;
+        }
+        EXPECT_TRUE(h.Brings(*p, since, t)) << since << " " << t;
+        held.push_back(*std::move(p));
+      }
+    }
+  }
+  EXPECT_GT(whole, 0u);
+  EXPECT_EQ(compositions->stats().over_budget, whole);
+  EXPECT_GT(compositions->stats().made, 0u);
+  // Let go, the room comes back: every ask is answered again, within budget.
+  held.clear();
+  for (size_t since = 0; since + 2 < h.values.size(); ++since) {
+    for (size_t t = 0; t < 4; ++t) {
+      ASSERT_OK_AND_ASSIGN(std::optional<ElementPatch> p, h.Chain(since, compositions).For(absl::StrCat("t", t)));
+      ASSERT_TRUE(p.has_value()) << since << " " << t;
+      EXPECT_TRUE(h.Brings(*p, since, t));
+      EXPECT_LE(compositions->stats().bytes, budget);
+    }
+  }
+  compositions->Forget("m");
+  EXPECT_EQ(compositions->stats().bytes, 0u);
+}
+
+TEST(PatchCompositionsTest, ManyConcurrentAskersOfOneSinceGetOneComposition) {
+  const History h = History::Make(/*tensors=*/1, /*elements=*/65536, /*versions=*/6);
+  auto compositions = std::make_shared<PatchCompositions>(uint64_t{64} << 20);
+  absl::Notification go;
+  std::vector<std::optional<ElementPatch>> got(16);
+  std::vector<std::thread> askers;
+  for (size_t i = 0; i < got.size(); ++i) {
+    askers.emplace_back([&, i] {
+      const PatchChain chain = h.Chain(0, compositions);  // each its own chain, as FindPatches gives
+      go.WaitForNotification();
+      absl::StatusOr<std::optional<ElementPatch>> p = chain.For("t0");
+      if (p.ok()) got[i] = *std::move(p);
+    });
+  }
+  go.Notify();
+  for (std::thread& t : askers) t.join();
+  EXPECT_EQ(compositions->stats().made, 1u);
+  EXPECT_EQ(compositions->stats().shared, got.size() - 1);
+  for (const auto& p : got) {
+    ASSERT_TRUE(p.has_value());
+    EXPECT_EQ(p->body.data(), got[0]->body.data());  // one body, shared
+    EXPECT_TRUE(h.Brings(*p, 0, 0));
+  }
+  EXPECT_EQ(compositions->stats().bytes, got[0]->body.size());
+}
+
+TEST(PatchCompositionsTest, ACompositionThatDoesNotFitIsNotMadeAndOneStepNeedsNone) {
+  const History h = History::Make(/*tensors=*/1, /*elements=*/16384, /*versions=*/4);
+  auto compositions = std::make_shared<PatchCompositions>(64);
+  ASSERT_OK_AND_ASSIGN(std::optional<ElementPatch> p, h.Chain(0, compositions).For("t0"));
+  EXPECT_EQ(p, std::nullopt);  // the tensor goes whole
+  EXPECT_EQ(compositions->stats().over_budget, 1u);
+  EXPECT_EQ(compositions->stats().made, 0u);
+  EXPECT_EQ(compositions->stats().bytes, 0u);
+  EXPECT_TRUE(h.Chain(0, compositions).Composes("t0"));  // not cached: it would try again
+  // One step behind: the kept step itself, nothing composed.
+  ASSERT_OK_AND_ASSIGN(p, h.Chain(2, compositions).For("t0"));
+  ASSERT_TRUE(p.has_value());
+  EXPECT_TRUE(h.Brings(*p, 2, 0));
+  EXPECT_FALSE(h.Chain(2, compositions).Composes("t0"));
+  EXPECT_EQ(compositions->stats().bytes, 0u);
+}
+
+TEST_F(VersionPatchesTest, AlternatingSinceVersionsComposeEachOnceAndKeepBoth) {
+  CheckpointRegistry registry({.models_dir = models_, .tensor_digests = true, .kept_patch_bytes = 4 << 20});
+  std::vector<std::vector<float>> w = {std::vector<float>(1 << 16, 0.5f)};
+  std::vector<std::string> versions;
+  for (uint32_t i = 0; i < 4; ++i) {
+    if (i > 0) w.push_back(Step(w.back(), 50 + i));
+    Publish({F32("w", w.back())});
+    registry.Rescan();
+    versions.push_back(registry.Get("m")->version());
+  }
+  for (int round = 0; round < 10; ++round) {
+    const size_t since = round % 2;
+    std::shared_ptr<const PatchChain> chain = registry.FindPatches("m", versions[since], versions.back());
+    ASSERT_NE(chain, nullptr);
+    EXPECT_EQ(Patched(*chain, "w", w[since]), w.back());
+  }
+  EXPECT_EQ(registry.CompositionStats().made, 2u);
+  EXPECT_EQ(registry.CompositionStats().shared, 8u);
+  EXPECT_EQ(registry.CompositionStats().over_budget, 0u);
+  // A new version: compositions to the old one are dropped.
+  w.push_back(Step(w.back(), 60));
+  Publish({F32("w", w.back())});
+  registry.Rescan();
+  EXPECT_EQ(registry.CompositionStats().bytes, 0u);
 }
 
 }  // namespace
