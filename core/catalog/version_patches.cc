@@ -111,7 +111,8 @@ struct PatchCompositions::Entry {
   uint64_t used = 0;  // tick of the last ask
 };
 
-PatchCompositions::PatchCompositions(uint64_t max_bytes) : budget_(std::make_shared<Budget>(max_bytes)) {}
+PatchCompositions::PatchCompositions(uint64_t max_bytes, int max_composing)
+    : budget_(std::make_shared<Budget>(max_bytes)), max_composing_(std::max(1, max_composing)) {}
 
 PatchCompositions::Stats PatchCompositions::stats() const {
   absl::MutexLock lock(&mu_);
@@ -146,6 +147,7 @@ bool PatchCompositions::Cached(const std::string& key) const {
 }
 
 bool PatchCompositions::Reserve(uint64_t bytes) {
+  if (bytes > budget_->max) return false;  // dropping the cache would not help
   while (!budget_->TryTake(bytes)) {
     std::shared_ptr<Entry> victim;  // dropped after the lock: gives its bytes back unless held
     absl::MutexLock lock(&mu_);
@@ -192,7 +194,16 @@ absl::StatusOr<std::optional<ElementPatch>> PatchCompositions::Compose(const std
   absl::StatusOr<std::optional<ElementPatch>> made = std::nullopt;
   bool counted = fits;
   if (fits) {
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &PatchCompositions::MayCompose));
+      ++composing_;
+    }
     made = ComposeAll(parts);
+    {
+      absl::MutexLock lock(&mu_);
+      --composing_;
+    }
     const uint64_t size = made.ok() && made->has_value() ? (*made)->body.size() : 0;
     if (size > estimate && !budget_->TryTake(size - estimate)) {
       budget_->bytes.fetch_sub(estimate);

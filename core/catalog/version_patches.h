@@ -51,8 +51,9 @@ absl::StatusOr<std::shared_ptr<const VersionPatches>> DiffVersions(
 // tensor), made once (an asker finding it being made waits for it), and
 // counted against `max_bytes` for as long as anyone holds its body (cached,
 // or being sent). One that would not fit, after the least recently used
-// cached ones are dropped, is not made: its tensor goes whole. Thread-safe;
-// the bodies it made may outlive it.
+// cached ones are dropped, is not made: its tensor goes whole. At most
+// `max_composing` are made at once, whatever threads ask. Thread-safe; the
+// bodies it made may outlive it.
 class PatchCompositions {
  public:
   struct Stats {
@@ -64,7 +65,7 @@ class PatchCompositions {
     uint64_t over_budget = 0;   // compositions not made for the budget
   };
 
-  explicit PatchCompositions(uint64_t max_bytes);
+  explicit PatchCompositions(uint64_t max_bytes, int max_composing = 2);
   PatchCompositions(const PatchCompositions&) = delete;
   PatchCompositions& operator=(const PatchCompositions&) = delete;
 
@@ -89,9 +90,12 @@ class PatchCompositions {
   // Takes `bytes` from the budget, dropping cached compositions (least
   // recently used first) to make room; false when it cannot.
   bool Reserve(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  bool MayCompose() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return composing_ < max_composing_; }
 
   const std::shared_ptr<Budget> budget_;
+  const int max_composing_;
   mutable absl::Mutex mu_;
+  int composing_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;  // for least recently used
   uint64_t made_ ABSL_GUARDED_BY(mu_) = 0;
