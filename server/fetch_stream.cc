@@ -165,8 +165,10 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       // Byte ranges go out as slices of the mapping; the others are produced
       // a chunk at a time, so a stream never holds a whole one.
       plan_ = PlanServedTensor(snapshot, snapshot.tensors()[index_]);
+      if (!composed_ && ServedPatchComposes(patches_.get(), snapshot, plan_) && ComposeElsewhere()) return;
+      patch_ = composed_ ? *std::move(composed_) : ServedPatch(patches_.get(), snapshot, plan_);
+      composed_.reset();
       bytes_ = SharedBytes();
-      patch_ = ServedPatch(patches_.get(), snapshot, plan_);
       if (patch_) {
         bytes_ = patch_->body;
       } else if (plan_.is_byte_range()) {
@@ -235,6 +237,29 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     StartWrite(&buffer_);
   }
 
+  // Has a composition worker make the current tensor's patch, and Next()
+  // again from there: a stream waiting for a composition (its own, or
+  // another stream's of the same tensor) holds no gRPC thread, and is kept
+  // from the stall watchdog meanwhile. False when no worker takes it (the
+  // queue is full): the tensor then goes whole.
+  bool ComposeElsewhere() {
+    if (serving_.compositions == nullptr) return false;
+    watch_.Busy();
+    absl::Status queued = serving_.compositions->Post([this](absl::Status runnable) {
+      watch_.Resume();
+      if (!runnable.ok()) {
+        Done(serving_.client_status(runnable));
+        return;
+      }
+      composed_.emplace(cancelled_ ? std::nullopt : ServedPatch(patches_.get(), *resolved_.snapshot, plan_));
+      Next();
+    });
+    if (queued.ok()) return true;
+    watch_.Resume();
+    composed_.emplace();  // whole
+    return false;
+  }
+
   // What a stream's first chunk carries: its version, and how a since_version
   // was used.
   void SetStreamFields(v1::TensorChunk* chunk) const {
@@ -287,6 +312,8 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   std::shared_ptr<const PatchChain> patches_;  // with request_.patches, from the since version
   std::string patch_reason_;                   // why there are none
   std::optional<ElementPatch> patch_;          // the current tensor's, when it goes as one
+  // The current tensor's patch, once a composition worker decided it.
+  std::optional<std::optional<ElementPatch>> composed_;
   std::shared_ptr<std::vector<std::byte>> buffers_[2];
   int next_buffer_ = 0;
   uint32_t crc_ = 0;

@@ -85,6 +85,11 @@ struct ServiceOptions {
   // cores: a worker may wait for another computing the same checksum.
   int background_threads = 4;
   size_t max_background_queue = 1024;
+  // Workers that compose element patches for fetches several versions
+  // behind (core/catalog/version_patches.h), off gRPC's threads; a stream
+  // waits for its composition holding no thread. Streams beyond what the
+  // queue holds (streams.total) get the tensor whole. Default: 2.
+  int composition_threads = 2;
 };
 
 // How the socket hands out tensors stored as-is in a checkpoint file.

@@ -53,13 +53,30 @@ PatchesFound FindPatches(const CheckpointRegistry& registry, const Resolved& res
   return found;
 }
 
+namespace {
+
+// The stored name of the tensor `plan` serves, when it may go as a patch:
+// served as stored (no cast, shard, slice or transpose), not BOOL.
+const std::string* PatchableName(const PatchChain* chain, const Snapshot& snapshot, const ServedTensorPlan& plan) {
+  if (chain == nullptr || !plan.is_byte_range()) return nullptr;
+  const CheckpointEntry& entry = snapshot.checkpoint().entries()[plan.entry];
+  if (plan.byte_size != entry.spec.byte_size() || entry.spec.dtype == DType::kBool) return nullptr;
+  return &entry.spec.name;
+}
+
+}  // namespace
+
 std::optional<ElementPatch> ServedPatch(const PatchChain* chain, const Snapshot& snapshot,
                                         const ServedTensorPlan& plan) {
-  if (chain == nullptr || !plan.is_byte_range()) return std::nullopt;
-  const CheckpointEntry& entry = snapshot.checkpoint().entries()[plan.entry];
-  if (plan.byte_size != entry.spec.byte_size() || entry.spec.dtype == DType::kBool) return std::nullopt;
-  absl::StatusOr<std::optional<ElementPatch>> patch = chain->For(entry.spec.name);
+  const std::string* name = PatchableName(chain, snapshot, plan);
+  if (name == nullptr) return std::nullopt;
+  absl::StatusOr<std::optional<ElementPatch>> patch = chain->For(*name);
   return patch.ok() ? *std::move(patch) : std::nullopt;  // a patch that cannot compose: the tensor
+}
+
+bool ServedPatchComposes(const PatchChain* chain, const Snapshot& snapshot, const ServedTensorPlan& plan) {
+  const std::string* name = PatchableName(chain, snapshot, plan);
+  return name != nullptr && chain->Composes(*name);
 }
 
 bool IsCostlySelection(const v1::Selection& selection) {

@@ -59,6 +59,10 @@ PatchesFound FindPatches(const CheckpointRegistry& registry, const Resolved& res
 // transports send instead of the tensor.
 std::optional<ElementPatch> ServedPatch(const PatchChain* chain, const Snapshot& snapshot,
                                         const ServedTensorPlan& plan);
+// True when ServedPatch would compose, or wait for a composition another
+// caller is making (PatchChain::Composes): what callers on gRPC's threads
+// run elsewhere.
+bool ServedPatchComposes(const PatchChain* chain, const Snapshot& snapshot, const ServedTensorPlan& plan);
 
 // Returns NotFound for an unknown checkpoint, Aborted when `pinned_version` is
 // set and no longer current, InvalidArgument for a bad selection (naming the

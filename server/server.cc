@@ -98,6 +98,21 @@ void AddScrapedFamilies(ServerMetrics* metrics, const CheckpointRegistry* regist
                for (const auto& v : registry->List()) bytes += static_cast<double>(v->checkpoint()->total_bytes());
                return bytes;
              }));
+  f.AddGauge("weightstore_composed_patch_bytes",
+             "Bytes of element patches composed for clients several versions behind, cached or being sent.",
+             One([registry] { return static_cast<double>(registry->CompositionStats().bytes); }));
+  f.AddGauge("weightstore_composed_patch_budget_bytes",
+             "What composed element patches may hold (as much as --kept-patch-bytes).",
+             One([registry] { return static_cast<double>(registry->CompositionStats().budget_bytes); }));
+  f.AddCounter("weightstore_patch_compositions_total",
+               "Asks for a composed element patch: made, shared (made before or in flight), or over_budget "
+               "(not made: the tensor went whole).",
+               [registry] {
+                 const PatchCompositions::Stats s = registry->CompositionStats();
+                 return std::vector<Sample>{{{{"result", "made"}}, static_cast<double>(s.made)},
+                                            {{{"result", "shared"}}, static_cast<double>(s.shared)},
+                                            {{{"result", "over_budget"}}, static_cast<double>(s.over_budget)}};
+               });
   f.AddGauge("weightstore_shm_bytes", "Shared memory held: materialized segments, and preloaded checkpoints.",
              [segments] {
                const SegmentCache::Stats s = segments->stats();

@@ -58,6 +58,8 @@ WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOpti
       uploads_(options.uploads),
       background_(options.background_threads, options.max_background_queue, "checksum work"),
       selections_(SelectionThreads(options), options.selection_work.total, "selection work"),
+      compositions_(std::max(1, options.composition_threads), std::max(1, options.streams.total),
+                    "element patch composition"),
       serving_{.registry = registry,
                .puller = puller,
                .options = &options_,
@@ -68,6 +70,7 @@ WeightStoreService::WeightStoreService(CheckpointRegistry* registry, ServiceOpti
                .stream_limits = &options_.streams,
                .pull_waits = &pull_waits_,
                .uploads = &uploads_,
+               .compositions = &compositions_,
                .resolve_async =
                    [this](const grpc::CallbackServerContext& ctx, const std::string& name,
                           const v1::Selection& selection, const std::string& version, const std::string& since_version,

@@ -101,8 +101,10 @@ class WeightStoreService final : public ServiceBase {
     // Both marked stopping first: a body on one pool asks both (Cancelled).
     selections_.BeginStop();
     background_.BeginStop();
+    compositions_.BeginStop();
     selections_.Stop();
     background_.Stop();
+    compositions_.Stop();
   }
   int active_watches() const { return watches_.active(); }
   uint64_t watch_cached_bytes() const { return watches_.cached_bytes(); }
@@ -176,7 +178,8 @@ class WeightStoreService final : public ServiceBase {
   AdmissionGate uploads_;         // PutCheckpoint and PushCheckpoint streams (ServiceOptions::uploads)
   StallWatchdog stalls_;          // cancels the streams and uploads that stall
   WorkerPool background_;
-  WorkerPool selections_;  // ServiceOptions::selection_threads
+  WorkerPool selections_;    // ServiceOptions::selection_threads
+  WorkerPool compositions_;  // ServiceOptions::composition_threads
   std::atomic<bool> stopping_{false};
   Serving serving_;   // for the handlers in files of their own
   WatchHub watches_;  // last: its streams end first

@@ -22,6 +22,7 @@
 #include "server/options.h"
 #include "server/resolve.h"
 #include "server/stall_watchdog.h"
+#include "server/worker_pool.h"
 
 namespace weightstore::server {
 
@@ -43,6 +44,9 @@ struct Serving {
   // pushes (ServiceOptions::uploads).
   AdmissionGate* pull_waits = nullptr;
   AdmissionGate* uploads = nullptr;
+  // Where patches that must be composed are (ServedPatchComposes), off
+  // gRPC's threads; null: composed on the caller's.
+  WorkerPool* compositions = nullptr;
   // Resolve() of a read, calling `done` exactly once: at once for a plain
   // selection, on a selection worker holding a slot of
   // --max-concurrent-selections for a costly one.

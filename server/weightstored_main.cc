@@ -253,7 +253,9 @@ int main(int argc, char** argv) {
   app.add_option("--kept-patch-bytes", options.registry.kept_patch_bytes,
                  "Memory the element patches between kept versions may hold (bytes, or with a unit; 0: no "
                  "patches): a client a few versions behind gets the changed elements, not whole tensors; the "
-                 "oldest go first")
+                 "oldest go first. The patches composed from them for clients several versions behind may hold "
+                 "as much again (while cached or being sent); one that does not fit is not made, and the tensor "
+                 "goes whole")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
   app.add_option("--max-watches", options.service.watches.max_watches, "WatchCheckpoints streams at once")
