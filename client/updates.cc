@@ -5,13 +5,19 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <map>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/device_patches.h"
 #include "client/proto_convert.h"
 #include "client/usable_cores.h"
 #include "core/catalog/manifest.h"
+#include "core/element_patch.h"
+#include "core/host_buffer.h"
 #include "core/parallel_for.h"
 #include "core/status_macros.h"
 
@@ -100,162 +106,302 @@ absl::Status ApplyReceivedPatches(std::span<const ReceivedPatch> patches,
   });
 }
 
-namespace {
-
-// The changed tensors that came as patches, applied to the held ones
-// (`by_name`): in place where UpdateTensors made a held tensor's memory and
-// nothing else shares it (HostBuffer::SoleWritable), else into a copy. An
-// error when a patch does not fit what is held or fails; `*wrote_in_place`
-// then says whether held memory may have been written.
-absl::StatusOr<std::vector<SharedTensor>> PatchHeld(
-    const std::vector<ReceivedPatch>& patches, const absl::flat_hash_map<std::string, const SharedTensor*>& by_name,
-    bool* wrote_in_place) {
-  std::vector<std::optional<HostBuffer>> copies(patches.size());
-  std::vector<std::span<std::byte>> destinations;
-  std::vector<size_t> to_copy;
+absl::Status ApplyPatchesAt(std::span<const ReceivedPatch> patches, std::span<const PatchDestination> destinations) {
+  if (patches.size() != destinations.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(patches.size(), " patches for ", destinations.size(), " destinations"));
+  }
+  struct Group {
+    std::vector<ReceivedPatch> patches;
+    std::vector<std::span<std::byte>> host;
+    std::vector<void*> device;
+  };
+  // GPUs first (-1, host memory, last).
+  std::map<int, Group, std::greater<int>> by_device;
   for (size_t i = 0; i < patches.size(); ++i) {
     const ReceivedPatch& p = patches[i];
-    auto it = by_name.find(p.spec.name);
-    if (it == by_name.end() || it->second->spec.dtype != p.spec.dtype || it->second->spec.shape != p.spec.shape) {
+    const PatchDestination& to = destinations[i];
+    if (to.bytes.data() == nullptr || to.bytes.size() != p.spec.byte_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("the destination of tensor '", p.spec.name, "' holds ",
+                                                     to.bytes.size(), " bytes, the patch is for ", p.spec.byte_size()));
+    }
+    if (absl::Status checked = CheckPatch(p.patch); !checked.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the patch of tensor '", p.spec.name, "' is malformed: ", checked.message()));
+    }
+    Group& group = by_device[std::max(to.device, -1)];
+    group.patches.push_back(p);
+    if (to.device < 0) {
+      group.host.push_back(to.bytes);
+    } else {
+      group.device.push_back(to.bytes.data());
+    }
+  }
+  for (const auto& [device, group] : by_device) {
+    WEIGHTSTORE_RETURN_IF_ERROR(device < 0
+                                    ? ApplyReceivedPatches(group.patches, group.host)
+                                    : ApplyReceivedPatchesOnDevice(group.patches, group.device, {.device = device}));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Whether `held` holds a tensor as `spec` is listed.
+bool HoldsAsListed(const std::optional<UpdateDestination::Held>& held, const TensorSpec& spec) {
+  return held && held->dtype == spec.dtype && held->shape == spec.shape;
+}
+
+// For a fixed_names() destination: every tensor about to be written must be
+// held, with its listed shape.
+absl::Status CheckFits(const std::string& name, const UpdateDestination& destination, const ChangedTensors& r) {
+  if (!destination.fixed_names()) return absl::OkStatus();
+  std::vector<std::string> problems;
+  auto check = [&](const TensorSpec& spec) {
+    const std::optional<UpdateDestination::Held> held = destination.Find(spec.name);
+    if (!held) {
+      problems.push_back(absl::StrCat(spec.name, ": not held, and these tensors take no new ones"));
+    } else if (held->shape != spec.shape) {
+      problems.push_back(absl::StrCat(spec.name, ": shape [", absl::StrJoin(spec.shape, ", "), "], held as [",
+                                      absl::StrJoin(held->shape, ", "), "]"));
+    }
+  };
+  for (const SharedTensor& t : r.received) check(t.spec);
+  for (const ReceivedPatch& p : r.patched) check(p.spec);
+  if (problems.empty()) return absl::OkStatus();
+  if (problems.size() > 8) problems.resize(8);
+  return absl::FailedPreconditionError(
+      absl::StrCat("update of '", name, "' does not fit what is held: ", absl::StrJoin(problems, "; ")));
+}
+
+// Writes the patches `r` carries where `destination` says, checked; an error
+// when a patch does not fit what is held, or fails. `*in_place` says whether
+// held memory was handed out.
+absl::Status WritePatches(const ChangedTensors& r, UpdateDestination& destination, bool* in_place) {
+  for (const ReceivedPatch& p : r.patched) {
+    const std::optional<UpdateDestination::Held> held = destination.Find(p.spec.name);
+    if (!HoldsAsListed(held, p.spec) || !held->patchable) {
       return absl::FailedPreconditionError(
           absl::StrCat("a patch came for tensor '", p.spec.name, "', which is not held as listed"));
     }
-    if (it->second->bytes.size() != p.spec.byte_size()) {
-      return absl::FailedPreconditionError(absl::StrCat("held tensor '", p.spec.name, "' has ",
-                                                        it->second->bytes.size(), " bytes, not ", p.spec.byte_size()));
-    }
-    std::span<std::byte> own = HostBuffer::SoleWritable(it->second->bytes);
-    if (!own.empty()) {
-      destinations.push_back(own);
-      *wrote_in_place = true;
-      continue;
-    }
-    WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer copy, HostBuffer::Allocate(p.spec.byte_size()));
-    destinations.push_back(copy.span());
-    copies[i] = std::move(copy);
-    to_copy.push_back(i);
   }
-  WEIGHTSTORE_RETURN_IF_ERROR(
-      ParallelFor(to_copy.size(), static_cast<unsigned>(std::max(1, UsableCores())), [&](size_t k) -> absl::Status {
-        const size_t i = to_copy[k];
-        const SharedBytes& from = by_name.at(patches[i].spec.name)->bytes;
-        std::memcpy(destinations[i].data(), from.data(), from.size());
-        return absl::OkStatus();
-      }));
-  WEIGHTSTORE_RETURN_IF_ERROR(ApplyReceivedPatches(patches, destinations));
-  std::vector<SharedTensor> out;
-  for (size_t i = 0; i < patches.size(); ++i) {
-    out.push_back(
-        {patches[i].spec, copies[i] ? std::move(*copies[i]).Freeze() : by_name.at(patches[i].spec.name)->bytes});
-  }
-  return out;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<PatchDestination> to, destination.PatchInto(r.patched, in_place));
+  return ApplyPatchesAt(r.patched, to);
 }
 
-}  // namespace
-
-namespace {
-
-// UpdateTensors; `*wrote_in_place` says whether held memory was written.
-absl::StatusOr<UpdateResult> Update(Store& store, const std::string& name, Query query, HeldTensors* held,
-                                    bool* wrote_in_place) {
-  UpdateResult result;
-  result.old_version = held->version;
-  absl::flat_hash_map<std::string, const SharedTensor*> by_name;
-  for (const SharedTensor& t : held->tensors) by_name.emplace(t.spec.name, &t);
-
-  const std::string selection = SelectionKey(query);
-  const bool reselected = !held->version.empty() && held->selection != selection;
-  query.since_version = reselected ? "" : held->version;
-  query.patches = true;
+// UpdateInto; `*in_place` says whether held memory was handed out for
+// patches.
+absl::StatusOr<Updated> Update(Store& store, const std::string& name, Query query, const std::string& since,
+                               const std::string& since_selection, UpdateDestination& destination, bool* in_place) {
+  Updated out;
+  UpdateResult& result = out.result;
+  result.old_version = since;
+  out.selection = SelectionKey(query);
+  const bool reselected = !since.empty() && since_selection != out.selection;
+  query.since_version = reselected ? "" : since;
+  const std::vector<std::string> held_names = destination.Names();
+  // Patches are asked for when every held tensor can take one.
+  query.patches = !query.since_version.empty();
+  for (const std::string& n : held_names) {
+    if (!query.patches) break;
+    const std::optional<UpdateDestination::Held> held = destination.Find(n);
+    query.patches = held && held->patchable;
+  }
   WEIGHTSTORE_ASSIGN_OR_RETURN(ChangedTensors r, FetchChanged(store, name, query));
   result.delta = r.delta;
   result.patch_reason = r.patch_reason;
   result.full_reason = !reselected ? r.full_reason
-                       : held->selection.empty()
-                           ? "the held tensors' selection is not recorded (HeldTensors::selection)"
-                           : "the held tensors were selected otherwise (another selection, shard "
-                             "or dtype)";
+                       : since_selection.empty()
+                           ? "the held tensors' selection is not recorded, so their selection (shard, dtype, "
+                             "renames...) is not known: they were filled otherwise than by an update, or a "
+                             "pinned fetch, of this store"
+                           : "the held tensors were selected otherwise (another selection: shard, dtype, "
+                             "renames...)";
   // What the daemon calls unchanged must be held as listed: else the held
   // tensors came from another query, and everything is received again.
   for (const TensorDescription& d : r.listed) {
-    if (!result.delta || !d.unchanged) continue;
-    auto it = by_name.find(d.spec.name);
-    if (it == by_name.end() || it->second->spec.dtype != d.spec.dtype || it->second->spec.shape != d.spec.shape) {
-      result.delta = false;
-      result.full_reason = absl::StrCat("tensor '", d.spec.name, "' is not held as the query selects it");
-      query.since_version.clear();
-      WEIGHTSTORE_ASSIGN_OR_RETURN(r, FetchChanged(store, name, query));
-      break;
-    }
+    if (!result.delta || !d.unchanged || HoldsAsListed(destination.Find(d.spec.name), d.spec)) continue;
+    result.delta = false;
+    result.full_reason = absl::StrCat("tensor '", d.spec.name,
+                                      "' is not held as the query selects it (missing, or another dtype or shape)");
+    query.since_version.clear();
+    query.patches = false;
+    WEIGHTSTORE_ASSIGN_OR_RETURN(r, FetchChanged(store, name, query));
+    break;
   }
-
+  if (!query.patches && !r.patched.empty()) {
+    return absl::DataLossError(
+        absl::StrCat("update of '", name, "': the daemon sent element patches that were not asked for"));
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckFits(name, destination, r));
   if (!r.patched.empty()) {
-    absl::StatusOr<std::vector<SharedTensor>> patched = PatchHeld(r.patched, by_name, wrote_in_place);
-    if (patched.ok()) {
+    if (absl::Status written = WritePatches(r, destination, in_place); written.ok()) {
       for (const ReceivedPatch& p : r.patched) {
         result.patched.push_back(p.spec.name);
         result.fetched_bytes += p.patch.body.size();
       }
-      for (SharedTensor& t : *patched) r.received.push_back(std::move(t));
     } else {
-      // Fetch the changed tensors whole, pinned to the version listed.
-      result.patch_failure = std::string(patched.status().message());
+      // The changed tensors whole, pinned to the version listed.
+      result.patch_failure = std::string(written.message());
       query.patches = false;
       query.version = r.version;
       WEIGHTSTORE_ASSIGN_OR_RETURN(r, FetchChanged(store, name, query));
+      WEIGHTSTORE_RETURN_IF_ERROR(CheckFits(name, destination, r));
     }
   }
-  absl::flat_hash_map<std::string, SharedTensor*> sent;
-  for (SharedTensor& t : r.received) sent.emplace(t.spec.name, &t);
-  absl::flat_hash_set<std::string> came_patched(result.patched.begin(), result.patched.end());
-  HeldTensors next{r.version, {}, selection};
-  next.tensors.reserve(r.listed.size());
+  absl::flat_hash_map<std::string, const SharedTensor*> sent;
+  for (const SharedTensor& t : r.received) sent.emplace(t.spec.name, &t);
+  const absl::flat_hash_set<std::string> came_patched(result.patched.begin(), result.patched.end());
   absl::flat_hash_set<std::string> listed;
+  size_t whole = 0;
   for (const TensorDescription& d : r.listed) {
     listed.insert(d.spec.name);
+    out.listed.push_back(d.spec.name);
+    const bool held = destination.Find(d.spec.name).has_value();
+    if (came_patched.contains(d.spec.name)) {
+      result.changed.push_back(d.spec.name);
+      ++result.fetched_tensors;
+      continue;
+    }
     auto f = sent.find(d.spec.name);
     // An unchanged tensor may come all the same: the daemon dropped the
     // since version's digests between the listing and the fetch.
-    const bool kept = result.delta && d.unchanged && f == sent.end();
-    if (!kept && f == sent.end()) {
+    if (f == sent.end()) {
+      if (result.delta && d.unchanged) continue;  // kept as held
       return absl::DataLossError(
           absl::StrCat("update of '", name, "': tensor '", d.spec.name, "' was not sent although changed"));
-    }
-    if (kept) {
-      next.tensors.push_back(*by_name.at(d.spec.name));
-      continue;
     }
     if (f->second->spec.dtype != d.spec.dtype || f->second->spec.shape != d.spec.shape) {
       return absl::DataLossError(
           absl::StrCat("update of '", name, "': tensor '", d.spec.name, "' arrived unlike its listing"));
     }
-    if (!(result.delta && d.unchanged)) {
-      (by_name.contains(d.spec.name) ? result.changed : result.added).push_back(d.spec.name);
-    }
-    if (!came_patched.contains(d.spec.name)) result.fetched_bytes += f->second->bytes.size();
+    if (!(result.delta && d.unchanged)) (held ? result.changed : result.added).push_back(d.spec.name);
+    result.fetched_bytes += f->second->bytes.size();
     ++result.fetched_tensors;
-    next.tensors.push_back(std::move(*f->second));
+    ++whole;
   }
-  if (r.received.size() != result.fetched_tensors) {
+  if (r.received.size() != whole) {
     return absl::DataLossError(absl::StrCat("update of '", name, "': the daemon sent ", r.received.size(),
-                                            " tensors where the listing called for ", result.fetched_tensors));
+                                            " tensors where the listing called for ", whole));
   }
-  for (const SharedTensor& t : held->tensors) {
-    if (!listed.contains(t.spec.name)) result.removed.push_back(t.spec.name);
+  for (const std::string& n : held_names) {
+    if (!listed.contains(n)) result.removed.push_back(n);
   }
-  result.new_version = next.version;
-  *held = std::move(next);
-  return result;
+  result.new_version = r.version;
+  out.received = std::move(r.received);
+  return out;
 }
+
+// HeldTensors as an update's destination: every tensor patchable, in place
+// where UpdateTensors made its memory and nothing else shares it
+// (HostBuffer::SoleWritable), else into a copy.
+class HeldDestination final : public UpdateDestination {
+ public:
+  explicit HeldDestination(const HeldTensors& held) : held_(held) {
+    for (const SharedTensor& t : held.tensors) by_name_.emplace(t.spec.name, &t);
+  }
+
+  std::optional<Held> Find(const std::string& name) const override {
+    auto it = by_name_.find(name);
+    if (it == by_name_.end()) return std::nullopt;
+    return Held{it->second->spec.dtype, it->second->spec.shape, /*patchable=*/true};
+  }
+
+  std::vector<std::string> Names() const override {
+    std::vector<std::string> names;
+    for (const SharedTensor& t : held_.tensors) names.push_back(t.spec.name);
+    return names;
+  }
+
+  absl::StatusOr<std::vector<PatchDestination>> PatchInto(std::span<const ReceivedPatch> patches,
+                                                          bool* in_place) override {
+    std::vector<PatchDestination> to;
+    std::vector<std::pair<const SharedBytes*, std::span<std::byte>>> to_copy;
+    for (const ReceivedPatch& p : patches) {
+      const SharedBytes& from = by_name_.at(p.spec.name)->bytes;
+      if (from.size() != p.spec.byte_size()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("held tensor '", p.spec.name, "' has ", from.size(), " bytes, not ", p.spec.byte_size()));
+      }
+      std::span<std::byte> own = HostBuffer::SoleWritable(from);
+      if (!own.empty()) {
+        to.push_back({own});
+        *in_place = wrote_in_place_ = true;
+        continue;
+      }
+      WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer copy, HostBuffer::Allocate(p.spec.byte_size()));
+      to.push_back({copy.span()});
+      to_copy.emplace_back(&from, copy.span());
+      copies_.insert_or_assign(p.spec.name, std::move(copy));
+    }
+    WEIGHTSTORE_RETURN_IF_ERROR(
+        ParallelFor(to_copy.size(), static_cast<unsigned>(std::max(1, UsableCores())), [&](size_t k) -> absl::Status {
+          const auto& [from, into] = to_copy[k];
+          std::memcpy(into.data(), from->data(), from->size());
+          return absl::OkStatus();
+        }));
+    return to;
+  }
+
+  // `updated` taken in: the tensors held at its new version, in listing order.
+  HeldTensors Take(Updated updated) && {
+    absl::flat_hash_map<std::string, SharedTensor*> received;
+    for (SharedTensor& t : updated.received) received.emplace(t.spec.name, &t);
+    const absl::flat_hash_set<std::string> patched(updated.result.patched.begin(), updated.result.patched.end());
+    HeldTensors next{updated.result.new_version, {}, std::move(updated.selection)};
+    next.tensors.reserve(updated.listed.size());
+    for (const std::string& n : updated.listed) {
+      if (auto r = received.find(n); r != received.end()) {
+        next.tensors.push_back(std::move(*r->second));
+        continue;
+      }
+      SharedTensor kept = *by_name_.at(n);  // unchanged, or patched in place
+      if (patched.contains(n)) {
+        if (auto copy = copies_.find(n); copy != copies_.end()) kept.bytes = std::move(copy->second).Freeze();
+      }
+      next.tensors.push_back(std::move(kept));
+    }
+    return next;
+  }
+
+  // Whether PatchInto handed out held memory.
+  bool wrote_in_place() const { return wrote_in_place_; }
+
+ private:
+  const HeldTensors& held_;
+  bool wrote_in_place_ = false;
+  absl::flat_hash_map<std::string, const SharedTensor*> by_name_;
+  absl::flat_hash_map<std::string, HostBuffer> copies_;  // patched into copies, by name
+};
 
 }  // namespace
 
+absl::StatusOr<Updated> UpdateInto(Store& store, const std::string& name, Query query, const std::string& since,
+                                   const std::string& since_selection, UpdateDestination& destination) {
+  bool in_place = false;
+  absl::StatusOr<Updated> updated =
+      Update(store, name, std::move(query), since, since_selection, destination, &in_place);
+  if (!updated.ok() && in_place) {
+    return absl::Status(updated.status().code(),
+                        absl::StrCat(updated.status().message(),
+                                     " (tensors patched in place may be partly written: update them again from "
+                                     "nothing held)"));
+  }
+  return updated;
+}
+
 absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name, Query query, HeldTensors* held) {
-  bool wrote_in_place = false;
-  absl::StatusOr<UpdateResult> result = Update(store, name, std::move(query), held, &wrote_in_place);
-  // Held memory written in place is no longer its version's: the next update
-  // fetches everything.
-  if (!result.ok() && wrote_in_place) held->version.clear();
+  HeldDestination destination(*held);
+  absl::StatusOr<Updated> updated =
+      UpdateInto(store, name, std::move(query), held->version, held->selection, destination);
+  if (!updated.ok()) {
+    // Held memory written in place is no longer its version's: the next
+    // update fetches everything.
+    if (destination.wrote_in_place()) held->version.clear();
+    return updated.status();
+  }
+  UpdateResult result = updated->result;
+  *held = std::move(destination).Take(*std::move(updated));
   return result;
 }
 

@@ -6,6 +6,7 @@
 #define WEIGHTSTORE_CLIENT_UPDATES_H_
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -84,24 +85,99 @@ absl::Status ApplyReceivedPatches(std::span<const ReceivedPatch> patches,
 // no mapping: the caller keeps its own; with Query::patches, a patch is
 // mapped instead of a tensor it patches); from the others they are fetched,
 // pinned to the version listed. A local store tells nothing: all of them.
-// What UpdateTensors and the Python package's update() are made of.
+// What UpdateInto and the Python package's changes() are made of.
 absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& name, Query query);
 
-// Brings `held` (tensors `query` fetched earlier from `name`, or nothing) to
-// the current version. Lists with Query::since_version = held->version, then
-// fetches, pinned to the listed version, only the tensors not unchanged; the
-// unchanged ones keep their memory. From a remote or socket store a changed
-// tensor may come as an element patch (Query::patches is set), applied in one call and
-// checked against its digest: in place into a held tensor whose memory an
-// earlier UpdateTensors made and that `held` alone references (a caller that
-// kept a copy of it keeps its bytes), else into a copy. Patches that fail are
-// followed by a fetch of the changed tensors whole; should that fail too
-// after a patch was written in place, `held->version` is cleared (the next
-// update fetches everything). Falls back to a full fetch, and says why,
-// when the store or daemon cannot tell what changed, or when `held` is not
-// what `query` selects (held under another selection, or a tensor's dtype or
-// shape unlike the listing). On error `held` is left as it was, but for the
-// case above.
+// Memory an element patch is written into, holding its tensor's bytes as of
+// the version held: on the host (device < 0), or in CUDA device `device`'s
+// memory (`bytes` then spans device addresses, never read on the host).
+struct PatchDestination {
+  std::span<std::byte> bytes;
+  int device = -1;
+};
+
+// ApplyReceivedPatches for host and device memory alike: patches[i] into
+// destinations[i], each result checked against its digest. Every patch is
+// parsed and every destination's size checked first (InvalidArgument naming
+// the tensor, nothing written); GPUs are written before host memory, so a GPU
+// that cannot be used (client/device_patches.h) fails the call before host
+// memory is written.
+absl::Status ApplyPatchesAt(std::span<const ReceivedPatch> patches, std::span<const PatchDestination> destinations);
+
+// What an update brings to the current version: tensors a caller holds by
+// served name. HeldTensors is one; the Python package's are a module's
+// parameters and buffers, or a dict of torch tensors or numpy arrays, on the
+// CPU or a GPU. UpdateInto asks it what is held and where each element patch
+// goes; the caller then takes in what arrived (Updated).
+class UpdateDestination {
+ public:
+  struct Held {
+    std::optional<DType> dtype;   // nullopt: held as no served dtype
+    std::vector<uint64_t> shape;  // as served (F4 counts elements, not bytes)
+    bool patchable = false;       // an element patch can be written into it, or into a copy of it
+  };
+  virtual ~UpdateDestination() = default;
+  // The tensor held as `name`, or nullopt.
+  virtual std::optional<Held> Find(const std::string& name) const = 0;
+  // Every name held.
+  virtual std::vector<std::string> Names() const = 0;
+  // True when every tensor an update writes must be held already, with its
+  // listed shape (a module's parameters: their dtype may differ, and the
+  // caller converts). Else UpdateInto fails FailedPrecondition before it
+  // writes anything.
+  virtual bool fixed_names() const { return false; }
+  // Memory for each of `patches` (each held as Find says, with the patch's
+  // dtype and shape, and patchable), holding the held bytes: the held memory
+  // itself (`*in_place` set: held memory will be written), or a copy the
+  // destination keeps for the caller to take in. Called at most once per
+  // update.
+  virtual absl::StatusOr<std::vector<PatchDestination>> PatchInto(std::span<const ReceivedPatch> patches,
+                                                                  bool* in_place) = 0;
+};
+
+// What UpdateInto brought, for its destination to take in.
+struct Updated {
+  UpdateResult result;
+  // Every served name of the new version, in listing order.
+  std::vector<std::string> listed;
+  // The changed and added tensors that came whole, in listing order. Those
+  // in result.patched were written where PatchInto said; the rest of
+  // `listed` are unchanged, and stay as held.
+  std::vector<SharedTensor> received;
+  // SelectionKey(query): what to record with result.new_version.
+  std::string selection;
+};
+
+// The update algorithm. Brings `destination`, holding version `since`
+// (empty: nothing) of `name` as selected by a query whose SelectionKey was
+// `since_selection` (empty: not known), to the current version:
+// - Lists with Query::since_version = since, and fetches, pinned to the
+//   listed version, only the tensors not unchanged. Everything is fetched,
+//   and UpdateResult::full_reason says why, when the store or daemon cannot
+//   tell what changed, when `since_selection` is not this query's (a shard
+//   rank or dtype elsewhere gives same-shaped tensors of other bytes), or
+//   when a tensor listed unchanged is not held with its dtype and shape.
+// - Element patches are asked for (from a remote or socket store) when
+//   every held tensor is patchable; they are applied in one call on several
+//   threads (or a GPU's scatter) into PatchInto's memory, and each result is
+//   checked against its digest. Patches that fail are followed by the
+//   changed tensors whole (UpdateResult::patch_failure says why). Patches
+//   that were not asked for are DataLoss.
+// - A fixed_names() destination that does not hold every tensor to be
+//   written, with its shape, fails FailedPrecondition, nothing written.
+// On error nothing was written, but where PatchInto handed out held memory
+// and a patch or the refetch after it failed: the message then says that
+// tensors may be partly written, and the holder updates again from nothing.
+absl::StatusOr<Updated> UpdateInto(Store& store, const std::string& name, Query query, const std::string& since,
+                                   const std::string& since_selection, UpdateDestination& destination);
+
+// UpdateInto for tensors held in C++: brings `held` (tensors `query` fetched
+// earlier from `name`, or nothing) to the current version. Unchanged tensors
+// keep their memory. A patch is written in place into a held tensor whose
+// memory an earlier UpdateTensors made and that `held` alone references (a
+// caller that kept a copy of it keeps its bytes), else into a copy. On error
+// `held` is left as it was, but that its version is cleared (the next update
+// fetches everything) when a patch was written in place.
 absl::StatusOr<UpdateResult> UpdateTensors(Store& store, const std::string& name, Query query, HeldTensors* held);
 
 // What to push to make `next` (every tensor of the new version) the version

@@ -20,6 +20,7 @@
 #include <iostream>
 #include <map>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -611,6 +612,104 @@ TEST_F(UpdatesTest, HeldTensorsWhoseSelectionWasNotRecordedAreFetchedWholeNotTru
     EXPECT_TRUE(r.delta) << r.full_reason;
     EXPECT_EQ(r.fetched_tensors, 0u);
   }
+}
+
+// Tensors held in memory of their own, as the Python package's module or
+// dict is: patches are written in place; what came whole is copied in.
+class OwnMemory final : public client::UpdateDestination {
+ public:
+  std::optional<Held> Find(const std::string& name) const override {
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) return std::nullopt;
+    return Held{it->second.spec.dtype, it->second.spec.shape, !unpatchable_.contains(name)};
+  }
+  std::vector<std::string> Names() const override {
+    std::vector<std::string> names;
+    for (const auto& [name, t] : tensors_) names.push_back(name);
+    return names;
+  }
+  bool fixed_names() const override { return fixed_; }
+  absl::StatusOr<std::vector<client::PatchDestination>> PatchInto(std::span<const client::ReceivedPatch> patches,
+                                                                  bool* in_place) override {
+    ++patch_calls_;
+    *in_place = true;
+    std::vector<client::PatchDestination> to;
+    for (const client::ReceivedPatch& p : patches) to.push_back({tensors_.at(p.spec.name).bytes});
+    return to;
+  }
+  void Take(const client::Updated& updated) {
+    for (const SharedTensor& t : updated.received) {
+      tensors_[t.spec.name] = {t.spec, std::vector<std::byte>(t.bytes.span().begin(), t.bytes.span().end())};
+    }
+  }
+  SharedTensor Get(const std::string& name) const {
+    const Owned& t = tensors_.at(name);
+    return {t.spec, SharedBytes::Copy(std::string(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size()))};
+  }
+  void Drop(const std::string& name) { tensors_.erase(name); }
+  void set_fixed(bool fixed) { fixed_ = fixed; }
+  void set_unpatchable(const std::string& name) { unpatchable_.insert(name); }
+  int patch_calls() const { return patch_calls_; }
+
+ private:
+  struct Owned {
+    TensorSpec spec;
+    std::vector<std::byte> bytes;
+  };
+  std::map<std::string, Owned> tensors_;
+  std::set<std::string> unpatchable_;
+  bool fixed_ = false;
+  int patch_calls_ = 0;
+};
+
+// The update algorithm decides for every destination alike: patches only
+// where every held tensor takes one, and a destination that takes no new
+// tensors is checked before anything is written.
+TEST_F(UpdatesTest, UpdateIntoAsksForPatchesOnlyWhereEveryHeldTensorTakesOneAndChecksAFixedDestinationFirst) {
+  OwnMemory memory;
+  ASSERT_OK_AND_ASSIGN(client::Updated first, client::UpdateInto(*store_, "gpt", {}, "", "", memory));
+  EXPECT_EQ(first.result.added.size(), model_.size());
+  memory.Take(first);
+  auto step = [&] {
+    for (size_t i = 0; i < model_.size(); ++i) model_.Nudge(i, 0.01);
+    model_.Publish(path_);
+    Rescan();
+  };
+
+  // One tensor that cannot take a patch (a GPU tensor without the kernel):
+  // every changed tensor comes whole.
+  step();
+  memory.set_unpatchable(model_.name(3));
+  ASSERT_OK_AND_ASSIGN(client::Updated whole,
+                       client::UpdateInto(*store_, "gpt", {}, first.result.new_version, first.selection, memory));
+  EXPECT_TRUE(whole.result.delta) << whole.result.full_reason;
+  EXPECT_TRUE(whole.result.patched.empty());
+  EXPECT_EQ(whole.received.size(), model_.size());
+  EXPECT_EQ(memory.patch_calls(), 0);
+  memory.Take(whole);
+
+  // All of them can: patches, written in place and checked.
+  step();
+  memory = OwnMemory();
+  memory.Take(whole);
+  ASSERT_OK_AND_ASSIGN(client::Updated patched,
+                       client::UpdateInto(*store_, "gpt", {}, whole.result.new_version, whole.selection, memory));
+  EXPECT_EQ(patched.result.patched.size(), model_.size());
+  EXPECT_TRUE(patched.received.empty());
+  EXPECT_EQ(memory.patch_calls(), 1);
+  for (size_t i = 0; i < model_.size(); ++i) ExpectSameTensors({memory.Get(model_.name(i))}, {model_.tensors()[i]});
+
+  // A fixed destination (a module) that lacks a tensor the update writes:
+  // refused, naming it, before any patch is written.
+  step();
+  memory.Drop(model_.name(0));
+  memory.set_fixed(true);
+  const SharedTensor before = memory.Get(model_.name(1));
+  EXPECT_THAT(client::UpdateInto(*store_, "gpt", {}, patched.result.new_version, patched.selection, memory),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr(absl::StrCat(model_.name(0), ": not held, and these tensors take no new ones"))));
+  EXPECT_EQ(memory.patch_calls(), 1);
+  ExpectSameTensors({memory.Get(model_.name(1))}, {before});
 }
 
 TEST_F(UpdatesTest, RemovalAndReturnAreEventsAndWatchRequestsAreChecked) {

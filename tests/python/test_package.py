@@ -685,7 +685,7 @@ class PackageTest(unittest.TestCase):
         with self.assertRaises(weightstore.Error) as e:
             self.remote.update(other, "pkg/updmlp")
         self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
-        self.assertIn("3.weight: shape (8, 48), the module has (9, 48)", e.exception.message)
+        self.assertIn("3.weight: shape [8, 48], held as [9, 48]", e.exception.message)
         for n, t in other.state_dict().items():
             self.assertTrue(same_bytes(t, before[n]), n)
 

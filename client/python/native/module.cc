@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -412,6 +413,87 @@ std::vector<SharedTensor> Views(const py::list& tensors) {
   return out;
 }
 
+// A patch's destination as Python gives it: (address, bytes[, device]),
+// device >= 0 for a CUDA tensor on that device. INVALID_ARGUMENT naming the
+// tensor for another form, a null address or a negative device.
+client::PatchDestination ToPatchDestination(const std::string& name, const py::handle& given) {
+  const py::tuple where = py::reinterpret_borrow<py::object>(given).cast<py::tuple>();
+  if (where.size() != 2 && where.size() != 3) {
+    Raise(absl::InvalidArgumentError(
+        absl::StrCat("the destination of tensor '", name, "' is not (address, bytes[, device])")));
+  }
+  const auto address = where[0].cast<uintptr_t>();
+  const auto bytes = where[1].cast<uint64_t>();
+  const int device = where.size() == 3 ? where[2].cast<int>() : -1;
+  if (address == 0 || device < -1) {
+    Raise(absl::InvalidArgumentError(absl::StrCat("the destination of tensor '", name, "' is not usable memory")));
+  }
+  return {{reinterpret_cast<std::byte*>(address), bytes}, device};
+}
+
+// Tensors a Python caller holds (a module's, or a dict's), as an update's
+// destination: what is held is given up front; where patches go is asked of
+// `patch_into` (with the GIL), whose exception cancels the update (`cancel`)
+// and is raised in its place.
+class PyDestination final : public client::UpdateDestination {
+ public:
+  PyDestination(const py::list& held, bool fixed, py::function patch_into, std::shared_ptr<std::atomic<bool>> cancel)
+      : fixed_(fixed), patch_into_(std::move(patch_into)), cancel_(std::move(cancel)) {
+    for (const py::handle& item : held) {
+      const auto [name, dtype, shape, patchable] =
+          item.cast<std::tuple<std::string, std::string, std::vector<uint64_t>, bool>>();
+      names_.push_back(name);
+      held_.insert_or_assign(name, Held{ParseDType(dtype), shape, patchable});
+    }
+  }
+
+  std::optional<Held> Find(const std::string& name) const override {
+    auto it = held_.find(name);
+    if (it == held_.end()) return std::nullopt;
+    return it->second;
+  }
+  std::vector<std::string> Names() const override { return names_; }
+  bool fixed_names() const override { return fixed_; }
+
+  absl::StatusOr<std::vector<client::PatchDestination>> PatchInto(std::span<const client::ReceivedPatch> patches,
+                                                                  bool* in_place) override {
+    py::gil_scoped_acquire acquire;
+    try {
+      py::list names;
+      for (const client::ReceivedPatch& p : patches) names.append(p.spec.name);
+      const py::tuple given = patch_into_(names).cast<py::tuple>();
+      const py::list where = given[0].cast<py::list>();
+      *in_place = given[1].cast<bool>();
+      if (where.size() != patches.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where.size(), " patch destinations for ", patches.size(), " patches"));
+      }
+      std::vector<client::PatchDestination> out;
+      for (size_t i = 0; i < patches.size(); ++i) out.push_back(ToPatchDestination(patches[i].spec.name, where[i]));
+      return out;
+    } catch (py::error_already_set& error) {
+      raised_.emplace(std::move(error));
+      cancel_->store(true);
+      return absl::CancelledError("the update's patch_into raised");
+    } catch (const py::cast_error& error) {
+      return absl::InvalidArgumentError(absl::StrCat("patch_into gave no (destinations, in_place): ", error.what()));
+    }
+  }
+
+  // Raises what patch_into raised, if it did.
+  void RaiseIfCallbackRaised() {
+    if (raised_) throw std::move(*raised_);
+  }
+
+ private:
+  bool fixed_;
+  py::function patch_into_;
+  std::shared_ptr<std::atomic<bool>> cancel_;
+  std::vector<std::string> names_;
+  absl::flat_hash_map<std::string, Held> held_;
+  std::optional<py::error_already_set> raised_;
+};
+
 class Store {
  public:
   Store(std::unique_ptr<client::Store> store, client::SharedMemoryStore* shm, std::string kind)
@@ -676,54 +758,68 @@ class Store {
   // destination that does not fit; UNAVAILABLE or UNIMPLEMENTED for a CUDA
   // destination without a GPU or in a build without CUDA).
   static void ApplyPatches(const Patches& patches, const py::dict& destinations) {
-    struct Group {
-      std::vector<client::ReceivedPatch> patches;
-      std::vector<std::span<std::byte>> host;
-      std::vector<void*> device;
-    };
-    // GPUs first (-1, host memory, last): a GPU that cannot be used fails
-    // the call before host memory is written.
-    std::map<int, Group, std::greater<int>> by_device;
+    std::vector<client::PatchDestination> to;
     for (const client::ReceivedPatch& p : patches.patches) {
       const py::str key(p.spec.name);
       if (!destinations.contains(key)) {
         Raise(absl::InvalidArgumentError(absl::StrCat("no destination for the patch of tensor '", p.spec.name, "'")));
       }
-      const py::tuple where = destinations[key].cast<py::tuple>();
-      if (where.size() != 2 && where.size() != 3) {
-        Raise(absl::InvalidArgumentError(
-            absl::StrCat("the destination of tensor '", p.spec.name, "' is not (address, bytes[, device])")));
-      }
-      const auto address = where[0].cast<uintptr_t>();
-      const auto bytes = where[1].cast<uint64_t>();
-      const int device = where.size() == 3 ? where[2].cast<int>() : -1;
-      if (address == 0 || bytes != p.spec.byte_size() || device < -1) {
-        Raise(absl::InvalidArgumentError(absl::StrCat("the destination of tensor '", p.spec.name, "' holds ", bytes,
-                                                      " bytes, the patch is for ", p.spec.byte_size())));
-      }
-      // Every patch is checked before any group writes.
-      if (absl::Status checked = CheckPatch(p.patch); !checked.ok()) {
-        Raise(absl::InvalidArgumentError(
-            absl::StrCat("the patch of tensor '", p.spec.name, "' is malformed: ", checked.message())));
-      }
-      Group& group = by_device[device];
-      group.patches.push_back(p);
-      if (device < 0) {
-        group.host.emplace_back(reinterpret_cast<std::byte*>(address), bytes);
-      } else {
-        group.device.push_back(reinterpret_cast<void*>(address));
-      }
+      to.push_back(ToPatchDestination(p.spec.name, destinations[key]));
     }
     absl::Status status;
     {
       py::gil_scoped_release release;
-      for (const auto& [device, group] : by_device) {
-        status = device < 0 ? client::ApplyReceivedPatches(group.patches, group.host)
-                            : client::ApplyReceivedPatchesOnDevice(group.patches, group.device, {.device = device});
-        if (!status.ok()) break;
-      }
+      status = client::ApplyPatchesAt(patches.patches, to);
     }
     if (!status.ok()) Raise(status);
+  }
+
+  // Brings tensors the caller holds to the current version of `name`, by
+  // client::UpdateInto (the update algorithm: what to fetch, patches or
+  // tensors, applying and checking them), with the GIL released. `held` is
+  // [(name, dtype, shape, patchable)] of every tensor held, with the served
+  // dtype's name ("" for none) and the served shape; `since_selection` the
+  // selection_key() the held tensors were fetched with (b"": not known);
+  // `fixed`: every tensor written must be held already, with its shape (a
+  // module). `patch_into(names)` is called (with the GIL) at most once, for
+  // the tensors that came as element patches, and returns (destinations,
+  // in_place): each an (address, bytes[, device]) as apply_patches() takes,
+  // holding the held bytes, and whether that is the held memory itself.
+  // Returns the Update's fields, "tensors" (those that came whole, as
+  // fetch() gives them) and "selection" (to record with the new version).
+  py::dict Update(const std::string& name, const py::dict& selection, const std::string& since,
+                  const py::bytes& since_selection, const py::list& held, bool fixed, const py::function& patch_into) {
+    client::Query query = ToQuery(selection);
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    query.cancel = cancel;
+    PyDestination destination(held, fixed, patch_into, cancel);
+    const std::string recorded = since_selection;
+    absl::StatusOr<client::Updated> done = RunInterruptibly<absl::StatusOr<client::Updated>>(
+        cancel, [&] { return client::UpdateInto(*store_, name, query, since, recorded, destination); });
+    destination.RaiseIfCallbackRaised();
+    client::Updated updated = Unwrap(std::move(done));
+    const client::UpdateResult& r = updated.result;
+    py::dict out;
+    out["version"] = r.new_version;
+    out["delta"] = r.delta;
+    out["full_reason"] = r.full_reason;
+    out["changed"] = py::cast(r.changed);
+    out["added"] = py::cast(r.added);
+    out["removed"] = py::cast(r.removed);
+    out["patched"] = py::cast(r.patched);
+    out["fetched_bytes"] = r.fetched_bytes;
+    out["patch_reason"] = r.patch_reason;
+    out["patch_failure"] = r.patch_failure;
+    out["tensors"] = ToTensors(std::move(updated.received), /*writable=*/true);
+    out["selection"] = py::bytes(updated.selection);
+    return out;
+  }
+
+  // What a query selects, as bytes equal exactly when two selections select
+  // alike (client::SelectionKey): recorded with a version fetched, for
+  // update()'s `since_selection`.
+  static py::bytes SelectionKey(const py::dict& selection) {
+    return py::bytes(client::SelectionKey(ToQuery(selection)));
   }
 
   // Follows checkpoints: calls `callback` with each event (a dict) until it
@@ -863,6 +959,9 @@ PYBIND11_MODULE(_native, m) {
       .def("fetch_to_device", &Store::FetchToDevice, py::arg("name"), py::arg("selection"), py::arg("device"))
       .def("delta", &Store::Delta, py::arg("name"), py::arg("selection"), py::arg("since"), py::arg("patches") = false)
       .def_static("apply_patches", &Store::ApplyPatches, py::arg("patches"), py::arg("destinations"))
+      .def("update", &Store::Update, py::arg("name"), py::arg("selection"), py::arg("since"),
+           py::arg("since_selection"), py::arg("held"), py::arg("fixed"), py::arg("patch_into"))
+      .def_static("selection_key", &Store::SelectionKey, py::arg("selection"))
       .def_static("decode_patches", &Store::DecodePatches, py::arg("patches"))
       .def("push", &Store::Push, py::arg("name"), py::arg("tensors"), py::arg("base"), py::arg("max_patch_bytes"))
       .def("watch", &Store::Watch, py::arg("name"), py::arg("prefix"), py::arg("known"), py::arg("callback"));

@@ -363,11 +363,23 @@ def _selection(include=(), exclude=(), paths=(), rename=(), top_level_key="", co
     return s
 
 
-def _selection_key(selection):
-    """Equal for equal selections (a normalized selection dict), whichever
-    version they pinned."""
-    import json
-    return json.dumps({k: v for k, v in selection.items() if k != "version"}, sort_keys=True, default=repr)
+def _served_spec(tensor):
+    """(dtype, shape) of a held torch tensor or numpy array as the daemon
+    serves it: SafeTensors' dtype name ("" for none) and the served shape
+    (F4's last dimension counts elements, where torch's float4_e2m1fn_x2
+    packs two a byte)."""
+    if hasattr(tensor, "element_size"):  # torch
+        names = {v: k for k, v in _TORCH_DTYPES.items()}
+        dtype = names.get(str(tensor.dtype).replace("torch.", ""), "")
+        shape = list(tensor.shape)
+        if dtype == "F4" and shape:
+            shape[-1] *= 2
+        return dtype, shape
+    import numpy as np
+    if not isinstance(tensor, np.ndarray):
+        return "", []
+    names = {np.dtype(v): k for k, v in _NUMPY_DTYPES.items()}
+    return names.get(tensor.dtype, ""), list(tensor.shape)
 
 
 def _holds(tensor, dtype, shape):
@@ -404,16 +416,15 @@ def _patchable(tensor):
     return flags is not None and flags.c_contiguous and flags.writeable
 
 
-def _apply_patches(native, got, held, in_place, raise_errors=False):
-    """Applies the element patches `got` (a delta) carries to the held tensors
-    (each _patchable and as its patch expects), in one native call with the
-    GIL released: into their own memory, or into copies. Returns {name:
-    patched tensor}, or None when a patch fails (tensors written in place may
-    then be partly written: the caller fetches the changed tensors whole);
-    with `raise_errors`, the failure's Error instead of None."""
+def _patch_destinations(names, held, in_place):
+    """Where the patches of `names` are written: into the held tensors
+    themselves (in_place) or into copies of them. Returns ({name: tensor
+    written}, {name: (address, bytes[, device])}) as the native calls take
+    them, once torch's work pending on each GPU written (the clones, a forward
+    pass) has finished: the scatter runs on a stream of its own."""
     targets, destinations = {}, {}
     gpus = set()
-    for n in got["patched"]:
+    for n in names:
         t = held[n]
         if hasattr(t, "element_size"):  # torch
             t = t.detach() if in_place else t.detach().clone()
@@ -425,13 +436,21 @@ def _apply_patches(native, got, held, in_place, raise_errors=False):
             t = t if in_place else t.copy()
             destinations[n] = (t.ctypes.data, t.nbytes)
         targets[n] = t
-    # The scatter runs on a stream of its own, synchronized before the call
-    # returns: torch's work pending on each GPU patched (the clones, a forward
-    # pass) finishes first.
     if gpus:
         import torch
         for device in sorted(gpus):
             torch.cuda.synchronize(device)
+    return targets, destinations
+
+
+def _apply_patches(native, got, held, in_place, raise_errors=False):
+    """Applies the element patches `got` (a delta) carries to the held tensors
+    (each _patchable and as its patch expects), in one native call with the
+    GIL released: into their own memory, or into copies. Returns {name:
+    patched tensor}, or None when a patch fails (tensors written in place may
+    then be partly written: the caller fetches the changed tensors whole);
+    with `raise_errors`, the failure's Error instead of None."""
+    targets, destinations = _patch_destinations(got["patched"], held, in_place)
     try:
         native.apply_patches(got["patches"], destinations)
     except Error:
@@ -680,7 +699,7 @@ class Store:
         Returns an Update."""
         if as_ not in ("torch", "numpy"):
             raise ValueError(f"as_={as_!r}: 'torch' or 'numpy'")
-        return self._update(state, name, since, as_, selection, patches=True)
+        return self._update(state, name, since, as_, selection)
 
     def changes(self, name, since, as_="torch", patches=True, **selection):
         """What changed in `name` since version `since` (a version this store
@@ -710,8 +729,10 @@ class Store:
                        fetched_bytes=nbytes, patch_reason=got["patch_reason"], _native=self._native,
                        _raw=got["patches"], _specs=dict(got["patched"]), _as=as_)
 
-    def _update(self, state, name, since, as_, selection, patches):
-        """update(), asking for element patches or not."""
+    def _update(self, state, name, since, as_, selection):
+        """update(): the algorithm is the C++ client's (client::UpdateInto);
+        this gives it what `state` holds and where patches go, and takes in
+        what arrived."""
         is_module = not isinstance(state, dict)
         if is_module:
             as_ = "torch"
@@ -719,84 +740,47 @@ class Store:
         else:
             held = state
         s = _selection(**selection)
-        key = _selection_key(s)
-        # A version this Store returned under another selection (a shard rank,
-        # a dtype) holds other bytes under the same names, and so may a state
-        # it never filled (rank 0's rows have rank 1's shape): fetch everything.
         recorded = self._selections.get((id(state), name, since)) if since else None
-        reselected = bool(since) and recorded != key
-        # Element patches (docs/updates.md) are asked for when every held
-        # tensor is memory they can be written into (CPU, or a usable GPU).
-        want_patches = patches and bool(since) and not reselected and all(_patchable(t) for t in held.values())
-        got = self._native.delta(name, s, "" if reselected else (since or ""), want_patches)
-        delta, full_reason = got["delta"], got["full_reason"]
-        if reselected:
-            full_reason = (f"version {since} was fetched with another selection (shard, dtype, renames...)"
-                           if recorded is not None else
-                           f"this Store did not fill the state with version {since}, so its selection (shard, "
-                           "dtype, renames...) is not known")
-        unchanged = set(got["unchanged"])
-        unheld = [n for n, (dtype, shape) in got["unchanged"].items() if not _holds(held.get(n), dtype, shape)]
-        if delta and unheld:
-            # What the daemon calls unchanged must be held as listed: else
-            # `state` came from another selection, and everything is fetched.
-            got = self._native.delta(name, s, "", False)
-            delta, unchanged = False, set()
-            full_reason = (f"the state does not hold '{unheld[0]}' as the selection serves it "
-                           "(missing, or another dtype or shape)")
-        patched = got["patched"]  # name: (dtype, shape)
-        if patched and not want_patches:
-            raise Error("DATA_LOSS", f"update of '{name}': the daemon sent element patches that were not asked for")
-        if patched and not all(_holds(held.get(n), *spec) and _patchable(held.get(n)) for n, spec in patched.items()):
-            return self._update(state, name, since, as_, selection, patches=False)
+        copies = {}
+
+        def patch_into(names):
+            """Where each patch goes: a module's tensors themselves, or copies
+            of a dict's (taken in below)."""
+            targets, destinations = _patch_destinations(names, held, in_place=is_module)
+            copies.update({} if is_module else targets)
+            return [destinations[n] for n in names], is_module
+
+        got = self._native.update(name, s, since or "", recorded or b"",
+                                  [(n, *_served_spec(t), _patchable(t)) for n, t in held.items()], is_module,
+                                  patch_into)
         fetched = {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in got["tensors"]}
-        names = got["names"]
-        listed = set(names)
-        nbytes = sum(t.nbytes if as_ == "numpy" else t.element_size() * t.nelement() for t in fetched.values())
-        nbytes += got["patch_bytes"] if patched else 0
-        changed = [n for n in names if (n in fetched or n in patched) and n in held]
-        added = [n for n in names if n in fetched and n not in held]
-        removed = [n for n in held if n not in listed]
+        removed = got["removed"]
         if is_module:
             import torch
-            problems = [f"{n}: not a parameter or buffer of the module" for n in added]
-            problems += [f"{n}: shape {tuple(fetched[n].shape)}, the module has {tuple(held[n].shape)}"
-                         for n in changed if n in fetched and tuple(fetched[n].shape) != tuple(held[n].shape)]
-            if problems:
-                raise Error("FAILED_PRECONDITION",
-                            f"update of '{name}' does not fit the module: " + "; ".join(problems[:8]))
-            if patched and _apply_patches(self._native, got, held, in_place=True) is None:
-                # Partly written, maybe: the changed tensors come whole.
-                try:
-                    return self._update(state, name, since, as_, selection, patches=False)
-                except Error as e:
-                    raise Error(e.code, f"{e.message} (the module's tensors may be partly patched: update it "
-                                        "again with since=None)") from e
             with torch.no_grad():
-                for n in changed:
-                    if n not in patched:  # a patch was written in place
-                        held[n].copy_(fetched[n])
+                for n, tensor in fetched.items():
+                    held[n].copy_(tensor)
             removed = []  # a module keeps its parameters
         else:
-            if patched:
-                copies = _apply_patches(self._native, got, held, in_place=False)
-                if copies is None:
-                    return self._update(state, name, since, as_, selection, patches=False)
-                fetched.update(copies)
             for n in removed:
                 del state[n]
+            state.update({n: copies[n] for n in got["patched"]})
             state.update(fetched)
-        self._record(state, name, got["version"], s)
-        return Update(version=got["version"], delta=delta, full_reason="" if delta else full_reason,
-                      changed=changed, added=added, removed=removed, fetched_bytes=nbytes,
-                      patched=[n for n in changed if n in patched], patch_reason=got["patch_reason"])
+        self._selections_record(state, name, got["version"], got["selection"])
+        return Update(version=got["version"], delta=got["delta"], full_reason="" if got["delta"] else got["full_reason"],
+                      changed=got["changed"], added=got["added"], removed=removed, fetched_bytes=got["fetched_bytes"],
+                      patched=got["patched"], patch_reason=got["patch_reason"])
 
     def _record(self, state, name, version, selection):
         """Remembers that `state` holds `version` of `name` as `selection`
         chose it, for update(state, name, since=version)."""
+        self._selections_record(state, name, version, self._native.selection_key(selection))
+
+    def _selections_record(self, state, name, version, key):
+        """_record, with the selection's key (the native selection_key())."""
         recorded = (id(state), name, version)
         self._selections.pop(recorded, None)  # re-inserted: the most recent
-        self._selections[recorded] = _selection_key(selection)
+        self._selections[recorded] = key
         while len(self._selections) > 1024:  # the states and versions recently returned
             self._selections.pop(next(iter(self._selections)), None)
 
