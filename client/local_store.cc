@@ -75,6 +75,7 @@ class LocalStore final : public Store {
     std::shared_ptr<const Snapshot> snapshot;
     std::optional<ApplyResult> result;
     WEIGHTSTORE_RETURN_IF_ERROR(Resolve(*v, query, &snapshot, &result));
+    sink->OnVersion(v->version());
     for (const SnapshotTensor& t : snapshot->tensors()) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));

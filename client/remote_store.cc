@@ -262,16 +262,16 @@ class RemoteStore final : public Store {
 
   // With parallel_streams > 1: contiguous ranges of about equal bytes, each on a
   // connection of its own, pinned to the version the listing saw.
-  absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query) override {
+  absl::StatusOr<Fetched> FetchVersioned(const std::string& name, const Query& query) override {
     const int parallel = options_.parallel_streams > 0 ? options_.parallel_streams : AutomaticParallelStreams();
     // A delta is one stream: it is the changed part of a checkpoint.
-    if (parallel <= 1 || !query.since_version.empty()) return Store::FetchAll(name, query);
+    if (parallel <= 1 || !query.since_version.empty()) return Store::FetchVersioned(name, query);
     Query listing_query = query;
     listing_query.with_checksums = false;
     WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, ListTensors(name, listing_query));
     const size_t n = listing.tensors.size();
     const size_t streams = std::min<size_t>(static_cast<size_t>(parallel), std::max<size_t>(n, 1));
-    if (streams <= 1) return Store::FetchAll(name, query);
+    if (streams <= 1) return Store::FetchVersioned(name, query);
     uint64_t total = 0;
     for (const auto& t : listing.tensors) total += t.spec.byte_size();
     std::vector<size_t> bounds = {0};  // range r is [bounds[r], bounds[r + 1])
@@ -305,7 +305,7 @@ class RemoteStore final : public Store {
       for (SharedTensor& t : sinks[r].tensors()) out.push_back(std::move(t));
     }
     if (out.size() != n) return absl::DataLossError(absl::StrCat("fetched ", out.size(), " of ", n, " tensors"));
-    return out;
+    return Fetched{std::move(listing.version), std::move(out)};
   }
 
   // Reopens a broken watch with the versions the caller holds by then, after
@@ -475,7 +475,10 @@ class RemoteStore final : public Store {
         return Cancelled(cancel) ? cancelled() : local;
       }
       grpc::Status status = reader->Finish();
-      if (status.ok()) return absl::OkStatus();
+      if (status.ok()) {
+        if (!req.version().empty()) sink->OnVersion(req.version());
+        return absl::OkStatus();
+      }
       if (Cancelled(cancel)) return cancelled();
       if (!Resumable(status) || ++resumes > options_.max_resumes || req.version().empty()) {
         absl::Status failed = FromGrpcStatus(status);

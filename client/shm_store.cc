@@ -161,6 +161,7 @@ class ShmStore final : public SharedMemoryStore {
 
   absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
     WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, MapTensors(name, query));
+    sink->OnVersion(mapped.version);
     size_t next_patch = 0;
     for (size_t i = 0; i < mapped.tensors.size(); ++i) {
       const SharedTensor& t = mapped.tensors[i];

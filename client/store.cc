@@ -89,9 +89,14 @@ absl::StatusOr<CheckpointSummary> Store::Push(const std::string&, const PushRequ
 }
 
 absl::StatusOr<std::vector<SharedTensor>> Store::FetchAll(const std::string& name, const Query& query) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(Fetched fetched, FetchVersioned(name, query));
+  return std::move(fetched.tensors);
+}
+
+absl::StatusOr<Store::Fetched> Store::FetchVersioned(const std::string& name, const Query& query) {
   CollectingSink sink(query.cancel);
   WEIGHTSTORE_RETURN_IF_ERROR(FetchTensors(name, query, &sink));
-  return std::move(sink.tensors());
+  return Fetched{sink.version(), std::move(sink.tensors())};
 }
 
 absl::StatusOr<SharedTensor> Store::FetchTensor(const std::string& name, const std::string& tensor, Query query) {

@@ -141,6 +141,10 @@ class TensorSink {
                                                           uint64_t bytes, const std::string& digest);
   // Called once the patch's bytes are complete and their CRC32C verified.
   virtual absl::Status EndPatch(const TensorSpec& spec);
+  // Called with the version whose tensors are sent, once it is known
+  // (before the first tensor, or at the end of a selection of none), where
+  // the store can tell. Default: ignored.
+  virtual void OnVersion(const std::string& version) {}
 };
 
 // An element patch received for a tensor, and the digest (32 hex digits) its
@@ -166,11 +170,15 @@ class CollectingSink : public TensorSink {
   absl::StatusOr<std::span<std::byte>> BeginPatch(const TensorSpec& spec, const ElementPatch& header, uint64_t bytes,
                                                   const std::string& digest) override;
   absl::Status EndPatch(const TensorSpec& spec) override;
+  void OnVersion(const std::string& version) override { version_ = version; }
   std::vector<SharedTensor>& tensors() { return tensors_; }
   std::vector<ReceivedPatch>& patches() { return patches_; }
+  // The version sent (empty: the store did not tell).
+  const std::string& version() const { return version_; }
 
  private:
   std::shared_ptr<const std::atomic<bool>> cancel_;
+  std::string version_;
   bool take_patches_ = false;
   std::optional<HostBuffer> current_;
   std::optional<ReceivedPatch> current_patch_;
@@ -248,7 +256,14 @@ class Store {
   virtual absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) = 0;
 
   // Every selected tensor, in owned memory.
-  virtual absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query);
+  absl::StatusOr<std::vector<SharedTensor>> FetchAll(const std::string& name, const Query& query);
+  // FetchAll, and the version the tensors are (where the store can tell;
+  // empty otherwise): what a caller records to update them later.
+  struct Fetched {
+    std::string version;
+    std::vector<SharedTensor> tensors;
+  };
+  virtual absl::StatusOr<Fetched> FetchVersioned(const std::string& name, const Query& query);
   // Whether MapTensors maps the selected tensors as views of the daemon's
   // memory, copying nothing (a same-host socket store). Callers that can use
   // views ask this rather than the store's type.

@@ -712,6 +712,30 @@ TEST_F(UpdatesTest, UpdateIntoAsksForPatchesOnlyWhereEveryHeldTensorTakesOneAndC
   ExpectSameTensors({memory.Get(model_.name(1))}, {before});
 }
 
+// A fetch tells which version it sent, over every transport and however
+// many streams: what a caller records to update those tensors later.
+TEST_F(UpdatesTest, AFetchSaysWhichVersionItSentOverEveryTransport) {
+  const std::string version = Version();
+  client::RemoteOptions one_stream;
+  one_stream.parallel_streams = 1;
+  client::RemoteOptions four_streams;
+  four_streams.parallel_streams = 4;
+  std::vector<std::unique_ptr<client::Store>> stores;
+  stores.push_back(*client::ConnectRemoteStore(daemon_->address(), one_stream));
+  stores.push_back(*client::ConnectRemoteStore(daemon_->address(), four_streams));
+  stores.push_back(*client::ConnectSharedMemoryStore(socket_));
+  stores.push_back(*client::OpenLocalStore(models_));
+  for (const auto& store : stores) {
+    ASSERT_OK_AND_ASSIGN(client::Store::Fetched fetched, store->FetchVersioned("gpt", {}));
+    EXPECT_EQ(fetched.tensors.size(), model_.size());
+    if (store.get() == stores.back().get()) {
+      EXPECT_FALSE(fetched.version.empty());  // the local store names versions of its own
+    } else {
+      EXPECT_EQ(fetched.version, version);
+    }
+  }
+}
+
 TEST_F(UpdatesTest, RemovalAndReturnAreEventsAndWatchRequestsAreChecked) {
   Watcher watcher(store_.get(), {});
   ASSERT_TRUE(watcher.WaitFor([](const CheckpointEvent& e) { return e.kind == CheckpointEvent::Kind::kAdded; }));

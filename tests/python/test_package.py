@@ -656,11 +656,13 @@ class PackageTest(unittest.TestCase):
             self.assertIn("is not known", update.full_reason)
             for n, t in weights.items():
                 self.assertTrue(same_bytes(state[n], t[4:].contiguous()), n)  # rank 1's rows
-            # What tensors() of this Store filled at a known version is: a delta.
-            mine = store.tensors("pkg/unrecorded", shard=(1, 2, rules), version=version)
-            again = store.update(mine, "pkg/unrecorded", since=version, shard=(1, 2, rules))
-            self.assertTrue(again.delta, again.full_reason)
-            self.assertEqual(again.fetched_bytes, 0)
+            # What tensors() of this Store filled is known, pinned or not
+            # (the fetch says which version it sent): a delta.
+            for pinned in ({"version": version}, {}):
+                mine = store.tensors("pkg/unrecorded", shard=(1, 2, rules), **pinned)
+                again = store.update(mine, "pkg/unrecorded", since=version, shard=(1, 2, rules))
+                self.assertTrue(again.delta, (pinned, again.full_reason))
+                self.assertEqual(again.fetched_bytes, 0)
 
     def test_update_copies_the_changed_tensors_into_a_module_in_place(self):
         torch.manual_seed(5)

@@ -570,10 +570,10 @@ class Store {
       query.version = listing.version;
       applied = std::move(listing.apply_result);
     }
-    std::vector<SharedTensor> tensors = Unwrap(RunInterruptibly<absl::StatusOr<std::vector<SharedTensor>>>(
-        cancel, [&] { return store_->FetchAll(name, query); }));
-    out["version"] = query.version;
-    out["tensors"] = ToTensors(std::move(tensors), /*writable=*/true);
+    client::Store::Fetched fetched = Unwrap(RunInterruptibly<absl::StatusOr<client::Store::Fetched>>(
+        cancel, [&] { return store_->FetchVersioned(name, query); }));
+    out["version"] = fetched.version.empty() ? query.version : fetched.version;
+    out["tensors"] = ToTensors(std::move(fetched.tensors), /*writable=*/true);
     out["apply_result"] = ToPython(applied);
     return out;
   }

@@ -589,7 +589,7 @@ class Store:
         else:
             fetched = self._native.fetch_to_device(name, s, target.index)
         out = {n: _as_tensor(n, dtype, shape, buffer, as_) for n, dtype, shape, buffer in fetched["tensors"]}
-        if fetched["version"]:  # known when pinned (version=), mapped, or applied to a target
+        if fetched["version"]:  # the version the tensors are, where the store tells
             self._record(out, name, fetched["version"], s)  # update(out, since=it) may then be a delta
         return out
 
@@ -680,9 +680,9 @@ class Store:
         """Brings `state` to the current version of `name`: a dict of tensors
         by served name (from an earlier update or tensors() of this Store
         with the same selection) or a torch.nn.Module, changed in place. A
-        state this Store did not fill with version `since` (by update(), or
-        by tensors() pinned with version=, or through a socket) is fetched
-        whole, since its selection (a shard rank, a dtype) is not known. Only the tensors
+        state this Store did not fill with version `since` (by update() or
+        tensors()) is fetched whole, since its selection (a shard rank, a
+        dtype) is not known. Only the tensors
         changed since version `since` (the last Update.version; None: nothing
         held) are fetched from a remote store, or mapped through a socket
         (the others keep their mappings); a local store reads everything.
