@@ -165,9 +165,17 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       // Byte ranges go out as slices of the mapping; the others are produced
       // a chunk at a time, so a stream never holds a whole one.
       plan_ = PlanServedTensor(snapshot, snapshot.tensors()[index_]);
-      if (!composed_ && ServedPatchComposes(patches_.get(), snapshot, plan_) && ComposeElsewhere()) return;
-      patch_ = composed_ ? *std::move(composed_) : ServedPatch(patches_.get(), snapshot, plan_);
-      composed_.reset();
+      patch_ = std::nullopt;
+      if (composed_) {
+        patch_ = *std::move(composed_);
+        composed_.reset();
+      } else if (!TryServedPatch(patches_.get(), snapshot, plan_, &patch_)) {
+        if (serving_.compositions == nullptr) {
+          patch_ = ServedPatch(patches_.get(), snapshot, plan_);
+        } else if (ComposeElsewhere()) {
+          return;  // Next() again once composed
+        }          // else no worker took it: the tensor goes whole
+      }
       bytes_ = SharedBytes();
       if (patch_) {
         bytes_ = patch_->body;
@@ -243,7 +251,6 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   // from the stall watchdog meanwhile. False when no worker takes it (the
   // queue is full): the tensor then goes whole.
   bool ComposeElsewhere() {
-    if (serving_.compositions == nullptr) return false;
     watch_.Busy();
     absl::Status queued = serving_.compositions->Post([this](absl::Status runnable) {
       watch_.Resume();
@@ -256,7 +263,6 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     });
     if (queued.ok()) return true;
     watch_.Resume();
-    composed_.emplace();  // whole
     return false;
   }
 

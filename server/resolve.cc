@@ -74,9 +74,17 @@ std::optional<ElementPatch> ServedPatch(const PatchChain* chain, const Snapshot&
   return patch.ok() ? *std::move(patch) : std::nullopt;  // a patch that cannot compose: the tensor
 }
 
-bool ServedPatchComposes(const PatchChain* chain, const Snapshot& snapshot, const ServedTensorPlan& plan) {
+bool TryServedPatch(const PatchChain* chain, const Snapshot& snapshot, const ServedTensorPlan& plan,
+                    std::optional<ElementPatch>* out) {
   const std::string* name = PatchableName(chain, snapshot, plan);
-  return name != nullptr && chain->Composes(*name);
+  if (name == nullptr) {
+    *out = std::nullopt;
+    return true;
+  }
+  absl::StatusOr<std::optional<ElementPatch>> patch;
+  if (!chain->TryFor(*name, &patch)) return false;
+  *out = patch.ok() ? *std::move(patch) : std::nullopt;  // a patch that cannot compose: the tensor
+  return true;
 }
 
 bool IsCostlySelection(const v1::Selection& selection) {

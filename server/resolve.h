@@ -59,10 +59,11 @@ PatchesFound FindPatches(const CheckpointRegistry& registry, const Resolved& res
 // transports send instead of the tensor.
 std::optional<ElementPatch> ServedPatch(const PatchChain* chain, const Snapshot& snapshot,
                                         const ServedTensorPlan& plan);
-// True when ServedPatch would compose, or wait for a composition another
-// caller is making (PatchChain::Composes): what callers on gRPC's threads
-// run elsewhere.
-bool ServedPatchComposes(const PatchChain* chain, const Snapshot& snapshot, const ServedTensorPlan& plan);
+// ServedPatch when it needs neither compose nor wait for a composition
+// another caller is making (PatchChain::TryFor), into `*out`; false (`*out`
+// untouched) when it would: what callers on gRPC's threads run elsewhere.
+bool TryServedPatch(const PatchChain* chain, const Snapshot& snapshot, const ServedTensorPlan& plan,
+                    std::optional<ElementPatch>* out);
 
 // Returns NotFound for an unknown checkpoint, Aborted when `pinned_version` is
 // set and no longer current, InvalidArgument for a bad selection (naming the

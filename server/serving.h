@@ -44,8 +44,8 @@ struct Serving {
   // pushes (ServiceOptions::uploads).
   AdmissionGate* pull_waits = nullptr;
   AdmissionGate* uploads = nullptr;
-  // Where patches that must be composed are (ServedPatchComposes), off
-  // gRPC's threads; null: composed on the caller's.
+  // Where patches that must be composed are (TryServedPatch says which),
+  // off gRPC's threads; null: composed on the caller's.
   WorkerPool* compositions = nullptr;
   // Resolve() of a read, calling `done` exactly once: at once for a plain
   // selection, on a selection worker holding a slot of

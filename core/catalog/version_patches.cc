@@ -140,10 +140,13 @@ void PatchCompositions::Forget(const std::string& checkpoint, const std::string&
   }
 }
 
-bool PatchCompositions::Cached(const std::string& key) const {
+std::optional<std::optional<ElementPatch>> PatchCompositions::Cached(const std::string& key) {
   absl::MutexLock lock(&mu_);
   auto it = entries_.find(key);
-  return it != entries_.end() && it->second->ready;
+  if (it == entries_.end() || !it->second->ready) return std::nullopt;
+  it->second->used = ++tick_;
+  ++shared_;
+  return it->second->patch;  // a ready entry kept made it (failures are not kept)
 }
 
 bool PatchCompositions::Reserve(uint64_t bytes) {
@@ -264,10 +267,17 @@ absl::StatusOr<std::optional<ElementPatch>> PatchChain::For(const std::string& n
   return compositions_->Compose(Key(name), checkpoint_, to(), *parts);
 }
 
-bool PatchChain::Composes(const std::string& name) const {
+bool PatchChain::TryFor(const std::string& name, absl::StatusOr<std::optional<ElementPatch>>* out) const {
   std::optional<std::vector<const ElementPatch*>> parts = Parts(name);
-  if (!parts || parts->size() < 2) return false;
-  return compositions_ == nullptr || !compositions_->Cached(Key(name));
+  if (!parts || parts->size() < 2) {
+    *out = parts && !parts->empty() ? std::optional<ElementPatch>(*parts->front()) : std::nullopt;
+    return true;
+  }
+  if (compositions_ == nullptr) return false;
+  std::optional<std::optional<ElementPatch>> cached = compositions_->Cached(Key(name));
+  if (!cached) return false;
+  *out = *std::move(cached);
+  return true;
 }
 
 }  // namespace weightstore

@@ -85,8 +85,8 @@ class PatchCompositions {
                                                       const std::string& to,
                                                       const std::vector<const ElementPatch*>& parts)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Whether `key` is cached, made.
-  bool Cached(const std::string& key) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The composition cached under `key`, if made (an ask answered).
+  std::optional<std::optional<ElementPatch>> Cached(const std::string& key) ABSL_LOCKS_EXCLUDED(mu_);
   // Takes `bytes` from the budget, dropping cached compositions (least
   // recently used first) to make room; false when it cannot.
   bool Reserve(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
@@ -122,12 +122,13 @@ class PatchChain {
   // only within their budget); nullopt when one of them sent it whole, when
   // none changed it, when the composition is not smaller than the tensor, or
   // when it does not fit the budget. May compose, or wait for another
-  // asker's composition: see Composes.
+  // asker's composition: see TryFor.
   absl::StatusOr<std::optional<ElementPatch>> For(const std::string& name) const;
-  // True when For(name) would compose, or wait for a composition being made:
-  // more than one step changed the tensor and no composition is cached.
-  // Callers that must not block run For elsewhere then.
-  bool Composes(const std::string& name) const;
+  // For(name) when it needs neither compose nor wait, into `*out`; false
+  // (`*out` untouched) when it would: more than one step changed the tensor
+  // and no composition of it is cached. Callers that must not block run For
+  // elsewhere then.
+  bool TryFor(const std::string& name, absl::StatusOr<std::optional<ElementPatch>>* out) const;
 
  private:
   // The steps' patches of `name`, in order; nullopt when a step sent it whole.

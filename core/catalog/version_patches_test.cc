@@ -315,6 +315,13 @@ TEST(PatchCompositionsTest, ManyConcurrentAskersOfOneSinceGetOneComposition) {
     EXPECT_TRUE(h.Brings(*p, 0, 0));
   }
   EXPECT_EQ(compositions->stats().bytes, got[0]->body.size());
+  // One asking later finds it without composing or waiting.
+  absl::StatusOr<std::optional<ElementPatch>> cached;
+  ASSERT_TRUE(h.Chain(0, compositions).TryFor("t0", &cached));
+  ASSERT_OK(cached.status());
+  ASSERT_TRUE(cached->has_value());
+  EXPECT_EQ((*cached)->body.data(), got[0]->body.data());
+  EXPECT_EQ(compositions->stats().made, 1u);
 }
 
 TEST(PatchCompositionsTest, ACompositionThatDoesNotFitIsNotMadeAndOneStepNeedsNone) {
@@ -325,12 +332,16 @@ TEST(PatchCompositionsTest, ACompositionThatDoesNotFitIsNotMadeAndOneStepNeedsNo
   EXPECT_EQ(compositions->stats().over_budget, 1u);
   EXPECT_EQ(compositions->stats().made, 0u);
   EXPECT_EQ(compositions->stats().bytes, 0u);
-  EXPECT_TRUE(h.Chain(0, compositions).Composes("t0"));  // not cached: it would try again
+  absl::StatusOr<std::optional<ElementPatch>> tried;
+  EXPECT_FALSE(h.Chain(0, compositions).TryFor("t0", &tried));  // not cached: it would try again
   // One step behind: the kept step itself, nothing composed.
   ASSERT_OK_AND_ASSIGN(p, h.Chain(2, compositions).For("t0"));
   ASSERT_TRUE(p.has_value());
   EXPECT_TRUE(h.Brings(*p, 2, 0));
-  EXPECT_FALSE(h.Chain(2, compositions).Composes("t0"));
+  ASSERT_TRUE(h.Chain(2, compositions).TryFor("t0", &tried));
+  ASSERT_OK(tried.status());
+  ASSERT_TRUE(tried->has_value());
+  EXPECT_TRUE(h.Brings(**tried, 2, 0));
   EXPECT_EQ(compositions->stats().bytes, 0u);
 }
 

@@ -2,6 +2,7 @@
 // per (since version, version, tensor) and counted against a budget as large
 // as --kept-patch-bytes while cached or being sent: alternating since
 // versions made a new composition per stream, uncounted, on gRPC's threads.
+#include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -75,6 +76,16 @@ class History {
   uint64_t step_bytes_ = 0;
 };
 
+// A stub whose streams take at most 64 KiB the client has not read (no
+// window growth): a stream left unread holds its patch, whatever its size.
+std::unique_ptr<pb::WeightStore::Stub> SlowReaderStub(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return pb::WeightStore::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+}
+
 // A FetchTensors stream of "m" with patches since `since`, in 64 KiB chunks.
 struct PatchStream {
   PatchStream(pb::WeightStore::Stub* stub, const std::string& since) {
@@ -118,7 +129,7 @@ TEST(ComposedPatchesTest, StreamsAtTwoSinceVersionsShareOneCompositionEachWithin
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   std::vector<std::string> versions;
   for (size_t v = 0; v < history.versions(); ++v) versions.push_back(history.Publish(v, models, daemon));
-  auto stub = testing::NewStub(daemon.address());
+  auto stub = SlowReaderStub(daemon.address());
 
   // 16 late joiners alternating between two since versions, each reading
   // only its first chunk: they hold their patch, unread.
@@ -156,7 +167,7 @@ TEST(ComposedPatchesTest, ACompositionPastTheBudgetIsNotMadeAndTheTensorComesWho
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   std::vector<std::string> versions;
   for (size_t v = 0; v < history.versions(); ++v) versions.push_back(history.Publish(v, models, daemon));
-  auto stub = testing::NewStub(daemon.address());
+  auto stub = SlowReaderStub(daemon.address());
 
   PatchStream holding(stub.get(), versions[0]);  // holds the composition since v0, unread
   pb::TensorChunk chunk;
