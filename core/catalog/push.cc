@@ -213,10 +213,6 @@ absl::Status PushSession::EndPatchedTensor(Pushed& t) {
 
 namespace {
 
-int64_t NowUnixSeconds() {
-  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
 // The path of a file named like an AtomicFile temporary beside `path` (so a
 // rescan neither serves it nor, while it is young or locked, removes it).
 std::string PushedFilePath(const std::string& path) {

@@ -29,11 +29,11 @@
 namespace weightstore {
 namespace fs = std::filesystem;
 
-namespace {
-
 int64_t NowUnixSeconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
+
+namespace {
 
 uint64_t Mix(uint64_t h, uint64_t v) {  // FNV-1a over the value's bytes
   for (int i = 0; i < 8; ++i) {

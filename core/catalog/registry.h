@@ -38,6 +38,9 @@
 
 namespace weightstore {
 
+// Seconds since the Unix epoch, now: a version's creation time.
+int64_t NowUnixSeconds();
+
 // One version of one served checkpoint. Immutable, except for the CRC cache and
 // becoming stale: once one of its files is written in place, it may no longer
 // be served (see CheckUnchanged).
