@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh --daemon
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWEIGHTSTORE_BUILD_TESTS=OFF \
   -DWEIGHTSTORE_BUILD_BENCHMARKS=OFF -DWEIGHTSTORE_WITH_PYTHON=OFF -DWEIGHTSTORE_WITH_TORCH=OFF \
-  -DWEIGHTSTORE_WITH_CUDA=OFF > /dev/null
+  -DWEIGHTSTORE_WITH_CUDA=OFF -DWEIGHTSTORE_UNITY_BUILD=ON > /dev/null
 ninja -C build weightstored weightstore
 listen="${WEIGHTSTORE_LISTEN:-127.0.0.1:50051}"
 socket="${WEIGHTSTORE_SOCKET:-/tmp/weightstore.sock}"
