@@ -192,6 +192,9 @@ class PackageTest(unittest.TestCase):
             weightstore.connect(ADDRESS, parallel_streams=100000)
         with self.assertRaises(ValueError):
             weightstore.connect(ADDRESS, timeout=float("nan"))
+        with self.assertRaises(TypeError) as e:
+            self.remote.update({7: torch.zeros(1)}, "pkg/mlp")  # names are str
+        self.assertIn("key 7", str(e.exception))
 
     def test_unsigned_tensors_reach_numpy_and_torch_says_what_to_ask_for_instead(self):
         for label, store in self.stores().items():

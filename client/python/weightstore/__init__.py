@@ -739,6 +739,9 @@ class Store:
             held = state.state_dict(keep_vars=True)
         else:
             held = state
+            bad = next((k for k in held if not isinstance(k, str)), None)
+            if bad is not None:
+                raise TypeError(f"state: a dict of tensors by served name (str), not one with the key {bad!r:.80}")
         s = _selection(**selection)
         recorded = self._selections.get((id(state), name, since)) if since else None
         copies = {}
