@@ -144,6 +144,10 @@ void AddScrapedFamilies(ServerMetrics* metrics, const CheckpointRegistry* regist
              One([service] { return static_cast<double>(service->active_selections()); }));
   f.AddGauge("weightstore_fetch_streams_active", "FetchTensors streams being served.",
              One([service] { return static_cast<double>(service->active_fetches()); }));
+  f.AddGauge("weightstore_fetches_waiting_on_pulls",
+             "FetchTensors streams waiting for a checkpoint being pulled from the origin "
+             "(--max-fetches-waiting-on-pulls).",
+             One([service] { return static_cast<double>(service->fetches_waiting_on_pulls()); }));
   f.AddCounter("weightstore_fetch_streams_stalled_total",
                "FetchTensors streams cancelled because their client stopped reading.",
                One([service] { return static_cast<double>(service->stalled_fetches()); }));

@@ -117,6 +117,8 @@ class WeightStoreService final : public ServiceBase {
   AdmissionGate* selection_gate() { return &selection_work_; }
   // Streams being served now, and those cancelled for stalling.
   int active_fetches() const { return streams_.active(); }
+  // Streams waiting for a checkpoint their node is pulling from its origin.
+  int fetches_waiting_on_pulls() const { return pull_waits_.active(); }
   uint64_t stalled_fetches() const { return stalls_.cancelled(options_.streams); }
 
  private:
