@@ -132,11 +132,10 @@ TEST(PerClientLimitsTest, FetchesWaitingOnAPullLeaveTheServingSlotsToOthers) {
   ASSERT_NE(origin.port(), 0) << origin.log();
   const std::string node_models = testing::MakeScratchDir("node-models");
   testing::WriteFileOrDie(node_models + "/here.safetensors", testing::OneTensorFile({3, 4}));
-  std::unique_ptr<Daemon> node =
-      testing::StartNode(origin, node_models,
-                         {"--max-concurrent-fetches", "4", "--max-fetches-per-peer", "4",
-                          "--max-fetches-waiting-on-pulls", "6", "--max-fetches-waiting-on-pulls-per-peer", "6",
-                          "--metrics-listen", "127.0.0.1:0"});
+  std::unique_ptr<Daemon> node = testing::StartNode(
+      origin, node_models,
+      {"--max-concurrent-fetches", "4", "--max-fetches-per-peer", "4", "--max-fetches-waiting-on-pulls", "6",
+       "--max-fetches-waiting-on-pulls-per-peer", "6", "--metrics-listen", "127.0.0.1:0"});
   ASSERT_NE(node->port(), 0) << node->log();
   {
     ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Store> warm, client::ConnectRemoteStore(node->address()));
