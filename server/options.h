@@ -95,8 +95,10 @@ struct ServiceOptions {
 // How the socket hands out tensors stored as-is in a checkpoint file.
 enum class FileSegments {
   // The file itself to a peer that could not open it writable anyway (a
-  // read-only mount, or a peer that is neither root, nor the file's owner, nor
-  // granted write by its mode or an ACL); a sealed copy to any other peer,
+  // read-only mount, fs-verity, an immutable file and a peer without the
+  // capabilities that clear the flag, or a peer that is neither root, nor the
+  // file's owner, nor granted write by its mode or an ACL: PeerCouldWrite);
+  // a sealed copy to any other peer,
   // which could otherwise reopen the descriptor through /proc for writing.
   kAuto,
   // The file itself to every allowed peer: they are trusted with it.

@@ -177,6 +177,24 @@ absl::StatusOr<MappedPatches> MapPatches(SegmentCache& cache, const Resolved& re
 bool PeerCouldWrite(int fd, const ShmPeer& peer) {
   struct statvfs fs;
   if (::fstatvfs(fd, &fs) == 0 && (fs.f_flag & ST_RDONLY) != 0) return false;  // EROFS for everyone
+  struct statx sx;
+  if (::statx(fd, "", AT_EMPTY_PATH, STATX_BASIC_STATS, &sx) == 0) {
+    const auto has = [&sx](uint64_t attribute) {
+      return (sx.stx_attributes_mask & attribute) != 0 && (sx.stx_attributes & attribute) != 0;
+    };
+    // fs-verity: the file's contents can never be written again, by anyone.
+    if (has(STATX_ATTR_VERITY)) return false;
+    // Immutable (chattr +i): no one writes it, root and the owner included,
+    // until a holder of CAP_LINUX_IMMUTABLE (9) clears the flag; also
+    // refused a peer with CAP_SYS_RAWIO (17) or CAP_SYS_ADMIN (21), which
+    // reach the device or the mount under it, and one whose capabilities
+    // the daemon cannot see.
+    if (has(STATX_ATTR_IMMUTABLE)) {
+      constexpr uint64_t kUnlock = (uint64_t{1} << 9) | (uint64_t{1} << 17) | (uint64_t{1} << 21);
+      std::optional<uint64_t> caps = EffectiveCapabilities(peer.pid);
+      return !caps.has_value() || (*caps & kUnlock) != 0;
+    }
+  }
   struct stat st;
   if (::fstat(fd, &st) != 0) return true;
   if (peer.uid == 0 || peer.uid == st.st_uid) return true;  // root, or the owner (who may chmod)

@@ -53,9 +53,11 @@ struct ShmPeer {
 };
 
 // True when `peer` could open the file behind `fd` for writing (see
-// FileSegments::kAuto): false only for a read-only mount, or a peer that is
-// neither root nor the owner, gets no write bit or ACL, and visibly holds no
-// capability that gets around them. Errs towards true when it cannot tell.
+// FileSegments::kAuto): false only for a read-only mount, an fs-verity file,
+// an immutable file (chattr +i) whose peer visibly holds no capability that
+// clears the flag, or a peer that is neither root nor the owner, gets no
+// write bit or ACL, and visibly holds no capability that gets around them.
+// Errs towards true when it cannot tell.
 bool PeerCouldWrite(int fd, const ShmPeer& peer);
 
 class ShmServer {
