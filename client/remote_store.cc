@@ -447,6 +447,7 @@ class RemoteStore final : public Store {
     if (options_.chunk_bytes > 0) req.set_chunk_bytes(options_.chunk_bytes);
     int resumes = 0;
     absl::Status first_break;  // why the stream first broke, for the final error
+    const std::string pinned = req.version();
     ChunkAssembler assembler(req.start_index());
     if (!req.since_version().empty()) {
       assembler.AllowSkips();  // a delta leaves out what is unchanged
@@ -468,6 +469,10 @@ class RemoteStore final : public Store {
       std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
           grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel, fetch_method_, &ctx, req));
       absl::Status local = Receive(reader.get(), &ctx, &assembler, sink);
+      if (local.ok() && !pinned.empty() && !assembler.version().empty() && assembler.version() != pinned) {
+        local = absl::DataLossError(absl::StrCat("the fetch of '", req.name(), "' pinned to version ", pinned,
+                                                 " was answered with version ", assembler.version()));
+      }
       if (!assembler.version().empty()) req.set_version(assembler.version());  // pin what we started on
       req.set_start_index(assembler.next_index());
       if (!local.ok()) {

@@ -174,6 +174,28 @@ absl::Status CheckFits(const std::string& name, const UpdateDestination& destina
       absl::StrCat("update of '", name, "' does not fit what is held: ", absl::StrJoin(problems, "; ")));
 }
 
+// Each patch must stand for one listed tensor that changed, with its
+// listed dtype and shape, and not come whole as well: else the daemon lies,
+// and nothing is written (a second patch of one name would be written into
+// memory the first one's copy was given back with).
+absl::Status CheckPatchesListed(const std::string& name, const ChangedTensors& r) {
+  absl::flat_hash_map<std::string, const TensorDescription*> listed;
+  for (const TensorDescription& d : r.listed) listed.emplace(d.spec.name, &d);
+  absl::flat_hash_set<std::string> whole, patched;
+  for (const SharedTensor& t : r.received) whole.insert(t.spec.name);
+  for (const ReceivedPatch& p : r.patched) {
+    auto it = listed.find(p.spec.name);
+    if (it == listed.end() || it->second->unchanged || it->second->spec.dtype != p.spec.dtype ||
+        it->second->spec.shape != p.spec.shape || whole.contains(p.spec.name) || !patched.insert(p.spec.name).second) {
+      return absl::DataLossError(absl::StrCat("update of '", name, "': the daemon sent a patch of tensor '",
+                                              p.spec.name,
+                                              "' unlike its listing (not listed, listed unchanged or otherwise, "
+                                              "sent twice, or also whole)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Writes the patches `r` carries where `destination` says, checked; an error
 // when a patch does not fit what is held, or fails. `*in_place` says whether
 // held memory was handed out.
@@ -233,6 +255,7 @@ absl::StatusOr<Updated> Update(Store& store, const std::string& name, Query quer
     return absl::DataLossError(
         absl::StrCat("update of '", name, "': the daemon sent element patches that were not asked for"));
   }
+  WEIGHTSTORE_RETURN_IF_ERROR(CheckPatchesListed(name, r));
   WEIGHTSTORE_RETURN_IF_ERROR(CheckFits(name, destination, r));
   if (!r.patched.empty()) {
     if (absl::Status written = WritePatches(r, destination, in_place); written.ok()) {
@@ -246,6 +269,10 @@ absl::StatusOr<Updated> Update(Store& store, const std::string& name, Query quer
       query.patches = false;
       query.version = r.version;
       WEIGHTSTORE_ASSIGN_OR_RETURN(r, FetchChanged(store, name, query));
+      if (!r.patched.empty()) {
+        return absl::DataLossError(
+            absl::StrCat("update of '", name, "': the daemon sent element patches that were not asked for"));
+      }
       WEIGHTSTORE_RETURN_IF_ERROR(CheckFits(name, destination, r));
     }
   }
@@ -257,7 +284,7 @@ absl::StatusOr<Updated> Update(Store& store, const std::string& name, Query quer
   for (const TensorDescription& d : r.listed) {
     listed.insert(d.spec.name);
     out.listed.push_back(d.spec.name);
-    const bool held = destination.Find(d.spec.name).has_value();
+    const std::optional<UpdateDestination::Held> held = destination.Find(d.spec.name);
     if (came_patched.contains(d.spec.name)) {
       result.changed.push_back(d.spec.name);
       ++result.fetched_tensors;
@@ -267,15 +294,16 @@ absl::StatusOr<Updated> Update(Store& store, const std::string& name, Query quer
     // An unchanged tensor may come all the same: the daemon dropped the
     // since version's digests between the listing and the fetch.
     if (f == sent.end()) {
-      if (result.delta && d.unchanged) continue;  // kept as held
-      return absl::DataLossError(
-          absl::StrCat("update of '", name, "': tensor '", d.spec.name, "' was not sent although changed"));
+      // Kept as held; a listing after a failed patch is checked here too.
+      if (result.delta && d.unchanged && HoldsAsListed(held, d.spec)) continue;
+      return absl::DataLossError(absl::StrCat("update of '", name, "': tensor '", d.spec.name,
+                                              "' was not sent although changed (or is not held as listed)"));
     }
     if (f->second->spec.dtype != d.spec.dtype || f->second->spec.shape != d.spec.shape) {
       return absl::DataLossError(
           absl::StrCat("update of '", name, "': tensor '", d.spec.name, "' arrived unlike its listing"));
     }
-    if (!(result.delta && d.unchanged)) (held ? result.changed : result.added).push_back(d.spec.name);
+    if (!(result.delta && d.unchanged)) (held.has_value() ? result.changed : result.added).push_back(d.spec.name);
     result.fetched_bytes += f->second->bytes.size();
     ++result.fetched_tensors;
     ++whole;
@@ -330,9 +358,12 @@ class HeldDestination final : public UpdateDestination {
         continue;
       }
       WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer copy, HostBuffer::Allocate(p.spec.byte_size()));
-      to.push_back({copy.span()});
-      to_copy.emplace_back(&from, copy.span());
-      copies_.insert_or_assign(p.spec.name, std::move(copy));
+      const std::span<std::byte> into = copy.span();  // a HostBuffer keeps its memory when moved
+      if (!copies_.try_emplace(p.spec.name, std::move(copy)).second) {
+        return absl::FailedPreconditionError(absl::StrCat("two patches came for tensor '", p.spec.name, "'"));
+      }
+      to.push_back({into});
+      to_copy.emplace_back(&from, into);
     }
     WEIGHTSTORE_RETURN_IF_ERROR(
         ParallelFor(to_copy.size(), static_cast<unsigned>(std::max(1, UsableCores())), [&](size_t k) -> absl::Status {

@@ -282,5 +282,30 @@ TEST(SocketPatchesTest, HeldMemoryPatchedInPlaceBeforeTheUpdateFailsIsNoLongerCa
   EXPECT_EQ(held.version, "");                     // so no version names these bytes: the next update is full
 }
 
+// Two patches of one name (or any patch unlike the listing) are the
+// daemon's lie: refused before a byte is written, held memory and version
+// untouched.
+TEST(SocketPatchesTest, TwoPatchesOfOneTensorAreRefusedBeforeAnythingIsWritten) {
+  const std::string before(64, 'a');
+  std::string after = before;
+  after[5] = 'b';
+  HeldTensors held{"v1", {{{"w", DType::kU8, {64}}, SharedBytes::Copy(before)}}, SelectionKey({})};
+  const SharedBytes kept = held.tensors[0].bytes;  // shared: patches go into copies
+  auto span = [](const std::string& b) { return std::as_bytes(std::span(b.data(), b.size())); };
+  const std::optional<ElementPatch> patch = DiffElements(span(before), span(after), 1);
+  ASSERT_TRUE(patch.has_value());
+  std::string segment(4096, '\0');
+  segment.replace(128, patch->body.size(), std::string(patch->body.view()));
+  pb::ShmResponse twice = PatchAnswer(1, patch->body.size(), 128);
+  *twice.mutable_map_tensors()->add_tensors() = twice.map_tensors().tensors(0);
+  ScriptedSocket daemon({{twice, segment}});
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<SharedMemoryStore> store, ConnectSharedMemoryStore(daemon.path()));
+  EXPECT_THAT(UpdateTensors(*store, "m", {}, &held).status(),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("a patch of tensor 'w' unlike its listing")));
+  EXPECT_EQ(held.version, "v1");
+  EXPECT_EQ(held.tensors[0].bytes.view(), before);
+  EXPECT_EQ(kept.view(), before);
+}
+
 }  // namespace
 }  // namespace weightstore::client

@@ -463,13 +463,13 @@ class PyDestination final : public client::UpdateDestination {
       for (const client::ReceivedPatch& p : patches) names.append(p.spec.name);
       const py::tuple given = patch_into_(names).cast<py::tuple>();
       const py::list where = given[0].cast<py::list>();
-      *in_place = given[1].cast<bool>();
       if (where.size() != patches.size()) {
         return absl::InvalidArgumentError(
             absl::StrCat(where.size(), " patch destinations for ", patches.size(), " patches"));
       }
       std::vector<client::PatchDestination> out;
       for (size_t i = 0; i < patches.size(); ++i) out.push_back(ToPatchDestination(patches[i].spec.name, where[i]));
+      *in_place = given[1].cast<bool>();  // once the destinations are known to be usable
       return out;
     } catch (py::error_already_set& error) {
       raised_.emplace(std::move(error));

@@ -104,6 +104,7 @@ class Update:
     fetched_bytes: int  # received: whole tensors and element patches
     patched: list = dataclasses.field(default_factory=list)  # of `changed`, those that came as element patches
     patch_reason: str = ""  # why changed tensors came whole: the daemon keeps no patches from `since`
+    patch_failure: str = ""  # why patches that came were not used (the changed tensors then came whole)
 
 
 @dataclasses.dataclass
@@ -744,13 +745,13 @@ class Store:
                 raise TypeError(f"state: a dict of tensors by served name (str), not one with the key {bad!r:.80}")
         s = _selection(**selection)
         recorded = self._selections.get((id(state), name, since)) if since else None
-        copies = {}
+        written = {}  # kept alive until the native call returns: patches are written there without the GIL
 
         def patch_into(names):
             """Where each patch goes: a module's tensors themselves, or copies
             of a dict's (taken in below)."""
             targets, destinations = _patch_destinations(names, held, in_place=is_module)
-            copies.update({} if is_module else targets)
+            written.update(targets)
             return [destinations[n] for n in names], is_module
 
         got = self._native.update(name, s, since or "", recorded or b"",
@@ -767,12 +768,12 @@ class Store:
         else:
             for n in removed:
                 del state[n]
-            state.update({n: copies[n] for n in got["patched"]})
+            state.update({n: written[n] for n in got["patched"]})
             state.update(fetched)
         self._selections_record(state, name, got["version"], got["selection"])
         return Update(version=got["version"], delta=got["delta"], full_reason="" if got["delta"] else got["full_reason"],
                       changed=got["changed"], added=got["added"], removed=removed, fetched_bytes=got["fetched_bytes"],
-                      patched=got["patched"], patch_reason=got["patch_reason"])
+                      patched=got["patched"], patch_reason=got["patch_reason"], patch_failure=got["patch_failure"])
 
     def _record(self, state, name, version, selection):
         """Remembers that `state` holds `version` of `name` as `selection`
