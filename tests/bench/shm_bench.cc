@@ -6,7 +6,9 @@
 //
 // Usage: shm_bench [--gb N] [--repeat N]
 #include <fcntl.h>
+#include <linux/fs.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -27,6 +29,7 @@
 #include "core/mapped_file.h"
 #include "tests/bench/bench_checkpoint.h"
 #include "tests/util/daemon.h"
+#include "tests/util/metrics.h"
 
 namespace weightstore {
 namespace {
@@ -179,6 +182,64 @@ int main(int argc, char** argv) {
   std::printf("  %-44s %11.2f ms %11.2f ms %10.1f\n", "read the file into memory (pread)", Median(read_first),
               Median(read_all), gbps(Median(read_all)));
   std::printf("\nfirst socket request of this version (daemon computes CRC32C once): %.1f ms\n", first_request_ms);
+  {  // the default (--socket-file-segments auto) for a peer that could write the file: root, as here
+    const std::string auto_models = dir + "/auto", auto_socket = dir + "/auto.sock";
+    std::filesystem::create_directories(auto_models);
+    std::filesystem::copy_file(file, auto_models + "/plain.safetensors");
+    std::filesystem::copy_file(file, auto_models + "/immutable.safetensors");
+    const std::string immutable_path = auto_models + "/immutable.safetensors";
+    const int immutable_fd = ::open(immutable_path.c_str(), O_RDONLY | O_CLOEXEC);
+    int flags = 0;
+    const bool immutable = immutable_fd >= 0 && ::ioctl(immutable_fd, FS_IOC_GETFLAGS, &flags) == 0 && [&] {
+      const int set = flags | FS_IMMUTABLE_FL;
+      return ::ioctl(immutable_fd, FS_IOC_SETFLAGS, &set) == 0;
+    }();
+    {
+      testing::Daemon daemon_auto(auto_models, {"--socket", auto_socket, "--metrics-listen", "127.0.0.1:0"});
+      if (daemon_auto.port() == 0) {
+        std::fprintf(stderr, "shm_bench: the daemon did not start:\n%s\n", daemon_auto.log().c_str());
+        return 1;
+      }
+      // A peer as root in a container: without the capabilities that clear
+      // the immutable flag (the bench runs as root with all of them, so the
+      // request is made by a child that drops them).
+      std::printf(
+          "\nthe socket's default for a root peer (--socket-file-segments auto), first request of a version:\n");
+      for (const char* name : {"plain", "immutable"}) {
+        if (std::string(name) == "immutable" && !immutable) {
+          std::printf("  %-44s (this filesystem cannot make a file immutable)\n", name);
+          continue;
+        }
+        const double shm_before = testing::MetricValue(daemon_auto.metrics_port(), "weightstore_shm_bytes");
+        int out[2];
+        if (::pipe2(out, O_CLOEXEC) != 0) return 1;
+        const pid_t child = ::fork();
+        if (child == 0) {
+          ::dup2(out[1], STDOUT_FILENO);
+          ::execl("/usr/bin/setpriv", "setpriv", "--bounding-set", "-linux_immutable,-sys_rawio,-sys_admin",
+                  WEIGHTSTORE_SHM_PROBE_PATH, auto_socket.c_str(), name, static_cast<char*>(nullptr));
+          ::_exit(127);
+        }
+        ::close(out[1]);
+        std::string printed;
+        char chunk[4096];
+        for (ssize_t n; (n = ::read(out[0], chunk, sizeof(chunk))) > 0;) printed.append(chunk, static_cast<size_t>(n));
+        ::close(out[0]);
+        int status = 0;
+        ::waitpid(child, &status, 0);
+        // The probe's connect + map time (it then reads every byte).
+        const size_t at = printed.find("loaded_ms=");
+        const double ms = at == std::string::npos ? -1 : std::atof(printed.c_str() + at + 10);
+        const double shm_after = testing::MetricValue(daemon_auto.metrics_port(), "weightstore_shm_bytes");
+        std::printf("  %-44s %11.1f ms  %8.0f MiB of shared memory%s\n",
+                    std::string(name) == "plain" ? "a plain file: a sealed copy" : "an immutable file: the file itself",
+                    ms, (shm_after - shm_before) / (1 << 20),
+                    WIFEXITED(status) && WEXITSTATUS(status) == 0 ? "" : " (the probe failed)");
+      }
+    }
+    if (immutable) ::ioctl(immutable_fd, FS_IOC_SETFLAGS, &flags);  // so that the folder can go
+    if (immutable_fd >= 0) ::close(immutable_fd);
+  }
   {  // casts: materialized once into a sealed memfd, then shared
     // The baseline: filling a memfd of the cast's size with pwrite, 1 MiB at a
     // time, from memory already written (the machine's speed for shared memory).
