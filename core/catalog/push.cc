@@ -10,6 +10,7 @@
 #include <chrono>
 #include <filesystem>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/catalog/registry.h"
 #include "core/checked_math.h"
@@ -233,6 +234,33 @@ OpenOptions FromDescriptor(OpenOptions open, int fd) {
   return open;
 }
 
+// A follower's check of what it wrote against what its upstream published:
+// DataLoss naming the first tensor that differs.
+absl::Status CheckExpected(const std::string& name, const CheckpointManifest& written,
+                           const std::vector<ManifestTensor>& expected) {
+  absl::flat_hash_map<absl::string_view, const ManifestTensor*> by_name;
+  for (const ManifestTensor& t : expected) by_name.emplace(t.name, &t);
+  for (const ManifestTensor& t : written.tensors()) {
+    auto it = by_name.find(t.name);
+    if (it == by_name.end()) {
+      return absl::DataLossError(absl::StrCat("push to '", name, "' wrote tensor '", t.name.substr(0, 256),
+                                              "', which the version expected does not have; nothing was published"));
+    }
+    if (!it->second->SameContentAs(t)) {
+      return absl::DataLossError(absl::StrCat("push to '", name, "' wrote tensor '", t.name.substr(0, 256),
+                                              "' unlike the version expected (dtype, shape or digest); nothing was "
+                                              "published"));
+    }
+    by_name.erase(it);
+  }
+  if (!by_name.empty()) {
+    return absl::DataLossError(absl::StrCat("push to '", name, "' lacks tensor '",
+                                            by_name.begin()->first.substr(0, 256),
+                                            "' of the version expected; nothing was published"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PushSession>> CheckpointRegistry::BeginPush(const std::string& name,
@@ -283,6 +311,21 @@ absl::StatusOr<std::unique_ptr<PushSession>> CheckpointRegistry::BeginPush(const
     return absl::InvalidArgumentError(absl::StrCat("push to '", name, "' removes ", options.remove.size(),
                                                    " tensors; version ", base->version(), " has ", checkpoint.size()));
   }
+  if (!options.version_id.empty() && !ValidVersionId(options.version_id)) {
+    return absl::InvalidArgumentError(absl::StrCat("push to '", name, "': the version id '",
+                                                   absl::CHexEscape(options.version_id.substr(0, 64)),
+                                                   "' is not 1 to 64 bytes of [0-9A-Za-z._-]"));
+  }
+  if (options.expected.has_value()) {
+    if (!options_.tensor_digests) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("push to '", name, "': its tensors cannot be checked without digests (--tensor-digests)"));
+    }
+    if (options.expected->size() > options_.open.max_tensors) {
+      return absl::InvalidArgumentError(absl::StrCat("push to '", name, "' expects ", options.expected->size(),
+                                                     " tensors; a checkpoint has at most ", options_.open.max_tensors));
+    }
+  }
   auto session = std::make_unique<PushSession>();
   for (const std::string& r : options.remove) {
     if (checkpoint.Find(r) == nullptr) {
@@ -308,7 +351,9 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   WEIGHTSTORE_RETURN_IF_ERROR(session->EndTensor());
   const std::string& name = session->name_;
   const CheckpointVersion& base = *session->base_;
-  if (session->pushed_.empty() && session->removed_.empty()) {
+  const bool new_metadata =
+      session->options_.metadata.has_value() && *session->options_.metadata != base.checkpoint()->metadata();
+  if (session->pushed_.empty() && session->removed_.empty() && !new_metadata) {
     return absl::InvalidArgumentError(
         absl::StrCat("push to '", name, "' changes nothing: no tensor was pushed or removed"));
   }
@@ -323,7 +368,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   const Checkpoint& checkpoint = *base.checkpoint();
   const std::string written_path = PushedFilePath(base.path());
   WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(written_path, checkpoint.format()));
-  writer->SetMetadata(checkpoint.metadata());
+  writer->SetMetadata(session->options_.metadata.value_or(checkpoint.metadata()));
   std::vector<ManifestTensor> known;  // digests of what is written: the base's and the pushed
   // The patches pushed, their bodies read from the staging file: applied
   // below, and the step kept for clients of the base (no diff needed).
@@ -398,8 +443,22 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   if (written.fd < 0 || ::flock(written.fd, LOCK_SH) != 0) {
     return StatusFromErrno(errno, absl::StrCat("cannot open '", written_path, "'"));
   }
-  // It must open as a checkpoint before it replaces anything.
-  WEIGHTSTORE_RETURN_IF_ERROR(Checkpoint::Open(base.path(), FromDescriptor(options_.open, written.fd)).status());
+  // It must open as a checkpoint, and have the tensors expected, before it
+  // replaces anything. The version is the file written (opened from its
+  // descriptor, not by path again), so the digests carried over describe its
+  // bytes.
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> opened,
+                               Checkpoint::Open(base.path(), FromDescriptor(options_.open, written.fd)));
+  // Named by its content when digests are kept (as a rescan would name it),
+  // or as the push asks; else by its file.
+  std::shared_ptr<const CheckpointManifest> manifest;
+  if (options_.tensor_digests) {
+    const CheckpointManifest known_manifest("", std::move(known));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(manifest, ComputeManifest(*opened, session->options_.version_id, known_manifest));
+  }
+  if (session->options_.expected.has_value()) {
+    WEIGHTSTORE_RETURN_IF_ERROR(CheckExpected(name, *manifest, *session->options_.expected));
+  }
 
   // 2. Under the scan lock: the base must still be served, unchanged and the
   //    file at its path; then the new file replaces it and is published.
@@ -424,19 +483,10 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
     ::fsync(folder);
     ::close(folder);
   }
-  // The version is the file written (opened from its descriptor, not by path
-  // again), so the digests carried over describe its bytes.
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> opened,
-                               Checkpoint::Open(base.path(), FromDescriptor(options_.open, written.fd)));
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::string file_version, FileVersion(base.path()));
-  // Named by its content when digests are kept (as a rescan would name it),
-  // else by its file.
-  std::shared_ptr<const CheckpointManifest> manifest;
-  if (options_.tensor_digests) {
-    const CheckpointManifest known_manifest("", std::move(known));
-    WEIGHTSTORE_ASSIGN_OR_RETURN(manifest, ComputeManifest(*opened, "", known_manifest));
-  }
-  std::string id = manifest != nullptr ? manifest->version() : file_version;
+  std::string id = manifest != nullptr                     ? manifest->version()
+                   : !session->options_.version_id.empty() ? session->options_.version_id
+                                                           : file_version;
   auto version = std::make_shared<CheckpointVersion>(name, base.path(), std::move(opened), file_version, std::move(id),
                                                      NowUnixSeconds());
   Prepare(version.get());

@@ -20,6 +20,7 @@
 #include "core/atomic_file.h"
 #include "core/catalog/manifest.h"
 #include "core/element_patch.h"
+#include "core/format.h"
 #include "core/tensor.h"
 
 namespace weightstore {
@@ -37,6 +38,19 @@ struct PushOptions {
   // order). Default: false, every pushed tensor must replace one of the
   // base's, with its dtype and shape.
   bool allow_new_tensors = false;
+
+  // A follower's push (origin/follower.h), making a copy of a version an
+  // upstream daemon published. Each is checked when the push begins
+  // (InvalidArgument) or before anything is published (DataLoss):
+  // - version_id: the id the new version takes instead of its content's
+  //   (ValidVersionId). Empty: the content's, as a rescan would name it.
+  std::string version_id;
+  // - metadata: the new version's, instead of the base's.
+  std::optional<Metadata> metadata;
+  // - expected: every tensor the new version must have, by name (dtype, shape
+  //   and digest), in any order, no more and no fewer. Needs digests
+  //   (RegistryOptions::tensor_digests).
+  std::optional<std::vector<ManifestTensor>> expected;
 };
 
 class PushSession {

@@ -107,6 +107,55 @@ TEST_F(PushTest, APushWritesTheWholeCheckpointWithTheChangedTensorsAndServesIt) 
   EXPECT_EQ(diff.unchanged, 2u);
 }
 
+// A follower's push copies a version its upstream published: its id, its
+// metadata, and exactly its tensors, or nothing.
+TEST_F(PushTest, AFollowersPushTakesTheUpstreamsIdAndMetadataAndPublishesOnlyTheTensorsExpected) {
+  // What the upstream published: b changed, the metadata too.
+  std::vector<ManifestTensor> expected = base_->manifest()->tensors();
+  const SharedTensor b = F32("b", {30, 40});
+  expected[1].digest = DigestBytes(std::span<const std::byte>(b.bytes.data(), b.bytes.size()));
+  PushOptions follow{.base_version = base_->version(),
+                     .version_id = "upstream-v2",
+                     .metadata = Metadata{{"trainer", "step-1"}},
+                     .expected = expected};
+
+  // Other bytes than expected: DataLoss naming the tensor, nothing published.
+  EXPECT_THAT(Push({F32("b", {30, 41})}, follow),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 'b' unlike the version expected")));
+  ExpectNothingChanged();
+  // A tensor fewer or more than expected.
+  PushOptions fewer = follow;
+  fewer.expected->pop_back();
+  EXPECT_THAT(Push({b}, fewer), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("wrote tensor 'c'")));
+  PushOptions more = follow;
+  more.expected->push_back({"d", DType::kF32, {1}, expected[0].digest});
+  EXPECT_THAT(Push({b}, more), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("lacks tensor 'd'")));
+  ExpectNothingChanged();
+  // An id no version may take.
+  PushOptions bad_id = follow;
+  bad_id.version_id = "v/../2";
+  EXPECT_THAT(Push({b}, bad_id), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("version id")));
+
+  ASSERT_OK_AND_ASSIGN(auto pushed, Push({b}, follow));
+  EXPECT_EQ(pushed->version(), "upstream-v2");
+  EXPECT_EQ(pushed->manifest()->version(), "upstream-v2");
+  EXPECT_EQ(pushed->checkpoint()->metadata().at("trainer"), "step-1");
+  ASSERT_OK_AND_ASSIGN(auto reopened, Checkpoint::Open(path()));
+  EXPECT_EQ(reopened->metadata().at("trainer"), "step-1");
+  EXPECT_EQ(reopened->Read("b")->bytes.view(), b.bytes.view());
+  // Clients of the base get the step as a delta from here.
+  EXPECT_NE(registry_.FindManifest("m", base_->version()), nullptr);
+
+  // A version that differs upstream by its metadata alone is a push too.
+  PushOptions metadata_only{.base_version = pushed->version(),
+                            .version_id = "upstream-v3",
+                            .metadata = Metadata{{"trainer", "step-2"}},
+                            .expected = expected};
+  ASSERT_OK_AND_ASSIGN(auto relabelled, Push({}, metadata_only));
+  EXPECT_EQ(relabelled->version(), "upstream-v3");
+  EXPECT_EQ(relabelled->checkpoint()->metadata().at("trainer"), "step-2");
+}
+
 TEST_F(PushTest, NewTensorsGoLastAndRemovedOnesAreLeftOut) {
   EXPECT_THAT(Push({F32("d", {7})}, {.base_version = base_->version()}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("allow_new_tensors")));

@@ -266,11 +266,13 @@ std::optional<std::string> CheckpointRegistry::TakenId(const std::string& name, 
   absl::ReaderMutexLock lock(&ids_mu_);
   if (!version_ids_) return std::nullopt;
   std::optional<std::string> id = version_ids_(name, file_version);
-  const bool valid =
-      id.has_value() && !id->empty() && id->size() <= 64 && std::all_of(id->begin(), id->end(), [](char c) {
-        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
-      });
-  return valid ? id : std::nullopt;
+  return id.has_value() && ValidVersionId(*id) ? id : std::nullopt;
+}
+
+bool ValidVersionId(absl::string_view id) {
+  return !id.empty() && id.size() <= 64 && std::all_of(id.begin(), id.end(), [](char c) {
+    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  });
 }
 
 void CheckpointRegistry::Prepare(CheckpointVersion* version) const {

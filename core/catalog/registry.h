@@ -200,6 +200,10 @@ class PutSession {
   std::unique_ptr<AtomicFile> file_;
 };
 
+// True for an id a version may take from elsewhere (SetVersionIds, a
+// follower's push): 1 to 64 bytes of [0-9A-Za-z._-].
+bool ValidVersionId(absl::string_view id);
+
 class CheckpointRegistry {
  public:
   explicit CheckpointRegistry(RegistryOptions options);
