@@ -173,8 +173,11 @@ class GrpcOrigin : public Origin {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Origin>> OpenGrpcOrigin(const std::string& url, client::RemoteOptions options,
-                                                       int parallel_reads) {
+namespace {
+
+// The address of a grpc:// or grpcs:// url; `options` keeps a CA only for
+// TLS, which needs one.
+absl::StatusOr<std::string> UpstreamAddress(const std::string& url, client::RemoteOptions* options) {
   std::string address;
   const bool tls = absl::StartsWith(url, "grpcs://");
   if (absl::StartsWith(url, "grpc://")) {
@@ -186,10 +189,23 @@ absl::StatusOr<std::unique_ptr<Origin>> OpenGrpcOrigin(const std::string& url, c
     return absl::InvalidArgumentError(
         absl::StrCat("origin '", absl::CHexEscape(url), "' is not grpc://HOST:PORT or grpcs://HOST:PORT"));
   }
-  if (tls && options.tls_ca_file.empty()) {
+  if (tls && options->tls_ca_file.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("origin '", url, "' uses TLS: give its CA (--origin-ca-file)"));
   }
-  if (!tls) options.tls_ca_file.clear();
+  if (!tls) options->tls_ca_file.clear();
+  return address;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<client::Store>> OpenGrpcUpstream(const std::string& url, client::RemoteOptions options) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::string address, UpstreamAddress(url, &options));
+  return client::ConnectRemoteStore(address, std::move(options));
+}
+
+absl::StatusOr<std::unique_ptr<Origin>> OpenGrpcOrigin(const std::string& url, client::RemoteOptions options,
+                                                       int parallel_reads) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::string address, UpstreamAddress(url, &options));
   WEIGHTSTORE_ASSIGN_OR_RETURN(auto make_channel, client::ChannelMaker(address, options));
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int i = 0; i < std::max(1, parallel_reads); ++i) channels.push_back(make_channel());

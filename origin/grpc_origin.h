@@ -21,6 +21,10 @@ namespace weightstore::origin {
 absl::StatusOr<std::unique_ptr<Origin>> OpenGrpcOrigin(const std::string& url, client::RemoteOptions options,
                                                        int parallel_reads = 4);
 
+// The upstream daemon at `url` as a remote store, for following it
+// (origin/follower.h): the url and options OpenGrpcOrigin takes.
+absl::StatusOr<std::unique_ptr<client::Store>> OpenGrpcUpstream(const std::string& url, client::RemoteOptions options);
+
 }  // namespace weightstore::origin
 
 #endif  // WEIGHTSTORE_ORIGIN_GRPC_ORIGIN_H_

@@ -45,12 +45,15 @@ NodeCache::NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origi
     : registry_(registry),
       origin_(std::move(origin)),
       options_(std::move(options)),
-      models_dir_(registry->options().models_dir),
-      state_dir_((fs::path(registry->options().models_dir) / kStateFolder).string()) {
+      // Absolute: the registry resolves a relative path against the models
+      // folder, so a relative --models would be taken twice.
+      models_dir_(fs::absolute(registry->options().models_dir).lexically_normal().string()),
+      state_dir_((fs::path(models_dir_) / kStateFolder).string()) {
   origin_->set_max_files(options_.max_files);
 }
 
 NodeCache::~NodeCache() {
+  follower_.reset();                  // its steps call the cache
   registry_->SetVersionIds(nullptr);  // waits for a call in progress
   registry_->RemoveListener(listener_id_);
   {
@@ -71,11 +74,13 @@ void NodeCache::Shutdown() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
+  if (follower_ != nullptr) follower_->Stop();
   origin_->Cancel();
 }
 
 absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* registry, std::unique_ptr<Origin> origin,
-                                                           NodeCacheOptions options) {
+                                                           NodeCacheOptions options,
+                                                           std::unique_ptr<client::Store> follow) {
   if (options.part_bytes == 0 || options.max_concurrent_pulls < 1) {
     return absl::InvalidArgumentError("node cache: part_bytes and max_concurrent_pulls must be positive");
   }
@@ -110,8 +115,14 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
     absl::MutexLock lock(&target->mu);
     if (target->cache != nullptr) target->cache->OnServedChanged(name);
   });
-  absl::MutexLock lock(&cache->mu_);
-  cache->ReadLedger();
+  {
+    absl::MutexLock lock(&cache->mu_);
+    cache->ReadLedger();
+  }
+  if (follow != nullptr) {
+    cache->follower_ = std::make_unique<Follower>(registry, cache.get(), std::move(follow), cache->origin_->Describe());
+    cache->follower_->Start();
+  }
   return cache;
 }
 
@@ -128,6 +139,7 @@ PullStats NodeCache::Stats() const {
   absl::MutexLock lock(&mu_);
   s.pulls_in_flight = flights_.size();
   s.cache_bytes = cached_bytes_;
+  if (follower_ != nullptr) s.follow = follower_->Stats();
   return s;
 }
 
@@ -253,6 +265,7 @@ void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>
     waiters.swap(flight->waiters);  // no one joins a flight once it is erased
   }
   std::shared_ptr<const CheckpointVersion> version = status.ok() ? registry_->Get(name) : nullptr;
+  if (version != nullptr && follower_ != nullptr) follower_->Refresh();  // follows it from now
   if (status.ok() && version == nullptr) {
     status = absl::UnavailableError(absl::StrCat("checkpoint '", name, "' was pulled, then unloaded; retry"));
   }

@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,6 +43,7 @@
 #include "core/catalog/pull.h"
 #include "core/catalog/registry.h"
 #include "core/shm/unix_socket.h"
+#include "origin/follower.h"
 #include "origin/origin.h"
 
 namespace weightstore::origin {
@@ -73,12 +75,15 @@ struct NodeCacheOptions {
   absl::Duration abandoned_partial = absl::Hours(24);
 };
 
-class NodeCache : public Puller {
+class NodeCache : public Puller, public FollowedCache {
  public:
   // Opens the cache of `registry`'s models folder, reading its ledger (and
   // dropping entries whose files are gone). `registry` must outlive it.
+  // With `follow` (the origin as a remote store: an upstream daemon), what
+  // the cache holds follows the upstream's new versions (origin/follower.h).
   static absl::StatusOr<std::unique_ptr<NodeCache>> Open(CheckpointRegistry* registry, std::unique_ptr<Origin> origin,
-                                                         NodeCacheOptions options);
+                                                         NodeCacheOptions options,
+                                                         std::unique_ptr<client::Store> follow = nullptr);
   ~NodeCache() override;
 
   // Puller. Transfers run on threads of their own, at most
@@ -94,6 +99,11 @@ class NodeCache : public Puller {
   void Shutdown() override;
 
   const Origin& origin() const { return *origin_; }
+
+  // FollowedCache.
+  std::map<std::string, std::string> Followed() const override ABSL_LOCKS_EXCLUDED(mu_);
+  void BeginStep(const std::string& name) override ABSL_LOCKS_EXCLUDED(mu_);
+  void EndStep(const std::string& name, const CheckpointVersion* published) override ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Flight;
@@ -203,6 +213,10 @@ class NodeCache : public Puller {
     int threads ABSL_GUARDED_BY(mu) = 0;
   };
   const std::shared_ptr<Running> running_ = std::make_shared<Running>();
+  // Checkpoints a follower's step is rewriting (BeginStep).
+  std::set<std::string> stepping_ ABSL_GUARDED_BY(mu_);
+  // Set by Open with `follow`; stopped first by the destructor.
+  std::unique_ptr<Follower> follower_;
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> bytes_pulled_{0}, pulls_{0}, pull_errors_{0}, hits_{0}, misses_{0}, evictions_{0};
 };

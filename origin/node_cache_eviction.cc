@@ -59,7 +59,7 @@ absl::Status NodeCache::Reserve(const std::string& name, uint64_t bytes, std::ve
       }
       over = used + bytes - options_.max_bytes;
       for (const auto& [n, c] : ledger_) {
-        if (n != name && !c.placing && !flights_.contains(n)) candidates.emplace_back(n, c);
+        if (n != name && !c.placing && !flights_.contains(n) && !stepping_.contains(n)) candidates.emplace_back(n, c);
       }
     }
     std::sort(candidates.begin(), candidates.end(),

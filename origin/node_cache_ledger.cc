@@ -95,6 +95,16 @@ void NodeCache::Touch(const std::string& name) {
 }
 
 void NodeCache::OnServedChanged(const std::string& name) {
+  if (follower_ != nullptr) {
+    // A checkpoint of the cache served anew (the first scan, a reload): the
+    // follower watches what is held now. Not for a step's own publish.
+    bool held = false;
+    {
+      absl::MutexLock lock(&mu_);
+      held = ledger_.contains(name) && !stepping_.contains(name);
+    }
+    if (held) follower_->Refresh();
+  }
   std::shared_ptr<const CheckpointVersion> served = registry_->Get(name);
   if (served == nullptr) return;
   {
@@ -134,7 +144,8 @@ std::optional<std::string> NodeCache::OriginVersion(const std::string& name, con
 
 void NodeCache::ForgetReplaced() {
   for (auto it = ledger_.begin(); it != ledger_.end();) {
-    auto served = it->second.placing ? nullptr : registry_->Get(it->first);
+    // A follower's step replaces the files, and then the ledger's entry.
+    auto served = it->second.placing || stepping_.contains(it->first) ? nullptr : registry_->Get(it->first);
     if (served != nullptr && served->file_version() != it->second.file_version) {
       cached_bytes_ -= it->second.bytes;
       it = ledger_.erase(it);
@@ -142,6 +153,48 @@ void NodeCache::ForgetReplaced() {
       ++it;
     }
   }
+}
+
+std::map<std::string, std::string> NodeCache::Followed() const {
+  std::map<std::string, Cached> ledger;
+  {
+    absl::MutexLock lock(&mu_);
+    ledger = ledger_;
+  }
+  std::map<std::string, std::string> followed;
+  for (const auto& [name, c] : ledger) {
+    if (c.placing || c.version.empty()) continue;
+    std::shared_ptr<const CheckpointVersion> served = registry_->Get(name);
+    if (served != nullptr && served->file_version() == c.file_version) followed[name] = c.version;
+  }
+  return followed;
+}
+
+void NodeCache::BeginStep(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  stepping_.insert(name);
+}
+
+void NodeCache::EndStep(const std::string& name, const CheckpointVersion* published) {
+  {
+    absl::MutexLock lock(&mu_);
+    stepping_.erase(name);
+    auto it = ledger_.find(name);
+    if (published == nullptr || it == ledger_.end() || it->second.placing) return;
+    // The step rewrote the one file in place (a push): its size may differ.
+    Cached& c = it->second;
+    uint64_t bytes = 0;
+    for (const std::string& path : c.paths) {
+      std::error_code ec;
+      bytes += fs::file_size(fs::path(models_dir_) / path, ec);
+    }
+    cached_bytes_ = cached_bytes_ - c.bytes + bytes;
+    c.bytes = bytes;
+    c.file_version = published->file_version();
+    c.version = published->version();
+    c.last_used_unix_ms = NowMs();
+  }
+  (void)SaveLedger();
 }
 
 }  // namespace weightstore::origin

@@ -181,6 +181,55 @@ void AddPullFamilies(ServerMetrics* metrics, const Puller* puller) {
              One([puller] { return static_cast<double>(puller->Stats().cache_budget_bytes); }));
   f.AddCounter("weightstore_node_cache_evictions_total", "Pulled checkpoints evicted to fit the budget.",
                One([puller] { return static_cast<double>(puller->Stats().evictions); }));
+  if (!puller->Stats().follow.following) return;
+  // Following (origin/follower.h), per followed checkpoint.
+  using Per = std::function<std::vector<Sample>(const FollowedStats&)>;
+  auto per_checkpoint = [puller](Per per) {
+    return [puller, per = std::move(per)] {
+      std::vector<Sample> out;
+      for (const FollowedStats& c : puller->Stats().follow.checkpoints) {
+        for (Sample& sample : per(c)) out.push_back(std::move(sample));
+      }
+      return out;
+    };
+  };
+  auto one = [](const FollowedStats& c, double value) {
+    return std::vector<Sample>{{{{"checkpoint", c.name}}, value}};
+  };
+  f.AddGauge("weightstore_follow_upstream_connected", "1 while the watch of the upstream daemon is up.",
+             One([puller] { return puller->Stats().follow.upstream_connected ? 1.0 : 0.0; }));
+  f.AddGauge("weightstore_follow_lag_versions",
+             "Versions the upstream announced since the one this node holds, not applied yet.",
+             per_checkpoint([one](const FollowedStats& c) { return one(c, static_cast<double>(c.lag_versions)); }));
+  f.AddGauge("weightstore_follow_lag_seconds",
+             "Seconds since the upstream announced the oldest version not applied yet (0 when current).",
+             per_checkpoint([one](const FollowedStats& c) { return one(c, c.lag_seconds); }));
+  f.AddCounter("weightstore_follow_updates_total",
+               "Versions applied: every changed tensor as an element patch (patches), or some whole (whole).",
+               per_checkpoint([](const FollowedStats& c) {
+                 return std::vector<Sample>{
+                     {{{"checkpoint", c.name}, {"how", "patches"}}, static_cast<double>(c.steps_patched)},
+                     {{{"checkpoint", c.name}, {"how", "whole"}}, static_cast<double>(c.steps_whole)}};
+               }));
+  f.AddCounter("weightstore_follow_received_bytes_total", "Bytes received from the upstream by steps, by kind.",
+               per_checkpoint([](const FollowedStats& c) {
+                 return std::vector<Sample>{
+                     {{{"checkpoint", c.name}, {"kind", "patch"}}, static_cast<double>(c.patch_bytes)},
+                     {{{"checkpoint", c.name}, {"kind", "whole"}}, static_cast<double>(c.whole_bytes)}};
+               }));
+  f.AddCounter("weightstore_follow_failures_total", "Steps that failed and published nothing (retried).",
+               per_checkpoint([one](const FollowedStats& c) { return one(c, static_cast<double>(c.failures)); }));
+  f.AddCounter("weightstore_follow_fallbacks_total",
+               "Steps whose changed tensors came whole, by reason: not_kept, patch_failed, not_delta.",
+               per_checkpoint([](const FollowedStats& c) {
+                 std::vector<Sample> out;
+                 for (const char* reason : {"not_kept", "patch_failed", "not_delta"}) {
+                   auto it = c.fallbacks.find(reason);
+                   out.push_back({{{"checkpoint", c.name}, {"reason", reason}},
+                                  static_cast<double>(it == c.fallbacks.end() ? 0 : it->second)});
+                 }
+                 return out;
+               }));
 }
 
 }  // namespace

@@ -50,10 +50,16 @@ std::string RedactSecrets(const std::string& config) {
 // by `url`, and the node cache over the models folder.
 absl::StatusOr<std::function<absl::StatusOr<std::unique_ptr<weightstore::Puller>>(weightstore::CheckpointRegistry*)>>
 MakePuller(const std::string& url, const std::string& token_file, const std::string& ca_file,
-           weightstore::origin::S3Config s3, weightstore::origin::NodeCacheOptions cache) {
+           weightstore::origin::S3Config s3, weightstore::origin::NodeCacheOptions cache, bool follow) {
   using weightstore::origin::Origin;
   std::unique_ptr<Origin> origin;
+  std::shared_ptr<std::unique_ptr<weightstore::client::Store>> upstream =
+      std::make_shared<std::unique_ptr<weightstore::client::Store>>();
   if (absl::StartsWith(url, "s3://")) {
+    if (follow) {
+      return absl::UnimplementedError(
+          "--follow follows an upstream weightstored (grpc[s]://); an s3:// origin is pulled once");
+    }
     weightstore::origin::FillFromEnvironment(&s3);
     if (cache.parallel_reads > 0) s3.parallel_reads = cache.parallel_reads;
     auto opened = weightstore::origin::S3Origin::Create(url, std::move(s3));
@@ -68,15 +74,25 @@ MakePuller(const std::string& url, const std::string& token_file, const std::str
         return absl::NotFoundError(absl::StrCat("--origin-token-file: cannot read a token from '", token_file, "'"));
       }
     }
+    if (follow) {
+      // A watch and the steps' fetches of their own, apart from the pulls'
+      // connections. A broken watch is reopened by the follower, which says
+      // so in its metrics, not within the store.
+      weightstore::client::RemoteOptions watching = remote;
+      watching.resume_window = std::chrono::milliseconds(0);
+      auto store = weightstore::origin::OpenGrpcUpstream(url, std::move(watching));
+      if (!store.ok()) return store.status();
+      *upstream = *std::move(store);
+    }
     auto opened = weightstore::origin::OpenGrpcOrigin(url, std::move(remote),
                                                       cache.parallel_reads > 0 ? cache.parallel_reads : 4);
     if (!opened.ok()) return opened.status();
     origin = *std::move(opened);
   }
   auto shared = std::make_shared<std::unique_ptr<Origin>>(std::move(origin));
-  return [shared,
+  return [shared, upstream,
           cache](weightstore::CheckpointRegistry* registry) -> absl::StatusOr<std::unique_ptr<weightstore::Puller>> {
-    auto opened = weightstore::origin::NodeCache::Open(registry, std::move(*shared), cache);
+    auto opened = weightstore::origin::NodeCache::Open(registry, std::move(*shared), cache, std::move(*upstream));
     if (!opened.ok()) return opened.status();
     return std::unique_ptr<weightstore::Puller>(*std::move(opened));
   };
@@ -307,6 +323,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--pull", pull, "Pull this checkpoint from the origin once serving (repeatable)");
+  bool follow = false;
+  app.add_flag("--follow", follow,
+               "Keep every checkpoint pulled from a grpc[s]:// origin at the origin's newest version, as element "
+               "patches where it keeps them (docs/origin.md, Following)");
   // S3 credentials: the AWS SDKs' environment variables, or these keys in the
   // config file (never on the command line, where ps shows them). Neither is
   // ever printed or logged.
@@ -376,15 +396,15 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   if (!origin_url.empty()) {
-    auto make = MakePuller(origin_url, origin_token_file, origin_ca_file, s3, cache);
+    auto make = MakePuller(origin_url, origin_token_file, origin_ca_file, s3, cache, follow);
     if (!make.ok()) {
       std::fprintf(stderr, "weightstored: %s\n", std::string(make.status().message()).c_str());
       return 1;
     }
     options.make_puller = *std::move(make);
     options.prefetch = pull;
-  } else if (!pull.empty()) {
-    std::fprintf(stderr, "weightstored: --pull needs --origin\n");
+  } else if (!pull.empty() || follow) {
+    std::fprintf(stderr, "weightstored: %s needs --origin\n", follow ? "--follow" : "--pull");
     return 1;
   }
 

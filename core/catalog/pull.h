@@ -6,7 +6,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -25,6 +27,32 @@ struct PullResult {
   double seconds = 0;
 };
 
+// Following (origin/follower.h): one checkpoint kept at its upstream's
+// newest version.
+struct FollowedStats {
+  std::string name;
+  // Upstream versions announced since the one held, not applied yet; and
+  // seconds since the oldest of them was announced (0 when current).
+  uint64_t lag_versions = 0;
+  double lag_seconds = 0;
+  // Steps applied: every changed tensor as an element patch, or some whole.
+  uint64_t steps_patched = 0, steps_whole = 0;
+  uint64_t failures = 0;
+  // Bytes received from the upstream: element patches, whole tensors.
+  uint64_t patch_bytes = 0, whole_bytes = 0;
+  // Steps where changed tensors came whole, by reason ("not_kept": the
+  // upstream keeps no patches from the version held; "patch_failed": a patch
+  // did not apply or its result failed its digest; "not_delta": the upstream
+  // could not tell what changed).
+  std::map<std::string, uint64_t> fallbacks;
+};
+
+struct FollowStats {
+  bool following = false;           // --follow
+  bool upstream_connected = false;  // the watch is up
+  std::vector<FollowedStats> checkpoints;
+};
+
 // Figures for metrics, read at scrape time.
 struct PullStats {
   std::string origin;  // Describe() of the origin
@@ -34,6 +62,7 @@ struct PullStats {
   uint64_t hits = 0, misses = 0;  // read-through lookups
   uint64_t cache_bytes = 0, cache_budget_bytes = 0;
   uint64_t evictions = 0;
+  FollowStats follow;
 };
 
 class Puller {

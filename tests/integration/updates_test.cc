@@ -33,6 +33,7 @@
 #include "tests/util/daemon.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
+#include "tests/util/watcher.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore {
@@ -44,6 +45,7 @@ using testing::Daemon;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::UnorderedElementsAreArray;
+using testing::Watcher;
 using ::weightstore::testing::StatusIs;
 
 // A small GPT-style state dict: embeddings, then per layer attention and MLP
@@ -117,61 +119,6 @@ class Model {
   }
   std::mt19937 rng_{42};
   std::vector<SharedTensor> tensors_;
-};
-
-// Collects a watch's events on a thread of its own.
-class Watcher {
- public:
-  Watcher(client::Store* store, client::WatchOptions options) {
-    options.cancel = cancel_;
-    thread_ = std::thread([this, store, options] {
-      absl::Status status = store->Watch(options, [this](const CheckpointEvent& e) {
-        absl::MutexLock lock(&mu_);
-        events_.push_back(e);
-        last_event_at_ = std::chrono::steady_clock::now();
-        return true;
-      });
-      absl::MutexLock lock(&mu_);
-      status_ = status;
-      done_ = true;
-    });
-  }
-  ~Watcher() { (void)Stop(); }
-  absl::Status Stop() {
-    *cancel_ = true;
-    if (thread_.joinable()) thread_.join();
-    absl::MutexLock lock(&mu_);
-    return status_;
-  }
-  // When the last event arrived.
-  std::chrono::steady_clock::time_point last_event_at() {
-    absl::MutexLock lock(&mu_);
-    return last_event_at_;
-  }
-  // Waits up to 10 s for an event `match` accepts, and returns it.
-  std::optional<CheckpointEvent> WaitFor(const std::function<bool(const CheckpointEvent&)>& match) {
-    absl::MutexLock lock(&mu_);
-    auto found = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      for (; seen_ < events_.size(); ++seen_) {
-        if (match(events_[seen_])) return true;
-      }
-      return done_;
-    };
-    if (!mu_.AwaitWithTimeout(absl::Condition(&found), absl::Seconds(10)) || seen_ >= events_.size()) {
-      return std::nullopt;
-    }
-    return events_[seen_++];
-  }
-
- private:
-  std::shared_ptr<std::atomic<bool>> cancel_ = std::make_shared<std::atomic<bool>>(false);
-  absl::Mutex mu_;
-  std::vector<CheckpointEvent> events_ ABSL_GUARDED_BY(mu_);
-  size_t seen_ ABSL_GUARDED_BY(mu_) = 0;
-  std::chrono::steady_clock::time_point last_event_at_ ABSL_GUARDED_BY(mu_);
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
 };
 
 bool IsReplacement(const CheckpointEvent& e) { return e.kind == CheckpointEvent::Kind::kReplaced; }

@@ -1,0 +1,370 @@
+#include "origin/follower.h"
+
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "client/updates.h"
+#include "core/catalog/manifest.h"
+#include "core/catalog/push.h"
+#include "core/crc32c.h"
+#include "core/status_macros.h"
+
+namespace weightstore::origin {
+
+namespace {
+
+void Log(const std::string& line) { std::fprintf(stderr, "weightstored: follow: %s\n", line.c_str()); }
+
+// The tensors the upstream's listing says the version has, with their
+// digests: what the step must write. DataLoss when the upstream gives none
+// (a daemon with --tensor-digests=false cannot be followed).
+absl::StatusOr<std::vector<ManifestTensor>> ExpectedTensors(const std::string& name,
+                                                            const client::ChangedTensors& changed) {
+  std::vector<ManifestTensor> expected;
+  expected.reserve(changed.listed.size());
+  for (const client::TensorDescription& d : changed.listed) {
+    std::optional<TensorDigest> digest = TensorDigest::FromHex(d.digest);
+    if (!digest.has_value()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the upstream lists tensor '", d.spec.name.substr(0, 256), "' of '", name,
+                       "' without a digest; a daemon is followed only with --tensor-digests"));
+    }
+    expected.push_back({d.spec.name, d.spec.dtype, d.spec.shape, *digest});
+  }
+  return expected;
+}
+
+}  // namespace
+
+Follower::Follower(CheckpointRegistry* registry, FollowedCache* cache, std::unique_ptr<client::Store> upstream,
+                   std::string upstream_name, FollowOptions options)
+    : registry_(registry),
+      cache_(cache),
+      upstream_(std::move(upstream)),
+      upstream_name_(std::move(upstream_name)),
+      options_(options) {}
+
+Follower::~Follower() {
+  Stop();
+  if (watcher_.joinable()) watcher_.join();
+  if (stepper_.joinable()) stepper_.join();
+}
+
+void Follower::Start() {
+  watcher_ = std::thread([this] { WatchLoop(); });
+  stepper_ = std::thread([this] { StepLoop(); });
+}
+
+void Follower::Refresh() {
+  absl::MutexLock lock(&mu_);
+  refresh_ = true;
+  if (watch_cancel_) watch_cancel_->store(true);
+}
+
+void Follower::Stop() {
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;
+  step_cancel_->store(true);
+  if (watch_cancel_) watch_cancel_->store(true);
+}
+
+absl::Duration Follower::Backoff(int failures) const {
+  absl::Duration d = options_.retry_min;
+  for (int i = 1; i < failures && d < options_.retry_max; ++i) d *= 2;
+  d = std::min(d, options_.retry_max);
+  thread_local std::minstd_rand jitter(std::random_device{}());
+  return d + d * (std::uniform_real_distribution<double>(0, 0.25)(jitter));
+}
+
+bool Follower::Sleep(absl::Duration d) {
+  absl::MutexLock lock(&mu_);
+  auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || refresh_; };
+  mu_.AwaitWithTimeout(absl::Condition(&woken), d);
+  return !stopping_;
+}
+
+void Follower::WatchLoop() {
+  int failures = 0;
+  while (true) {
+    std::map<std::string, std::string> known = cache_->Followed();
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      refresh_ = false;
+      watch_cancel_ = cancel;
+      // Checkpoints no longer held (evicted, replaced by an operator) are
+      // not followed; those held are, from the version held.
+      for (auto it = followed_.begin(); it != followed_.end();) {
+        it = known.contains(it->first) ? std::next(it) : followed_.erase(it);
+      }
+      for (const auto& [name, version] : known) followed_[name].stats.name = name;
+    }
+    if (known.empty()) {  // nothing to follow until a pull finishes
+      absl::MutexLock lock(&mu_);
+      auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || refresh_; };
+      mu_.Await(absl::Condition(&woken));
+      continue;
+    }
+    client::WatchOptions watch;
+    watch.known = known;
+    watch.cancel = cancel;
+    absl::Status status = upstream_->Watch(watch, [&](const client::CheckpointEvent& e) {
+      absl::MutexLock lock(&mu_);
+      if (e.kind == client::CheckpointEvent::Kind::kSynced) {
+        if (!connected_) Log(absl::StrCat("watching ", upstream_name_, " for ", known.size(), " checkpoints"));
+        connected_ = true;
+        failures = 0;
+        return !stopping_;
+      }
+      auto it = followed_.find(e.name);
+      if (it == followed_.end()) return !stopping_;  // not one the node holds
+      if (e.kind == client::CheckpointEvent::Kind::kRemoved) {
+        Log(absl::StrCat("'", e.name, "' was removed upstream; the node keeps serving version ",
+                         known.count(e.name) ? known[e.name] : std::string()));
+        return !stopping_;
+      }
+      Followed& f = it->second;
+      if (e.new_version == f.newest && f.announced > f.caught_up) return !stopping_;
+      if (f.announced == f.caught_up) f.behind_since = absl::Now();
+      f.newest = e.new_version;
+      ++f.announced;
+      f.retry_at = absl::InfinitePast();
+      return !stopping_;
+    });
+    bool refreshed = false;
+    {
+      absl::MutexLock lock(&mu_);
+      connected_ = false;
+      if (stopping_) return;
+      refreshed = refresh_;
+    }
+    if (refreshed) continue;
+    ++failures;
+    Log(absl::StrCat("the watch of ", upstream_name_, " ended (", status.ToString(), "); retrying"));
+    if (!Sleep(Backoff(failures))) return;
+  }
+}
+
+void Follower::StepLoop() {
+  while (true) {
+    std::string name;
+    {
+      absl::MutexLock lock(&mu_);
+      // The next checkpoint behind its upstream whose retry is due.
+      absl::Time next = absl::InfiniteFuture();
+      auto due = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        if (stopping_) return true;
+        next = absl::InfiniteFuture();
+        const absl::Time now = absl::Now();
+        for (auto& [n, f] : followed_) {
+          if (f.announced == f.caught_up) continue;
+          if (f.retry_at <= now) {
+            name = n;
+            return true;
+          }
+          next = std::min(next, f.retry_at);
+        }
+        return false;
+      };
+      while (!due()) {
+        if (next == absl::InfiniteFuture()) {
+          mu_.Await(absl::Condition(&due));
+          break;
+        }
+        mu_.AwaitWithDeadline(absl::Condition(&due), next);
+      }
+      if (stopping_) return;
+      if (name.empty()) continue;
+    }
+    absl::Status status = Step(name);
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    auto it = followed_.find(name);
+    if (it == followed_.end()) continue;
+    Followed& f = it->second;
+    if (status.ok()) {
+      f.failures_in_a_row = 0;
+      continue;
+    }
+    ++f.stats.failures;
+    ++f.failures_in_a_row;
+    f.retry_at = absl::Now() + Backoff(f.failures_in_a_row);
+    Log(absl::StrCat("'", name, "' stays at its version: ", status.ToString()));
+  }
+}
+
+absl::Status Follower::Step(const std::string& name) {
+  bool patch_failed = false;
+  absl::Status status = StepOnce(name, /*patches=*/true, &patch_failed);
+  if (patch_failed) {
+    Log(absl::StrCat("'", name, "': the element patches failed (", status.message(), "); fetching tensors whole"));
+    {
+      absl::MutexLock lock(&mu_);
+      if (auto it = followed_.find(name); it != followed_.end()) ++it->second.stats.fallbacks["patch_failed"];
+    }
+    status = StepOnce(name, /*patches=*/false, &patch_failed);
+  }
+  return status;
+}
+
+absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* patch_failed) {
+  *patch_failed = false;
+  std::shared_ptr<const CheckpointVersion> base = registry_->Get(name);
+  if (base == nullptr) return absl::NotFoundError(absl::StrCat("'", name, "' is no longer served"));
+  client::Query query;
+  query.since_version = base->version();
+  query.patches = patches && base->manifest() != nullptr;
+  query.cancel = step_cancel_;
+  uint64_t announced = 0;  // before the listing: what it catches up with
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = followed_.find(name); it != followed_.end()) announced = it->second.announced;
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::ChangedTensors changed, client::FetchChanged(*upstream_, name, query));
+  // Held now: the upstream's version as listed after every announcement up
+  // to `announced`.
+  auto caught_up = [&] {
+    absl::MutexLock lock(&mu_);
+    auto it = followed_.find(name);
+    if (it == followed_.end()) return;
+    Followed& f = it->second;
+    f.caught_up = std::max(f.caught_up, announced);
+    // Announced while the step ran: behind again, from now.
+    if (f.announced > f.caught_up) f.behind_since = absl::Now();
+  };
+  if (changed.version == base->version()) {
+    caught_up();
+    return absl::OkStatus();
+  }
+  // The same id must never name two contents here: an upstream that reuses
+  // the id of a version this node keeps, for other tensors, is refused.
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<ManifestTensor> expected, ExpectedTensors(name, changed));
+  if (std::shared_ptr<const CheckpointManifest> kept = registry_->FindManifest(name, changed.version)) {
+    bool same = kept->tensors().size() == expected.size();
+    for (size_t i = 0; same && i < expected.size(); ++i) {
+      const ManifestTensor* k = kept->Find(expected[i].name);
+      same = k != nullptr && k->SameContentAs(expected[i]);
+    }
+    if (!same) {
+      return absl::DataLossError(absl::StrCat("the upstream names other tensors '", changed.version.substr(0, 64),
+                                              "', a version id of '", name, "' this node keeps"));
+    }
+  }
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, upstream_->GetCheckpoint(name, step_cancel_));
+  if (summary.version != changed.version) {
+    return absl::AbortedError(absl::StrCat("'", name, "' changed upstream while it was fetched; fetching again"));
+  }
+
+  // The push: tensors the base lacks, or holds with another dtype or shape,
+  // are (re)defined; tensors the upstream no longer has are removed.
+  const Checkpoint& held = *base->checkpoint();
+  PushOptions push;
+  push.base_version = base->version();
+  push.version_id = changed.version;
+  push.metadata = summary.metadata;
+  absl::flat_hash_set<std::string> listed;
+  for (const client::TensorDescription& d : changed.listed) {
+    listed.insert(d.spec.name);
+    const CheckpointEntry* e = held.Find(d.spec.name);
+    if (e == nullptr) {
+      push.allow_new_tensors = true;
+    } else if (e->spec.dtype != d.spec.dtype || e->spec.shape != d.spec.shape) {
+      push.allow_new_tensors = true;
+      push.remove.push_back(d.spec.name);
+    }
+  }
+  for (const CheckpointEntry& e : held.entries()) {
+    if (!listed.contains(e.spec.name)) push.remove.push_back(e.spec.name);
+  }
+  push.expected = std::move(expected);
+
+  cache_->BeginStep(name);
+  const CheckpointVersion* published_version = nullptr;
+  std::shared_ptr<const CheckpointVersion> published;
+  uint64_t patch_bytes = 0, whole_bytes = 0;
+  absl::Status status = [&]() -> absl::Status {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<PushSession> session, registry_->BeginPush(name, push));
+    for (const client::ReceivedPatch& p : changed.patched) {
+      const ManifestTensor* b = base->manifest() != nullptr ? base->manifest()->Find(p.spec.name) : nullptr;
+      std::optional<TensorDigest> digest = TensorDigest::FromHex(p.digest);
+      if (b == nullptr || !digest.has_value()) {
+        *patch_failed = true;
+        return absl::DataLossError(absl::StrCat("the upstream sent a patch of '", p.spec.name.substr(0, 256),
+                                                "', which the held version has no digest of, or without one"));
+      }
+      ElementPatch header = p.patch;
+      header.body = SharedBytes();
+      absl::Status s = session->BeginPatchedTensor(p.spec, Crc32c(p.patch.body.view()), header, p.patch.body.size(),
+                                                   b->digest, *digest);
+      if (s.ok()) s = session->Append(p.patch.body.view());
+      if (!s.ok()) {
+        *patch_failed = true;
+        return s;
+      }
+      patch_bytes += p.patch.body.size();
+    }
+    for (const SharedTensor& t : changed.received) {
+      WEIGHTSTORE_RETURN_IF_ERROR(session->BeginTensor(t.spec, Crc32c(t.bytes.view())));
+      WEIGHTSTORE_RETURN_IF_ERROR(session->Append(t.bytes.view()));
+      whole_bytes += t.bytes.size();
+    }
+    absl::StatusOr<std::shared_ptr<const CheckpointVersion>> finished = registry_->FinishPush(std::move(session));
+    if (!finished.ok()) {
+      // A patch whose result is unlike its digest fails here (DataLoss).
+      *patch_failed = !changed.patched.empty() && absl::IsDataLoss(finished.status());
+      return finished.status();
+    }
+    published = *std::move(finished);
+    published_version = published.get();
+    return absl::OkStatus();
+  }();
+  cache_->EndStep(name, published_version);
+  if (!status.ok()) {
+    return absl::Status(status.code(), absl::StrCat("step of '", name, "' to version ", changed.version.substr(0, 64),
+                                                    " from ", upstream_name_, ": ", status.message()));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = followed_.find(name); it != followed_.end()) {
+      FollowedStats& s = it->second.stats;
+      s.patch_bytes += patch_bytes;
+      s.whole_bytes += whole_bytes;
+      if (changed.received.empty()) {
+        ++s.steps_patched;
+      } else {
+        ++s.steps_whole;
+        if (!changed.delta) {
+          ++s.fallbacks["not_delta"];
+        } else if (patches && !changed.patch_reason.empty()) {
+          ++s.fallbacks["not_kept"];
+        }
+      }
+    }
+  }
+  caught_up();
+  Log(absl::StrCat("'", name, "' is at version ", changed.version, ": ", changed.patched.size(), " patches (",
+                   patch_bytes, " bytes), ", changed.received.size(), " tensors whole (", whole_bytes, " bytes)"));
+  return absl::OkStatus();
+}
+
+FollowStats Follower::Stats() const {
+  FollowStats s;
+  s.following = true;
+  absl::MutexLock lock(&mu_);
+  s.upstream_connected = connected_;
+  const absl::Time now = absl::Now();
+  for (const auto& [name, f] : followed_) {
+    FollowedStats c = f.stats;
+    c.lag_versions = f.announced - f.caught_up;
+    c.lag_seconds = c.lag_versions == 0 ? 0 : absl::ToDoubleSeconds(now - f.behind_since);
+    s.checkpoints.push_back(std::move(c));
+  }
+  return s;
+}
+
+}  // namespace weightstore::origin

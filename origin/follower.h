@@ -1,0 +1,130 @@
+// Follower: keeps the checkpoints a node pulled at its upstream daemon's
+// newest version (weightstored --follow; docs/origin.md, Following).
+//
+// It watches the upstream (WatchCheckpoints) for the checkpoints the node
+// holds as pulled. For each new version it fetches, pinned to that version,
+// only the tensors that changed since the one held: as element patches where
+// the upstream keeps them, else whole. It writes the new version through the
+// registry's push (core/catalog/push.h) from the held file and what came,
+// checks every tensor against the upstream's digests before anything is
+// published, and publishes it under the upstream's version id. The node's own
+// clients then see a normal replacement: their watches fire, and their
+// updates get element patches from the node. Clients see the old version or
+// the new one, whole, never a mix.
+//
+// Steps run one at a time on a thread of their own, never on gRPC's. A step
+// that fails (the upstream went away, a patch that does not apply, a result
+// unlike the upstream's digests) publishes nothing and is retried, with
+// backoff; a patch that fails is retried at once with whole tensors. An
+// upstream that goes away leaves the node serving what it holds; the watch
+// is reopened, with backoff, and a version missed meanwhile arrives then.
+//
+// What it can follow: single-file checkpoints of a writable format
+// (SafeTensors, Burnpack), the registry's push. Others are served as pulled,
+// and each step for them counts as a failure with the reason in the log.
+//
+// Thread-safe.
+#ifndef WEIGHTSTORE_ORIGIN_FOLLOWER_H_
+#define WEIGHTSTORE_ORIGIN_FOLLOWER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "client/store.h"
+#include "core/catalog/pull.h"
+#include "core/catalog/registry.h"
+
+namespace weightstore::origin {
+
+// What a follower needs of the node cache that holds the checkpoints.
+class FollowedCache {
+ public:
+  virtual ~FollowedCache() = default;
+  // The checkpoints held as pulled and not replaced since, with the origin's
+  // version id of each: what is followed.
+  virtual std::map<std::string, std::string> Followed() const = 0;
+  // A step of `name` begins: until EndStep, the replacement of its files
+  // does not make the cache forget it, and it is not evicted.
+  virtual void BeginStep(const std::string& name) = 0;
+  // The step ends. With `published` (the version the step published, under
+  // the origin's id), the cache takes its files as the ones it holds.
+  virtual void EndStep(const std::string& name, const CheckpointVersion* published) = 0;
+};
+
+struct FollowOptions {
+  // Waits after a failed watch or step: from retry_min, doubling, at most
+  // retry_max, each with up to 25% jitter.
+  absl::Duration retry_min = absl::Milliseconds(200);
+  absl::Duration retry_max = absl::Seconds(5);
+};
+
+class Follower {
+ public:
+  // Follows what `cache` holds of `registry` from `upstream` (a remote
+  // store: it watches). All must outlive it. Start() starts its threads.
+  Follower(CheckpointRegistry* registry, FollowedCache* cache, std::unique_ptr<client::Store> upstream,
+           std::string upstream_name, FollowOptions options = {});
+  ~Follower();  // Stop()s and joins
+  Follower(const Follower&) = delete;
+  Follower& operator=(const Follower&) = delete;
+
+  void Start();
+  // What is held changed (a pull finished): the watch is reopened with it.
+  void Refresh() ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the watch and the step in progress (cancelled); nothing is
+  // published after it returns. For shutdown.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+
+  FollowStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Followed {
+    // Versions the upstream announced (watch events), and how many of them
+    // the version held has caught up with: a step that ends at the
+    // upstream's current version catches up with those announced before it
+    // began. Behind while they differ, since `behind_since`.
+    uint64_t announced = 0, caught_up = 0;
+    std::string newest;  // the last one announced
+    absl::Time behind_since = absl::InfinitePast();
+    absl::Time retry_at = absl::InfinitePast();
+    int failures_in_a_row = 0;
+    FollowedStats stats;
+  };
+  void WatchLoop();
+  void StepLoop();
+  // Brings `name` to the upstream's current version. OK also when there was
+  // nothing to do.
+  absl::Status Step(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  // One attempt: `patches` asks for element patches.
+  absl::Status StepOnce(const std::string& name, bool patches, bool* patch_failed) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Duration Backoff(int failures) const;
+  // Waits `d` unless stopped or refreshed; false once stopped.
+  bool Sleep(absl::Duration d) ABSL_LOCKS_EXCLUDED(mu_);
+
+  CheckpointRegistry* registry_;
+  FollowedCache* cache_;
+  std::unique_ptr<client::Store> upstream_;
+  const std::string upstream_name_;
+  const FollowOptions options_;
+
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool refresh_ ABSL_GUARDED_BY(mu_) = false;
+  bool connected_ ABSL_GUARDED_BY(mu_) = false;
+  // Cancels the watch (a refresh, Stop) and the step in progress (Stop).
+  std::shared_ptr<std::atomic<bool>> watch_cancel_ ABSL_GUARDED_BY(mu_);
+  const std::shared_ptr<std::atomic<bool>> step_cancel_ = std::make_shared<std::atomic<bool>>(false);
+  std::map<std::string, Followed> followed_ ABSL_GUARDED_BY(mu_);
+  std::thread watcher_, stepper_;
+};
+
+}  // namespace weightstore::origin
+
+#endif  // WEIGHTSTORE_ORIGIN_FOLLOWER_H_
