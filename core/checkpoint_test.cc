@@ -96,6 +96,14 @@ TEST(HostBufferTest, LargeBuffersAreHugePageAlignedAndFreezeWithoutCopying) {
   EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data()) % 64, 0u);
 }
 
+// A size a peer sent (a tensor's listed bytes) near 2^64 would wrap the
+// rounding to huge pages into a small mapping under a huge span.
+TEST(HostBufferTest, ASizeNoAddressSpaceHoldsIsRefusedNotWrapped) {
+  for (size_t size : {~size_t{0} - 3, ~size_t{0} - (size_t{1} << 20), (size_t{1} << 56) + 1}) {
+    EXPECT_THAT(HostBuffer::Allocate(size), StatusIs(absl::StatusCode::kResourceExhausted)) << size;
+  }
+}
+
 TEST(GatherStridedTest, PermutesAThreeDimensionalTensor) {
   // arange(24) as (2, 3, 4), permuted to (4, 2, 3): strides (1, 12, 4).
   std::vector<uint32_t> src(24);

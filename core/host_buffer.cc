@@ -44,6 +44,11 @@ absl::StatusOr<HostBuffer> HostBuffer::Allocate(size_t size) {
     buffer.span_ = std::span<std::byte>(static_cast<std::byte*>(p), size);
     return buffer;
   }
+  // No address space holds this much: refused before the rounding below
+  // wraps (a size a peer sent, near 2^64, must not become a small mapping).
+  if (size > (size_t{1} << 56)) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", size, " bytes: more than 2^56"));
+  }
   // Over-allocate by one huge page and trim, so the buffer starts 2 MiB-aligned.
   const size_t rounded = (size + kHugePage - 1) / kHugePage * kHugePage;
   const size_t length = rounded + kHugePage;
