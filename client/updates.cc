@@ -37,7 +37,7 @@ std::string SelectionKey(const Query& query) {
   return out;
 }
 
-absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& name, Query query) {
+absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& name, Query query, uint64_t max_bytes) {
   ChangedTensors r;
   const bool asked = !query.since_version.empty();
   std::optional<DeltaInfo> delta;
@@ -56,6 +56,17 @@ absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& nam
     WEIGHTSTORE_ASSIGN_OR_RETURN(TensorListing listing, store.ListTensors(name, query));
     query.version = listing.version;  // fetch what was listed, or fail ABORTED
     if (!listing.delta || !listing.delta->delta) query.since_version.clear();
+    uint64_t to_receive = 0;
+    for (const TensorDescription& d : listing.tensors) {
+      if (query.since_version.empty() || !d.unchanged) {
+        to_receive = d.spec.byte_size() > max_bytes - std::min(to_receive, max_bytes) ? UINT64_MAX
+                                                                                      : to_receive + d.spec.byte_size();
+      }
+    }
+    if (to_receive > max_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat("'", name, "' lists more than ", max_bytes,
+                                                       " bytes of tensors to receive, the most taken into memory"));
+    }
     if (!listing.delta || !listing.delta->delta || listing.delta->changed_tensors > 0) {
       CollectingSink sink(query.cancel, /*take_patches=*/query.patches);
       WEIGHTSTORE_RETURN_IF_ERROR(store.FetchTensors(name, query, &sink));

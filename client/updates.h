@@ -86,7 +86,12 @@ absl::Status ApplyReceivedPatches(std::span<const ReceivedPatch> patches,
 // mapped instead of a tensor it patches); from the others they are fetched,
 // pinned to the version listed. A local store tells nothing: all of them.
 // What UpdateInto and the Python package's changes() are made of.
-absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& name, Query query);
+// `max_bytes` bounds what is received into memory (the listed sizes of the
+// changed tensors, patches counted at their tensor's size): past it,
+// ResourceExhausted before anything is fetched. Mapped tensors (a socket
+// store) take no memory and are not counted.
+absl::StatusOr<ChangedTensors> FetchChanged(Store& store, const std::string& name, Query query,
+                                            uint64_t max_bytes = UINT64_MAX);
 
 // Memory an element patch is written into, holding its tensor's bytes as of
 // the version held: on the host (device < 0), or in CUDA device `device`'s

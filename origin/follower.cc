@@ -6,7 +6,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/updates.h"
 #include "core/catalog/manifest.h"
 #include "core/catalog/push.h"
@@ -17,7 +19,17 @@ namespace weightstore::origin {
 
 namespace {
 
-void Log(const std::string& line) { std::fprintf(stderr, "weightstored: follow: %s\n", line.c_str()); }
+void LogFollow(const std::string& line) { std::fprintf(stderr, "weightstored: follow: %s\n", line.c_str()); }
+
+// What an upstream sent (an id, a name, a message), fit for one log line.
+std::string Said(absl::string_view text) { return absl::CHexEscape(text.substr(0, 256)); }
+
+// A step that fails so cannot succeed until something changes (the
+// checkpoint, the upstream, the daemon's flags): not retried on a timer.
+bool Lasting(const absl::Status& status) {
+  return absl::IsFailedPrecondition(status) || absl::IsInvalidArgument(status) || absl::IsUnimplemented(status) ||
+         absl::IsResourceExhausted(status);
+}
 
 // The tensors the upstream's listing says the version has, with their
 // digests: what the step must write. DataLoss when the upstream gives none
@@ -40,13 +52,8 @@ absl::StatusOr<std::vector<ManifestTensor>> ExpectedTensors(const std::string& n
 
 }  // namespace
 
-Follower::Follower(CheckpointRegistry* registry, FollowedCache* cache, std::unique_ptr<client::Store> upstream,
-                   std::string upstream_name, FollowOptions options)
-    : registry_(registry),
-      cache_(cache),
-      upstream_(std::move(upstream)),
-      upstream_name_(std::move(upstream_name)),
-      options_(options) {}
+Follower::Follower(CheckpointRegistry* registry, FollowedCache* cache, FollowUpstream upstream, FollowOptions options)
+    : registry_(registry), cache_(cache), upstream_(std::move(upstream)), options_(options) {}
 
 Follower::~Follower() {
   Stop();
@@ -90,17 +97,22 @@ bool Follower::Sleep(absl::Duration d) {
 void Follower::WatchLoop() {
   int failures = 0;
   while (true) {
-    std::map<std::string, std::string> known = cache_->Followed();
     auto cancel = std::make_shared<std::atomic<bool>>(false);
     {
+      // Before the snapshot: a Refresh from here on reopens the watch again.
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
       refresh_ = false;
       watch_cancel_ = cancel;
+    }
+    std::map<std::string, std::string> known = cache_->Followed();
+    {
+      absl::MutexLock lock(&mu_);
       // Checkpoints no longer held (evicted, replaced by an operator) are
-      // not followed; those held are, from the version held.
+      // not followed; those held are, from the version held. The one a step
+      // is writing stays (its ledger entry is being brought up to date).
       for (auto it = followed_.begin(); it != followed_.end();) {
-        it = known.contains(it->first) ? std::next(it) : followed_.erase(it);
+        it = known.contains(it->first) || it->first == stepping_ ? std::next(it) : followed_.erase(it);
       }
       for (const auto& [name, version] : known) followed_[name].stats.name = name;
     }
@@ -113,28 +125,37 @@ void Follower::WatchLoop() {
     client::WatchOptions watch;
     watch.known = known;
     watch.cancel = cancel;
-    absl::Status status = upstream_->Watch(watch, [&](const client::CheckpointEvent& e) {
-      absl::MutexLock lock(&mu_);
-      if (e.kind == client::CheckpointEvent::Kind::kSynced) {
-        if (!connected_) Log(absl::StrCat("watching ", upstream_name_, " for ", known.size(), " checkpoints"));
-        connected_ = true;
-        failures = 0;
-        return !stopping_;
+    bool announced_connect = false;
+    absl::Status status = upstream_.watch->Watch(watch, [&](const client::CheckpointEvent& e) {
+      std::string line;
+      bool go_on = true;
+      {
+        absl::MutexLock lock(&mu_);
+        go_on = !stopping_;
+        if (e.kind == client::CheckpointEvent::Kind::kSynced) {
+          if (!connected_ && !announced_connect) {
+            line = absl::StrCat("watching ", upstream_.name, " for ", known.size(), " checkpoints");
+            announced_connect = true;
+          }
+          connected_ = true;
+          failures = 0;
+        } else if (auto it = followed_.find(e.name); it == followed_.end()) {
+          // not one the node holds
+        } else if (e.kind == client::CheckpointEvent::Kind::kRemoved) {
+          line = absl::StrCat("'", e.name, "' was removed upstream; the node keeps serving what it holds");
+        } else {
+          Followed& f = it->second;
+          if (e.new_version != f.newest || f.announced == f.caught_up) {
+            if (f.announced == f.caught_up) f.behind_since = absl::Now();
+            f.newest = e.new_version;
+            ++f.announced;
+            f.retry_at = absl::InfinitePast();
+            f.blocked.clear();  // another version: worth a try
+          }
+        }
       }
-      auto it = followed_.find(e.name);
-      if (it == followed_.end()) return !stopping_;  // not one the node holds
-      if (e.kind == client::CheckpointEvent::Kind::kRemoved) {
-        Log(absl::StrCat("'", e.name, "' was removed upstream; the node keeps serving version ",
-                         known.count(e.name) ? known[e.name] : std::string()));
-        return !stopping_;
-      }
-      Followed& f = it->second;
-      if (e.new_version == f.newest && f.announced > f.caught_up) return !stopping_;
-      if (f.announced == f.caught_up) f.behind_since = absl::Now();
-      f.newest = e.new_version;
-      ++f.announced;
-      f.retry_at = absl::InfinitePast();
-      return !stopping_;
+      if (!line.empty()) LogFollow(line);  // never under mu_: stderr may block
+      return go_on;
     });
     bool refreshed = false;
     {
@@ -145,7 +166,10 @@ void Follower::WatchLoop() {
     }
     if (refreshed) continue;
     ++failures;
-    Log(absl::StrCat("the watch of ", upstream_name_, " ended (", status.ToString(), "); retrying"));
+    if (failures == 1 || failures % 100 == 0) {
+      LogFollow(absl::StrCat("the watch of ", upstream_.name, " ended (", Said(status.ToString()), "); retrying",
+                             failures > 1 ? absl::StrCat(" (", failures, " tries)") : ""));
+    }
     if (!Sleep(Backoff(failures))) return;
   }
 }
@@ -162,7 +186,7 @@ void Follower::StepLoop() {
         next = absl::InfiniteFuture();
         const absl::Time now = absl::Now();
         for (auto& [n, f] : followed_) {
-          if (f.announced == f.caught_up) continue;
+          if (f.announced == f.caught_up || !f.blocked.empty()) continue;
           if (f.retry_at <= now) {
             name = n;
             return true;
@@ -180,21 +204,37 @@ void Follower::StepLoop() {
       }
       if (stopping_) return;
       if (name.empty()) continue;
+      stepping_ = name;
     }
     absl::Status status = Step(name);
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return;
-    auto it = followed_.find(name);
-    if (it == followed_.end()) continue;
-    Followed& f = it->second;
-    if (status.ok()) {
-      f.failures_in_a_row = 0;
-      continue;
+    std::string line;
+    {
+      absl::MutexLock lock(&mu_);
+      stepping_.clear();
+      if (stopping_) return;
+      auto it = followed_.find(name);
+      if (it == followed_.end()) continue;
+      Followed& f = it->second;
+      if (status.ok()) {
+        f.failures_in_a_row = 0;
+        continue;
+      }
+      ++f.stats.failures;
+      ++f.failures_in_a_row;
+      if (absl::IsNotFound(status)) {
+        followed_.erase(it);  // no longer the cache's: not followed
+      } else if (Lasting(status)) {
+        f.blocked = std::string(status.message());
+      } else {
+        f.retry_at = absl::Now() + Backoff(f.failures_in_a_row);
+      }
+      // Once per kind of failure in a row, then every 100th.
+      if (f.failures_in_a_row == 1 || f.failures_in_a_row % 100 == 0 || Lasting(status)) {
+        line = absl::StrCat("'", name, "' stays at its version",
+                            Lasting(status) ? " until the upstream has another" : "", ": ", Said(status.ToString()));
+      }
     }
-    ++f.stats.failures;
-    ++f.failures_in_a_row;
-    f.retry_at = absl::Now() + Backoff(f.failures_in_a_row);
-    Log(absl::StrCat("'", name, "' stays at its version: ", status.ToString()));
+    if (!line.empty()) LogFollow(line);
   }
 }
 
@@ -202,7 +242,8 @@ absl::Status Follower::Step(const std::string& name) {
   bool patch_failed = false;
   absl::Status status = StepOnce(name, /*patches=*/true, &patch_failed);
   if (patch_failed) {
-    Log(absl::StrCat("'", name, "': the element patches failed (", status.message(), "); fetching tensors whole"));
+    LogFollow(absl::StrCat("'", name, "': the element patches failed (", Said(status.message()),
+                           "); fetching the changed tensors whole"));
     {
       absl::MutexLock lock(&mu_);
       if (auto it = followed_.find(name); it != followed_.end()) ++it->second.stats.fallbacks["patch_failed"];
@@ -215,17 +256,41 @@ absl::Status Follower::Step(const std::string& name) {
 absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* patch_failed) {
   *patch_failed = false;
   std::shared_ptr<const CheckpointVersion> base = registry_->Get(name);
-  if (base == nullptr) return absl::NotFoundError(absl::StrCat("'", name, "' is no longer served"));
+  if (base == nullptr || !cache_->BeginStep(name, *base)) {
+    return absl::NotFoundError(absl::StrCat("'", name,
+                                            "' is no longer the node cache's (unloaded, evicted, or "
+                                            "its files replaced here); it is not followed"));
+  }
+  // EndStep on every way out, with the version published if there is one.
+  std::shared_ptr<const CheckpointVersion> published;
+  struct EndStep {
+    FollowedCache* cache;
+    const std::string& name;
+    const std::shared_ptr<const CheckpointVersion>& published;
+    ~EndStep() { cache->EndStep(name, published.get()); }
+  } end_step{cache_, name, published};
+  // What keeps any step from succeeding is found before anything is fetched:
+  // digests off here, or a checkpoint the push cannot write (sharded, a
+  // format without a writer, preloaded, reached through a symlink).
+  if (!registry_->options().tensor_digests || base->manifest() == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("'", name, "' has no tensor digests here; a node follows only with --tensor-digests"));
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(registry_->BeginPush(name, {.base_version = base->version()}).status());
+
   client::Query query;
   query.since_version = base->version();
-  query.patches = patches && base->manifest() != nullptr;
+  query.patches = patches;
   query.cancel = step_cancel_;
   uint64_t announced = 0;  // before the listing: what it catches up with
   {
     absl::MutexLock lock(&mu_);
     if (auto it = followed_.find(name); it != followed_.end()) announced = it->second.announced;
   }
-  WEIGHTSTORE_ASSIGN_OR_RETURN(client::ChangedTensors changed, client::FetchChanged(*upstream_, name, query));
+  const absl::Time start = absl::Now();
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::ChangedTensors changed,
+                               client::FetchChanged(*upstream_.steps, name, query, options_.max_step_bytes));
+  const absl::Time fetched = absl::Now();
   // Held now: the upstream's version as listed after every announcement up
   // to `announced`.
   auto caught_up = [&] {
@@ -241,6 +306,10 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
     caught_up();
     return absl::OkStatus();
   }
+  if (!ValidVersionId(changed.version)) {
+    return absl::InvalidArgumentError(absl::StrCat("the upstream's version id of '", name, "', '",
+                                                   Said(changed.version), "', is not 1 to 64 bytes of [0-9A-Za-z._-]"));
+  }
   // The same id must never name two contents here: an upstream that reuses
   // the id of a version this node keeps, for other tensors, is refused.
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<ManifestTensor> expected, ExpectedTensors(name, changed));
@@ -251,14 +320,15 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
       same = k != nullptr && k->SameContentAs(expected[i]);
     }
     if (!same) {
-      return absl::DataLossError(absl::StrCat("the upstream names other tensors '", changed.version.substr(0, 64),
+      return absl::DataLossError(absl::StrCat("the upstream names other tensors '", changed.version,
                                               "', a version id of '", name, "' this node keeps"));
     }
   }
-  WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, upstream_->GetCheckpoint(name, step_cancel_));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, upstream_.steps->GetCheckpoint(name, step_cancel_));
   if (summary.version != changed.version) {
     return absl::AbortedError(absl::StrCat("'", name, "' changed upstream while it was fetched; fetching again"));
   }
+  if (step_cancel_->load()) return absl::CancelledError("the daemon is stopping");
 
   // The push: tensors the base lacks, or holds with another dtype or shape,
   // are (re)defined; tensors the upstream no longer has are removed.
@@ -283,9 +353,6 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
   }
   push.expected = std::move(expected);
 
-  cache_->BeginStep(name);
-  const CheckpointVersion* published_version = nullptr;
-  std::shared_ptr<const CheckpointVersion> published;
   uint64_t patch_bytes = 0, whole_bytes = 0;
   absl::Status status = [&]() -> absl::Status {
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<PushSession> session, registry_->BeginPush(name, push));
@@ -320,13 +387,11 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
       return finished.status();
     }
     published = *std::move(finished);
-    published_version = published.get();
     return absl::OkStatus();
   }();
-  cache_->EndStep(name, published_version);
   if (!status.ok()) {
-    return absl::Status(status.code(), absl::StrCat("step of '", name, "' to version ", changed.version.substr(0, 64),
-                                                    " from ", upstream_name_, ": ", status.message()));
+    return absl::Status(status.code(), absl::StrCat("step of '", name, "' to version ", changed.version, " from ",
+                                                    upstream_.name, ": ", status.message()));
   }
   {
     absl::MutexLock lock(&mu_);
@@ -347,8 +412,11 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
     }
   }
   caught_up();
-  Log(absl::StrCat("'", name, "' is at version ", changed.version, ": ", changed.patched.size(), " patches (",
-                   patch_bytes, " bytes), ", changed.received.size(), " tensors whole (", whole_bytes, " bytes)"));
+  LogFollow(
+      absl::StrFormat("'%s' is at version %s: %d patches (%d bytes), %d tensors whole (%d bytes); fetched in %.3f s, "
+                      "written and published in %.3f s",
+                      name, changed.version, changed.patched.size(), patch_bytes, changed.received.size(), whole_bytes,
+                      absl::ToDoubleSeconds(fetched - start), absl::ToDoubleSeconds(absl::Now() - fetched)));
   return absl::OkStatus();
 }
 
@@ -360,6 +428,7 @@ FollowStats Follower::Stats() const {
   const absl::Time now = absl::Now();
   for (const auto& [name, f] : followed_) {
     FollowedStats c = f.stats;
+    c.blocked = !f.blocked.empty();
     c.lag_versions = f.announced - f.caught_up;
     c.lag_seconds = c.lag_versions == 0 ? 0 : absl::ToDoubleSeconds(now - f.behind_since);
     s.checkpoints.push_back(std::move(c));

@@ -50,9 +50,12 @@ class FollowedCache {
   // The checkpoints held as pulled and not replaced since, with the origin's
   // version id of each: what is followed.
   virtual std::map<std::string, std::string> Followed() const = 0;
-  // A step of `name` begins: until EndStep, the replacement of its files
-  // does not make the cache forget it, and it is not evicted.
-  virtual void BeginStep(const std::string& name) = 0;
+  // A step of `name` from `base` (the version served) begins: until
+  // EndStep, the replacement of its files does not make the cache forget
+  // it, and it is not evicted. False, and no step, when `base` is not the
+  // cache's (an operator's file, a local push, being placed): it is then no
+  // longer followed.
+  virtual bool BeginStep(const std::string& name, const CheckpointVersion& base) = 0;
   // The step ends. With `published` (the version the step published, under
   // the origin's id), the cache takes its files as the ones it holds.
   virtual void EndStep(const std::string& name, const CheckpointVersion* published) = 0;
@@ -63,14 +66,24 @@ struct FollowOptions {
   // retry_max, each with up to 25% jitter.
   absl::Duration retry_min = absl::Milliseconds(200);
   absl::Duration retry_max = absl::Seconds(5);
+  // Most bytes one step may receive (the changed tensors' listed sizes, all
+  // held in memory until written): the registry's push bound.
+  uint64_t max_step_bytes = uint64_t{64} << 30;
+};
+
+// The upstream daemon, as two remote stores: one watches it (a broken watch
+// ends, and the follower reopens it), the other fetches the steps (resuming a
+// broken stream, as any client does).
+struct FollowUpstream {
+  std::string name;  // as logs and metrics say it: "grpc://host:port"
+  std::unique_ptr<client::Store> watch, steps;
 };
 
 class Follower {
  public:
-  // Follows what `cache` holds of `registry` from `upstream` (a remote
-  // store: it watches). All must outlive it. Start() starts its threads.
-  Follower(CheckpointRegistry* registry, FollowedCache* cache, std::unique_ptr<client::Store> upstream,
-           std::string upstream_name, FollowOptions options = {});
+  // Follows what `cache` holds of `registry` from `upstream`. Both must
+  // outlive it. Start() starts its threads.
+  Follower(CheckpointRegistry* registry, FollowedCache* cache, FollowUpstream upstream, FollowOptions options = {});
   ~Follower();  // Stop()s and joins
   Follower(const Follower&) = delete;
   Follower& operator=(const Follower&) = delete;
@@ -95,6 +108,10 @@ class Follower {
     absl::Time behind_since = absl::InfinitePast();
     absl::Time retry_at = absl::InfinitePast();
     int failures_in_a_row = 0;
+    // A step that cannot succeed as things are (a checkpoint the push cannot
+    // write, an upstream without digests): not tried again until the
+    // upstream announces another version. Logged once.
+    std::string blocked;
     FollowedStats stats;
   };
   void WatchLoop();
@@ -110,8 +127,7 @@ class Follower {
 
   CheckpointRegistry* registry_;
   FollowedCache* cache_;
-  std::unique_ptr<client::Store> upstream_;
-  const std::string upstream_name_;
+  const FollowUpstream upstream_;
   const FollowOptions options_;
 
   mutable absl::Mutex mu_;
@@ -122,6 +138,7 @@ class Follower {
   std::shared_ptr<std::atomic<bool>> watch_cancel_ ABSL_GUARDED_BY(mu_);
   const std::shared_ptr<std::atomic<bool>> step_cancel_ = std::make_shared<std::atomic<bool>>(false);
   std::map<std::string, Followed> followed_ ABSL_GUARDED_BY(mu_);
+  std::string stepping_ ABSL_GUARDED_BY(mu_);  // the step in progress (kept followed)
   std::thread watcher_, stepper_;
 };
 

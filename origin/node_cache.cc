@@ -53,8 +53,8 @@ NodeCache::NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origi
 }
 
 NodeCache::~NodeCache() {
-  follower_.reset();                  // its steps call the cache
-  registry_->SetVersionIds(nullptr);  // waits for a call in progress
+  // First what reaches follower_ (the listener, the flights), then the
+  // follower, whose steps call the cache.
   registry_->RemoveListener(listener_id_);
   {
     absl::MutexLock lock(&listener_target_->mu);
@@ -66,7 +66,9 @@ NodeCache::~NodeCache() {
     running_->mu.Await(absl::Condition(
         +[](int* threads) { return *threads == 0; }, &running_->threads));
   }
-  (void)SaveLedger();  // keeps the last uses for the next run's evictions
+  follower_.reset();
+  registry_->SetVersionIds(nullptr);  // waits for a call in progress
+  (void)SaveLedger();                 // keeps the last uses for the next run's evictions
 }
 
 void NodeCache::Shutdown() {
@@ -79,8 +81,7 @@ void NodeCache::Shutdown() {
 }
 
 absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* registry, std::unique_ptr<Origin> origin,
-                                                           NodeCacheOptions options,
-                                                           std::unique_ptr<client::Store> follow) {
+                                                           NodeCacheOptions options, FollowUpstream follow) {
   if (options.part_bytes == 0 || options.max_concurrent_pulls < 1) {
     return absl::InvalidArgumentError("node cache: part_bytes and max_concurrent_pulls must be positive");
   }
@@ -119,8 +120,11 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
     absl::MutexLock lock(&cache->mu_);
     cache->ReadLedger();
   }
-  if (follow != nullptr) {
-    cache->follower_ = std::make_unique<Follower>(registry, cache.get(), std::move(follow), cache->origin_->Describe());
+  if (follow.watch != nullptr && follow.steps != nullptr) {
+    if (follow.name.empty()) follow.name = cache->origin_->Describe();
+    FollowOptions follow_options;
+    follow_options.max_step_bytes = registry->options().max_put_bytes;
+    cache->follower_ = std::make_unique<Follower>(registry, cache.get(), std::move(follow), follow_options);
     cache->follower_->Start();
   }
   return cache;

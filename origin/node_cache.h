@@ -79,11 +79,10 @@ class NodeCache : public Puller, public FollowedCache {
  public:
   // Opens the cache of `registry`'s models folder, reading its ledger (and
   // dropping entries whose files are gone). `registry` must outlive it.
-  // With `follow` (the origin as a remote store: an upstream daemon), what
+  // With `follow` (the origin as remote stores: an upstream daemon), what
   // the cache holds follows the upstream's new versions (origin/follower.h).
   static absl::StatusOr<std::unique_ptr<NodeCache>> Open(CheckpointRegistry* registry, std::unique_ptr<Origin> origin,
-                                                         NodeCacheOptions options,
-                                                         std::unique_ptr<client::Store> follow = nullptr);
+                                                         NodeCacheOptions options, FollowUpstream follow = {});
   ~NodeCache() override;
 
   // Puller. Transfers run on threads of their own, at most
@@ -102,7 +101,7 @@ class NodeCache : public Puller, public FollowedCache {
 
   // FollowedCache.
   std::map<std::string, std::string> Followed() const override ABSL_LOCKS_EXCLUDED(mu_);
-  void BeginStep(const std::string& name) override ABSL_LOCKS_EXCLUDED(mu_);
+  bool BeginStep(const std::string& name, const CheckpointVersion& base) override ABSL_LOCKS_EXCLUDED(mu_);
   void EndStep(const std::string& name, const CheckpointVersion* published) override ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

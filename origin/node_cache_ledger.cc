@@ -170,9 +170,12 @@ std::map<std::string, std::string> NodeCache::Followed() const {
   return followed;
 }
 
-void NodeCache::BeginStep(const std::string& name) {
+bool NodeCache::BeginStep(const std::string& name, const CheckpointVersion& base) {
   absl::MutexLock lock(&mu_);
+  auto it = ledger_.find(name);
+  if (it == ledger_.end() || it->second.placing || it->second.file_version != base.file_version()) return false;
   stepping_.insert(name);
+  return true;
 }
 
 void NodeCache::EndStep(const std::string& name, const CheckpointVersion* published) {
@@ -194,7 +197,12 @@ void NodeCache::EndStep(const std::string& name, const CheckpointVersion* publis
     c.version = published->version();
     c.last_used_unix_ms = NowMs();
   }
-  (void)SaveLedger();
+  // Unsaved, the next start finds the files unlike the ledger's and serves
+  // them as the operator's: no longer followed, nor evicted.
+  if (absl::Status saved = SaveLedger(); !saved.ok()) {
+    std::fprintf(stderr, "weightstored: follow: '%s' is at version %s, but the ledger was not saved: %s\n",
+                 name.c_str(), published->version().c_str(), saved.ToString().c_str());
+  }
 }
 
 }  // namespace weightstore::origin

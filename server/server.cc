@@ -217,8 +217,12 @@ void AddPullFamilies(ServerMetrics* metrics, const Puller* puller) {
                      {{{"checkpoint", c.name}, {"kind", "patch"}}, static_cast<double>(c.patch_bytes)},
                      {{{"checkpoint", c.name}, {"kind", "whole"}}, static_cast<double>(c.whole_bytes)}};
                }));
-  f.AddCounter("weightstore_follow_failures_total", "Steps that failed and published nothing (retried).",
+  f.AddCounter("weightstore_follow_failures_total", "Steps that failed and published nothing.",
                per_checkpoint([one](const FollowedStats& c) { return one(c, static_cast<double>(c.failures)); }));
+  f.AddGauge("weightstore_follow_blocked",
+             "1 while a checkpoint's steps cannot succeed as things are (the log says why); tried again at the "
+             "upstream's next version.",
+             per_checkpoint([one](const FollowedStats& c) { return one(c, c.blocked ? 1.0 : 0.0); }));
   f.AddCounter("weightstore_follow_fallbacks_total",
                "Steps whose changed tensors came whole, by reason: not_kept, patch_failed, not_delta.",
                per_checkpoint([](const FollowedStats& c) {

@@ -53,8 +53,7 @@ MakePuller(const std::string& url, const std::string& token_file, const std::str
            weightstore::origin::S3Config s3, weightstore::origin::NodeCacheOptions cache, bool follow) {
   using weightstore::origin::Origin;
   std::unique_ptr<Origin> origin;
-  std::shared_ptr<std::unique_ptr<weightstore::client::Store>> upstream =
-      std::make_shared<std::unique_ptr<weightstore::client::Store>>();
+  auto upstream = std::make_shared<weightstore::origin::FollowUpstream>();
   if (absl::StartsWith(url, "s3://")) {
     if (follow) {
       return absl::UnimplementedError(
@@ -75,14 +74,18 @@ MakePuller(const std::string& url, const std::string& token_file, const std::str
       }
     }
     if (follow) {
-      // A watch and the steps' fetches of their own, apart from the pulls'
-      // connections. A broken watch is reopened by the follower, which says
-      // so in its metrics, not within the store.
+      // A watch and the steps' fetches on connections of their own, apart
+      // from the pulls'. A broken watch is reopened by the follower, which
+      // says so in its metrics, not within the store; a step's broken fetch
+      // resumes as any client's does.
       weightstore::client::RemoteOptions watching = remote;
       watching.resume_window = std::chrono::milliseconds(0);
-      auto store = weightstore::origin::OpenGrpcUpstream(url, std::move(watching));
-      if (!store.ok()) return store.status();
-      *upstream = *std::move(store);
+      auto watch = weightstore::origin::OpenGrpcUpstream(url, std::move(watching));
+      if (!watch.ok()) return watch.status();
+      auto steps = weightstore::origin::OpenGrpcUpstream(url, remote);
+      if (!steps.ok()) return steps.status();
+      upstream->watch = *std::move(watch);
+      upstream->steps = *std::move(steps);
     }
     auto opened = weightstore::origin::OpenGrpcOrigin(url, std::move(remote),
                                                       cache.parallel_reads > 0 ? cache.parallel_reads : 4);
@@ -403,6 +406,12 @@ int main(int argc, char** argv) {
     }
     options.make_puller = *std::move(make);
     options.prefetch = pull;
+    if (follow && !tensor_digests) {
+      std::fprintf(stderr,
+                   "weightstored: --follow needs tensor digests (--tensor-digests): each step is checked against the "
+                   "upstream's\n");
+      return 1;
+    }
   } else if (!pull.empty() || follow) {
     std::fprintf(stderr, "weightstored: %s needs --origin\n", follow ? "--follow" : "--pull");
     return 1;

@@ -38,6 +38,9 @@ struct FollowedStats {
   // Steps applied: every changed tensor as an element patch, or some whole.
   uint64_t steps_patched = 0, steps_whole = 0;
   uint64_t failures = 0;
+  // Not followed until the upstream's next version: a step that cannot
+  // succeed as things are (the log says why).
+  bool blocked = false;
   // Bytes received from the upstream: element patches, whole tensors.
   uint64_t patch_bytes = 0, whole_bytes = 0;
   // Steps where changed tensors came whole, by reason ("not_kept": the

@@ -351,9 +351,12 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   WEIGHTSTORE_RETURN_IF_ERROR(session->EndTensor());
   const std::string& name = session->name_;
   const CheckpointVersion& base = *session->base_;
+  // A follower's push may change only the metadata, or only the id (the
+  // upstream re-saved the same tensors, or its config beside them changed).
   const bool new_metadata =
       session->options_.metadata.has_value() && *session->options_.metadata != base.checkpoint()->metadata();
-  if (session->pushed_.empty() && session->removed_.empty() && !new_metadata) {
+  const bool new_id = !session->options_.version_id.empty() && session->options_.version_id != base.version();
+  if (session->pushed_.empty() && session->removed_.empty() && !new_metadata && !new_id) {
     return absl::InvalidArgumentError(
         absl::StrCat("push to '", name, "' changes nothing: no tensor was pushed or removed"));
   }
@@ -401,6 +404,24 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
     SharedBytes bytes = staged->bytes().Subspan(p.offset, p.spec.byte_size());
     return [bytes] { return absl::StatusOr<SharedBytes>(bytes); };
   };
+  if (const auto& expected = session->options_.expected; expected.has_value()) {
+    // Nothing is written that the version expected lacks (CheckExpected
+    // then finds what it has that was not written).
+    absl::flat_hash_set<absl::string_view> wanted;
+    for (const ManifestTensor& t : *expected) wanted.insert(t.name);
+    auto unwanted = [&](const std::string& tensor) {
+      return absl::DataLossError(absl::StrCat("push to '", name, "' wrote tensor '", tensor.substr(0, 256),
+                                              "', which the version expected does not have; nothing was published"));
+    };
+    for (const PushSession::Pushed& p : session->pushed_) {
+      if (!wanted.contains(p.spec.name)) return unwanted(p.spec.name);
+    }
+    for (const CheckpointEntry& entry : checkpoint.entries()) {
+      if (!wanted.contains(entry.spec.name) && !session->removed_.contains(entry.spec.name)) {
+        return unwanted(entry.spec.name);
+      }
+    }
+  }
   for (const CheckpointEntry& entry : checkpoint.entries()) {
     if (auto p = session->by_name_.find(entry.spec.name); p != session->by_name_.end()) {  // replaced or redefined
       const PushSession::Pushed& pushed = session->pushed_[p->second];

@@ -154,6 +154,21 @@ TEST_F(PushTest, AFollowersPushTakesTheUpstreamsIdAndMetadataAndPublishesOnlyThe
   ASSERT_OK_AND_ASSIGN(auto relabelled, Push({}, metadata_only));
   EXPECT_EQ(relabelled->version(), "upstream-v3");
   EXPECT_EQ(relabelled->checkpoint()->metadata().at("trainer"), "step-2");
+
+  // The upstream re-saved the same tensors in another order: the same file
+  // here, under the upstream's new id.
+  std::vector<ManifestTensor> reordered = {expected[2], expected[0], expected[1]};
+  ASSERT_OK_AND_ASSIGN(auto resaved, Push({}, {.base_version = relabelled->version(),
+                                               .version_id = "upstream-v4",
+                                               .metadata = Metadata{{"trainer", "step-2"}},
+                                               .expected = reordered}));
+  EXPECT_EQ(resaved->version(), "upstream-v4");
+  // Nothing new at all is still refused.
+  EXPECT_THAT(Push({}, {.base_version = resaved->version(),
+                        .version_id = "upstream-v4",
+                        .metadata = Metadata{{"trainer", "step-2"}},
+                        .expected = reordered}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("changes nothing")));
 }
 
 TEST_F(PushTest, NewTensorsGoLastAndRemovedOnesAreLeftOut) {
