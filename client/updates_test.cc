@@ -5,12 +5,16 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include <atomic>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
 #include "client/device_patches.h"
 #include "core/catalog/manifest.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
 #include "core/host_buffer.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/shm/unix_socket.h"
@@ -305,6 +309,96 @@ TEST(SocketPatchesTest, TwoPatchesOfOneTensorAreRefusedBeforeAnythingIsWritten) 
   EXPECT_EQ(held.version, "v1");
   EXPECT_EQ(held.tensors[0].bytes.view(), before);
   EXPECT_EQ(kept.view(), before);
+}
+
+// A store that forwards to a real one and counts the listings and fetches
+// asked of it.
+class CountingStore : public Store {
+ public:
+  explicit CountingStore(std::unique_ptr<Store> inner) : inner_(std::move(inner)) {}
+  using Store::GetCheckpoint;
+  using Store::ListCheckpoints;
+  absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(
+      const std::shared_ptr<const std::atomic<bool>>& cancel) override {
+    return inner_->ListCheckpoints(cancel);
+  }
+  absl::StatusOr<CheckpointSummary> GetCheckpoint(const std::string& name,
+                                                  const std::shared_ptr<const std::atomic<bool>>& cancel) override {
+    return inner_->GetCheckpoint(name, cancel);
+  }
+  absl::StatusOr<TensorListing> ListTensors(const std::string& name, const Query& query) override {
+    ++listings;
+    return inner_->ListTensors(name, query);
+  }
+  absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
+    ++fetches;
+    return inner_->FetchTensors(name, query, sink);
+  }
+
+  int listings = 0, fetches = 0;
+
+ private:
+  std::unique_ptr<Store> inner_;
+};
+
+// A local store of checkpoint "m": "a" (U8 [3000]) and "b" (F32 [250]),
+// 4,000 bytes in all.
+std::unique_ptr<CountingStore> StoreOfFourThousandBytes() {
+  const std::string models = testing::MakeScratchDir("fetch-changed");
+  std::string b(1000, '\0');
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<char>(i * 7);
+  const std::vector<SharedTensor> tensors = {U8("a", std::string(3000, 'a')),
+                                             {{"b", DType::kF32, {250}}, SharedBytes::Copy(b)}};
+  testing::WriteFileOrDie(models + "/m.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
+  absl::StatusOr<std::unique_ptr<Store>> local = OpenLocalStore(models);
+  EXPECT_TRUE(local.ok()) << local.status();
+  return local.ok() ? std::make_unique<CountingStore>(*std::move(local)) : nullptr;
+}
+
+TEST(FetchChangedTest, FetchChangedRefusesMoreThanItsBoundBeforeFetching) {
+  std::unique_ptr<CountingStore> store = StoreOfFourThousandBytes();
+  ASSERT_NE(store, nullptr);
+  EXPECT_THAT(FetchChanged(*store, "m", {}, /*max_bytes=*/3999),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("'m' lists more than 3999 bytes")));
+  EXPECT_EQ(store->listings, 1);
+  EXPECT_EQ(store->fetches, 0) << "refused after fetching";
+  // A bound of every listed byte, exactly, takes them all.
+  ASSERT_OK_AND_ASSIGN(ChangedTensors changed, FetchChanged(*store, "m", {}, /*max_bytes=*/4000));
+  EXPECT_EQ(store->fetches, 1);
+  ASSERT_EQ(changed.received.size(), 2u);
+  EXPECT_EQ(changed.listed.size(), 2u);
+  EXPECT_EQ(changed.received[0].bytes.size() + changed.received[1].bytes.size(), 4000u);
+  EXPECT_FALSE(changed.version.empty());
+  // Unbounded (the default), the same.
+  ASSERT_OK_AND_ASSIGN(changed, FetchChanged(*store, "m", {}));
+  EXPECT_EQ(changed.received.size(), 2u);
+}
+
+TEST(FetchChangedTest, FetchChangedBoundsOnlyTheSelectedTensors) {
+  std::unique_ptr<CountingStore> store = StoreOfFourThousandBytes();
+  ASSERT_NE(store, nullptr);
+  Query only_b;
+  only_b.selection.paths = {"b"};
+  EXPECT_THAT(FetchChanged(*store, "m", only_b, /*max_bytes=*/999),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("lists more than 999 bytes")));
+  EXPECT_EQ(store->fetches, 0);
+  ASSERT_OK_AND_ASSIGN(ChangedTensors changed, FetchChanged(*store, "m", only_b, /*max_bytes=*/1000));
+  ASSERT_EQ(changed.received.size(), 1u);
+  EXPECT_EQ(changed.received[0].spec.name, "b");
+}
+
+TEST(FetchChangedTest, AStoreThatCannotTellWhatChangedHasEveryTensorCountedAgainstTheBound) {
+  std::unique_ptr<CountingStore> store = StoreOfFourThousandBytes();
+  ASSERT_NE(store, nullptr);
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary summary, store->GetCheckpoint("m"));
+  Query since;
+  since.since_version = summary.version;  // held, but a local store lists every tensor as changed
+  EXPECT_THAT(FetchChanged(*store, "m", since, /*max_bytes=*/3999),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("lists more than 3999 bytes")));
+  EXPECT_EQ(store->fetches, 0);
+  ASSERT_OK_AND_ASSIGN(ChangedTensors changed, FetchChanged(*store, "m", since, /*max_bytes=*/4000));
+  EXPECT_FALSE(changed.delta);
+  EXPECT_EQ(changed.received.size(), 2u);
 }
 
 }  // namespace

@@ -21,19 +21,21 @@ namespace {
 
 void LogFollow(const std::string& line) { std::fprintf(stderr, "weightstored: follow: %s\n", line.c_str()); }
 
+uint64_t SaturatingAdd(uint64_t a, uint64_t b) { return b > UINT64_MAX - a ? UINT64_MAX : a + b; }
+
 // What an upstream sent (an id, a name, a message), fit for one log line.
 std::string Said(absl::string_view text) { return absl::CHexEscape(text.substr(0, 256)); }
 
 // A step that fails so cannot succeed until something changes (the
 // checkpoint, the upstream, the daemon's flags): not retried on a timer.
+// (Not ResourceExhausted: a busy upstream says so, and is retried.)
 bool Lasting(const absl::Status& status) {
-  return absl::IsFailedPrecondition(status) || absl::IsInvalidArgument(status) || absl::IsUnimplemented(status) ||
-         absl::IsResourceExhausted(status);
+  return absl::IsFailedPrecondition(status) || absl::IsInvalidArgument(status) || absl::IsUnimplemented(status);
 }
 
 // The tensors the upstream's listing says the version has, with their
-// digests: what the step must write. DataLoss when the upstream gives none
-// (a daemon with --tensor-digests=false cannot be followed).
+// digests: what the step must write. FailedPrecondition when the upstream
+// gives none (a daemon with --tensor-digests=false cannot be followed).
 absl::StatusOr<std::vector<ManifestTensor>> ExpectedTensors(const std::string& name,
                                                             const client::ChangedTensors& changed) {
   std::vector<ManifestTensor> expected;
@@ -177,6 +179,7 @@ void Follower::WatchLoop() {
 void Follower::StepLoop() {
   while (true) {
     std::string name;
+    uint64_t announced_before = 0;
     {
       absl::MutexLock lock(&mu_);
       // The next checkpoint behind its upstream whose retry is due.
@@ -205,6 +208,7 @@ void Follower::StepLoop() {
       if (stopping_) return;
       if (name.empty()) continue;
       stepping_ = name;
+      announced_before = followed_[name].announced;
     }
     absl::Status status = Step(name);
     std::string line;
@@ -223,8 +227,10 @@ void Follower::StepLoop() {
       ++f.failures_in_a_row;
       if (absl::IsNotFound(status)) {
         followed_.erase(it);  // no longer the cache's: not followed
-      } else if (Lasting(status)) {
+      } else if (Lasting(status) && f.announced == announced_before) {
         f.blocked = std::string(status.message());
+      } else if (Lasting(status)) {
+        // Another version was announced while it ran: worth a try now.
       } else {
         f.retry_at = absl::Now() + Backoff(f.failures_in_a_row);
       }
@@ -287,10 +293,6 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
     absl::MutexLock lock(&mu_);
     if (auto it = followed_.find(name); it != followed_.end()) announced = it->second.announced;
   }
-  const absl::Time start = absl::Now();
-  WEIGHTSTORE_ASSIGN_OR_RETURN(client::ChangedTensors changed,
-                               client::FetchChanged(*upstream_.steps, name, query, options_.max_step_bytes));
-  const absl::Time fetched = absl::Now();
   // Held now: the upstream's version as listed after every announcement up
   // to `announced`.
   auto caught_up = [&] {
@@ -302,13 +304,40 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
     // Announced while the step ran: behind again, from now.
     if (f.announced > f.caught_up) f.behind_since = absl::Now();
   };
-  if (changed.version == base->version()) {
+  const absl::Time start = absl::Now();
+  // The listing first (no bytes): what blocks the step is found before
+  // anything is fetched, and the fetch is pinned to the version listed.
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing listing, upstream_.steps->ListTensors(name, query));
+  if (listing.version == base->version()) {
     caught_up();
     return absl::OkStatus();
   }
-  if (!ValidVersionId(changed.version)) {
+  if (!ValidVersionId(listing.version)) {
     return absl::InvalidArgumentError(absl::StrCat("the upstream's version id of '", name, "', '",
-                                                   Said(changed.version), "', is not 1 to 64 bytes of [0-9A-Za-z._-]"));
+                                                   Said(listing.version), "', is not 1 to 64 bytes of [0-9A-Za-z._-]"));
+  }
+  uint64_t to_receive = 0;
+  const bool delta = listing.delta.has_value() && listing.delta->delta;
+  for (const client::TensorDescription& d : listing.tensors) {
+    if (TensorDigest::FromHex(d.digest) == std::nullopt) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the upstream lists tensor '", Said(d.spec.name), "' of '", name,
+                       "' without a digest; a daemon is followed only with --tensor-digests"));
+    }
+    if (!delta || !d.unchanged) to_receive = SaturatingAdd(to_receive, d.spec.byte_size());
+  }
+  if (to_receive > options_.max_step_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat("a step of '", name, "' to version ", Said(listing.version),
+                                                      " brings ", to_receive, " bytes of tensors; at most ",
+                                                      options_.max_step_bytes, " (--max-put-bytes) are taken"));
+  }
+  query.version = listing.version;
+  WEIGHTSTORE_ASSIGN_OR_RETURN(client::ChangedTensors changed,
+                               client::FetchChanged(*upstream_.steps, name, query, options_.max_step_bytes));
+  const absl::Time fetched = absl::Now();
+  if (changed.version == base->version()) {
+    caught_up();
+    return absl::OkStatus();
   }
   // The same id must never name two contents here: an upstream that reuses
   // the id of a version this node keeps, for other tensors, is refused.

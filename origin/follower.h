@@ -15,13 +15,16 @@
 // Steps run one at a time on a thread of their own, never on gRPC's. A step
 // that fails (the upstream went away, a patch that does not apply, a result
 // unlike the upstream's digests) publishes nothing and is retried, with
-// backoff; a patch that fails is retried at once with whole tensors. An
-// upstream that goes away leaves the node serving what it holds; the watch
-// is reopened, with backoff, and a version missed meanwhile arrives then.
+// backoff; a patch that fails is retried at once with whole tensors. A step
+// that cannot succeed as things are (no digests, a checkpoint the push cannot
+// write, a step over the bound) is blocked until the upstream announces
+// another version. An upstream that goes away leaves the node serving what it
+// holds; the watch is reopened, with backoff, and a version missed meanwhile
+// arrives then.
 //
 // What it can follow: single-file checkpoints of a writable format
 // (SafeTensors, Burnpack), the registry's push. Others are served as pulled,
-// and each step for them counts as a failure with the reason in the log.
+// blocked with the reason in the log.
 //
 // Thread-safe.
 #ifndef WEIGHTSTORE_ORIGIN_FOLLOWER_H_

@@ -374,6 +374,22 @@ int main(int argc, char** argv) {
   options.registry.open.max_name_bytes = tensor_name_bytes;
   selection.max_name_bytes = tensor_name_bytes;
   SetLogLevel(*ParseLogLevel(log_level));
+  // Following needs an upstream daemon to watch, and digests to check each
+  // step against its (origin/follower.h).
+  if (follow) {
+    const char* refused = origin_url.empty() ? "--follow needs --origin"
+                          : !(absl::StartsWith(origin_url, "grpc://") || absl::StartsWith(origin_url, "grpcs://"))
+                              ? "--follow follows an upstream weightstored "
+                                "(grpc[s]://); an s3:// origin is pulled once"
+                          : !tensor_digests ? "--follow needs tensor digests "
+                                              "(--tensor-digests): each step is checked "
+                                              "against the upstream's"
+                                            : nullptr;
+    if (refused != nullptr) {
+      std::fprintf(stderr, "weightstored: %s\n", refused);
+      return 1;
+    }
+  }
   if (check_config) {
     absl::Status status = CheckOptions(options);
     if (!status.ok()) {
@@ -406,14 +422,8 @@ int main(int argc, char** argv) {
     }
     options.make_puller = *std::move(make);
     options.prefetch = pull;
-    if (follow && !tensor_digests) {
-      std::fprintf(stderr,
-                   "weightstored: --follow needs tensor digests (--tensor-digests): each step is checked against the "
-                   "upstream's\n");
-      return 1;
-    }
-  } else if (!pull.empty() || follow) {
-    std::fprintf(stderr, "weightstored: %s needs --origin\n", follow ? "--follow" : "--pull");
+  } else if (!pull.empty()) {
+    std::fprintf(stderr, "weightstored: --pull needs --origin\n");
     return 1;
   }
 

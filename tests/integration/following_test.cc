@@ -214,10 +214,17 @@ class FollowingTest : public ::testing::Test {
       ADD_FAILURE() << "step " << step_ << ": " << plan.status();
       return "";
     }
-    EXPECT_EQ(plan->request.patched.size(), static_cast<size_t>(rewrite < 0 ? kChanging : kChanging - 1))
-        << "step " << step_;
-    EXPECT_EQ(plan->request.tensors.size(), rewrite < 0 ? 0u : 1u) << "step " << step_;
-    EXPECT_EQ(plan->unchanged, static_cast<size_t>(kFrozen)) << "step " << step_;
+    EXPECT_EQ(plan->digests, trainer_digests_) << "step " << step_;
+    if (trainer_digests_) {
+      EXPECT_EQ(plan->request.patched.size(), static_cast<size_t>(rewrite < 0 ? kChanging : kChanging - 1))
+          << "step " << step_;
+      EXPECT_EQ(plan->request.tensors.size(), rewrite < 0 ? 0u : 1u) << "step " << step_;
+      EXPECT_EQ(plan->unchanged, static_cast<size_t>(kFrozen)) << "step " << step_;
+    } else {
+      // A trainer without digests lists none: every tensor goes whole.
+      EXPECT_TRUE(plan->request.patched.empty()) << "step " << step_;
+      EXPECT_EQ(plan->request.tensors.size(), static_cast<size_t>(kChanging + kFrozen)) << "step " << step_;
+    }
     auto pushed = trainer_.store->Push(kName, plan->request);
     if (!pushed.ok()) {
       ADD_FAILURE() << "step " << step_ << ": " << pushed.status();
@@ -275,6 +282,8 @@ class FollowingTest : public ::testing::Test {
   Tensors current_;
   uint64_t checkpoint_bytes_ = 0;
   int step_ = 0;
+  // Whether the trainer lists tensor digests (Step() then pushes patches).
+  bool trainer_digests_ = true;
   absl::Mutex versions_mu_;
   std::map<std::string, Tensors> versions_ ABSL_GUARDED_BY(versions_mu_);
   std::vector<std::string> order_;  // version ids, oldest first
@@ -611,6 +620,123 @@ TEST_F(FollowingTest, AnUpstreamKeepingNoPatchesIsFollowedWithTheChangedTensorsW
   const double whole = node.Metric("weightstore_follow_received_bytes_total", "kind=\"whole\"");
   EXPECT_GE(whole, 2 * changing);
   EXPECT_LE(whole, 2 * changing * 1.01) << "more than the tensors that changed";
+}
+
+// Lines of `log` that contain `text`.
+int LinesWith(const std::string& log, absl::string_view text) {
+  int n = 0;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) n += absl::StrContains(line, text) ? 1 : 0;
+  return n;
+}
+
+TEST_F(FollowingTest, AStepTheNodeCannotCheckIsBlockedAndTriedAgainOnlyAtTheUpstreamsNextVersion) {
+  // The trainer lists no digests, so no step of a node can be checked.
+  RestartTrainer("127.0.0.1:0", {"--tensor-digests=false", "--metrics-listen", "127.0.0.1:0"});
+  if (HasFatalFailure()) return;
+  trainer_digests_ = false;
+  Served node = StartFollower(*trainer_.daemon);
+  ASSERT_NE(node.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(node, order_[0], "node"));
+  ASSERT_TRUE(testing::WaitUntil([&] { return node.Connected() == 1; })) << node.Log();
+  EXPECT_EQ(node.Metric("weightstore_follow_blocked"), 0) << testing::HttpGet(node.daemon->metrics_port(), "/metrics");
+  EXPECT_EQ(node.Metric("weightstore_follow_failures_total"), 0);
+  const double served_before = testing::MetricValue(trainer_.daemon->metrics_port(), "weightstore_served_bytes_total");
+
+  const std::string v1 = Step();
+  ASSERT_FALSE(v1.empty());
+  EXPECT_TRUE(testing::WaitUntil([&] {
+    return node.Metric("weightstore_follow_blocked") == 1 && node.Metric("weightstore_follow_failures_total") == 1;
+  })) << testing::HttpGet(node.daemon->metrics_port(), "/metrics")
+      << node.Log();
+  EXPECT_EQ(node.Metric("weightstore_follow_lag_versions"), 1);
+  // Not tried again on a timer: a second has passed since the upstream
+  // announced v1 (the lag says so), past the first backoffs (200 ms, 400 ms),
+  // and the step was tried once.
+  EXPECT_TRUE(testing::WaitUntil([&] { return node.Metric("weightstore_follow_lag_seconds") >= 1; }))
+      << node.Metric("weightstore_follow_lag_seconds");
+  EXPECT_EQ(node.Metric("weightstore_follow_failures_total"), 1) << node.Log();
+  EXPECT_EQ(node.Metric("weightstore_follow_blocked"), 1);
+  // It serves its old version meanwhile, bit for bit, and nothing was written.
+  EXPECT_EQ(node.Version(), order_[0]);
+  ExpectServesBitExact(node, order_[0], "blocked node");
+  ExpectOnDisk(node, order_[0], "blocked node");
+  const std::string log = node.Log();
+  EXPECT_EQ(LinesWith(log, "'m' stays at its version until the upstream has another"), 1) << log;
+  EXPECT_EQ(LinesWith(log, "without a digest"), 1) << log;
+  const double served_once = testing::MetricValue(trainer_.daemon->metrics_port(), "weightstore_served_bytes_total");
+
+  // The upstream's next version is worth one more try, which fails alike.
+  const std::string v2 = Step();
+  ASSERT_FALSE(v2.empty());
+  EXPECT_TRUE(testing::WaitUntil([&] {
+    return node.Metric("weightstore_follow_failures_total") == 2 && node.Metric("weightstore_follow_blocked") == 1;
+  })) << testing::HttpGet(node.daemon->metrics_port(), "/metrics")
+      << node.Log();
+  EXPECT_EQ(node.Metric("weightstore_follow_lag_versions"), 2);
+  EXPECT_EQ(node.Version(), order_[0]);
+  ExpectServesBitExact(node, order_[0], "blocked node, two versions behind");
+  EXPECT_EQ(LinesWith(node.Log(), "'m' stays at its version until the upstream has another"), 2) << node.Log();
+  EXPECT_LE(node.Metric("weightstore_follow_updates_total"), 0);
+  EXPECT_LE(node.Metric("weightstore_follow_received_bytes_total"), 0);
+  const double served_twice = testing::MetricValue(trainer_.daemon->metrics_port(), "weightstore_served_bytes_total");
+  // What blocks a step is found on the listing: no tensor was fetched.
+  EXPECT_LT(served_once - served_before, checkpoint_bytes_ / 100);
+  EXPECT_LT(served_twice - served_once, checkpoint_bytes_ / 100);
+}
+
+TEST_F(FollowingTest, AStepsFetchIsBoundedByTheChangedTensorsNotTheWholeCheckpoint) {
+  const std::string v1 = Step();
+  ASSERT_FALSE(v1.empty());
+  uint64_t changing = 0;
+  for (size_t n : kChangingElements) changing += n * 4;
+  ASSERT_LT(changing, checkpoint_bytes_);
+  client::Query since;
+  since.since_version = order_[0];
+  since.patches = true;  // patches count at their tensors' size
+  EXPECT_THAT(client::FetchChanged(*trainer_.store, kName, since, changing - 1),
+              testing::StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("lists more than")));
+  ASSERT_OK_AND_ASSIGN(client::ChangedTensors changed, client::FetchChanged(*trainer_.store, kName, since, changing));
+  EXPECT_EQ(changed.version, v1);
+  EXPECT_TRUE(changed.delta) << changed.full_reason;
+  EXPECT_EQ(changed.patched.size() + changed.received.size(), static_cast<size_t>(kChanging));
+}
+
+// weightstored run to be refused at start: its exit status and what it
+// printed; it would serve (and be stopped by `timeout`) if it were not.
+int RunRefused(const std::string& args, std::string* out) {
+  const std::string models = testing::MakeScratchDir("follow-refused");
+  const std::string port_file = models + "/port";
+  const int status = testing::RunCommand(absl::StrCat("timeout 60 ", testing::DaemonPath(), " --models ", models,
+                                                      " --listen 127.0.0.1:0 --port-file ", port_file, " ", args),
+                                         out);
+  EXPECT_TRUE(testing::ReadFileOrEmpty(port_file).empty()) << "it served: " << *out;
+  return status;
+}
+
+TEST(FollowingFlagsTest, FollowWithoutTensorDigestsIsRefusedAtStart) {
+  std::string out;
+  EXPECT_NE(RunRefused("--origin grpc://127.0.0.1:1 --follow --tensor-digests=false --pull m", &out), 0);
+  EXPECT_THAT(out, ::testing::HasSubstr("--follow needs tensor digests")) << out;
+  EXPECT_THAT(out, ::testing::Not(::testing::HasSubstr("weightstored: serving"))) << out;
+  // --check-config refuses the same flags.
+  EXPECT_NE(RunRefused("--origin grpc://127.0.0.1:1 --follow --tensor-digests=false --check-config", &out), 0);
+  EXPECT_THAT(out, ::testing::HasSubstr("--follow needs tensor digests")) << out;
+  // With digests (the default) the same flags start a daemon: the refusal is theirs.
+  Daemon with_digests(testing::MakeScratchDir("follow-digests"),
+                      {"--origin", "grpc://127.0.0.1:1", "--follow", "--pull", "m"});
+  EXPECT_NE(with_digests.port(), 0) << with_digests.log();
+}
+
+TEST(FollowingFlagsTest, FollowWithoutAnOriginIsRefusedAtStart) {
+  std::string out;
+  EXPECT_NE(RunRefused("--follow", &out), 0);
+  EXPECT_THAT(out, ::testing::HasSubstr("--follow needs --origin")) << out;
+}
+
+TEST(FollowingFlagsTest, FollowOfAnS3OriginIsRefusedAtStart) {
+  std::string out;
+  EXPECT_NE(RunRefused("--origin s3://bucket --follow", &out), 0);
+  EXPECT_THAT(out, ::testing::HasSubstr("--follow follows an upstream weightstored")) << out;
 }
 
 }  // namespace
