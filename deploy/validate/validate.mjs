@@ -8,7 +8,8 @@
 //    priorityClassName and StatefulSet serviceName names an object of the same
 //    rendering, and every Service selects a workload of it;
 //  - that regional/node-configmap-patch.yaml's weightstored.toml differs from
-//    node/configmap.yaml's only in the origin keys (it replaces it whole);
+//    node/configmap.yaml's only in the origin keys and `follow` (it replaces
+//    it whole);
 //  - docker/Dockerfile with dockerfile-utils' linter;
 //  - with --toml-dir DIR, writes each rendered ConfigMap's weightstored.toml to
 //    DIR/<rendered file's name without .yaml>.<ConfigMap name>.toml, for
@@ -125,8 +126,9 @@ function tomlOf(file) {
   return docs?.find((d) => d.kind === "ConfigMap" && d.metadata?.name === "weightstored")?.data?.["weightstored.toml"];
 }
 function settings(toml) {
-  // Lines that set something, but not the origin keys (origin, origin-token-file, ...).
-  return toml.split("\n").map((l) => l.trim()).filter((l) => l !== "" && !l.startsWith("#") && !/^origin[-a-z]*\s*=/.test(l));
+  // Lines that set something, but not the origin keys (origin, origin-token-file, ..., follow).
+  return toml.split("\n").map((l) => l.trim())
+    .filter((l) => l !== "" && !l.startsWith("#") && !/^(origin[-a-z]*|follow)\s*=/.test(l));
 }
 {
   const base = path.join(folder, "node", "configmap.yaml");
