@@ -1,0 +1,189 @@
+"""fleet_bench: a trainer's steps reaching a fleet through a regional tier, in one run.
+
+Processes on loopback: a trainer-facing weightstored (T), a regional daemon
+(R) following it (--origin grpc://T --follow), and --nodes daemons following
+R. The policy is --gb GiB of BF16 weights [2048, 2048]; each step changes 1%
+of every weight's elements at random and is pushed to T by store.push with
+the trainer's copy of the last push as its base (element patches).
+
+Per step it prints:
+- the time from the push returning until R serves the new version, and until
+  every node does (each daemon's GetCheckpoint, polled every 10 ms);
+- the bytes each node received from R (weightstore_follow_received_bytes_total)
+  and the bytes R served (weightstore_served_bytes_total), as % of the
+  checkpoint;
+- and then checks every node bit-exact against the trainer.
+
+The baseline, in the same run: following off, each node re-pulling the new
+version whole. It is measured as what such a re-pull transfers: --nodes
+clients fetching the whole checkpoint from R at once (FetchTensors), timed
+until the last has it. Writing the files to disk is left out, which favours
+the baseline.
+
+Usage: build-tools/venv/bin/python tests/bench/fleet_bench.py [--build build] [--gb 1] [--nodes 4] [--steps 5]
+"""
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+class Daemon:
+    """A weightstored on 127.0.0.1 port 0 with its metrics port."""
+
+    def __init__(self, build, work, tag, extra):
+        self.models = f"{work}/{tag}"
+        os.makedirs(self.models, exist_ok=True)
+        port_file = f"{work}/{tag}.port"
+        self.log = open(f"{work}/{tag}.log", "w")
+        self.proc = subprocess.Popen(
+            [f"{build}/server/weightstored", "--models", self.models, "--listen", "127.0.0.1:0", "--port-file",
+             port_file, "--metrics-listen", "127.0.0.1:0", "--log-level", "warning"] + extra,
+            stderr=self.log)
+        for _ in range(1200):
+            if os.path.exists(port_file):
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{tag} exited: see {work}/{tag}.log")
+            time.sleep(0.05)
+        self.port = int(open(port_file).read())
+        self.metrics_port = int(open(port_file + ".metrics").read())
+        self.address = f"127.0.0.1:{self.port}"
+
+    def metric(self, name, labels=""):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics").read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and labels in line and not line.startswith("#"):
+                m = re.match(r"^" + re.escape(name) + r"(\{[^}]*\})? (\S+)$", line)
+                if m:
+                    total += float(m.group(2))
+        return total
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait()
+        self.log.close()
+
+
+def arrivals(stores, name, version, since, deadline_s=600):
+    """perf_counter() at which each store was first seen serving `version` of
+    `name`, polled every 10 ms (light enough not to slow 2 cores down)."""
+    seen = [None] * len(stores)
+    while None in seen:
+        for i, s in enumerate(stores):
+            if seen[i] is None and s.info(name)["version"] == version:
+                seen[i] = time.perf_counter()
+        if time.perf_counter() - since > deadline_s:
+            raise RuntimeError(f"not every daemon reached {version} in {deadline_s} s")
+        time.sleep(0.01)
+    return seen
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--gb", type=float, default=1)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.join(args.build, "python"))
+    import weightstore
+
+    torch.manual_seed(0)
+    weights = max(1, int(args.gb * (1 << 30)) // (2048 * 2048 * 2))
+    trainer = {f"layers.{i}.weight": torch.randn(2048, 2048).to(torch.bfloat16) for i in range(weights)}
+    total = sum(t.numel() * t.element_size() for t in trainer.values())
+    work = tempfile.mkdtemp(prefix="weightstore-fleet-bench-")
+    daemons = []
+    try:
+        os.makedirs(f"{work}/trainer")
+        save_file(trainer, f"{work}/trainer/policy.safetensors")
+        t = Daemon(args.build, work, "trainer", [])
+        daemons.append(t)
+        r = Daemon(args.build, work, "regional", ["--origin", f"grpc://{t.address}", "--follow", "--pull", "policy"])
+        daemons.append(r)
+        t_store = weightstore.connect(t.address)
+        v0 = t_store.info("policy")["version"]
+        nodes = [Daemon(args.build, work, f"node{i}", ["--origin", f"grpc://{r.address}", "--follow", "--pull",
+                                                       "policy"]) for i in range(args.nodes)]
+        daemons += nodes
+        n_stores = [weightstore.connect(n.address) for n in nodes]
+        watched = [weightstore.connect(d.address) for d in [r] + nodes]
+        arrivals(watched, "policy", v0, time.perf_counter())
+        print(f"fleet_bench: {total >> 20} MiB of BF16 in {weights} weights [2048, 2048], 1% of each changed per "
+              f"step; trainer -> regional -> {args.nodes} nodes on loopback, torch {torch.__version__}, "
+              f"{os.cpu_count()} cores")
+
+        last = {n: x.clone() for n, x in trainer.items()}
+        rows = []
+        for step in range(args.steps):
+            for x in trainer.values():
+                flat = x.view(-1)
+                flat[torch.randint(0, flat.numel(), (flat.numel() // 100,))] += 0.01
+            into = [n.metric("weightstore_follow_received_bytes_total") for n in nodes]
+            served = r.metric("weightstore_served_bytes_total")
+            start = time.perf_counter()
+            pushed = t_store.push("policy", trainer, base=last)
+            pushed_at = time.perf_counter()
+            push_s = pushed_at - start
+            at = arrivals(watched, "policy", pushed.version, pushed_at)
+            regional_s, nodes_s = at[0] - pushed_at, max(at[1:]) - pushed_at
+            for n, x in trainer.items():
+                last[n].copy_(x)
+            into = [n.metric("weightstore_follow_received_bytes_total") - b for n, b in zip(nodes, into)]
+            out = r.metric("weightstore_served_bytes_total") - served
+            exact = all(all(torch.equal(s.tensors("policy")[n], x) for n, x in trainer.items())
+                        for s in n_stores) if step == args.steps - 1 else None
+            rows.append((push_s, regional_s, nodes_s, max(into) / total, out / total))
+            print(f"step {step + 1}: push {push_s:.3f} s; regional serving {regional_s:.3f} s, every node "
+                  f"{nodes_s:.3f} s after the push; into each node {100 * max(into) / total:.2f}% of the "
+                  f"checkpoint, out of the regional tier {100 * out / total:.2f}%"
+                  + (f"; every node bit-exact: {exact}" if exact is not None else ""))
+
+        # The baseline: every node re-pulling the version whole from R.
+        repull = []
+        for _ in range(3):
+            times = [0.0] * len(nodes)
+
+            def fetch(i):
+                s = weightstore.connect(r.address)
+                start = time.perf_counter()
+                got = s.tensors("policy")
+                times[i] = time.perf_counter() - start
+                del got
+
+            threads = [threading.Thread(target=fetch, args=(i,)) for i in range(len(nodes))]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            repull.append(max(times))
+        med = [statistics.median(c) for c in zip(*rows)]
+        print(f"median over {args.steps} steps: push {med[0]:.3f} s; regional {med[1]:.3f} s; every node "
+              f"{med[2]:.3f} s ({med[2] / med[1]:.2f}x the regional tier's step); into each node "
+              f"{100 * med[3]:.2f}%, out of the regional tier {100 * med[4]:.2f}% of the checkpoint")
+        print(f"baseline, {args.nodes} nodes re-pulling whole from the regional tier at once: median "
+              f"{statistics.median(repull):.3f} s, {100 * args.nodes:.0f}% of the checkpoint out of the regional "
+              f"tier; following: {statistics.median(repull) / med[2]:.1f}x faster, "
+              f"{args.nodes / max(med[4], 1e-9):.0f}x fewer bytes")
+    finally:
+        for d in reversed(daemons):
+            d.stop()
+        shutil.rmtree(work) if not os.environ.get("KEEP") else print(work)
+
+
+if __name__ == "__main__":
+    main()
