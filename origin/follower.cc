@@ -225,19 +225,18 @@ void Follower::StepLoop() {
       }
       ++f.stats.failures;
       ++f.failures_in_a_row;
-      if (absl::IsNotFound(status)) {
-        followed_.erase(it);  // no longer the cache's: not followed
-      } else if (Lasting(status) && f.announced == announced_before) {
+      const bool lasting = Lasting(status);
+      if (lasting && f.announced == announced_before) {
         f.blocked = std::string(status.message());
-      } else if (Lasting(status)) {
+      } else if (lasting) {
         // Another version was announced while it ran: worth a try now.
       } else {
         f.retry_at = absl::Now() + Backoff(f.failures_in_a_row);
       }
       // Once per kind of failure in a row, then every 100th.
-      if (f.failures_in_a_row == 1 || f.failures_in_a_row % 100 == 0 || Lasting(status)) {
-        line = absl::StrCat("'", name, "' stays at its version",
-                            Lasting(status) ? " until the upstream has another" : "", ": ", Said(status.ToString()));
+      if (f.failures_in_a_row == 1 || f.failures_in_a_row % 100 == 0 || lasting) {
+        line = absl::StrCat("'", name, "' stays at its version", lasting ? " until the upstream has another" : "", ": ",
+                            Said(status.ToString()));
       }
     }
     if (!line.empty()) LogFollow(line);
@@ -263,9 +262,16 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
   *patch_failed = false;
   std::shared_ptr<const CheckpointVersion> base = registry_->Get(name);
   if (base == nullptr || !cache_->BeginStep(name, *base)) {
-    return absl::NotFoundError(absl::StrCat("'", name,
-                                            "' is no longer the node cache's (unloaded, evicted, or "
-                                            "its files replaced here); it is not followed"));
+    // Unloaded, evicted, or its files replaced here: not the cache's, and no
+    // longer followed (a later pull of it is, from then).
+    {
+      absl::MutexLock lock(&mu_);
+      followed_.erase(name);
+    }
+    LogFollow(absl::StrCat("'", name,
+                           "' is no longer the node cache's (unloaded, evicted, or its files replaced "
+                           "here); it is not followed"));
+    return absl::OkStatus();
   }
   // EndStep on every way out, with the version published if there is one.
   std::shared_ptr<const CheckpointVersion> published;

@@ -684,6 +684,37 @@ TEST_F(FollowingTest, AStepTheNodeCannotCheckIsBlockedAndTriedAgainOnlyAtTheUpst
   EXPECT_LT(served_twice - served_once, checkpoint_bytes_ / 100);
 }
 
+// A followed checkpoint whose file an operator replaces on the node is the
+// operator's from then: no longer followed, and never overwritten by a step.
+TEST_F(FollowingTest, AFileAnOperatorPutInPlaceOfAFollowedOneIsNoLongerFollowedNorOverwritten) {
+  Served node = StartFollower(*trainer_.daemon);
+  Served witness = StartFollower(*trainer_.daemon);
+  ASSERT_NE(node.daemon->port(), 0);
+  ASSERT_NE(witness.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(node, order_[0], "node"));
+  ASSERT_TRUE(WaitForVersion(witness, order_[0], "witness"));
+  ASSERT_TRUE(testing::WaitUntil([&] { return node.Metric("weightstore_follow_lag_versions") == 0; }));
+
+  // The operator's own checkpoint under the same name, renamed into place.
+  const std::string theirs = *SerializeCheckpoint(kSafeTensorsFormat, {AsShared(InitialTensors()).front()}, {});
+  testing::WriteFileOrDie(node.models + "/m.safetensors.operator", theirs);
+  ASSERT_EQ(std::rename((node.models + "/m.safetensors.operator").c_str(), (node.models + "/m.safetensors").c_str()),
+            0);
+  node.daemon->Signal(SIGHUP);  // rescan
+  ASSERT_TRUE(testing::WaitUntil([&] { return node.Version() != order_[0] && !node.Version().empty(); })) << node.Log();
+  const std::string operators = node.Version();
+  // No longer followed: its series are gone.
+  EXPECT_TRUE(testing::WaitUntil([&] { return node.Metric("weightstore_follow_lag_versions") == -1; }))
+      << testing::HttpGet(node.daemon->metrics_port(), "/metrics");
+
+  // A step reaches the witness; the node keeps the operator's file.
+  const std::string v1 = Step();
+  ASSERT_FALSE(v1.empty());
+  ASSERT_TRUE(WaitForVersion(witness, v1, "witness"));
+  EXPECT_EQ(node.Version(), operators);
+  EXPECT_EQ(testing::ReadFileOrEmpty(node.models + "/m.safetensors"), theirs);
+}
+
 TEST_F(FollowingTest, AStepsFetchIsBoundedByTheChangedTensorsNotTheWholeCheckpoint) {
   const std::string v1 = Step();
   ASSERT_FALSE(v1.empty());
