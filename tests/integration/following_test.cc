@@ -166,7 +166,10 @@ class FollowingTest : public ::testing::Test {
     if (HasFatalFailure()) return;
     const std::string v0 = trainer_.Version();
     ASSERT_FALSE(v0.empty()) << trainer_.Log();
-    versions_[v0] = current_;
+    {
+      absl::MutexLock lock(&versions_mu_);
+      versions_[v0] = current_;
+    }
     order_.push_back(v0);
   }
 
@@ -365,8 +368,10 @@ TEST_F(FollowingTest, NodesFollowATrainerThroughARegionalTierBitExactWithElement
     }
   }
   const std::string last = order_.back();
-  for (const auto& [node, what] : std::vector<std::pair<const Served*, const char*>>{
+  for (const auto& [served, name] : std::vector<std::pair<const Served*, const char*>>{
            {&regional, "regional"}, {&n1, "n1"}, {&n2, "n2"}, {&n3, "n3"}}) {
+    const Served* node = served;  // (a lambda may not capture a structured binding before C++20's clang 16)
+    const char* what = name;
     SCOPED_TRACE(what);
     ASSERT_TRUE(WaitForVersion(*node, last, what));
     ExpectServesBitExact(*node, last, what);
