@@ -1,6 +1,7 @@
 #include "origin/follower.h"
 
 #include <random>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -24,7 +25,7 @@ void LogFollow(const std::string& line) { std::fprintf(stderr, "weightstored: fo
 uint64_t SaturatingAdd(uint64_t a, uint64_t b) { return b > UINT64_MAX - a ? UINT64_MAX : a + b; }
 
 // What an upstream sent (an id, a name, a message), fit for one log line.
-std::string Said(absl::string_view text) { return absl::CHexEscape(text.substr(0, 256)); }
+std::string Said(absl::string_view text) { return absl::CHexEscape(text.substr(0, 1024)); }
 
 // A step that fails so cannot succeed until something changes (the
 // checkpoint, the upstream, the daemon's flags): not retried on a timer.
@@ -64,7 +65,13 @@ Follower::~Follower() {
 }
 
 void Follower::Start() {
-  watcher_ = std::thread([this] { WatchLoop(); });
+  watcher_ = std::thread([this] {
+    if (upstream_.watch != nullptr) {
+      WatchLoop();
+    } else if (upstream_.poll) {
+      PollLoop();
+    }
+  });
   stepper_ = std::thread([this] { StepLoop(); });
 }
 
@@ -110,13 +117,7 @@ void Follower::WatchLoop() {
     std::map<std::string, std::string> known = cache_->Followed();
     {
       absl::MutexLock lock(&mu_);
-      // Checkpoints no longer held (evicted, replaced by an operator) are
-      // not followed; those held are, from the version held. The one a step
-      // is writing stays (its ledger entry is being brought up to date).
-      for (auto it = followed_.begin(); it != followed_.end();) {
-        it = known.contains(it->first) || it->first == stepping_ ? std::next(it) : followed_.erase(it);
-      }
-      for (const auto& [name, version] : known) followed_[name].stats.name = name;
+      Track(known);
     }
     if (known.empty()) {  // nothing to follow until a pull finishes
       absl::MutexLock lock(&mu_);
@@ -146,14 +147,7 @@ void Follower::WatchLoop() {
         } else if (e.kind == client::CheckpointEvent::Kind::kRemoved) {
           line = absl::StrCat("'", e.name, "' was removed upstream; the node keeps serving what it holds");
         } else {
-          Followed& f = it->second;
-          if (e.new_version != f.newest || f.announced == f.caught_up) {
-            if (f.announced == f.caught_up) f.behind_since = absl::Now();
-            f.newest = e.new_version;
-            ++f.announced;
-            f.retry_at = absl::InfinitePast();
-            f.blocked.clear();  // another version: worth a try
-          }
+          Announce(it->second, e.new_version);
         }
       }
       if (!line.empty()) LogFollow(line);  // never under mu_: stderr may block
@@ -173,6 +167,83 @@ void Follower::WatchLoop() {
                              failures > 1 ? absl::StrCat(" (", failures, " tries)") : ""));
     }
     if (!Sleep(Backoff(failures))) return;
+  }
+}
+
+void Follower::Track(const std::map<std::string, std::string>& known) {
+  // Checkpoints no longer held (evicted, replaced by an operator) are not
+  // followed; those held are, from the version held. The one a step is
+  // writing stays (its ledger entry is being brought up to date).
+  for (auto it = followed_.begin(); it != followed_.end();) {
+    it = known.contains(it->first) || it->first == stepping_ ? std::next(it) : followed_.erase(it);
+  }
+  for (const auto& [name, version] : known) followed_[name].stats.name = name;
+}
+
+void Follower::Announce(Followed& f, const std::string& version) {
+  if (version != f.newest || f.announced == f.caught_up) {
+    if (f.announced == f.caught_up) f.behind_since = absl::Now();
+    f.newest = version;
+    ++f.announced;
+    f.retry_at = absl::InfinitePast();
+    f.blocked.clear();  // another version: worth a try
+  }
+}
+
+void Follower::PollLoop() {
+  int failures = 0;            // polls in a row that some checkpoint's failed
+  std::set<std::string> gone;  // said to be missing at the origin (logged once)
+  thread_local std::minstd_rand jitter(std::random_device{}());
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      refresh_ = false;
+    }
+    std::map<std::string, std::string> known = cache_->Followed();
+    {
+      absl::MutexLock lock(&mu_);
+      Track(known);
+      if (known.empty()) {  // nothing to follow until a pull finishes
+        auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || refresh_; };
+        mu_.Await(absl::Condition(&woken));
+        continue;
+      }
+    }
+    // One listing per checkpoint held, one checkpoint at a time.
+    absl::Status failed;
+    for (const auto& [name, held] : known) {
+      absl::StatusOr<std::string> version = upstream_.poll(name);
+      std::string line;
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopping_) return;
+        auto it = followed_.find(name);
+        if (version.ok()) {
+          if (gone.erase(name) > 0) line = absl::StrCat("'", name, "' is at ", upstream_.name, " again");
+          if (it != followed_.end() && *version != held) Announce(it->second, *version);
+        } else if (absl::IsNotFound(version.status())) {
+          if (gone.insert(name).second) {
+            line =
+                absl::StrCat("'", name, "' is no longer at ", upstream_.name, "; the node keeps serving what it holds");
+          }
+        } else if (failed.ok()) {
+          failed = version.status();
+        }
+      }
+      if (!line.empty()) LogFollow(line);
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      connected_ = failed.ok();
+    }
+    failures = failed.ok() ? 0 : failures + 1;
+    if (failures == 1 || (failures > 0 && failures % 100 == 0)) {
+      LogFollow(absl::StrCat("polling ", upstream_.name, " failed (", Said(failed.ToString()), "); retrying",
+                             failures > 1 ? absl::StrCat(" (", failures, " tries)") : ""));
+    }
+    const double spread = std::uniform_real_distribution<double>(0.8, 1.2)(jitter);
+    if (!Sleep(upstream_.poll_interval * spread)) return;
   }
 }
 
@@ -281,19 +352,6 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
     const std::shared_ptr<const CheckpointVersion>& published;
     ~EndStep() { cache->EndStep(name, published.get()); }
   } end_step{cache_, name, published};
-  // What keeps any step from succeeding is found before anything is fetched:
-  // digests off here, or a checkpoint the push cannot write (sharded, a
-  // format without a writer, preloaded, reached through a symlink).
-  if (!registry_->options().tensor_digests || base->manifest() == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("'", name, "' has no tensor digests here; a node follows only with --tensor-digests"));
-  }
-  WEIGHTSTORE_RETURN_IF_ERROR(registry_->BeginPush(name, {.base_version = base->version()}).status());
-
-  client::Query query;
-  query.since_version = base->version();
-  query.patches = patches;
-  query.cancel = step_cancel_;
   uint64_t announced = 0;  // before the listing: what it catches up with
   {
     absl::MutexLock lock(&mu_);
@@ -311,6 +369,40 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
     if (f.announced > f.caught_up) f.behind_since = absl::Now();
   };
   const absl::Time start = absl::Now();
+  if (upstream_.steps == nullptr) {  // an origin without patches: the new version whole
+    absl::StatusOr<FollowedCache::Repulled> repulled = cache_->Repull(name, *base);
+    if (!repulled.ok()) {
+      return absl::Status(repulled.status().code(), absl::StrCat("step of '", name, "' from ", upstream_.name, ": ",
+                                                                 repulled.status().message()));
+    }
+    if (repulled->version != nullptr) {
+      published = repulled->version;
+      absl::MutexLock lock(&mu_);
+      if (auto it = followed_.find(name); it != followed_.end()) {
+        it->second.stats.whole_bytes += repulled->bytes;
+        ++it->second.stats.steps_whole;
+      }
+    }
+    caught_up();
+    if (published != nullptr) {
+      LogFollow(absl::StrFormat("'%s' is at version %s: pulled whole (%d bytes) in %.3f s", name, published->version(),
+                                repulled->bytes, absl::ToDoubleSeconds(absl::Now() - start)));
+    }
+    return absl::OkStatus();
+  }
+  // What keeps any step from succeeding is found before anything is fetched:
+  // digests off here, or a checkpoint the push cannot write (sharded, a
+  // format without a writer, preloaded, reached through a symlink).
+  if (!registry_->options().tensor_digests || base->manifest() == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("'", name, "' has no tensor digests here; a node follows only with --tensor-digests"));
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(registry_->BeginPush(name, {.base_version = base->version()}).status());
+
+  client::Query query;
+  query.since_version = base->version();
+  query.patches = patches;
+  query.cancel = step_cancel_;
   // The listing first (no bytes): what blocks the step is found before
   // anything is fetched, and the fetch is pinned to the version listed.
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::TensorListing listing, upstream_.steps->ListTensors(name, query));

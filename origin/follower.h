@@ -2,15 +2,12 @@
 // newest version (weightstored --follow; docs/origin.md, Following).
 //
 // It watches the upstream (WatchCheckpoints) for the checkpoints the node
-// holds as pulled. For each new version it fetches, pinned to that version,
-// only the tensors that changed since the one held: as element patches where
-// the upstream keeps them, else whole. It writes the new version through the
-// registry's push (core/catalog/push.h) from the held file and what came,
-// checks every tensor against the upstream's digests before anything is
-// published, and publishes it under the upstream's version id. The node's own
-// clients then see a normal replacement: their watches fire, and their
-// updates get element patches from the node. Clients see the old version or
-// the new one, whole, never a mix.
+// holds as pulled (or polls an S3 origin's listing; see FollowUpstream). For each new version it fetches, pinned to
+// that version, only the tensors that changed since the one held: as element patches where the upstream keeps them,
+// else whole. It writes the new version through the registry's push (core/catalog/push.h) from the held file and what
+// came, checks every tensor against the upstream's digests before anything is published, and publishes it under the
+// upstream's version id. The node's own clients then see a normal replacement: their watches fire, and their updates
+// get element patches from the node. Clients see the old version or the new one, whole, never a mix.
 //
 // Steps run one at a time on a thread of their own, never on gRPC's. A step
 // that fails (the upstream went away, a patch that does not apply, a result
@@ -23,7 +20,8 @@
 // arrives then.
 //
 // What it can follow: single-file checkpoints of a writable format
-// (SafeTensors, Burnpack), the registry's push. Others are served as pulled,
+// (SafeTensors, Burnpack), the registry's push; from S3, single-file
+// checkpoints of any format, pulled whole. Others are served as pulled,
 // blocked with the reason in the log.
 //
 // Thread-safe.
@@ -31,6 +29,7 @@
 #define WEIGHTSTORE_ORIGIN_FOLLOWER_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -38,6 +37,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/store.h"
@@ -62,6 +62,17 @@ class FollowedCache {
   // The step ends. With `published` (the version the step published, under
   // the origin's id), the cache takes its files as the ones it holds.
   virtual void EndStep(const std::string& name, const CheckpointVersion* published) = 0;
+
+  // For an origin without element patches (S3), within a step: pulls the
+  // origin's current version of `name` whole and places it over `base`'s
+  // files, served under the origin's id. `version` is null when the origin
+  // still has `base`'s. Errors as a pull's; FailedPrecondition for what
+  // cannot be followed so (a sharded checkpoint, a format changed).
+  struct Repulled {
+    std::shared_ptr<const CheckpointVersion> version;
+    uint64_t bytes = 0;  // read from the origin
+  };
+  virtual absl::StatusOr<Repulled> Repull(const std::string& name, const CheckpointVersion& base) = 0;
 };
 
 struct FollowOptions {
@@ -74,12 +85,17 @@ struct FollowOptions {
   uint64_t max_step_bytes = uint64_t{64} << 30;
 };
 
-// The upstream daemon, as two remote stores: one watches it (a broken watch
-// ends, and the follower reopens it), the other fetches the steps (resuming a
-// broken stream, as any client does).
+// What is followed. An upstream daemon, as two remote stores: one watches
+// it (a broken watch ends, and the follower reopens it), the other fetches
+// the steps (resuming a broken stream, as any client does). Or an origin
+// without element patches (S3): `poll` says its current version id of a
+// checkpoint, asked every `poll_interval` (with up to 20% jitter either
+// way), and a step pulls the new version whole (FollowedCache::Repull).
 struct FollowUpstream {
-  std::string name;  // as logs and metrics say it: "grpc://host:port"
+  std::string name;  // as logs and metrics say it: "grpc://host:port", "s3://bucket/prefix"
   std::unique_ptr<client::Store> watch, steps;
+  std::function<absl::StatusOr<std::string>(const std::string& name)> poll;
+  absl::Duration poll_interval = absl::Seconds(10);
 };
 
 class Follower {
@@ -118,6 +134,12 @@ class Follower {
     FollowedStats stats;
   };
   void WatchLoop();
+  void PollLoop();
+  // A version `version` of `f` seen upstream (an event, a poll).
+  void Announce(Followed& f, const std::string& version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prunes followed_ to `known` (what the cache holds) and the step in
+  // progress, and adds what is new.
+  void Track(const std::map<std::string, std::string>& known) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StepLoop();
   // Brings `name` to the upstream's current version. OK also when there was
   // nothing to do.

@@ -120,7 +120,7 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
     absl::MutexLock lock(&cache->mu_);
     cache->ReadLedger();
   }
-  if (follow.watch != nullptr && follow.steps != nullptr) {
+  if ((follow.watch != nullptr && follow.steps != nullptr) || follow.poll) {
     if (follow.name.empty()) follow.name = cache->origin_->Describe();
     FollowOptions follow_options;
     follow_options.max_step_bytes = registry->options().max_put_bytes;

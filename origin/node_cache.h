@@ -79,8 +79,9 @@ class NodeCache : public Puller, public FollowedCache {
  public:
   // Opens the cache of `registry`'s models folder, reading its ledger (and
   // dropping entries whose files are gone). `registry` must outlive it.
-  // With `follow` (the origin as remote stores: an upstream daemon), what
-  // the cache holds follows the upstream's new versions (origin/follower.h).
+  // With `follow` (the origin as remote stores: an upstream daemon; or a
+  // poll of the origin's versions), what the cache holds follows the
+  // origin's new versions (origin/follower.h).
   static absl::StatusOr<std::unique_ptr<NodeCache>> Open(CheckpointRegistry* registry, std::unique_ptr<Origin> origin,
                                                          NodeCacheOptions options, FollowUpstream follow = {});
   ~NodeCache() override;
@@ -103,6 +104,8 @@ class NodeCache : public Puller, public FollowedCache {
   std::map<std::string, std::string> Followed() const override ABSL_LOCKS_EXCLUDED(mu_);
   bool BeginStep(const std::string& name, const CheckpointVersion& base) override ABSL_LOCKS_EXCLUDED(mu_);
   void EndStep(const std::string& name, const CheckpointVersion* published) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<Repulled> Repull(const std::string& name, const CheckpointVersion& base) override
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Flight;
@@ -121,6 +124,10 @@ class NodeCache : public Puller, public FollowedCache {
     // reservation counts it).
     bool placing = false;
     std::vector<std::array<uint64_t, 4>> identities;
+    // While a follower's Repull places a new version over the files held:
+    // the version and FileVersion they had, which a crash before the rename
+    // leaves in place (FinishPlacing then keeps them as the cache's).
+    std::string replacing_version, replacing_file_version;
   };
 
   NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options);
@@ -128,6 +135,17 @@ class NodeCache : public Puller, public FollowedCache {
   void RunFlight(const std::string& name, const std::shared_ptr<Flight>& flight) ABSL_LOCKS_EXCLUDED(mu_);
   // The transfer one flight runs. `pulled` counts its bytes from the origin.
   absl::Status Transfer(const std::string& name, std::atomic<uint64_t>* pulled);
+  // A checkpoint's files, read into partial files (Download).
+  struct Staged {
+    std::string folder;              // <models>/.weightstore-cache/partial/<SHA-256 of the name>
+    std::vector<std::string> paths;  // one per file, in the checkpoint's order
+    std::vector<UniqueFd> fds;
+  };
+  // Reads `checkpoint`'s files from the origin into partial files, resuming
+  // what an earlier attempt at the same version left; each is checked whole
+  // and fsynced. `pulled` counts the bytes read.
+  absl::Status Download(const std::string& name, const OriginCheckpoint& checkpoint, std::atomic<uint64_t>* pulled,
+                        Staged* staged);
   struct Victim;
   // Reserves `bytes` under the budget for a pull of `name`, choosing what to
   // evict to make room: the least recently used not in use, moved out of the

@@ -1,5 +1,8 @@
 #include "origin/node_cache_internal.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -31,6 +34,12 @@ bool PlaceablePath(absl::string_view path) { return IsPlaceableName(path, 4096);
 absl::Status Remembered(absl::Status status) {
   status.SetPayload(kRememberedRefusal, absl::Cord("1"));
   return status;
+}
+
+absl::Status FsyncFolder(const std::string& folder) {
+  UniqueFd fd(::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd.valid() || ::fsync(fd.get()) != 0) return absl::InternalError(Errno("cannot fsync", folder));
+  return absl::OkStatus();
 }
 
 absl::Status WriteAtomically(const std::string& path, const std::string& content) {

@@ -37,6 +37,8 @@ bool PlaceablePath(absl::string_view path);
 inline constexpr absl::string_view kRememberedRefusal = "weightstore.dev/remembered-refusal";
 absl::Status Remembered(absl::Status status);
 
+// fsync of a folder: a rename in it is durable.
+absl::Status FsyncFolder(const std::string& folder);
 absl::Status WriteAtomically(const std::string& path, const std::string& content);
 
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max_bytes);

@@ -39,6 +39,8 @@ void NodeCache::ReadLedger() {
       c.file_version = entry.value("file_version", "");
       if (entry.value("placing", false)) {
         c.identities = entry.at("identities").get<std::vector<std::array<uint64_t, 4>>>();
+        c.replacing_version = entry.value("replacing_version", "");
+        c.replacing_file_version = entry.value("replacing_file_version", "");
         if (!FinishPlacing(name, &c)) continue;
       }
       bool present = !c.paths.empty();
@@ -75,6 +77,10 @@ absl::Status NodeCache::SaveLedger() {
       if (c.placing) {
         j[name]["placing"] = true;
         j[name]["identities"] = c.identities;
+        if (!c.replacing_file_version.empty()) {
+          j[name]["replacing_version"] = c.replacing_version;
+          j[name]["replacing_file_version"] = c.replacing_file_version;
+        }
       }
     }
     text = j.dump(1);

@@ -552,6 +552,82 @@ TEST_F(NodeCacheTest, AKillMidPlacementRemovesTheFilesThisCachePlacedAndNoOthers
   EXPECT_FALSE(ReadLedger(models_).contains("s"));
 }
 
+// A follower's step from an origin without patches (FollowedCache::Repull).
+TEST_F(NodeCacheTest, ARepullPlacesTheOriginsNewVersionOverTheHeldOneUnderTheOriginsId) {
+  const std::string v1 = Model(2, 1000, 25), v2 = Model(2, 1000, 26);
+  origin_->Put("m", v1);
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
+  ASSERT_NE(held, nullptr);
+  EXPECT_EQ(held->version(), "v1");
+
+  // The origin still has the version held: nothing moves.
+  ASSERT_TRUE(cache_->BeginStep("m", *held));
+  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled same, cache_->Repull("m", *held));
+  cache_->EndStep("m", nullptr);
+  EXPECT_EQ(same.version, nullptr);
+  EXPECT_EQ(same.bytes, 0u);
+
+  origin_->Put("m", v2);
+  origin_->version_ = "v2";
+  ASSERT_TRUE(cache_->BeginStep("m", *held));
+  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled next, cache_->Repull("m", *held));
+  cache_->EndStep("m", next.version.get());
+  ASSERT_NE(next.version, nullptr);
+  EXPECT_EQ(next.version->version(), "v2");
+  EXPECT_EQ(next.bytes, v2.size());
+  EXPECT_EQ(registry_->Get("m")->version(), "v2");
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), v2);
+  EXPECT_TRUE(fs::is_empty(models_ + "/.weightstore-cache/partial"));
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", "v2"}}));
+  EXPECT_EQ(cache_->Stats().cache_bytes, v2.size());
+  // The version replaced is still readable by whoever holds it.
+  EXPECT_EQ(held->version(), "v1");
+
+  ASSERT_NO_FATAL_FAILURE(Restart());
+  ASSERT_NE(registry_->Get("m"), nullptr);
+  EXPECT_EQ(registry_->Get("m")->version(), "v2");
+}
+
+TEST_F(NodeCacheTest, ARepullOfAFileThatDoesNotOpenReplacesNothing) {
+  const std::string v1 = Model(1, 1000, 27);
+  origin_->Put("m", v1);
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
+  origin_->Put("m", "not a SafeTensors file");
+  origin_->version_ = "v2";
+  ASSERT_TRUE(cache_->BeginStep("m", *held));
+  EXPECT_THAT(cache_->Repull("m", *held).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("does not open")));
+  cache_->EndStep("m", nullptr);
+  EXPECT_EQ(registry_->Get("m")->version(), "v1");
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), v1);
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", "v1"}}));
+}
+
+TEST_F(NodeCacheTest, AKillBeforeARepullsRenameLeavesTheHeldVersionTheCaches) {
+  const std::string v1 = Model(2, 1000, 28);
+  origin_->Put("m", v1);
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  cache_.reset();
+  nlohmann::json ledger = ReadLedger(models_);
+  // As recorded just before the rename of v2 over v1, which never happened.
+  const std::string held_file_version = ledger["m"]["file_version"];
+  ledger["m"]["placing"] = true;
+  ledger["m"]["version"] = "v2";
+  ledger["m"]["identities"] = {{1, 2, 3, 4}};
+  ledger["m"]["replacing_version"] = "v1";
+  ledger["m"]["replacing_file_version"] = held_file_version;
+  ledger["m"]["file_version"] = held_file_version;
+  WriteLedger(models_, ledger);
+
+  ASSERT_NO_FATAL_FAILURE(Restart());
+  ASSERT_NE(registry_->Get("m"), nullptr);
+  EXPECT_EQ(registry_->Get("m")->version(), "v1");  // still the origin's id
+  EXPECT_EQ(cache_->Stats().cache_bytes, v1.size());
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", "v1"}}));
+}
+
 TEST_F(NodeCacheTest, APullRefusedByFilesStillInPlaceKeepsTheirLedgerEntry) {
   const std::string model = Model(2, 1000, 24);
   origin_->Put("m", model);

@@ -34,6 +34,7 @@ namespace weightstore::origin {
 namespace fs = std::filesystem;
 
 using node_cache_internal::Errno;
+using node_cache_internal::FsyncFolder;
 using node_cache_internal::Identity;
 using node_cache_internal::NowMs;
 using node_cache_internal::PlaceablePath;
@@ -49,68 +50,10 @@ constexpr absl::Duration kProgressEvery = absl::Seconds(2);
 // Bytes a pull writes between two starts of their writeback to disk.
 constexpr uint64_t kWritebackBytes = uint64_t{8} << 20;
 
-absl::Status FsyncFolder(const std::string& folder) {
-  UniqueFd fd(::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (!fd.valid() || ::fsync(fd.get()) != 0) return absl::InternalError(Errno("cannot fsync", folder));
-  return absl::OkStatus();
-}
-
 }  // namespace
 
-absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>* pulled) {
-  if (registry_->Get(name) != nullptr) return absl::OkStatus();  // a flight that just ended placed it
-  absl::StatusOr<OriginCheckpoint> found = origin_->Find(name);
-  // What the origin holds refuses the pull (too many files): remembered for
-  // a while, as a name it lacks is. A refusal of this node's own making (a
-  // file in the way) is not.
-  if (absl::IsFailedPrecondition(found.status())) return Remembered(found.status());
-  WEIGHTSTORE_RETURN_IF_ERROR(found.status());
-  OriginCheckpoint& checkpoint = *found;
-  if (checkpoint.files.empty()) return absl::DataLossError("the origin lists no files");
-  if (checkpoint.files.size() > options_.max_files) {
-    return Remembered(absl::FailedPreconditionError(
-        absl::StrCat("the origin lists ", checkpoint.files.size(), " files (1 to ", options_.max_files, " accepted)")));
-  }
-  for (const OriginFile& f : checkpoint.files) {
-    if (!PlaceablePath(f.path)) {
-      return absl::DataLossError(absl::StrCat("the origin names a file '", absl::CHexEscape(f.path.substr(0, 256)),
-                                              "' this node will not create"));
-    }
-  }
-  const OriginFile& main = checkpoint.files.back();
-  if (NameForPath(main.path) != name) {
-    return absl::DataLossError(absl::StrCat("the origin's file '", main.path, "' is not served as '", name, "'"));
-  }
-  // Summed with a bound on every step: sizes come from the origin.
-  uint64_t total = 0;
-  for (const OriginFile& f : checkpoint.files) {
-    if (f.size > options_.max_checkpoint_bytes - total) {
-      return absl::ResourceExhaustedError(absl::StrCat("its files are over this node's limit of ",
-                                                       options_.max_checkpoint_bytes, " bytes ('", f.path,
-                                                       "': ", f.size, ")"));
-    }
-    total += f.size;
-  }
-  // A file in the way (an operator's, or this cache's unloaded) would refuse
-  // the placement at the end: refused before any byte moves.
-  for (const OriginFile& f : checkpoint.files) {
-    const fs::path target = fs::path(models_dir_) / f.path;
-    if (std::error_code exists_ec; fs::exists(fs::symlink_status(target, exists_ec))) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("'", target.string(), "' exists and is not served; this node does not replace it"));
-    }
-  }
-  std::vector<Victim> victims;
-  WEIGHTSTORE_RETURN_IF_ERROR(Reserve(name, total, &victims));
-  absl::Cleanup release = [&] {
-    absl::MutexLock lock(&mu_);
-    reserved_bytes_ -= total;
-  };
-  if (!victims.empty()) {
-    Evict(&victims);
-    WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
-  }
-
+absl::Status NodeCache::Download(const std::string& name, const OriginCheckpoint& checkpoint,
+                                 std::atomic<uint64_t>* pulled, Staged* staged) {
   // Where this pull's partial files and progress live.
   const std::string folder = (fs::path(state_dir_) / "partial" / Sha256Hex(name)).string();
   const std::string state_path = (fs::path(folder) / "progress.json").string();
@@ -325,6 +268,72 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     }
     if (::fsync(fds[i].get()) != 0) return absl::InternalError(Errno("cannot sync", partial_paths[i]));
   }
+  staged->folder = folder;
+  staged->paths = std::move(partial_paths);
+  staged->fds = std::move(fds);
+  return absl::OkStatus();
+}
+
+absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>* pulled) {
+  if (registry_->Get(name) != nullptr) return absl::OkStatus();  // a flight that just ended placed it
+  absl::StatusOr<OriginCheckpoint> found = origin_->Find(name);
+  // What the origin holds refuses the pull (too many files): remembered for
+  // a while, as a name it lacks is. A refusal of this node's own making (a
+  // file in the way) is not.
+  if (absl::IsFailedPrecondition(found.status())) return Remembered(found.status());
+  WEIGHTSTORE_RETURN_IF_ERROR(found.status());
+  OriginCheckpoint& checkpoint = *found;
+  if (checkpoint.files.empty()) return absl::DataLossError("the origin lists no files");
+  if (checkpoint.files.size() > options_.max_files) {
+    return Remembered(absl::FailedPreconditionError(
+        absl::StrCat("the origin lists ", checkpoint.files.size(), " files (1 to ", options_.max_files, " accepted)")));
+  }
+  for (const OriginFile& f : checkpoint.files) {
+    if (!PlaceablePath(f.path)) {
+      return absl::DataLossError(absl::StrCat("the origin names a file '", absl::CHexEscape(f.path.substr(0, 256)),
+                                              "' this node will not create"));
+    }
+  }
+  const OriginFile& main = checkpoint.files.back();
+  if (NameForPath(main.path) != name) {
+    return absl::DataLossError(absl::StrCat("the origin's file '", main.path, "' is not served as '", name, "'"));
+  }
+  // Summed with a bound on every step: sizes come from the origin.
+  uint64_t total = 0;
+  for (const OriginFile& f : checkpoint.files) {
+    if (f.size > options_.max_checkpoint_bytes - total) {
+      return absl::ResourceExhaustedError(absl::StrCat("its files are over this node's limit of ",
+                                                       options_.max_checkpoint_bytes, " bytes ('", f.path,
+                                                       "': ", f.size, ")"));
+    }
+    total += f.size;
+  }
+  // A file in the way (an operator's, or this cache's unloaded) would refuse
+  // the placement at the end: refused before any byte moves.
+  for (const OriginFile& f : checkpoint.files) {
+    const fs::path target = fs::path(models_dir_) / f.path;
+    if (std::error_code exists_ec; fs::exists(fs::symlink_status(target, exists_ec))) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("'", target.string(), "' exists and is not served; this node does not replace it"));
+    }
+  }
+  std::vector<Victim> victims;
+  WEIGHTSTORE_RETURN_IF_ERROR(Reserve(name, total, &victims));
+  absl::Cleanup release = [&] {
+    absl::MutexLock lock(&mu_);
+    reserved_bytes_ -= total;
+  };
+  if (!victims.empty()) {
+    Evict(&victims);
+    WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
+  }
+
+  Staged staged;
+  WEIGHTSTORE_RETURN_IF_ERROR(Download(name, checkpoint, pulled, &staged));
+  const std::string& folder = staged.folder;
+  std::vector<std::string>& partial_paths = staged.paths;
+  std::vector<UniqueFd>& fds = staged.fds;
+  std::error_code ec;
   // Recorded (durably) before the first rename: a crash before the ledger
   // lists the checkpoint leaves files the next run can tell as this cache's.
   std::optional<Cached> previous;
@@ -439,6 +448,20 @@ bool NodeCache::FinishPlacing(const std::string& name, Cached* c) {
     c->file_version = *placed;
     c->placing = false;
     c->identities.clear();
+    c->replacing_version.clear();
+    c->replacing_file_version.clear();
+    return true;
+  }
+  // A follower's replacement that never renamed its file: the files held
+  // before are still in place, and still the cache's.
+  if (ours.empty() && !c->replacing_file_version.empty() &&
+      FileVersion((fs::path(models_dir_) / c->paths.back()).string()).value_or("") == c->replacing_file_version) {
+    c->version = std::move(c->replacing_version);
+    c->file_version = std::move(c->replacing_file_version);
+    c->placing = false;
+    c->identities.clear();
+    c->replacing_version.clear();
+    c->replacing_file_version.clear();
     return true;
   }
   // Half placed: this cache's files go. The partial pull stays, so the next

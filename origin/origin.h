@@ -81,6 +81,11 @@ class Origin {
   // is FailedPrecondition, refused before any of them is asked about.
   virtual absl::StatusOr<OriginCheckpoint> Find(const std::string& name) = 0;
 
+  // The origin's version id of checkpoint `name` now (Find's
+  // OriginCheckpoint::version), as cheaply as the origin can tell: what a
+  // node following it polls. Errors as Find's. Default: Find's.
+  virtual absl::StatusOr<std::string> Version(const std::string& name);
+
   // The most files one checkpoint may have, set once before the first Find
   // (the node cache's bound). Default: 4096.
   void set_max_files(size_t n) { max_files_ = n; }

@@ -624,7 +624,14 @@ absl::Status S3Origin::List(const std::string& folder_prefix, std::vector<Origin
   }
 }
 
-absl::StatusOr<OriginCheckpoint> S3Origin::Find(const std::string& name) {
+absl::StatusOr<OriginCheckpoint> S3Origin::Find(const std::string& name) { return FindFiles(name, /*describe=*/true); }
+
+absl::StatusOr<std::string> S3Origin::Version(const std::string& name) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(OriginCheckpoint checkpoint, FindFiles(name, /*describe=*/false));
+  return checkpoint.version;
+}
+
+absl::StatusOr<OriginCheckpoint> S3Origin::FindFiles(const std::string& name, bool describe) {
   if (!IsCleanRelativePath(name)) {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint name '", Shown(name),
                                                    "' is not a relative path of [A-Za-z0-9._/-] (no \".\" or \"..\")"));
@@ -714,7 +721,7 @@ absl::StatusOr<OriginCheckpoint> S3Origin::Find(const std::string& name) {
     }
   }
   checkpoint.files.push_back(std::move(main));
-  WEIGHTSTORE_RETURN_IF_ERROR(DescribeAll(&checkpoint.files));
+  if (describe) WEIGHTSTORE_RETURN_IF_ERROR(DescribeAll(&checkpoint.files));
 
   std::string identity;
   for (const OriginFile& file : checkpoint.files) {

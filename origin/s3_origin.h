@@ -83,6 +83,8 @@ class S3Origin final : public Origin {
   // path (IsPlaceableName); DataLoss for an index that is no
   // JSON object with a "weight_map" of plain file names.
   absl::StatusOr<OriginCheckpoint> Find(const std::string& name) override;
+  // Find's version without its HEADs: one listing (and an index's GET).
+  absl::StatusOr<std::string> Version(const std::string& name) override;
 
   // A GET of bytes [offset, offset + length) with If-Match: file.etag, streamed
   // into `sink` as it arrives. Aborted when the object's ETag is no longer
@@ -102,6 +104,8 @@ class S3Origin final : public Origin {
 
   S3Origin(std::string bucket, std::string prefix, S3Config config);
 
+  // Find; `describe` asks for each file's checksums (a HEAD each).
+  absl::StatusOr<OriginCheckpoint> FindFiles(const std::string& name, bool describe);
   // "s3://bucket/key", how errors name an object.
   std::string ObjectUrl(const std::string& key) const;
   // The HTTP(S) URL of the bucket ("" key) or of an object.

@@ -196,7 +196,8 @@ void AddPullFamilies(ServerMetrics* metrics, const Puller* puller) {
   auto one = [](const FollowedStats& c, double value) {
     return std::vector<Sample>{{{{"checkpoint", c.name}}, value}};
   };
-  f.AddGauge("weightstore_follow_upstream_connected", "1 while the watch of the upstream daemon is up.",
+  f.AddGauge("weightstore_follow_upstream_connected",
+             "1 while the watch of the upstream daemon is up (from S3: while its last poll succeeded).",
              One([puller] { return puller->Stats().follow.upstream_connected ? 1.0 : 0.0; }));
   f.AddGauge("weightstore_follow_lag_versions",
              "Versions the upstream announced since the one this node holds, not applied yet.",

@@ -50,20 +50,23 @@ std::string RedactSecrets(const std::string& config) {
 // by `url`, and the node cache over the models folder.
 absl::StatusOr<std::function<absl::StatusOr<std::unique_ptr<weightstore::Puller>>(weightstore::CheckpointRegistry*)>>
 MakePuller(const std::string& url, const std::string& token_file, const std::string& ca_file,
-           weightstore::origin::S3Config s3, weightstore::origin::NodeCacheOptions cache, bool follow) {
+           weightstore::origin::S3Config s3, weightstore::origin::NodeCacheOptions cache, bool follow,
+           double follow_interval_seconds) {
   using weightstore::origin::Origin;
   std::unique_ptr<Origin> origin;
   auto upstream = std::make_shared<weightstore::origin::FollowUpstream>();
   if (absl::StartsWith(url, "s3://")) {
-    if (follow) {
-      return absl::UnimplementedError(
-          "--follow follows an upstream weightstored (grpc[s]://); an s3:// origin is pulled once");
-    }
     weightstore::origin::FillFromEnvironment(&s3);
     if (cache.parallel_reads > 0) s3.parallel_reads = cache.parallel_reads;
     auto opened = weightstore::origin::S3Origin::Create(url, std::move(s3));
     if (!opened.ok()) return opened.status();
     origin = *std::move(opened);
+    if (follow) {
+      // Its listing, polled. The origin is the node cache's, which stops the
+      // follower before it lets go of the origin.
+      upstream->poll = [raw = origin.get()](const std::string& name) { return raw->Version(name); };
+      upstream->poll_interval = absl::Seconds(follow_interval_seconds);
+    }
   } else {
     weightstore::client::RemoteOptions remote;
     remote.tls_ca_file = ca_file;
@@ -328,8 +331,13 @@ int main(int argc, char** argv) {
   app.add_option("--pull", pull, "Pull this checkpoint from the origin once serving (repeatable)");
   bool follow = false;
   app.add_flag("--follow", follow,
-               "Keep every checkpoint pulled from a grpc[s]:// origin at the origin's newest version, as element "
-               "patches where it keeps them (docs/origin.md, Following)");
+               "Keep every checkpoint pulled at the origin's newest version: from a grpc[s]:// origin as element "
+               "patches where it keeps them, from an s3:// origin whole (docs/origin.md, Following)");
+  double follow_interval_seconds = 10;
+  app.add_option("--follow-interval", follow_interval_seconds,
+                 "Seconds between two polls of an s3:// origin's listing by --follow (with 20% jitter)")
+      ->check(CLI::Range(0.05, 86400.0))
+      ->capture_default_str();
   // S3 credentials: the AWS SDKs' environment variables, or these keys in the
   // config file (never on the command line, where ps shows them). Neither is
   // ever printed or logged.
@@ -374,17 +382,15 @@ int main(int argc, char** argv) {
   options.registry.open.max_name_bytes = tensor_name_bytes;
   selection.max_name_bytes = tensor_name_bytes;
   SetLogLevel(*ParseLogLevel(log_level));
-  // Following needs an upstream daemon to watch, and digests to check each
-  // step against its (origin/follower.h).
+  // Following needs an origin, and from an upstream daemon digests to check
+  // each step against its (origin/follower.h).
   if (follow) {
+    const bool upstream_daemon = absl::StartsWith(origin_url, "grpc://") || absl::StartsWith(origin_url, "grpcs://");
     const char* refused = origin_url.empty() ? "--follow needs --origin"
-                          : !(absl::StartsWith(origin_url, "grpc://") || absl::StartsWith(origin_url, "grpcs://"))
-                              ? "--follow follows an upstream weightstored "
-                                "(grpc[s]://); an s3:// origin is pulled once"
-                          : !tensor_digests ? "--follow needs tensor digests "
-                                              "(--tensor-digests): each step is checked "
-                                              "against the upstream's"
-                                            : nullptr;
+                          : upstream_daemon && !tensor_digests
+                              ? "--follow of an upstream weightstored needs tensor digests (--tensor-digests): each "
+                                "step is checked against the upstream's"
+                              : nullptr;
     if (refused != nullptr) {
       std::fprintf(stderr, "weightstored: %s\n", refused);
       return 1;
@@ -415,7 +421,7 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   if (!origin_url.empty()) {
-    auto make = MakePuller(origin_url, origin_token_file, origin_ca_file, s3, cache, follow);
+    auto make = MakePuller(origin_url, origin_token_file, origin_ca_file, s3, cache, follow, follow_interval_seconds);
     if (!make.ok()) {
       std::fprintf(stderr, "weightstored: %s\n", std::string(make.status().message()).c_str());
       return 1;

@@ -126,9 +126,9 @@ function tomlOf(file) {
   return docs?.find((d) => d.kind === "ConfigMap" && d.metadata?.name === "weightstored")?.data?.["weightstored.toml"];
 }
 function settings(toml) {
-  // Lines that set something, but not the origin keys (origin, origin-token-file, ..., follow).
+  // Lines that set something, but not the origin keys (origin, origin-token-file, ..., follow, follow-interval).
   return toml.split("\n").map((l) => l.trim())
-    .filter((l) => l !== "" && !l.startsWith("#") && !/^(origin[-a-z]*|follow)\s*=/.test(l));
+    .filter((l) => l !== "" && !l.startsWith("#") && !/^(origin[-a-z]*|follow[-a-z]*)\s*=/.test(l));
 }
 {
   const base = path.join(folder, "node", "configmap.yaml");

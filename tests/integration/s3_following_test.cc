@@ -1,0 +1,321 @@
+// Following an S3 origin with real daemons on loopback: a bucket on s3rver
+// whose object a trainer overwrites, a regional daemon started with
+// `--origin s3://... --follow` that polls the listing and pulls each new
+// version whole, and a node following the regional daemon, which gets the
+// same versions, under the same ids, as element patches.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/store.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
+#include "origin/s3_origin.h"
+#include "tests/util/checkpoints.h"
+#include "tests/util/daemon.h"
+#include "tests/util/metrics.h"
+#include "tests/util/s3rver.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
+#include "tests/util/wait.h"
+
+namespace weightstore {
+namespace {
+
+using testing::Daemon;
+
+// Tensor name to bytes.
+using Tensors = std::map<std::string, std::string>;
+
+constexpr char kName[] = "m";
+
+// Version `v` of the trainer's checkpoint: two F32 tensors of 64 Ki
+// elements, 1% of whose elements move at each version, and a frozen one.
+Tensors TrainerVersion(int v) {
+  Tensors out;
+  for (const char* name : {"layers.0.weight", "layers.1.weight", "norm.weight"}) {
+    std::string bytes(size_t{64} << 12, '\0');
+    const bool frozen = absl::StartsWith(name, "norm");
+    for (size_t k = 0; k < bytes.size() / 4; ++k) {
+      float value = static_cast<float>(k % 1000) * 1e-3f;
+      for (int step = 1; step <= v && !frozen; ++step) {
+        if ((k * 7919 + static_cast<size_t>(step) * 31) % 100 == 0) value += 1e-2f * static_cast<float>(step);
+      }
+      std::memcpy(bytes.data() + 4 * k, &value, 4);
+    }
+    out[name] = std::move(bytes);
+  }
+  return out;
+}
+
+std::string SafeTensorsFile(const Tensors& tensors) {
+  std::vector<SharedTensor> shared;
+  for (const auto& [name, bytes] : tensors) {
+    shared.push_back({{name, DType::kF32, {bytes.size() / 4}}, SharedBytes::Copy(bytes)});
+  }
+  return *SerializeCheckpoint(kSafeTensorsFormat, shared, {});
+}
+
+// A daemon, its models folder and a client of it.
+struct Node {
+  std::unique_ptr<Daemon> daemon;
+  std::unique_ptr<client::Store> store;
+  std::string models;
+
+  std::string Version() const {
+    auto info = store->GetCheckpoint(kName);
+    return info.ok() ? info->version : "";
+  }
+  Tensors Served() const {
+    auto fetched = store->FetchVersioned(kName, {});
+    if (!fetched.ok()) return {};
+    Tensors out;
+    for (const SharedTensor& t : fetched->tensors) out[t.spec.name] = std::string(t.bytes.view());
+    return out;
+  }
+  double Metric(absl::string_view name, absl::string_view label = "") const {
+    if (label.empty()) return testing::MetricValue(daemon->metrics_port(), name, {"checkpoint=\"m\""});
+    return testing::MetricValue(daemon->metrics_port(), name, {"checkpoint=\"m\"", label});
+  }
+  std::string Log() const {
+    std::string out;
+    for (absl::string_view line : absl::StrSplit(daemon->log(), '\n')) {
+      if (!absl::StrContains(line, "\"msg\":\"request\"")) absl::StrAppend(&out, line, "\n");
+    }
+    return out;
+  }
+};
+
+class S3FollowingTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = new testing::S3rver();
+    start_ = new absl::Status(server_->Start());
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete start_;
+    server_ = nullptr;
+    start_ = nullptr;
+  }
+
+  void SetUp() override {
+    ASSERT_TRUE(start_->ok()) << "s3rver is needed for these tests: " << *start_;
+    // Each test keeps to its own folder of the bucket.
+    prefix_ = absl::AsciiStrToLower(::testing::UnitTest::GetInstance()->current_test_info()->name());
+  }
+
+  std::string Url() const { return absl::StrCat("s3://", testing::kS3rverBucket, "/", prefix_); }
+  absl::Status Put(const std::string& relative_key, absl::string_view data) {
+    return server_->Put(absl::StrCat(prefix_, "/", relative_key), data);
+  }
+  // The id S3 gives the checkpoint's current objects: what a node must serve.
+  std::string OriginVersion() {
+    origin::S3Config config;
+    config.access_key_id = config.secret_access_key = testing::kS3rverKey;
+    config.endpoint = server_->endpoint();
+    auto made = origin::S3Origin::Create(Url(), config);
+    if (!made.ok()) return made.status().ToString();
+    auto version = (*made)->Version(kName);
+    return version.ok() ? *version : version.status().ToString();
+  }
+
+  static Node Connect(std::unique_ptr<Daemon> daemon, std::string models) {
+    Node n;
+    n.daemon = std::move(daemon);
+    n.models = std::move(models);
+    client::RemoteOptions options;
+    options.deadline = std::chrono::seconds(60);  // only keeps a hung daemon from hanging the test
+    if (n.daemon->port() != 0) n.store = *client::ConnectRemoteStore(n.daemon->address(), options);
+    return n;
+  }
+
+  // A daemon following the bucket (polling every 0.1 s), pulling the
+  // checkpoint at start, on `models` (a fresh folder when empty).
+  Node StartRegional(std::string models = "", std::vector<std::string> more = {}) {
+    if (models.empty()) models = testing::MakeScratchDir("s3-follow-regional");
+    std::vector<std::string> args = {"--origin",
+                                     Url(),
+                                     "--follow",
+                                     "--follow-interval",
+                                     "0.1",
+                                     "--aws-endpoint-url",
+                                     server_->endpoint(),
+                                     "--aws-access-key-id",
+                                     testing::kS3rverKey,
+                                     "--aws-secret-access-key",
+                                     testing::kS3rverKey,
+                                     "--pull",
+                                     kName,
+                                     "--metrics-listen",
+                                     "127.0.0.1:0"};
+    args.insert(args.end(), more.begin(), more.end());
+    Node n = Connect(std::make_unique<Daemon>(models, args), models);
+    EXPECT_NE(n.daemon->port(), 0) << n.daemon->log();
+    return n;
+  }
+
+  // Waits until `node` serves `version`; adds a failure if it never does.
+  static bool WaitForVersion(const Node& node, const std::string& version, const std::string& what) {
+    const bool reached = testing::WaitUntil([&] { return node.Version() == version; });
+    EXPECT_TRUE(reached) << what << " serves '" << node.Version() << "', not " << version << "\n" << node.Log();
+    return reached;
+  }
+
+  static testing::S3rver* server_;
+  static absl::Status* start_;
+  std::string prefix_;
+};
+testing::S3rver* S3FollowingTest::server_ = nullptr;
+absl::Status* S3FollowingTest::start_ = nullptr;
+
+TEST_F(S3FollowingTest, AnOverwrittenObjectIsServedUnderItsS3VersionAndReachesTheNextTierAsPatches) {
+  ASSERT_OK(Put("m.safetensors", SafeTensorsFile(TrainerVersion(0))));
+  const std::string v0 = OriginVersion();
+  Node regional = StartRegional();
+  ASSERT_NE(regional.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(regional, v0, "regional"));
+  const std::string node_models = testing::MakeScratchDir("s3-follow-node");
+  Node node = Connect(testing::StartNode(*regional.daemon, node_models,
+                                         {"--follow", "--pull", kName, "--metrics-listen", "127.0.0.1:0"}),
+                      node_models);
+  ASSERT_NE(node.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(node, v0, "node"));
+
+  uint64_t whole_bytes = 0;
+  for (int v = 1; v <= 3; ++v) {
+    const std::string file = SafeTensorsFile(TrainerVersion(v));
+    ASSERT_OK(Put("m.safetensors", file));
+    whole_bytes += file.size();
+    const std::string id = OriginVersion();
+    ASSERT_NE(id, v0);
+    // The same id on both tiers, the same bytes, the file on disk the object.
+    ASSERT_TRUE(WaitForVersion(regional, id, absl::StrCat("regional at version ", v)));
+    ASSERT_TRUE(WaitForVersion(node, id, absl::StrCat("node at version ", v)));
+    EXPECT_TRUE(regional.Served() == TrainerVersion(v)) << "version " << v;
+    EXPECT_TRUE(node.Served() == TrainerVersion(v)) << "version " << v;
+    EXPECT_TRUE(testing::ReadFileOrEmpty(regional.models + "/m.safetensors") == file) << "version " << v;
+  }
+  EXPECT_EQ(regional.Metric("weightstore_follow_updates_total", "how=\"whole\""), 3) << regional.Log();
+  EXPECT_EQ(regional.Metric("weightstore_follow_received_bytes_total", "kind=\"whole\""),
+            static_cast<double>(whole_bytes));
+  EXPECT_EQ(regional.Metric("weightstore_follow_lag_versions"), 0);
+  EXPECT_EQ(testing::MetricValue(regional.daemon->metrics_port(), "weightstore_follow_upstream_connected"), 1);
+  // The regional daemon diffed each version against the one it replaced: the
+  // node below it took every step as element patches.
+  EXPECT_EQ(node.Metric("weightstore_follow_updates_total", "how=\"patches\""), 3) << node.Log();
+  EXPECT_EQ(node.Metric("weightstore_follow_updates_total", "how=\"whole\""), 0) << node.Log();
+}
+
+TEST_F(S3FollowingTest, AnObjectThatDoesNotOpenIsBlockedWhileTheNodeServesWhatItHeld) {
+  ASSERT_OK(Put("m.safetensors", SafeTensorsFile(TrainerVersion(0))));
+  const std::string v0 = OriginVersion();
+  Node regional = StartRegional();
+  ASSERT_NE(regional.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(regional, v0, "regional"));
+
+  ASSERT_OK(Put("m.safetensors", "not a SafeTensors file, written over the good one"));
+  ASSERT_TRUE(testing::WaitUntil([&] { return regional.Metric("weightstore_follow_blocked") == 1; })) << regional.Log();
+  EXPECT_THAT(regional.Log(), ::testing::HasSubstr("does not open"));
+  EXPECT_EQ(regional.Version(), v0);
+  EXPECT_TRUE(regional.Served() == TrainerVersion(0));
+  // Nothing of it is kept to be resumed.
+  EXPECT_TRUE(std::filesystem::is_empty(regional.models + "/.weightstore-cache/partial"));
+
+  // The next good version unblocks it.
+  ASSERT_OK(Put("m.safetensors", SafeTensorsFile(TrainerVersion(1))));
+  const std::string v1 = OriginVersion();
+  ASSERT_TRUE(WaitForVersion(regional, v1, "regional"));
+  EXPECT_TRUE(regional.Served() == TrainerVersion(1));
+  EXPECT_EQ(regional.Metric("weightstore_follow_blocked"), 0);
+}
+
+TEST_F(S3FollowingTest, ABudgetThatCannotHoldTheNextVersionBesideTheServedOneSaysSoAndEvictsNothing) {
+  const std::string file = SafeTensorsFile(TrainerVersion(0));
+  ASSERT_OK(Put("m.safetensors", file));
+  const std::string v0 = OriginVersion();
+  // Room for one version, not for the next beside it.
+  Node regional = StartRegional("", {"--cache-max-bytes", std::to_string(file.size() * 3 / 2)});
+  ASSERT_NE(regional.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(regional, v0, "regional"));
+
+  ASSERT_OK(Put("m.safetensors", SafeTensorsFile(TrainerVersion(1))));
+  ASSERT_TRUE(testing::WaitUntil([&] { return regional.Metric("weightstore_follow_failures_total") >= 1; }))
+      << regional.Log();
+  EXPECT_THAT(regional.Log(), ::testing::HasSubstr("the cache budget is"));
+  EXPECT_EQ(regional.Version(), v0);
+  EXPECT_TRUE(regional.Served() == TrainerVersion(0));
+  EXPECT_EQ(regional.Metric("weightstore_follow_lag_versions"), 1);
+}
+
+TEST_F(S3FollowingTest, ARestartedNodeServesTheVersionOnItsDiskAndCatchesUpFromIt) {
+  ASSERT_OK(Put("m.safetensors", SafeTensorsFile(TrainerVersion(0))));
+  const std::string v0 = OriginVersion();
+  const std::string models = testing::MakeScratchDir("s3-follow-restart");
+  {
+    Node regional = StartRegional(models);
+    ASSERT_NE(regional.daemon->port(), 0);
+    ASSERT_TRUE(WaitForVersion(regional, v0, "regional"));
+    ASSERT_OK(Put("m.safetensors", SafeTensorsFile(TrainerVersion(1))));
+    ASSERT_TRUE(WaitForVersion(regional, OriginVersion(), "regional"));
+  }  // stopped
+  const std::string v1 = OriginVersion();
+  ASSERT_OK(Put("m.safetensors", SafeTensorsFile(TrainerVersion(2))));
+  const std::string v2 = OriginVersion();
+  Node again = StartRegional(models);
+  ASSERT_NE(again.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(again, v2, "restarted regional"));
+  EXPECT_TRUE(again.Served() == TrainerVersion(2));
+  // It started from its disk (v1, under S3's id), not from a new pull.
+  EXPECT_THAT(again.Log(), ::testing::HasSubstr(absl::StrCat("'m' is at version ", v2)));
+  EXPECT_EQ(again.Metric("weightstore_follow_updates_total", "how=\"whole\""), 1);
+  EXPECT_NE(v1, v2);
+}
+
+TEST_F(S3FollowingTest, AShardedCheckpointIsServedAsPulledAndItsStepsAreBlockedNamingWhy) {
+  const Tensors v0 = TrainerVersion(0);
+  std::string index = "{\"metadata\":{},\"weight_map\":{";
+  int i = 0;
+  for (const auto& [name, bytes] : v0) {
+    const std::string shard = absl::StrCat("m-0000", i, "-of-00003.safetensors");
+    ASSERT_OK(Put(shard, SafeTensorsFile({{name, bytes}})));
+    absl::StrAppend(&index, i > 0 ? "," : "", "\"", name, "\":\"", shard, "\"");
+    ++i;
+  }
+  absl::StrAppend(&index, "}}");
+  ASSERT_OK(Put("m.safetensors.index.json", index));
+  const std::string first = OriginVersion();
+  Node regional = StartRegional();
+  ASSERT_NE(regional.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(regional, first, "regional"));
+
+  ASSERT_OK(Put("m-00000-of-00003.safetensors", SafeTensorsFile({*TrainerVersion(1).begin()})));
+  ASSERT_TRUE(testing::WaitUntil([&] { return regional.Metric("weightstore_follow_blocked") == 1; })) << regional.Log();
+  EXPECT_THAT(regional.Log(), ::testing::HasSubstr("it is 4 files there"));
+  EXPECT_EQ(regional.Version(), first);
+  EXPECT_TRUE(regional.Served() == v0);
+}
+
+TEST(S3FollowingFlagsTest, AFollowIntervalOutOfItsRangeIsRefusedAtStart) {
+  const std::string models = testing::MakeScratchDir("s3-follow-flags");
+  std::string out;
+  const int status = testing::RunCommand(
+      absl::StrCat("timeout 60 ", testing::DaemonPath(), " --models ", models,
+                   " --listen 127.0.0.1:0 --origin s3://bucket --follow --follow-interval 0 --check-config"),
+      &out);
+  EXPECT_NE(status, 0) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("--follow-interval")) << out;
+}
+
+}  // namespace
+}  // namespace weightstore
