@@ -385,17 +385,41 @@ absl::Status RunLs(const LsArgs& args, std::FILE* out) {
                      {"bytes", c.total_bytes},
                      {"version", c.version},
                      {"path", c.path}});
+      if (c.follow.has_value()) {
+        doc.back()["follow"] = {{"upstream", c.follow->upstream},
+                                {"upstream_version", c.follow->upstream_version},
+                                {"lag_versions", c.follow->lag_versions},
+                                {"lag_seconds", c.follow->lag_seconds},
+                                {"upstream_connected", c.follow->upstream_connected},
+                                {"blocked", c.follow->blocked}};
+      }
     }
     std::fprintf(out, "%s\n", doc.dump(1).c_str());
     return absl::OkStatus();
   }
   size_t width = 4;
-  for (const auto& c : list) width = std::max(width, c.name.size());
-  std::fprintf(out, "%-*s  %-11s  %8s  %12s  %s\n", static_cast<int>(width), "NAME", "FORMAT", "TENSORS", "SIZE",
-               "VERSION");
+  bool following = false;
   for (const auto& c : list) {
-    std::fprintf(out, "%-*s  %-11s  %8llu  %12s  %s\n", static_cast<int>(width), c.name.c_str(), c.format.c_str(),
-                 static_cast<unsigned long long>(c.tensor_count), HumanBytes(c.total_bytes).c_str(), c.version.c_str());
+    width = std::max(width, c.name.size());
+    following = following || c.follow.has_value();
+  }
+  std::fprintf(out, "%-*s  %-11s  %8s  %12s  %-32s%s\n", static_cast<int>(width), "NAME", "FORMAT", "TENSORS", "SIZE",
+               "VERSION", following ? "  UPSTREAM" : "");
+  for (const auto& c : list) {
+    std::string upstream;
+    if (c.follow.has_value()) {
+      const auto& f = *c.follow;
+      // Where it stands first, then the origin: "current", "2 behind (13 s, at v...)".
+      upstream = !f.blocked.empty()    ? absl::StrCat("blocked (", f.blocked, ")")
+                 : f.lag_versions == 0 ? std::string("current")
+                                       : absl::StrFormat("%d behind (%.0f s; upstream at %s)", f.lag_versions,
+                                                         f.lag_seconds, f.upstream_version);
+      if (!f.upstream_connected) upstream += ", disconnected";
+      absl::StrAppend(&upstream, "  ", f.upstream);
+    }
+    std::fprintf(out, "%-*s  %-11s  %8llu  %12s  %-32s%s%s\n", static_cast<int>(width), c.name.c_str(),
+                 c.format.c_str(), static_cast<unsigned long long>(c.tensor_count), HumanBytes(c.total_bytes).c_str(),
+                 c.version.c_str(), upstream.empty() ? "" : "  ", upstream.c_str());
   }
   return absl::OkStatus();
 }

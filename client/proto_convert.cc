@@ -133,6 +133,11 @@ void FromProto(const pb::CheckpointInfo& in, CheckpointSummary* out) {
   out->version = in.version();
   out->loaded_at_unix_seconds = in.loaded_at_unix_seconds();
   out->quantization = in.quantization();
+  if (in.has_follow()) {
+    const pb::FollowInfo& f = in.follow();
+    out->follow = CheckpointSummary::Following{f.upstream(),    f.upstream_version(),   f.lag_versions(),
+                                               f.lag_seconds(), f.upstream_connected(), f.blocked()};
+  }
 }
 
 DeltaInfo FromProto(const pb::DeltaInfo& in) {

@@ -45,6 +45,17 @@ struct CheckpointSummary {
   int64_t loaded_at_unix_seconds = 0;
   // QuantizationConfig::Describe() of the config beside it; empty: none.
   std::string quantization;
+  // On a node that follows this checkpoint's origin (weightstored --follow),
+  // over gRPC: how it stands against the origin.
+  struct Following {
+    std::string upstream;          // "grpc://host:port", "s3://bucket/prefix"
+    std::string upstream_version;  // the origin's newest version as last seen
+    uint64_t lag_versions = 0;     // announced, not applied yet
+    double lag_seconds = 0;        // since the oldest of those (0 when current)
+    bool upstream_connected = false;
+    std::string blocked;  // why its steps cannot succeed; empty when they can
+  };
+  std::optional<Following> follow;
 };
 
 // What to read: burn-store's selection and, optionally, a target to load into.

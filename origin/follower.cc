@@ -556,6 +556,8 @@ FollowStats Follower::Stats() const {
   for (const auto& [name, f] : followed_) {
     FollowedStats c = f.stats;
     c.blocked = !f.blocked.empty();
+    c.blocked_reason = f.blocked;
+    c.newest = f.newest;
     c.lag_versions = f.announced - f.caught_up;
     c.lag_seconds = c.lag_versions == 0 ? 0 : absl::ToDoubleSeconds(now - f.behind_since);
     s.checkpoints.push_back(std::move(c));

@@ -95,7 +95,7 @@ absl::Status NodeCache::Reserve(const std::string& name, uint64_t bytes, std::ve
       for (const Victim& v : chosen) {
         auto it = ledger_.find(v.name);
         unchanged = unchanged && it != ledger_.end() && !it->second.placing && !flights_.contains(v.name) &&
-                    it->second.last_used_unix_ms == v.cached.last_used_unix_ms &&
+                    !stepping_.contains(v.name) && it->second.last_used_unix_ms == v.cached.last_used_unix_ms &&
                     it->second.file_version == v.cached.file_version && it->second.bytes == v.cached.bytes;
       }
       if (unchanged && cached_bytes_ + reserved_bytes_ - freed + bytes <= options_.max_bytes) {

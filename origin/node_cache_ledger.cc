@@ -136,6 +136,8 @@ std::optional<std::string> NodeCache::OriginVersion(const std::string& name, con
     }
     c = it->second;
   }
+  // A follower's replacement not renamed yet: the files held keep their id.
+  if (!c.replacing_file_version.empty() && c.replacing_file_version == file_version) return c.replacing_version;
   // Being placed: the origin's id if every file is the one placed, and the
   // files opened are those (no file written or replaced since).
   if (c.paths.empty() || c.identities.size() != c.paths.size()) return std::nullopt;

@@ -1,13 +1,14 @@
 // A follower's step from an origin without element patches (S3): the
-// origin's new version of a held checkpoint, pulled whole beside the files
-// held, checked, and renamed over them; the registry then serves it under
-// the origin's id, with element patches from the version replaced for the
-// node's own clients.
+// origin's new version of a held checkpoint, pulled whole beside the file
+// held, checked, and put in its place by the registry (ReplaceFile), which
+// serves it under the origin's id, with element patches from the version
+// replaced for the node's own clients.
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <filesystem>
 #include <memory>
@@ -41,11 +42,17 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
     }
     held = it->second;
   }
+  // What cannot be followed so stays so until the origin has another
+  // version (FailedPrecondition: the follower's blocked step).
+  if (held.paths.size() != 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("it is ", held.paths.size(),
+                     " files here; only a single-file checkpoint is followed from an origin without element "
+                     "patches (a sharded one is served as pulled)"));
+  }
   WEIGHTSTORE_ASSIGN_OR_RETURN(OriginCheckpoint checkpoint, origin_->Find(name));
   Repulled out;
   if (checkpoint.version == held.version) return out;
-  // What cannot be followed so stays so until the origin has another
-  // version (FailedPrecondition: the follower's blocked step).
   if (!ValidVersionId(checkpoint.version)) {
     return absl::FailedPreconditionError(absl::StrCat("the origin's version id of '", name, "', '",
                                                       absl::CHexEscape(checkpoint.version.substr(0, 64)),
@@ -58,15 +65,17 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
                      "patches (a sharded one is served as pulled)"));
   }
   const OriginFile& file = checkpoint.files.front();
-  if (held.paths.size() != 1 || file.path != held.paths.front()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the origin's file of '", name, "' is now '", absl::CHexEscape(file.path.substr(0, 256)),
-                     "', not '", held.paths.empty() ? "" : held.paths.front(), "' (another format)"));
+  const fs::path target = fs::path(models_dir_) / file.path;
+  if (file.path != held.paths.front() || target.string() != base.path()) {
+    return absl::FailedPreconditionError(absl::StrCat("the origin's file of '", name, "' is now '",
+                                                      absl::CHexEscape(file.path.substr(0, 256)), "', not '",
+                                                      held.paths.front(), "' (another format)"));
   }
-  if (file.size > options_.max_checkpoint_bytes) {
-    return absl::FailedPreconditionError(absl::StrCat("the origin's new version of '", name, "' has ", file.size,
-                                                      " bytes, over this node's limit of ",
-                                                      options_.max_checkpoint_bytes));
+  if (file.size > options_.max_checkpoint_bytes || (options_.max_bytes != 0 && file.size > options_.max_bytes)) {
+    return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
+                                                      "' has ", file.size, " bytes, over this node's limit of ",
+                                                      options_.max_checkpoint_bytes, " or its cache budget of ",
+                                                      options_.max_bytes));
   }
   // Room for the new version beside the one held, which stays served (and
   // counted) until the new one replaces it: a budget that cannot hold both
@@ -83,10 +92,19 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
   }
   Staged staged;
   std::atomic<uint64_t> pulled{0};
-  WEIGHTSTORE_RETURN_IF_ERROR(Download(name, checkpoint, &pulled, &staged));
-  out.bytes = pulled.load();
-  const fs::path target = fs::path(models_dir_) / file.path;
+  absl::Status downloaded = Download(name, checkpoint, &pulled, &staged);
   std::error_code ec;
+  if (absl::IsDataLoss(downloaded)) {
+    // Bytes unlike what the origin vouches for: fetched again only for its
+    // next version, not on a timer (a whole object each time).
+    fs::remove_all((fs::path(state_dir_) / "partial" / Sha256Hex(name)), ec);
+    return absl::FailedPreconditionError(
+        absl::StrCat(downloaded.message(), "; not fetched again until the origin has another version"));
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(downloaded);
+  out.bytes = pulled.load();
+  // The staged file is dropped on every way out but its rename.
+  absl::Cleanup drop_staged = [&] { fs::remove_all(staged.folder, ec); };
 
   // It must open as what it claims to be before it replaces anything; one
   // that does not is not fetched again until the origin has another version.
@@ -99,18 +117,18 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
       return MappedFile::FromDescriptor(copy, path);
     };
     if (absl::Status opens = Checkpoint::Open(target.string(), open).status(); !opens.ok()) {
-      staged.fds.clear();
-      fs::remove_all(staged.folder, ec);
       return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
                                                         "' does not open: ", opens.message()));
     }
   }
+  if (stopping_.load()) return absl::CancelledError("the daemon is stopping");
 
-  // Recorded (durably) before the rename: the registry takes the origin's id
-  // for the new file as it opens it, and a crash on either side of the rename
-  // leaves files the next run can tell as this cache's.
+  // Recorded (durably) before the rename, so that a crash on either side of
+  // it leaves files the next run can tell as this cache's, under the right id.
   struct stat st;
   if (::fstat(staged.fds.front().get(), &st) != 0) return absl::InternalError(Errno("cannot stat", staged.paths[0]));
+  const std::array<uint64_t, 4> placed = Identity(st);
+  staged.fds.clear();
   {
     absl::MutexLock lock(&mu_);
     auto it = ledger_.find(name);
@@ -122,7 +140,7 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
     c.replacing_file_version = c.file_version;
     c.version = checkpoint.version;
     c.placing = true;
-    c.identities = {Identity(st)};
+    c.identities = {placed};
   }
   auto restore = [&] {  // the rename did not happen: the files held stay the cache's
     {
@@ -143,47 +161,44 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
     restore();
     return saved;
   }
-  staged.fds.clear();
-  if (::rename(staged.paths.front().c_str(), target.c_str()) != 0) {
-    const std::string error = Errno("cannot place", target.string());
+  // Renamed over the held file and published by the registry, which checks
+  // under its scan lock that the file is still the one served (a client's
+  // push or an operator's file since is never overwritten), and diffs the
+  // new version against it for the node's own clients.
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> published =
+      registry_->ReplaceFile(base, staged.paths.front(), checkpoint.version,
+                             absl::StrCat("following '", name, "' from ", origin_->Describe()));
+  struct stat now;
+  const bool renamed = ::lstat(target.c_str(), &now) == 0 && Identity(now) == placed;
+  if (!published.ok() && !renamed) {
     restore();
-    return absl::InternalError(error);
+    return published.status();
   }
-  if (absl::Status synced = FsyncFolder(target.parent_path().string()); !synced.ok()) {
-    std::fprintf(stderr, "weightstored: follow: '%s': %s\n", name.c_str(), synced.ToString().c_str());
-  }
-  fs::remove_all(staged.folder, ec);
-  // Published by a rescan, which diffs it against the version it replaces.
-  (void)registry_->Rescan();
-  std::shared_ptr<const CheckpointVersion> served = registry_->Get(name);
-  bool published = false;
+  std::move(drop_staged).Invoke();
   {
     absl::MutexLock lock(&mu_);
     auto it = ledger_.find(name);
-    published = served != nullptr && served->version() == checkpoint.version;
-    if (it != ledger_.end() && published) {
+    if (it != ledger_.end()) {
       Cached& c = it->second;
       c.placing = false;
       c.identities.clear();
       c.replacing_version.clear();
       c.replacing_file_version.clear();
-      c.file_version = served->file_version();
+      // Published: the file the registry opened. Renamed but not published
+      // (it failed after the rename): what is on disk, which OriginVersion
+      // then names by the origin's id when it is opened.
+      c.file_version =
+          published.ok() ? (*published)->file_version() : FileVersion(target.string()).value_or(std::string());
       cached_bytes_ = cached_bytes_ - c.bytes + file.size;
       c.bytes = file.size;
       c.last_used_unix_ms = NowMs();
-    } else if (it != ledger_.end()) {
-      // Served otherwise (its file replaced again meanwhile): not the
-      // cache's any more, as for any file replaced under it.
-      cached_bytes_ -= it->second.bytes;
-      ledger_.erase(it);
     }
+    reserved_bytes_ -= file.size;  // counted in cached_bytes_ from here
+    std::move(release).Cancel();
   }
   WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
-  if (!published) {
-    return absl::AbortedError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
-                                           "' was placed, but the registry serves another"));
-  }
-  out.version = std::move(served);
+  if (!published.ok()) return published.status();
+  out.version = *std::move(published);
   return out;
 }
 

@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "core/catalog/push.h"
 #include "core/checkpoint.h"
 #include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"
@@ -603,6 +604,88 @@ TEST_F(NodeCacheTest, ARepullOfAFileThatDoesNotOpenReplacesNothing) {
   EXPECT_EQ(registry_->Get("m")->version(), "v1");
   EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), v1);
   EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", "v1"}}));
+}
+
+// What was published on the node while a step downloaded (a client's push,
+// or an operator's file renamed in place before any rescan) is never
+// overwritten by the step.
+TEST_F(NodeCacheTest, ARepullNeverOverwritesWhatWasPublishedOrPutInPlaceMeanwhile) {
+  const std::string v1 = Model(1, 1000, 29);
+  origin_->Put("m", v1);
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
+  origin_->Put("m", Model(1, 1000, 30));
+  origin_->version_ = "v2";
+  ASSERT_TRUE(cache_->BeginStep("m", *held));  // the step starts from v1
+
+  // A client pushes to the node meanwhile.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<PushSession> push, registry_->BeginPush("m", {.base_version = held->version()}));
+  const std::string bytes(4000, '\x11');
+  ASSERT_OK(push->BeginTensor({"layer.0.weight", DType::kF32, {1000}}, Crc32c(bytes)));
+  ASSERT_OK(push->Append(bytes));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<const CheckpointVersion> pushed, registry_->FinishPush(std::move(push)));
+  const std::string theirs = testing::ReadFileOrEmpty(models_ + "/m.safetensors");
+
+  EXPECT_THAT(cache_->Repull("m", *held).status(),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("replaced or unloaded meanwhile")));
+  cache_->EndStep("m", nullptr);
+  EXPECT_EQ(registry_->Get("m"), pushed);
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), theirs);
+  EXPECT_TRUE(fs::is_empty(models_ + "/.weightstore-cache/partial"));  // the download is not kept
+
+  // An operator's file renamed in place, no rescan since: the registry still
+  // serves the push, whose file is gone.
+  std::shared_ptr<const CheckpointVersion> served = registry_->Get("m");
+  const std::string operators = Model(1, 1000, 31);
+  testing::WriteFileOrDie(models_ + "/m.operator", operators);
+  ASSERT_EQ(std::rename((models_ + "/m.operator").c_str(), (models_ + "/m.safetensors").c_str()), 0);
+  testing::WriteFileOrDie(models_ + "/.weightstore-cache/partial/staged", Model(1, 1000, 32));
+  EXPECT_THAT(
+      registry_->ReplaceFile(*served, models_ + "/.weightstore-cache/partial/staged", "v3", "following 'm'").status(),
+      StatusIs(absl::StatusCode::kAborted, HasSubstr("outside weightstored meanwhile")));
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), operators);
+}
+
+TEST_F(NodeCacheTest, ARepullWhoseBytesFailTheOriginsChecksumIsBlockedNotFetchedAgainOnATimer) {
+  const std::string v1 = Model(1, 1000, 33);
+  origin_->Put("m", v1);
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
+  origin_->Put("m", Model(1, 1000, 34));
+  origin_->version_ = "v2";
+  origin_->corrupt_at_ = 100;
+  ASSERT_TRUE(cache_->BeginStep("m", *held));
+  EXPECT_THAT(cache_->Repull("m", *held).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("until the origin has another version")));
+  cache_->EndStep("m", nullptr);
+  EXPECT_EQ(registry_->Get("m")->version(), "v1");
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), v1);
+  EXPECT_TRUE(fs::is_empty(models_ + "/.weightstore-cache/partial"));
+  EXPECT_EQ(cache_->Stats().cache_bytes, v1.size());
+}
+
+TEST_F(NodeCacheTest, AKillAfterARepullsRenameLeavesTheNewVersionTheCachesUnderTheOriginsId) {
+  const std::string v1 = Model(1, 1000, 35), v2 = Model(1, 1000, 36);
+  origin_->Put("m", v1);
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  const std::string held_file_version = registry_->Get("m")->file_version();
+  cache_.reset();
+  // v2 renamed into place; the ledger still says it was being placed.
+  testing::WriteFileOrDie(models_ + "/m.v2", v2);
+  ASSERT_EQ(std::rename((models_ + "/m.v2").c_str(), (models_ + "/m.safetensors").c_str()), 0);
+  nlohmann::json ledger = ReadLedger(models_);
+  ledger["m"]["placing"] = true;
+  ledger["m"]["version"] = "v2";
+  ledger["m"]["identities"] = {Identity(models_ + "/m.safetensors")};
+  ledger["m"]["replacing_version"] = "v1";
+  ledger["m"]["replacing_file_version"] = held_file_version;
+  WriteLedger(models_, ledger);
+
+  ASSERT_NO_FATAL_FAILURE(Restart());
+  ASSERT_NE(registry_->Get("m"), nullptr);
+  EXPECT_EQ(registry_->Get("m")->version(), "v2");
+  EXPECT_EQ(cache_->Stats().cache_bytes, v2.size());
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", "v2"}}));
 }
 
 TEST_F(NodeCacheTest, AKillBeforeARepullsRenameLeavesTheHeldVersionTheCaches) {

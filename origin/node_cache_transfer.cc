@@ -276,6 +276,12 @@ absl::Status NodeCache::Download(const std::string& name, const OriginCheckpoint
 
 absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>* pulled) {
   if (registry_->Get(name) != nullptr) return absl::OkStatus();  // a flight that just ended placed it
+  {
+    absl::MutexLock lock(&mu_);
+    if (stepping_.contains(name)) {  // its partial folder is the step's
+      return absl::UnavailableError("a follower's step is replacing its files; retry");
+    }
+  }
   absl::StatusOr<OriginCheckpoint> found = origin_->Find(name);
   // What the origin holds refuses the pull (too many files): remembered for
   // a while, as a name it lacks is. A refusal of this node's own making (a

@@ -189,4 +189,19 @@ void ToProto(const CheckpointVersion& version, pb::CheckpointInfo* out) {
   if (c.quantization() != nullptr) out->set_quantization(c.quantization()->Describe());
 }
 
+void AddFollowing(const PullStats& following, pb::CheckpointInfo* out) {
+  if (!following.follow.following) return;
+  for (const FollowedStats& c : following.follow.checkpoints) {
+    if (c.name != out->name()) continue;
+    pb::FollowInfo* f = out->mutable_follow();
+    f->set_upstream(following.origin);
+    f->set_upstream_version(c.lag_versions > 0 && !c.newest.empty() ? c.newest : out->version());
+    f->set_lag_versions(c.lag_versions);
+    f->set_lag_seconds(c.lag_seconds);
+    f->set_upstream_connected(following.follow.upstream_connected);
+    f->set_blocked(c.blocked_reason.substr(0, 1024));
+    return;
+  }
+}
+
 }  // namespace weightstore

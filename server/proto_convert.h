@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/catalog/manifest.h"
+#include "core/catalog/pull.h"
 #include "core/catalog/registry.h"
 #include "core/element_patch.h"
 #include "core/select/apply.h"
@@ -33,6 +34,9 @@ struct SelectionRequest {
 absl::Status FromProto(const pb::Selection& in, const SelectionLimits& limits, SelectionRequest* out);
 // A served checkpoint's version as every transport lists it.
 void ToProto(const CheckpointVersion& version, pb::CheckpointInfo* out);
+// How `out`'s checkpoint stands against the origin it follows, when
+// `following` lists it (a node with --follow); nothing otherwise.
+void AddFollowing(const PullStats& following, pb::CheckpointInfo* out);
 // The tensor as served: name, dtype, shape, source name, and its slice if any.
 void ToProto(const SnapshotTensor& tensor, pb::TensorInfo* out);
 void ToProto(const ApplyResult& in, pb::ApplyResult* out);

@@ -160,7 +160,12 @@ grpc::ServerUnaryReactor* WeightStoreService::ListCheckpoints(grpc::CallbackServ
                                                               const v1::ListCheckpointsRequest*,
                                                               v1::ListCheckpointsResponse* resp) {
   return Unary(ctx, Scope::kRead, "", [&] {
-    for (const auto& version : registry_->List()) ToProto(*version, resp->add_checkpoints());
+    const PullStats pulls = puller_ != nullptr ? puller_->Stats() : PullStats{};
+    for (const auto& version : registry_->List()) {
+      v1::CheckpointInfo* info = resp->add_checkpoints();
+      ToProto(*version, info);
+      AddFollowing(pulls, info);
+    }
     return absl::OkStatus();
   });
 }
@@ -171,6 +176,7 @@ grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServer
   return UnaryReadingThrough(ctx, Scope::kRead, req->name(), [this, req, resp](const PullResult&) -> absl::Status {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name()));
     ToProto(*version, resp);
+    if (puller_ != nullptr) AddFollowing(puller_->Stats(), resp);
     return absl::OkStatus();
   });
 }

@@ -11,6 +11,7 @@
 #include <sys/resource.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <thread>
@@ -384,6 +385,10 @@ int main(int argc, char** argv) {
   SetLogLevel(*ParseLogLevel(log_level));
   // Following needs an origin, and from an upstream daemon digests to check
   // each step against its (origin/follower.h).
+  if (!std::isfinite(follow_interval_seconds)) {  // NaN passes CLI11's range check
+    std::fprintf(stderr, "weightstored: --follow-interval: not a number of seconds\n");
+    return 1;
+  }
   if (follow) {
     const bool upstream_daemon = absl::StartsWith(origin_url, "grpc://") || absl::StartsWith(origin_url, "grpcs://");
     const char* refused = origin_url.empty() ? "--follow needs --origin"

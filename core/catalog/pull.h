@@ -31,6 +31,8 @@ struct PullResult {
 // newest version.
 struct FollowedStats {
   std::string name;
+  // The newest version the upstream announced ("" when none since start).
+  std::string newest;
   // Upstream versions announced since the one held, not applied yet; and
   // seconds since the oldest of them was announced (0 when current).
   uint64_t lag_versions = 0;
@@ -41,6 +43,7 @@ struct FollowedStats {
   // Not followed until the upstream's next version: a step that cannot
   // succeed as things are (the log says why).
   bool blocked = false;
+  std::string blocked_reason;
   // Bytes received from the upstream: element patches, whole tensors.
   uint64_t patch_bytes = 0, whole_bytes = 0;
   // Steps where changed tensors came whole, by reason ("not_kept": the

@@ -464,56 +464,90 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   if (written.fd < 0 || ::flock(written.fd, LOCK_SH) != 0) {
     return StatusFromErrno(errno, absl::StrCat("cannot open '", written_path, "'"));
   }
+  return PublishOver(base,
+                     {written_path, written.fd, session->options_.version_id, session->options_.expected,
+                      std::move(known), &patches, absl::StrCat("push to '", name, "'")},
+                     &written.published);
+}
+
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::ReplaceFile(const CheckpointVersion& base,
+                                                                                         const std::string& path,
+                                                                                         const std::string& version_id,
+                                                                                         absl::string_view what) {
+  const std::string& name = base.name();
+  if (!version_id.empty() && !ValidVersionId(version_id)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": '", version_id.substr(0, 64), "' is no version id"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = served_.find(name);
+    if (it == served_.end() || it->second.current.get() != &base) {
+      return absl::AbortedError(absl::StrCat(what, ": version ", base.version(),
+                                             " was replaced or unloaded meanwhile; nothing was published"));
+    }
+    if (it->second.pinned || base.checkpoint()->files().size() != 1) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": '", name, "' is not served from one file of the models folder"));
+    }
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return StatusFromErrno(errno, absl::StrCat(what, ": cannot open '", path, "'"));
+  struct Closed {
+    int fd;
+    ~Closed() { ::close(fd); }
+  } closed{fd};
+  bool renamed = false;
+  return PublishOver(base, {path, fd, version_id, std::nullopt, {}, nullptr, std::string(what)}, &renamed);
+}
+
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::PublishOver(const CheckpointVersion& base,
+                                                                                         Replacement r, bool* renamed) {
+  const std::string& name = base.name();
   // It must open as a checkpoint, and have the tensors expected, before it
   // replaces anything. The version is the file written (opened from its
   // descriptor, not by path again), so the digests carried over describe its
   // bytes.
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> opened,
-                               Checkpoint::Open(base.path(), FromDescriptor(options_.open, written.fd)));
+                               Checkpoint::Open(base.path(), FromDescriptor(options_.open, r.fd)));
   // Named by its content when digests are kept (as a rescan would name it),
   // or as the push asks; else by its file.
   std::shared_ptr<const CheckpointManifest> manifest;
   if (options_.tensor_digests) {
-    const CheckpointManifest known_manifest("", std::move(known));
-    WEIGHTSTORE_ASSIGN_OR_RETURN(manifest, ComputeManifest(*opened, session->options_.version_id, known_manifest));
+    const CheckpointManifest known_manifest("", std::move(r.known));
+    WEIGHTSTORE_ASSIGN_OR_RETURN(manifest, ComputeManifest(*opened, r.version_id, known_manifest));
   }
-  if (session->options_.expected.has_value()) {
-    WEIGHTSTORE_RETURN_IF_ERROR(CheckExpected(name, *manifest, *session->options_.expected));
-  }
+  if (r.expected.has_value()) WEIGHTSTORE_RETURN_IF_ERROR(CheckExpected(name, *manifest, *r.expected));
 
   // 2. Under the scan lock: the base must still be served, unchanged and the
   //    file at its path; then the new file replaces it and is published.
   NotifyOnExit notify(this);
   absl::MutexLock scan_lock(&scan_mu_);
   if (Get(name).get() != &base) {
-    return absl::AbortedError(absl::StrCat("push to '", name, "': version ", base.version(),
-                                           " was replaced or unloaded while the push was sent; nothing was published"));
+    return absl::AbortedError(absl::StrCat(r.what, ": version ", base.version(),
+                                           " was replaced or unloaded meanwhile; nothing was published"));
   }
   absl::StatusOr<std::string> on_disk = FileVersion(base.path());
   if (!base.CheckUnchanged().ok() || !on_disk.ok() || *on_disk != base.file_version()) {
-    return absl::AbortedError(absl::StrCat("push to '", name,
-                                           "': its file was written or replaced outside weightstored while the push "
-                                           "was sent; nothing was published"));
+    return absl::AbortedError(absl::StrCat(
+        r.what, ": its file was written or replaced outside weightstored meanwhile; nothing was published"));
   }
-  if (::rename(written_path.c_str(), base.path().c_str()) != 0) {
-    return StatusFromErrno(errno, absl::StrCat("cannot put the new version of '", name, "' in place"));
+  if (::rename(r.path.c_str(), base.path().c_str()) != 0) {
+    return StatusFromErrno(errno, absl::StrCat(r.what, ": cannot put the new version of '", name, "' in place"));
   }
-  written.published = true;
+  *renamed = true;
   if (const int folder = ::open(fs::path(base.path()).parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
       folder >= 0) {
     ::fsync(folder);
     ::close(folder);
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::string file_version, FileVersion(base.path()));
-  std::string id = manifest != nullptr                     ? manifest->version()
-                   : !session->options_.version_id.empty() ? session->options_.version_id
-                                                           : file_version;
+  std::string id = manifest != nullptr ? manifest->version() : !r.version_id.empty() ? r.version_id : file_version;
   auto version = std::make_shared<CheckpointVersion>(name, base.path(), std::move(opened), file_version, std::move(id),
                                                      NowUnixSeconds());
   Prepare(version.get());
   if (manifest != nullptr) version->SetManifest(std::move(manifest));
   // Element patches from the base, for clients that hold it.
-  std::shared_ptr<const VersionPatches> steps = PatchesBetween(&base, *version, &patches);
+  std::shared_ptr<const VersionPatches> steps = PatchesBetween(&base, *version, r.patches);
   {
     absl::MutexLock lock(&mu_);
     (void)Watch(name, *version);  // best effort: the synchronous checks remain

@@ -223,7 +223,7 @@ TEST_F(PushTest, APushWhoseBaseWasReplacedMeanwhilePublishesNothing) {
   auto other = registry_.Get("m");
   ASSERT_NE(other, base_);
   EXPECT_THAT(registry_.FinishPush(std::move(session)),
-              StatusIs(absl::StatusCode::kAborted, HasSubstr("was replaced or unloaded while the push was sent")));
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("was replaced or unloaded meanwhile")));
   EXPECT_EQ(registry_.Get("m"), other);
   EXPECT_EQ(testing::ReadFileOrEmpty(path()), theirs);
 }

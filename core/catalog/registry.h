@@ -254,6 +254,19 @@ class CheckpointRegistry {
   // replaced meanwhile. On error nothing is left behind.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> FinishPush(std::unique_ptr<PushSession> session);
 
+  // Publishes the file at `path` (on the models folder's filesystem) as the
+  // next version after `base`, renamed over base's file, under `version_id`
+  // (empty: the registry's own id): a node cache following an origin that
+  // serves whole files. As FinishPush: it must open first, and nothing is
+  // renamed unless `base` is still served and its file unchanged (Aborted);
+  // FailedPrecondition for a base served from several files or a load root.
+  // Element patches from `base` are kept for its clients. `what` starts
+  // every error ("following 'm' from s3://...").
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> ReplaceFile(const CheckpointVersion& base,
+                                                                       const std::string& path,
+                                                                       const std::string& version_id,
+                                                                       absl::string_view what);
+
   // The manifest of `name` at `version`: the current one's, or a kept earlier
   // one's. nullptr when it is not kept (or digests are off).
   std::shared_ptr<const CheckpointManifest> FindManifest(const std::string& name, const std::string& version) const;
@@ -291,6 +304,21 @@ class CheckpointRegistry {
   const RegistryOptions& options() const { return options_; }
 
  private:
+  // A new file for a checkpoint, and what its publication is checked against.
+  struct Replacement {
+    std::string path;  // beside the base's file
+    int fd = -1;       // open on it
+    std::string version_id;
+    std::optional<std::vector<ManifestTensor>> expected;
+    std::vector<ManifestTensor> known;                                        // digests known of its tensors
+    const absl::flat_hash_map<std::string, ElementPatch>* patches = nullptr;  // from the base, known
+    std::string what;                                                         // starts every error
+  };
+  // FinishPush's and ReplaceFile's end: opens `r`, names it, then under the
+  // scan lock checks that `base` is still served and unchanged, renames `r`
+  // over its file (*renamed) and publishes it with patches from `base`.
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> PublishOver(const CheckpointVersion& base, Replacement r,
+                                                                       bool* renamed);
   struct Entry {
     std::shared_ptr<const CheckpointVersion> current;
     bool pinned = false;  // loaded by path from outside the models folder

@@ -575,6 +575,13 @@ TEST_F(FollowingTest, ANodeWithoutFollowKeepsTheVersionItPulled) {
   }
   EXPECT_EQ(puller.Version(), order_[0]);
   ExpectServesBitExact(puller, order_[0], "puller");
+  // Only a following node says how it stands against its upstream.
+  ASSERT_OK_AND_ASSIGN(client::CheckpointSummary followed, follower.store->GetCheckpoint(kName));
+  ASSERT_TRUE(followed.follow.has_value());
+  EXPECT_EQ(followed.follow->upstream, absl::StrCat("grpc://", trainer_.daemon->address()));
+  EXPECT_EQ(followed.follow->upstream_version, order_.back());
+  ASSERT_OK_AND_ASSIGN(client::CheckpointSummary pulled, puller.store->GetCheckpoint(kName));
+  EXPECT_FALSE(pulled.follow.has_value());
   EXPECT_NE(puller.Connected(), 1);
   EXPECT_LE(puller.Metric("weightstore_follow_updates_total"), 0);
 }

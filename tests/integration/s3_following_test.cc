@@ -20,6 +20,7 @@
 #include "client/store.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
+#include "nlohmann/json.hpp"
 #include "origin/s3_origin.h"
 #include "tests/util/checkpoints.h"
 #include "tests/util/daemon.h"
@@ -193,11 +194,12 @@ TEST_F(S3FollowingTest, AnOverwrittenObjectIsServedUnderItsS3VersionAndReachesTh
   ASSERT_TRUE(WaitForVersion(node, v0, "node"));
 
   uint64_t whole_bytes = 0;
+  std::string id;
   for (int v = 1; v <= 3; ++v) {
     const std::string file = SafeTensorsFile(TrainerVersion(v));
     ASSERT_OK(Put("m.safetensors", file));
     whole_bytes += file.size();
-    const std::string id = OriginVersion();
+    id = OriginVersion();
     ASSERT_NE(id, v0);
     // The same id on both tiers, the same bytes, the file on disk the object.
     ASSERT_TRUE(WaitForVersion(regional, id, absl::StrCat("regional at version ", v)));
@@ -215,6 +217,29 @@ TEST_F(S3FollowingTest, AnOverwrittenObjectIsServedUnderItsS3VersionAndReachesTh
   // node below it took every step as element patches.
   EXPECT_EQ(node.Metric("weightstore_follow_updates_total", "how=\"patches\""), 3) << node.Log();
   EXPECT_EQ(node.Metric("weightstore_follow_updates_total", "how=\"whole\""), 0) << node.Log();
+
+  // Each tier says what it follows and how it stands: the client API, and
+  // `weightstore ls`.
+  ASSERT_OK_AND_ASSIGN(client::CheckpointSummary info, regional.store->GetCheckpoint(kName));
+  ASSERT_TRUE(info.follow.has_value());
+  EXPECT_THAT(info.follow->upstream, ::testing::StartsWith(Url()));
+  EXPECT_EQ(info.follow->upstream_version, id);
+  EXPECT_EQ(info.follow->lag_versions, 0u);
+  EXPECT_TRUE(info.follow->upstream_connected);
+  EXPECT_EQ(info.follow->blocked, "");
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(testing::CliPath(), " ls --json --server ", node.daemon->address()), &out),
+            0)
+      << out;
+  const nlohmann::json listed = nlohmann::json::parse(out, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(listed.is_array() && listed.size() == 1) << out;
+  EXPECT_EQ(listed[0]["version"], id) << out;
+  EXPECT_EQ(listed[0]["follow"]["upstream"], absl::StrCat("grpc://", regional.daemon->address())) << out;
+  EXPECT_EQ(listed[0]["follow"]["upstream_version"], id) << out;
+  EXPECT_EQ(listed[0]["follow"]["lag_versions"], 0) << out;
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(testing::CliPath(), " ls --server ", node.daemon->address()), &out), 0);
+  EXPECT_THAT(out, ::testing::HasSubstr("UPSTREAM")) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr(absl::StrCat("current  grpc://", regional.daemon->address()))) << out;
 }
 
 TEST_F(S3FollowingTest, AnObjectThatDoesNotOpenIsBlockedWhileTheNodeServesWhatItHeld) {
@@ -228,6 +253,11 @@ TEST_F(S3FollowingTest, AnObjectThatDoesNotOpenIsBlockedWhileTheNodeServesWhatIt
   ASSERT_TRUE(testing::WaitUntil([&] { return regional.Metric("weightstore_follow_blocked") == 1; })) << regional.Log();
   EXPECT_THAT(regional.Log(), ::testing::HasSubstr("does not open"));
   EXPECT_EQ(regional.Version(), v0);
+  ASSERT_OK_AND_ASSIGN(client::CheckpointSummary info, regional.store->GetCheckpoint(kName));
+  ASSERT_TRUE(info.follow.has_value());
+  EXPECT_THAT(info.follow->blocked, ::testing::HasSubstr("does not open"));
+  EXPECT_EQ(info.follow->lag_versions, 1u);
+  EXPECT_NE(info.follow->upstream_version, v0);
   EXPECT_TRUE(regional.Served() == TrainerVersion(0));
   // Nothing of it is kept to be resumed.
   EXPECT_TRUE(std::filesystem::is_empty(regional.models + "/.weightstore-cache/partial"));
@@ -256,6 +286,10 @@ TEST_F(S3FollowingTest, ABudgetThatCannotHoldTheNextVersionBesideTheServedOneSay
   EXPECT_EQ(regional.Version(), v0);
   EXPECT_TRUE(regional.Served() == TrainerVersion(0));
   EXPECT_EQ(regional.Metric("weightstore_follow_lag_versions"), 1);
+  ASSERT_OK_AND_ASSIGN(client::CheckpointSummary info, regional.store->GetCheckpoint(kName));
+  ASSERT_TRUE(info.follow.has_value());
+  EXPECT_EQ(info.follow->lag_versions, 1u);
+  EXPECT_EQ(info.follow->blocked, "");  // retried: room may come
 }
 
 TEST_F(S3FollowingTest, ARestartedNodeServesTheVersionOnItsDiskAndCatchesUpFromIt) {
@@ -301,7 +335,7 @@ TEST_F(S3FollowingTest, AShardedCheckpointIsServedAsPulledAndItsStepsAreBlockedN
 
   ASSERT_OK(Put("m-00000-of-00003.safetensors", SafeTensorsFile({*TrainerVersion(1).begin()})));
   ASSERT_TRUE(testing::WaitUntil([&] { return regional.Metric("weightstore_follow_blocked") == 1; })) << regional.Log();
-  EXPECT_THAT(regional.Log(), ::testing::HasSubstr("it is 4 files there"));
+  EXPECT_THAT(regional.Log(), ::testing::HasSubstr("it is 4 files here"));
   EXPECT_EQ(regional.Version(), first);
   EXPECT_TRUE(regional.Served() == v0);
 }

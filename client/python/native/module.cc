@@ -332,6 +332,18 @@ py::dict ToDict(const client::CheckpointSummary& c) {
   d["metadata"] = py::cast(c.metadata);
   d["version"] = c.version;
   d["quantization"] = c.quantization.empty() ? py::none() : py::cast(c.quantization);
+  if (c.follow.has_value()) {
+    py::dict f;
+    f["upstream"] = c.follow->upstream;
+    f["upstream_version"] = c.follow->upstream_version;
+    f["lag_versions"] = c.follow->lag_versions;
+    f["lag_seconds"] = c.follow->lag_seconds;
+    f["upstream_connected"] = c.follow->upstream_connected;
+    f["blocked"] = c.follow->blocked;
+    d["follow"] = f;
+  } else {
+    d["follow"] = py::none();
+  }
   return d;
 }
 

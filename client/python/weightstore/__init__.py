@@ -559,7 +559,9 @@ class Store:
 
     def list(self):
         """Every checkpoint served: dicts of name, format, path, total_bytes, tensor_count, metadata, version,
-        quantization (what its quantization config says, or None)."""
+        quantization (what its quantization config says, or None), follow (on a node that follows the
+        checkpoint's origin, over gRPC: a dict of upstream, upstream_version, lag_versions, lag_seconds,
+        upstream_connected, blocked; else None)."""
         return self._native.list()
 
     def info(self, name):
