@@ -447,8 +447,10 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
       same = k != nullptr && k->SameContentAs(expected[i]);
     }
     if (!same) {
-      return absl::DataLossError(absl::StrCat("the upstream names other tensors '", changed.version,
-                                              "', a version id of '", name, "' this node keeps"));
+      // Blocked until the upstream has another version: retrying would
+      // fetch the same lie again.
+      return absl::FailedPreconditionError(absl::StrCat("the upstream names other tensors '", Said(changed.version),
+                                                        "', a version id of '", name, "' this node keeps"));
     }
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, upstream_.steps->GetCheckpoint(name, step_cancel_));
