@@ -340,6 +340,64 @@ TEST_F(S3FollowingTest, AShardedCheckpointIsServedAsPulledAndItsStepsAreBlockedN
   EXPECT_TRUE(regional.Served() == v0);
 }
 
+// A trainer's checkpoints as the `safetensors` library writes them (torch,
+// BF16, metadata), followed from S3 by a regional daemon and from it by a
+// node, whose own file the library then reads back equal to the trainer's.
+TEST_F(S3FollowingTest, ATrainersSafetensorsFilesReachTheNodeBelowAsTheLibraryReadsThem) {
+  const std::string dir = testing::MakeScratchDir("s3-follow-torch");
+  const std::string script = dir + "/trainer.py";
+  testing::WriteFileOrDie(script, R"(import sys
+import torch
+from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+
+mode, dir = sys.argv[1], sys.argv[2]
+if mode == "write":
+    g = torch.Generator().manual_seed(7)
+    state = {f"model.layers.{i}.mlp.weight": torch.randn(256, 512, generator=g).to(torch.bfloat16) for i in range(3)}
+    state["model.norm.weight"] = torch.ones(512, dtype=torch.bfloat16)
+    save_file(state, f"{dir}/v0.safetensors", metadata={"format": "pt", "step": "0"})
+    for t in list(state)[:3]:  # an RL step: 1% of the elements move
+        flat = state[t].view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: flat.numel() // 100]
+        flat[idx] += torch.tensor(0.01, dtype=torch.bfloat16)
+    save_file(state, f"{dir}/v1.safetensors", metadata={"format": "pt", "step": "1"})
+else:  # compare: the node's file against the trainer's
+    want, got = load_file(f"{dir}/v1.safetensors"), load_file(sys.argv[3])
+    assert want.keys() == got.keys(), (sorted(want), sorted(got))
+    for k in want:
+        assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+    with safe_open(sys.argv[3], "pt") as f:
+        assert f.metadata() == {"format": "pt", "step": "1"}, f.metadata()
+    print("equal")
+)");
+  std::string out;
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(testing::TorchPython(), " ", script, " write ", dir), &out), 0) << out;
+  ASSERT_OK(Put("m.safetensors", testing::ReadFileOrEmpty(dir + "/v0.safetensors")));
+  Node regional = StartRegional();
+  ASSERT_NE(regional.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(regional, OriginVersion(), "regional"));
+  const std::string node_models = testing::MakeScratchDir("s3-follow-torch-node");
+  Node node = Connect(testing::StartNode(*regional.daemon, node_models,
+                                         {"--follow", "--pull", kName, "--metrics-listen", "127.0.0.1:0"}),
+                      node_models);
+  ASSERT_NE(node.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(node, OriginVersion(), "node"));
+
+  ASSERT_OK(Put("m.safetensors", testing::ReadFileOrEmpty(dir + "/v1.safetensors")));
+  const std::string v1 = OriginVersion();
+  ASSERT_TRUE(WaitForVersion(node, v1, "node"));
+  EXPECT_EQ(node.Metric("weightstore_follow_updates_total", "how=\"patches\""), 1) << node.Log();
+  // The node wrote its file itself (a push of the patches): the library
+  // reads it as the trainer's.
+  ASSERT_EQ(testing::RunCommand(
+                absl::StrCat(testing::TorchPython(), " ", script, " compare ", dir, " ", node.models, "/m.safetensors"),
+                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("equal"));
+}
+
 TEST(S3FollowingFlagsTest, AFollowIntervalOutOfItsRangeIsRefusedAtStart) {
   const std::string models = testing::MakeScratchDir("s3-follow-flags");
   std::string out;
