@@ -429,6 +429,14 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
                                                       " brings ", to_receive, " bytes of tensors; at most ",
                                                       options_.max_step_bytes, " (--max-put-bytes) are taken"));
   }
+  // Room on disk for the new file, written beside the one held: the
+  // tensors listed, and their header (at most 64 KiB, and 256 bytes a
+  // tensor, allowed for).
+  uint64_t new_file_bytes = 64 << 10;
+  for (const client::TensorDescription& d : listing.tensors) {
+    new_file_bytes = SaturatingAdd(new_file_bytes, SaturatingAdd(d.spec.byte_size(), 256));
+  }
+  WEIGHTSTORE_RETURN_IF_ERROR(cache_->ReserveStep(name, new_file_bytes));
   query.version = listing.version;
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::ChangedTensors changed,
                                client::FetchChanged(*upstream_.steps, name, query, options_.max_step_bytes));

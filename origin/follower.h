@@ -59,6 +59,12 @@ class FollowedCache {
   // cache's (an operator's file, a local push, being placed): it is then no
   // longer followed.
   virtual bool BeginStep(const std::string& name, const CheckpointVersion& base) = 0;
+  // Within a step: room under the cache's budget for the new version's
+  // `bytes`, written beside the version held until it replaces it; held
+  // until EndStep. Makes room as a pull does (the least recently used, never
+  // one in use); ResourceExhausted, evicting nothing, when the budget cannot
+  // hold both versions.
+  virtual absl::Status ReserveStep(const std::string& name, uint64_t bytes) = 0;
   // The step ends. With `published` (the version the step published, under
   // the origin's id), the cache takes its files as the ones it holds.
   virtual void EndStep(const std::string& name, const CheckpointVersion* published) = 0;

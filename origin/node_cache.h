@@ -103,6 +103,7 @@ class NodeCache : public Puller, public FollowedCache {
   // FollowedCache.
   std::map<std::string, std::string> Followed() const override ABSL_LOCKS_EXCLUDED(mu_);
   bool BeginStep(const std::string& name, const CheckpointVersion& base) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ReserveStep(const std::string& name, uint64_t bytes) override ABSL_LOCKS_EXCLUDED(mu_, evict_mu_);
   void EndStep(const std::string& name, const CheckpointVersion* published) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Repulled> Repull(const std::string& name, const CheckpointVersion& base) override
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -230,8 +231,10 @@ class NodeCache : public Puller, public FollowedCache {
     int threads ABSL_GUARDED_BY(mu) = 0;
   };
   const std::shared_ptr<Running> running_ = std::make_shared<Running>();
-  // Checkpoints a follower's step is rewriting (BeginStep).
+  // Checkpoints a follower's step is rewriting (BeginStep), and the bytes
+  // reserved for their new versions (ReserveStep), released by EndStep.
   std::set<std::string> stepping_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> step_reserved_ ABSL_GUARDED_BY(mu_);
   // Set by Open with `follow`; stopped first by the destructor.
   std::unique_ptr<Follower> follower_;
   std::atomic<bool> stopping_{false};

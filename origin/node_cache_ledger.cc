@@ -10,7 +10,9 @@
 #include <system_error>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "origin/node_cache.h"
 #include "origin/node_cache_internal.h"
@@ -186,10 +188,38 @@ bool NodeCache::BeginStep(const std::string& name, const CheckpointVersion& base
   return true;
 }
 
+absl::Status NodeCache::ReserveStep(const std::string& name, uint64_t bytes) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stepping_.contains(name) || step_reserved_.contains(name)) {
+      return absl::FailedPreconditionError(absl::StrCat("'", name, "': a step reserves once, within the step"));
+    }
+  }
+  if (options_.max_bytes != 0 && bytes > options_.max_bytes) {  // never fits: blocked, not retried
+    return absl::FailedPreconditionError(
+        absl::StrCat("its new version needs ", bytes, " bytes on disk, over the cache budget of ", options_.max_bytes));
+  }
+  std::vector<Victim> victims;
+  WEIGHTSTORE_RETURN_IF_ERROR(Reserve(name, bytes, &victims));
+  {
+    absl::MutexLock lock(&mu_);
+    step_reserved_[name] = bytes;
+  }
+  if (!victims.empty()) {
+    Evict(&victims);
+    return SaveLedger();
+  }
+  return absl::OkStatus();
+}
+
 void NodeCache::EndStep(const std::string& name, const CheckpointVersion* published) {
   {
     absl::MutexLock lock(&mu_);
     stepping_.erase(name);
+    if (auto r = step_reserved_.find(name); r != step_reserved_.end()) {
+      reserved_bytes_ -= r->second;
+      step_reserved_.erase(r);
+    }
     auto it = ledger_.find(name);
     if (published == nullptr || it == ledger_.end() || it->second.placing) return;
     // The step rewrote the one file in place (a push): its size may differ.

@@ -727,6 +727,59 @@ TEST_F(FollowingTest, AFileAnOperatorPutInPlaceOfAFollowedOneIsNoLongerFollowedN
   EXPECT_EQ(testing::ReadFileOrEmpty(node.models + "/m.safetensors"), theirs);
 }
 
+// A step writes the new version beside the one held: the cache's budget
+// must hold both. It makes room as a pull does (the least recently used
+// checkpoint goes), and a budget that cannot hold both fails the step,
+// evicting nothing, while the node serves what it holds.
+TEST_F(FollowingTest, AStepMakesRoomUnderTheCacheBudgetOrSaysItCannot) {
+  testing::WriteFileOrDie(trainer_models_ + "/n.safetensors",
+                          *SerializeCheckpoint(kSafeTensorsFormat, AsShared(current_), {}));
+  trainer_.daemon->Signal(SIGHUP);
+  ASSERT_TRUE(testing::WaitUntil([&] { return trainer_.store->GetCheckpoint("n").ok(); }));
+  const uint64_t file = testing::ReadFileOrEmpty(trainer_models_ + "/m.safetensors").size();
+  auto start = [&](uint64_t budget, bool pull_n) {
+    const std::string models = testing::MakeScratchDir("follow-budget");
+    std::vector<std::string> args = {
+        "--follow", "--pull", kName, "--cache-max-bytes", std::to_string(budget), "--metrics-listen", "127.0.0.1:0"};
+    if (pull_n) args.insert(args.end(), {"--pull", "n"});
+    Served node = Connect(testing::StartNode(*trainer_.daemon, models, args), models);
+    EXPECT_NE(node.daemon->port(), 0) << node.Log();
+    return node;
+  };
+  auto serves = [](const Served& node, const std::string& name) {
+    auto listed = node.store->ListCheckpoints();  // not GetCheckpoint, which would pull it
+    if (!listed.ok()) return false;
+    for (const auto& c : *listed) {
+      if (c.name == name) return true;
+    }
+    return false;
+  };
+  // Room for both checkpoints, and half of one more.
+  Served roomy = start(file * 5 / 2, /*pull_n=*/true);
+  // Room for one and a half.
+  Served tight = start(file * 3 / 2, /*pull_n=*/false);
+  ASSERT_NE(roomy.daemon->port(), 0);
+  ASSERT_NE(tight.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(roomy, order_[0], "roomy node"));
+  ASSERT_TRUE(testing::WaitUntil([&] { return serves(roomy, "n"); })) << roomy.Log();
+  ASSERT_TRUE(WaitForVersion(tight, order_[0], "tight node"));
+
+  const std::string v1 = Step();
+  ASSERT_FALSE(v1.empty());
+  // The roomy node evicted n, pulled after m but not in use, to take the step.
+  ASSERT_TRUE(WaitForVersion(roomy, v1, "roomy node"));
+  ExpectServesBitExact(roomy, v1, "roomy node");
+  EXPECT_FALSE(serves(roomy, "n"));
+  EXPECT_EQ(testing::MetricValue(roomy.daemon->metrics_port(), "weightstore_node_cache_evictions_total"), 1);
+  // The tight node cannot hold both versions of m: it says so and serves v0.
+  ASSERT_TRUE(testing::WaitUntil([&] { return tight.Metric("weightstore_follow_failures_total") >= 1; }))
+      << tight.Log();
+  EXPECT_THAT(tight.Log(), ::testing::HasSubstr("the cache budget is"));
+  EXPECT_EQ(tight.Version(), order_[0]);
+  ExpectServesBitExact(tight, order_[0], "tight node");
+  EXPECT_EQ(tight.Metric("weightstore_follow_lag_versions"), 1);
+}
+
 TEST_F(FollowingTest, AStepsFetchIsBoundedByTheChangedTensorsNotTheWholeCheckpoint) {
   const std::string v1 = Step();
   ASSERT_FALSE(v1.empty());
