@@ -1,12 +1,17 @@
 // LocalStore: a Store over files read in this process, through the same registry
 // and selection code the daemon uses.
+#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
+#include "client/usable_cores.h"
 #include "core/catalog/registry.h"
 #include "core/crc32c.h"
 #include "core/format.h"
+#include "core/parallel_for.h"
 #include "core/select/served.h"
 #include "core/select/snapshot.h"
 #include "core/status_macros.h"
@@ -67,8 +72,40 @@ class LocalStore final : public Store {
   }
 
   // A tensor is written about 64 MiB at a time (20-60 ms here), the cancel
-  // flag asked before each piece.
+  // flag asked before each piece; a large one in pieces of about 4 MiB on
+  // every usable core (at most 8, or $WEIGHTSTORE_COPY_THREADS): filling
+  // fresh memory is bound by its page faults, which one core takes one at a
+  // time (docs/benchmarks.md#owned-memory-from-files).
   static constexpr size_t kCopyPiece = 64u << 20;
+  static constexpr size_t kParallelPiece = 4u << 20;
+
+  static unsigned CopyThreads() {
+    static const unsigned threads = [] {
+      int n = std::min(UsableCores(), 8);
+      if (const char* env = std::getenv("WEIGHTSTORE_COPY_THREADS"); env != nullptr) {
+        int asked = 0;
+        if (absl::SimpleAtoi(env, &asked) && asked >= 1 && asked <= 64) n = asked;
+      }
+      return static_cast<unsigned>(std::max(n, 1));
+    }();
+    return threads;
+  }
+
+  static absl::Status Copy(const Snapshot& snapshot, const ServedTensorPlan& plan, std::span<std::byte> out,
+                           const Query& query) {
+    auto cancelled = [&query] { return query.cancel != nullptr && query.cancel->load(); };
+    const unsigned threads = CopyThreads();
+    if (threads <= 1 || out.size() < 2 * kParallelPiece) {
+      return MaterializeServedInPieces(snapshot, plan, out, kCopyPiece, cancelled);
+    }
+    const uint64_t piece = ServedPieceBytes(plan, kParallelPiece);
+    const size_t pieces = (out.size() + piece - 1) / piece;
+    return ParallelFor(pieces, threads, [&](size_t i) -> absl::Status {
+      if (cancelled()) return absl::CancelledError(absl::StrCat("cancelled at tensor '", plan.tensor->spec.name, "'"));
+      const uint64_t at = i * piece;
+      return MaterializeServed(snapshot, plan, at, out.subspan(at, std::min<uint64_t>(piece, out.size() - at)));
+    });
+  }
 
   absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, registry_.Find(name, query.version));
@@ -79,10 +116,7 @@ class LocalStore final : public Store {
     for (const SnapshotTensor& t : snapshot->tensors()) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
-      // In pieces, so that a cancel stops a large tensor within one piece.
-      absl::Status copied =
-          MaterializeServedInPieces(*snapshot, PlanServedTensor(*snapshot, t), out, kCopyPiece,
-                                    [&query] { return query.cancel != nullptr && query.cancel->load(); });
+      absl::Status copied = Copy(*snapshot, PlanServedTensor(*snapshot, t), out, query);
       if (!copied.ok()) {
         return absl::Status(copied.code(), absl::StrCat("fetch of '", name, "': ", copied.message()));
       }

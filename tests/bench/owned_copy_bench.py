@@ -1,0 +1,117 @@
+"""owned_copy_bench: a local SafeTensors file into memory the process owns, in one run.
+
+Writes --gb GiB of BF16 weights (tensors of --tensor-mb MiB) with the
+`safetensors` library, warms the page cache, then times, in child processes
+taking turns (--runs each, medians printed):
+  - weightstore `file:` store.tensors with one copying thread
+    (WEIGHTSTORE_COPY_THREADS=1, what it did before), and with its default
+    (every usable core, at most 8);
+  - safetensors 0.8's load_file: its default (tensors that view a mapping of
+    the file: no copy, not owned), and backend="pread" (owned);
+  - torch.empty + copy_ of the mmapped file's bytes into one fresh buffer
+    (one thread: a plain copy's page-fault limit on this machine).
+Each child checks its tensors equal to load_file's (a sampled checksum) and
+reports its peak RSS.
+
+Usage: build-tools/venv/bin/python tests/bench/owned_copy_bench.py [--build build] [--gb 1] [--runs 5]
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+CHILD = r"""
+import os, resource, sys, time
+import torch
+mode, path = sys.argv[1], sys.argv[2]
+if mode == "weightstore":
+    import weightstore
+    store = weightstore.connect("file:" + os.path.dirname(path))
+    name = os.path.basename(path)[: -len(".safetensors")]
+    t0 = time.perf_counter()
+    tensors = store.tensors(name)
+    seconds = time.perf_counter() - t0
+elif mode in ("safetensors", "safetensors-pread"):
+    from safetensors.torch import load_file
+    t0 = time.perf_counter()
+    tensors = load_file(path) if mode == "safetensors" else load_file(path, backend="pread")
+    seconds = time.perf_counter() - t0
+else:  # plain: one buffer, one thread
+    import mmap
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    src = torch.frombuffer(m, dtype=torch.uint8)
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    dst = torch.empty(src.numel(), dtype=torch.uint8)
+    dst.copy_(src)
+    seconds = time.perf_counter() - t0
+    tensors = {}
+check = sum(int(t.view(torch.int16)[:: 4099].sum()) for t in tensors.values()) if tensors else 0
+print(f"{seconds} {check} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}")
+"""
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--gb", type=float, default=1)
+    parser.add_argument("--tensor-mb", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tempfile.mkdtemp(prefix="owned-copy-bench-")
+    path = os.path.join(folder, "m.safetensors")
+    elements = args.tensor_mb << 19  # BF16
+    count = max(1, int(args.gb * 1024) // args.tensor_mb)
+    g = torch.Generator().manual_seed(1)
+    save_file({f"layers.{i}.weight": torch.randn(elements, generator=g).to(torch.bfloat16) for i in range(count)}, path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:  # warm the page cache
+        while f.read(64 << 20):
+            pass
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(args.build, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    rows = [
+        ("weightstore file: store.tensors, 1 copying thread", "weightstore", {"WEIGHTSTORE_COPY_THREADS": "1"}),
+        ("weightstore file: store.tensors, default threads", "weightstore", {}),
+        ("safetensors load_file (views of a mapping)", "safetensors", {}),
+        ("safetensors load_file(backend='pread')", "safetensors-pread", {}),
+        ("torch copy_ of the mapped file, 1 thread", "plain", {}),
+    ]
+    times = {label: [] for label, _, _ in rows}
+    rss = {label: 0 for label, _, _ in rows}
+    checks = {}
+    for _ in range(args.runs):  # the rows take turns, so noise spreads over all
+        for label, mode, extra in rows:
+            out = subprocess.run([sys.executable, "-c", CHILD, mode, path], env={**env, **extra}, check=True,
+                                 capture_output=True, text=True).stdout.split()
+            times[label].append(float(out[0]))
+            rss[label] = max(rss[label], int(out[2]))
+            if mode != "plain":
+                checks.setdefault(label, out[1])
+    reference = checks["safetensors load_file (views of a mapping)"]
+    for label, value in checks.items():
+        if value != reference:
+            sys.exit(f"{label}: tensors differ from load_file's ({value} != {reference})")
+
+    print(f"{size / 2**30:.2f} GiB of BF16 in {count} tensors; {os.cpu_count()} CPUs; medians of {args.runs}")
+    base = statistics.median(times[rows[0][0]])
+    for label, _, _ in rows:
+        median = statistics.median(times[label])
+        print(f"  {label:<52} {median * 1000:8.1f} ms  {size / median / 1e9:5.2f} GB/s  "
+              f"{base / median:4.2f}x of 1 thread  peak RSS {rss[label] / 2**20:6.0f} MiB  "
+              f"(runs: {', '.join(f'{t * 1000:.0f}' for t in times[label])} ms)")
+
+
+if __name__ == "__main__":
+    main()
