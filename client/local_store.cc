@@ -1,17 +1,13 @@
 // LocalStore: a Store over files read in this process, through the same registry
 // and selection code the daemon uses.
-#include <algorithm>
-#include <cstdlib>
 #include <filesystem>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "client/parallel_copy.h"
 #include "client/store.h"
-#include "client/usable_cores.h"
 #include "core/catalog/registry.h"
 #include "core/crc32c.h"
 #include "core/format.h"
-#include "core/parallel_for.h"
 #include "core/select/served.h"
 #include "core/select/snapshot.h"
 #include "core/status_macros.h"
@@ -72,38 +68,19 @@ class LocalStore final : public Store {
   }
 
   // A tensor is written about 64 MiB at a time (20-60 ms here), the cancel
-  // flag asked before each piece; a large one in pieces of about 4 MiB on
-  // every usable core (at most 8, or $WEIGHTSTORE_COPY_THREADS): filling
-  // fresh memory is bound by its page faults, which one core takes one at a
-  // time (docs/benchmarks.md#owned-memory-from-files).
+  // flag asked before each piece; one of 8 MiB or more in pieces of about
+  // 4 MiB on several threads (client/parallel_copy.h).
   static constexpr size_t kCopyPiece = 64u << 20;
-  static constexpr size_t kParallelPiece = 4u << 20;
-
-  static unsigned CopyThreads() {
-    static const unsigned threads = [] {
-      int n = std::min(UsableCores(), 8);
-      if (const char* env = std::getenv("WEIGHTSTORE_COPY_THREADS"); env != nullptr) {
-        int asked = 0;
-        if (absl::SimpleAtoi(env, &asked) && asked >= 1 && asked <= 64) n = asked;
-      }
-      return static_cast<unsigned>(std::max(n, 1));
-    }();
-    return threads;
-  }
 
   static absl::Status Copy(const Snapshot& snapshot, const ServedTensorPlan& plan, std::span<std::byte> out,
                            const Query& query) {
     auto cancelled = [&query] { return query.cancel != nullptr && query.cancel->load(); };
-    const unsigned threads = CopyThreads();
-    if (threads <= 1 || out.size() < 2 * kParallelPiece) {
+    if (CopyThreads() <= 1 || out.size() < 2 * kCopyPieceBytes) {
       return MaterializeServedInPieces(snapshot, plan, out, kCopyPiece, cancelled);
     }
-    const uint64_t piece = ServedPieceBytes(plan, kParallelPiece);
-    const size_t pieces = (out.size() + piece - 1) / piece;
-    return ParallelFor(pieces, threads, [&](size_t i) -> absl::Status {
+    return CopyInPieces(out.size(), ServedPieceBytes(plan, kCopyPieceBytes), [&](uint64_t at, uint64_t length) {
       if (cancelled()) return absl::CancelledError(absl::StrCat("cancelled at tensor '", plan.tensor->spec.name, "'"));
-      const uint64_t at = i * piece;
-      return MaterializeServed(snapshot, plan, at, out.subspan(at, std::min<uint64_t>(piece, out.size() - at)));
+      return MaterializeServed(snapshot, plan, at, out.subspan(at, length));
     });
   }
 

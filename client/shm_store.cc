@@ -6,6 +6,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "client/parallel_copy.h"
 #include "client/proto_convert.h"
 #include "client/store.h"
 #include "core/crc32c.h"
@@ -180,8 +181,9 @@ class ShmStore final : public SharedMemoryStore {
       }
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
-      // An empty tensor's view may be null: memcpy must not see it.
-      if (!t.bytes.empty()) std::memcpy(out.data(), t.bytes.data(), t.bytes.size());
+      // An empty tensor's view may be null: memcpy must not see it. A large
+      // one on several threads (client/parallel_copy.h).
+      if (!t.bytes.empty()) ParallelMemcpy(out.first(t.bytes.size()), t.bytes.data());
       if (const auto& crc = mapped.descriptions[i].crc32c) {
         if (Crc32c(absl::string_view(reinterpret_cast<const char*>(out.data()), out.size())) != *crc) {
           return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' does not match its CRC32C"));

@@ -1,0 +1,35 @@
+// Filling memory the process owns on several cores at once. Fresh memory is
+// bound by its page faults (the kernel zeroing each new page), which one
+// core takes one at a time: docs/benchmarks.md#owned-memory-from-files.
+#ifndef WEIGHTSTORE_CLIENT_PARALLEL_COPY_H_
+#define WEIGHTSTORE_CLIENT_PARALLEL_COPY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "absl/status/status.h"
+
+namespace weightstore::client {
+
+// About how many bytes each thread copies at a time.
+inline constexpr uint64_t kCopyPieceBytes = uint64_t{4} << 20;
+
+// Threads a large copy uses: the usable cores (client/usable_cores.h), at
+// most 8; $WEIGHTSTORE_COPY_THREADS (1 to 64) overrides it. Read once.
+unsigned CopyThreads();
+
+// Calls copy(offset, length) for consecutive pieces of [0, size) of `piece`
+// bytes (the last one shorter), on CopyThreads() threads when there are at
+// least two pieces, else on this one. Returns the first error; the pieces
+// not started by then are not.
+absl::Status CopyInPieces(uint64_t size, uint64_t piece,
+                          const std::function<absl::Status(uint64_t offset, uint64_t length)>& copy);
+
+// memcpy of out.size() bytes from `from` into `out`, so.
+void ParallelMemcpy(std::span<std::byte> out, const std::byte* from);
+
+}  // namespace weightstore::client
+
+#endif  // WEIGHTSTORE_CLIENT_PARALLEL_COPY_H_
