@@ -407,6 +407,16 @@ TEST(S3FollowingFlagsTest, AFollowIntervalOutOfItsRangeIsRefusedAtStart) {
       &out);
   EXPECT_NE(status, 0) << out;
   EXPECT_THAT(out, ::testing::HasSubstr("--follow-interval")) << out;
+  // NaN passes a range check (every comparison with it is false).
+  for (const char* value : {"nan", "-nan", "inf"}) {
+    EXPECT_NE(testing::RunCommand(absl::StrCat("timeout 60 ", testing::DaemonPath(), " --models ", models,
+                                               " --listen 127.0.0.1:0 --origin s3://bucket --follow --follow-interval ",
+                                               value, " --check-config"),
+                                  &out),
+              0)
+        << value << ": " << out;
+    EXPECT_THAT(out, ::testing::HasSubstr("--follow-interval")) << value << ": " << out;
+  }
 }
 
 }  // namespace
