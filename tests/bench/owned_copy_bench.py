@@ -17,6 +17,7 @@ Usage: build-tools/venv/bin/python tests/bench/owned_copy_bench.py [--build buil
 """
 import argparse
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -91,8 +92,19 @@ def main():
     times = {label: [] for label, _, _ in rows}
     rss = {label: 0 for label, _, _ in rows}
     checks = {}
-    for _ in range(args.runs):  # the rows take turns, so noise spreads over all
-        for label, mode, extra in rows:
+    # The rows take turns in a new order each round: a process that fills
+    # fresh memory right after another freed as much is served from pages
+    # the kernel has at hand, much faster on this VM than one that comes
+    # after a process that held little, so no row may always follow the same
+    # one. Each time is printed with the row that ran just before it.
+    before = {label: [] for label, _, _ in rows}
+    previous = "-"
+    for round_ in range(args.runs):
+        order = list(rows)
+        random.Random(round_).shuffle(order)
+        for label, mode, extra in order:
+            before[label].append(previous)
+            previous = mode
             out = subprocess.run([sys.executable, "-c", CHILD, mode, path], env={**env, **extra}, check=True,
                                  capture_output=True, text=True).stdout.split()
             times[label].append(float(out[0]))
@@ -110,7 +122,7 @@ def main():
         median = statistics.median(times[label])
         print(f"  {label:<52} {median * 1000:8.1f} ms  {size / median / 1e9:5.2f} GB/s  "
               f"{base / median:4.2f}x of 1 thread  peak RSS {rss[label] / 2**20:6.0f} MiB  "
-              f"(runs: {', '.join(f'{t * 1000:.0f}' for t in times[label])} ms)")
+              f"(runs, after: {', '.join(f'{t * 1000:.0f} {b}' for t, b in zip(times[label], before[label]))})")
 
 
 if __name__ == "__main__":
