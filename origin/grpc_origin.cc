@@ -58,6 +58,7 @@ class GrpcOrigin : public Origin {
     OriginCheckpoint checkpoint;
     checkpoint.name = name;
     checkpoint.version = response.version();
+    checkpoint.apart = response.apart();
     const std::string folder = std::filesystem::path(name).parent_path().string();
     for (const v1::StoredFile& f : response.files()) {
       OriginFile file;

@@ -120,6 +120,7 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
     absl::MutexLock lock(&cache->mu_);
     cache->ReadLedger();
   }
+  cache->ServeApart();
   if ((follow.watch != nullptr && follow.steps != nullptr) || follow.poll) {
     if (follow.name.empty()) follow.name = cache->origin_->Describe();
     FollowOptions follow_options;
@@ -163,10 +164,11 @@ uint64_t NodeCache::PullAsync(const std::string& name, Done done) {
     return 0;
   }
   misses_.fetch_add(1);
-  if (!PlaceablePath(name)) {
+  if (!IsLoadableName(name, 4096)) {
     done(absl::NotFoundError(absl::StrCat("checkpoint '", name,
                                           "' is not served, and cannot be pulled: a pulled checkpoint's name is a "
-                                          "relative path of letters, digits, '-', '_', '.' and '/'")));
+                                          "relative path of letters, digits, '-', '_', '.' and '/', with at most "
+                                          "one '@REVISION'")));
     return 0;
   }
   absl::Status refused;

@@ -134,6 +134,9 @@ class NodeCache : public Puller, public FollowedCache {
   NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options);
   // Runs one flight's transfer and delivers its outcome to its waiters.
   void RunFlight(const std::string& name, const std::shared_ptr<Flight>& flight) ABSL_LOCKS_EXCLUDED(mu_);
+  // Serves what the ledger holds apart (node_cache_internal::ApartFolder),
+  // which no scan finds, and removes the apart folders it does not list.
+  void ServeApart() ABSL_LOCKS_EXCLUDED(mu_);
   // The transfer one flight runs. `pulled` counts its bytes from the origin.
   absl::Status Transfer(const std::string& name, std::atomic<uint64_t>* pulled);
   // A checkpoint's files, read into partial files (Download).

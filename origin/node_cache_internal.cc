@@ -8,13 +8,17 @@
 #include <fstream>
 #include <memory>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/atomic_file.h"
 #include "core/catalog/registry.h"
 #include "core/status_macros.h"
+#include "origin/origin.h"
 
 namespace weightstore::origin::node_cache_internal {
 
@@ -30,6 +34,25 @@ std::string Errno(const std::string& what, const std::string& path) {
 }
 
 bool PlaceablePath(absl::string_view path) { return IsPlaceableName(path, 4096); }
+
+std::string ApartFolder(absl::string_view name) {
+  return absl::StrCat(kApartFolder, "/", Sha256Hex(name).substr(0, 32));
+}
+
+bool IsApartPath(absl::string_view path) {
+  if (!absl::ConsumePrefix(&path, kApartFolder) || !absl::ConsumePrefix(&path, "/")) return false;
+  const size_t slash = path.find('/');
+  if (slash != 32) return false;
+  for (char c : path.substr(0, 32)) {
+    if (!absl::ascii_isxdigit(static_cast<unsigned char>(c)) || absl::ascii_isupper(static_cast<unsigned char>(c))) {
+      return false;
+    }
+  }
+  const absl::string_view file = path.substr(33);
+  return PlaceablePath(file) && !absl::StrContains(file, '/');
+}
+
+bool LedgerPath(absl::string_view path) { return PlaceablePath(path) || IsApartPath(path); }
 
 absl::Status Remembered(absl::Status status) {
   status.SetPayload(kRememberedRefusal, absl::Cord("1"));

@@ -32,6 +32,18 @@ std::string Errno(const std::string& what, const std::string& path);
 // A path the node may create under its models folder (core/catalog/registry.h).
 bool PlaceablePath(absl::string_view path);
 
+// Where a checkpoint is placed that cannot lie at its name: a hub revision
+// ("acme/tiny@v1.0", which no file name serves), or a checkpoint from a hub
+// snapshot (whose shard names other repos share). Each gets a folder of its
+// own, hidden from the registry's scans, and is loaded under its name:
+// ".weightstore-cache/placed/<32 hex digits of the name's SHA-256>".
+inline constexpr absl::string_view kApartFolder = ".weightstore-cache/placed";
+std::string ApartFolder(absl::string_view name);
+// True for a file directly in some apart folder ("<ApartFolder>/FILE").
+bool IsApartPath(absl::string_view path);
+// A path the ledger may list: placeable, or a file in an apart folder.
+bool LedgerPath(absl::string_view path);
+
 // Marks a refusal that comes from what the origin holds, so that it is
 // remembered (NodeCacheOptions::not_found_ttl).
 inline constexpr absl::string_view kRememberedRefusal = "weightstore.dev/remembered-refusal";

@@ -4,8 +4,11 @@
 #include <sys/stat.h>
 
 #include <array>
+#include <cstdio>
 #include <filesystem>
+#include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -22,8 +25,10 @@ namespace weightstore::origin {
 namespace fs = std::filesystem;
 
 using node_cache_internal::Identity;
+using node_cache_internal::IsApartPath;
+using node_cache_internal::kApartFolder;
+using node_cache_internal::LedgerPath;
 using node_cache_internal::NowMs;
-using node_cache_internal::PlaceablePath;
 using node_cache_internal::ReadSmallFile;
 using node_cache_internal::WriteAtomically;
 
@@ -48,8 +53,8 @@ void NodeCache::ReadLedger() {
       bool present = !c.paths.empty();
       for (const std::string& p : c.paths) {
         std::error_code size_ec;
-        const uint64_t size = PlaceablePath(p) ? fs::file_size(fs::path(models_dir_) / p, size_ec) : 0;
-        present = present && PlaceablePath(p) && !size_ec;
+        const uint64_t size = LedgerPath(p) ? fs::file_size(fs::path(models_dir_) / p, size_ec) : 0;
+        present = present && LedgerPath(p) && !size_ec;
         c.bytes += size;
       }
       // Files replaced since they were placed are no longer the cache's.
@@ -60,6 +65,41 @@ void NodeCache::ReadLedger() {
       ledger_[name] = std::move(c);
     } catch (const nlohmann::json::exception&) {
       continue;
+    }
+  }
+}
+
+void NodeCache::ServeApart() {
+  std::map<std::string, std::string> apart;  // name -> main file
+  std::set<std::string> folders;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, c] : ledger_) {
+      if (c.paths.empty() || !IsApartPath(c.paths.back())) continue;
+      apart[name] = (fs::path(models_dir_) / c.paths.back()).string();
+      folders.insert(fs::path(c.paths.back()).parent_path().filename().string());
+    }
+  }
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(fs::path(models_dir_) / std::string(kApartFolder), ec)) {
+    if (folders.contains(entry.path().filename().string())) continue;
+    std::error_code remove_ec;
+    fs::remove_all(entry.path(), remove_ec);  // a pull that never finished, or one the ledger forgot
+  }
+  for (const auto& [name, path] : apart) {
+    if (registry_->Get(name) != nullptr) continue;
+    absl::StatusOr<std::shared_ptr<const CheckpointVersion>> loaded = registry_->Load(path, name);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "weightstored: node cache: '%s' is no longer served: %s\n", name.c_str(),
+                   loaded.status().ToString().c_str());
+      {
+        absl::MutexLock lock(&mu_);
+        if (auto it = ledger_.find(name); it != ledger_.end()) {
+          cached_bytes_ -= it->second.bytes;
+          ledger_.erase(it);
+        }
+      }
+      fs::remove_all(fs::path(path).parent_path(), ec);
     }
   }
 }

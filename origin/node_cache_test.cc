@@ -7,12 +7,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <set>
+#include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -77,7 +82,9 @@ class FakeOrigin : public Origin {
     f.size = it->second.size();
     f.etag = version_;
     f.crc32c = absl::StrFormat("%08x", Crc32c(it->second));
-    return OriginCheckpoint{name, version_, {f}};
+    OriginCheckpoint c{name, version_, {f}};
+    c.apart = apart_.contains(name);
+    return c;
   }
   absl::Status Read(const OriginFile& file, uint64_t offset, uint64_t length, const ByteSink& sink) override {
     std::string bytes;
@@ -109,7 +116,8 @@ class FakeOrigin : public Origin {
   uint64_t corrupt_at_ = UINT64_MAX;
   std::atomic<int64_t> fail_after_{-1};
   std::vector<uint64_t> sizes_;
-  std::string version_ = "v1";  // of every checkpoint
+  std::string version_ = "v1";   // of every checkpoint
+  std::set<std::string> apart_;  // names it keeps apart (a hub snapshot's)
 
  private:
   absl::Mutex mu_;
@@ -823,6 +831,58 @@ TEST_F(NodeCacheBudgetTest, ACheckpointLargerThanTheBudgetIsRefusedBeforeAnyTran
   origin_->Put("huge", Model(12, 20000, 8));
   EXPECT_THAT(cache_->Pull("huge").status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("budget")));
   EXPECT_EQ(origin_->sent_.load(), 0u);
+}
+
+// The files of a checkpoint placed apart: its folder under the cache's.
+std::vector<std::string> ApartFiles(const std::string& models) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(models + "/.weightstore-cache/placed", ec);
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    if (it->is_regular_file()) out.push_back(it->path().lexically_relative(models).string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST_F(NodeCacheBudgetTest, HubNamesArePlacedApartServedAcrossRestartsAndEvictedWithTheirFolder) {
+  origin_->Put("acme/a@v1", model_);
+  origin_->Put("acme/b", model_);
+  origin_->apart_.insert("acme/b");  // a hub snapshot upstream
+  ASSERT_OK(cache_->Pull("acme/a@v1").status());
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_OK(cache_->Pull("acme/b").status());
+  ASSERT_NE(registry_->Get("acme/a@v1"), nullptr);
+  ASSERT_NE(registry_->Get("acme/b"), nullptr);
+  EXPECT_EQ(registry_->Get("acme/a@v1")->version(), "v1");  // the origin's id
+  // Nothing at the names, where a scan would find it; each in its folder.
+  EXPECT_FALSE(fs::exists(models_ + "/acme"));
+  const std::vector<std::string> placed = ApartFiles(models_);
+  ASSERT_EQ(placed.size(), 2u) << ::testing::PrintToString(placed);
+  for (const std::string& p : placed) EXPECT_TRUE(absl::EndsWith(p, "/checkpoint.safetensors")) << p;
+  EXPECT_NE(fs::path(placed[0]).parent_path(), fs::path(placed[1]).parent_path());
+  registry_->Rescan();
+  EXPECT_NE(registry_->Get("acme/a@v1"), nullptr);
+  EXPECT_NE(registry_->Get("acme/b"), nullptr);
+
+  // "c" needs room: the least recently used goes, with its folder.
+  origin_->Put("c", model_);
+  ASSERT_OK(cache_->Pull("c").status());
+  EXPECT_EQ(registry_->Get("acme/a@v1"), nullptr);
+  EXPECT_EQ(ApartFiles(models_).size(), 1u);
+  EXPECT_EQ(cache_->Stats().evictions, 1u);
+
+  // A folder no ledger entry names (a pull killed before it was recorded) is
+  // removed at the next start; what the ledger names is served again.
+  const std::string stray = models_ + "/.weightstore-cache/placed/0123456789abcdef0123456789abcdef";
+  fs::create_directories(stray);
+  testing::WriteFileOrDie(stray + "/checkpoint.safetensors", model_);
+  Restart();
+  EXPECT_FALSE(fs::exists(stray));
+  ASSERT_NE(registry_->Get("acme/b"), nullptr);
+  EXPECT_EQ(registry_->Get("acme/b")->version(), "v1");
+  EXPECT_NE(registry_->Get("c"), nullptr);
+  EXPECT_EQ(cache_->Stats().cache_bytes, 2 * model_.size());
 }
 
 TEST_F(NodeCacheBudgetTest, TheLedgerSurvivesARestart) {

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
@@ -23,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/catalog/registry.h"
 #include "core/shm/unix_socket.h"
 #include "core/status_macros.h"
 #include "origin/node_cache.h"
@@ -33,9 +35,11 @@ namespace weightstore::origin {
 
 namespace fs = std::filesystem;
 
+using node_cache_internal::ApartFolder;
 using node_cache_internal::Errno;
 using node_cache_internal::FsyncFolder;
 using node_cache_internal::Identity;
+using node_cache_internal::LedgerPath;
 using node_cache_internal::NowMs;
 using node_cache_internal::PlaceablePath;
 using node_cache_internal::Progress;
@@ -49,6 +53,29 @@ namespace {
 constexpr absl::Duration kProgressEvery = absl::Seconds(2);
 // Bytes a pull writes between two starts of their writeback to disk.
 constexpr uint64_t kWritebackBytes = uint64_t{8} << 20;
+
+// Moves `checkpoint`'s files into the apart folder of `name`: the main file
+// as "checkpoint" plus its extension, each shard under its own file name
+// (which its index names). DataLoss for files that would not lie side by side
+// there.
+absl::Status PlaceApart(const std::string& name, OriginCheckpoint* checkpoint) {
+  const std::string folder = ApartFolder(name);
+  std::set<std::string> taken;
+  for (size_t i = 0; i < checkpoint->files.size(); ++i) {
+    OriginFile& f = checkpoint->files[i];
+    const bool main = i + 1 == checkpoint->files.size();
+    // The main file is the name plus its extension (NameForPath, checked).
+    const std::string file =
+        main ? absl::StrCat("checkpoint", f.path.substr(name.size())) : fs::path(f.path).filename().string();
+    if (!PlaceablePath(file) || (!main && fs::path(f.path).parent_path() != fs::path(name).parent_path()) ||
+        !taken.insert(file).second) {
+      return absl::DataLossError(absl::StrCat("the origin's file '", absl::CHexEscape(f.path.substr(0, 256)),
+                                              "' does not lie beside the others of '", name, "'"));
+    }
+    f.path = absl::StrCat(folder, "/", file);
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -294,8 +321,10 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     return Remembered(absl::FailedPreconditionError(
         absl::StrCat("the origin lists ", checkpoint.files.size(), " files (1 to ", options_.max_files, " accepted)")));
   }
+  // A hub revision, or a hub snapshot's files: in a folder of their own.
+  const bool apart = !PlaceablePath(name) || checkpoint.apart;
   for (const OriginFile& f : checkpoint.files) {
-    if (!PlaceablePath(f.path)) {
+    if (!(apart ? IsLoadableName(f.path, 4096) : PlaceablePath(f.path))) {
       return absl::DataLossError(absl::StrCat("the origin names a file '", absl::CHexEscape(f.path.substr(0, 256)),
                                               "' this node will not create"));
     }
@@ -304,6 +333,7 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   if (NameForPath(main.path) != name) {
     return absl::DataLossError(absl::StrCat("the origin's file '", main.path, "' is not served as '", name, "'"));
   }
+  if (apart) WEIGHTSTORE_RETURN_IF_ERROR(PlaceApart(name, &checkpoint));
   // Summed with a bound on every step: sizes come from the origin.
   uint64_t total = 0;
   for (const OriginFile& f : checkpoint.files) {
@@ -316,6 +346,12 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   }
   // A file in the way (an operator's, or this cache's unloaded) would refuse
   // the placement at the end: refused before any byte moves.
+  if (apart) {
+    // Only this cache writes there, and nothing of it is served (checked
+    // above): what lies there is left from a pull that did not finish.
+    std::error_code stale_ec;
+    fs::remove_all(fs::path(models_dir_) / fs::path(main.path).parent_path(), stale_ec);
+  }
   for (const OriginFile& f : checkpoint.files) {
     const fs::path target = fs::path(models_dir_) / f.path;
     if (std::error_code exists_ec; fs::exists(fs::symlink_status(target, exists_ec))) {
@@ -366,6 +402,10 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   std::vector<std::string> placed;
   auto unplace = [&] {
     for (const std::string& p : placed) ::unlink((fs::path(models_dir_) / p).c_str());
+    if (apart) {
+      std::error_code apart_ec;
+      fs::remove(fs::path(models_dir_) / fs::path(main.path).parent_path(), apart_ec);  // if empty
+    }
     // The entry this pull replaced comes back only for files still as it
     // recorded them (an only-unloaded checkpoint), never for files someone
     // put there since.
@@ -439,7 +479,7 @@ bool NodeCache::FinishPlacing(const std::string& name, Cached* c) {
   if (c->paths.empty() || c->identities.size() != c->paths.size()) return false;
   std::vector<std::string> ours;
   for (size_t i = 0; i < c->paths.size(); ++i) {
-    if (!PlaceablePath(c->paths[i])) return false;
+    if (!LedgerPath(c->paths[i])) return false;
     const std::string path = (fs::path(models_dir_) / c->paths[i]).string();
     struct stat st;
     if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && Identity(st) == c->identities[i]) {

@@ -50,6 +50,11 @@ struct OriginCheckpoint {
   // of the objects' ETags): a resumed pull continues only for the same one.
   std::string version;
   std::vector<OriginFile> files;
+  // True when the origin does not keep it in files at its name (an upstream
+  // daemon's hub snapshot: its shard names are other repos' too): the node
+  // then places it in a folder of its own, as it does a name no file name
+  // serves ("acme/tiny@v1.0").
+  bool apart = false;
   uint64_t total_bytes() const {
     uint64_t n = 0;
     for (const OriginFile& f : files) n += f.size;

@@ -13,6 +13,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/catalog/registry.h"
 #include "core/crc32c.h"
 #include "core/shm/unix_socket.h"
 #include "core/status_macros.h"
@@ -80,6 +81,7 @@ absl::Status DescribeStoredFiles(const CheckpointVersion& version, v1::ListCheck
                                  const std::function<bool()>& cancelled) {
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<StoredFile> files, StoredFiles(version));
   out->set_version(version.version());
+  out->set_apart(NameForPath(version.relative_path()) != version.name());
   for (const StoredFile& f : files) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(uint32_t crc, StoredCrc(version, f, cancelled));
     v1::StoredFile* s = out->add_files();

@@ -287,7 +287,7 @@ absl::StatusOr<std::unique_ptr<PushSession>> CheckpointRegistry::BeginPush(const
   {
     absl::MutexLock lock(&mu_);
     auto it = served_.find(name);
-    if (it != served_.end() && it->second.pinned) {
+    if (it != served_.end() && it->second.outside_models) {
       return absl::FailedPreconditionError(
           absl::StrCat("push to '", name, "': it was loaded from outside the models folder"));
     }
@@ -485,7 +485,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Rep
       return absl::AbortedError(absl::StrCat(what, ": version ", base.version(),
                                              " was replaced or unloaded meanwhile; nothing was published"));
     }
-    if (it->second.pinned || base.checkpoint()->files().size() != 1) {
+    if (it->second.outside_models || base.checkpoint()->files().size() != 1) {
       return absl::FailedPreconditionError(
           absl::StrCat(what, ": '", name, "' is not served from one file of the models folder"));
     }

@@ -409,6 +409,7 @@ ScanReport CheckpointRegistry::Rescan() {
       Published(name, version.get(), std::move(step));
       cur->second.current = std::move(version);
       cur->second.pinned = pinned;
+      cur->second.outside_models = pinned && cur->second.outside_models;
       notify.Add(name);
     }
     for (auto cur = served_.begin(); cur != served_.end();) {
@@ -624,6 +625,13 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
     return absl::StartsWith(absolute.string(), folder);
   };
   const bool in_models = inside(options_.models_dir);
+  // Below the models folder, but where no scan looks (a hidden folder).
+  bool hidden = false;
+  if (in_models) {
+    std::error_code models_ec;
+    const fs::path models = fs::absolute(options_.models_dir, models_ec).lexically_normal();
+    for (const fs::path& part : absolute.lexically_relative(models)) hidden = hidden || IsHiddenOrTemporary(part);
+  }
   if (!in_models && std::none_of(options_.load_roots.begin(), options_.load_roots.end(), inside)) {
     return absl::PermissionDeniedError(absl::StrCat("'", path,
                                                     "' is outside the models folder and every load root "
@@ -636,9 +644,10 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
     served_name = derived.value_or(canonical.filename().string());
   }
   WEIGHTSTORE_RETURN_IF_ERROR(CheckCheckpointName(served_name, options_.max_name_bytes));
-  if (!IsPlaceableName(served_name, options_.max_name_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat("invalid checkpoint name '", served_name,
-                                                   "' (a relative path of letters, digits, '-', '_', '.' and '/')"));
+  if (!IsLoadableName(served_name, options_.max_name_bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid checkpoint name '", served_name,
+                     "' (a relative path of letters, digits, '-', '_', '.' and '/', and at most one '@REVISION')"));
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, OpenVersion(served_name, canonical.string()));
   {
@@ -647,7 +656,8 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
     Entry& entry = served_[served_name];
     Published(served_name, version.get());
     entry.current = version;
-    entry.pinned = !in_models;
+    entry.pinned = !in_models || hidden;
+    entry.outside_models = !in_models;
   }
   notify->Add(served_name);
   return version;
@@ -766,6 +776,13 @@ bool IsPlaceableName(absl::string_view name, size_t max_bytes) {
     if (!(absl::ascii_isalnum(c) || c == '/' || c == '-' || c == '_' || c == '.')) return false;
   }
   return true;
+}
+
+bool IsLoadableName(absl::string_view name, size_t max_bytes) {
+  if (name.size() > max_bytes) return false;
+  const size_t at = name.find('@');
+  if (at == absl::string_view::npos) return IsPlaceableName(name, max_bytes);
+  return IsPlaceableName(name.substr(0, at), max_bytes) && IsPlaceableName(name.substr(at + 1), max_bytes);
 }
 
 absl::StatusOr<std::vector<StoredFile>> StoredFiles(const CheckpointVersion& version) {

@@ -321,7 +321,11 @@ class CheckpointRegistry {
                                                                        bool* renamed);
   struct Entry {
     std::shared_ptr<const CheckpointVersion> current;
-    bool pinned = false;  // loaded by path from outside the models folder
+    // Loaded by path from where no scan looks (a load root, a hidden folder
+    // of the models folder): kept across rescans.
+    bool pinned = false;
+    // Loaded from a load root, outside the models folder: never written.
+    bool outside_models = false;
   };
   // Opens `path` as a new version of `name`. `previous`, when it is the stale
   // version being replaced, keeps the new one from reusing its id.
@@ -436,6 +440,12 @@ absl::Status CheckCheckpointName(absl::string_view name, size_t max_bytes);
 // digits, '-', '_', '.' and '/', relative, with no empty, ".", ".." or hidden
 // part, and no part over 255 bytes.
 bool IsPlaceableName(absl::string_view name, size_t max_bytes);
+
+// True when `name` may be given to a checkpoint loaded by path (Load): a
+// placeable name, or a hub revision of one ("acme/tiny@v1.0",
+// "acme/tiny@refs/pr/1", core/catalog/hub_cache.h): two placeable names
+// joined by one '@'.
+bool IsLoadableName(absl::string_view name, size_t max_bytes);
 
 // Returns the served name of a checkpoint file relative to the models folder, or
 // nullopt if the file is not a checkpoint by its extension.

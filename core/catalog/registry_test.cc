@@ -110,6 +110,27 @@ TEST(RegistryTest, LoadReadsOnlyTheModelsFolderAndTheLoadRoots) {
   EXPECT_THAT(std::string(notes.message()), ::testing::Not(HasSubstr("root:")));
 }
 
+TEST(RegistryTest, AFileLoadedFromAHiddenFolderKeepsItsNameAcrossRescansAndTakesPushes) {
+  const std::string models = testing::MakeScratchDir("models");
+  fs::create_directories(models + "/.apart/x");
+  WriteTiny(models + "/.apart/x/checkpoint.safetensors");
+  CheckpointRegistry registry({.models_dir = models});
+  // A hub revision's name, which no file name serves, may be given.
+  ASSERT_OK_AND_ASSIGN(auto loaded, registry.Load(models + "/.apart/x/checkpoint.safetensors", "acme/tiny@v1.0"));
+  EXPECT_THAT(registry.Rescan().removed, ::testing::IsEmpty());
+  EXPECT_NE(registry.Get("acme/tiny@v1.0"), nullptr);
+  // It lies in the models folder, so a push may write it.
+  EXPECT_OK(registry.BeginPush("acme/tiny@v1.0", {.base_version = loaded->version()}).status());
+  // Names that are not two placeable names joined by one '@' are refused.
+  for (const std::string bad : {"a@", "@b", "a@b@c", "a@../b", "a@.b", "a@b/"}) {
+    EXPECT_THAT(registry.Load(models + "/.apart/x/checkpoint.safetensors", bad),
+                StatusIs(absl::StatusCode::kInvalidArgument))
+        << bad;
+  }
+  EXPECT_TRUE(IsLoadableName("acme/tiny@refs/pr/1", 4096));
+  EXPECT_FALSE(IsLoadableName("acme/tiny@v1", 11));
+}
+
 TEST(RegistryTest, AnUploadCannotBeSteeredOutThroughASymlinkedFolder) {
   const std::string models = testing::MakeScratchDir("models");
   const std::string outside = testing::MakeScratchDir("outside");

@@ -1,0 +1,259 @@
+// Hugging Face hub names down the tiers: an upstream weightstored serves a
+// hub cache (core/catalog/hub_cache.h) by repo id, revision and commit, and a
+// node (--origin grpc://...) pulls, serves and follows those very names, each
+// checkpoint in a folder of its own, so that two repos' shards of one name
+// ("model-00001-of-00002.safetensors") never meet.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/store.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
+#include "core/status_macros.h"
+#include "tests/util/daemon.h"
+#include "tests/util/metrics.h"
+#include "tests/util/serving.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
+#include "tests/util/wait.h"
+#include "weightstore/v1/weight_store.grpc.pb.h"
+
+namespace weightstore {
+namespace {
+
+namespace fs = std::filesystem;
+using Tensors = std::map<std::string, std::string>;
+
+// `count` float tensors of `floats` elements, their bytes drawn from `seed`.
+std::vector<SharedTensor> MakeTensors(int count, size_t floats, int seed) {
+  std::vector<SharedTensor> out;
+  for (int i = 0; i < count; ++i) {
+    std::vector<std::byte> bytes(floats * 4);
+    for (size_t k = 0; k < bytes.size(); ++k) bytes[k] = std::byte((k * 31 + i * 7 + seed * 13) & 0xff);
+    out.push_back(
+        {{absl::StrCat("layers.", i, ".weight"), DType::kF32, {floats}}, SharedBytes::FromVector(std::move(bytes))});
+  }
+  return out;
+}
+
+Tensors ToMap(const std::vector<SharedTensor>& tensors) {
+  Tensors out;
+  for (const SharedTensor& t : tensors) out[t.spec.name] = std::string(t.bytes.view());
+  return out;
+}
+
+// One hub repo folder under <models>/hub, as huggingface_hub lays it out:
+// files in blobs/, snapshots/<commit>/ of symlinks to them, refs/<ref>.
+class HubRepo {
+ public:
+  HubRepo(const std::string& models, const std::string& org, const std::string& name)
+      : dir_(absl::StrCat(models, "/hub/models--", org, "--", name)) {
+    fs::create_directories(dir_ + "/blobs");
+    fs::create_directories(dir_ + "/refs");
+  }
+
+  // Snapshot `commit` of `tensors`: one model.safetensors, or the index and
+  // two shards transformers names (model-0000N-of-00002.safetensors).
+  void Snapshot(const std::string& commit, const std::vector<SharedTensor>& tensors, bool sharded) {
+    fs::create_directories(dir_ + "/snapshots/" + commit);
+    if (!sharded) {
+      Blob(commit, "model.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
+      return;
+    }
+    std::string map;
+    const size_t half = tensors.size() / 2;
+    for (int s = 0; s < 2; ++s) {
+      std::vector<SharedTensor> part(tensors.begin() + (s == 0 ? 0 : half),
+                                     s == 0 ? tensors.begin() + half : tensors.end());
+      const std::string file = absl::StrCat("model-0000", s + 1, "-of-00002.safetensors");
+      Blob(commit, file, *SerializeCheckpoint(kSafeTensorsFormat, part, {}));
+      for (const SharedTensor& t : part) {
+        absl::StrAppend(&map, map.empty() ? "" : ",", "\"", t.spec.name, "\":\"", file, "\"");
+      }
+    }
+    Blob(commit, "model.safetensors.index.json", absl::StrCat("{\"metadata\":{},\"weight_map\":{", map, "}}"));
+  }
+
+  // Points `ref` at `commit` (atomically, as huggingface_hub writes it).
+  void Ref(const std::string& ref, const std::string& commit) {
+    testing::WriteFileOrDie(dir_ + "/refs/" + ref + ".tmp", commit);
+    fs::rename(dir_ + "/refs/" + ref + ".tmp", dir_ + "/refs/" + ref);
+  }
+
+ private:
+  void Blob(const std::string& commit, const std::string& file, const std::string& bytes) {
+    const std::string blob = absl::StrCat(commit, "-", file);
+    testing::WriteFileOrDie(dir_ + "/blobs/" + blob, bytes);
+    fs::create_symlink("../../blobs/" + blob, dir_ + "/snapshots/" + commit + "/" + file);
+  }
+
+  std::string dir_;
+};
+
+// What `address` serves as `name`: its version and tensors.
+struct Served {
+  std::string version;
+  Tensors tensors;
+};
+absl::StatusOr<Served> FetchServed(const std::string& address, const std::string& name) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<client::Store> store, client::ConnectRemoteStore(address));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto fetched, store->FetchVersioned(name, {}));
+  return Served{fetched.version, ToMap(fetched.tensors)};
+}
+
+void Rescan(const testing::Daemon& daemon) {
+  auto stub = testing::NewStub(daemon.address());
+  grpc::ClientContext ctx;
+  v1::RescanResponse resp;
+  ASSERT_TRUE(stub->Rescan(&ctx, v1::RescanRequest(), &resp).ok());
+}
+
+// Files under `models`, outside the node cache's own folder.
+std::vector<std::string> FilesOutsideTheCache(const std::string& models) {
+  std::vector<std::string> out;
+  for (auto it = fs::recursive_directory_iterator(models); it != fs::recursive_directory_iterator(); ++it) {
+    if (it->path().filename() == ".weightstore-cache") {
+      it.disable_recursion_pending();
+    } else if (!it->is_directory()) {
+      out.push_back(it->path().lexically_relative(models).string());
+    }
+  }
+  return out;
+}
+
+class HubNamesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    upstream_models_ = testing::MakeScratchDir("hub-upstream");
+    // Two sharded repos of one org, whose shards have the same file names;
+    // acme/a also has an older snapshot that the tag v1 names.
+    HubRepo a(upstream_models_, "acme", "a"), b(upstream_models_, "acme", "b");
+    a.Snapshot("c0ffee0", MakeTensors(4, 4096, 1), /*sharded=*/true);
+    a.Snapshot("c1", MakeTensors(4, 4096, 2), /*sharded=*/true);
+    a.Ref("main", "c1");
+    a.Ref("v1", "c0ffee0");
+    b.Snapshot("d1", MakeTensors(4, 4096, 3), /*sharded=*/true);
+    b.Ref("main", "d1");
+    upstream_ = std::make_unique<testing::Daemon>(upstream_models_);
+    ASSERT_NE(upstream_->port(), 0) << upstream_->log();
+  }
+
+  // Adds a failure unless `node` serves `name` as the upstream does, version
+  // id and bytes alike.
+  void ExpectServedAsUpstream(const testing::Daemon& node, const std::string& name) {
+    ASSERT_OK_AND_ASSIGN(Served want, FetchServed(upstream_->address(), name));
+    ASSERT_OK_AND_ASSIGN(Served got, FetchServed(node.address(), name));
+    EXPECT_EQ(got.version, want.version) << name;
+    EXPECT_EQ(got.tensors.size(), want.tensors.size()) << name;
+    EXPECT_TRUE(got.tensors == want.tensors) << name << ": the node's bytes differ from the upstream's";
+  }
+
+  std::string upstream_models_;
+  std::unique_ptr<testing::Daemon> upstream_;
+};
+
+TEST_F(HubNamesTest, ANodePullsRepoIdsRevisionsAndCommitsWhoseShardsShareFileNamesAndKeepsThemAcrossARestart) {
+  const std::string models = testing::MakeScratchDir("hub-node");
+  const std::vector<std::string> names = {"acme/a", "acme/b", "acme/a@v1", "acme/a@c1"};
+  {
+    auto node = testing::StartNode(*upstream_, models, {"--metrics-listen", "127.0.0.1:0"});
+    ASSERT_NE(node->port(), 0) << node->log();
+    for (const std::string& name : names) ExpectServedAsUpstream(*node, name);
+    // Revision and repo id name other bytes: v1 is an older snapshot.
+    ASSERT_OK_AND_ASSIGN(Served main, FetchServed(node->address(), "acme/a"));
+    ASSERT_OK_AND_ASSIGN(Served v1, FetchServed(node->address(), "acme/a@v1"));
+    EXPECT_NE(main.version, v1.version);
+    EXPECT_FALSE(main.tensors == v1.tensors);
+    // Each in a folder of its own: nothing lies in the models folder where a
+    // scan would serve it under another name.
+    EXPECT_TRUE(FilesOutsideTheCache(models).empty()) << ::testing::PrintToString(FilesOutsideTheCache(models));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Store> store, client::ConnectRemoteStore(node->address()));
+    ASSERT_OK_AND_ASSIGN(std::vector<client::CheckpointSummary> listed, store->ListCheckpoints());
+    std::vector<std::string> listed_names;
+    for (const auto& c : listed) listed_names.push_back(c.name);
+    EXPECT_EQ(listed_names, (std::vector<std::string>{"acme/a", "acme/a@c1", "acme/a@v1", "acme/b"}));
+    // A rescan keeps them.
+    Rescan(*node);
+    for (const std::string& name : names) EXPECT_OK(store->GetCheckpoint(name).status()) << name;
+    // A tier below pulls the same names from this node, apart as well.
+    const std::string below_models = testing::MakeScratchDir("hub-node-below");
+    auto below = testing::StartNode(*node, below_models);
+    ASSERT_NE(below->port(), 0) << below->log();
+    for (const std::string& name : names) ExpectServedAsUpstream(*below, name);
+    EXPECT_TRUE(FilesOutsideTheCache(below_models).empty())
+        << ::testing::PrintToString(FilesOutsideTheCache(below_models));
+  }
+  // Restarted while the upstream does not answer: served from disk, under
+  // the upstream's ids, nothing pulled again.
+  ASSERT_TRUE(upstream_->Stop());
+  auto node = testing::StartNode(*upstream_, models, {"--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(node->port(), 0) << node->log();
+  upstream_->Signal(SIGCONT);
+  for (const std::string& name : names) ExpectServedAsUpstream(*node, name);
+  EXPECT_LE(testing::MetricValue(node->metrics_port(), "weightstore_origin_pulled_bytes_total"), 0);
+}
+
+TEST_F(HubNamesTest, AnUnusableRevisionNameIsRefusedAndTheNodeServesOn) {
+  const std::string models = testing::MakeScratchDir("hub-node-names");
+  auto node = testing::StartNode(*upstream_, models);
+  ASSERT_NE(node->port(), 0) << node->log();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<client::Store> store, client::ConnectRemoteStore(node->address()));
+  for (const std::string bad : {"acme/a@", "acme/a@v1@v2", "acme/a@../x", "@v1", "acme/a@.hidden"}) {
+    absl::StatusOr<client::CheckpointSummary> got = store->GetCheckpoint(bad);
+    EXPECT_FALSE(got.ok()) << bad;
+  }
+  // The upstream lacks the revision: NotFound, named.
+  absl::StatusOr<client::CheckpointSummary> absent = store->GetCheckpoint("acme/a@v9");
+  EXPECT_EQ(absent.status().code(), absl::StatusCode::kNotFound) << absent.status();
+  ExpectServedAsUpstream(*node, "acme/a@v1");
+}
+
+TEST_F(HubNamesTest, AFollowingNodeTakesTheNewSnapshotWhenTheRefMovesAndKeepsTheCommitItPinned) {
+  HubRepo s(upstream_models_, "acme", "s");
+  std::vector<SharedTensor> tensors = MakeTensors(4, 16384, 5);
+  s.Snapshot("e1", tensors, /*sharded=*/false);
+  s.Ref("main", "e1");
+  Rescan(*upstream_);
+  const std::string models = testing::MakeScratchDir("hub-follower");
+  auto node = testing::StartNode(
+      *upstream_, models, {"--follow", "--pull", "acme/s", "--pull", "acme/s@e1", "--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(node->port(), 0) << node->log();
+  ExpectServedAsUpstream(*node, "acme/s");
+  ASSERT_OK_AND_ASSIGN(Served before, FetchServed(node->address(), "acme/s@e1"));
+
+  // The repo moves on: one tensor changed in a new snapshot, refs/main moved.
+  std::vector<SharedTensor> next = tensors;
+  {
+    std::vector<std::byte> bytes(next[2].bytes.size());
+    std::memcpy(bytes.data(), next[2].bytes.data(), bytes.size());
+    for (size_t k = 0; k < bytes.size(); k += 97) bytes[k] = std::byte(~static_cast<unsigned>(bytes[k]) & 0xff);
+    next[2].bytes = SharedBytes::FromVector(std::move(bytes));
+  }
+  s.Snapshot("e2", next, /*sharded=*/false);
+  s.Ref("main", "e2");
+  Rescan(*upstream_);
+  ASSERT_OK_AND_ASSIGN(Served want, FetchServed(upstream_->address(), "acme/s"));
+  ASSERT_NE(want.version, before.version);
+  ASSERT_TRUE(testing::WaitUntil([&] {
+    absl::StatusOr<Served> got = FetchServed(node->address(), "acme/s");
+    return got.ok() && got->version == want.version;
+  })) << node->log();
+  ExpectServedAsUpstream(*node, "acme/s");
+  // The step came as element patches, and the commit is still the commit.
+  EXPECT_GE(testing::MetricValue(node->metrics_port(), "weightstore_follow_updates_total", {"how=\"patches\""}), 1)
+      << node->log();
+  ASSERT_OK_AND_ASSIGN(Served pinned, FetchServed(node->address(), "acme/s@e1"));
+  EXPECT_EQ(pinned.version, before.version);
+  EXPECT_TRUE(pinned.tensors == before.tensors);
+}
+
+}  // namespace
+}  // namespace weightstore
