@@ -134,8 +134,9 @@ class NodeCache : public Puller, public FollowedCache {
   NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options);
   // Runs one flight's transfer and delivers its outcome to its waiters.
   void RunFlight(const std::string& name, const std::shared_ptr<Flight>& flight) ABSL_LOCKS_EXCLUDED(mu_);
-  // Serves what the ledger holds apart (node_cache_internal::ApartFolder),
-  // which no scan finds, and removes the apart folders it does not list.
+  // Serves what is held apart (node_cache_internal::ApartFolder), which no
+  // scan finds: what the ledger lists as the cache's, and what it lost as the
+  // operator's; removes the folders a killed pull left empty.
   void ServeApart() ABSL_LOCKS_EXCLUDED(mu_);
   // The transfer one flight runs. `pulled` counts its bytes from the origin.
   absl::Status Transfer(const std::string& name, std::atomic<uint64_t>* pulled);

@@ -133,8 +133,7 @@ void NodeCache::Evict(std::vector<Victim>* victims) {
     }
     v.locks.clear();
     if (!v.cached.paths.empty() && node_cache_internal::IsApartPath(v.cached.paths.back())) {
-      std::error_code ec;  // its folder, once empty
-      fs::remove((fs::path(models_dir_) / v.cached.paths.back()).parent_path(), ec);
+      node_cache_internal::RemoveApartFolderIfEmpty((fs::path(models_dir_) / v.cached.paths.back()).parent_path());
     }
     evictions_.fetch_add(1);
   }

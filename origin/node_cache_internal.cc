@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 
@@ -53,6 +54,17 @@ bool IsApartPath(absl::string_view path) {
 }
 
 bool LedgerPath(absl::string_view path) { return PlaceablePath(path) || IsApartPath(path); }
+
+void RemoveApartFolderIfEmpty(const std::string& folder) {
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator(folder, ec); !ec && it != std::filesystem::directory_iterator();
+       it.increment(ec)) {
+    if (it->path().filename() != kApartNameFile) return;
+  }
+  if (ec) return;
+  std::filesystem::remove(std::filesystem::path(folder) / kApartNameFile, ec);
+  std::filesystem::remove(folder, ec);  // only if empty: a pull may have begun to fill it again
+}
 
 absl::Status Remembered(absl::Status status) {
   status.SetPayload(kRememberedRefusal, absl::Cord("1"));

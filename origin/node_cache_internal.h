@@ -41,6 +41,12 @@ inline constexpr absl::string_view kApartFolder = ".weightstore-cache/placed";
 std::string ApartFolder(absl::string_view name);
 // True for a file directly in some apart folder ("<ApartFolder>/FILE").
 bool IsApartPath(absl::string_view path);
+// The file in an apart folder that holds the checkpoint's name (no shard can
+// be named so: it is hidden).
+inline constexpr char kApartNameFile[] = ".name";
+// Removes the apart folder `folder` (absolute) if nothing but its name file
+// is left in it.
+void RemoveApartFolderIfEmpty(const std::string& folder);
 // A path the ledger may list: placeable, or a file in an apart folder.
 bool LedgerPath(absl::string_view path);
 

@@ -27,9 +27,11 @@ namespace fs = std::filesystem;
 using node_cache_internal::Identity;
 using node_cache_internal::IsApartPath;
 using node_cache_internal::kApartFolder;
+using node_cache_internal::kApartNameFile;
 using node_cache_internal::LedgerPath;
 using node_cache_internal::NowMs;
 using node_cache_internal::ReadSmallFile;
+using node_cache_internal::RemoveApartFolderIfEmpty;
 using node_cache_internal::WriteAtomically;
 
 void NodeCache::ReadLedger() {
@@ -70,36 +72,57 @@ void NodeCache::ReadLedger() {
 }
 
 void NodeCache::ServeApart() {
-  std::map<std::string, std::string> apart;  // name -> main file
+  std::map<std::string, std::string> listed;  // name -> main file
   std::set<std::string> folders;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [name, c] : ledger_) {
       if (c.paths.empty() || !IsApartPath(c.paths.back())) continue;
-      apart[name] = (fs::path(models_dir_) / c.paths.back()).string();
+      listed[name] = (fs::path(models_dir_) / c.paths.back()).string();
       folders.insert(fs::path(c.paths.back()).parent_path().filename().string());
     }
   }
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(fs::path(models_dir_) / std::string(kApartFolder), ec)) {
-    if (folders.contains(entry.path().filename().string())) continue;
-    std::error_code remove_ec;
-    fs::remove_all(entry.path(), remove_ec);  // a pull that never finished, or one the ledger forgot
-  }
-  for (const auto& [name, path] : apart) {
+  for (const auto& [name, path] : listed) {
     if (registry_->Get(name) != nullptr) continue;
     absl::StatusOr<std::shared_ptr<const CheckpointVersion>> loaded = registry_->Load(path, name);
-    if (!loaded.ok()) {
-      std::fprintf(stderr, "weightstored: node cache: '%s' is no longer served: %s\n", name.c_str(),
+    if (loaded.ok()) continue;
+    // Its files stay; the next start tries them again, as the operator's.
+    std::fprintf(stderr, "weightstored: node cache: '%s' is not served: %s\n", name.c_str(),
+                 loaded.status().ToString().c_str());
+    absl::MutexLock lock(&mu_);
+    if (auto it = ledger_.find(name); it != ledger_.end()) {
+      cached_bytes_ -= it->second.bytes;
+      ledger_.erase(it);
+    }
+  }
+  // Folders the ledger does not list: emptied by FinishPlacing (a pull killed
+  // before it was recorded), which go; or a checkpoint whose entry was
+  // dropped (its files replaced since, by a push or a step whose ledger write
+  // was lost), served again under the name its folder records, as the
+  // operator's: neither counted nor evicted. Nothing else is removed, and a
+  // folder linked elsewhere is not looked into.
+  const fs::path placed = fs::path(models_dir_) / std::string(kApartFolder);
+  std::error_code ec;
+  if (fs::symlink_status(placed, ec).type() != fs::file_type::directory) return;
+  std::map<std::string, std::string> unlisted;  // name -> main file
+  for (auto it = fs::directory_iterator(placed, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    std::error_code item_ec;
+    if (folders.contains(it->path().filename().string()) || it->is_symlink(item_ec) || !it->is_directory(item_ec)) {
+      continue;
+    }
+    RemoveApartFolderIfEmpty(it->path().string());
+    absl::StatusOr<std::string> name = ReadSmallFile((it->path() / kApartNameFile).string(), 4096);
+    if (!name.ok() || !IsLoadableName(*name, 4096)) continue;
+    for (const auto& file : fs::directory_iterator(it->path(), item_ec)) {
+      if (NameForPath(file.path().filename().string()) == "checkpoint") unlisted.emplace(*name, file.path().string());
+    }
+  }
+  for (const auto& [name, path] : unlisted) {
+    if (listed.contains(name)) continue;
+    absl::StatusOr<std::shared_ptr<const CheckpointVersion>> loaded = registry_->LoadIfAbsent(path, name);
+    if (!loaded.ok() && !absl::IsAlreadyExists(loaded.status())) {
+      std::fprintf(stderr, "weightstored: node cache: '%s' (no longer the cache's) is not served: %s\n", name.c_str(),
                    loaded.status().ToString().c_str());
-      {
-        absl::MutexLock lock(&mu_);
-        if (auto it = ledger_.find(name); it != ledger_.end()) {
-          cached_bytes_ -= it->second.bytes;
-          ledger_.erase(it);
-        }
-      }
-      fs::remove_all(fs::path(path).parent_path(), ec);
     }
   }
 }

@@ -335,6 +335,16 @@ TEST_F(NodeCacheTest, SizesThatOverflowWhenAddedAreRefusedBeforeAnyByteMoves) {
   EXPECT_EQ(origin_->sent_.load(), 0u);
 }
 
+TEST_F(NodeCacheTest, FilesThatWouldNotLieSideBySideApartAreRefusedBeforeAnyByteMoves) {
+  // Its shards' names carry the '@' of the revision: no file in a folder
+  // apart may be named so.
+  origin_->sizes_ = {1000, 2000};
+  EXPECT_THAT(cache_->Pull("acme/x@v1").status(),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("does not lie beside the others")));
+  EXPECT_EQ(origin_->sent_.load(), 0u);
+  EXPECT_FALSE(fs::exists(models_ + "/.weightstore-cache/placed"));
+}
+
 TEST_F(NodeCacheTest, AResumeWhosePartialFileIsGoneFetchesThatFileAgain) {
   const std::string model = Model(8, 20000, 12);
   origin_->Put("m", model);
@@ -839,7 +849,9 @@ std::vector<std::string> ApartFiles(const std::string& models) {
   std::error_code ec;
   for (auto it = fs::recursive_directory_iterator(models + "/.weightstore-cache/placed", ec);
        !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    if (it->is_regular_file()) out.push_back(it->path().lexically_relative(models).string());
+    if (it->is_regular_file() && it->path().filename() != ".name") {
+      out.push_back(it->path().lexically_relative(models).string());
+    }
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -859,6 +871,10 @@ TEST_F(NodeCacheBudgetTest, HubNamesArePlacedApartServedAcrossRestartsAndEvicted
   EXPECT_FALSE(fs::exists(models_ + "/acme"));
   const std::vector<std::string> placed = ApartFiles(models_);
   ASSERT_EQ(placed.size(), 2u) << ::testing::PrintToString(placed);
+  for (const std::string& p : placed) {  // each folder records its name
+    EXPECT_THAT(testing::ReadFileOrEmpty(models_ + "/" + fs::path(p).parent_path().string() + "/.name"),
+                ::testing::AnyOf("acme/a@v1", "acme/b"));
+  }
   for (const std::string& p : placed) EXPECT_TRUE(absl::EndsWith(p, "/checkpoint.safetensors")) << p;
   EXPECT_NE(fs::path(placed[0]).parent_path(), fs::path(placed[1]).parent_path());
   registry_->Rescan();
@@ -872,17 +888,32 @@ TEST_F(NodeCacheBudgetTest, HubNamesArePlacedApartServedAcrossRestartsAndEvicted
   EXPECT_EQ(ApartFiles(models_).size(), 1u);
   EXPECT_EQ(cache_->Stats().evictions, 1u);
 
-  // A folder no ledger entry names (a pull killed before it was recorded) is
-  // removed at the next start; what the ledger names is served again.
-  const std::string stray = models_ + "/.weightstore-cache/placed/0123456789abcdef0123456789abcdef";
-  fs::create_directories(stray);
-  testing::WriteFileOrDie(stray + "/checkpoint.safetensors", model_);
+  // Unloaded, its files are still in place: a pull is refused, as for a file
+  // at its name, and the ledger keeps it.
+  ASSERT_OK(registry_->Unload("acme/b"));
+  EXPECT_THAT(cache_->Pull("acme/b").status(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("exists")));
+  ASSERT_OK(registry_->Load(models_ + "/" + ApartFiles(models_)[0], "acme/b").status());
+
+  // At the next start: a folder a killed pull left empty goes; what the
+  // ledger names is served again, as the cache's.
+  const std::string emptied = models_ + "/.weightstore-cache/placed/0123456789abcdef0123456789abcdef";
+  fs::create_directories(emptied);
   Restart();
-  EXPECT_FALSE(fs::exists(stray));
+  EXPECT_FALSE(fs::exists(emptied));
   ASSERT_NE(registry_->Get("acme/b"), nullptr);
   EXPECT_EQ(registry_->Get("acme/b")->version(), "v1");
   EXPECT_NE(registry_->Get("c"), nullptr);
   EXPECT_EQ(cache_->Stats().cache_bytes, 2 * model_.size());
+
+  // A ledger lost (or an entry dropped: files pushed to since) never costs
+  // the files: served again under the name their folder records, as the
+  // operator's, neither counted nor evicted.
+  cache_.reset();
+  fs::remove(models_ + "/.weightstore-cache/ledger.json");
+  Restart();
+  ASSERT_NE(registry_->Get("acme/b"), nullptr);
+  EXPECT_EQ(ApartFiles(models_).size(), 1u);
+  EXPECT_EQ(cache_->Stats().cache_bytes, 0u);
 }
 
 TEST_F(NodeCacheBudgetTest, TheLedgerSurvivesARestart) {

@@ -39,12 +39,14 @@ using node_cache_internal::ApartFolder;
 using node_cache_internal::Errno;
 using node_cache_internal::FsyncFolder;
 using node_cache_internal::Identity;
+using node_cache_internal::kApartNameFile;
 using node_cache_internal::LedgerPath;
 using node_cache_internal::NowMs;
 using node_cache_internal::PlaceablePath;
 using node_cache_internal::Progress;
 using node_cache_internal::ReadSmallFile;
 using node_cache_internal::Remembered;
+using node_cache_internal::RemoveApartFolderIfEmpty;
 using node_cache_internal::WholeFileCheck;
 using node_cache_internal::WriteAtomically;
 
@@ -346,12 +348,6 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   }
   // A file in the way (an operator's, or this cache's unloaded) would refuse
   // the placement at the end: refused before any byte moves.
-  if (apart) {
-    // Only this cache writes there, and nothing of it is served (checked
-    // above): what lies there is left from a pull that did not finish.
-    std::error_code stale_ec;
-    fs::remove_all(fs::path(models_dir_) / fs::path(main.path).parent_path(), stale_ec);
-  }
   for (const OriginFile& f : checkpoint.files) {
     const fs::path target = fs::path(models_dir_) / f.path;
     if (std::error_code exists_ec; fs::exists(fs::symlink_status(target, exists_ec))) {
@@ -402,10 +398,7 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   std::vector<std::string> placed;
   auto unplace = [&] {
     for (const std::string& p : placed) ::unlink((fs::path(models_dir_) / p).c_str());
-    if (apart) {
-      std::error_code apart_ec;
-      fs::remove(fs::path(models_dir_) / fs::path(main.path).parent_path(), apart_ec);  // if empty
-    }
+    if (apart) RemoveApartFolderIfEmpty((fs::path(models_dir_) / main.path).parent_path().string());
     // The entry this pull replaced comes back only for files still as it
     // recorded them (an only-unloaded checkpoint), never for files someone
     // put there since.
@@ -428,6 +421,16 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     return saved;
   }
   fds.clear();
+  if (apart) {
+    // The folder says whose it is, so that a start whose ledger lost it
+    // serves it again (ServeApart) rather than guessing.
+    const fs::path apart_folder = fs::path(models_dir_) / fs::path(main.path).parent_path();
+    fs::create_directories(apart_folder, ec);
+    if (absl::Status named = WriteAtomically((apart_folder / kApartNameFile).string(), name); !named.ok()) {
+      unplace();
+      return named;
+    }
+  }
 
   // Place the file the name is served from first: an index in place before its
   // shards keeps a rescan in between from serving a shard on its own.
@@ -456,10 +459,13 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   // The registry asks OriginVersion for the id while it opens the files (as
   // would a rescan that found them first).
   const std::string main_path = (fs::path(models_dir_) / main.path).string();
-  auto version = registry_->Load(main_path, name);
+  // Apart, nothing else is in the way: a name served meanwhile (an upload, a
+  // rescan) keeps what it serves.
+  auto version = apart ? registry_->LoadIfAbsent(main_path, name) : registry_->Load(main_path, name);
   if (!version.ok()) {
     unplace();
     fs::remove_all(folder, ec);
+    if (absl::IsAlreadyExists(version.status())) return absl::OkStatus();  // served meanwhile, not by this pull
     return absl::DataLossError(absl::StrCat("the pulled files do not open: ", version.status().message()));
   }
   fs::remove_all(folder, ec);

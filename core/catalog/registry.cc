@@ -602,6 +602,14 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
   return LoadLocked(path, name, &notify);
 }
 
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::LoadIfAbsent(const std::string& path,
+                                                                                          const std::string& name) {
+  NotifyOnExit notify(this);
+  absl::MutexLock scan_lock(&scan_mu_);
+  if (Get(name) != nullptr) return absl::AlreadyExistsError(absl::StrCat("checkpoint '", name, "' is served already"));
+  return LoadLocked(path, name, &notify);
+}
+
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::LoadLocked(const std::string& path,
                                                                                         const std::string& name,
                                                                                         NotifyOnExit* notify) {

@@ -228,6 +228,11 @@ class CheckpointRegistry {
   // symlinks resolved, must lie in the models folder or a load root, else
   // PermissionDenied. Checkpoints loaded from a load root survive rescans.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> Load(const std::string& path, const std::string& name);
+  // Load(), unless `name` is served already (AlreadyExists, and nothing is
+  // opened): checked and published under the scan lock, so that an upload or
+  // a rescan serving the name meanwhile is never replaced.
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> LoadIfAbsent(const std::string& path,
+                                                                        const std::string& name);
   // Stops serving `name`. Returns NotFound if it is not served. A checkpoint in
   // the models folder comes back at the next rescan unless its file is removed.
   absl::Status Unload(const std::string& name);

@@ -127,6 +127,9 @@ TEST(RegistryTest, AFileLoadedFromAHiddenFolderKeepsItsNameAcrossRescansAndTakes
                 StatusIs(absl::StatusCode::kInvalidArgument))
         << bad;
   }
+  // A load that must not replace what is served is refused.
+  EXPECT_THAT(registry.LoadIfAbsent(models + "/.apart/x/checkpoint.safetensors", "acme/tiny@v1.0"),
+              StatusIs(absl::StatusCode::kAlreadyExists));
   EXPECT_TRUE(IsLoadableName("acme/tiny@refs/pr/1", 4096));
   EXPECT_FALSE(IsLoadableName("acme/tiny@v1", 11));
 }
