@@ -4,6 +4,10 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_util.h"
@@ -12,6 +16,32 @@ namespace weightstore {
 namespace {
 
 constexpr size_t kHugePage = size_t{2} << 20;
+
+// True when a virtio balloon device offers free page reporting (feature bit
+// 5, VIRTIO_BALLOON_F_REPORTING): the guest then hands free blocks of huge
+// page size back to the host, which must back each again at its first touch.
+bool FreePageReporting() {
+  std::error_code ec;
+  for (const auto& device : std::filesystem::directory_iterator("/sys/bus/virtio/drivers/virtio_balloon", ec)) {
+    if (device.path().filename().string().rfind("virtio", 0) != 0) continue;
+    std::ifstream features(device.path() / "features");
+    std::string bits;
+    if (features >> bits && bits.size() > 5 && bits[5] == '1') return true;
+  }
+  return false;
+}
+
+// Read once. WEIGHTSTORE_HUGE_PAGES=1 or 0 sets it; otherwise huge pages are
+// advised unless the machine reports its free pages to a hypervisor.
+bool AdviseHugePages() {
+  static const bool advise = [] {
+    const char* value = std::getenv("WEIGHTSTORE_HUGE_PAGES");
+    if (value != nullptr && std::string_view(value) == "0") return false;
+    if (value != nullptr && std::string_view(value) == "1") return true;
+    return !FreePageReporting();
+  }();
+  return advise;
+}
 
 }  // namespace
 
@@ -59,7 +89,7 @@ absl::StatusOr<HostBuffer> HostBuffer::Allocate(size_t size) {
   if (aligned > start) ::munmap(raw, aligned - start);
   const uintptr_t end = start + length, used_end = aligned + rounded;
   if (end > used_end) ::munmap(reinterpret_cast<void*>(used_end), end - used_end);
-  ::madvise(reinterpret_cast<void*>(aligned), rounded, MADV_HUGEPAGE);
+  if (AdviseHugePages()) ::madvise(reinterpret_cast<void*>(aligned), rounded, MADV_HUGEPAGE);
   void* base = reinterpret_cast<void*>(aligned);
   buffer.owner_ = std::shared_ptr<void>(base, Release{rounded});
   buffer.span_ = std::span<std::byte>(static_cast<std::byte*>(base), size);

@@ -2,9 +2,13 @@
 //
 // Buffers of 2 MiB or more are 2 MiB-aligned anonymous mappings advised to use
 // transparent huge pages: first-touch page faults, not the copy, dominate filling
-// fresh memory (measured: 256 MiB in 0.04 s with huge pages, 0.8 s without, on
-// the CI machine). Smaller buffers come from the heap. Move-only; Freeze()
-// turns it into immutable SharedBytes without a copy. Thread-compatible.
+// fresh memory, and a 2 MiB page takes one fault where 4 KiB ones take 512
+// (and the TLB holds more of the weights later). Not on a VM whose virtio
+// balloon reports free pages to the hypervisor: there every fresh huge page is
+// memory the host takes back and must back again at its first touch, and
+// 4 KiB pages (recycled, never reported) fill about 4x faster (measured in
+// docs/benchmarks.md). WEIGHTSTORE_HUGE_PAGES=1 or 0 overrides the choice. Smaller buffers come from the heap.
+// Move-only; Freeze() turns it into immutable SharedBytes without a copy. Thread-compatible.
 #ifndef WEIGHTSTORE_CORE_HOST_BUFFER_H_
 #define WEIGHTSTORE_CORE_HOST_BUFFER_H_
 

@@ -9,11 +9,17 @@ taking turns (--runs each, medians printed):
   - safetensors 0.8's load_file: its default (tensors that view a mapping of
     the file: no copy, not owned), and backend="pread" (owned);
   - torch.empty + copy_ of the mmapped file's bytes into one fresh buffer
-    (one thread: a plain copy's page-fault limit on this machine).
+    (one thread);
+  - weightstore's default threads with WEIGHTSTORE_HUGE_PAGES=1 and =0
+    (huge pages forced, and 4 KiB pages; the default picks one: 4 KiB on a VM
+    that reports free pages to its hypervisor, as this one does);
+  - the limits: the file's bytes copied into fresh private memory, advised
+    for huge pages or not, in 4 MiB pieces on every usable core (at most 8),
+    as weightstore copies.
 Each child checks its tensors equal to load_file's (a sampled checksum) and
 reports its peak RSS.
 
-Usage: build-tools/venv/bin/python tests/bench/owned_copy_bench.py [--build build] [--gb 1] [--runs 5]
+Usage: build-tools/venv/bin/python tests/bench/owned_copy_bench.py [--build build] [--gb 1] [--runs 5] [--touch-gb 12]
 """
 import argparse
 import os
@@ -42,6 +48,32 @@ elif mode in ("safetensors", "safetensors-pread"):
     t0 = time.perf_counter()
     tensors = load_file(path) if mode == "safetensors" else load_file(path, backend="pread")
     seconds = time.perf_counter() - t0
+elif mode in ("limit-huge", "limit-4k"):  # the copy's limits: fresh private memory, filled on every usable core
+    import mmap
+    import threading
+    import numpy as np
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    src = np.frombuffer(m, dtype=np.uint8)
+    threads = min(len(os.sched_getaffinity(0)), 8)
+    t0 = time.perf_counter()
+    # Private: a shared anonymous mapping (mmap's default) is shmem, which
+    # takes no transparent huge pages here.
+    buffer = mmap.mmap(-1, src.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if mode == "limit-huge":
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    dst = np.frombuffer(buffer, dtype=np.uint8)
+    piece = 4 << 20
+    def copy(first):  # numpy copies without the GIL
+        for at in range(first * piece, src.size, threads * piece):
+            np.copyto(dst[at:at + piece], src[at:at + piece])
+    workers = [threading.Thread(target=copy, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.perf_counter() - t0
+    tensors = {}
 else:  # plain: one buffer, one thread
     import mmap
     with open(path, "rb") as f:
@@ -57,6 +89,14 @@ check = sum(int(t.view(torch.int16)[:: 4099].sum()) for t in tensors.values()) i
 print(f"{seconds} {check} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}")
 """
 
+TOUCH = r"""
+import mmap, sys
+touched = mmap.mmap(-1, int(sys.argv[1]))
+touched.madvise(mmap.MADV_HUGEPAGE)
+for at in range(0, len(touched), 4096):
+    touched[at] = 1
+"""
+
 
 def main():
     parser = argparse.ArgumentParser()
@@ -64,7 +104,16 @@ def main():
     parser.add_argument("--gb", type=float, default=1)
     parser.add_argument("--tensor-mb", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--touch-gb", type=float, default=0,
+                        help="first touch (and free) this much fresh memory, so that the hypervisor backs it: "
+                             "on this VM a page the guest never touched costs ~3 s/GiB at its first fault, "
+                             "which falls on huge pages (taken from memory nobody touched yet) far more than on "
+                             "4 KiB ones (recycled)")
     args = parser.parse_args()
+    if args.touch_gb > 0:  # in a child: the rows' children would inherit this process's peak RSS
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", TOUCH, str(int(args.touch_gb * 2**30))], check=True)
+        print(f"touched {args.touch_gb:g} GiB of fresh memory first in {time.perf_counter() - t0:.1f} s")
 
     import torch
     from safetensors.torch import save_file
@@ -88,6 +137,10 @@ def main():
         ("safetensors load_file (views of a mapping)", "safetensors", {}),
         ("safetensors load_file(backend='pread')", "safetensors-pread", {}),
         ("torch copy_ of the mapped file, 1 thread", "plain", {}),
+        ("weightstore file: default threads, huge pages", "weightstore", {"WEIGHTSTORE_HUGE_PAGES": "1"}),
+        ("weightstore file: default threads, 4 KiB pages", "weightstore", {"WEIGHTSTORE_HUGE_PAGES": "0"}),
+        ("limit: copy into fresh huge pages, every core", "limit-huge", {}),
+        ("limit: copy into fresh 4 KiB pages, every core", "limit-4k", {}),
     ]
     times = {label: [] for label, _, _ in rows}
     rss = {label: 0 for label, _, _ in rows}
@@ -109,7 +162,7 @@ def main():
                                  capture_output=True, text=True).stdout.split()
             times[label].append(float(out[0]))
             rss[label] = max(rss[label], int(out[2]))
-            if mode != "plain":
+            if mode not in ("plain", "limit-huge", "limit-4k"):
                 checks.setdefault(label, out[1])
     reference = checks["safetensors load_file (views of a mapping)"]
     for label, value in checks.items():
@@ -118,10 +171,12 @@ def main():
 
     print(f"{size / 2**30:.2f} GiB of BF16 in {count} tensors; {os.cpu_count()} CPUs; medians of {args.runs}")
     base = statistics.median(times[rows[0][0]])
+    limit = statistics.median(times[rows[-2][0]])
     for label, _, _ in rows:
         median = statistics.median(times[label])
         print(f"  {label:<52} {median * 1000:8.1f} ms  {size / median / 1e9:5.2f} GB/s  "
-              f"{base / median:4.2f}x of 1 thread  peak RSS {rss[label] / 2**20:6.0f} MiB  "
+              f"{base / median:4.2f}x of 1 thread  {median / limit:4.2f}x the huge-page limit's time  "
+              f"peak RSS {rss[label] / 2**20:6.0f} MiB  "
               f"(runs, after: {', '.join(f'{t * 1000:.0f} {b}' for t, b in zip(times[label], before[label]))})")
 
 
