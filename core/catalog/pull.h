@@ -54,9 +54,9 @@ struct FollowedStats {
 };
 
 struct FollowStats {
-  bool following = false;           // --follow
-  bool upstream_connected = false;  // the watch is up
-  std::vector<FollowedStats> checkpoints;
+  bool following = false;                  // --follow
+  bool upstream_connected = false;         // the watch is up
+  std::vector<FollowedStats> checkpoints;  // sorted by name
 };
 
 // Figures for metrics, read at scrape time.
