@@ -54,6 +54,10 @@ struct FormatSpec {
 
   // Lays out a file of this format (CheckpointWriter); null: read-only here.
   absl::StatusOr<WritePlan> (*plan)(const std::vector<TensorSpec>& tensors, const Metadata& metadata) = nullptr;
+  // `plan` with the tensors in the order given, where `plan` orders them its
+  // own way (WriteOptions::keep_order); null: `plan` keeps the order given.
+  absl::StatusOr<WritePlan> (*plan_in_order)(const std::vector<TensorSpec>& tensors,
+                                             const Metadata& metadata) = nullptr;
   // The endings of the one encoding `plan` writes, when the format reads
   // several (Burn records: ".mpk", not ".mpk.gz"); empty: all of `extensions`.
   std::span<const absl::string_view> write_extensions;

@@ -370,7 +370,11 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   //    loads and other checkpoints' pushes go on), under a temporary's name.
   const Checkpoint& checkpoint = *base.checkpoint();
   const std::string written_path = PushedFilePath(base.path());
-  WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(written_path, checkpoint.format()));
+  // A follower's copy keeps its upstream's order (PushOptions::expected), so
+  // that contiguous index ranges select the same tensors on both.
+  WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer,
+                               CheckpointWriter::Create(written_path, checkpoint.format(),
+                                                        {.keep_order = session->options_.expected.has_value()}));
   writer->SetMetadata(session->options_.metadata.value_or(checkpoint.metadata()));
   std::vector<ManifestTensor> known;  // digests of what is written: the base's and the pushed
   // The patches pushed, their bodies read from the staging file: applied
@@ -422,23 +426,38 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
       }
     }
   }
-  for (const CheckpointEntry& entry : checkpoint.entries()) {
-    if (auto p = session->by_name_.find(entry.spec.name); p != session->by_name_.end()) {  // replaced or redefined
+  // One tensor of the new version: pushed (replaced, redefined or new), or
+  // the base's unchanged.
+  auto add = [&](const std::string& tensor) -> absl::Status {
+    if (auto p = session->by_name_.find(tensor); p != session->by_name_.end()) {
       const PushSession::Pushed& pushed = session->pushed_[p->second];
-      WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(pushed.spec, push_bytes(pushed)));
-      continue;
+      return writer->Add(pushed.spec, push_bytes(pushed));
     }
-    if (session->removed_.contains(entry.spec.name)) continue;
-    if (base.manifest() != nullptr) known.push_back(*base.manifest()->Find(entry.spec.name));
+    const CheckpointEntry* e = checkpoint.Find(tensor);
+    if (e == nullptr || session->removed_.contains(tensor)) return absl::OkStatus();
+    if (base.manifest() != nullptr) known.push_back(*base.manifest()->Find(tensor));
     std::shared_ptr<const Checkpoint> source = base.checkpoint();
-    const CheckpointEntry* e = &entry;
-    WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(entry.spec, [source, e]() -> absl::StatusOr<SharedBytes> {
+    return writer->Add(e->spec, [source, e]() -> absl::StatusOr<SharedBytes> {
       WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, source->Read(*e));
       return std::move(t.bytes);
-    }));
-  }
-  for (const PushSession::Pushed& p : session->pushed_) {
-    if (checkpoint.Find(p.spec.name) == nullptr) WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(p.spec, push_bytes(p)));
+    });
+  };
+  if (const auto& expected = session->options_.expected; expected.has_value()) {
+    // In the upstream's order; what it lacks is found by CheckExpected.
+    absl::flat_hash_set<absl::string_view> written;
+    for (const ManifestTensor& t : *expected) {
+      if (!written.insert(t.name).second) {
+        return absl::DataLossError(absl::StrCat("push to '", name, "' expects tensor '", t.name.substr(0, 256),
+                                                "' twice; nothing was published"));
+      }
+      WEIGHTSTORE_RETURN_IF_ERROR(add(t.name));
+    }
+  } else {
+    // The base's order, with new tensors last, in push order.
+    for (const CheckpointEntry& entry : checkpoint.entries()) WEIGHTSTORE_RETURN_IF_ERROR(add(entry.spec.name));
+    for (const PushSession::Pushed& p : session->pushed_) {
+      if (checkpoint.Find(p.spec.name) == nullptr) WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(p.spec, push_bytes(p)));
+    }
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, writer->Plan());
   struct statvfs disk;

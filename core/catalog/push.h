@@ -48,7 +48,8 @@ struct PushOptions {
   // - metadata: the new version's, instead of the base's.
   std::optional<Metadata> metadata;
   // - expected: every tensor the new version must have, by name (dtype, shape
-  //   and digest), in any order, no more and no fewer. Needs digests
+  //   and digest), no more and no fewer, each once; the new file holds them
+  //   in this order (the upstream's). Needs digests
   //   (RegistryOptions::tensor_digests).
   std::optional<std::vector<ManifestTensor>> expected;
 };

@@ -155,14 +155,24 @@ TEST_F(PushTest, AFollowersPushTakesTheUpstreamsIdAndMetadataAndPublishesOnlyThe
   EXPECT_EQ(relabelled->version(), "upstream-v3");
   EXPECT_EQ(relabelled->checkpoint()->metadata().at("trainer"), "step-2");
 
-  // The upstream re-saved the same tensors in another order: the same file
-  // here, under the upstream's new id.
+  // The upstream re-saved the same tensors in another order: the same
+  // tensors here, under the upstream's new id, in its order (so contiguous
+  // index ranges select alike on both).
   std::vector<ManifestTensor> reordered = {expected[2], expected[0], expected[1]};
+  PushOptions twice{.base_version = relabelled->version(),
+                    .version_id = "upstream-v4",
+                    .metadata = Metadata{{"trainer", "step-2"}},
+                    .expected = reordered};
+  twice.expected->push_back(expected[0]);
+  EXPECT_THAT(Push({}, twice), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("expects tensor 'a' twice")));
   ASSERT_OK_AND_ASSIGN(auto resaved, Push({}, {.base_version = relabelled->version(),
                                                .version_id = "upstream-v4",
                                                .metadata = Metadata{{"trainer", "step-2"}},
                                                .expected = reordered}));
   EXPECT_EQ(resaved->version(), "upstream-v4");
+  std::vector<std::string> order;
+  for (const auto& e : resaved->checkpoint()->entries()) order.push_back(e.spec.name);
+  EXPECT_THAT(order, ElementsAre("c", "a", "b"));
   // Nothing new at all is still refused.
   EXPECT_THAT(Push({}, {.base_version = resaved->version(),
                         .version_id = "upstream-v4",

@@ -124,7 +124,9 @@ absl::Status CheckpointWriter::Add(TensorSpec spec, BytesProducer bytes) {
 }
 
 absl::StatusOr<WritePlan> CheckpointWriter::Plan() const {
-  return options_.plan ? options_.plan(specs_, metadata_) : PlanCheckpoint(*format_, specs_, metadata_);
+  if (options_.plan) return options_.plan(specs_, metadata_);
+  if (options_.keep_order && format_->plan_in_order != nullptr) return format_->plan_in_order(specs_, metadata_);
+  return PlanCheckpoint(*format_, specs_, metadata_);
 }
 
 absl::Status CheckpointWriter::Finish() {

@@ -30,6 +30,9 @@ struct WriteOptions {
   // Lays the file out instead of the format's own plan (a Burn record
   // template: RecordTemplatePlan). Default: none.
   std::function<absl::StatusOr<WritePlan>(const std::vector<TensorSpec>&, const Metadata&)> plan;
+  // Writes the tensors in the order added, where the format lets a writer
+  // choose (FormatSpec::plan_in_order). Default: the format's own order.
+  bool keep_order = false;
 };
 
 // Produces one tensor's bytes; called once, during Finish().

@@ -380,15 +380,20 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenShardedSafeTensors(const s
                             std::move(files), options);
 }
 
-absl::StatusOr<WritePlan> PlanSafeTensors(const std::vector<TensorSpec>& tensors, const Metadata& metadata) {
+namespace {
+
+absl::StatusOr<WritePlan> PlanSafeTensorsLayout(const std::vector<TensorSpec>& tensors, const Metadata& metadata,
+                                                bool sorted) {
   WritePlan plan;
   plan.order.resize(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) plan.order[i] = i;
-  std::sort(plan.order.begin(), plan.order.end(), [&](size_t a, size_t b) {
-    int oa = DTypeOrder(tensors[a].dtype), ob = DTypeOrder(tensors[b].dtype);
-    if (oa != ob) return oa > ob;
-    return tensors[a].name < tensors[b].name;
-  });
+  if (sorted) {
+    std::sort(plan.order.begin(), plan.order.end(), [&](size_t a, size_t b) {
+      int oa = DTypeOrder(tensors[a].dtype), ob = DTypeOrder(tensors[b].dtype);
+      if (oa != ob) return oa > ob;
+      return tensors[a].name < tensors[b].name;
+    });
+  }
   // ordered_json keeps insertion order; keys are unique by construction, so its
   // linear lookup is never exercised.
   std::string json = "{";
@@ -431,6 +436,16 @@ absl::StatusOr<WritePlan> PlanSafeTensors(const std::vector<TensorSpec>& tensors
   return plan;
 }
 
+}  // namespace
+
+absl::StatusOr<WritePlan> PlanSafeTensors(const std::vector<TensorSpec>& tensors, const Metadata& metadata) {
+  return PlanSafeTensorsLayout(tensors, metadata, /*sorted=*/true);
+}
+
+absl::StatusOr<WritePlan> PlanSafeTensorsInOrder(const std::vector<TensorSpec>& tensors, const Metadata& metadata) {
+  return PlanSafeTensorsLayout(tensors, metadata, /*sorted=*/false);
+}
+
 std::vector<std::string> ShardFilesOf(const std::string& index_path) {
   // An index is a file of a hub cache or a models folder, not trusted: its
   // size and its distinct shards are bounded, and each is looked up once.
@@ -467,6 +482,7 @@ constinit const FormatSpec kSafeTensorsFormat = {
     .open_index = OpenShardedSafeTensors,
     .index_files = ShardFilesOf,
     .plan = PlanSafeTensors,
+    .plan_in_order = PlanSafeTensorsInOrder,
 };
 
 }  // namespace weightstore

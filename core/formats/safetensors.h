@@ -49,6 +49,9 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenShardedSafeTensors(const s
 // "__metadata__" first, tensors ordered by dtype descending then name, header
 // padded with spaces to a multiple of 8, contiguous offsets.
 absl::StatusOr<WritePlan> PlanSafeTensors(const std::vector<TensorSpec>& tensors, const Metadata& metadata);
+// The same, with the tensors in the order given (a copy that keeps another
+// writer's order: readers take any).
+absl::StatusOr<WritePlan> PlanSafeTensorsInOrder(const std::vector<TensorSpec>& tensors, const Metadata& metadata);
 
 }  // namespace weightstore
 

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -37,6 +38,7 @@
 #include "tests/util/test_env.h"
 #include "tests/util/wait.h"
 #include "tests/util/watcher.h"
+#include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore {
 namespace {
@@ -821,6 +823,68 @@ TEST(FollowingFlagsTest, FollowWithoutTensorDigestsIsRefusedAtStart) {
   Daemon with_digests(testing::MakeScratchDir("follow-digests"),
                       {"--origin", "grpc://127.0.0.1:1", "--follow", "--pull", "m"});
   EXPECT_NE(with_digests.port(), 0) << with_digests.log();
+}
+
+// A file another writer laid out in its own order (not the dtype-then-name
+// order of weightstore's and the safetensors library's writers): the node's
+// copy keeps that order at every step, so contiguous index ranges select the
+// same tensors on both.
+TEST(FollowingOrderTest, ANodesCopyKeepsTheUpstreamsTensorOrderAcrossSteps) {
+  const std::string upstream_models = testing::MakeScratchDir("follow-order-upstream");
+  const std::string file = upstream_models + "/o.safetensors";
+  auto write = [&](float seed) {
+    std::vector<SharedTensor> tensors;
+    for (const char* name : {"z.weight", "a.weight", "m.weight"}) {
+      std::vector<std::byte> bytes(4096 * 4);
+      for (size_t k = 0; k < bytes.size(); ++k) bytes[k] = std::byte((k * 7 + name[0] + int(seed)) & 0xff);
+      tensors.push_back({{name, DType::kF32, {4096}}, SharedBytes::FromVector(std::move(bytes))});
+    }
+    ASSERT_OK_AND_ASSIGN(auto writer, CheckpointWriter::Create(file + ".tmp", kSafeTensorsFormat,
+                                                               {.overwrite = true, .keep_order = true}));
+    for (const SharedTensor& t : tensors) {
+      SharedBytes bytes = t.bytes;
+      ASSERT_OK(writer->Add(t.spec, [bytes] { return absl::StatusOr<SharedBytes>(bytes); }));
+    }
+    ASSERT_OK(writer->Finish());
+    std::filesystem::rename(file + ".tmp", file);
+  };
+  write(1);
+  Daemon upstream(upstream_models);
+  ASSERT_NE(upstream.port(), 0) << upstream.log();
+  auto order_of = [](const std::string& address) {
+    std::vector<std::string> names;
+    auto store = client::ConnectRemoteStore(address);
+    if (!store.ok()) return names;
+    auto listed = (*store)->ListTensors("o", {});
+    if (listed.ok()) {
+      for (const auto& d : listed->tensors) names.push_back(d.spec.name);
+    }
+    return names;
+  };
+  ASSERT_THAT(order_of(upstream.address()), ::testing::ElementsAre("z.weight", "a.weight", "m.weight"));
+  const std::string models = testing::MakeScratchDir("follow-order-node");
+  auto node = testing::StartNode(upstream, models, {"--follow", "--pull", "o"});
+  ASSERT_NE(node->port(), 0) << node->log();
+  EXPECT_THAT(order_of(node->address()), ::testing::ElementsAre("z.weight", "a.weight", "m.weight"));
+
+  // The upstream's file is rewritten (every tensor changed), in its order.
+  std::this_thread::sleep_for(std::chrono::milliseconds(15));  // a new mtime
+  write(2);
+  auto stub = testing::NewStub(upstream.address());
+  grpc::ClientContext ctx;
+  v1::RescanResponse rescanned;
+  ASSERT_TRUE(stub->Rescan(&ctx, v1::RescanRequest(), &rescanned).ok());
+  auto version_of = [](const std::string& address) {
+    auto store = client::ConnectRemoteStore(address);
+    if (!store.ok()) return std::string();
+    auto info = (*store)->GetCheckpoint("o");
+    return info.ok() ? info->version : std::string();
+  };
+  const std::string v2 = version_of(upstream.address());
+  ASSERT_TRUE(testing::WaitUntil([&] { return version_of(node->address()) == v2; })) << node->log();
+  EXPECT_THAT(order_of(node->address()), ::testing::ElementsAre("z.weight", "a.weight", "m.weight"));
+  EXPECT_EQ(testing::ReadFileOrEmpty(models + "/o.safetensors"), testing::ReadFileOrEmpty(file))
+      << "the node's file is not the upstream's, byte for byte";
 }
 
 TEST(FollowingFlagsTest, FollowWithoutAnOriginIsRefusedAtStart) {
