@@ -17,6 +17,11 @@ namespace weightstore {
 uint32_t Crc32cExtend(uint32_t crc, absl::string_view data);
 inline uint32_t Crc32c(absl::string_view data) { return Crc32cExtend(0, data); }
 
+// Returns the CRC32C of A followed by B, from A's CRC32C, B's and B's length
+// in bytes: what lets pieces of one buffer be checksummed on several threads.
+// O(log length).
+uint32_t Crc32cConcat(uint32_t crc_a, uint32_t crc_b, uint64_t length_b);
+
 // The table implementation, exposed for tests.
 uint32_t Crc32cExtendPortable(uint32_t crc, absl::string_view data);
 

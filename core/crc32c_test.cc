@@ -31,13 +31,30 @@ TEST(Crc32cTest, HardwareAndTableAgreeAndExtendComposes) {
   EXPECT_EQ(split, Crc32c(data));
 }
 
+TEST(Crc32cTest, ConcatGivesTheCrcOfTheWholeFromItsPieces) {
+  std::mt19937 rng(9);
+  std::string data(70001, '\0');
+  for (char& c : data) c = static_cast<char>(rng());
+  const absl::string_view all(data);
+  for (size_t cut : {size_t{0}, size_t{1}, size_t{7}, size_t{4096}, size_t{69999}, all.size()}) {
+    const absl::string_view a = all.substr(0, cut), b = all.substr(cut);
+    EXPECT_EQ(Crc32cConcat(Crc32c(a), Crc32c(b), b.size()), Crc32c(all)) << cut;
+  }
+  // Three pieces, folded left to right.
+  const uint32_t ab = Crc32cConcat(Crc32c(all.substr(0, 100)), Crc32c(all.substr(100, 5000)), 5000);
+  EXPECT_EQ(Crc32cConcat(ab, Crc32c(all.substr(5100)), all.size() - 5100), Crc32c(all));
+}
+
 TEST(Crc32cTest, DataOverOneGibibyteIsTakenInPieces) {
   // ISA-L takes an int length. 1 GiB + 3 zero bytes, mapped from the zero
   // page (nothing allocated); the value is the table implementation's.
   const size_t size = (size_t{1} << 30) + 3;
   void* zeros = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   ASSERT_NE(zeros, MAP_FAILED);
-  EXPECT_EQ(Crc32c(absl::string_view(static_cast<const char*>(zeros), size)), 0xA72390E4u);
+  const absl::string_view all(static_cast<const char*>(zeros), size);
+  EXPECT_EQ(Crc32c(all), 0xA72390E4u);
+  // And a gibibyte moved past, for Crc32cConcat.
+  EXPECT_EQ(Crc32cConcat(Crc32c("123456789"), 0xA72390E4u, size), Crc32cExtend(Crc32c("123456789"), all));
   ::munmap(zeros, size);
 }
 
