@@ -72,15 +72,21 @@ class LocalStore final : public Store {
   // 4 MiB on several threads (client/parallel_copy.h).
   static constexpr size_t kCopyPiece = 64u << 20;
 
+  // `release` (empty, or the served bytes' source: Releasable) is dropped
+  // as it is copied, piece by piece.
   static absl::Status Copy(const Snapshot& snapshot, const ServedTensorPlan& plan, std::span<std::byte> out,
-                           const Query& query) {
+                           const Query& query, std::span<const std::byte> release) {
     auto cancelled = [&query] { return query.cancel != nullptr && query.cancel->load(); };
     if (CopyThreads() <= 1 || out.size() < 2 * kCopyPieceBytes) {
-      return MaterializeServedInPieces(snapshot, plan, out, kCopyPiece, cancelled);
+      WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServedInPieces(snapshot, plan, out, kCopyPiece, cancelled));
+      ReleaseCopiedPages(release);
+      return absl::OkStatus();
     }
     return CopyInPieces(out.size(), ServedPieceBytes(plan, kCopyPieceBytes), [&](uint64_t at, uint64_t length) {
       if (cancelled()) return absl::CancelledError(absl::StrCat("cancelled at tensor '", plan.tensor->spec.name, "'"));
-      return MaterializeServed(snapshot, plan, at, out.subspan(at, length));
+      WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, out.subspan(at, length)));
+      if (!release.empty()) ReleaseCopiedPages(release.subspan(at, length));
+      return absl::OkStatus();
     });
   }
 
@@ -93,7 +99,10 @@ class LocalStore final : public Store {
     for (const SnapshotTensor& t : snapshot->tensors()) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
-      absl::Status copied = Copy(*snapshot, PlanServedTensor(*snapshot, t), out, query);
+      const ServedTensorPlan plan = PlanServedTensor(*snapshot, t);
+      const std::span<const std::byte> release =
+          query.release_source_pages ? Releasable(*snapshot, plan) : std::span<const std::byte>();
+      absl::Status copied = Copy(*snapshot, plan, out, query, release);
       if (!copied.ok()) {
         return absl::Status(copied.code(), absl::StrCat("fetch of '", name, "': ", copied.message()));
       }
@@ -103,6 +112,19 @@ class LocalStore final : public Store {
   }
 
  private:
+  // The bytes `plan` copies byte for byte, where they lie in a mapped file
+  // (read-only: its pages stay in the page cache once dropped); empty for
+  // bytes of any other kind (read with pread, inflated, fixed up, cast),
+  // which are never dropped. The snapshot keeps them alive.
+  static std::span<const std::byte> Releasable(const Snapshot& snapshot, const ServedTensorPlan& plan) {
+    if (!plan.is_byte_range()) return {};
+    absl::StatusOr<SharedBytes> view = ReadServedView(snapshot, plan);
+    if (!view.ok()) return {};
+    const std::optional<FileExtent> extent = snapshot.checkpoint().Locate(*view);
+    if (!extent || !snapshot.checkpoint().files()[extent->file]->is_mapped()) return {};
+    return view->span();
+  }
+
   static absl::Status Resolve(const CheckpointVersion& v, const Query& query, std::shared_ptr<const Snapshot>* out,
                               std::optional<ApplyResult>* result) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto selection, Selection::Compile(query.selection));

@@ -1,14 +1,20 @@
 // The `file:` store's fetch into owned memory: large tensors are copied in
 // pieces on several threads (client/local_store.cc); the bytes must be the
-// same as the file's, cast or not, whatever the piece boundaries.
+// same as the file's, cast or not, whatever the piece boundaries. And a
+// fetch into the caller's own memory (PlacingSink), which can drop the
+// file's pages once copied.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
 #include "core/formats/checkpoint_writer.h"
@@ -70,6 +76,72 @@ TEST(LocalStoreCopyTest, LargeTensorsComeByteForByteOnSeveralThreadsCastOrNot) {
   Query cancelled;
   cancelled.cancel = cancel;
   EXPECT_THAT(store->FetchAll("m", cancelled).status(), testing::StatusIs(absl::StatusCode::kCancelled));
+}
+
+// Bytes of this process's mappings of files whose path ends with `suffix`
+// that are resident (/proc/self/smaps).
+uint64_t ResidentBytesOfFile(const std::string& suffix) {
+  std::ifstream smaps("/proc/self/smaps");
+  uint64_t total = 0;
+  bool ours = false;
+  for (std::string line; std::getline(smaps, line);) {
+    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') != std::string::npos &&
+        line.find(':') > line.find(' ')) {
+      ours = line.size() >= suffix.size() && line.compare(line.size() - suffix.size(), suffix.size(), suffix) == 0;
+    } else if (ours && line.rfind("Rss:", 0) == 0) {
+      total += std::stoull(line.substr(4)) * 1024;
+    }
+  }
+  return total;
+}
+
+TEST(PlacingSinkTest, WritesEachTensorIntoItsPlaceAndCollectsTheRestDroppingTheFilesPages) {
+  const std::string dir = testing::MakeScratchDir("placing-sink");
+  const std::vector<size_t> elements = {6u << 20, 1000, 5000};  // 24 MiB, and two small ones
+  std::vector<SharedTensor> tensors;
+  for (size_t i = 0; i < elements.size(); ++i) {
+    tensors.push_back({{absl::StrCat("t", i), DType::kF32, {elements[i]}},
+                       SharedBytes::FromVector(Values(elements[i], static_cast<int>(i) + 7))});
+  }
+  testing::WriteFileOrDie(dir + "/placed.safetensors", *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Store> store, OpenLocalStore(dir));
+
+  // Copied without release: the file stays mapped in this process.
+  ASSERT_OK(store->FetchAll("placed", {}).status());
+  EXPECT_GE(ResidentBytesOfFile("/placed.safetensors"), elements[0] * 4);
+
+  // t0 has its place; t1's place is of another dtype, so it is collected;
+  // t2 has none.
+  std::vector<std::byte> t0(elements[0] * 4), t1(elements[1] * 2);
+  absl::flat_hash_map<std::string, PlacingSink::Place> places;
+  places["t0"] = {DType::kF32, {elements[0]}, t0};
+  places["t1"] = {DType::kBF16, {elements[1]}, t1};
+  PlacingSink sink(std::move(places));
+  Query query;
+  query.release_source_pages = true;
+  ASSERT_OK(store->FetchTensors("placed", query, &sink));
+  EXPECT_THAT(sink.placed(), ::testing::ElementsAre("t0"));
+  EXPECT_TRUE(sink.written_any());
+  EXPECT_EQ(std::memcmp(t0.data(), tensors[0].bytes.data(), t0.size()), 0);
+  EXPECT_TRUE(std::all_of(t1.begin(), t1.end(), [](std::byte b) { return b == std::byte{0}; }));
+  ASSERT_EQ(sink.rest().tensors().size(), 2u);
+  EXPECT_EQ(sink.rest().tensors()[0].spec.name, "t1");
+  EXPECT_TRUE(sink.rest().tensors()[0].bytes.view() == tensors[1].bytes.view());
+  EXPECT_EQ(sink.rest().tensors()[1].spec.name, "t2");
+  EXPECT_TRUE(sink.rest().tensors()[1].bytes.view() == tensors[2].bytes.view());
+  EXPECT_FALSE(sink.rest().version().empty());
+  // The pages the copies read were dropped as they went. A few may be mapped
+  // again: a read next to a dropped piece maps the pages around it (up to a
+  // large folio, 2 MiB) on another thread.
+  EXPECT_LT(ResidentBytesOfFile("/placed.safetensors"), elements[0] * 4 / 4);
+
+  // A cancelled fetch writes nothing.
+  std::vector<std::byte> untouched(elements[0] * 4);
+  absl::flat_hash_map<std::string, PlacingSink::Place> again;
+  again["t0"] = {DType::kF32, {elements[0]}, untouched};
+  PlacingSink cancelled(std::move(again), std::make_shared<std::atomic<bool>>(true));
+  EXPECT_THAT(store->FetchTensors("placed", {}, &cancelled), testing::StatusIs(absl::StatusCode::kCancelled));
+  EXPECT_FALSE(cancelled.written_any());
 }
 
 }  // namespace

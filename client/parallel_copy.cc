@@ -1,11 +1,16 @@
 #include "client/parallel_copy.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "client/usable_cores.h"
+#include "core/crc32c.h"
 #include "core/parallel_for.h"
 
 namespace weightstore::client {
@@ -39,6 +44,41 @@ void ParallelMemcpy(std::span<std::byte> out, const std::byte* from) {
     std::memcpy(out.data() + at, from + at, length);
     return absl::OkStatus();
   });
+}
+
+uint32_t CopyWithCrc32c(std::span<std::byte> out, const std::byte* from, bool release_from) {
+  // Checksummed a slice at a time, right after its copy, while it is in L2.
+  constexpr uint64_t kSlice = uint64_t{256} << 10;
+  const uint64_t size = out.size();
+  if (size == 0) return 0;
+  std::vector<uint32_t> crcs(size / kCopyPieceBytes + (size % kCopyPieceBytes != 0 ? 1 : 0));
+  (void)CopyInPieces(size, kCopyPieceBytes, [&](uint64_t at, uint64_t length) {
+    uint32_t crc = 0;
+    for (uint64_t done = 0; done < length;) {
+      const uint64_t n = std::min(kSlice, length - done);
+      std::memcpy(out.data() + at + done, from + at + done, n);
+      crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(out.data() + at + done), n));
+      done += n;
+    }
+    crcs[at / kCopyPieceBytes] = crc;
+    if (release_from) ReleaseCopiedPages({from + at, length});
+    return absl::OkStatus();
+  });
+  uint32_t crc = crcs[0];
+  for (size_t i = 1; i < crcs.size(); ++i) {
+    crc = Crc32cConcat(crc, crcs[i], std::min(kCopyPieceBytes, size - i * kCopyPieceBytes));
+  }
+  return crc;
+}
+
+void ReleaseCopiedPages(std::span<const std::byte> source) {
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t start = reinterpret_cast<uintptr_t>(source.data());
+  const uintptr_t first = (start + page - 1) / page * page;
+  const uintptr_t end = (start + source.size()) / page * page;
+  // Advice only: a failure leaves the pages mapped, which costs memory, not
+  // correctness.
+  if (end > first) (void)::madvise(reinterpret_cast<void*>(first), end - first, MADV_DONTNEED);
 }
 
 }  // namespace weightstore::client

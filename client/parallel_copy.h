@@ -30,6 +30,20 @@ absl::Status CopyInPieces(uint64_t size, uint64_t piece,
 // memcpy of out.size() bytes from `from` into `out`, so.
 void ParallelMemcpy(std::span<std::byte> out, const std::byte* from);
 
+// ParallelMemcpy that returns the CRC32C of the bytes written: each thread
+// checksums what it wrote while it is still in cache, and the pieces' CRCs
+// are concatenated. With `release_from`, the source's pages are dropped as
+// the pieces are copied (ReleaseCopiedPages, whose rules `from` must meet).
+uint32_t CopyWithCrc32c(std::span<std::byte> out, const std::byte* from, bool release_from);
+
+// Drops this process's mappings of the whole pages inside `source`, a
+// range of a read-only or not yet written copy-on-write mapping of a file or
+// segment, once it was copied (Query::release_source_pages): the pages stay
+// in the page cache or segment, and a later read maps them again. Never call
+// it on anonymous memory or a written private mapping: their pages would be
+// lost. Pages the range shares with its neighbours are kept.
+void ReleaseCopiedPages(std::span<const std::byte> source);
+
 }  // namespace weightstore::client
 
 #endif  // WEIGHTSTORE_CLIENT_PARALLEL_COPY_H_

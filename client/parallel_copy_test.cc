@@ -3,12 +3,15 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "core/crc32c.h"
 
 namespace weightstore::client {
 namespace {
@@ -30,6 +33,38 @@ TEST(ParallelCopyTest, EveryByteIsCopiedOnceWhateverThePieces) {
                 return absl::OkStatus();
               }).ok());
   EXPECT_THAT(seen, ::testing::Each(1));
+}
+
+TEST(ParallelCopyTest, CopyWithCrc32cChecksumsWhatItWroteAndCanDropTheSourcesPages) {
+  ::setenv("WEIGHTSTORE_COPY_THREADS", "3", /*overwrite=*/1);
+  for (const size_t size : {size_t{0}, size_t{5}, size_t{4} << 20, (size_t{13} << 20) + 7}) {
+    std::vector<std::byte> from(size), to(size, std::byte{0});
+    for (size_t k = 0; k < size; ++k) from[k] = std::byte(static_cast<unsigned char>(k * 197 + k / 977));
+    const uint32_t crc = CopyWithCrc32c(std::span<std::byte>(to), from.data(), /*release_from=*/false);
+    EXPECT_TRUE(from == to) << size;
+    EXPECT_EQ(crc, Crc32c(absl::string_view(reinterpret_cast<const char*>(to.data()), size))) << size;
+  }
+  // A read-only mapping of a file: its pages are dropped, its bytes stay.
+  const size_t size = size_t{12} << 20;
+  char path[] = "/tmp/weightstore-copy-crc-XXXXXX";
+  const int fd = ::mkstemp(path);
+  ASSERT_GE(fd, 0);
+  ::unlink(path);
+  std::vector<std::byte> bytes(size);
+  for (size_t k = 0; k < size; ++k) bytes[k] = std::byte(static_cast<unsigned char>(k * 7 + k / 4096));
+  ASSERT_EQ(::write(fd, bytes.data(), size), static_cast<ssize_t>(size));
+  void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  const auto* from = static_cast<const std::byte*>(mapped);
+  std::vector<std::byte> to(size);
+  EXPECT_EQ(CopyWithCrc32c(std::span<std::byte>(to), from, /*release_from=*/true),
+            Crc32c(absl::string_view(reinterpret_cast<const char*>(bytes.data()), size)));
+  EXPECT_TRUE(to == bytes);
+  // Pages dropped are mapped again from the file on the next read (that the
+  // drop happens is local_store_test.cc's, through /proc/self/smaps).
+  EXPECT_EQ(std::memcmp(from, bytes.data(), size), 0);
+  ::munmap(mapped, size);
+  ::close(fd);
 }
 
 TEST(ParallelCopyTest, AFailingPieceFailsTheCopyWithItsError) {

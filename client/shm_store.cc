@@ -182,12 +182,13 @@ class ShmStore final : public SharedMemoryStore {
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
       // An empty tensor's view may be null: memcpy must not see it. A large
-      // one on several threads (client/parallel_copy.h).
-      if (!t.bytes.empty()) ParallelMemcpy(out.first(t.bytes.size()), t.bytes.data());
-      if (const auto& crc = mapped.descriptions[i].crc32c) {
-        if (Crc32c(absl::string_view(reinterpret_cast<const char*>(out.data()), out.size())) != *crc) {
-          return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' does not match its CRC32C"));
-        }
+      // one on several threads, checksummed as it is written
+      // (client/parallel_copy.h). The segments are this call's own mappings,
+      // never written: their pages may be dropped as the copy goes.
+      const uint32_t written =
+          t.bytes.empty() ? 0 : CopyWithCrc32c(out.first(t.bytes.size()), t.bytes.data(), query.release_source_pages);
+      if (const auto& crc = mapped.descriptions[i].crc32c; crc && written != *crc) {
+        return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' does not match its CRC32C"));
       }
       WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
     }

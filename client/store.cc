@@ -47,6 +47,26 @@ absl::Status CollectingSink::EndPatch(const TensorSpec& spec) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::span<std::byte>> PlacingSink::Begin(const TensorSpec& spec) {
+  auto it = places_.find(spec.name);
+  current_placed_ = it != places_.end() && it->second.dtype == spec.dtype && it->second.shape == spec.shape &&
+                    it->second.bytes.size() == spec.byte_size() &&
+                    (it->second.bytes.data() != nullptr || spec.byte_size() == 0);
+  if (!current_placed_) return rest_.Begin(spec);
+  if (cancel_ != nullptr && cancel_->load()) {
+    return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
+  }
+  written_any_ = true;
+  return it->second.bytes;
+}
+
+absl::Status PlacingSink::End(const TensorSpec& spec) {
+  if (!current_placed_) return rest_.End(spec);
+  placed_.push_back(spec.name);
+  current_placed_ = false;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::span<std::byte>> TensorSink::BeginPatch(const TensorSpec& spec, const ElementPatch&, uint64_t,
                                                             const std::string&) {
   return absl::UnimplementedError(absl::StrCat("this sink takes no element patches (tensor '", spec.name, "')"));

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "core/checkpoint.h"
 #include "core/element_patch.h"
@@ -85,6 +86,13 @@ struct Query {
   // MappedTensors::patches), for a caller that holds the tensor at
   // since_version. Default: off.
   bool patches = false;
+  // A fetch that copies out of a mapping (a socket store's segments, a local
+  // store's mapped files) drops this process's mappings of the whole pages it
+  // copied, once each tensor is copied, so a copy of a checkpoint never holds
+  // the checkpoint in this process's RSS beside it. The pages stay in the
+  // page cache or the daemon's segment; a later read of the same mapping maps
+  // them again (minor faults). Default: off.
+  bool release_source_pages = false;
 };
 
 struct TensorDescription {
@@ -195,6 +203,44 @@ class CollectingSink : public TensorSink {
   std::optional<ReceivedPatch> current_patch_;
   std::vector<SharedTensor> tensors_;
   std::vector<ReceivedPatch> patches_;
+};
+
+// Writes each tensor into memory the caller holds for it (`places`, by
+// served name) when that memory is of the tensor's dtype and shape, and
+// collects every other tensor as CollectingSink does: what loading into a
+// model's parameters is made of, with no copy between the source and the
+// parameter. The caller keeps the places alive, and unread by anyone else,
+// until the fetch returns. A fetch that fails may have written some places
+// (written_any() says whether).
+class PlacingSink final : public TensorSink {
+ public:
+  struct Place {
+    DType dtype = DType::kU8;
+    std::vector<uint64_t> shape;
+    std::span<std::byte> bytes;  // exactly the byte size of dtype and shape
+  };
+  explicit PlacingSink(absl::flat_hash_map<std::string, Place> places,
+                       std::shared_ptr<const std::atomic<bool>> cancel = nullptr)
+      : places_(std::move(places)), cancel_(cancel), rest_(std::move(cancel)) {}
+  absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override;
+  absl::Status End(const TensorSpec& spec) override;
+  void OnVersion(const std::string& version) override { rest_.OnVersion(version); }
+
+  // The served names written into their places, in the order they came.
+  const std::vector<std::string>& placed() const { return placed_; }
+  // Whether any place was handed out to be written (a failed fetch may have
+  // written it in part).
+  bool written_any() const { return written_any_; }
+  // What had no place, or one of another dtype or shape, and the version.
+  CollectingSink& rest() { return rest_; }
+
+ private:
+  absl::flat_hash_map<std::string, Place> places_;
+  std::shared_ptr<const std::atomic<bool>> cancel_;
+  CollectingSink rest_;
+  std::vector<std::string> placed_;
+  bool current_placed_ = false;
+  bool written_any_ = false;
 };
 
 // A change of what a daemon serves, relative to what the watcher holds
