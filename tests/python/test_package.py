@@ -341,6 +341,25 @@ class PackageTest(unittest.TestCase):
                 for name, want in self.model.state_dict().items():
                     self.assertTrue(torch.equal(fresh.state_dict()[name], want), name)
 
+    def test_load_into_writes_each_tensor_in_place_and_converts_what_it_cannot(self):
+        want = self.model.state_dict()
+        for label, store in self.stores().items():
+            with self.subTest(transport=label):
+                fresh = make_model()
+                # Held as float64 (torch converts it), and transposed (not
+                # contiguous: copied by torch); the rest are written in place.
+                fresh[3].weight = torch.nn.Parameter(torch.zeros(8, 48, dtype=torch.float64))
+                fresh[0].weight = torch.nn.Parameter(torch.zeros(24, 48).t())
+                before = {n: (t.data_ptr(), t._version) for n, t in fresh.state_dict(keep_vars=True).items()}
+                self.assertTrue(store.load_into(fresh, "pkg/mlp").ok)
+                got = fresh.state_dict(keep_vars=True)
+                for name, w in want.items():
+                    self.assertEqual(got[name].data_ptr(), before[name][0], name)
+                    self.assertGreater(got[name]._version, before[name][1], name)  # autograd sees the write
+                    self.assertTrue(torch.equal(got[name], w.to(got[name].dtype)), name)
+                self.assertEqual(got["3.weight"].dtype, torch.float64)
+                self.assertFalse(got["0.weight"].is_contiguous())
+
     def test_partial_and_failing_loads_report_burn_store_results(self):
         for label, store in self.stores().items():
             with self.subTest(transport=label):

@@ -590,6 +590,49 @@ class Store {
     return out;
   }
 
+  // Every selected tensor written straight into its place in `places`
+  // ([(served name, dtype, shape, address, bytes)]: memory the caller keeps
+  // alive and leaves alone for the call) where the place has the tensor's
+  // dtype and shape: one copy from the mapping or the wire, with the GIL
+  // released, the source's pages dropped once copied. The others are
+  // fetched into memory of their own, as Fetch does, for the caller to
+  // convert. The listing comes first and pins the version; with a target it
+  // checks the load (FAILED_PRECONDITION, nothing written). A fetch that
+  // fails once writing began says that the places may be partly written.
+  py::dict LoadInto(const std::string& name, const py::dict& selection, const py::list& places) {
+    client::Query query = ToQuery(selection);
+    query.release_source_pages = true;
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    query.cancel = cancel;
+    absl::flat_hash_map<std::string, client::PlacingSink::Place> where;
+    for (SharedTensor& view : Views(places)) {
+      std::span<std::byte> bytes(const_cast<std::byte*>(view.bytes.data()), view.bytes.size());
+      const std::string served = view.spec.name;
+      if (!where.try_emplace(served, client::PlacingSink::Place{view.spec.dtype, std::move(view.spec.shape), bytes})
+               .second) {
+        Raise(absl::InvalidArgumentError(absl::StrCat("tensor '", served, "' is given two places")));
+      }
+    }
+    client::TensorListing listing = Unwrap(RunInterruptibly<absl::StatusOr<client::TensorListing>>(
+        cancel, [&] { return store_->ListTensors(name, query); }));
+    query.version = listing.version;
+    client::PlacingSink sink(std::move(where), cancel);
+    const absl::Status fetched =
+        RunInterruptibly<absl::Status>(cancel, [&] { return store_->FetchTensors(name, query, &sink); });
+    if (!fetched.ok() && sink.written_any()) {
+      Raise(absl::Status(fetched.code(), absl::StrCat(fetched.message(),
+                                                      " (after the load began writing into the module: its "
+                                                      "parameters may be partly written; load again)")));
+    }
+    if (!fetched.ok()) Raise(fetched);
+    py::dict out;
+    out["version"] = sink.rest().version().empty() ? listing.version : sink.rest().version();
+    out["placed"] = py::cast(sink.placed());
+    out["tensors"] = ToTensors(std::move(sink.rest().tensors()), /*writable=*/true);
+    out["apply_result"] = ToPython(listing.apply_result);
+    return out;
+  }
+
   // Every selected tensor copied onto CUDA device `device` by the C++ client
   // (client::Materialize): from a socket, one DMA per mapped extent out of the
   // daemon's mappings, registered for this call; from gRPC or local files,
@@ -968,6 +1011,7 @@ PYBIND11_MODULE(_native, m) {
       .def("info", &Store::Info, py::arg("name"))
       .def("listing", &Store::Listing, py::arg("name"), py::arg("selection"))
       .def("fetch", &Store::Fetch, py::arg("name"), py::arg("selection"))
+      .def("load_into", &Store::LoadInto, py::arg("name"), py::arg("selection"), py::arg("places"))
       .def("fetch_to_device", &Store::FetchToDevice, py::arg("name"), py::arg("selection"), py::arg("device"))
       .def("delta", &Store::Delta, py::arg("name"), py::arg("selection"), py::arg("since"), py::arg("patches") = false)
       .def_static("apply_patches", &Store::ApplyPatches, py::arg("patches"), py::arg("destinations"))

@@ -406,6 +406,17 @@ def _cuda_patches_usable():
     return _CUDA_PATCHES[0]
 
 
+def _place(tensor):
+    """(dtype, shape, address, bytes) of a torch tensor that load_into can
+    write into as served bytes (contiguous, on the CPU, of a served dtype, not
+    a conjugate or negative view), else None."""
+    dtype, shape = _served_spec(tensor)
+    if not dtype or tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj() \
+            or tensor.is_neg():
+        return None
+    return dtype, shape, tensor.data_ptr(), tensor.element_size() * tensor.nelement()
+
+
 def _patchable(tensor):
     """Whether an element patch can be written into `tensor`'s memory: a
     contiguous torch tensor on the CPU (or on a CUDA device, where this
@@ -650,8 +661,15 @@ class Store:
 
     def load_into(self, module, name, allow_partial=False, **selection):
         """Loads `name` into a torch module's parameters and buffers (burn-store's
-        apply: its target is the module) and returns the LoadResult. A failing
-        load raises Error (FAILED_PRECONDITION) and leaves the module untouched.
+        apply: its target is the module) and returns the LoadResult. A load that
+        does not fit raises Error (FAILED_PRECONDITION) and leaves the module
+        untouched. Each tensor of the module's dtype, in contiguous CPU memory,
+        is written straight into it from the mapping or the wire, with the GIL
+        released (no copy in between; a socket's or file's pages are dropped
+        from this process once copied); the others are fetched, then copied
+        with torch's conversion. A fetch that fails once writing began (a
+        broken connection, a checksum mismatch) raises an Error that says the
+        module may be partly written.
         Tied parameters are loaded from whichever of their names the checkpoint
         holds. A transformers model's target is its checkpoint layout (what
         save_pretrained writes), and the tensors reach the module through
@@ -668,14 +686,22 @@ class Store:
             target = _target_schema(module, lambda: {t["name"] for t in self._native.listing(
                 name, _selection(**selection))["tensors"]})
         s = _selection(allow_partial=allow_partial, target=target, **selection)
-        fetched = self._native.fetch(name, s)
+        targets = {} if convert else module.state_dict(keep_vars=True)
+        # What is written behind autograd's back gets a new version, as copy_
+        # gives it, so a graph that saved it sees the change; a torch without
+        # increment_version (before 2.1) has torch copy everything.
+        bump = getattr(torch.autograd.graph, "increment_version", None)
+        places = [(n, *p) for n, t in targets.items() if bump is not None and (p := _place(t))]
+        fetched = self._native.load_into(name, s, places)
         tensors = {n: _as_tensor(n, dtype, shape, buffer, "torch") for n, dtype, shape, buffer in fetched["tensors"]}
         if convert:
             _transformers.load(module, name, tensors, allow_partial)
         else:
-            targets = module.state_dict(keep_vars=True)
+            for n in fetched["placed"]:
+                if not targets[n].is_inference():  # inference tensors keep no version
+                    bump(targets[n])
             with torch.no_grad():
-                for n, tensor in tensors.items():
+                for n, tensor in tensors.items():  # another dtype, or memory not written in place
                     targets[n].copy_(tensor)
         return LoadResult(**fetched["apply_result"])
 
