@@ -227,13 +227,26 @@ def main():
                 out[kind] = out.get(kind, 0) + t.numel() * t.element_size()
             return out
 
+        import ctypes
+        libc = ctypes.CDLL(None)
+
+        def status_kib(field):
+            with open("/proc/self/status") as f:
+                return int([l for l in f if l.startswith(field + ":")][0].split()[1])
+
+        def reset_peak():
+            """VmHWM back to the current RSS; False where the kernel does not let it."""
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                return True
+            except OSError:
+                return False
+
         gc.collect()
-        try:  # the peak RSS from here on, not the writing of the checkpoints'
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            rss_reset = True
-        except OSError:
-            rss_reset = False
+        rss_reset = reset_peak()  # the peak RSS from here on, not the writing of the checkpoints'
+        overall_kib = 0
+        peaks = {}  # row label -> peak RSS above its start, bytes (the largest model's checked run)
         times = {}  # (row label, model name) -> [ms]
         held_in = {}  # row label -> backing() of its checked model, the last (largest) model's
         labels = []
@@ -242,8 +255,19 @@ def main():
             labels = [label for label, _ in rows]
             # The untimed first run of every row, checked.
             reference_logits = reference_tensors = None
+            measure = rss_reset and name == models[-1][0]
             for label, fn in rows:
+                if measure:
+                    # Freed heap memory goes back to the kernel first, so
+                    # the row's memory is faulted afresh and counted.
+                    gc.collect()
+                    libc.malloc_trim(0)
+                    start_kib = status_kib("VmRSS")
+                    overall_kib = max(overall_kib, status_kib("VmHWM"))  # the whole run's, kept across resets
+                    reset_peak()
                 result = fn()
+                if measure:
+                    peaks[label] = (status_kib("VmHWM") - start_kib) * 1024
                 if label.startswith("build"):
                     pass
                 elif isinstance(result, dict):
@@ -316,13 +340,19 @@ def main():
             cells.append(f"{ms:9.1f} ms" + (" " * 15 if label == labels[0] else f" {gbs:6.2f} {ratio:6.2f}x"))
         print(f"  {label:{width - 2}}" + "".join(f"{c:>28}" for c in cells))
     with open("/proc/self/status") as f:
-        hwm_kib = int([l for l in f if l.startswith("VmHWM:")][0].split()[1])
+        hwm_kib = max(overall_kib, int([l for l in f if l.startswith("VmHWM:")][0].split()[1]))
     print(f"\nwhere the parameters and buffers of each ready {models[-1][0]} live:")
     for label, kinds in held_in.items():
         total = sum(kinds.values())
         parts = [f"{100 * b / total:.0f}% {k}" if b >= total / 100 else f"<1% {k}"
                  for k, b in sorted(kinds.items(), key=lambda kv: -kv[1])]
         print(f"  {label:{width - 2}}" + ", ".join(parts))
+    if peaks:
+        big = models[-1][0]
+        print(f"\npeak RSS above each row's start, {big}'s checked run (the result held at the end counts; "
+              f"mapped pages count too), as a multiple of its {sizes[big] / 1e6:.0f} MB:")
+        for label, peak in peaks.items():
+            print(f"  {label:{width - 2}}{peak / 2 ** 20:8.0f} MiB {peak / sizes[big]:6.2f}x")
     since = "while the rows ran" if rss_reset else "since it started, writing the checkpoints included"
     print(f"\npeak RSS of this process {since}: {hwm_kib / 1024:.0f} MiB; of the daemon: "
           f"{daemon_hwm_kib / 1024:.0f} MiB")
