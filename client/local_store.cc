@@ -117,7 +117,8 @@ class LocalStore final : public Store {
   // bytes of any other kind (read with pread, inflated, fixed up, cast),
   // which are never dropped. The snapshot keeps them alive.
   static std::span<const std::byte> Releasable(const Snapshot& snapshot, const ServedTensorPlan& plan) {
-    if (!plan.is_byte_range()) return {};
+    // A BOOL tensor to fix up would be copied just to be found not in a file.
+    if (!plan.is_byte_range() || plan.tensor->source->layout.normalize_bool) return {};
     absl::StatusOr<SharedBytes> view = ReadServedView(snapshot, plan);
     if (!view.ok()) return {};
     const std::optional<FileExtent> extent = snapshot.checkpoint().Locate(*view);

@@ -38,10 +38,11 @@ absl::Status CopyInPieces(uint64_t size, uint64_t piece,
   });
 }
 
-void ParallelMemcpy(std::span<std::byte> out, const std::byte* from) {
+void ParallelMemcpy(std::span<std::byte> out, const std::byte* from, bool release_from) {
   if (out.empty()) return;
   (void)CopyInPieces(out.size(), kCopyPieceBytes, [&](uint64_t at, uint64_t length) {
     std::memcpy(out.data() + at, from + at, length);
+    if (release_from) ReleaseCopiedPages({from + at, length});
     return absl::OkStatus();
   });
 }

@@ -27,8 +27,10 @@ unsigned CopyThreads();
 absl::Status CopyInPieces(uint64_t size, uint64_t piece,
                           const std::function<absl::Status(uint64_t offset, uint64_t length)>& copy);
 
-// memcpy of out.size() bytes from `from` into `out`, so.
-void ParallelMemcpy(std::span<std::byte> out, const std::byte* from);
+// memcpy of out.size() bytes from `from` into `out`, so. With
+// `release_from`, the source's pages are dropped as the pieces are copied
+// (ReleaseCopiedPages, whose rules `from` must meet).
+void ParallelMemcpy(std::span<std::byte> out, const std::byte* from, bool release_from = false);
 
 // ParallelMemcpy that returns the CRC32C of the bytes written: each thread
 // checksums what it wrote while it is still in cache, and the pieces' CRCs

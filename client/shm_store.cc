@@ -185,9 +185,11 @@ class ShmStore final : public SharedMemoryStore {
       // one on several threads, checksummed as it is written
       // (client/parallel_copy.h). The segments are this call's own mappings,
       // never written: their pages may be dropped as the copy goes.
-      const uint32_t written =
-          t.bytes.empty() ? 0 : CopyWithCrc32c(out.first(t.bytes.size()), t.bytes.data(), query.release_source_pages);
-      if (const auto& crc = mapped.descriptions[i].crc32c; crc && written != *crc) {
+      const std::optional<uint32_t>& crc = mapped.descriptions[i].crc32c;
+      const std::span<std::byte> to = out.first(t.bytes.size());
+      if (!crc) {
+        if (!t.bytes.empty()) ParallelMemcpy(to, t.bytes.data(), query.release_source_pages);
+      } else if ((t.bytes.empty() ? 0 : CopyWithCrc32c(to, t.bytes.data(), query.release_source_pages)) != *crc) {
         return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' does not match its CRC32C"));
       }
       WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));

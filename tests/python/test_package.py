@@ -511,6 +511,50 @@ class PackageTest(unittest.TestCase):
                 self.assertEqual(got.numel(), 128 << 20)
                 self.assertEqual(got[-1].item(), 1.0)
 
+    def test_ctrl_c_in_the_middle_of_load_into_says_the_module_may_be_partly_written(self):
+        in_place = getattr(getattr(torch.autograd, "graph", None), "increment_version", None) is not None
+        for label, store in (("gRPC", weightstore.connect(ADDRESS, parallel_streams=1)), ("local", self.local)):
+            with self.subTest(transport=label):
+                if not in_place:  # torch before 2.1: fetched whole, then copied by torch (nothing mid-write)
+                    module = torch.nn.Module()
+                    module.w = torch.nn.Parameter(torch.zeros(128 << 20))
+                    self.assertTrue(store.load_into(module, "pkg/one").ok)
+                    self.assertTrue(torch.all(module.w.data == 1.0))
+                    continue
+                for _ in range(5):  # until the signal comes before the load's end
+                    module = torch.nn.Module()
+                    module.w = torch.nn.Parameter(torch.zeros(128 << 20))
+                    version = module.w._version
+                    begun = threading.Event()
+
+                    def interrupt_once_written():  # an event, not a timer: the first element written
+                        while not begun.is_set():
+                            if module.w.data[0].item() != 0:
+                                os.kill(os.getpid(), signal.SIGINT)
+                                begun.set()
+                            time.sleep(0.001)
+
+                    watcher = threading.Thread(target=interrupt_once_written)
+                    watcher.start()
+                    try:
+                        store.load_into(module, "pkg/one")
+                        interrupted = None
+                    except KeyboardInterrupt as e:
+                        interrupted = e
+                    try:  # a signal that came after the load is taken here
+                        begun.set()
+                        watcher.join()
+                        time.sleep(0.05)
+                    except KeyboardInterrupt:
+                        pass
+                    if interrupted is not None:
+                        break
+                self.assertIsNotNone(interrupted, "Ctrl-C did not cut a load short in five tries")
+                self.assertIn("partly written", str(interrupted))
+                self.assertGreater(module.w._version, version)  # autograd sees the write
+                self.assertTrue(store.load_into(module, "pkg/one").ok)  # loading again mends it
+                self.assertTrue(torch.all(module.w.data == 1.0))
+
     def publish(self, name, state):
         """Writes `state` as MODELS/<name>.pt the way a trainer publishes (a
         temporary renamed over it) and has the daemon rescan."""

@@ -599,7 +599,9 @@ class Store {
   // convert. The listing comes first and pins the version; with a target it
   // checks the load (FAILED_PRECONDITION, nothing written). A fetch that
   // fails once writing began says that the places may be partly written.
-  py::dict LoadInto(const std::string& name, const py::dict& selection, const py::list& places) {
+  // `written` gets True appended once anything may have been written, error
+  // or not.
+  py::dict LoadInto(const std::string& name, const py::dict& selection, const py::list& places, py::list written) {
     client::Query query = ToQuery(selection);
     query.release_source_pages = true;
     auto cancel = std::make_shared<std::atomic<bool>>(false);
@@ -616,13 +618,29 @@ class Store {
     client::TensorListing listing = Unwrap(RunInterruptibly<absl::StatusOr<client::TensorListing>>(
         cancel, [&] { return store_->ListTensors(name, query); }));
     query.version = listing.version;
-    client::PlacingSink sink(std::move(where), cancel);
-    const absl::Status fetched =
-        RunInterruptibly<absl::Status>(cancel, [&] { return store_->FetchTensors(name, query, &sink); });
+    // Only what the listing names, as it names it, may be written in place.
+    absl::flat_hash_map<std::string, client::PlacingSink::Place> listed;
+    for (const client::TensorDescription& t : listing.tensors) {
+      auto it = where.find(t.spec.name);
+      if (it != where.end() && it->second.dtype == t.spec.dtype && it->second.shape == t.spec.shape) {
+        listed.insert(where.extract(it));
+      }
+    }
+    client::PlacingSink sink(std::move(listed), cancel);
+    constexpr absl::string_view kPartlyWritten =
+        "after the load began writing into the module: its parameters may be partly written; load again";
+    absl::Status fetched;
+    try {
+      fetched = RunInterruptibly<absl::Status>(cancel, [&] { return store_->FetchTensors(name, query, &sink); });
+    } catch (py::error_already_set& interrupted) {  // Ctrl-C: the fetch stopped before this
+      if (sink.written_any()) written.append(true);
+      if (!sink.written_any() || !interrupted.matches(PyExc_KeyboardInterrupt)) throw;
+      PyErr_SetString(PyExc_KeyboardInterrupt, absl::StrCat("load_into was interrupted ", kPartlyWritten).c_str());
+      throw py::error_already_set();
+    }
+    if (sink.written_any()) written.append(true);
     if (!fetched.ok() && sink.written_any()) {
-      Raise(absl::Status(fetched.code(), absl::StrCat(fetched.message(),
-                                                      " (after the load began writing into the module: its "
-                                                      "parameters may be partly written; load again)")));
+      Raise(absl::Status(fetched.code(), absl::StrCat(fetched.message(), " (", kPartlyWritten, ")")));
     }
     if (!fetched.ok()) Raise(fetched);
     py::dict out;
@@ -1011,7 +1029,7 @@ PYBIND11_MODULE(_native, m) {
       .def("info", &Store::Info, py::arg("name"))
       .def("listing", &Store::Listing, py::arg("name"), py::arg("selection"))
       .def("fetch", &Store::Fetch, py::arg("name"), py::arg("selection"))
-      .def("load_into", &Store::LoadInto, py::arg("name"), py::arg("selection"), py::arg("places"))
+      .def("load_into", &Store::LoadInto, py::arg("name"), py::arg("selection"), py::arg("places"), py::arg("written"))
       .def("fetch_to_device", &Store::FetchToDevice, py::arg("name"), py::arg("selection"), py::arg("device"))
       .def("delta", &Store::Delta, py::arg("name"), py::arg("selection"), py::arg("since"), py::arg("patches") = false)
       .def_static("apply_patches", &Store::ApplyPatches, py::arg("patches"), py::arg("destinations"))

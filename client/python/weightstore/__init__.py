@@ -410,9 +410,15 @@ def _place(tensor):
     """(dtype, shape, address, bytes) of a torch tensor that load_into can
     write into as served bytes (contiguous, on the CPU, of a served dtype, not
     a conjugate or negative view), else None."""
+    import torch
+    # Plain dense tensors only: a subclass (DTensor, a quantized wrapper) or a
+    # sparse one keeps its bytes its own way, which copy_ knows.
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", torch.Tensor)) \
+            or tensor.layout != torch.strided:
+        return None
     dtype, shape = _served_spec(tensor)
     if not dtype or tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj() \
-            or tensor.is_neg():
+            or tensor.is_neg() or (dtype == "F4" and not shape):  # a packed F4 scalar has no served byte
         return None
     return dtype, shape, tensor.data_ptr(), tensor.element_size() * tensor.nelement()
 
@@ -668,8 +674,9 @@ class Store:
         released (no copy in between; a socket's or file's pages are dropped
         from this process once copied); the others are fetched, then copied
         with torch's conversion. A fetch that fails once writing began (a
-        broken connection, a checksum mismatch) raises an Error that says the
-        module may be partly written.
+        broken connection, a checksum mismatch, Ctrl-C) raises an error that
+        says the module may be partly written. Leave the module alone while
+        the call runs: its memory is written from other threads.
         Tied parameters are loaded from whichever of their names the checkpoint
         holds. A transformers model's target is its checkpoint layout (what
         save_pretrained writes), and the tensors reach the module through
@@ -692,17 +699,30 @@ class Store:
         # increment_version (before 2.1) has torch copy everything.
         bump = getattr(torch.autograd.graph, "increment_version", None)
         places = [(n, *p) for n, t in targets.items() if bump is not None and (p := _place(t))]
-        fetched = self._native.load_into(name, s, places)
-        tensors = {n: _as_tensor(n, dtype, shape, buffer, "torch") for n, dtype, shape, buffer in fetched["tensors"]}
-        if convert:
-            _transformers.load(module, name, tensors, allow_partial)
-        else:
-            for n in fetched["placed"]:
+        # The storages written stay alive for the call, whatever else runs.
+        storages = [targets[n].untyped_storage() for n, *_ in places]
+        written = []  # True once anything may have been written in place, error or not
+        try:
+            fetched = self._native.load_into(name, s, places, written)
+            moved = [n for n, _, _, address, _ in places if targets[n].data_ptr() != address]
+            if moved:
+                raise Error("FAILED_PRECONDITION", f"'{name}': the module's tensors {moved[:4]} moved while "
+                                                   "load_into wrote into them (leave the module alone meanwhile)")
+            tensors = {n: _as_tensor(n, dtype, shape, buffer, "torch")
+                       for n, dtype, shape, buffer in fetched["tensors"]}
+            if convert:
+                _transformers.load(module, name, tensors, allow_partial)
+            else:
+                with torch.no_grad():
+                    for n, tensor in tensors.items():  # another dtype, or memory not written in place
+                        targets[n].copy_(tensor)
+        finally:
+            # Every place, once any may have been written: a failure leaves
+            # some written, and which is not known.
+            for n, *_ in places if written else ():
                 if not targets[n].is_inference():  # inference tensors keep no version
                     bump(targets[n])
-            with torch.no_grad():
-                for n, tensor in tensors.items():  # another dtype, or memory not written in place
-                    targets[n].copy_(tensor)
+            del storages
         return LoadResult(**fetched["apply_result"])
 
     def update(self, state, name, since=None, as_="torch", **selection):
