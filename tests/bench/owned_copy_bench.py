@@ -16,8 +16,8 @@ taking turns (--runs each, medians printed):
   - the limits: the file's bytes copied into fresh private memory, advised
     for huge pages or not, in 4 MiB pieces on every usable core (at most 8),
     as weightstore copies.
-Each child checks its tensors equal to load_file's (a sampled checksum) and
-reports its peak RSS.
+Each child (tests/bench/loader_child.py) digests its tensors, checked equal to
+load_file's, and reports its peak RSS.
 
 Usage: build-tools/venv/bin/python tests/bench/owned_copy_bench.py [--build build] [--gb 1] [--runs 5] [--touch-gb 12]
 """
@@ -32,62 +32,7 @@ import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
-CHILD = r"""
-import os, resource, sys, time
-import torch
-mode, path = sys.argv[1], sys.argv[2]
-if mode == "weightstore":
-    import weightstore
-    store = weightstore.connect("file:" + os.path.dirname(path))
-    name = os.path.basename(path)[: -len(".safetensors")]
-    t0 = time.perf_counter()
-    tensors = store.tensors(name)
-    seconds = time.perf_counter() - t0
-elif mode in ("safetensors", "safetensors-pread"):
-    from safetensors.torch import load_file
-    t0 = time.perf_counter()
-    tensors = load_file(path) if mode == "safetensors" else load_file(path, backend="pread")
-    seconds = time.perf_counter() - t0
-elif mode in ("limit-huge", "limit-4k"):  # the copy's limits: fresh private memory, filled on every usable core
-    import mmap
-    import threading
-    import numpy as np
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    src = np.frombuffer(m, dtype=np.uint8)
-    threads = min(len(os.sched_getaffinity(0)), 8)
-    t0 = time.perf_counter()
-    # Private: a shared anonymous mapping (mmap's default) is shmem, which
-    # takes no transparent huge pages here.
-    buffer = mmap.mmap(-1, src.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if mode == "limit-huge":
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    dst = np.frombuffer(buffer, dtype=np.uint8)
-    piece = 4 << 20
-    def copy(first):  # numpy copies without the GIL
-        for at in range(first * piece, src.size, threads * piece):
-            np.copyto(dst[at:at + piece], src[at:at + piece])
-    workers = [threading.Thread(target=copy, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    seconds = time.perf_counter() - t0
-    tensors = {}
-else:  # plain: one buffer, one thread
-    import mmap
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    src = torch.frombuffer(m, dtype=torch.uint8)
-    torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    dst = torch.empty(src.numel(), dtype=torch.uint8)
-    dst.copy_(src)
-    seconds = time.perf_counter() - t0
-    tensors = {}
-check = sum(int(t.view(torch.int16)[:: 4099].sum()) for t in tensors.values()) if tensors else 0
-print(f"{seconds} {check} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}")
-"""
+LOADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loader_child.py")  # one load per process
 
 TOUCH = r"""
 import mmap, sys
@@ -158,7 +103,7 @@ def main():
         for label, mode, extra in order:
             before[label].append(previous)
             previous = mode
-            out = subprocess.run([sys.executable, "-c", CHILD, mode, path], env={**env, **extra}, check=True,
+            out = subprocess.run([sys.executable, LOADER, mode, path], env={**env, **extra}, check=True,
                                  capture_output=True, text=True).stdout.split()
             times[label].append(float(out[0]))
             rss[label] = max(rss[label], int(out[2]))

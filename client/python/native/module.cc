@@ -558,6 +558,8 @@ class Store {
   // target, the apply result too; a failing load raises FAILED_PRECONDITION.
   py::dict Fetch(const std::string& name, const py::dict& selection) {
     client::Query query = ToQuery(selection);
+    // A copy out of local files does not keep the files mapped beside it.
+    query.release_source_pages = true;
     auto cancel = std::make_shared<std::atomic<bool>>(false);
     query.cancel = cancel;
     py::dict out;
