@@ -44,7 +44,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+import bench_daemon
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 LOADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loader_child.py")
@@ -86,20 +87,7 @@ def main():
                 while file.read(64 << 20):
                     pass
 
-        socket_path, port_file = os.path.join(work, "ws.sock"), os.path.join(work, "port")
-        daemon = subprocess.Popen([os.path.join(args.build, "server", "weightstored"), "--models", models,
-                                   "--listen", "127.0.0.1:0", "--port-file", port_file, "--socket", socket_path],
-                                  stderr=subprocess.DEVNULL)
-        for _ in range(400):
-            if os.path.exists(port_file) and open(port_file).read().strip():
-                break
-            if daemon.poll() is not None:
-                raise SystemExit(f"weightstored exited with {daemon.returncode}")
-            time.sleep(0.05)
-        else:
-            raise SystemExit("weightstored wrote no port file in 20 s")
-        grpc = "127.0.0.1:" + open(port_file).read().strip()
-        socket = "unix:" + socket_path
+        daemon, grpc, socket = bench_daemon.start(args.build, models, work)
 
         runai_buffered = {"RUNAI_STREAMER_FS_STRATEGY": "sync_buffered", "RUNAI_STREAMER_FS_QUEUE_DEPTH": "16"}
         rows = [  # label, mode, file, url, environment

@@ -58,10 +58,11 @@ import glob
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+import bench_daemon
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -106,7 +107,6 @@ def main():
     torch.manual_seed(0)
     work = tempfile.mkdtemp(prefix="weightstore-ready-bench-")
     root, pt_dir = f"{work}/models", f"{work}/pt"
-    socket_path, port_file = f"{work}/ws.sock", f"{work}/port"
     os.makedirs(pt_dir)
     daemon = None
     try:
@@ -129,18 +129,8 @@ def main():
                 while f.read(64 << 20):
                     pass
 
-        daemon = subprocess.Popen([f"{args.build}/server/weightstored", "--models", root, "--listen", "127.0.0.1:0",
-                                   "--port-file", port_file, "--socket", socket_path], stderr=subprocess.DEVNULL)
-        for _ in range(400):
-            if os.path.exists(port_file) and open(port_file).read().strip():
-                break
-            if daemon.poll() is not None:
-                raise SystemExit(f"weightstored exited with {daemon.returncode}")
-            time.sleep(0.05)
-        else:
-            raise SystemExit("weightstored wrote no port file in 20 s")
-        urls = {"socket": "unix:" + socket_path, "gRPC": "127.0.0.1:" + open(port_file).read().strip(),
-                "file": "file:" + root}
+        daemon, grpc, socket = bench_daemon.start(args.build, root, work)
+        urls = {"socket": socket, "gRPC": grpc, "file": "file:" + root}
         served = {c["name"] for c in weightstore.connect(urls["gRPC"]).list()}
         missing = [f"{n}/model" for n, _ in models if f"{n}/model" not in served]
         if missing:
