@@ -88,7 +88,7 @@ struct Query {
   bool patches = false;
   // A fetch that copies out of a mapping (a socket store's segments, a local
   // store's mapped files) drops this process's mappings of the whole pages it
-  // copied, once each tensor is copied, so a copy of a checkpoint never holds
+  // copied, piece by piece as it copies, so a copy of a checkpoint never holds
   // the checkpoint in this process's RSS beside it. The pages stay in the
   // page cache or the daemon's segment; a later read of the same mapping maps
   // them again (minor faults). Default: off.
