@@ -4,6 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/proto_convert.h"
 #include "core/crc32c.h"
+#include "core/host_buffer.h"
 #include "core/status_macros.h"
 #include "proto/codec/chunk_codec.h"
 
@@ -75,6 +76,7 @@ absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink)
           absl::StrCat("tensor '", t.spec.name, "': chunk at offset ", offset, " does not follow byte ", t.received));
     }
     landed = t.out.subspan(t.received, length);
+    PrefaultForWriting(landed);
     return landed;
   };
   WEIGHTSTORE_RETURN_IF_ERROR(wire::DecodeChunk(buffer, &fields, destination));

@@ -8,6 +8,7 @@
 #include "core/catalog/registry.h"
 #include "core/crc32c.h"
 #include "core/format.h"
+#include "core/host_buffer.h"
 #include "core/select/served.h"
 #include "core/select/snapshot.h"
 #include "core/status_macros.h"
@@ -78,12 +79,14 @@ class LocalStore final : public Store {
                            const Query& query, std::span<const std::byte> release) {
     auto cancelled = [&query] { return query.cancel != nullptr && query.cancel->load(); };
     if (CopyThreads() <= 1 || out.size() < 2 * kCopyPieceBytes) {
+      PrefaultForWriting(out);
       WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServedInPieces(snapshot, plan, out, kCopyPiece, cancelled));
       ReleaseCopiedPages(release);
       return absl::OkStatus();
     }
     return CopyInPieces(out.size(), ServedPieceBytes(plan, kCopyPieceBytes), [&](uint64_t at, uint64_t length) {
       if (cancelled()) return absl::CancelledError(absl::StrCat("cancelled at tensor '", plan.tensor->spec.name, "'"));
+      PrefaultForWriting(out.subspan(at, length));
       WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, out.subspan(at, length)));
       if (!release.empty()) ReleaseCopiedPages(release.subspan(at, length));
       return absl::OkStatus();

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "client/usable_cores.h"
 #include "core/crc32c.h"
+#include "core/host_buffer.h"
 #include "core/parallel_for.h"
 
 namespace weightstore::client {
@@ -41,6 +42,7 @@ absl::Status CopyInPieces(uint64_t size, uint64_t piece,
 void ParallelMemcpy(std::span<std::byte> out, const std::byte* from, bool release_from) {
   if (out.empty()) return;
   (void)CopyInPieces(out.size(), kCopyPieceBytes, [&](uint64_t at, uint64_t length) {
+    PrefaultForWriting(out.subspan(at, length));
     std::memcpy(out.data() + at, from + at, length);
     if (release_from) ReleaseCopiedPages({from + at, length});
     return absl::OkStatus();
@@ -55,6 +57,7 @@ uint32_t CopyWithCrc32c(std::span<std::byte> out, const std::byte* from, bool re
   std::vector<uint32_t> crcs(size / kCopyPieceBytes + (size % kCopyPieceBytes != 0 ? 1 : 0));
   (void)CopyInPieces(size, kCopyPieceBytes, [&](uint64_t at, uint64_t length) {
     uint32_t crc = 0;
+    PrefaultForWriting(out.subspan(at, length));
     for (uint64_t done = 0; done < length;) {
       const uint64_t n = std::min(kSlice, length - done);
       std::memcpy(out.data() + at + done, from + at + done, n);

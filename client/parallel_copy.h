@@ -27,12 +27,14 @@ unsigned CopyThreads();
 absl::Status CopyInPieces(uint64_t size, uint64_t piece,
                           const std::function<absl::Status(uint64_t offset, uint64_t length)>& copy);
 
-// memcpy of out.size() bytes from `from` into `out`, so. With
+// memcpy of out.size() bytes from `from` into `out`, so; each piece's
+// pages are faulted in one call first (PrefaultForWriting). With
 // `release_from`, the source's pages are dropped as the pieces are copied
 // (ReleaseCopiedPages, whose rules `from` must meet).
 void ParallelMemcpy(std::span<std::byte> out, const std::byte* from, bool release_from = false);
 
-// ParallelMemcpy that returns the CRC32C of the bytes written: each thread
+// ParallelMemcpy (pieces prefaulted too) that returns the CRC32C of the
+// bytes written: each thread
 // checksums what it wrote while it is still in cache, and the pieces' CRCs
 // are concatenated. With `release_from`, the source's pages are dropped as
 // the pieces are copied (ReleaseCopiedPages, whose rules `from` must meet).

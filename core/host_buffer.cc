@@ -1,8 +1,11 @@
 #include "core/host_buffer.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -43,7 +46,40 @@ bool AdviseHugePages() {
   return advise;
 }
 
+// Linux's value where the C library's headers predate it (glibc 2.36 has it).
+#ifdef MADV_POPULATE_WRITE
+constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kPopulateWrite = 23;
+#endif
+
 }  // namespace
+
+void PrefaultForWriting(std::span<std::byte> range) {
+  constexpr size_t kWorthACall = size_t{64} << 10;
+  // WEIGHTSTORE_PREFAULT=0 turns it off (to measure it), as does EINVAL
+  // from a kernel before 5.14.
+  static std::atomic<bool> off{[] {
+    const char* value = std::getenv("WEIGHTSTORE_PREFAULT");
+    return value != nullptr && std::string_view(value) == "0";
+  }()};
+  if (range.size() < kWorthACall || off.load(std::memory_order_relaxed)) return;
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t start = reinterpret_cast<uintptr_t>(range.data()) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(range.data()) + range.size() + page - 1) / page * page;
+  if (::madvise(reinterpret_cast<void*>(start), end - start, kPopulateWrite) != 0 && errno == EINVAL) {
+    // EINVAL is also a range the kernel will not populate (a device or
+    // PFN mapping), so only an unknown advice turns it off: probe once.
+    static const bool known = [] {
+      void* probe = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (probe == MAP_FAILED) return true;
+      const bool ok = ::madvise(probe, 4096, kPopulateWrite) == 0;
+      ::munmap(probe, 4096);
+      return ok;
+    }();
+    if (!known) off.store(true, std::memory_order_relaxed);
+  }
+}
 
 // Every HostBuffer's owner is released by this deleter: what SoleWritable
 // recognizes.
