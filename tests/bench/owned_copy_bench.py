@@ -13,9 +13,12 @@ taking turns (--runs each, medians printed):
   - weightstore's default threads with WEIGHTSTORE_HUGE_PAGES=1 and =0
     (huge pages forced, and 4 KiB pages; the default picks one: 4 KiB on a VM
     that reports free pages to its hypervisor, as this one does);
+  - weightstore's default with WEIGHTSTORE_PREFAULT=0 (each piece's pages
+    faulted one at a time by the copy, not in one madvise first);
   - the limits: the file's bytes copied into fresh private memory, advised
     for huge pages or not, in 4 MiB pieces on every usable core (at most 8),
-    as weightstore copies.
+    as weightstore copies; and 4 KiB pages with each piece prefaulted
+    (MADV_POPULATE_WRITE) first, as weightstore does.
 Each child (tests/bench/loader_child.py) digests its tensors, checked equal to
 load_file's, and reports its peak RSS.
 
@@ -84,6 +87,8 @@ def main():
         ("torch copy_ of the mapped file, 1 thread", "plain", {}),
         ("weightstore file: default threads, huge pages", "weightstore", {"WEIGHTSTORE_HUGE_PAGES": "1"}),
         ("weightstore file: default threads, 4 KiB pages", "weightstore", {"WEIGHTSTORE_HUGE_PAGES": "0"}),
+        ("weightstore file: default threads, no prefault", "weightstore", {"WEIGHTSTORE_PREFAULT": "0"}),
+        ("limit: copy into fresh 4 KiB pages, prefaulted", "limit-4k-prefault", {}),
         ("limit: copy into fresh huge pages, every core", "limit-huge", {}),
         ("limit: copy into fresh 4 KiB pages, every core", "limit-4k", {}),
     ]
@@ -107,7 +112,7 @@ def main():
                                  capture_output=True, text=True).stdout.split()
             times[label].append(float(out[0]))
             rss[label] = max(rss[label], int(out[2]))
-            if mode not in ("plain", "limit-huge", "limit-4k"):
+            if not mode.startswith("limit") and mode != "plain":
                 checks.setdefault(label, out[1])
     reference = checks["safetensors load_file (views of a mapping)"]
     for label, value in checks.items():

@@ -1,7 +1,8 @@
 """python_bench: loading a 1 GiB checkpoint into framework tensors from a running
 weightstored, beside torch.load of the same weights saved as .pt, in one run.
 
-Rows: torch.load; the `weightstore` package (the C++ client's extension, from
+Rows: a plain TCP loopback stream of the same bytes into fresh memory (4 KiB
+pages and huge pages: "vs raw TCP" is against the faster); torch.load; the `weightstore` package (the C++ client's extension, from
 <build>/python) through the same-host socket (zero-copy torch tensors) and over
 gRPC; a C++ process (tests/shm_probe) through the socket and over gRPC. The
 last line is this process's peak RSS. The daemon serves the very .pt file torch.load reads.
@@ -10,17 +11,51 @@ The page cache is warm for every row. Medians of --repeat runs.
 Usage: build-tools/venv/bin/python tests/bench/python_bench.py [--build build] [--gb 1] [--repeat 3]
 """
 import argparse
+import mmap
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def raw_tcp(size, huge):
+    """A plain TCP loopback stream of `size` bytes into fresh private memory
+    (advised for huge pages, or not), 4 MiB per recv_into: what the wire
+    gives before any protocol. Returns the memory."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    chunk = bytes(range(256)) * (16 << 10)  # 4 MiB, warm
+
+    def send():
+        with socket.create_connection(listener.getsockname()) as out:
+            for at in range(0, size, len(chunk)):
+                out.sendall(memoryview(chunk)[:min(len(chunk), size - at)])
+
+    writer = threading.Thread(target=send)
+    writer.start()
+    conn, _ = listener.accept()
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge:
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        n = conn.recv_into(view[got:], min(len(chunk), size - got))
+        if n == 0:
+            raise RuntimeError(f"raw TCP: the stream ended after {got} of {size} bytes")
+        got += n
+    writer.join()
+    conn.close()
+    listener.close()
+    view.release()
+    return buffer
 
 
 def main():
@@ -73,6 +108,9 @@ def main():
 
         weightstore.connect("unix:" + socket_path).tensors("big")  # the daemon computes checksums once
         rows = [("torch.load(.pt)", timed(lambda: torch.load(path)))]
+        size = count * (4 << 20)
+        tcp = [("raw TCP loopback into fresh 4 KiB pages", timed(lambda: raw_tcp(size, huge=False))),
+               ("raw TCP loopback into fresh huge pages", timed(lambda: raw_tcp(size, huge=True)))]
         weightstore.tune_allocator_for_streaming()  # as the C++ probe does (after torch.load's row)
         rows += [
             ("Python, socket: weightstore tensors() (zero-copy)",
@@ -100,9 +138,11 @@ def main():
     print(f"python_bench: {size_mib} MiB in {count} F32 tensors of 4 MiB (.pt, zip), page cache warm, "
           f"median of {args.repeat}\n")
     baseline = rows[0][1]
-    print(f"{'path':52} {'ms':>10} {'GB/s':>8} {'vs torch.load':>14}")
-    for label, ms in rows:
-        print(f"  {label:50} {ms:10.2f} {size_mib / 1024 * 1.073741824 / (ms / 1e3):8.2f} {baseline / ms:13.1f}x")
+    wire = min(ms for _, ms in tcp)  # the faster of the two: the wire's speed here
+    print(f"{'path':52} {'ms':>10} {'GB/s':>8} {'vs torch.load':>14} {'vs raw TCP':>11}")
+    for label, ms in tcp + rows:
+        print(f"  {label:50} {ms:10.2f} {size_mib / 1024 * 1.073741824 / (ms / 1e3):8.2f} {baseline / ms:13.1f}x"
+              f" {'-' if 'socket' in label else f'{100 * wire / ms:.0f}%':>11}")
     print(f"\npeak RSS of a Python process fetching all {size_mib} MiB over gRPC: {rss_peak_kib / 1024:.0f} MiB "
           f"({rss_before_kib / 1024:.0f} MiB after importing torch and weightstore; the fetch added "
           f"{(rss_peak_kib - rss_before_kib) / 1024 / size_mib:.2f}x the checkpoint)")
