@@ -67,6 +67,11 @@ void PrefaultForWriting(std::span<std::byte> range) {
   static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   const uintptr_t start = reinterpret_cast<uintptr_t>(range.data()) / page * page;
   const uintptr_t end = (reinterpret_cast<uintptr_t>(range.data()) + range.size() + page - 1) / page * page;
+  // Memory written before (a model's parameters) is skipped, judged by its
+  // first page: populating present pages walks each of them, which costs
+  // about as much as writing them.
+  unsigned char first_page = 0;
+  if (::mincore(reinterpret_cast<void*>(start), page, &first_page) == 0 && (first_page & 1) != 0) return;
   if (::madvise(reinterpret_cast<void*>(start), end - start, kPopulateWrite) != 0 && errno == EINVAL) {
     // EINVAL is also a range the kernel will not populate (a device or
     // PFN mapping), so only an unknown advice turns it off: probe once.

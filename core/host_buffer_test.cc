@@ -82,6 +82,9 @@ TEST(PrefaultForWritingTest, TakesThePagesUnderTheRangeAndOnlyThemWithoutChangin
   PrefaultForWriting({p + 3 * page + 100, 33 * page + 10});
   std::vector<bool> resident = Resident(p, length);
   for (size_t i = 0; i < 64; ++i) EXPECT_EQ(resident[i], (i >= 3 && i <= 36) || i == 40) << "page " << i;
+  // A range whose first page is mapped already is taken as written before.
+  PrefaultForWriting({p + 40 * page, 20 * page});
+  EXPECT_FALSE(Resident(p, length)[41]);
   // A range under 64 KiB is not worth a call.
   PrefaultForWriting({p + 50 * page, 4 * page});
   EXPECT_FALSE(Resident(p, length)[50]);
