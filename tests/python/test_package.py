@@ -396,34 +396,49 @@ class PackageTest(unittest.TestCase):
             self.remote.tensors("pkg/mlp", slices={"0.weight": "[-1:]"})
 
     def interrupt(self, store, name, fraction, over_grpc):
-        """Sends a real SIGINT (Ctrl-C) `fraction` of a whole fetch's time into
-        fetches of `name` until one is interrupted mid-fetch: it raises
-        KeyboardInterrupt, and over gRPC the daemon saw a stream of it end
-        cancelled (not read to its end, nor one that never started). Returns
-        the fastest whole fetch seen and how long the interrupted one took (s),
-        for the record: how fast is not asserted, a loaded machine varies it."""
+        """Sends a real SIGINT (Ctrl-C) into fetches of `name` once this
+        process's RSS has grown by `fraction` of the fetch's bytes (an event:
+        the fetch is under way, however fast the machine), until one is
+        interrupted mid-fetch: it raises KeyboardInterrupt, and over gRPC the
+        daemon saw a stream of it end cancelled (not read to its end, nor one
+        that never started). Returns how long a whole fetch and the
+        interrupted one took (s), for the record: how fast is not asserted,
+        a loaded machine varies it."""
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * page
+
         store.tensors(name)  # warm: the page cache, the daemon's checksums
         start = time.perf_counter()
-        store.tensors(name)
+        size = sum(t.numel() * t.element_size() for t in store.tensors(name).values())
         whole = time.perf_counter() - start
-        # On a loaded machine the measured fetch can be slower than the next
-        # one, which then ends before the signal: tried again, the signal
-        # aimed at the fastest whole fetch seen so far.
+        # A fetch that ends before the watcher sees it grow (a fast machine,
+        # a watcher not scheduled) is tried again.
         for _ in range(5):
             before = fetch_calls() if over_grpc else None
-            timer = threading.Timer(whole * fraction, lambda: os.kill(os.getpid(), signal.SIGINT))
+            base, done = rss(), threading.Event()
+
+            def interrupt_once_grown():
+                while not done.is_set():
+                    if rss() - base >= size * fraction:
+                        os.kill(os.getpid(), signal.SIGINT)
+                        done.set()
+                    time.sleep(0.0005)
+
+            watcher = threading.Thread(target=interrupt_once_grown)
             start = time.perf_counter()
-            timer.start()
+            watcher.start()
             try:
                 store.tensors(name)
                 cancelled = False
             except KeyboardInterrupt:
                 cancelled = True
             interrupted = time.perf_counter() - start
-            if not cancelled:
-                whole = min(whole, interrupted)
             try:  # a signal that came after the fetch is taken here, not in another test
-                timer.join()
+                done.set()
+                watcher.join()
                 time.sleep(0.05)
             except KeyboardInterrupt:
                 pass
@@ -437,7 +452,7 @@ class PackageTest(unittest.TestCase):
     def test_ctrl_c_cancels_a_fetch_in_flight_and_the_store_keeps_working(self):
         # A real SIGINT (Ctrl-C) a tenth of the way in.
         whole, interrupted = self.interrupt(self.remote, "pkg/big", 1 / 10, over_grpc=True)
-        print(f"\nCtrl-C: a {whole * 1e3:.0f} ms fetch interrupted at {whole * 100:.0f} ms returned after "
+        print(f"\nCtrl-C: a {whole * 1e3:.0f} ms fetch interrupted a tenth of the way in returned after "
               f"{interrupted * 1e3:.0f} ms")
         got = self.remote.tensors("pkg/big", paths=["w.63"])
         self.assertEqual(got["w.63"][0, 0].item(), 63.0)
@@ -505,8 +520,8 @@ class PackageTest(unittest.TestCase):
         for label, store in (("gRPC", weightstore.connect(ADDRESS, parallel_streams=1)), ("local", self.local)):
             with self.subTest(transport=label):
                 whole, interrupted = self.interrupt(store, "pkg/one", 1 / 4, over_grpc=label == "gRPC")
-                print(f"\nCtrl-C ({label}): a {whole * 1e3:.0f} ms one-tensor fetch interrupted at "
-                      f"{whole * 250:.0f} ms returned after {interrupted * 1e3:.0f} ms")
+                print(f"\nCtrl-C ({label}): a {whole * 1e3:.0f} ms one-tensor fetch interrupted a quarter of "
+                      f"the way in returned after {interrupted * 1e3:.0f} ms")
                 got = store.tensors("pkg/one")["w"]
                 self.assertEqual(got.numel(), 128 << 20)
                 self.assertEqual(got[-1].item(), 1.0)
