@@ -570,6 +570,47 @@ class PackageTest(unittest.TestCase):
                 self.assertTrue(store.load_into(module, "pkg/one").ok)  # loading again mends it
                 self.assertTrue(torch.all(module.w.data == 1.0))
 
+    def test_a_parameter_replaced_while_load_into_writes_it_is_an_error_naming_it(self):
+        in_place = getattr(getattr(torch.autograd, "graph", None), "increment_version", None) is not None
+        for label, store in (("gRPC", weightstore.connect(ADDRESS, parallel_streams=1)), ("local", self.local)):
+            with self.subTest(transport=label):
+                if not in_place:  # torch before 2.1: torch copies at the end, into whatever the module holds then
+                    module = torch.nn.Module()
+                    module.w = torch.nn.Parameter(torch.zeros(128 << 20))
+                    self.assertTrue(store.load_into(module, "pkg/one").ok)
+                    self.assertTrue(torch.all(module.w.data == 1.0))
+                    continue
+                for _ in range(5):  # until the replacement comes before the load's end
+                    module = torch.nn.Module()
+                    module.w = torch.nn.Parameter(torch.zeros(128 << 20))
+                    old, new = module.w.data, torch.zeros(128 << 20)  # made before: 512 MiB takes a while
+                    replaced = threading.Event()
+
+                    def replace_once_written():  # an event, not a timer: the first element written
+                        while not replaced.is_set():
+                            if old[0].item() != 0:
+                                module.w.data = new
+                                replaced.set()
+                            time.sleep(0.001)
+
+                    watcher = threading.Thread(target=replace_once_written)
+                    watcher.start()
+                    try:
+                        store.load_into(module, "pkg/one")
+                        error = None
+                    except weightstore.Error as e:
+                        error = e
+                    replaced.set()
+                    watcher.join()
+                    if error is not None:
+                        break
+                self.assertIsNotNone(error, "no replacement landed during a load in five tries")
+                self.assertEqual(error.code, "FAILED_PRECONDITION")
+                self.assertIn("['w'] moved while load_into wrote into them", error.message)
+                self.assertTrue(torch.all(old == 1.0))  # the old storage was held and written whole
+                self.assertTrue(store.load_into(module, "pkg/one").ok)  # loading again fills the new one
+                self.assertTrue(torch.all(module.w.data == 1.0))
+
     def publish(self, name, state):
         """Writes `state` as MODELS/<name>.pt the way a trainer publishes (a
         temporary renamed over it) and has the daemon rescan."""
