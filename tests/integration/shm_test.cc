@@ -13,10 +13,13 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <thread>
+#include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/materialize.h"
@@ -329,6 +332,64 @@ TEST_F(ShmTest, MaterializeOnTheCpuFromEveryStoreIsByteExact) {
       EXPECT_EQ(absl::string_view(static_cast<const char*>(got[i].data()), got[i].spec.byte_size()),
                 want[i].bytes.view());
     }
+  }
+}
+
+// This process's resident set and its peak since the last reset, in bytes
+// (/proc/self/status).
+std::pair<uint64_t, uint64_t> RssAndPeak() {
+  std::ifstream status("/proc/self/status");
+  uint64_t rss = 0, peak = 0;
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) rss = std::stoull(line.substr(6)) * 1024;
+    if (line.rfind("VmHWM:", 0) == 0) peak = std::stoull(line.substr(6)) * 1024;
+  }
+  return {rss, peak};
+}
+
+TEST(ShmCopyTest, ACopyIntoPlacesDropsTheSegmentsPagesAsItGoes) {
+  // One 64 MiB tensor, served as a sealed copy (the default for a root peer)
+  // and as the file itself.
+  const std::string models = testing::MakeScratchDir("shm-copy");
+  constexpr size_t kFloats = size_t{16} << 20;
+  WriteFloats(models + "/big.safetensors", 1, kFloats, 3.0f);
+  for (const char* segments : {"auto", "always"}) {
+    SCOPED_TRACE(segments);
+    SocketDaemon server(models, {"--socket-file-segments", segments});
+    ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+    auto store = ConnectShm(server.socket);
+    ASSERT_NE(store, nullptr);
+    ASSERT_OK(store->FetchAll("big", {}).status());  // the daemon's segment and checksums, made once
+
+    std::vector<std::byte> place(kFloats * 4);  // written (zeroed) already: resident before the copy
+    // How far this process's RSS rose above its start during a copy into
+    // `place` (the peak reset first: "5" to clear_refs).
+    auto peak_rise = [&](bool release) -> uint64_t {
+      std::ofstream("/proc/self/clear_refs") << "5";
+      const uint64_t start = RssAndPeak().first;
+      absl::flat_hash_map<std::string, client::PlacingSink::Place> places;
+      places["w.0"] = {DType::kF32, {kFloats}, place};
+      client::PlacingSink sink(std::move(places));
+      client::Query query;
+      query.release_source_pages = release;
+      EXPECT_OK(store->FetchTensors("big", query, &sink));
+      EXPECT_THAT(sink.placed(), ::testing::ElementsAre("w.0"));
+      const uint64_t peak = RssAndPeak().second;
+      return peak > start ? peak - start : 0;
+    };
+    // Without the release the whole segment is mapped in at once (which
+    // shows the measure sees it); with it, only the pieces in flight.
+    const uint64_t kept = peak_rise(false);
+    const uint64_t dropped = peak_rise(true);
+    std::cout << "peak RSS rise copying 64 MiB (" << segments << "): " << (kept >> 20) << " MiB kept, "
+              << (dropped >> 20) << " MiB dropped as copied\n";
+    EXPECT_GE(kept, kFloats * 4 * 3 / 4);
+    EXPECT_LT(dropped, kFloats * 4 / 2);
+    float first, last;
+    std::memcpy(&first, place.data(), 4);
+    std::memcpy(&last, place.data() + place.size() - 4, 4);
+    EXPECT_EQ(first, 3.0f);
+    EXPECT_EQ(last, 3.0f + static_cast<float>(kFloats - 1) / 8);
   }
 }
 
