@@ -79,7 +79,6 @@ class LocalStore final : public Store {
                            const Query& query, std::span<const std::byte> release) {
     auto cancelled = [&query] { return query.cancel != nullptr && query.cancel->load(); };
     if (CopyThreads() <= 1 || out.size() < 2 * kCopyPieceBytes) {
-      PrefaultForWriting(out);
       WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServedInPieces(snapshot, plan, out, kCopyPiece, cancelled));
       ReleaseCopiedPages(release);
       return absl::OkStatus();

@@ -57,33 +57,47 @@ constexpr int kPopulateWrite = 23;
 
 void PrefaultForWriting(std::span<std::byte> range) {
   constexpr size_t kWorthACall = size_t{64} << 10;
-  // WEIGHTSTORE_PREFAULT=0 turns it off (to measure it), as does EINVAL
-  // from a kernel before 5.14.
+  // WEIGHTSTORE_PREFAULT=0 turns it off (to measure it), as does a kernel
+  // without the advice (before 5.14) or a sandbox that refuses madvise.
   static std::atomic<bool> off{[] {
     const char* value = std::getenv("WEIGHTSTORE_PREFAULT");
     return value != nullptr && std::string_view(value) == "0";
   }()};
   if (range.size() < kWorthACall || off.load(std::memory_order_relaxed)) return;
   static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const uintptr_t start = reinterpret_cast<uintptr_t>(range.data()) / page * page;
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(range.data()) + range.size() + page - 1) / page * page;
-  // Memory written before (a model's parameters) is skipped, judged by its
-  // first page: populating present pages walks each of them, which costs
-  // about as much as writing them.
-  unsigned char first_page = 0;
-  if (::mincore(reinterpret_cast<void*>(start), page, &first_page) == 0 && (first_page & 1) != 0) return;
-  if (::madvise(reinterpret_cast<void*>(start), end - start, kPopulateWrite) != 0 && errno == EINVAL) {
-    // EINVAL is also a range the kernel will not populate (a device or
-    // PFN mapping), so only an unknown advice turns it off: probe once.
-    static const bool known = [] {
-      void* probe = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (probe == MAP_FAILED) return true;
-      const bool ok = ::madvise(probe, 4096, kPopulateWrite) == 0;
-      ::munmap(probe, 4096);
-      return ok;
-    }();
-    if (!known) off.store(true, std::memory_order_relaxed);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(range.data());
+  const uintptr_t start = begin / page * page;
+  const uintptr_t end = (begin + range.size() + page - 1) / page * page;
+  const int saved_errno = errno;  // advice only: the caller's errno is kept
+  // Memory written before (a model's parameters) is skipped, judged by the
+  // first page wholly inside the range (a page shared with what lies before
+  // it, such as an allocator's header or the previous piece, says nothing):
+  // populating present pages walks each of them, which costs about as much
+  // as writing them.
+  const uintptr_t probe = (begin + page - 1) / page * page;
+  unsigned char present = 0;
+  if (::mincore(reinterpret_cast<void*>(probe), page, &present) == 0 && (present & 1) != 0) {
+    errno = saved_errno;
+    return;
   }
+  if (::madvise(reinterpret_cast<void*>(start), end - start, kPopulateWrite) != 0) {
+    if (errno == ENOSYS || errno == EPERM) {  // a seccomp filter: no call will do better
+      off.store(true, std::memory_order_relaxed);
+    } else if (errno == EINVAL) {
+      // EINVAL is also a range the kernel will not populate (a device or
+      // PFN mapping, a read-only one), so only an unknown advice turns it
+      // off: probed once.
+      static const bool known = [] {
+        void* p = ::mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) return true;
+        const bool ok = ::madvise(p, page, kPopulateWrite) == 0;
+        ::munmap(p, page);
+        return ok;
+      }();
+      if (!known) off.store(true, std::memory_order_relaxed);
+    }
+  }
+  errno = saved_errno;
 }
 
 // Every HostBuffer's owner is released by this deleter: what SoleWritable

@@ -52,12 +52,13 @@ class HostBuffer {
 // (MADV_POPULATE_WRITE, Linux 5.14 and later) just before they are written:
 // a fault per page traps once per 4 KiB, and in one call the kernel fills
 // them about 1.25x faster (docs/benchmarks.md#owned-memory-from-files).
-// Contents are unchanged. A range whose first page is mapped already
-// (memory written before) is left alone: populating present pages costs
-// about as much as writing them. Advice only: for a range under 64 KiB, on an older
-// kernel, or on memory it cannot populate, it does nothing and the writes
-// fault as before; WEIGHTSTORE_PREFAULT=0 turns it off for the process.
-// Call it only on memory the caller is about to write.
+// Contents are unchanged, and so is errno. A range whose first whole page is
+// mapped already (memory written before) is left alone: populating present
+// pages costs about as much as writing them. Advice only: for a range under
+// 64 KiB, on an older kernel, or on memory it cannot populate, it does
+// nothing and the writes fault as before; WEIGHTSTORE_PREFAULT=0 turns it off
+// for the process. Call it only on memory the caller is about to write, a
+// piece at a time (what it populates stays resident if the write never comes).
 void PrefaultForWriting(std::span<std::byte> range);
 
 }  // namespace weightstore

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
 #include "core/dtype.h"
+#include "core/host_buffer.h"
 #include "core/status_macros.h"
 
 namespace weightstore {
@@ -53,8 +54,9 @@ absl::Status MaterializeServedInPieces(const Snapshot& snapshot, const ServedTen
       return absl::CancelledError(
           absl::StrCat("cancelled in tensor '", plan.tensor->spec.name, "' at byte ", at, " of ", out.size()));
     }
-    WEIGHTSTORE_RETURN_IF_ERROR(
-        MaterializeServed(snapshot, plan, at, out.subspan(at, std::min(piece, out.size() - at))));
+    const std::span<std::byte> to = out.subspan(at, std::min(piece, out.size() - at));
+    PrefaultForWriting(to);
+    WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, to));
   }
   return absl::OkStatus();
 }

@@ -60,7 +60,8 @@ uint64_t ServedPieceBytes(const ServedTensorPlan& plan, uint64_t about);
 
 // Writes all of the served bytes into `out` (plan.byte_size of them), about
 // `piece_bytes` at a time (ServedPieceBytes), asking `cancelled` (may be empty)
-// before each piece: Cancelled, naming the tensor, once it says so.
+// before each piece: Cancelled, naming the tensor, once it says so. Each
+// piece's pages are faulted in one call first (PrefaultForWriting).
 absl::Status MaterializeServedInPieces(const Snapshot& snapshot, const ServedTensorPlan& plan, std::span<std::byte> out,
                                        uint64_t piece_bytes, const std::function<bool()>& cancelled);
 
