@@ -34,9 +34,8 @@ absl::Status CopyInPieces(uint64_t size, uint64_t piece,
 void ParallelMemcpy(std::span<std::byte> out, const std::byte* from, bool release_from = false);
 
 // ParallelMemcpy (pieces prefaulted too) that returns the CRC32C of the
-// bytes written: each thread
-// checksums what it wrote while it is still in cache, and the pieces' CRCs
-// are concatenated. With `release_from`, the source's pages are dropped as
+// bytes written: each thread checksums what it wrote while it is still in
+// cache, and the pieces' CRCs are concatenated. With `release_from`, the source's pages are dropped as
 // the pieces are copied (ReleaseCopiedPages, whose rules `from` must meet).
 uint32_t CopyWithCrc32c(std::span<std::byte> out, const std::byte* from, bool release_from);
 
