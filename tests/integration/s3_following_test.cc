@@ -256,7 +256,10 @@ TEST_F(S3FollowingTest, AnObjectThatDoesNotOpenIsBlockedWhileTheNodeServesWhatIt
   ASSERT_OK_AND_ASSIGN(client::CheckpointSummary info, regional.store->GetCheckpoint(kName));
   ASSERT_TRUE(info.follow.has_value());
   EXPECT_THAT(info.follow->blocked, ::testing::HasSubstr("does not open"));
-  EXPECT_EQ(info.follow->lag_versions, 1u);
+  // Behind by the bad object: by one version, or more when a poll listed the
+  // object while s3rver was still writing it (a size or ETag of its own, which
+  // is a version of its own: the flapping listing of docs/origin.md).
+  EXPECT_GE(info.follow->lag_versions, 1u);
   EXPECT_NE(info.follow->upstream_version, v0);
   EXPECT_TRUE(regional.Served() == TrainerVersion(0));
   // Nothing of it is kept to be resumed.
