@@ -526,16 +526,25 @@ class PackageTest(unittest.TestCase):
                 self.assertEqual(got.numel(), 128 << 20)
                 self.assertEqual(got[-1].item(), 1.0)
 
-    def test_ctrl_c_in_the_middle_of_load_into_says_the_module_may_be_partly_written(self):
+    def load_one_stores(self):
+        """(label, store) pairs that load_into's mid-write tests run over, and
+        whether this torch lets load_into write in place (2.1 and later); on
+        an older torch each store is checked to load pkg/one by torch's copy
+        (nothing is written mid-fetch there) and left out."""
         in_place = getattr(getattr(torch.autograd, "graph", None), "increment_version", None) is not None
-        for label, store in (("gRPC", weightstore.connect(ADDRESS, parallel_streams=1)), ("local", self.local)):
+        stores = [("gRPC", weightstore.connect(ADDRESS, parallel_streams=1)), ("local", self.local)]
+        if not in_place:
+            for label, store in stores:
+                module = torch.nn.Module()
+                module.w = torch.nn.Parameter(torch.zeros(128 << 20))
+                self.assertTrue(store.load_into(module, "pkg/one").ok, label)
+                self.assertTrue(torch.all(module.w.data == 1.0), label)
+            return []
+        return stores
+
+    def test_ctrl_c_in_the_middle_of_load_into_says_the_module_may_be_partly_written(self):
+        for label, store in self.load_one_stores():
             with self.subTest(transport=label):
-                if not in_place:  # torch before 2.1: fetched whole, then copied by torch (nothing mid-write)
-                    module = torch.nn.Module()
-                    module.w = torch.nn.Parameter(torch.zeros(128 << 20))
-                    self.assertTrue(store.load_into(module, "pkg/one").ok)
-                    self.assertTrue(torch.all(module.w.data == 1.0))
-                    continue
                 for _ in range(5):  # until the signal comes before the load's end
                     module = torch.nn.Module()
                     module.w = torch.nn.Parameter(torch.zeros(128 << 20))
@@ -571,15 +580,8 @@ class PackageTest(unittest.TestCase):
                 self.assertTrue(torch.all(module.w.data == 1.0))
 
     def test_a_parameter_replaced_while_load_into_writes_it_is_an_error_naming_it(self):
-        in_place = getattr(getattr(torch.autograd, "graph", None), "increment_version", None) is not None
-        for label, store in (("gRPC", weightstore.connect(ADDRESS, parallel_streams=1)), ("local", self.local)):
+        for label, store in self.load_one_stores():
             with self.subTest(transport=label):
-                if not in_place:  # torch before 2.1: torch copies at the end, into whatever the module holds then
-                    module = torch.nn.Module()
-                    module.w = torch.nn.Parameter(torch.zeros(128 << 20))
-                    self.assertTrue(store.load_into(module, "pkg/one").ok)
-                    self.assertTrue(torch.all(module.w.data == 1.0))
-                    continue
                 for _ in range(5):  # until the replacement comes before the load's end
                     module = torch.nn.Module()
                     module.w = torch.nn.Parameter(torch.zeros(128 << 20))
