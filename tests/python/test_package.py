@@ -65,6 +65,24 @@ def make_model():
                                torch.nn.Linear(48, 8))
 
 
+def once_written(tensor, action):
+    """Calls action() on a thread of its own once `tensor`'s first element is
+    no longer zero (an event, not a timer: a load has begun writing it).
+    Returns (done, thread): set done to stop watching, then join."""
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            if tensor[0].item() != 0:
+                action()
+                done.set()
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    return done, thread
+
+
 class PackageTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -549,24 +567,14 @@ class PackageTest(unittest.TestCase):
                     module = torch.nn.Module()
                     module.w = torch.nn.Parameter(torch.zeros(128 << 20))
                     version = module.w._version
-                    begun = threading.Event()
-
-                    def interrupt_once_written():  # an event, not a timer: the first element written
-                        while not begun.is_set():
-                            if module.w.data[0].item() != 0:
-                                os.kill(os.getpid(), signal.SIGINT)
-                                begun.set()
-                            time.sleep(0.001)
-
-                    watcher = threading.Thread(target=interrupt_once_written)
-                    watcher.start()
+                    done, watcher = once_written(module.w.data, lambda: os.kill(os.getpid(), signal.SIGINT))
                     try:
                         store.load_into(module, "pkg/one")
                         interrupted = None
                     except KeyboardInterrupt as e:
                         interrupted = e
                     try:  # a signal that came after the load is taken here
-                        begun.set()
+                        done.set()
                         watcher.join()
                         time.sleep(0.05)
                     except KeyboardInterrupt:
@@ -586,23 +594,13 @@ class PackageTest(unittest.TestCase):
                     module = torch.nn.Module()
                     module.w = torch.nn.Parameter(torch.zeros(128 << 20))
                     old, new = module.w.data, torch.zeros(128 << 20)  # made before: 512 MiB takes a while
-                    replaced = threading.Event()
-
-                    def replace_once_written():  # an event, not a timer: the first element written
-                        while not replaced.is_set():
-                            if old[0].item() != 0:
-                                module.w.data = new
-                                replaced.set()
-                            time.sleep(0.001)
-
-                    watcher = threading.Thread(target=replace_once_written)
-                    watcher.start()
+                    done, watcher = once_written(old, lambda: setattr(module.w, "data", new))
                     try:
                         store.load_into(module, "pkg/one")
                         error = None
                     except weightstore.Error as e:
                         error = e
-                    replaced.set()
+                    done.set()
                     watcher.join()
                     if error is not None:
                         break
