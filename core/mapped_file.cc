@@ -123,7 +123,18 @@ bool MappedFile::ChangedOnDisk() const {
   // last link, which changes its ctime but not its bytes: only size and mtime
   // tell then.
   if (st.st_nlink == 0) return static_cast<uint64_t>(st.st_size) != size_ || mtime != mtime_ns_;
-  return static_cast<uint64_t>(st.st_size) != size_ || mtime != mtime_ns_ || ctime != ctime_ns_;
+  return static_cast<uint64_t>(st.st_size) != size_ || mtime != mtime_ns_ ||
+         ctime != ctime_ns_.load(std::memory_order_relaxed);
+}
+
+void MappedFile::Renamed() const {
+  if (!mapped_) return;
+  struct stat st;
+  if (::fstat(fd_, &st) != 0 || static_cast<uint64_t>(st.st_size) != size_ ||
+      static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec != mtime_ns_) {
+    return;
+  }
+  ctime_ns_.store(static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec, std::memory_order_relaxed);
 }
 
 namespace {

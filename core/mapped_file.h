@@ -15,6 +15,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -86,6 +87,10 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
   // back, as `touch -r` puts back mtime). Always false for files read into
   // memory (they are a private copy) and for sealed memfds.
   bool ChangedOnDisk() const;
+  // Its owner has just renamed the file into place, which moves the change
+  // time: takes the file's change time now as the one it was opened with,
+  // unless its size or modification time moved too (then it stays changed).
+  void Renamed() const;
 
  private:
   MappedFile() = default;
@@ -98,7 +103,7 @@ class MappedFile : public std::enable_shared_from_this<MappedFile> {
   dev_t device_ = 0;
   ino_t inode_ = 0;
   int64_t mtime_ns_ = 0;
-  int64_t ctime_ns_ = 0;
+  mutable std::atomic<int64_t> ctime_ns_{0};  // moved by Renamed()
   const std::byte* data_ = nullptr;
   std::vector<std::byte> buffer_;  // small files
   struct Mapping;

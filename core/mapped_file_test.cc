@@ -69,6 +69,26 @@ TEST(MappedFileTest, AFileReplacedByARenameIsNotAChangeOnDisk) {
   EXPECT_EQ(file->bytes().data()[10], std::byte{'x'});
 }
 
+TEST(MappedFileTest, AFileItsOwnerRenamedIntoPlaceIsUnchangedOnceItSaysSo) {
+  // A push maps the file it wrote, then renames it over the checkpoint's:
+  // the rename moves its ctime, which alone would read as a write in place.
+  const std::string path = WriteFile("w.bin", 'x');
+  ASSERT_OK_AND_ASSIGN(auto file, MappedFile::Open(path));
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));  // past the timestamp granularity
+  ASSERT_EQ(::rename(path.c_str(), (path + ".in-place").c_str()), 0);
+  EXPECT_TRUE(file->ChangedOnDisk()) << "the rename moved its ctime";
+  file->Renamed();
+  EXPECT_FALSE(file->ChangedOnDisk());
+  // A write after it is still one.
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const int fd = ::open((path + ".in-place").c_str(), O_WRONLY);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::pwrite(fd, "y", 1, 10), 1);
+  ::close(fd);
+  file->Renamed();  // says nothing about a file whose mtime moved
+  EXPECT_TRUE(file->ChangedOnDisk());
+}
+
 TEST(MappedFileTest, ASigbusOutsideOurMappingsStillEndsTheProcess) {
   const std::string path = WriteFile("other.bin", 'z');
   const pid_t child = ::fork();
