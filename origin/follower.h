@@ -19,10 +19,11 @@
 // holds; the watch is reopened, with backoff, and a version missed meanwhile
 // arrives then.
 //
-// What it can follow: single-file checkpoints of a writable format
-// (SafeTensors, Burnpack), the registry's push; from S3, single-file
-// checkpoints of any format, pulled whole. Others are served as pulled,
-// blocked with the reason in the log.
+// What it can follow: what the registry's push can write, single-file
+// checkpoints of a writable format (SafeTensors, Burnpack) and sharded
+// SafeTensors ones whose steps keep their tensors' names, dtypes and shapes;
+// from S3, single-file checkpoints of any format, pulled whole. Others are
+// served as pulled, blocked with the reason in the log.
 //
 // Thread-safe.
 #ifndef WEIGHTSTORE_ORIGIN_FOLLOWER_H_

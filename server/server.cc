@@ -270,6 +270,9 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   for (const std::string& c : report.cleaned) {
     std::fprintf(stderr, "weightstored: removed the abandoned upload %s\n", c.c_str());
   }
+  for (const std::string& f : report.rolled_forward) {
+    std::fprintf(stderr, "weightstored: finished a publish a crash interrupted: %s\n", f.c_str());
+  }
   for (const std::string& folder : RegistryFolders(options.registry)) options.service.hidden_folders.push_back(folder);
   s->service_ =
       std::make_unique<WeightStoreService>(s->registry_.get(), options.service, s->auth_.get(), s->puller_.get());

@@ -482,6 +482,9 @@ int main(int argc, char** argv) {
       for (const std::string& c : r.cleaned) {
         std::fprintf(stderr, "weightstored: removed the abandoned upload %s\n", c.c_str());
       }
+      for (const std::string& f : r.rolled_forward) {
+        std::fprintf(stderr, "weightstored: finished a publish a crash interrupted: %s\n", f.c_str());
+      }
       continue;
     }
     std::fprintf(stderr, "weightstored: shutting down (drain %.1fs, grace %.1fs)\n", drain_seconds, grace_seconds);

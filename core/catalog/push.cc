@@ -3,20 +3,29 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 
+#include "absl/random/random.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "core/catalog/registry.h"
 #include "core/checked_math.h"
 #include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/mapped_file.h"
+#include "core/shm/unix_socket.h"
 #include "core/status_macros.h"
 #include "core/status_util.h"
 
@@ -215,23 +224,28 @@ absl::Status PushSession::EndPatchedTensor(Pushed& t) {
 namespace {
 
 // The path of a file named like an AtomicFile temporary beside `path` (so a
-// rescan neither serves it nor, while it is young or locked, removes it).
+// rescan neither serves it nor, while it is young or locked, removes it). A
+// random part keeps a name from recurring across restarts (pids do, in a
+// container).
 std::string PushedFilePath(const std::string& path) {
   static std::atomic<uint64_t> counter{0};
+  static const uint64_t run = absl::Uniform<uint64_t>(absl::BitGen()) % 1000000000000ULL;
   const fs::path p(path);
-  return (p.parent_path() / absl::StrCat(".", p.filename().string(), ".new.", ::getpid(), "-", ++counter, ".tmp"))
+  return (p.parent_path() /
+          absl::StrCat(".", p.filename().string(), ".new.", ::getpid(), "-", run, "-", ++counter, ".tmp"))
       .string();
 }
 
-// OpenOptions that read the checkpoint from `fd` (duplicated), whatever path
-// it is opened under.
-OpenOptions FromDescriptor(OpenOptions open, int fd) {
-  open.open_file = [fd](const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
-    const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (copy < 0) return StatusFromErrno(errno, absl::StrCat("cannot read '", path, "'"));
-    return MappedFile::FromDescriptor(copy, path);
-  };
-  return open;
+// A file's inode, size and mtime (ns), which a rename keeps and a write in
+// place or a replacement changes.
+struct FileIdentity {
+  uint64_t inode = 0, size = 0;
+  int64_t mtime_ns = 0;
+  bool operator==(const FileIdentity&) const = default;
+};
+FileIdentity IdentityOf(const struct stat& st) {
+  return {static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
+          static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
 }
 
 // A follower's check of what it wrote against what its upstream published:
@@ -276,13 +290,22 @@ absl::StatusOr<std::unique_ptr<PushSession>> CheckpointRegistry::BeginPush(const
     return absl::FailedPreconditionError(
         absl::StrCat("push to '", name, "': it is preloaded into memory (--preload); pushes rewrite files"));
   }
-  if (!checkpoint.format().writable() || checkpoint.files().size() != 1 ||
-      !CanWrite(checkpoint.format(), checkpoint.files()[0]->path())) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("push to '", name, "': it is '", checkpoint.path(), "', ",
-                     checkpoint.files().size() == 1 ? "a " : "a multi-file ", checkpoint.format().name,
-                     " checkpoint, and pushes write one file of a writable format and ending (",
-                     FormatExtensions(/*writable_only=*/true), ")"));
+  // One file of a writable format, or the shards of a SafeTensors index, each
+  // in the index's folder: a push rewrites the shards its tensors are in.
+  const std::vector<std::shared_ptr<const MappedFile>>& files = checkpoint.files();
+  const bool single = files.size() == 1 && files[0]->path() == base->path();
+  const bool sharded = !single && !files.empty() && IndexFormatForPath(base->path()) == &checkpoint.format() &&
+                       std::all_of(files.begin(), files.end(), [&](const auto& f) {
+                         return fs::path(f->path()).parent_path() == fs::path(base->path()).parent_path();
+                       });
+  const bool writable =
+      checkpoint.format().writable() && (single || sharded) &&
+      std::all_of(files.begin(), files.end(), [&](const auto& f) { return CanWrite(checkpoint.format(), f->path()); });
+  if (!writable) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "push to '", name, "': it is '", checkpoint.path(), "', ", single ? "a " : "a multi-file ",
+        checkpoint.format().name, " checkpoint, and pushes write one file of a writable format and ending (",
+        FormatExtensions(/*writable_only=*/true), "), or the shards of a SafeTensors index in its folder"));
   }
   {
     absl::MutexLock lock(&mu_);
@@ -293,18 +316,67 @@ absl::StatusOr<std::unique_ptr<PushSession>> CheckpointRegistry::BeginPush(const
     }
   }
   {
-    // The file is written where it lies: under the models folder, through no
-    // symlink (which could lead out of it), and not a symlink itself.
+    // The files are written where they lie: under the models folder, through
+    // no symlink (which could lead out of it), and none a symlink itself.
     std::error_code ec;
     const fs::path models = fs::canonical(options_.models_dir, ec);
     const fs::path file = fs::absolute(base->path(), ec).lexically_normal();
     const fs::path relative = file.lexically_relative(fs::absolute(options_.models_dir, ec).lexically_normal());
     const fs::path real = fs::canonical(file, ec);
-    if (ec || relative.empty() || *relative.begin() == ".." || real != models / relative ||
-        fs::is_symlink(fs::symlink_status(file, ec))) {
+    bool symlink = fs::is_symlink(fs::symlink_status(file, ec));
+    for (const auto& f : files) symlink = symlink || fs::is_symlink(fs::symlink_status(f->path(), ec));
+    if (ec || relative.empty() || *relative.begin() == ".." || real != models / relative || symlink) {
       return absl::FailedPreconditionError(absl::StrCat(
           "push to '", name,
           "': its file is reached through a symlink; pushes rewrite only real files in the models folder"));
+    }
+  }
+  if (sharded) {
+    // Each shard keeps its tensors; the index is never rewritten. The
+    // record of its renames names each shard on a line of its own, and a
+    // shard another index also names would change that checkpoint too.
+    for (const auto& f : files) {
+      const std::string shard = fs::path(f->path()).filename().string();
+      if (std::any_of(shard.begin(), shard.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20; })) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("push to '", name, "': its shard '", absl::CHexEscape(shard), "' has a control character"));
+      }
+    }
+    std::error_code ec;
+    const fs::path folder = fs::path(base->path()).parent_path();
+    for (fs::directory_iterator it(folder, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string other = it->path().string();
+      if (other == base->path() || IndexFormatForPath(other) == nullptr) continue;
+      const std::set<std::string> named = FilesOfIndex(other);
+      for (const auto& f : files) {
+        if (named.contains(f->path())) {
+          return absl::FailedPreconditionError(absl::StrCat("push to '", name, "': its shard '", f->path(),
+                                                            "' is also named by the index '", other, "'"));
+        }
+      }
+    }
+    if (!options.remove.empty() || options.allow_new_tensors) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("push to '", name, "': it is sharded (", files.size(),
+                       " files), and a push to it replaces tensors in their shards, with their dtype and shape; "
+                       "it cannot add, remove or redefine tensors"));
+    }
+    if (options.metadata.has_value() && *options.metadata != checkpoint.metadata()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("push to '", name, "': it is sharded, and a push to it cannot change its index's metadata"));
+    }
+    // A follower's copy keeps its upstream's order, which the shards fix.
+    if (options.expected.has_value()) {
+      bool same_order = options.expected->size() == checkpoint.size();
+      for (size_t i = 0; same_order && i < checkpoint.size(); ++i) {
+        same_order = (*options.expected)[i].name == checkpoint.entries()[i].spec.name;
+      }
+      if (!same_order) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("push to '", name,
+                         "': it is sharded, and the version expected orders or places its tensors otherwise "
+                         "(its index changed)"));
+      }
     }
   }
   if (options.remove.size() > checkpoint.size()) {
@@ -336,6 +408,7 @@ absl::StatusOr<std::unique_ptr<PushSession>> CheckpointRegistry::BeginPush(const
   }
   session->name_ = name;
   session->base_ = base;
+  session->sharded_ = sharded;
   session->options_ = std::move(options);
   session->max_bytes_ = options_.max_put_bytes;
   session->max_patch_bytes_ = options_.max_push_patch_bytes;
@@ -366,16 +439,10 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> staged,
                                MappedFile::FromDescriptor(fd, session->staging_->temp_path()));
 
-  // 1. The new file, written beside the base without the scan lock (scans,
-  //    loads and other checkpoints' pushes go on), under a temporary's name.
+  // 1. The new files, written beside the base's without the scan lock
+  //    (scans, loads and other checkpoints' pushes go on), under temporaries'
+  //    names: the whole checkpoint, or the shards holding a pushed tensor.
   const Checkpoint& checkpoint = *base.checkpoint();
-  const std::string written_path = PushedFilePath(base.path());
-  // A follower's copy keeps its upstream's order (PushOptions::expected), so
-  // that contiguous index ranges select the same tensors on both.
-  WEIGHTSTORE_ASSIGN_OR_RETURN(auto writer,
-                               CheckpointWriter::Create(written_path, checkpoint.format(),
-                                                        {.keep_order = session->options_.expected.has_value()}));
-  writer->SetMetadata(session->options_.metadata.value_or(checkpoint.metadata()));
   std::vector<ManifestTensor> known;  // digests of what is written: the base's and the pushed
   // The patches pushed, their bodies read from the staging file: applied
   // below, and the step kept for clients of the base (no diff needed).
@@ -426,67 +493,118 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
       }
     }
   }
-  // One tensor of the new version: pushed (replaced, redefined or new), or
-  // the base's unchanged.
-  auto add = [&](const std::string& tensor) -> absl::Status {
+  // One tensor of the new version, written by `writer`: pushed (replaced,
+  // redefined or new), or the base's unchanged.
+  auto add = [&](CheckpointWriter& writer, const std::string& tensor) -> absl::Status {
     if (auto p = session->by_name_.find(tensor); p != session->by_name_.end()) {
       const PushSession::Pushed& pushed = session->pushed_[p->second];
-      return writer->Add(pushed.spec, push_bytes(pushed));
+      return writer.Add(pushed.spec, push_bytes(pushed));
     }
     const CheckpointEntry* e = checkpoint.Find(tensor);
     if (e == nullptr || session->removed_.contains(tensor)) return absl::OkStatus();
     if (base.manifest() != nullptr) known.push_back(*base.manifest()->Find(tensor));
     std::shared_ptr<const Checkpoint> source = base.checkpoint();
-    return writer->Add(e->spec, [source, e]() -> absl::StatusOr<SharedBytes> {
+    return writer.Add(e->spec, [source, e]() -> absl::StatusOr<SharedBytes> {
       WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, source->Read(*e));
       return std::move(t.bytes);
     });
   };
-  if (const auto& expected = session->options_.expected; expected.has_value()) {
-    // In the upstream's order; what it lacks is found by CheckExpected.
-    absl::flat_hash_set<absl::string_view> written;
-    for (const ManifestTensor& t : *expected) {
-      if (!written.insert(t.name).second) {
-        return absl::DataLossError(absl::StrCat("push to '", name, "' expects tensor '", t.name.substr(0, 256),
-                                                "' twice; nothing was published"));
+  struct Planned {
+    std::unique_ptr<CheckpointWriter> writer;
+    std::string path, replaces;
+  };
+  std::vector<Planned> planned;
+  if (!session->sharded_) {
+    Planned file{nullptr, PushedFilePath(base.path()), base.path()};
+    // A follower's copy keeps its upstream's order (PushOptions::expected), so
+    // that contiguous index ranges select the same tensors on both.
+    WEIGHTSTORE_ASSIGN_OR_RETURN(file.writer,
+                                 CheckpointWriter::Create(file.path, checkpoint.format(),
+                                                          {.keep_order = session->options_.expected.has_value()}));
+    file.writer->SetMetadata(session->options_.metadata.value_or(checkpoint.metadata()));
+    if (const auto& expected = session->options_.expected; expected.has_value()) {
+      // In the upstream's order; what it lacks is found by CheckExpected.
+      absl::flat_hash_set<absl::string_view> written;
+      for (const ManifestTensor& t : *expected) {
+        if (!written.insert(t.name).second) {
+          return absl::DataLossError(absl::StrCat("push to '", name, "' expects tensor '", t.name.substr(0, 256),
+                                                  "' twice; nothing was published"));
+        }
+        WEIGHTSTORE_RETURN_IF_ERROR(add(*file.writer, t.name));
       }
-      WEIGHTSTORE_RETURN_IF_ERROR(add(t.name));
+    } else {
+      // The base's order, with new tensors last, in push order.
+      for (const CheckpointEntry& entry : checkpoint.entries()) {
+        WEIGHTSTORE_RETURN_IF_ERROR(add(*file.writer, entry.spec.name));
+      }
+      for (const PushSession::Pushed& p : session->pushed_) {
+        if (checkpoint.Find(p.spec.name) == nullptr) {
+          WEIGHTSTORE_RETURN_IF_ERROR(file.writer->Add(p.spec, push_bytes(p)));
+        }
+      }
     }
+    planned.push_back(std::move(file));
   } else {
-    // The base's order, with new tensors last, in push order.
-    for (const CheckpointEntry& entry : checkpoint.entries()) WEIGHTSTORE_RETURN_IF_ERROR(add(entry.spec.name));
-    for (const PushSession::Pushed& p : session->pushed_) {
-      if (checkpoint.Find(p.spec.name) == nullptr) WEIGHTSTORE_RETURN_IF_ERROR(writer->Add(p.spec, push_bytes(p)));
+    // Each shard holding a pushed tensor is written whole, in its own order
+    // and with its own metadata; the others, and the index, stay as they are.
+    // (A sharded push neither adds nor removes tensors: BeginPush.)
+    for (const std::shared_ptr<const MappedFile>& shard : checkpoint.files()) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> held,
+                                   checkpoint.format().open(shard, options_.open));
+      const bool pushed_to = std::any_of(held->entries().begin(), held->entries().end(), [&](const CheckpointEntry& e) {
+        return session->by_name_.contains(e.spec.name);
+      });
+      if (!pushed_to) {
+        for (const CheckpointEntry& e : held->entries()) {
+          if (base.manifest() != nullptr) known.push_back(*base.manifest()->Find(e.spec.name));
+        }
+        continue;
+      }
+      Planned file{nullptr, PushedFilePath(shard->path()), shard->path()};
+      WEIGHTSTORE_ASSIGN_OR_RETURN(file.writer,
+                                   CheckpointWriter::Create(file.path, checkpoint.format(), {.keep_order = true}));
+      file.writer->SetMetadata(held->metadata());
+      for (const CheckpointEntry& e : held->entries()) WEIGHTSTORE_RETURN_IF_ERROR(add(*file.writer, e.spec.name));
+      planned.push_back(std::move(file));
     }
   }
-  WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, writer->Plan());
+  uint64_t new_bytes = 0;
+  for (const Planned& file : planned) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, file.writer->Plan());
+    new_bytes = CheckedAdd(new_bytes, plan.file_size).value_or(UINT64_MAX);
+  }
   struct statvfs disk;
   if (::statvfs(fs::path(base.path()).parent_path().c_str(), &disk) == 0 &&
-      static_cast<uint64_t>(disk.f_bavail) * disk.f_frsize < plan.file_size) {
-    return absl::ResourceExhaustedError(absl::StrCat("push to '", name, "': the new file needs ", plan.file_size,
-                                                     " bytes; its disk has ",
+      static_cast<uint64_t>(disk.f_bavail) * disk.f_frsize < new_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("push to '", name, "': its new files need ", new_bytes,
+                                                     " bytes; their disk has ",
                                                      static_cast<uint64_t>(disk.f_bavail) * disk.f_frsize));
   }
-  WEIGHTSTORE_RETURN_IF_ERROR(writer->Finish());
-  // From here the written file is removed unless it is published. A shared
-  // lock keeps a rescan from taking it for an abandoned temporary.
+  // From here each file written is removed unless it is put in place. A
+  // shared lock keeps a rescan from taking one for an abandoned temporary.
   struct Written {
-    std::string path;
-    int fd = -1;
-    bool published = false;
+    std::vector<NewFile> files;
+    size_t renamed = 0;  // the first ones, put in place
     ~Written() {
-      if (!published) ::unlink(path.c_str());
-      if (fd >= 0) ::close(fd);
+      for (size_t i = 0; i < files.size(); ++i) {
+        if (i >= renamed) ::unlink(files[i].path.c_str());
+        if (files[i].fd >= 0) ::close(files[i].fd);
+      }
     }
-  } written{written_path};
-  written.fd = ::open(written_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (written.fd < 0 || ::flock(written.fd, LOCK_SH) != 0) {
-    return StatusFromErrno(errno, absl::StrCat("cannot open '", written_path, "'"));
+  } written;
+  for (Planned& file : planned) {
+    WEIGHTSTORE_RETURN_IF_ERROR(file.writer->Finish());
+    written.files.push_back({file.path, -1, file.replaces});
+    NewFile& f = written.files.back();
+    f.fd = ::open(f.path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (f.fd < 0 || ::flock(f.fd, LOCK_SH) != 0) {
+      return StatusFromErrno(errno, absl::StrCat("cannot open '", f.path, "'"));
+    }
   }
   return PublishOver(base,
-                     {written_path, written.fd, session->options_.version_id, session->options_.expected,
-                      std::move(known), &patches, absl::StrCat("push to '", name, "'")},
-                     &written.published);
+                     {written.files, session->options_.version_id, session->options_.expected, std::move(known),
+                      &patches, absl::StrCat("push to '", name, "'")},
+                     &written.renamed);
 }
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::ReplaceFile(const CheckpointVersion& base,
@@ -515,19 +633,44 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Rep
     int fd;
     ~Closed() { ::close(fd); }
   } closed{fd};
-  bool renamed = false;
-  return PublishOver(base, {path, fd, version_id, std::nullopt, {}, nullptr, std::string(what)}, &renamed);
+  size_t renamed = 0;
+  return PublishOver(base, {{{path, fd, base.path()}}, version_id, std::nullopt, {}, nullptr, std::string(what)},
+                     &renamed);
 }
 
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::PublishOver(const CheckpointVersion& base,
-                                                                                         Replacement r, bool* renamed) {
+                                                                                         Replacement r,
+                                                                                         size_t* renamed) {
   const std::string& name = base.name();
   // It must open as a checkpoint, and have the tensors expected, before it
-  // replaces anything. The version is the file written (opened from its
-  // descriptor, not by path again), so the digests carried over describe its
-  // bytes.
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> opened,
-                               Checkpoint::Open(base.path(), FromDescriptor(options_.open, r.fd)));
+  // replaces anything. The version is the files written (opened from their
+  // descriptors, not by path again), so the digests carried over describe
+  // their bytes; a sharded one's unchanged shards are the base's mappings.
+  absl::flat_hash_map<std::string, int> written;
+  for (const NewFile& f : r.files) written[f.replaces] = f.fd;
+  absl::flat_hash_map<std::string, std::shared_ptr<const MappedFile>> kept;
+  for (const auto& f : base.checkpoint()->files()) {
+    if (!written.contains(f->path())) kept[f->path()] = f;
+  }
+  std::vector<std::shared_ptr<const MappedFile>> opened_written;
+  OpenOptions open = options_.open;
+  open.open_file = [&, fallback = options_.open.open_file, mapped = options_.open.mapped_file](
+                       const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
+    if (auto it = written.find(path); it != written.end()) {
+      const int copy = ::fcntl(it->second, F_DUPFD_CLOEXEC, 0);
+      if (copy < 0) return StatusFromErrno(errno, absl::StrCat("cannot read '", path, "'"));
+      WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::FromDescriptor(copy, path));
+      opened_written.push_back(file);
+      return file;
+    }
+    if (auto it = kept.find(path); it != kept.end()) return it->second;
+    return fallback ? fallback(path) : MappedFile::Open(path, mapped);
+  };
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> opened, Checkpoint::Open(base.path(), open));
+  if (opened_written.size() != r.files.size()) {  // the index names other shards than the base's
+    return absl::AbortedError(absl::StrCat(r.what, ": the files of '", name,
+                                           "' changed outside weightstored meanwhile; nothing was published"));
+  }
   // Named by its content when digests are kept (as a rescan would name it),
   // or as the push asks; else by its file.
   std::shared_ptr<const CheckpointManifest> manifest;
@@ -537,8 +680,9 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Pub
   }
   if (r.expected.has_value()) WEIGHTSTORE_RETURN_IF_ERROR(CheckExpected(name, *manifest, *r.expected));
 
-  // 2. Under the scan lock: the base must still be served, unchanged and the
-  //    file at its path; then the new file replaces it and is published.
+  // 2. Under the scan lock: the base must still be served, unchanged and its
+  //    files at their paths; then the new files replace them and the version
+  //    is published.
   NotifyOnExit notify(this);
   absl::MutexLock scan_lock(&scan_mu_);
   if (Get(name).get() != &base) {
@@ -550,15 +694,73 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Pub
     return absl::AbortedError(absl::StrCat(
         r.what, ": its file was written or replaced outside weightstored meanwhile; nothing was published"));
   }
-  if (::rename(r.path.c_str(), base.path().c_str()) != 0) {
-    return StatusFromErrno(errno, absl::StrCat(r.what, ": cannot put the new version of '", name, "' in place"));
+  // Nothing wrote the new files since they were opened.
+  for (const auto& f : opened_written) {
+    if (f->ChangedOnDisk()) {
+      return absl::AbortedError(absl::StrCat(r.what, ": '", f->path(),
+                                             "' was written while it was checked; nothing "
+                                             "was published"));
+    }
   }
-  *renamed = true;
-  if (const int folder = ::open(fs::path(base.path()).parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-      folder >= 0) {
-    ::fsync(folder);
-    ::close(folder);
+  const fs::path folder_path = fs::path(base.path()).parent_path();
+  auto sync_folder = [&] {
+    if (const int folder = ::open(folder_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); folder >= 0) {
+      ::fsync(folder);
+      ::close(folder);
+    }
+  };
+  // Several renames are one step: recorded first, with what each file is,
+  // so that a crash between them is finished by the next scan
+  // (RollForwardPublishing), and only over the files this step replaces.
+  std::string record;
+  if (r.files.size() > 1) {
+    record = PublishingRecordPath(base.path());
+    std::string lines;
+    for (const NewFile& f : r.files) {
+      struct stat from, to;
+      if (::fstat(f.fd, &from) != 0 || ::lstat(f.replaces.c_str(), &to) != 0) {
+        return StatusFromErrno(errno, absl::StrCat(r.what, ": cannot stat '", f.replaces, "'"));
+      }
+      const FileIdentity shard = IdentityOf(to);
+      absl::StrAppend(&lines, fs::path(f.path).filename().string(), "\t", fs::path(f.replaces).filename().string(),
+                      "\t", static_cast<uint64_t>(from.st_ino), "\t", shard.inode, "\t", shard.size, "\t",
+                      shard.mtime_ns, "\n");
+    }
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file, AtomicFile::Create(record, /*overwrite=*/true));
+    WEIGHTSTORE_RETURN_IF_ERROR(file->Append(lines));
+    WEIGHTSTORE_RETURN_IF_ERROR(file->Commit());
   }
+  for (const NewFile& f : r.files) {
+    if (::rename(f.path.c_str(), f.replaces.c_str()) == 0) {
+      ++*renamed;
+      continue;
+    }
+    const int error = errno;
+    if (*renamed == 0) {  // nothing changed; the record must not come back
+      if (!record.empty()) {
+        ::unlink(record.c_str());
+        sync_folder();
+      }
+      return StatusFromErrno(error, absl::StrCat(r.what, ": cannot put the new version of '", name, "' in place"));
+    }
+    // Some shards are new and some old on disk (the base is still served
+    // from its mappings): finished now if the record can finish it, else
+    // left to the next scan or load.
+    *renamed = r.files.size();
+    ScanReport finished;
+    if (!RollForwardPublishing(record, &finished) || !finished.errors.empty() || fs::exists(record)) {
+      return StatusFromErrno(error, absl::StrCat(r.what, ": cannot put '", f.replaces, "' of the new version of '",
+                                                 name, "' in place; the next scan finishes the step from ", record));
+    }
+    break;
+  }
+  sync_folder();
+  if (!record.empty() && fs::exists(record)) {
+    ::unlink(record.c_str());
+    sync_folder();
+  }
+  // The renames moved the files' change times, and nothing else.
+  for (const auto& f : opened_written) f->Renamed();
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::string file_version, FileVersion(base.path()));
   std::string id = manifest != nullptr ? manifest->version() : !r.version_id.empty() ? r.version_id : file_version;
   auto version = std::make_shared<CheckpointVersion>(name, base.path(), std::move(opened), file_version, std::move(id),
@@ -575,6 +777,108 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Pub
   }
   notify.Add(name);
   return std::shared_ptr<const CheckpointVersion>(std::move(version));
+}
+
+std::string PublishingRecordPath(const std::string& index_path) {
+  const fs::path p(index_path);
+  return (p.parent_path() / absl::StrCat(".", p.filename().string(), kPublishingRecordSuffix)).string();
+}
+
+bool CheckpointRegistry::RollForwardPublishing(const std::string& record, ScanReport* report) {
+  const fs::path path(record);
+  const std::string record_name = path.filename().string();
+  if (record_name.size() <= 1 + kPublishingRecordSuffix.size() ||
+      !absl::EndsWith(record_name, kPublishingRecordSuffix)) {
+    report->errors.push_back(absl::StrCat(record, ": not a publishing record's name"));
+    return false;
+  }
+  const std::string index =
+      (path.parent_path() / record_name.substr(1, record_name.size() - 1 - kPublishingRecordSuffix.size())).string();
+  auto refuse = [&](absl::string_view why) {
+    report->errors.push_back(absl::StrCat(record, ": ", why, "; nothing was renamed, and '", index,
+                                          "' is not reopened until the record is removed"));
+    return false;
+  };
+  UniqueFd folder(::open(path.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  UniqueFd fd(folder.valid() ? ::openat(folder.get(), record_name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC) : -1);
+  struct stat st;
+  if (!fd.valid() || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return refuse("cannot be read");
+  // Only this daemon's own record, which nobody else could have written.
+  if (st.st_uid != ::geteuid() || (st.st_mode & 022) != 0) {
+    return refuse("is not this daemon's (another owner, or writable by others)");
+  }
+  // A line a shard of the index, each at most two file names and four numbers.
+  const std::set<std::string> shards = FilesOfIndex(index);
+  const uint64_t max_bytes = (shards.size() + 1) * (2 * 256 + 4 * 21);
+  if (shards.empty()) return refuse("its index names no shards");
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) return refuse(absl::StrCat("is over ", max_bytes, " bytes"));
+  std::string text(static_cast<size_t>(st.st_size), '\0');
+  if (!PreadFully(fd.get(), 0, reinterpret_cast<std::byte*>(text.data()), text.size(), record).ok()) {
+    return refuse("cannot be read");
+  }
+  // Every line is checked before anything is renamed: a new file named as a
+  // push names it, for a shard of the index, each still what the record
+  // says (the shard not yet replaced, or replaced by that very file).
+  struct Rename {
+    std::string from, to;
+    bool done = false;
+  };
+  std::vector<Rename> renames;
+  size_t pending = 0, done = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+    std::vector<absl::string_view> parts = absl::StrSplit(line, '\t');
+    uint64_t from_inode = 0;
+    FileIdentity shard;
+    if (parts.size() != 6 || !absl::SimpleAtoi(parts[2], &from_inode) || !absl::SimpleAtoi(parts[3], &shard.inode) ||
+        !absl::SimpleAtoi(parts[4], &shard.size) || !absl::SimpleAtoi(parts[5], &shard.mtime_ns) ||
+        !shards.contains((path.parent_path() / std::string(parts[1])).string()) || absl::StrContains(parts[0], '/') ||
+        !absl::StartsWith(parts[0], absl::StrCat(".", parts[1], ".new.")) || !IsAtomicFileTemporary(parts[0])) {
+      return refuse("is not a publishing record of weightstored's");
+    }
+    Rename r{std::string(parts[0]), std::string(parts[1])};
+    struct stat from, to;
+    const bool has_from = ::fstatat(folder.get(), r.from.c_str(), &from, AT_SYMLINK_NOFOLLOW) == 0;
+    if (::fstatat(folder.get(), r.to.c_str(), &to, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(to.st_mode)) {
+      return refuse(absl::StrCat("its shard '", r.to, "' is missing or no regular file"));
+    }
+    if (has_from && S_ISREG(from.st_mode) && from.st_uid == ::geteuid() && from.st_nlink == 1 &&
+        static_cast<uint64_t>(from.st_ino) == from_inode && IdentityOf(to) == shard) {
+      ++pending;
+    } else if (!has_from && static_cast<uint64_t>(to.st_ino) == from_inode) {
+      r.done = true;
+      ++done;
+    } else {
+      r.to.clear();  // neither the base's shard nor the new one
+    }
+    renames.push_back(std::move(r));
+  }
+  const size_t foreign = renames.size() - pending - done;
+  if (done == 0 && foreign > 0) {
+    // Nothing of the step reached the shards, which are no longer its base
+    // (replaced since): the step is void, and its files are temporaries.
+    ::unlinkat(folder.get(), record_name.c_str(), 0);
+    ::fsync(folder.get());
+    report->errors.push_back(
+        absl::StrCat(record, ": a push's record over shards replaced since; dropped, nothing was renamed"));
+    return true;
+  }
+  if (foreign > 0) return refuse("its shards are neither the push's base nor its new files");
+  for (const Rename& r : renames) {
+    if (r.done) continue;
+    if (::renameat(folder.get(), r.from.c_str(), folder.get(), r.to.c_str()) != 0) {
+      report->errors.push_back(absl::StrCat(record, ": cannot rename '", r.from, "' to '", r.to,
+                                            "': ", std::strerror(errno), "; '", index,
+                                            "' is not reopened until the record is finished"));
+      return false;
+    }
+  }
+  ::fsync(folder.get());
+  ::unlinkat(folder.get(), record_name.c_str(), 0);
+  ::fsync(folder.get());
+  if (pending > 0) {
+    report->rolled_forward.push_back(absl::StrCat(index, ": ", pending, " of ", renames.size(), " files"));
+  }
+  return true;
 }
 
 }  // namespace weightstore

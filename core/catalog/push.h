@@ -4,7 +4,9 @@
 // never committed: a killed daemon's is cleaned up by a rescan); when the push
 // finishes (CheckpointRegistry::FinishPush), the whole checkpoint is written
 // in the base's format, atomically, from the base's bytes and the pushed ones,
-// and published as a new version.
+// and published as a new version. Of a sharded SafeTensors checkpoint, only
+// the shards holding a pushed tensor are written, and renamed into place as
+// one step (a crash between the renames is finished by the next scan).
 #ifndef WEIGHTSTORE_CORE_CATALOG_PUSH_H_
 #define WEIGHTSTORE_CORE_CATALOG_PUSH_H_
 
@@ -118,6 +120,7 @@ class PushSession {
   };
   std::string name_;
   std::shared_ptr<const CheckpointVersion> base_;
+  bool sharded_ = false;  // the base is a SafeTensors index: only the shards of pushed tensors are written
   PushOptions options_;
   absl::flat_hash_set<std::string> removed_;
   uint64_t max_bytes_ = 0, bytes_ = 0, max_patch_bytes_ = 0;

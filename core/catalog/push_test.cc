@@ -393,5 +393,29 @@ TEST_F(PushTest, BadPatchedPushesAreRefusedNamingTheTensorAndChangeNothing) {
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("at most 4")));
 }
 
+// A pushed file large enough to be mapped is served as it was opened: the
+// rename that puts it in place (which moves its ctime) does not make the
+// version just published look changed on disk.
+TEST(PushMappedTest, AVersionPublishedFromAMappedFileIsNotStaleOnceInPlace) {
+  const std::string models = testing::MakeScratchDir("push-mapped");
+  std::vector<float> big(1 << 18, 1.0f);  // 1 MiB: over the mmap threshold
+  testing::WriteFileOrDie(models + "/m.safetensors",
+                          *SerializeCheckpoint(kSafeTensorsFormat, {F32("a", big), F32("b", {3, 4})}, {}));
+  CheckpointRegistry registry({.models_dir = models, .tensor_digests = true});
+  registry.Rescan();
+  auto base = registry.Get("m");
+  ASSERT_TRUE(base->checkpoint()->files()[0]->is_mapped());
+  ASSERT_OK_AND_ASSIGN(auto session, registry.BeginPush("m", {.base_version = base->version()}));
+  const SharedTensor b = F32("b", {30, 40});
+  ASSERT_OK(session->BeginTensor(b.spec, Crc32c(b.bytes.view())));
+  ASSERT_OK(session->Append(b.bytes.view()));
+  ASSERT_OK_AND_ASSIGN(auto pushed, registry.FinishPush(std::move(session)));
+  ASSERT_TRUE(pushed->checkpoint()->files()[0]->is_mapped());
+  EXPECT_OK(pushed->CheckUnchanged());
+  EXPECT_FALSE(pushed->stale());
+  EXPECT_OK(base->CheckUnchanged());  // still served to whoever holds it
+  EXPECT_EQ(registry.Get("m"), pushed);
+}
+
 }  // namespace
 }  // namespace weightstore

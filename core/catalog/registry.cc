@@ -81,15 +81,14 @@ bool IsHiddenOrTemporary(const fs::path& p) {
   return absl::StartsWith(name, ".") || absl::EndsWith(name, ".tmp");
 }
 
-// The files an index names (nothing for a file that is no index).
+}  // namespace
+
 std::set<std::string> FilesOfIndex(const std::string& path) {
   const FormatSpec* format = IndexFormatForPath(path);
   if (format == nullptr || format->index_files == nullptr) return {};
   std::vector<std::string> files = format->index_files(path);
   return std::set<std::string>(files.begin(), files.end());
 }
-
-}  // namespace
 
 bool CheckpointVersion::stale() const {
   if (modified_.load(std::memory_order_acquire)) return true;
@@ -288,7 +287,7 @@ ScanReport CheckpointRegistry::Rescan() {
   ScanReport report;
   // Find candidates: (name, path), indexes first so their shards are excluded.
   std::map<std::string, std::string> found;
-  std::vector<fs::path> files, temporaries, hub_repos;
+  std::vector<fs::path> files, temporaries, hub_repos, publishing;
   std::error_code ec;
   fs::recursive_directory_iterator it(options_.models_dir, fs::directory_options::skip_permission_denied, ec), end;
   // Only the error_code overloads: a symlink loop or a vanishing file must be a
@@ -300,6 +299,9 @@ ScanReport CheckpointRegistry::Rescan() {
         it.disable_recursion_pending();
       } else if (IsAtomicFileTemporary(it->path().filename().string())) {
         temporaries.push_back(it->path());
+      } else if (const std::string name = it->path().filename().string();
+                 name.size() > 1 + kPublishingRecordSuffix.size() && absl::EndsWith(name, kPublishingRecordSuffix)) {
+        publishing.push_back(it->path());
       }
       continue;
     }
@@ -322,7 +324,20 @@ ScanReport CheckpointRegistry::Rescan() {
   // folder: this scan then adds and replaces, and removes nothing.
   const bool complete = !ec;
   if (ec) report.errors.push_back(absl::StrCat(options_.models_dir, ": ", ec.message(), "; nothing is removed"));
+  // A push a crash interrupted between its renames is finished first, before
+  // its new files could be taken for abandoned temporaries. (The walk listed
+  // the shards by name: they are opened, as renamed, below.)
+  // One it cannot finish holds its checkpoint as served (or unserved), and
+  // the temporaries of its folder, until an operator has looked.
+  std::set<std::string> held_back, held_folders;
+  for (const fs::path& r : publishing) {
+    if (RollForwardPublishing(r.string(), &report)) continue;
+    const std::string name = r.filename().string();
+    held_back.insert((r.parent_path() / name.substr(1, name.size() - 1 - kPublishingRecordSuffix.size())).string());
+    held_folders.insert(r.parent_path().string());
+  }
   for (const fs::path& t : temporaries) {
+    if (held_folders.contains(t.parent_path().string())) continue;
     UniqueFd folder(::open(t.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     const std::string name = t.filename().string();
     if (folder.valid() && IsAbandonedTemporary(folder.get(), name, options_.abandoned_temporary_seconds) &&
@@ -370,6 +385,7 @@ ScanReport CheckpointRegistry::Rescan() {
     {
       absl::MutexLock lock(&mu_);
       for (const auto& [name, path] : found) {
+        if (held_back.contains(path)) continue;
         auto cur = served_.find(name);
         absl::StatusOr<std::string> version = FileVersion(path);
         if (cur != served_.end() && cur->second.current->path() == path && version.ok() &&
@@ -646,6 +662,16 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Loa
                                                     "(weightstored --load-root)"));
   }
   const fs::path& canonical = absolute;
+  if (hidden) {
+    // No scan looks here (a node's folder apart): a push to a sharded
+    // checkpoint that a crash interrupted is finished as it is loaded.
+    const std::string record = PublishingRecordPath(canonical.string());
+    std::error_code record_ec;
+    if (fs::exists(fs::symlink_status(record, record_ec))) {
+      ScanReport report;
+      if (!RollForwardPublishing(record, &report)) return absl::FailedPreconditionError(report.errors.back());
+    }
+  }
   std::string served_name = name;
   if (served_name.empty()) {
     std::optional<std::string> derived = NameForPath(canonical.filename().string());

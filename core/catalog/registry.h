@@ -181,6 +181,8 @@ struct ScanReport {
   std::vector<std::string> errors;
   // Abandoned upload temporaries removed.
   std::vector<std::string> cleaned;
+  // Publishes a crash interrupted, finished ("index: n files renamed").
+  std::vector<std::string> rolled_forward;
 };
 
 // An upload in progress: bytes go to a temporary sibling of the final file.
@@ -309,21 +311,41 @@ class CheckpointRegistry {
   const RegistryOptions& options() const { return options_; }
 
  private:
-  // A new file for a checkpoint, and what its publication is checked against.
+  // A new file of a checkpoint: written beside the base's file it replaces,
+  // under a temporary's name.
+  struct NewFile {
+    std::string path;
+    int fd = -1;           // open on it
+    std::string replaces;  // the base's file (a single-file checkpoint's, or one shard)
+  };
+  // A checkpoint's new files, and what their publication is checked against.
   struct Replacement {
-    std::string path;  // beside the base's file
-    int fd = -1;       // open on it
+    std::vector<NewFile> files;  // in the order they are renamed; a sharded one's index is never among them
     std::string version_id;
     std::optional<std::vector<ManifestTensor>> expected;
     std::vector<ManifestTensor> known;                                        // digests known of its tensors
     const absl::flat_hash_map<std::string, ElementPatch>* patches = nullptr;  // from the base, known
     std::string what;                                                         // starts every error
   };
-  // FinishPush's and ReplaceFile's end: opens `r`, names it, then under the
-  // scan lock checks that `base` is still served and unchanged, renames `r`
-  // over its file (*renamed) and publishes it with patches from `base`.
+  // FinishPush's and ReplaceFile's end: opens the new version from `r`'s
+  // files (and the base's unchanged shards, mapped once for both), names it,
+  // then under the scan lock checks that `base` is still served and
+  // unchanged, renames `r`'s files over the base's (*renamed counts them) and
+  // publishes it with patches from `base`. More than one file is renamed
+  // under a publishing record (PublishingRecordPath), so that a crash between
+  // the renames is rolled forward by the next scan, never served as a mix.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> PublishOver(const CheckpointVersion& base, Replacement r,
-                                                                       bool* renamed);
+                                                                       size_t* renamed);
+  // Finishes the renames of a publish that a crash interrupted, from the
+  // record at `record` (a hidden file beside the checkpoint's index), then
+  // removes the record; what it did goes into `report`. A record that does
+  // not describe this daemon's step from the files on disk is refused (an
+  // error in `report`) and nothing is renamed: false, and then the index is
+  // neither opened nor its folder's temporaries removed until an operator
+  // has looked (the files may hold a mix). A record of a step that renamed
+  // nothing yet, over files that are no longer its base, is dropped. Called
+  // with the scan lock held.
+  bool RollForwardPublishing(const std::string& record, ScanReport* report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(scan_mu_);
   struct Entry {
     std::shared_ptr<const CheckpointVersion> current;
     // Loaded by path from where no scan looks (a load root, a hidden folder
@@ -434,6 +456,18 @@ absl::StatusOr<std::vector<StoredFile>> StoredFiles(const CheckpointVersion& ver
 // Returns the version string of the file(s) behind `path`: a hash of device,
 // inode, size, mtime and ctime (for an index, of the index and its shards).
 absl::StatusOr<std::string> FileVersion(const std::string& path);
+
+// The paths of the files the index at `path` names (nothing for a file that
+// is no index, or one that does not parse).
+std::set<std::string> FilesOfIndex(const std::string& path);
+
+// Where a push to the sharded checkpoint of `index_path` records the shards it
+// renames into place (".<index>.publishing", hidden beside it) while it does:
+// a line a shard, "<new file>\t<shard>\t<new file's inode>\t<shard's inode>
+// \t<shard's size>\t<shard's mtime in ns>". A scan that finds one finishes
+// the renames.
+inline constexpr absl::string_view kPublishingRecordSuffix = ".publishing";
+std::string PublishingRecordPath(const std::string& index_path);
 
 // Returns OK if `name` can name a served checkpoint: 1 to `max_bytes` bytes of
 // UTF-8 without control characters. Otherwise InvalidArgument showing the name

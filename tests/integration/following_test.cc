@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <atomic>
@@ -28,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/store.h"
 #include "client/updates.h"
+#include "core/checkpoint.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
 #include "tests/util/checkpoints.h"
@@ -162,8 +164,7 @@ class FollowingTest : public ::testing::Test {
     trainer_models_ = testing::MakeScratchDir("follow-trainer");
     current_ = InitialTensors();
     checkpoint_bytes_ = BytesOf(current_);
-    testing::WriteFileOrDie(trainer_models_ + "/m.safetensors",
-                            *SerializeCheckpoint(kSafeTensorsFormat, AsShared(current_), {}));
+    WriteCheckpoint();
     StartTrainer();
     if (HasFatalFailure()) return;
     const std::string v0 = trainer_.Version();
@@ -173,6 +174,12 @@ class FollowingTest : public ::testing::Test {
       versions_[v0] = current_;
     }
     order_.push_back(v0);
+  }
+
+  // The trainer's checkpoint as it starts, from current_: one file.
+  virtual void WriteCheckpoint() {
+    testing::WriteFileOrDie(trainer_models_ + "/m.safetensors",
+                            *SerializeCheckpoint(kSafeTensorsFormat, AsShared(current_), {}));
   }
 
   void StartTrainer(const std::string& listen = "127.0.0.1:0", std::vector<std::string> args = {}) {
@@ -418,6 +425,106 @@ TEST_F(FollowingTest, NodesFollowATrainerThroughARegionalTierBitExactWithElement
     EXPECT_EQ(e.unchanged_count, static_cast<uint64_t>(kFrozen)) << e.new_version;
   }
   EXPECT_EQ(replaced, std::vector<std::string>(order_.begin() + 1, order_.end()));
+}
+
+// A sharded checkpoint, as transformers saves one: an index and three
+// shards, the last holding only tensors no step changes.
+class ShardedFollowingTest : public FollowingTest {
+ protected:
+  static std::string Shard(int i) { return absl::StrCat("m-0000", i, "-of-00003.safetensors"); }
+  void WriteCheckpoint() override {
+    const std::vector<SharedTensor> all = AsShared(current_);
+    std::map<int, std::vector<SharedTensor>> shards;
+    std::string weight_map;
+    for (const SharedTensor& t : all) {
+      const int shard = absl::StartsWith(t.spec.name, "norm.") ? 3 : t.spec.name < ChangingName(kChanging / 2) ? 1 : 2;
+      shards[shard].push_back(t);
+      absl::StrAppend(&weight_map, weight_map.empty() ? "" : ", ", "\"", t.spec.name, "\": \"", Shard(shard), "\"");
+    }
+    for (const auto& [i, tensors] : shards) {
+      testing::WriteFileOrDie(trainer_models_ + "/" + Shard(i),
+                              *SerializeCheckpoint(kSafeTensorsFormat, tensors, {{"format", "pt"}}));
+    }
+    testing::WriteFileOrDie(
+        trainer_models_ + "/m.safetensors.index.json",
+        absl::StrCat(R"({"metadata": {"total_size": )", checkpoint_bytes_, R"(}, "weight_map": {)", weight_map, "}}"));
+  }
+  // The index and shards under `models` (where a node placed them), by file
+  // name, with their inodes.
+  static std::map<std::string, ino_t> Files(const std::string& models) {
+    std::map<std::string, ino_t> files;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(models)) {
+      const std::string name = e.path().filename();
+      if (e.is_regular_file() && name[0] != '.' && absl::StrContains(name, ".safetensors")) {
+        struct stat st {};
+        files[name] = ::stat(e.path().c_str(), &st) == 0 ? st.st_ino : 0;
+      }
+    }
+    return files;
+  }
+  // The tensors of the sharded checkpoint under `models`, read from its files.
+  static Tensors OnDisk(const std::string& models) {
+    for (const auto& e : std::filesystem::recursive_directory_iterator(models)) {
+      if (absl::EndsWith(e.path().string(), ".safetensors.index.json")) {
+        auto opened = Checkpoint::Open(e.path().string());
+        if (!opened.ok()) return {};
+        Tensors out;
+        for (const CheckpointEntry& entry : (*opened)->entries()) {
+          out[entry.spec.name] = std::string((*opened)->Read(entry)->bytes.view());
+        }
+        return out;
+      }
+    }
+    return {};
+  }
+};
+
+// The trainer's pushes rewrite only the shards of the tensors they change,
+// and a regional tier and a node below it follow, bit exact, by element
+// patches: each rewrites the same shards, never the frozen one.
+TEST_F(ShardedFollowingTest, AShardedCheckpointIsFollowedByPatchesRewritingOnlyItsChangedShards) {
+  Served regional = StartFollower(*trainer_.daemon);
+  ASSERT_NE(regional.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(regional, order_[0], "regional"));
+  Served node = StartFollower(*regional.daemon);
+  ASSERT_NE(node.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(node, order_[0], "node"));
+  std::map<std::string, std::map<std::string, ino_t>> before;
+  for (const Served* s : {&trainer_, &regional, &node}) {
+    before[s->models] = Files(s->models);
+    ASSERT_EQ(before[s->models].size(), 4u) << s->models;  // the index and three shards
+  }
+  for (int s = 1; s <= 3; ++s) {
+    SCOPED_TRACE(absl::StrCat("step ", s));
+    const std::string v = Step();
+    ASSERT_FALSE(v.empty());
+    ASSERT_TRUE(WaitForVersion(regional, v, "regional"));
+    ASSERT_TRUE(WaitForVersion(node, v, "node"));
+  }
+  const std::string last = order_.back();
+  for (const auto& [served, name] : std::vector<std::pair<const Served*, const char*>>{
+           {&trainer_, "trainer"}, {&regional, "regional"}, {&node, "node"}}) {
+    const Served* s = served;
+    SCOPED_TRACE(name);
+    if (s != &trainer_) ExpectServesBitExact(*s, last, name);
+    EXPECT_EQ(OnDisk(s->models), VersionTensors(last));
+    EXPECT_EQ(testing::UploadTemporariesIn(s->models), 0u);
+    // The changed shards are new files; the index and the frozen shard are
+    // the ones there before the first step.
+    const std::map<std::string, ino_t> after = Files(s->models);
+    ASSERT_EQ(after.size(), 4u);
+    const std::map<std::string, ino_t>& was = before[s->models];
+    for (const auto& [file, inode] : after) {
+      const bool changes = absl::StrContains(file, "00001-") || absl::StrContains(file, "00002-");
+      EXPECT_EQ(inode != was.at(file), changes) << file;
+    }
+  }
+  for (const auto& [served, name] :
+       std::vector<std::pair<const Served*, const char*>>{{&regional, "regional"}, {&node, "node"}}) {
+    EXPECT_EQ(served->Metric("weightstore_follow_updates_total", "how=\"patches\""), 3) << name << served->Log();
+    EXPECT_LE(served->Metric("weightstore_follow_received_bytes_total", "kind=\"whole\""), 0) << name;
+    EXPECT_LE(served->Metric("weightstore_follow_failures_total"), 0) << name << served->Log();
+  }
 }
 
 TEST_F(FollowingTest, ClientsOfAFollowingNodeOnlyEverSeeWholeVersions) {
