@@ -22,7 +22,8 @@
 // What it can follow: what the registry's push can write, single-file
 // checkpoints of a writable format (SafeTensors, Burnpack) and sharded
 // SafeTensors ones whose steps keep their tensors' names, dtypes and shapes;
-// from S3, single-file checkpoints of any format, pulled whole. Others are
+// from S3, single-file checkpoints of any format and sharded ones whose index
+// stays, pulled whole (a sharded one's changed shards only). Others are
 // served as pulled, blocked with the reason in the log.
 //
 // Thread-safe.
@@ -74,7 +75,7 @@ class FollowedCache {
   // origin's current version of `name` whole and places it over `base`'s
   // files, served under the origin's id. `version` is null when the origin
   // still has `base`'s. Errors as a pull's; FailedPrecondition for what
-  // cannot be followed so (a sharded checkpoint, a format changed).
+  // cannot be followed so (an index changed, a format changed).
   struct Repulled {
     std::shared_ptr<const CheckpointVersion> version;
     uint64_t bytes = 0;  // read from the origin

@@ -116,6 +116,7 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
     absl::MutexLock lock(&target->mu);
     if (target->cache != nullptr) target->cache->OnServedChanged(name);
   });
+  cache->FinishInterruptedSteps();
   {
     absl::MutexLock lock(&cache->mu_);
     cache->ReadLedger();

@@ -129,6 +129,10 @@ class NodeCache : public Puller, public FollowedCache {
     // the version and FileVersion they had, which a crash before the rename
     // leaves in place (FinishPlacing then keeps them as the cache's).
     std::string replacing_version, replacing_file_version;
+    // The origin's etag of each file as placed (OriginFile::etag), when
+    // known: a sharded checkpoint's step from S3 fetches only the shards
+    // whose etag moved. Empty for entries of older ledgers.
+    std::vector<std::string> etags;
   };
 
   NodeCache(CheckpointRegistry* registry, std::unique_ptr<Origin> origin, NodeCacheOptions options);
@@ -149,6 +153,25 @@ class NodeCache : public Puller, public FollowedCache {
   // Reads `checkpoint`'s files from the origin into partial files, resuming
   // what an earlier attempt at the same version left; each is checked whole
   // and fsynced. `pulled` counts the bytes read.
+  // Repull of a sharded checkpoint `held` (its ledger entry): only the
+  // shards whose etag moved are pulled, and put in place over theirs as one
+  // step (CheckpointRegistry::ReplaceShards); the index must keep its bytes.
+  // Download for a step: bytes unlike what the origin vouches for are
+  // FailedPrecondition (blocked until its next version), and dropped.
+  absl::Status DownloadStep(const std::string& name, const OriginCheckpoint& checkpoint, std::atomic<uint64_t>* pulled,
+                            Staged* staged);
+  // A Repull's ledger: BeginReplacing records (durably) before any rename
+  // that `name`'s files held (`held`) are being replaced by `version`, whose
+  // files will have `identities` (Aborted if the entry changed since);
+  // UndoReplacing puts `held` back when nothing was renamed; EndReplacing
+  // takes the files on disk, at `file_version`, as `checkpoint`'s.
+  absl::Status BeginReplacing(const std::string& name, const Cached& held, const std::string& version,
+                              std::vector<std::array<uint64_t, 4>> identities) ABSL_LOCKS_EXCLUDED(mu_);
+  void UndoReplacing(const std::string& name, const Cached& held) ABSL_LOCKS_EXCLUDED(mu_);
+  void EndReplacing(const std::string& name, const std::string& file_version, const OriginCheckpoint& checkpoint)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<Repulled> RepullShards(const std::string& name, const CheckpointVersion& base, const Cached& held,
+                                        const OriginCheckpoint& checkpoint) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Download(const std::string& name, const OriginCheckpoint& checkpoint, std::atomic<uint64_t>* pulled,
                         Staged* staged);
   struct Victim;
@@ -192,6 +215,13 @@ class NodeCache : public Puller, public FollowedCache {
   // gone or were replaced (FinishPlacing those recorded while being placed).
   // Nothing on a first run or an unreadable ledger.
   void ReadLedger() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the size on disk of `c`'s files (one of ledger_'s) as its bytes.
+  void Recount(Cached* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Before ReadLedger: a sharded checkpoint's step from S3 that a crash cut
+  // between the renames of its shards is finished from the registry's record
+  // (CheckpointRegistry::FinishInterruptedPublish), so that FinishPlacing
+  // finds its files placed. (The registry's lock comes before mu_.)
+  void FinishInterruptedSteps() ABSL_LOCKS_EXCLUDED(mu_);
   // Writes the ledger as it is now.
   absl::Status SaveLedger() ABSL_LOCKS_EXCLUDED(mu_, ledger_file_mu_);
 

@@ -46,6 +46,8 @@ void NodeCache::ReadLedger() {
       c.last_used_unix_ms = entry.at("last_used_unix_ms").get<int64_t>();
       c.version = entry.value("version", "");
       c.file_version = entry.value("file_version", "");
+      if (entry.contains("etags")) c.etags = entry.at("etags").get<std::vector<std::string>>();
+      if (c.etags.size() != c.paths.size()) c.etags.clear();
       if (entry.value("placing", false)) {
         c.identities = entry.at("identities").get<std::vector<std::array<uint64_t, 4>>>();
         c.replacing_version = entry.value("replacing_version", "");
@@ -139,6 +141,7 @@ absl::Status NodeCache::SaveLedger() {
                  {"last_used_unix_ms", c.last_used_unix_ms},
                  {"version", c.version},
                  {"file_version", c.file_version}};
+      if (!c.etags.empty()) j[name]["etags"] = c.etags;
       if (c.placing) {
         j[name]["placing"] = true;
         j[name]["identities"] = c.identities;
@@ -243,6 +246,16 @@ std::map<std::string, std::string> NodeCache::Followed() const {
   return followed;
 }
 
+void NodeCache::Recount(Cached* c) {
+  uint64_t bytes = 0;
+  for (const std::string& path : c->paths) {
+    std::error_code ec;
+    bytes += fs::file_size(fs::path(models_dir_) / path, ec);
+  }
+  cached_bytes_ = cached_bytes_ - c->bytes + bytes;
+  c->bytes = bytes;
+}
+
 bool NodeCache::BeginStep(const std::string& name, const CheckpointVersion& base) {
   absl::MutexLock lock(&mu_);
   auto it = ledger_.find(name);
@@ -285,15 +298,9 @@ void NodeCache::EndStep(const std::string& name, const CheckpointVersion* publis
     }
     auto it = ledger_.find(name);
     if (published == nullptr || it == ledger_.end() || it->second.placing) return;
-    // The step rewrote the one file in place (a push): its size may differ.
+    // The step rewrote files in place (a push): their sizes may differ.
     Cached& c = it->second;
-    uint64_t bytes = 0;
-    for (const std::string& path : c.paths) {
-      std::error_code ec;
-      bytes += fs::file_size(fs::path(models_dir_) / path, ec);
-    }
-    cached_bytes_ = cached_bytes_ - c.bytes + bytes;
-    c.bytes = bytes;
+    Recount(&c);
     c.file_version = published->file_version();
     c.version = published->version();
     c.last_used_unix_ms = NowMs();

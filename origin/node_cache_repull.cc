@@ -2,7 +2,8 @@
 // origin's new version of a held checkpoint, pulled whole beside the file
 // held, checked, and put in its place by the registry (ReplaceFile), which
 // serves it under the origin's id, with element patches from the version
-// replaced for the node's own clients.
+// replaced for the node's own clients. Of a sharded checkpoint, only the
+// shards whose etag moved are pulled, under the index held (ReplaceShards).
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/stat.h>
@@ -10,16 +11,20 @@
 
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/checkpoint.h"
+#include "core/format.h"
 #include "core/mapped_file.h"
 #include "core/status_macros.h"
+#include "nlohmann/json.hpp"
 #include "origin/node_cache.h"
 #include "origin/node_cache_internal.h"
 
@@ -30,7 +35,9 @@ namespace fs = std::filesystem;
 using node_cache_internal::Errno;
 using node_cache_internal::FsyncFolder;
 using node_cache_internal::Identity;
+using node_cache_internal::LedgerPath;
 using node_cache_internal::NowMs;
+using node_cache_internal::ReadSmallFile;
 
 absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& name, const CheckpointVersion& base) {
   Cached held;
@@ -44,12 +51,6 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
   }
   // What cannot be followed so stays so until the origin has another
   // version (FailedPrecondition: the follower's blocked step).
-  if (held.paths.size() != 1) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("it is ", held.paths.size(),
-                     " files here; only a single-file checkpoint is followed from an origin without element "
-                     "patches (a sharded one is served as pulled)"));
-  }
   WEIGHTSTORE_ASSIGN_OR_RETURN(OriginCheckpoint checkpoint, origin_->Find(name));
   Repulled out;
   if (checkpoint.version == held.version) return out;
@@ -58,11 +59,11 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
                                                       absl::CHexEscape(checkpoint.version.substr(0, 64)),
                                                       "', is not 1 to 64 bytes of [0-9A-Za-z._-]"));
   }
+  if (held.paths.size() > 1) return RepullShards(name, base, held, checkpoint);
   if (checkpoint.files.size() != 1) {
     return absl::FailedPreconditionError(
         absl::StrCat("it is ", checkpoint.files.size(),
-                     " files there; only a single-file checkpoint is followed from an origin without element "
-                     "patches (a sharded one is served as pulled)"));
+                     " files there, and one here: a checkpoint that became sharded is served as pulled"));
   }
   const OriginFile& file = checkpoint.files.front();
   const fs::path target = fs::path(models_dir_) / file.path;
@@ -92,16 +93,8 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
   }
   Staged staged;
   std::atomic<uint64_t> pulled{0};
-  absl::Status downloaded = Download(name, checkpoint, &pulled, &staged);
+  WEIGHTSTORE_RETURN_IF_ERROR(DownloadStep(name, checkpoint, &pulled, &staged));
   std::error_code ec;
-  if (absl::IsDataLoss(downloaded)) {
-    // Bytes unlike what the origin vouches for: fetched again only for its
-    // next version, not on a timer (a whole object each time).
-    fs::remove_all((fs::path(state_dir_) / "partial" / Sha256Hex(name)), ec);
-    return absl::FailedPreconditionError(
-        absl::StrCat(downloaded.message(), "; not fetched again until the origin has another version"));
-  }
-  WEIGHTSTORE_RETURN_IF_ERROR(downloaded);
   out.bytes = pulled.load();
   // The staged file is dropped on every way out but its rename.
   absl::Cleanup drop_staged = [&] { fs::remove_all(staged.folder, ec); };
@@ -129,38 +122,7 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
   if (::fstat(staged.fds.front().get(), &st) != 0) return absl::InternalError(Errno("cannot stat", staged.paths[0]));
   const std::array<uint64_t, 4> placed = Identity(st);
   staged.fds.clear();
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = ledger_.find(name);
-    if (it == ledger_.end() || it->second.placing || it->second.file_version != held.file_version) {
-      return absl::AbortedError(absl::StrCat("'", name, "' was replaced on this node while it was pulled"));
-    }
-    Cached& c = it->second;
-    c.replacing_version = c.version;
-    c.replacing_file_version = c.file_version;
-    c.version = checkpoint.version;
-    c.placing = true;
-    c.identities = {placed};
-  }
-  auto restore = [&] {  // the rename did not happen: the files held stay the cache's
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = ledger_.find(name);
-      if (it != ledger_.end() && it->second.placing && it->second.replacing_file_version == held.file_version) {
-        Cached& c = it->second;
-        c.version = c.replacing_version;
-        c.placing = false;
-        c.identities.clear();
-        c.replacing_version.clear();
-        c.replacing_file_version.clear();
-      }
-    }
-    (void)SaveLedger();
-  };
-  if (absl::Status saved = SaveLedger(); !saved.ok()) {
-    restore();
-    return saved;
-  }
+  WEIGHTSTORE_RETURN_IF_ERROR(BeginReplacing(name, held, checkpoint.version, {placed}));
   // Renamed over the held file and published by the registry, which checks
   // under its scan lock that the file is still the one served (a client's
   // push or an operator's file since is never overwritten), and diffs the
@@ -171,35 +133,251 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
   struct stat now;
   const bool renamed = ::lstat(target.c_str(), &now) == 0 && Identity(now) == placed;
   if (!published.ok() && !renamed) {
-    restore();
+    UndoReplacing(name, held);
     return published.status();
   }
   std::move(drop_staged).Invoke();
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = ledger_.find(name);
-    if (it != ledger_.end()) {
-      Cached& c = it->second;
-      c.placing = false;
-      c.identities.clear();
-      c.replacing_version.clear();
-      c.replacing_file_version.clear();
-      // Published: the file the registry opened. Renamed but not published
-      // (it failed after the rename): what is on disk, which OriginVersion
-      // then names by the origin's id when it is opened.
-      c.file_version =
-          published.ok() ? (*published)->file_version() : FileVersion(target.string()).value_or(std::string());
-      cached_bytes_ = cached_bytes_ - c.bytes + file.size;
-      c.bytes = file.size;
-      c.last_used_unix_ms = NowMs();
-    }
-    reserved_bytes_ -= file.size;  // counted in cached_bytes_ from here
-    std::move(release).Cancel();
-  }
+  // Published: the file the registry opened. Renamed but not published (it
+  // failed after the rename): what is on disk, which OriginVersion then names
+  // by the origin's id when it is opened.
+  EndReplacing(name, published.ok() ? (*published)->file_version() : FileVersion(target.string()).value_or(""),
+               checkpoint);
+  std::move(release).Invoke();  // counted in cached_bytes_ from here
   WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
   if (!published.ok()) return published.status();
   out.version = *std::move(published);
   return out;
+}
+
+absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::string& name, const CheckpointVersion& base,
+                                                                const Cached& held,
+                                                                const OriginCheckpoint& checkpoint) {
+  // The same files, by the same paths: shards added, removed or renamed
+  // would change the index.
+  if (checkpoint.files.size() != held.paths.size()) {
+    return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
+                                                      "' is ", checkpoint.files.size(), " files; the one held is ",
+                                                      held.paths.size(), " (shards added or removed)"));
+  }
+  for (size_t i = 0; i < held.paths.size(); ++i) {
+    if (checkpoint.files[i].path != held.paths[i]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the origin's file '", absl::CHexEscape(checkpoint.files[i].path.substr(0, 256)), "' of '", name,
+                       "' is not the one held, '", held.paths[i], "' (shards renamed)"));
+    }
+  }
+  if ((fs::path(models_dir_) / held.paths.back()).string() != base.path()) {
+    return absl::FailedPreconditionError(absl::StrCat("'", name, "' is not served from the index this node placed"));
+  }
+  uint64_t total = 0;
+  for (const OriginFile& f : checkpoint.files) total += f.size;  // each bounded by the origin's listing
+  if (total > options_.max_checkpoint_bytes || (options_.max_bytes != 0 && total > options_.max_bytes)) {
+    return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
+                                                      "' has ", total, " bytes, over this node's limit of ",
+                                                      options_.max_checkpoint_bytes, " or its cache budget of ",
+                                                      options_.max_bytes));
+  }
+  // What moved: the files whose etag is not the one placed (all of them for
+  // a ledger that kept none).
+  const bool known = held.etags.size() == held.paths.size();
+  OriginCheckpoint changed = checkpoint;
+  changed.files.clear();
+  std::vector<size_t> which;  // into checkpoint.files
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < checkpoint.files.size(); ++i) {
+    if (known && checkpoint.files[i].etag == held.etags[i]) continue;
+    changed.files.push_back(checkpoint.files[i]);
+    which.push_back(i);
+    bytes += checkpoint.files[i].size;
+  }
+  if (which.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
+                                                      "' has the same files as the one held"));
+  }
+  // Room for the new shards beside those held (as a single file's step).
+  std::vector<Victim> victims;
+  WEIGHTSTORE_RETURN_IF_ERROR(Reserve(name, bytes, &victims));
+  absl::Cleanup release = [&] {
+    absl::MutexLock lock(&mu_);
+    reserved_bytes_ -= bytes;
+  };
+  if (!victims.empty()) {
+    Evict(&victims);
+    WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
+  }
+  Staged staged;
+  std::atomic<uint64_t> pulled{0};
+  WEIGHTSTORE_RETURN_IF_ERROR(DownloadStep(name, changed, &pulled, &staged));
+  std::error_code ec;
+  Repulled out;
+  out.bytes = pulled.load();
+  absl::Cleanup drop_staged = [&] { fs::remove_all(staged.folder, ec); };
+
+  // The index must be the one held, byte for byte (an etag moves when it is
+  // uploaded again): the shards are replaced under it.
+  std::vector<std::pair<std::string, std::string>> replacements;  // staged file, shard it replaces
+  std::vector<size_t> replaced;                                   // into held.paths
+  absl::flat_hash_map<std::string, int> staged_fd;
+  for (size_t k = 0; k < which.size(); ++k) {
+    const std::string target = (fs::path(models_dir_) / checkpoint.files[which[k]].path).string();
+    if (which[k] + 1 == checkpoint.files.size()) {
+      absl::StatusOr<std::string> theirs = ReadSmallFile(staged.paths[k], size_t{64} << 20);
+      absl::StatusOr<std::string> ours = ReadSmallFile(target, size_t{64} << 20);
+      if (!theirs.ok() || !ours.ok() || *theirs != *ours) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the origin's version ", checkpoint.version, " of '", name,
+            "' has another index (tensors added, removed or moved between shards); a sharded checkpoint is "
+            "followed from S3 while its index stays the same"));
+      }
+      continue;
+    }
+    replacements.emplace_back(staged.paths[k], target);
+    staged_fd[target] = staged.fds[k].get();
+    replaced.push_back(which[k]);
+  }
+  if (replacements.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
+                                                      "' has the same shards as the one held"));
+  }
+  // It must open as what it claims to be (the new shards under the index
+  // held) before anything is replaced.
+  {
+    OpenOptions open = registry_->options().open;
+    open.open_file = [&staged_fd, mapped = open.mapped_file](
+                         const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
+      auto it = staged_fd.find(path);
+      if (it == staged_fd.end()) return MappedFile::Open(path, mapped);
+      const int copy = ::fcntl(it->second, F_DUPFD_CLOEXEC, 0);
+      if (copy < 0) return absl::InternalError(Errno("cannot read", path));
+      return MappedFile::FromDescriptor(copy, path);
+    };
+    if (absl::Status opens = Checkpoint::Open(base.path(), open).status(); !opens.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
+                                                        "' does not open: ", opens.message()));
+    }
+  }
+  if (stopping_.load()) return absl::CancelledError("the daemon is stopping");
+
+  // Recorded (durably) before the renames: every file's identity as it will
+  // be once placed (a rename keeps it), and the version held, so that a
+  // crash at any point leaves files the next start tells as this cache's.
+  std::vector<std::array<uint64_t, 4>> identities;
+  for (size_t i = 0; i < held.paths.size(); ++i) {
+    const std::string target = (fs::path(models_dir_) / held.paths[i]).string();
+    struct stat st;
+    auto it = staged_fd.find(target);
+    const int status = it != staged_fd.end() ? ::fstat(it->second, &st) : ::lstat(target.c_str(), &st);
+    if (status != 0) return absl::InternalError(Errno("cannot stat", target));
+    identities.push_back(Identity(st));
+  }
+  staged.fds.clear();
+  staged_fd.clear();
+  WEIGHTSTORE_RETURN_IF_ERROR(BeginReplacing(name, held, checkpoint.version, identities));
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> published = registry_->ReplaceShards(
+      base, replacements, checkpoint.version, absl::StrCat("following '", name, "' from ", origin_->Describe()));
+  // Whether any shard was renamed: the files on disk then are no longer the
+  // version held (the registry's record finishes the step).
+  bool renamed = false;
+  for (size_t i : replaced) {
+    struct stat now;
+    const std::string target = (fs::path(models_dir_) / held.paths[i]).string();
+    renamed = renamed || (::lstat(target.c_str(), &now) == 0 && Identity(now) == identities[i]);
+  }
+  if (!published.ok() && !renamed) {
+    UndoReplacing(name, held);
+    return published.status();
+  }
+  std::move(drop_staged).Invoke();
+  EndReplacing(name, published.ok() ? (*published)->file_version() : FileVersion(base.path()).value_or(""), checkpoint);
+  std::move(release).Invoke();  // counted in cached_bytes_ from here
+  WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
+  if (!published.ok()) return published.status();
+  out.version = *std::move(published);
+  return out;
+}
+
+absl::Status NodeCache::DownloadStep(const std::string& name, const OriginCheckpoint& checkpoint,
+                                     std::atomic<uint64_t>* pulled, Staged* staged) {
+  absl::Status downloaded = Download(name, checkpoint, pulled, staged);
+  if (!absl::IsDataLoss(downloaded)) return downloaded;
+  // Bytes unlike what the origin vouches for: fetched again only for its
+  // next version, not on a timer (a whole object each time).
+  std::error_code ec;
+  fs::remove_all((fs::path(state_dir_) / "partial" / Sha256Hex(name)), ec);
+  return absl::FailedPreconditionError(
+      absl::StrCat(downloaded.message(), "; not fetched again until the origin has another version"));
+}
+
+absl::Status NodeCache::BeginReplacing(const std::string& name, const Cached& held, const std::string& version,
+                                       std::vector<std::array<uint64_t, 4>> identities) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = ledger_.find(name);
+    if (it == ledger_.end() || it->second.placing || it->second.file_version != held.file_version) {
+      return absl::AbortedError(absl::StrCat("'", name, "' was replaced on this node while it was pulled"));
+    }
+    Cached& c = it->second;
+    c.replacing_version = c.version;
+    c.replacing_file_version = c.file_version;
+    c.version = version;
+    c.placing = true;
+    c.identities = std::move(identities);
+  }
+  absl::Status saved = SaveLedger();
+  if (!saved.ok()) UndoReplacing(name, held);
+  return saved;
+}
+
+void NodeCache::UndoReplacing(const std::string& name, const Cached& held) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = ledger_.find(name);
+    if (it != ledger_.end() && it->second.placing && it->second.replacing_file_version == held.file_version) {
+      Cached& c = it->second;
+      c.version = c.replacing_version;
+      c.placing = false;
+      c.identities.clear();
+      c.replacing_version.clear();
+      c.replacing_file_version.clear();
+    }
+  }
+  (void)SaveLedger();
+}
+
+void NodeCache::EndReplacing(const std::string& name, const std::string& file_version,
+                             const OriginCheckpoint& checkpoint) {
+  absl::MutexLock lock(&mu_);
+  auto it = ledger_.find(name);
+  if (it == ledger_.end()) return;
+  Cached& c = it->second;
+  c.placing = false;
+  c.identities.clear();
+  c.replacing_version.clear();
+  c.replacing_file_version.clear();
+  c.file_version = file_version;
+  c.etags.clear();
+  for (const OriginFile& f : checkpoint.files) c.etags.push_back(f.etag);
+  Recount(&c);
+  c.last_used_unix_ms = NowMs();
+}
+
+void NodeCache::FinishInterruptedSteps() {
+  auto text = ReadSmallFile((fs::path(state_dir_) / "ledger.json").string(), size_t{64} << 20);
+  if (!text.ok()) return;
+  nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return;
+  for (const auto& [name, entry] : j.items()) {
+    if (!entry.is_object() || !entry.value("placing", false) || !entry.contains("paths") ||
+        !entry["paths"].is_array() || entry["paths"].empty() || !entry["paths"].back().is_string()) {
+      continue;
+    }
+    const std::string main = entry["paths"].back().get<std::string>();
+    if (!LedgerPath(main) || IndexFormatForPath(main) == nullptr) continue;
+    std::string error;
+    if (!registry_->FinishInterruptedPublish((fs::path(models_dir_) / main).string(), &error)) {
+      std::fprintf(stderr, "weightstored: node cache: '%s': %s\n", name.c_str(), error.c_str());
+    }
+  }
 }
 
 }  // namespace weightstore::origin

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -20,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "core/catalog/push.h"
@@ -58,11 +60,22 @@ class FakeOrigin : public Origin {
     absl::MutexLock lock(&mu_);
     files_[name] = std::move(bytes);
   }
+  // A sharded checkpoint: (path, bytes) of each file, its index last. Each
+  // file's etag is its CRC32C, and the version one of them all.
+  void PutFiles(const std::string& name, const std::vector<std::pair<std::string, std::string>>& files) {
+    absl::MutexLock lock(&mu_);
+    sharded_[name].clear();
+    for (const auto& [path, bytes] : files) {
+      files_[path] = bytes;
+      sharded_[name].push_back(path);
+    }
+  }
   std::string Describe() const override { return "fake://origin"; }
   int parallel_reads() const override { return 3; }
   void Cancel() override { cancelled_ = true; }
   absl::StatusOr<OriginCheckpoint> Find(const std::string& name) override {
     finds_.fetch_add(1);
+    if (auto sharded = FindSharded(name)) return *sharded;
     if (!sizes_.empty()) {  // a listing that lies about sizes
       OriginCheckpoint c{name, "v1", {}};
       for (size_t i = 0; i < sizes_.size(); ++i) {
@@ -120,8 +133,24 @@ class FakeOrigin : public Origin {
   std::set<std::string> apart_;  // names it keeps apart (a hub snapshot's)
 
  private:
+  std::optional<OriginCheckpoint> FindSharded(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    auto it = sharded_.find(name);
+    if (it == sharded_.end()) return std::nullopt;
+    OriginCheckpoint c{name, "", {}};
+    std::string etags;
+    for (const std::string& path : it->second) {
+      const std::string crc = absl::StrFormat("%08x", Crc32c(files_.at(path)));
+      c.files.push_back({path, name, path, files_.at(path).size(), crc, crc});
+      etags += crc;
+    }
+    c.version = absl::StrFormat("s%08x", Crc32c(etags));
+    return c;
+  }
+
   absl::Mutex mu_;
   std::map<std::string, std::string> files_;
+  std::map<std::string, std::vector<std::string>> sharded_;  // name: its files' paths
 };
 
 class NodeCacheTest : public ::testing::Test {
@@ -727,6 +756,87 @@ TEST_F(NodeCacheTest, AKillBeforeARepullsRenameLeavesTheHeldVersionTheCaches) {
   EXPECT_EQ(registry_->Get("m")->version(), "v1");  // still the origin's id
   EXPECT_EQ(cache_->Stats().cache_bytes, v1.size());
   EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", "v1"}}));
+}
+
+// A sharded checkpoint: shards a and b, and their index.
+std::vector<std::pair<std::string, std::string>> ShardedModel(int seed_a, int seed_b) {
+  return {{"m-a.safetensors", Model(1, 1000, seed_a)},
+          {"m-b.safetensors", absl::StrReplaceAll(Model(1, 1000, seed_b), {{"layer.0.", "layer.1."}})},
+          {"m.safetensors.index.json",
+           R"({"weight_map": {"layer.0.weight": "m-a.safetensors", "layer.1.weight": "m-b.safetensors"}})"}};
+}
+
+TEST_F(NodeCacheTest, AShardedRepullFetchesOnlyTheShardsThatChangedAndPutsThemInPlaceAsOneStep) {
+  origin_->PutFiles("m", ShardedModel(40, 50));
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
+  ASSERT_NE(held, nullptr);
+  const std::array<uint64_t, 4> b = Identity(models_ + "/m-b.safetensors");
+  const std::array<uint64_t, 4> index = Identity(models_ + "/m.safetensors.index.json");
+
+  const auto next = ShardedModel(41, 50);  // shard a changed
+  origin_->PutFiles("m", next);
+  const uint64_t sent = origin_->sent_.load();
+  ASSERT_TRUE(cache_->BeginStep("m", *held));
+  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, cache_->Repull("m", *held));
+  cache_->EndStep("m", step.version.get());
+  ASSERT_NE(step.version, nullptr);
+  EXPECT_EQ(step.version, registry_->Get("m"));
+  EXPECT_EQ(step.bytes, next[0].second.size());
+  EXPECT_EQ(origin_->sent_.load() - sent, next[0].second.size()) << "only shard a came";
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-a.safetensors"), next[0].second);
+  EXPECT_EQ(Identity(models_ + "/m-b.safetensors"), b);
+  EXPECT_EQ(Identity(models_ + "/m.safetensors.index.json"), index);
+  EXPECT_TRUE(fs::is_empty(models_ + "/.weightstore-cache/partial"));
+  const std::string id = step.version->version();
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", id}}));
+
+  // The next step knows what it holds across a restart: again only what moved.
+  ASSERT_NO_FATAL_FAILURE(Restart());
+  EXPECT_EQ(registry_->Get("m")->version(), id);
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", id}}));
+}
+
+// Killed between the registry's renames of a sharded step's shards: the next
+// start finishes them from the registry's record, and the new version is the
+// cache's, under the origin's id.
+TEST_F(NodeCacheTest, AKillBetweenTheRenamesOfAShardedRepullIsFinishedAtTheNextStart) {
+  origin_->PutFiles("m", ShardedModel(60, 70));
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  const std::string held_file_version = registry_->Get("m")->file_version();
+  cache_.reset();
+  const auto next = ShardedModel(61, 71);
+  const std::string new_a = ".m-a.safetensors.new.1-2-3.tmp", new_b = ".m-b.safetensors.new.1-2-4.tmp";
+  testing::WriteFileOrDie(models_ + "/" + new_a, next[0].second);
+  testing::WriteFileOrDie(models_ + "/" + new_b, next[1].second);
+  // The registry's record, and the ledger's, both written before the renames.
+  std::string record;
+  for (const auto& [from, to] :
+       {std::pair<std::string, std::string>{new_a, "m-a.safetensors"}, {new_b, "m-b.safetensors"}}) {
+    struct stat f {
+    }, t{};
+    ASSERT_EQ(::stat((models_ + "/" + from).c_str(), &f), 0);
+    ASSERT_EQ(::stat((models_ + "/" + to).c_str(), &t), 0);
+    absl::StrAppend(&record, from, "\t", to, "\t", f.st_ino, "\t", t.st_ino, "\t", t.st_size, "\t",
+                    static_cast<int64_t>(t.st_mtim.tv_sec) * 1000000000 + t.st_mtim.tv_nsec, "\n");
+  }
+  testing::WriteFileOrDie(PublishingRecordPath(models_ + "/m.safetensors.index.json"), record);
+  nlohmann::json ledger = ReadLedger(models_);
+  ledger["m"]["replacing_version"] = ledger["m"]["version"];
+  ledger["m"]["placing"] = true;
+  ledger["m"]["version"] = "v2";
+  ledger["m"]["identities"] = {Identity(models_ + "/" + new_a), Identity(models_ + "/" + new_b),
+                               Identity(models_ + "/m.safetensors.index.json")};
+  ledger["m"]["replacing_file_version"] = held_file_version;
+  WriteLedger(models_, ledger);
+  ASSERT_EQ(std::rename((models_ + "/" + new_a).c_str(), (models_ + "/m-a.safetensors").c_str()), 0);  // one of two
+
+  ASSERT_NO_FATAL_FAILURE(Restart());
+  ASSERT_NE(registry_->Get("m"), nullptr);
+  EXPECT_EQ(registry_->Get("m")->version(), "v2");
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-b.safetensors"), next[1].second);
+  EXPECT_FALSE(fs::exists(PublishingRecordPath(models_ + "/m.safetensors.index.json")));
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", "v2"}}));
 }
 
 TEST_F(NodeCacheTest, APullRefusedByFilesStillInPlaceKeepsTheirLedgerEntry) {

@@ -386,6 +386,7 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
       if (::fstat(fds[i].get(), &st) != 0) return absl::InternalError(Errno("cannot stat", partial_paths[i]));
       intent.paths.push_back(checkpoint.files[i].path);
       intent.identities.push_back(Identity(st));
+      intent.etags.push_back(checkpoint.files[i].etag);
     }
     absl::MutexLock lock(&mu_);
     auto [it, added] = ledger_.try_emplace(name);
@@ -504,9 +505,10 @@ bool NodeCache::FinishPlacing(const std::string& name, Cached* c) {
     c->replacing_file_version.clear();
     return true;
   }
-  // A follower's replacement that never renamed its file: the files held
+  // A follower's replacement that never renamed its files (of a sharded
+  // checkpoint, the shards it kept are its own as well): the files held
   // before are still in place, and still the cache's.
-  if (ours.empty() && !c->replacing_file_version.empty() &&
+  if (!c->replacing_file_version.empty() &&
       FileVersion((fs::path(models_dir_) / c->paths.back()).string()).value_or("") == c->replacing_file_version) {
     c->version = std::move(c->replacing_version);
     c->file_version = std::move(c->replacing_file_version);
@@ -516,6 +518,9 @@ bool NodeCache::FinishPlacing(const std::string& name, Cached* c) {
     c->replacing_file_version.clear();
     return true;
   }
+  // A follower's replacement neither placed nor undone (the registry could
+  // not finish its renames): the files stay, served as the operator's.
+  if (!c->replacing_file_version.empty()) return false;
   // Half placed: this cache's files go. The partial pull stays, so the next
   // pull resumes (fetching again the files that had been moved out of it).
   for (const std::string& path : ours) ::unlink(path.c_str());

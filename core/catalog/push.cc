@@ -638,6 +638,85 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Rep
                      &renamed);
 }
 
+absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::ReplaceShards(
+    const CheckpointVersion& base, const std::vector<std::pair<std::string, std::string>>& replacements,
+    const std::string& version_id, absl::string_view what) {
+  const std::string& name = base.name();
+  if (!version_id.empty() && !ValidVersionId(version_id)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": '", version_id.substr(0, 64), "' is no version id"));
+  }
+  const Checkpoint& checkpoint = *base.checkpoint();
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = served_.find(name);
+    if (it == served_.end() || it->second.current.get() != &base) {
+      return absl::AbortedError(absl::StrCat(what, ": version ", base.version(),
+                                             " was replaced or unloaded meanwhile; nothing was published"));
+    }
+    if (it->second.outside_models || IndexFormatForPath(base.path()) == nullptr || replacements.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": '", name, "' is not served from an index and its shards in the models folder"));
+    }
+  }
+  absl::flat_hash_set<std::string> shards, replaced;
+  for (const auto& f : checkpoint.files()) shards.insert(f->path());
+  for (const auto& [from, to] : replacements) {
+    if (!shards.contains(to) || !replaced.insert(to).second) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": '", to, "' is not a shard of '", name, "', or is replaced twice"));
+    }
+  }
+  // The digests of the shards kept carry over: only the new ones are read.
+  std::vector<ManifestTensor> known;
+  if (base.manifest() != nullptr) {
+    for (const auto& shard : checkpoint.files()) {
+      if (replaced.contains(shard->path())) continue;
+      WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> held,
+                                   checkpoint.format().open(shard, options_.open));
+      for (const CheckpointEntry& e : held->entries()) {
+        if (const ManifestTensor* t = base.manifest()->Find(e.spec.name)) known.push_back(*t);
+      }
+    }
+  }
+  // Each moved beside its shard under a push's temporary name (the record of
+  // the renames names files there), locked as a push's.
+  struct Moved {
+    std::vector<NewFile> files;
+    size_t renamed = 0;
+    ~Moved() {
+      for (size_t i = 0; i < files.size(); ++i) {
+        if (i >= renamed) ::unlink(files[i].path.c_str());
+        if (files[i].fd >= 0) ::close(files[i].fd);
+      }
+    }
+  } moved;
+  for (const auto& [from, to] : replacements) {
+    const std::string beside = PushedFilePath(to);
+    if (::rename(from.c_str(), beside.c_str()) != 0) {
+      return StatusFromErrno(errno, absl::StrCat(what, ": cannot move '", from, "' beside '", to, "'"));
+    }
+    moved.files.push_back({beside, -1, to});
+    NewFile& f = moved.files.back();
+    f.fd = ::open(beside.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (f.fd < 0 || ::flock(f.fd, LOCK_SH) != 0) {
+      return StatusFromErrno(errno, absl::StrCat(what, ": cannot open '", beside, "'"));
+    }
+  }
+  return PublishOver(base, {moved.files, version_id, std::nullopt, std::move(known), nullptr, std::string(what)},
+                     &moved.renamed);
+}
+
+bool CheckpointRegistry::FinishInterruptedPublish(const std::string& index_path, std::string* error) {
+  const std::string record = PublishingRecordPath(index_path);
+  absl::MutexLock scan_lock(&scan_mu_);
+  struct stat st;
+  if (::lstat(record.c_str(), &st) != 0) return true;
+  ScanReport report;
+  const bool finished = RollForwardPublishing(record, &report);
+  if (!finished && !report.errors.empty()) *error = report.errors.back();
+  return finished;
+}
+
 absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::PublishOver(const CheckpointVersion& base,
                                                                                          Replacement r,
                                                                                          size_t* renamed) {

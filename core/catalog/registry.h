@@ -273,6 +273,20 @@ class CheckpointRegistry {
                                                                        const std::string& path,
                                                                        const std::string& version_id,
                                                                        absl::string_view what);
+  // ReplaceFile for a sharded checkpoint: each `replacements` pair is a new
+  // file (on the models folder's filesystem) and the shard of `base` it
+  // replaces; the index and the other shards stay. The files are moved
+  // beside their shards and renamed into place as one step, as a sharded
+  // push's (a crash between the renames is finished by the next scan or
+  // load). FailedPrecondition for a base that is no sharded checkpoint of
+  // the models folder, or a path that is none of its shards.
+  absl::StatusOr<std::shared_ptr<const CheckpointVersion>> ReplaceShards(
+      const CheckpointVersion& base, const std::vector<std::pair<std::string, std::string>>& replacements,
+      const std::string& version_id, absl::string_view what);
+  // Finishes the publish a crash interrupted beside the index at
+  // `index_path`, if its record is there (RollForwardPublishing). False, with
+  // the reason in `error`, when a record is there that cannot be finished.
+  bool FinishInterruptedPublish(const std::string& index_path, std::string* error) ABSL_LOCKS_EXCLUDED(scan_mu_);
 
   // The manifest of `name` at `version`: the current one's, or a kept earlier
   // one's. nullptr when it is not kept (or digests are off).

@@ -5,6 +5,7 @@
 // same versions, under the same ids, as element patches.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstring>
 #include <filesystem>
@@ -20,12 +21,14 @@
 #include "client/store.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
+#include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "origin/s3_origin.h"
 #include "tests/util/checkpoints.h"
 #include "tests/util/daemon.h"
 #include "tests/util/metrics.h"
 #include "tests/util/s3rver.h"
+#include "tests/util/serving.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 #include "tests/util/wait.h"
@@ -319,28 +322,83 @@ TEST_F(S3FollowingTest, ARestartedNodeServesTheVersionOnItsDiskAndCatchesUpFromI
   EXPECT_NE(v1, v2);
 }
 
-TEST_F(S3FollowingTest, AShardedCheckpointIsServedAsPulledAndItsStepsAreBlockedNamingWhy) {
-  const Tensors v0 = TrainerVersion(0);
-  std::string index = "{\"metadata\":{},\"weight_map\":{";
-  int i = 0;
-  for (const auto& [name, bytes] : v0) {
-    const std::string shard = absl::StrCat("m-0000", i, "-of-00003.safetensors");
-    ASSERT_OK(Put(shard, SafeTensorsFile({{name, bytes}})));
-    absl::StrAppend(&index, i > 0 ? "," : "", "\"", name, "\":\"", shard, "\"");
-    ++i;
-  }
-  absl::StrAppend(&index, "}}");
-  ASSERT_OK(Put("m.safetensors.index.json", index));
+// A sharded checkpoint whose trainer uploads every shard again at each step
+// (and the index, unchanged): the node fetches only the shards whose bytes
+// moved, puts them in place as one step, and the tier below takes each step
+// as element patches. One whose index changes is blocked, naming why.
+TEST_F(S3FollowingTest, AShardedCheckpointIsFollowedFetchingOnlyTheShardsThatChanged) {
+  auto shard_name = [](int i) { return absl::StrCat("m-0000", i, "-of-00003.safetensors"); };
+  // layers.0 and layers.1 change at each version; norm.weight, in the last
+  // shard, never does.
+  auto upload = [&](int v, std::map<int, std::string>* sizes) -> absl::Status {
+    std::string index = "{\"metadata\":{},\"weight_map\":{";
+    int i = 0;
+    for (const auto& [name, bytes] : TrainerVersion(v)) {
+      const std::string file = SafeTensorsFile({{name, bytes}});
+      WEIGHTSTORE_RETURN_IF_ERROR(Put(shard_name(i), file));
+      if (sizes != nullptr) (*sizes)[i] = file;
+      absl::StrAppend(&index, i > 0 ? "," : "", "\"", name, "\":\"", shard_name(i), "\"");
+      ++i;
+    }
+    absl::StrAppend(&index, "}}");
+    return Put("m.safetensors.index.json", index);
+  };
+  std::map<int, std::string> files;
+  ASSERT_OK(upload(0, &files));
   const std::string first = OriginVersion();
   Node regional = StartRegional();
   ASSERT_NE(regional.daemon->port(), 0);
   ASSERT_TRUE(WaitForVersion(regional, first, "regional"));
+  const std::string node_models = testing::MakeScratchDir("s3-follow-sharded-node");
+  Node node = Connect(testing::StartNode(*regional.daemon, node_models,
+                                         {"--follow", "--pull", kName, "--metrics-listen", "127.0.0.1:0"}),
+                      node_models);
+  ASSERT_NE(node.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(node, first, "node"));
+  auto inode = [&](const std::string& file) {
+    struct stat st {};
+    return ::stat((regional.models + "/" + file).c_str(), &st) == 0 ? st.st_ino : 0;
+  };
+  const ino_t frozen = inode(shard_name(2)), index = inode("m.safetensors.index.json");
+  ASSERT_NE(frozen, 0u);
 
-  ASSERT_OK(Put("m-00000-of-00003.safetensors", SafeTensorsFile({*TrainerVersion(1).begin()})));
+  uint64_t changed_bytes = 0;
+  for (int v = 1; v <= 2; ++v) {
+    ASSERT_OK(upload(v, &files));
+    changed_bytes += files[0].size() + files[1].size();
+    const std::string id = OriginVersion();
+    ASSERT_TRUE(WaitForVersion(regional, id, absl::StrCat("regional at version ", v)));
+    ASSERT_TRUE(WaitForVersion(node, id, absl::StrCat("node at version ", v)));
+    EXPECT_TRUE(regional.Served() == TrainerVersion(v)) << "version " << v;
+    EXPECT_TRUE(node.Served() == TrainerVersion(v)) << "version " << v;
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_TRUE(testing::ReadFileOrEmpty(regional.models + "/" + shard_name(i)) == files[i]) << v << " " << i;
+    }
+  }
+  // Only the two changed shards came, each step; the frozen shard and the
+  // index are the files first pulled.
+  EXPECT_EQ(regional.Metric("weightstore_follow_updates_total", "how=\"whole\""), 2) << regional.Log();
+  EXPECT_EQ(regional.Metric("weightstore_follow_received_bytes_total", "kind=\"whole\""),
+            static_cast<double>(changed_bytes));
+  EXPECT_EQ(inode(shard_name(2)), frozen);
+  EXPECT_EQ(inode("m.safetensors.index.json"), index);
+  EXPECT_EQ(testing::UploadTemporariesIn(regional.models), 0u);
+  EXPECT_EQ(node.Metric("weightstore_follow_updates_total", "how=\"patches\""), 2) << node.Log();
+  EXPECT_EQ(node.Metric("weightstore_follow_updates_total", "how=\"whole\""), 0) << node.Log();
+
+  // A version whose index changes (two tensors swap shards): blocked, and
+  // the version held stays served.
+  const std::string held = regional.Version();
+  const Tensors v2 = TrainerVersion(2);
+  ASSERT_OK(Put(shard_name(1), SafeTensorsFile({{"norm.weight", v2.at("norm.weight")}})));
+  ASSERT_OK(Put(shard_name(2), SafeTensorsFile({{"layers.1.weight", v2.at("layers.1.weight")}})));
+  ASSERT_OK(Put("m.safetensors.index.json", absl::StrCat("{\"metadata\":{},\"weight_map\":{\"layers.0.weight\":\"",
+                                                         shard_name(0), "\",\"layers.1.weight\":\"", shard_name(2),
+                                                         "\",\"norm.weight\":\"", shard_name(1), "\"}}")));
   ASSERT_TRUE(testing::WaitUntil([&] { return regional.Metric("weightstore_follow_blocked") == 1; })) << regional.Log();
-  EXPECT_THAT(regional.Log(), ::testing::HasSubstr("it is 4 files here"));
-  EXPECT_EQ(regional.Version(), first);
-  EXPECT_TRUE(regional.Served() == v0);
+  EXPECT_THAT(regional.Log(), ::testing::HasSubstr("has another index"));
+  EXPECT_EQ(regional.Version(), held);
+  EXPECT_TRUE(regional.Served() == v2);
 }
 
 // A trainer's checkpoints as the `safetensors` library writes them (torch,
