@@ -164,12 +164,14 @@ class NodeCache : public Puller, public FollowedCache {
   // that `name`'s files held (`held`) are being replaced by `version`, whose
   // files will have `identities` (Aborted if the entry changed since);
   // UndoReplacing puts `held` back when nothing was renamed; EndReplacing
-  // takes the files on disk, at `file_version`, as `checkpoint`'s.
+  // takes the files on disk, at `file_version`, as `checkpoint`'s (their
+  // etags only when `published`), and moves the step's `reserved` bytes into
+  // the cache's count under the same lock.
   absl::Status BeginReplacing(const std::string& name, const Cached& held, const std::string& version,
                               std::vector<std::array<uint64_t, 4>> identities) ABSL_LOCKS_EXCLUDED(mu_);
   void UndoReplacing(const std::string& name, const Cached& held) ABSL_LOCKS_EXCLUDED(mu_);
-  void EndReplacing(const std::string& name, const std::string& file_version, const OriginCheckpoint& checkpoint)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  void EndReplacing(const std::string& name, const std::string& file_version, const OriginCheckpoint& checkpoint,
+                    bool published, uint64_t reserved) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Repulled> RepullShards(const std::string& name, const CheckpointVersion& base, const Cached& held,
                                         const OriginCheckpoint& checkpoint) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Download(const std::string& name, const OriginCheckpoint& checkpoint, std::atomic<uint64_t>* pulled,

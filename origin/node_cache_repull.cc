@@ -18,8 +18,10 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "core/checked_math.h"
 #include "core/checkpoint.h"
 #include "core/format.h"
 #include "core/mapped_file.h"
@@ -141,8 +143,8 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
   // failed after the rename): what is on disk, which OriginVersion then names
   // by the origin's id when it is opened.
   EndReplacing(name, published.ok() ? (*published)->file_version() : FileVersion(target.string()).value_or(""),
-               checkpoint);
-  std::move(release).Invoke();  // counted in cached_bytes_ from here
+               checkpoint, published.ok(), file.size);
+  std::move(release).Cancel();
   WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
   if (!published.ok()) return published.status();
   out.version = *std::move(published);
@@ -170,29 +172,73 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::strin
     return absl::FailedPreconditionError(absl::StrCat("'", name, "' is not served from the index this node placed"));
   }
   uint64_t total = 0;
-  for (const OriginFile& f : checkpoint.files) total += f.size;  // each bounded by the origin's listing
+  for (const OriginFile& f : checkpoint.files) total = CheckedAdd(total, f.size).value_or(UINT64_MAX);
   if (total > options_.max_checkpoint_bytes || (options_.max_bytes != 0 && total > options_.max_bytes)) {
     return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
                                                       "' has ", total, " bytes, over this node's limit of ",
                                                       options_.max_checkpoint_bytes, " or its cache budget of ",
                                                       options_.max_bytes));
   }
-  // What moved: the files whose etag is not the one placed (all of them for
-  // a ledger that kept none).
+  // What moved: the files whose etag is not the one placed, or whose size
+  // is not the one on disk. An etag is trusted only as strong (a weak one,
+  // "W/...", may stay while the bytes change); a ledger that kept none
+  // (an older one, or a step a kill cut) fetches every file.
   const bool known = held.etags.size() == held.paths.size();
+  auto moved = [&](size_t i) {
+    const OriginFile& f = checkpoint.files[i];
+    std::error_code size_ec;
+    const uint64_t on_disk = fs::file_size(fs::path(models_dir_) / held.paths[i], size_ec);
+    return !known || f.etag.empty() || absl::StartsWith(f.etag, "W/") || f.etag != held.etags[i] || size_ec ||
+           on_disk != f.size;
+  };
+  // The index first: it must keep its bytes, since the shards are replaced
+  // under it; one that changed (tensors added, removed or moved between
+  // shards) blocks the step before any shard is fetched.
+  const size_t index_at = checkpoint.files.size() - 1;
+  Repulled out;
+  std::error_code ec;
+  if (moved(index_at)) {
+    const OriginFile& index = checkpoint.files[index_at];
+    const std::string held_index = (fs::path(models_dir_) / held.paths[index_at]).string();
+    const uint64_t held_size = fs::file_size(held_index, ec);
+    auto another_index = [&] {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
+                       "' has another index (tensors added, removed or moved between shards); a sharded checkpoint is "
+                       "followed from S3 while its index stays the same"));
+    };
+    if (ec || index.size != held_size) return another_index();
+    constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
+    if (index.size > kMaxIndexBytes) {
+      return absl::FailedPreconditionError(absl::StrCat("the origin's index of '", name, "' is ", index.size,
+                                                        " bytes; at most ", kMaxIndexBytes, " are compared"));
+    }
+    OriginCheckpoint just_index = checkpoint;
+    just_index.files = {index};
+    Staged staged_index;
+    std::atomic<uint64_t> index_pulled{0};
+    WEIGHTSTORE_RETURN_IF_ERROR(DownloadStep(name, just_index, &index_pulled, &staged_index));
+    out.bytes += index_pulled.load();
+    absl::StatusOr<std::string> theirs = ReadSmallFile(staged_index.paths.front(), kMaxIndexBytes);
+    absl::StatusOr<std::string> ours = ReadSmallFile(held_index, kMaxIndexBytes);
+    fs::remove_all(staged_index.folder, ec);
+    WEIGHTSTORE_RETURN_IF_ERROR(theirs.status());
+    WEIGHTSTORE_RETURN_IF_ERROR(ours.status());
+    if (*theirs != *ours) return another_index();
+  }
   OriginCheckpoint changed = checkpoint;
   changed.files.clear();
-  std::vector<size_t> which;  // into checkpoint.files
+  std::vector<size_t> replaced;  // into checkpoint.files (and held.paths)
   uint64_t bytes = 0;
-  for (size_t i = 0; i < checkpoint.files.size(); ++i) {
-    if (known && checkpoint.files[i].etag == held.etags[i]) continue;
+  for (size_t i = 0; i < index_at; ++i) {
+    if (!moved(i)) continue;
     changed.files.push_back(checkpoint.files[i]);
-    which.push_back(i);
-    bytes += checkpoint.files[i].size;
+    replaced.push_back(i);
+    bytes = CheckedAdd(bytes, checkpoint.files[i].size).value_or(UINT64_MAX);
   }
-  if (which.empty()) {
+  if (replaced.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
-                                                      "' has the same files as the one held"));
+                                                      "' has the same shards as the one held"));
   }
   // Room for the new shards beside those held (as a single file's step).
   std::vector<Victim> victims;
@@ -208,36 +254,20 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::strin
   Staged staged;
   std::atomic<uint64_t> pulled{0};
   WEIGHTSTORE_RETURN_IF_ERROR(DownloadStep(name, changed, &pulled, &staged));
-  std::error_code ec;
-  Repulled out;
-  out.bytes = pulled.load();
+  out.bytes += pulled.load();
   absl::Cleanup drop_staged = [&] { fs::remove_all(staged.folder, ec); };
-
-  // The index must be the one held, byte for byte (an etag moves when it is
-  // uploaded again): the shards are replaced under it.
+  // A listing taken while a trainer uploaded its shards one by one may mix
+  // two of its steps; one that moved while the shards came is not taken.
+  WEIGHTSTORE_ASSIGN_OR_RETURN(OriginCheckpoint again, origin_->Find(name));
+  if (again.version != checkpoint.version) {
+    return absl::AbortedError(absl::StrCat("'", name, "' changed at the origin while its shards were pulled"));
+  }
   std::vector<std::pair<std::string, std::string>> replacements;  // staged file, shard it replaces
-  std::vector<size_t> replaced;                                   // into held.paths
   absl::flat_hash_map<std::string, int> staged_fd;
-  for (size_t k = 0; k < which.size(); ++k) {
-    const std::string target = (fs::path(models_dir_) / checkpoint.files[which[k]].path).string();
-    if (which[k] + 1 == checkpoint.files.size()) {
-      absl::StatusOr<std::string> theirs = ReadSmallFile(staged.paths[k], size_t{64} << 20);
-      absl::StatusOr<std::string> ours = ReadSmallFile(target, size_t{64} << 20);
-      if (!theirs.ok() || !ours.ok() || *theirs != *ours) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "the origin's version ", checkpoint.version, " of '", name,
-            "' has another index (tensors added, removed or moved between shards); a sharded checkpoint is "
-            "followed from S3 while its index stays the same"));
-      }
-      continue;
-    }
+  for (size_t k = 0; k < replaced.size(); ++k) {
+    const std::string target = (fs::path(models_dir_) / checkpoint.files[replaced[k]].path).string();
     replacements.emplace_back(staged.paths[k], target);
     staged_fd[target] = staged.fds[k].get();
-    replaced.push_back(which[k]);
-  }
-  if (replacements.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
-                                                      "' has the same shards as the one held"));
   }
   // It must open as what it claims to be (the new shards under the index
   // held) before anything is replaced.
@@ -288,8 +318,9 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::strin
     return published.status();
   }
   std::move(drop_staged).Invoke();
-  EndReplacing(name, published.ok() ? (*published)->file_version() : FileVersion(base.path()).value_or(""), checkpoint);
-  std::move(release).Invoke();  // counted in cached_bytes_ from here
+  EndReplacing(name, published.ok() ? (*published)->file_version() : FileVersion(base.path()).value_or(""), checkpoint,
+               published.ok(), bytes);
+  std::move(release).Cancel();
   WEIGHTSTORE_RETURN_IF_ERROR(SaveLedger());
   if (!published.ok()) return published.status();
   out.version = *std::move(published);
@@ -322,6 +353,9 @@ absl::Status NodeCache::BeginReplacing(const std::string& name, const Cached& he
     c.version = version;
     c.placing = true;
     c.identities = std::move(identities);
+    // Until the step ends, which files are whose is not known: a start
+    // after a kill meanwhile fetches every file at the next step.
+    c.etags.clear();
   }
   absl::Status saved = SaveLedger();
   if (!saved.ok()) UndoReplacing(name, held);
@@ -339,14 +373,16 @@ void NodeCache::UndoReplacing(const std::string& name, const Cached& held) {
       c.identities.clear();
       c.replacing_version.clear();
       c.replacing_file_version.clear();
+      c.etags = held.etags;
     }
   }
   (void)SaveLedger();
 }
 
 void NodeCache::EndReplacing(const std::string& name, const std::string& file_version,
-                             const OriginCheckpoint& checkpoint) {
+                             const OriginCheckpoint& checkpoint, bool published, uint64_t reserved) {
   absl::MutexLock lock(&mu_);
+  reserved_bytes_ -= reserved;  // counted in cached_bytes_ from here
   auto it = ledger_.find(name);
   if (it == ledger_.end()) return;
   Cached& c = it->second;
@@ -356,7 +392,9 @@ void NodeCache::EndReplacing(const std::string& name, const std::string& file_ve
   c.replacing_file_version.clear();
   c.file_version = file_version;
   c.etags.clear();
-  for (const OriginFile& f : checkpoint.files) c.etags.push_back(f.etag);
+  if (published) {
+    for (const OriginFile& f : checkpoint.files) c.etags.push_back(f.etag);
+  }
   Recount(&c);
   c.last_used_unix_ms = NowMs();
 }

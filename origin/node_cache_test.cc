@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -170,12 +171,15 @@ class NodeCacheTest : public ::testing::Test {
     cache_ = *std::move(cache);
   }
 
-  // As the next run would: a new registry and cache on the same folder, and
-  // its first scan.
-  void Restart() {
+  // As the next run would: a new registry and cache on the same folder (its
+  // origin, empty, filled by `fill`), and its first scan.
+  void Restart(const std::function<void(FakeOrigin&)>& fill = {}) {
     cache_.reset();
     registry_ = std::make_unique<CheckpointRegistry>(RegistryOptions{.models_dir = models_});
-    auto reopened = NodeCache::Open(registry_.get(), std::make_unique<FakeOrigin>(), NodeCacheOptions{});
+    auto origin = std::make_unique<FakeOrigin>();
+    if (fill) fill(*origin);
+    origin_ = origin.get();
+    auto reopened = NodeCache::Open(registry_.get(), std::move(origin), NodeCacheOptions{});
     ASSERT_TRUE(reopened.ok()) << reopened.status();
     cache_ = *std::move(reopened);
     registry_->Rescan();
@@ -792,9 +796,38 @@ TEST_F(NodeCacheTest, AShardedRepullFetchesOnlyTheShardsThatChangedAndPutsThemIn
   EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", id}}));
 
   // The next step knows what it holds across a restart: again only what moved.
-  ASSERT_NO_FATAL_FAILURE(Restart());
-  EXPECT_EQ(registry_->Get("m")->version(), id);
+  const auto third = ShardedModel(41, 51);  // shard b changed
+  ASSERT_NO_FATAL_FAILURE(Restart([&](FakeOrigin& o) { o.PutFiles("m", third); }));
+  held = registry_->Get("m");
+  ASSERT_NE(held, nullptr);
+  EXPECT_EQ(held->version(), id);
   EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", id}}));
+  ASSERT_TRUE(cache_->BeginStep("m", *held));
+  ASSERT_OK_AND_ASSIGN(step, cache_->Repull("m", *held));
+  cache_->EndStep("m", step.version.get());
+  ASSERT_NE(step.version, nullptr);
+  EXPECT_EQ(origin_->sent_.load(), third[1].second.size()) << "only shard b came";
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-b.safetensors"), third[1].second);
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-a.safetensors"), third[0].second);
+}
+
+// The index must keep its bytes: one that changed blocks the step before a
+// shard is fetched.
+TEST_F(NodeCacheTest, AShardedRepullWhoseIndexChangedFetchesNoShardAndReplacesNothing) {
+  origin_->PutFiles("m", ShardedModel(40, 50));
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
+  auto next = ShardedModel(41, 51);
+  next[2].second = R"({"weight_map": {"layer.0.weight": "m-b.safetensors", "layer.1.weight": "m-a.safetensors"}})";
+  origin_->PutFiles("m", next);
+  const uint64_t sent = origin_->sent_.load();
+  ASSERT_TRUE(cache_->BeginStep("m", *held));
+  EXPECT_THAT(cache_->Repull("m", *held).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("has another index")));
+  cache_->EndStep("m", nullptr);
+  EXPECT_EQ(origin_->sent_.load() - sent, next[2].second.size()) << "the index alone";
+  EXPECT_EQ(registry_->Get("m"), held);
+  EXPECT_TRUE(fs::is_empty(models_ + "/.weightstore-cache/partial"));
 }
 
 // Killed between the registry's renames of a sharded step's shards: the next
@@ -822,6 +855,7 @@ TEST_F(NodeCacheTest, AKillBetweenTheRenamesOfAShardedRepullIsFinishedAtTheNextS
   }
   testing::WriteFileOrDie(PublishingRecordPath(models_ + "/m.safetensors.index.json"), record);
   nlohmann::json ledger = ReadLedger(models_);
+  ledger["m"].erase("etags");  // as BeginReplacing records the step
   ledger["m"]["replacing_version"] = ledger["m"]["version"];
   ledger["m"]["placing"] = true;
   ledger["m"]["version"] = "v2";
@@ -831,12 +865,23 @@ TEST_F(NodeCacheTest, AKillBetweenTheRenamesOfAShardedRepullIsFinishedAtTheNextS
   WriteLedger(models_, ledger);
   ASSERT_EQ(std::rename((models_ + "/" + new_a).c_str(), (models_ + "/m-a.safetensors").c_str()), 0);  // one of two
 
-  ASSERT_NO_FATAL_FAILURE(Restart());
-  ASSERT_NE(registry_->Get("m"), nullptr);
-  EXPECT_EQ(registry_->Get("m")->version(), "v2");
+  const auto third = ShardedModel(61, 72);
+  ASSERT_NO_FATAL_FAILURE(Restart([&](FakeOrigin& o) { o.PutFiles("m", third); }));
+  std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
+  ASSERT_NE(held, nullptr);
+  EXPECT_EQ(held->version(), "v2");
   EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-b.safetensors"), next[1].second);
   EXPECT_FALSE(fs::exists(PublishingRecordPath(models_ + "/m.safetensors.index.json")));
   EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", "v2"}}));
+  // Which files were whose was not recorded: the next step fetches them all
+  // (the index compared, the shards replaced), and ends where the origin is.
+  ASSERT_TRUE(cache_->BeginStep("m", *held));
+  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, cache_->Repull("m", *held));
+  cache_->EndStep("m", step.version.get());
+  ASSERT_NE(step.version, nullptr);
+  EXPECT_EQ(origin_->sent_.load(), third[0].second.size() + third[1].second.size() + third[2].second.size());
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-a.safetensors"), third[0].second);
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-b.safetensors"), third[1].second);
 }
 
 TEST_F(NodeCacheTest, APullRefusedByFilesStillInPlaceKeepsTheirLedgerEntry) {
