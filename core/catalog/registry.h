@@ -471,6 +471,12 @@ absl::StatusOr<std::vector<StoredFile>> StoredFiles(const CheckpointVersion& ver
 // inode, size, mtime and ctime (for an index, of the index and its shards).
 absl::StatusOr<std::string> FileVersion(const std::string& path);
 
+// Where a new file that is to replace `path` is written: beside it, named as
+// an AtomicFile temporary (a rescan neither serves it nor, while it is young
+// or locked, removes it), with a random part so that a name does not recur
+// across restarts (pids do, in a container).
+std::string NewFilePathBeside(const std::string& path);
+
 // The paths of the files the index at `path` names (nothing for a file that
 // is no index, or one that does not parse).
 std::set<std::string> FilesOfIndex(const std::string& path);
