@@ -5,8 +5,8 @@
   index as huggingface_hub writes them) read through every store (gRPC, the
   daemon's socket, local files) bit for bit as the library reads them;
 - files weightstore writes (`weightstore convert` from .pt and .bpk,
-  `weightstore fetch`) load bit-exact with safetensors.torch.load_file, their
-  metadata kept;
+  `weightstore fetch`, a push to a sharded checkpoint huggingface_hub wrote)
+  load bit-exact with safetensors.torch.load_file, their metadata kept;
 - .pt files torch 2.13's torch.save writes convert exactly (the CLI and every
   store) as torch.load reads them: state dicts, views of one storage, nested
   dicts, every dtype torch saves but complex128, the bits types and
@@ -230,6 +230,50 @@ class SafetensorsLibraryFilesTest(unittest.TestCase):
                     self.assertTrue(same(got[k], want[k]), k)
                 self.assertEqual(store.info(f"{FOLDER}/st/sharded/model")["metadata"],
                                  {k: str(v) for k, v in self.index["metadata"].items()})
+
+    def test_a_push_to_a_sharded_checkpoint_rewrites_only_its_shard_as_the_library_reads_it(self):
+        folder = os.path.join(self.dir, "pushed_sharded")
+        os.makedirs(folder, exist_ok=True)
+        state = {k: v.clone() for k, v in self.shard_state.items()}
+        save_torch_state_dict(state, folder, max_shard_size=700, metadata={"producer": "huggingface_hub"})
+        rescan()
+        name = f"{FOLDER}/st/pushed_sharded/model"
+        index_path = os.path.join(folder, "model.safetensors.index.json")
+        with open(index_path, "rb") as f:
+            index_bytes = f.read()
+        weight_map = json.loads(index_bytes)["weight_map"]
+        shards = sorted(set(weight_map.values()))
+        self.assertGreater(len(shards), 2)
+        inodes = {s: os.stat(os.path.join(folder, s)).st_ino for s in shards}
+        shard_metadata = {}
+        for s in shards:
+            with safetensors.safe_open(os.path.join(folder, s), "pt") as f:
+                shard_metadata[s] = f.metadata()
+        target = "layers.1.w"
+        state[target] = state[target] + 1.0
+        pushed = weightstore.connect(ADDRESS).push(name, state)
+        self.assertEqual((pushed.whole, pushed.patched, pushed.removed), ([target], [], []))
+        # The index and every other shard are the files they were.
+        with open(index_path, "rb") as f:
+            self.assertEqual(f.read(), index_bytes)
+        for s in shards:
+            self.assertEqual(os.stat(os.path.join(folder, s)).st_ino != inodes[s], s == weight_map[target], s)
+        # The library reads the new version from the shards, each with its own
+        # metadata, and so does every store.
+        on_disk = {}
+        for s in shards:
+            on_disk.update(safetensors.torch.load_file(os.path.join(folder, s)))
+            with safetensors.safe_open(os.path.join(folder, s), "pt") as f:
+                self.assertEqual(f.metadata(), shard_metadata[s], s)
+        self.assertEqual(set(on_disk), set(state))
+        for k in state:
+            self.assertTrue(same(on_disk[k], state[k]), k)
+        for label, store in {"grpc": weightstore.connect(ADDRESS), "socket": weightstore.connect("unix:" + SOCKET),
+                             "local": weightstore.connect("file:" + MODELS)}.items():
+            with self.subTest(transport=label):
+                got = store.tensors(name)
+                for k in state:
+                    self.assertTrue(same(got[k], state[k]), k)
 
     def test_f6_tensors_read_as_the_bytes_of_their_packed_values_through_every_store(self):
         for dtype, path in self.f6.items():
