@@ -356,7 +356,9 @@ struct RemoteOptions {
   // Per-call deadline. Default: 10 minutes.
   std::chrono::milliseconds deadline{10 * 60 * 1000};
   // Reconnects after a broken stream, resuming from the last complete tensor.
-  // Default: 3.
+  // A call that fails before the daemon's first answer is not retried: a wrong
+  // address or a daemon that is down is said at once, as gRPC's fail-fast
+  // default does. Default: 3.
   int max_resumes = 3;
   // Wait before resume n: this, doubled each time, at most 5 s. Default: 500 ms.
   std::chrono::milliseconds resume_backoff{500};

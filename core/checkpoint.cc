@@ -1,5 +1,6 @@
 #include "core/checkpoint.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 
 #include <cstring>
@@ -14,6 +15,7 @@
 #include "core/checked_math.h"
 #include "core/host_buffer.h"
 #include "core/status_macros.h"
+#include "core/status_util.h"
 #include "core/utf8.h"
 
 namespace weightstore {
@@ -234,6 +236,24 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> OpenCheckpointFile(const std::
                                                                      const OpenOptions& options) {
   if (options.open_file) return options.open_file(path);
   return MappedFile::Open(path, options.mapped_file);
+}
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenCheckpointWith(
+    const std::string& path, const OpenOptions& options, const FileOverrides& overrides,
+    std::vector<std::shared_ptr<const MappedFile>>* from_descriptors) {
+  OpenOptions open = options;
+  open.open_file = [&](const std::string& file) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
+    if (auto it = overrides.descriptors.find(file); it != overrides.descriptors.end()) {
+      const int copy = ::fcntl(it->second, F_DUPFD_CLOEXEC, 0);
+      if (copy < 0) return StatusFromErrno(errno, absl::StrCat("cannot read '", file, "'"));
+      WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> opened, MappedFile::FromDescriptor(copy, file));
+      if (from_descriptors != nullptr) from_descriptors->push_back(opened);
+      return opened;
+    }
+    if (auto it = overrides.mapped.find(file); it != overrides.mapped.end()) return it->second;
+    return OpenCheckpointFile(file, options);
+  };
+  return Checkpoint::Open(path, open);
 }
 
 std::optional<FileExtent> Checkpoint::Locate(const SharedBytes& bytes) const {

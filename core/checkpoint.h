@@ -198,6 +198,23 @@ class Checkpoint {
 absl::StatusOr<std::shared_ptr<const MappedFile>> OpenCheckpointFile(const std::string& path,
                                                                      const OpenOptions& options);
 
+// Files a checkpoint is opened from other than its paths, keyed by the path
+// it names: new files not yet renamed into place, read through descriptors
+// the caller keeps open (each is duplicated), and files that another version
+// already maps.
+struct FileOverrides {
+  absl::flat_hash_map<std::string, int> descriptors;
+  absl::flat_hash_map<std::string, std::shared_ptr<const MappedFile>> mapped;
+};
+
+// Opens `path` as a checkpoint, its files through `overrides` where named
+// there and as `options` says otherwise. `from_descriptors`, if given,
+// receives the files opened from descriptors, so a caller can tell whether
+// the checkpoint named each of them and check them again later.
+absl::StatusOr<std::shared_ptr<const Checkpoint>> OpenCheckpointWith(
+    const std::string& path, const OpenOptions& options, const FileOverrides& overrides,
+    std::vector<std::shared_ptr<const MappedFile>>* from_descriptors = nullptr);
+
 // Copies the elements of a strided tensor into row-major order.
 // REQUIRES: the layout was validated (every element lies inside `storage`).
 void GatherStrided(const std::byte* storage, uint64_t element_size, std::span<const uint64_t> shape,

@@ -1,15 +1,19 @@
 #include "core/checkpoint.h"
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <numeric>
 
+#include "core/formats/checkpoint_writer.h"
 #include "core/formats/pytorch.h"
 #include "core/formats/safetensors.h"
 #include "core/host_buffer.h"
 #include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
 
 namespace weightstore {
 namespace {
@@ -81,6 +85,58 @@ TEST(CheckpointTest, ReadIntoAndReadCopyFillOwnedMemory) {
   ASSERT_OK_AND_ASSIGN(SharedTensor copy, c->ReadCopy(*c->Find("flat")));
   EXPECT_NE(copy.bytes.data(), bytes.data());
   EXPECT_EQ(copy.bytes.view(), data);
+}
+
+SharedTensor Filled(const std::string& name, float value) {
+  const std::vector<float> values(16, value);
+  return {{name, DType::kF32, {16}}, SharedBytes::Copy({reinterpret_cast<const char*>(values.data()), 64})};
+}
+
+// A new shard is read from its descriptor (not from its path, which still
+// holds the old one), a kept shard is the mapping given, and the caller learns
+// which descriptors the checkpoint named.
+TEST(OpenCheckpointWithTest, ReadsNewFilesFromTheirDescriptorsAndKeptOnesFromTheirMappings) {
+  const std::string dir = testing::MakeScratchDir("open-with");
+  const auto shard = [&](const std::string& file, const std::string& tensor, float value) {
+    testing::WriteFileOrDie(dir + "/" + file, *SerializeCheckpoint(kSafeTensorsFormat, {Filled(tensor, value)}, {}));
+  };
+  shard("s1.safetensors", "a", 1);
+  shard("s2.safetensors", "b", 2);
+  shard("s2.new", "b", 20);
+  shard("unnamed.new", "z", 9);
+  const std::string index = dir + "/model.safetensors.index.json";
+  testing::WriteFileOrDie(index, R"({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}})");
+  ASSERT_OK_AND_ASSIGN(auto base, Checkpoint::Open(index));
+
+  const int fresh = ::open((dir + "/s2.new").c_str(), O_RDONLY | O_CLOEXEC);
+  const int stray = ::open((dir + "/unnamed.new").c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fresh, 0);
+  ASSERT_GE(stray, 0);
+  FileOverrides overrides;
+  overrides.descriptors[dir + "/s2.safetensors"] = fresh;
+  overrides.descriptors[dir + "/unnamed.safetensors"] = stray;  // a path the index does not name
+  for (const auto& f : base->files()) {
+    if (f->path() == dir + "/s1.safetensors") overrides.mapped[f->path()] = f;
+  }
+  ASSERT_EQ(overrides.mapped.size(), 1u);
+  std::vector<std::shared_ptr<const MappedFile>> from_descriptors;
+  ASSERT_OK_AND_ASSIGN(auto opened, OpenCheckpointWith(index, {}, overrides, &from_descriptors));
+  EXPECT_EQ(::close(fresh), 0) << "the caller keeps its descriptors";
+  EXPECT_EQ(::close(stray), 0);
+
+  ASSERT_EQ(from_descriptors.size(), 1u) << "only the descriptors the checkpoint named are opened";
+  EXPECT_EQ(from_descriptors[0]->path(), dir + "/s2.safetensors");
+  ASSERT_OK_AND_ASSIGN(SharedTensor b, opened->Read(*opened->Find("b")));
+  EXPECT_EQ(reinterpret_cast<const float*>(b.bytes.view().data())[0], 20.0f) << "the new shard, not the path's";
+  bool shares_kept = false;
+  for (const auto& f : opened->files()) shares_kept |= f == overrides.mapped.begin()->second;
+  EXPECT_TRUE(shares_kept) << "the kept shard is the base's own mapping";
+
+  // A descriptor that cannot be duplicated is an error naming the file.
+  overrides.descriptors[dir + "/s2.safetensors"] = -1;
+  const absl::Status bad = OpenCheckpointWith(index, {}, overrides).status();
+  EXPECT_FALSE(bad.ok());
+  EXPECT_THAT(bad.message(), HasSubstr("s2.safetensors"));
 }
 
 TEST(HostBufferTest, LargeBuffersAreHugePageAlignedAndFreezeWithoutCopying) {

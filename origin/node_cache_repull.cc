@@ -105,13 +105,13 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
   // that does not is not fetched again until the origin has another version.
   {
     OpenOptions open = registry_->options().open;
-    const int fd = staged.fds.front().get();
-    open.open_file = [fd](const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
-      const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
-      if (copy < 0) return absl::InternalError(Errno("cannot read", path));
-      return MappedFile::FromDescriptor(copy, path);
+    open.open_file = [](const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
+      return absl::InvalidArgumentError(absl::StrCat("it names another file, '", path, "'"));
     };
-    if (absl::Status opens = Checkpoint::Open(target.string(), open).status(); !opens.ok()) {
+    if (absl::Status opens =
+            OpenCheckpointWith(target.string(), open, {.descriptors = {{target.string(), staged.fds.front().get()}}})
+                .status();
+        !opens.ok()) {
       return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
                                                         "' does not open: ", opens.message()));
     }
@@ -263,25 +263,21 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::strin
     return absl::AbortedError(absl::StrCat("'", name, "' changed at the origin while its shards were pulled"));
   }
   std::vector<std::pair<std::string, std::string>> replacements;  // staged file, shard it replaces
-  absl::flat_hash_map<std::string, int> staged_fd;
+  FileOverrides staged_files;
+  absl::flat_hash_map<std::string, int>& staged_fd = staged_files.descriptors;
   for (size_t k = 0; k < replaced.size(); ++k) {
     const std::string target = (fs::path(models_dir_) / checkpoint.files[replaced[k]].path).string();
     replacements.emplace_back(staged.paths[k], target);
     staged_fd[target] = staged.fds[k].get();
   }
+  for (const auto& f : base.checkpoint()->files()) {  // the shards kept are the ones served
+    if (!staged_fd.contains(f->path())) staged_files.mapped[f->path()] = f;
+  }
   // It must open as what it claims to be (the new shards under the index
   // held) before anything is replaced.
   {
-    OpenOptions open = registry_->options().open;
-    open.open_file = [&staged_fd, mapped = open.mapped_file](
-                         const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
-      auto it = staged_fd.find(path);
-      if (it == staged_fd.end()) return MappedFile::Open(path, mapped);
-      const int copy = ::fcntl(it->second, F_DUPFD_CLOEXEC, 0);
-      if (copy < 0) return absl::InternalError(Errno("cannot read", path));
-      return MappedFile::FromDescriptor(copy, path);
-    };
-    if (absl::Status opens = Checkpoint::Open(base.path(), open).status(); !opens.ok()) {
+    if (absl::Status opens = OpenCheckpointWith(base.path(), registry_->options().open, staged_files).status();
+        !opens.ok()) {
       return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
                                                         "' does not open: ", opens.message()));
     }

@@ -199,27 +199,14 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Pub
   // replaces anything. The version is the files written (opened from their
   // descriptors, not by path again), so the digests carried over describe
   // their bytes; a sharded one's unchanged shards are the base's mappings.
-  absl::flat_hash_map<std::string, int> written;
-  for (const NewFile& f : r.files) written[f.replaces] = f.fd;
-  absl::flat_hash_map<std::string, std::shared_ptr<const MappedFile>> kept;
+  FileOverrides overrides;
+  for (const NewFile& f : r.files) overrides.descriptors[f.replaces] = f.fd;
   for (const auto& f : base.checkpoint()->files()) {
-    if (!written.contains(f->path())) kept[f->path()] = f;
+    if (!overrides.descriptors.contains(f->path())) overrides.mapped[f->path()] = f;
   }
   std::vector<std::shared_ptr<const MappedFile>> opened_written;
-  OpenOptions open = options_.open;
-  open.open_file = [&, fallback = options_.open.open_file, mapped = options_.open.mapped_file](
-                       const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
-    if (auto it = written.find(path); it != written.end()) {
-      const int copy = ::fcntl(it->second, F_DUPFD_CLOEXEC, 0);
-      if (copy < 0) return StatusFromErrno(errno, absl::StrCat("cannot read '", path, "'"));
-      WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::FromDescriptor(copy, path));
-      opened_written.push_back(file);
-      return file;
-    }
-    if (auto it = kept.find(path); it != kept.end()) return it->second;
-    return fallback ? fallback(path) : MappedFile::Open(path, mapped);
-  };
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> opened, Checkpoint::Open(base.path(), open));
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> opened,
+                               OpenCheckpointWith(base.path(), options_.open, overrides, &opened_written));
   if (opened_written.size() != r.files.size()) {  // the index names other shards than the base's
     return absl::AbortedError(absl::StrCat(r.what, ": the files of '", name,
                                            "' changed outside weightstored meanwhile; nothing was published"));

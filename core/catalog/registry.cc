@@ -782,13 +782,11 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   // The temporary is read through its own descriptor, not its path.
   WEIGHTSTORE_RETURN_IF_ERROR(session->file_->Flush());
   OpenOptions open = options_.open;
-  const int fd = session->file_->fd();
-  open.open_file = [fd](const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
-    const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (copy < 0) return StatusFromErrno(errno, absl::StrCat("cannot read '", path, "'"));
-    return MappedFile::FromDescriptor(copy, path);
+  open.open_file = [](const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
+    return absl::InvalidArgumentError(absl::StrCat("it names another file, '", path, "'"));
   };
-  absl::StatusOr<std::shared_ptr<const Checkpoint>> check = Checkpoint::Open(session->file_->temp_path(), open);
+  absl::StatusOr<std::shared_ptr<const Checkpoint>> check = OpenCheckpointWith(
+      session->file_->temp_path(), open, {.descriptors = {{session->file_->temp_path(), session->file_->fd()}}});
   if (!check.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("upload of '", session->name_, "' is not a valid checkpoint: ", check.status().message()));

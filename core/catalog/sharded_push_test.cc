@@ -341,6 +341,8 @@ TEST_F(ShardedPushTest, ARecordThatIsNotAPushsIsLeftAloneAndRenamesNothing) {
            {"a shard out of the folder", absl::StrReplaceAll(good, {{"\ts1.safetensors", "\t../s1.safetensors"}})},
            {"no identities", ours + "\ts1.safetensors\n"},
            {"a record others may write", good, 0666},
+           // Bounded by the index: a line per shard (3 here) of two names and four numbers each.
+           {"a record over its bound", good + std::string(4 * (2 * 256 + 4 * 21), '#')},
        }) {
     SCOPED_TRACE(c.what);
     testing::WriteFileOrDie(PublishingRecordPath(index()), c.lines);
@@ -352,7 +354,24 @@ TEST_F(ShardedPushTest, ARecordThatIsNotAPushsIsLeftAloneAndRenamesNothing) {
     EXPECT_EQ(StatOf(shard_path("s1")), s1);
     EXPECT_TRUE(fs::exists(PublishingRecordPath(index())));
     EXPECT_EQ(registry_->Get(kName)->version(), served);
+    if (c.what == "a record over its bound") {
+      EXPECT_THAT(report.errors, ElementsAre(HasSubstr("is over 2384 bytes")));
+    }
   }
+}
+
+// A file named only for the suffix is nobody's record: it holds nothing back,
+// and abandoned temporaries beside it are still cleaned.
+TEST_F(ShardedPushTest, AFileNamedOnlyForTheRecordsSuffixIsNoRecord) {
+  testing::WriteFileOrDie(folder() + "/.publishing", "s1.safetensors");
+  const std::string abandoned = folder() + "/.s2.safetensors.new.999999-5-9.tmp";
+  testing::WriteFileOrDie(abandoned, "left by a crash");
+  CheckpointRegistry fresh({.models_dir = models_, .abandoned_temporary_seconds = 0, .tensor_digests = true});
+  const ScanReport report = fresh.Rescan();
+  EXPECT_THAT(report.errors, IsEmpty());
+  EXPECT_NE(fresh.Get(kName), nullptr);
+  EXPECT_THAT(report.cleaned, ElementsAre(abandoned));
+  EXPECT_TRUE(fs::exists(folder() + "/.publishing")) << "not ours to remove";
 }
 
 }  // namespace
