@@ -236,10 +236,10 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::strin
     replaced.push_back(i);
     bytes = CheckedAdd(bytes, checkpoint.files[i].size).value_or(UINT64_MAX);
   }
-  if (replaced.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
-                                                      "' has the same shards as the one held"));
-  }
+  // None moved, by etag or size, and the index kept its bytes: the origin's
+  // new version is the files held (uploaded again; or an etag that is no MD5,
+  // as SSE-KMS gives). It is published under the origin's id, replacing
+  // nothing.
   // Room for the new shards beside those held (as a single file's step).
   std::vector<Victim> victims;
   WEIGHTSTORE_RETURN_IF_ERROR(Reserve(name, bytes, &victims));
@@ -253,7 +253,7 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::strin
   }
   Staged staged;
   std::atomic<uint64_t> pulled{0};
-  WEIGHTSTORE_RETURN_IF_ERROR(DownloadStep(name, changed, &pulled, &staged));
+  if (!replaced.empty()) WEIGHTSTORE_RETURN_IF_ERROR(DownloadStep(name, changed, &pulled, &staged));
   out.bytes += pulled.load();
   absl::Cleanup drop_staged = [&] { fs::remove_all(staged.folder, ec); };
   // A listing taken while a trainer uploaded its shards one by one may mix

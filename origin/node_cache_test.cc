@@ -71,6 +71,12 @@ class FakeOrigin : public Origin {
       sharded_[name].push_back(path);
     }
   }
+  // Uploads a sharded checkpoint's index again, with the same bytes: a new
+  // etag (as SSE-KMS gives one that is no MD5), so a new version.
+  void UploadIndexAgain(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    index_uploads_[name]++;
+  }
   std::string Describe() const override { return "fake://origin"; }
   int parallel_reads() const override { return 3; }
   void Cancel() override { cancelled_ = true; }
@@ -142,8 +148,10 @@ class FakeOrigin : public Origin {
     std::string etags;
     for (const std::string& path : it->second) {
       const std::string crc = absl::StrFormat("%08x", Crc32c(files_.at(path)));
-      c.files.push_back({path, name, path, files_.at(path).size(), crc, crc});
-      etags += crc;
+      std::string etag = crc;
+      if (path == it->second.back() && index_uploads_[name] > 0) absl::StrAppend(&etag, "-", index_uploads_[name]);
+      c.files.push_back({path, name, path, files_.at(path).size(), etag, crc});
+      etags += etag;
     }
     c.version = absl::StrFormat("s%08x", Crc32c(etags));
     return c;
@@ -152,6 +160,7 @@ class FakeOrigin : public Origin {
   absl::Mutex mu_;
   std::map<std::string, std::string> files_;
   std::map<std::string, std::vector<std::string>> sharded_;  // name: its files' paths
+  std::map<std::string, int> index_uploads_;                 // name: times its index was uploaded again
 };
 
 class NodeCacheTest : public ::testing::Test {
@@ -828,6 +837,43 @@ TEST_F(NodeCacheTest, AShardedRepullWhoseIndexChangedFetchesNoShardAndReplacesNo
   EXPECT_EQ(origin_->sent_.load() - sent, next[2].second.size()) << "the index alone";
   EXPECT_EQ(registry_->Get("m"), held);
   EXPECT_TRUE(fs::is_empty(models_ + "/.weightstore-cache/partial"));
+}
+
+// An index uploaded again with its bytes (a new etag, so a new version) and
+// no shard moved: the files held are the origin's new version, published
+// under its id with nothing fetched but the index and nothing renamed.
+TEST_F(NodeCacheTest, AnIndexUploadedAgainWithTheSameBytesPublishesTheFilesHeldUnderTheOriginsNewId) {
+  const auto files = ShardedModel(40, 50);
+  origin_->PutFiles("m", files);
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
+  ASSERT_NE(held, nullptr);
+  std::vector<std::array<uint64_t, 4>> before;
+  for (const auto& [path, bytes] : files) before.push_back(Identity(models_ + "/" + path));
+
+  origin_->UploadIndexAgain("m");
+  ASSERT_OK_AND_ASSIGN(OriginCheckpoint listed, origin_->Find("m"));
+  ASSERT_NE(listed.version, held->version());
+  const uint64_t sent = origin_->sent_.load();
+  ASSERT_TRUE(cache_->BeginStep("m", *held));
+  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, cache_->Repull("m", *held));
+  cache_->EndStep("m", step.version.get());
+  ASSERT_NE(step.version, nullptr);
+  EXPECT_EQ(step.version, registry_->Get("m"));
+  EXPECT_EQ(step.version->version(), listed.version);
+  EXPECT_EQ(origin_->sent_.load() - sent, files[2].second.size()) << "the index alone, to compare";
+  EXPECT_TRUE(step.version->checkpoint()->files() == held->checkpoint()->files()) << "the same mappings";
+  for (size_t i = 0; i < files.size(); ++i) {
+    EXPECT_EQ(Identity(models_ + "/" + files[i].first), before[i]) << files[i].first << " was not touched";
+  }
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", listed.version}}));
+  EXPECT_EQ(cache_->Stats().cache_bytes, files[0].second.size() + files[1].second.size() + files[2].second.size());
+
+  // Held under that id across a restart.
+  ASSERT_NO_FATAL_FAILURE(Restart());
+  ASSERT_NE(registry_->Get("m"), nullptr);
+  EXPECT_EQ(registry_->Get("m")->version(), listed.version);
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", listed.version}}));
 }
 
 // Killed between the registry's renames of a sharded step's shards: the next

@@ -127,7 +127,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Rep
       return absl::AbortedError(absl::StrCat(what, ": version ", base.version(),
                                              " was replaced or unloaded meanwhile; nothing was published"));
     }
-    if (it->second.outside_models || IndexFormatForPath(base.path()) == nullptr || replacements.empty()) {
+    if (it->second.outside_models || IndexFormatForPath(base.path()) == nullptr) {
       return absl::FailedPreconditionError(
           absl::StrCat(what, ": '", name, "' is not served from an index and its shards in the models folder"));
     }

@@ -278,8 +278,10 @@ class CheckpointRegistry {
   // replaces; the index and the other shards stay. The files are moved
   // beside their shards and renamed into place as one step, as a sharded
   // push's (a crash between the renames is finished by the next scan or
-  // load). FailedPrecondition for a base that is no sharded checkpoint of
-  // the models folder, or a path that is none of its shards.
+  // load). No replacements publish the same files under `version_id` (an
+  // origin's new id for bytes it uploaded again). FailedPrecondition for a
+  // base that is no sharded checkpoint of the models folder, or a path that
+  // is none of its shards.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> ReplaceShards(
       const CheckpointVersion& base, const std::vector<std::pair<std::string, std::string>>& replacements,
       const std::string& version_id, absl::string_view what);
