@@ -333,7 +333,10 @@ ScanReport CheckpointRegistry::Rescan() {
   for (const fs::path& r : publishing) {
     if (RollForwardPublishing(r.string(), &report)) continue;
     const std::string name = r.filename().string();
-    held_back.insert((r.parent_path() / name.substr(1, name.size() - 1 - kPublishingRecordSuffix.size())).string());
+    const std::string index =
+        (r.parent_path() / name.substr(1, name.size() - 1 - kPublishingRecordSuffix.size())).string();
+    held_back.insert(index);
+    report.held_back.push_back(index);
     held_folders.insert(r.parent_path().string());
   }
   for (const fs::path& t : temporaries) {
@@ -440,6 +443,8 @@ ScanReport CheckpointRegistry::Rescan() {
       }
     }
   }
+  last_errors_.store(report.errors.size(), std::memory_order_relaxed);
+  last_held_back_.store(report.held_back.size(), std::memory_order_relaxed);
   return report;
 }
 

@@ -183,6 +183,17 @@ struct ScanReport {
   std::vector<std::string> cleaned;
   // Publishes a crash interrupted, finished ("index: n files renamed").
   std::vector<std::string> rolled_forward;
+  // Indexes held at what is served (or unserved) by a publishing record
+  // that could not be finished: an operator must look (docs/updates.md).
+  std::vector<std::string> held_back;
+};
+
+// What the last scan left, for metrics: the errors it reported (the files it
+// could not serve among them), and the checkpoints publishing records hold
+// back.
+struct ScanHealth {
+  uint64_t errors = 0;
+  uint64_t held_back = 0;
 };
 
 // An upload in progress: bytes go to a temporary sibling of the final file.
@@ -302,6 +313,10 @@ class CheckpointRegistry {
                                                 const std::string& to) const;
   // What the chains' compositions hold and did (PatchCompositions).
   PatchCompositions::Stats CompositionStats() const { return compositions_->stats(); }
+  // What the last Rescan left (ScanHealth).
+  ScanHealth LastScan() const {
+    return {last_errors_.load(std::memory_order_relaxed), last_held_back_.load(std::memory_order_relaxed)};
+  }
 
   // Calls `listener` with a checkpoint's name after each change of what is
   // served under it (added, replaced, removed), on the thread that made it and
@@ -442,7 +457,8 @@ class CheckpointRegistry {
   std::map<uint64_t, std::shared_ptr<const std::function<void(const std::string&)>>> listeners_
       ABSL_GUARDED_BY(listeners_mu_);
   uint64_t next_listener_ ABSL_GUARDED_BY(listeners_mu_) = 1;
-  absl::Mutex scan_mu_;  // one scan at a time
+  absl::Mutex scan_mu_;                                       // one scan at a time
+  std::atomic<uint64_t> last_errors_{0}, last_held_back_{0};  // LastScan()
   // Reopened versions whose file identity did not change get a new version
   // string all the same, mixed with this; it starts at a random value, so
   // that another run (whose ids a node may have kept) issues others.

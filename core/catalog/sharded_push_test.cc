@@ -288,6 +288,9 @@ TEST_F(ShardedPushTest, ARecordThatDisagreesWithTheShardsHoldsTheCheckpointBack)
   const std::string served = base_->version();
   const ScanReport report = registry_->Rescan();
   EXPECT_THAT(report.errors, ElementsAre(HasSubstr("neither the push's base nor its new files")));
+  EXPECT_THAT(report.held_back, ElementsAre(index()));
+  EXPECT_EQ(registry_->LastScan().held_back, 1u);
+  EXPECT_EQ(registry_->LastScan().errors, 1u);
   EXPECT_EQ(registry_->Get(kName), base_) << "still the version served before";
   EXPECT_TRUE(fs::exists(PublishingRecordPath(index())));
   EXPECT_TRUE(fs::exists(folder() + "/" + new_s3));
@@ -296,8 +299,10 @@ TEST_F(ShardedPushTest, ARecordThatDisagreesWithTheShardsHoldsTheCheckpointBack)
   fresh.Rescan();
   EXPECT_EQ(fresh.Get(kName), nullptr);
   fs::remove(PublishingRecordPath(index()));
-  fresh.Rescan();
+  EXPECT_THAT(fresh.Rescan().held_back, IsEmpty());
   EXPECT_NE(fresh.Get(kName), nullptr);
+  EXPECT_EQ(fresh.LastScan().held_back, 0u);
+  EXPECT_EQ(fresh.LastScan().errors, 0u);
 }
 
 // Where no scan looks (a node's folder apart, loaded by path), the load

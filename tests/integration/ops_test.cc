@@ -357,6 +357,8 @@ TEST_F(MetricsTest, CountsMatchAMixedLoadAndPassPromtool) {
             0);
   EXPECT_EQ(metric("weightstore_checkpoints_loaded"), 1);
   EXPECT_EQ(metric("weightstore_checkpoint_load_seconds_count"), 1);
+  EXPECT_EQ(metric("weightstore_scan_errors"), 0);
+  EXPECT_EQ(metric("weightstore_publishes_held_back"), 0);
   EXPECT_EQ(metric("weightstore_socket_requests_total"), 1);
   EXPECT_GT(metric("process_resident_memory_bytes"), 1e6);
   EXPECT_GT(metric("process_open_fds"), 5);

@@ -21,6 +21,7 @@
 #include "core/formats/safetensors.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/util/daemon.h"
+#include "tests/util/metrics.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
@@ -869,6 +870,7 @@ TEST(ServerLifecycleTest, AdminCallsLoadUnloadUploadAndRescan) {
   EXPECT_THAT(resp.not_served(0), ::testing::HasSubstr("'Q9'"));
   EXPECT_THAT(resp.not_served(0), ::testing::Not(::testing::HasSubstr(models)));
   EXPECT_THAT(daemon.log(), ::testing::HasSubstr("not serving " + models + "/uploads/odd.safetensors"));
+  EXPECT_EQ(testing::MetricValue(daemon.metrics_port(), "weightstore_scan_errors"), 1);
 }
 
 }  // namespace
