@@ -1,7 +1,9 @@
 #include "core/atomic_file.h"
 
 #include <fcntl.h>
+#include <linux/fs.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -99,6 +101,36 @@ absl::Status AtomicFile::Resize(uint64_t size) {
   }
   written_ = size;
   return absl::OkStatus();
+}
+
+absl::StatusOr<AtomicFile::CloneResult> AtomicFile::CloneFrom(int from, uint64_t size) {
+  if (fd_ < 0) return absl::FailedPreconditionError("already committed");
+  if (written_ != 0) return absl::FailedPreconditionError(absl::StrCat("'", path_, "' is not empty"));
+  struct stat st;
+  if (::fstat(from, &st) != 0) return StatusFromErrno(errno, absl::StrCat("cannot clone into '", path_, "'"));
+  // FICLONE shares every extent of the file: only when it is exactly `size`.
+  if (static_cast<uint64_t>(st.st_size) == size && ::ioctl(fd_, FICLONE, from) == 0) {
+    written_ = size;
+    return CloneResult::kCloned;
+  }
+  loff_t in = 0, out = 0;
+  while (static_cast<uint64_t>(out) < size) {
+    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(size - out, uint64_t{1} << 30));
+    const ssize_t n = ::copy_file_range(from, &in, fd_, &out, chunk, 0);
+    if (n > 0) continue;
+    const int error = n == 0 ? 0 : errno;
+    if (error == EINTR) continue;
+    if (out == 0 && (error == EXDEV || error == EOPNOTSUPP || error == ENOSYS || error == EINVAL)) {
+      return CloneResult::kUnsupported;
+    }
+    if (error == 0) {
+      return absl::DataLossError(
+          absl::StrCat("cannot copy into '", path_, "': its source ends at ", in, " of ", size, " bytes"));
+    }
+    return StatusFromErrno(error, absl::StrCat("cannot copy into '", path_, "'"));
+  }
+  written_ = size;
+  return CloneResult::kCopied;
 }
 
 absl::Status AtomicFile::Flush() {

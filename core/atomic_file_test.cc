@@ -33,6 +33,48 @@ TEST(AtomicFileTest, CommitMakesTheWholeFileAppear) {
   EXPECT_EQ(CountFiles(dir), 1u);
 }
 
+// A clone is the source's bytes; one that cannot be made leaves the file
+// empty for a whole write; a source shorter than asked is an error, and a
+// file already written to is not cloned over.
+TEST(AtomicFileTest, CloneFromCopiesTheSourceOrLeavesTheFileEmpty) {
+  const std::string dir = testing::MakeScratchDir("atomic-clone");
+  const std::string bytes(3 << 20, 'x');
+  testing::WriteFileOrDie(dir + "/source", bytes);
+  const int source = ::open((dir + "/source").c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(source, 0);
+  {
+    ASSERT_OK_AND_ASSIGN(auto file, AtomicFile::Create(dir + "/copy", false));
+    ASSERT_OK_AND_ASSIGN(AtomicFile::CloneResult how, file->CloneFrom(source, bytes.size()));
+    EXPECT_NE(how, AtomicFile::CloneResult::kUnsupported) << "one filesystem: a clone or a copy in the kernel";
+    ASSERT_OK(file->Commit());
+    EXPECT_TRUE(testing::ReadFileOrEmpty(dir + "/copy") == bytes);
+  }
+  {
+    ASSERT_OK_AND_ASSIGN(auto file, AtomicFile::Create(dir + "/short", false));
+    EXPECT_THAT(file->CloneFrom(source, bytes.size() + 1).status(), StatusIs(absl::StatusCode::kDataLoss));
+  }
+  {
+    ASSERT_OK_AND_ASSIGN(auto file, AtomicFile::Create(dir + "/written", false));
+    ASSERT_OK(file->Append("a"));
+    EXPECT_THAT(file->CloneFrom(source, bytes.size()).status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  }
+  // Across filesystems (tmpfs to this folder's) a kernel may refuse: the file
+  // is then still empty.
+  if (std::filesystem::is_directory("/dev/shm")) {
+    const std::string shm = "/dev/shm/weightstore-clone-" + std::to_string(::getpid());
+    testing::WriteFileOrDie(shm, bytes);
+    const int other = ::open(shm.c_str(), O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(other, 0);
+    ASSERT_OK_AND_ASSIGN(auto file, AtomicFile::Create(dir + "/across", false));
+    ASSERT_OK_AND_ASSIGN(AtomicFile::CloneResult how, file->CloneFrom(other, bytes.size()));
+    ASSERT_OK(file->Commit());
+    EXPECT_EQ(testing::ReadFileOrEmpty(dir + "/across"), how == AtomicFile::CloneResult::kUnsupported ? "" : bytes);
+    ::close(other);
+    std::filesystem::remove(shm);
+  }
+  ::close(source);
+}
+
 TEST(AtomicFileTest, AnAbandonedFileLeavesNothingBehind) {
   std::string dir = testing::MakeScratchDir("atomic");
   {

@@ -35,6 +35,11 @@ std::shared_ptr<const LazyStorage> LazyStorage::Deferred(uint64_t size, Producer
   return storage;
 }
 
+bool LazyStorage::ready() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_.has_value();
+}
+
 absl::StatusOr<SharedBytes> LazyStorage::Get() const {
   absl::MutexLock lock(&mu_);
   if (bytes_.has_value()) return *bytes_;

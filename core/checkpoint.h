@@ -41,6 +41,8 @@ class LazyStorage {
   static std::shared_ptr<const LazyStorage> Deferred(uint64_t size, Producer producer);
 
   uint64_t size() const { return size_; }
+  // True when Get() has the bytes without producing them.
+  bool ready() const;
   // Returns the bytes, producing them on first use.
   absl::StatusOr<SharedBytes> Get() const;
 

@@ -432,8 +432,10 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
     }
   }
   // One tensor of the new version, written by `writer`: pushed (replaced,
-  // redefined or new), or the base's unchanged.
-  auto add = [&](CheckpointWriter& writer, const std::string& tensor) -> absl::Status {
+  // redefined or new), or the base's unchanged. An unchanged one that lies
+  // as it is in `clone_source` (the base's file the new one replaces) is
+  // marked so, and the writer may copy that file rather than write it whole.
+  auto add = [&](CheckpointWriter& writer, const std::string& tensor, const MappedFile* clone_source) -> absl::Status {
     if (auto p = session->by_name_.find(tensor); p != session->by_name_.end()) {
       const PushSession::Pushed& pushed = session->pushed_[p->second];
       return writer.Add(pushed.spec, push_bytes(pushed));
@@ -442,10 +444,21 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
     if (e == nullptr || session->removed_.contains(tensor)) return absl::OkStatus();
     if (base.manifest() != nullptr) known.push_back(*base.manifest()->Find(tensor));
     std::shared_ptr<const Checkpoint> source = base.checkpoint();
-    return writer.Add(e->spec, [source, e]() -> absl::StatusOr<SharedBytes> {
+    BytesProducer bytes = [source, e]() -> absl::StatusOr<SharedBytes> {
       WEIGHTSTORE_ASSIGN_OR_RETURN(SharedTensor t, source->Read(*e));
       return std::move(t.bytes);
-    });
+    };
+    // Only a view of the file, read without producing anything: a tensor
+    // stored contiguously and as served.
+    uint64_t at = 0;
+    if (clone_source != nullptr && e->layout.strides.empty() && !e->layout.normalize_bool &&
+        e->layout.storage->ready()) {
+      absl::StatusOr<SharedTensor> view = source->Read(*e);
+      if (view.ok() && clone_source->Contains(view->bytes, &at)) {
+        return writer.AddUnchanged(e->spec, std::move(bytes), clone_source->offset() + at);
+      }
+    }
+    return writer.Add(e->spec, std::move(bytes));
   };
   struct Planned {
     std::unique_ptr<CheckpointWriter> writer;
@@ -460,6 +473,8 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
                                  CheckpointWriter::Create(file.path, checkpoint.format(),
                                                           {.keep_order = session->options_.expected.has_value()}));
     file.writer->SetMetadata(session->options_.metadata.value_or(checkpoint.metadata()));
+    const MappedFile* clone_source = checkpoint.files().size() == 1 ? checkpoint.files()[0].get() : nullptr;
+    if (clone_source != nullptr) file.writer->SetCloneSource(checkpoint.files()[0]);
     if (const auto& expected = session->options_.expected; expected.has_value()) {
       // In the upstream's order; what it lacks is found by CheckExpected.
       absl::flat_hash_set<absl::string_view> written;
@@ -468,12 +483,12 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
           return absl::DataLossError(absl::StrCat("push to '", name, "' expects tensor '", t.name.substr(0, 256),
                                                   "' twice; nothing was published"));
         }
-        WEIGHTSTORE_RETURN_IF_ERROR(add(*file.writer, t.name));
+        WEIGHTSTORE_RETURN_IF_ERROR(add(*file.writer, t.name, clone_source));
       }
     } else {
       // The base's order, with new tensors last, in push order.
       for (const CheckpointEntry& entry : checkpoint.entries()) {
-        WEIGHTSTORE_RETURN_IF_ERROR(add(*file.writer, entry.spec.name));
+        WEIGHTSTORE_RETURN_IF_ERROR(add(*file.writer, entry.spec.name, clone_source));
       }
       for (const PushSession::Pushed& p : session->pushed_) {
         if (checkpoint.Find(p.spec.name) == nullptr) {
@@ -502,7 +517,10 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
       WEIGHTSTORE_ASSIGN_OR_RETURN(file.writer,
                                    CheckpointWriter::Create(file.path, checkpoint.format(), {.keep_order = true}));
       file.writer->SetMetadata(held->metadata());
-      for (const CheckpointEntry& e : held->entries()) WEIGHTSTORE_RETURN_IF_ERROR(add(*file.writer, e.spec.name));
+      file.writer->SetCloneSource(shard);
+      for (const CheckpointEntry& e : held->entries()) {
+        WEIGHTSTORE_RETURN_IF_ERROR(add(*file.writer, e.spec.name, shard.get()));
+      }
       planned.push_back(std::move(file));
     }
   }

@@ -3,12 +3,16 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <optional>
+
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/atomic_file.h"
 #include "core/status_macros.h"
+#include "core/status_util.h"
 
 namespace weightstore {
 
@@ -38,6 +42,34 @@ void PopulateForRead(absl::string_view bytes) {
   ::madvise(reinterpret_cast<void*>(begin), end - begin, kPopulateRead);
 }
 
+// Runs `producer` for `spec`: its error, or bytes of another size, name the
+// tensor.
+absl::StatusOr<SharedBytes> Produce(const TensorSpec& spec, const BytesProducer& producer) {
+  absl::StatusOr<SharedBytes> bytes = producer();
+  if (!bytes.ok()) {
+    return absl::Status(bytes.status().code(), absl::StrCat("tensor '", spec.name, "': ", bytes.status().message()));
+  }
+  if (bytes->size() != spec.byte_size()) {
+    return absl::InternalError(
+        absl::StrCat("tensor '", spec.name, "' produced ", bytes->size(), " bytes, expected ", spec.byte_size()));
+  }
+  return bytes;
+}
+
+// Calls write(offset, window) over `bytes` in 8 MiB windows, each populated
+// in one call first: faulting a mapping in page by page inside write() is
+// the slow part of a copy.
+template <typename Write>
+absl::Status ForEachWindow(absl::string_view bytes, Write write) {
+  constexpr size_t kWindow = 8 << 20;
+  for (size_t off = 0; off < bytes.size(); off += kWindow) {
+    const absl::string_view window = bytes.substr(off, kWindow);
+    PopulateForRead(window);
+    WEIGHTSTORE_RETURN_IF_ERROR(write(off, window));
+  }
+  return absl::OkStatus();
+}
+
 // Streams the plan to `sink`, producing each tensor's bytes once, in file order.
 template <typename Sink>
 absl::Status WritePlanned(const WritePlan& plan, const std::vector<TensorSpec>& specs,
@@ -58,23 +90,9 @@ absl::Status WritePlanned(const WritePlan& plan, const std::vector<TensorSpec>& 
     const TensorSpec& spec = specs[i];
     WEIGHTSTORE_ASSIGN_OR_RETURN(const uint64_t zeros, gap(pos, plan.offsets[k]));
     WEIGHTSTORE_RETURN_IF_ERROR(sink.AppendZeros(zeros));
-    absl::StatusOr<SharedBytes> bytes = producers[i]();
-    if (!bytes.ok()) {
-      return absl::Status(bytes.status().code(), absl::StrCat("tensor '", spec.name, "': ", bytes.status().message()));
-    }
-    if (bytes->size() != spec.byte_size()) {
-      return absl::InternalError(
-          absl::StrCat("tensor '", spec.name, "' produced ", bytes->size(), " bytes, expected ", spec.byte_size()));
-    }
-    // Write in 8 MiB windows, each populated in one call first: faulting a
-    // mapping in page by page inside write() is the slow part of a copy.
-    constexpr size_t kWindow = 8 << 20;
-    absl::string_view view = bytes->view();
-    for (size_t off = 0; off < view.size(); off += kWindow) {
-      absl::string_view window = view.substr(off, kWindow);
-      PopulateForRead(window);
-      WEIGHTSTORE_RETURN_IF_ERROR(sink.Append(window));
-    }
+    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes, Produce(spec, producers[i]));
+    WEIGHTSTORE_RETURN_IF_ERROR(
+        ForEachWindow(bytes.view(), [&](uint64_t, absl::string_view window) { return sink.Append(window); }));
     pos = plan.offsets[k] + spec.byte_size();
     if (!plan.after.empty()) {
       WEIGHTSTORE_RETURN_IF_ERROR(sink.Append(plan.after[k]));
@@ -132,8 +150,82 @@ absl::StatusOr<WritePlan> CheckpointWriter::Plan() const {
 absl::Status CheckpointWriter::Finish() {
   WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, Plan());
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file, AtomicFile::Create(path_, options_.overwrite));
+  clone_result_ = AtomicFile::CloneResult::kUnsupported;
+  if (PlanClonesSource(plan)) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(clone_result_, file->CloneFrom(clone_source_->fd(), clone_source_->size()));
+    if (clone_result_ != AtomicFile::CloneResult::kUnsupported) {
+      WEIGHTSTORE_RETURN_IF_ERROR(WriteOverClone(plan, *file));
+      return file->Commit();
+    }
+  }
   WEIGHTSTORE_RETURN_IF_ERROR(WritePlanned(plan, specs_, producers_, options_, *file));
   return file->Commit();
+}
+
+absl::Status CheckpointWriter::AddUnchanged(TensorSpec spec, BytesProducer bytes, uint64_t offset) {
+  WEIGHTSTORE_RETURN_IF_ERROR(Add(std::move(spec), std::move(bytes)));
+  unchanged_at_.resize(specs_.size());
+  unchanged_at_.back() = offset;
+  return absl::OkStatus();
+}
+
+bool CheckpointWriter::PlanClonesSource(const WritePlan& plan) const {
+  if (clone_source_ == nullptr || clone_source_->offset() != 0 || clone_source_->size() != plan.file_size ||
+      plan.order.size() != specs_.size() || plan.offsets.size() != specs_.size() ||
+      (!plan.after.empty() && plan.after.size() != specs_.size())) {
+    return false;
+  }
+  const absl::string_view source = clone_source_->bytes().view();
+  auto unchanged_at = [&](size_t i) { return i < unchanged_at_.size() ? unchanged_at_[i] : std::nullopt; };
+  auto zeros = [&](uint64_t from, uint64_t to) {
+    return from <= to && to <= source.size() &&
+           source.substr(from, to - from).find_first_not_of('\0') == absl::string_view::npos;
+  };
+  if (!absl::StartsWith(source, plan.header)) return false;
+  uint64_t pos = plan.header.size(), kept = 0, written = 0;
+  for (size_t k = 0; k < plan.order.size(); ++k) {
+    const size_t i = plan.order[k];
+    const uint64_t size = specs_[i].byte_size();
+    if (!zeros(pos, plan.offsets[k]) || plan.offsets[k] > source.size() || size > source.size() - plan.offsets[k]) {
+      return false;
+    }
+    if (const std::optional<uint64_t> at = unchanged_at(i); at.has_value()) {
+      if (*at != plan.offsets[k]) return false;
+      kept += size;
+    } else {
+      written += size;
+    }
+    pos = plan.offsets[k] + size;
+    if (!plan.after.empty()) {
+      if (source.substr(pos, plan.after[k].size()) != plan.after[k]) return false;
+      pos += plan.after[k].size();
+    }
+  }
+  return zeros(pos, plan.file_size) && kept > 0 && kept >= written;
+}
+
+absl::Status CheckpointWriter::WriteOverClone(const WritePlan& plan, AtomicFile& file) const {
+  for (size_t k = 0; k < plan.order.size(); ++k) {
+    const size_t i = plan.order[k];
+    if (i < unchanged_at_.size() && unchanged_at_[i].has_value()) continue;
+    const TensorSpec& spec = specs_[i];
+    WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes, Produce(spec, producers_[i]));
+    WEIGHTSTORE_RETURN_IF_ERROR(ForEachWindow(bytes.view(), [&](uint64_t off, absl::string_view window) {
+      for (size_t done = 0; done < window.size();) {
+        const ssize_t n = ::pwrite(file.fd(), window.data() + done, window.size() - done,
+                                   static_cast<off_t>(plan.offsets[k] + off + done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          return StatusFromErrno(n < 0 ? errno : EIO,
+                                 absl::StrCat("cannot write tensor '", spec.name, "' to '", file.temp_path(), "'"));
+        }
+        done += static_cast<size_t>(n);
+      }
+      return absl::OkStatus();
+    }));
+    if (options_.progress) options_.progress(plan.offsets[k] + spec.byte_size(), plan.file_size);
+  }
+  return absl::OkStatus();
 }
 
 namespace {

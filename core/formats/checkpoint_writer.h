@@ -11,14 +11,17 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "core/atomic_file.h"
 #include "core/checkpoint.h"
 #include "core/format.h"
 #include "core/formats/write_plan.h"
+#include "core/mapped_file.h"
 
 namespace weightstore {
 
@@ -47,8 +50,21 @@ class CheckpointWriter {
   void SetMetadata(Metadata metadata) { metadata_ = std::move(metadata); }
   // Returns InvalidArgument for a duplicate or empty name.
   absl::Status Add(TensorSpec spec, BytesProducer bytes);
+  // A file the new one may start as a copy of (AtomicFile::CloneFrom: shared
+  // extents where the filesystem can, else a copy in the kernel): when the
+  // plan lays out `source` exactly (the same bytes before the first tensor,
+  // between tensors and after the last, the same size, each AddUnchanged
+  // tensor at its offset there), and it holds most of the tensor bytes,
+  // Finish() copies it and writes only the other tensors over the copy. The
+  // file is the same bytes either way. Default: none.
+  void SetCloneSource(std::shared_ptr<const MappedFile> source) { clone_source_ = std::move(source); }
+  // As Add, for a tensor whose bytes lie at `offset` of the clone source.
+  absl::Status AddUnchanged(TensorSpec spec, BytesProducer bytes, uint64_t offset);
   // Writes the file. Returns an error naming the tensor whose bytes failed.
   absl::Status Finish();
+  // After Finish(): how the clone source was used (kUnsupported: not at all,
+  // every byte was written).
+  AtomicFile::CloneResult clone_result() const { return clone_result_; }
 
   // Returns the planned layout of what Finish() would write.
   absl::StatusOr<WritePlan> Plan() const;
@@ -63,6 +79,15 @@ class CheckpointWriter {
   std::vector<TensorSpec> specs_;
   std::vector<BytesProducer> producers_;
   absl::flat_hash_set<std::string> names_;
+  std::shared_ptr<const MappedFile> clone_source_;
+  std::vector<std::optional<uint64_t>> unchanged_at_;  // per tensor added: its offset in the clone source
+  AtomicFile::CloneResult clone_result_ = AtomicFile::CloneResult::kUnsupported;
+
+  // True when `plan` lays out clone_source_ exactly, and it holds at least
+  // half of the tensor bytes.
+  bool PlanClonesSource(const WritePlan& plan) const;
+  // Writes the tensors not in the clone source over its copy in `file`.
+  absl::Status WriteOverClone(const WritePlan& plan, AtomicFile& file) const;
 };
 
 // Lays out a file of `format` holding `tensors`; InvalidArgument when the

@@ -1,7 +1,7 @@
 // core_bench: inspect, convert and read throughput of weightstore's core, with
 // baselines measured in the same run (dd conv=fsync, torch.load).
 //
-// Usage: core_bench [--dir DIR] [--large-gb N] [--selection-only] [--cast-only]
+// Usage: core_bench [--dir DIR] [--large-gb N] [--selection-only] [--cast-only] [--rewrite-only]
 // Writes its checkpoints under DIR (default: a folder in /tmp), removed at exit.
 #include <sys/resource.h>
 #include <unistd.h>
@@ -258,6 +258,65 @@ void CastBench() {
   TransposeBench();
 }
 
+// A new version of a `megabytes` SafeTensors file with one of its tensors
+// changed, as a push or a node's step writes it: whole, or as a copy of the
+// old file (CheckpointWriter::SetCloneSource: shared extents on XFS and
+// btrfs, a copy in the kernel elsewhere) with the changed tensor written over.
+void RewriteBench(const std::string& dir, uint64_t megabytes) {
+  const std::string base_path = absl::StrCat(dir, "/rewrite-base.safetensors");
+  WriteSafeTensors(base_path, megabytes);
+  auto base = Checkpoint::Open(base_path);
+  Check(base.status(), "open the base");
+  const std::shared_ptr<const MappedFile> file = (*base)->files()[0];
+  std::vector<std::byte> changed((*base)->entries()[0].spec.byte_size(), std::byte{7});
+  SharedBytes changed_bytes = SharedBytes::FromVector(std::move(changed));
+  AtomicFile::CloneResult how = AtomicFile::CloneResult::kUnsupported;
+  auto write = [&](bool clone) {
+    const std::string out = absl::StrCat(dir, "/rewrite-", clone ? "clone" : "whole", ".safetensors");
+    auto writer = CheckpointWriter::Create(out, kSafeTensorsFormat, {.overwrite = true, .keep_order = true});
+    Check(writer.status(), "create writer");
+    if (clone) (*writer)->SetCloneSource(file);
+    for (size_t i = 0; i < (*base)->size(); ++i) {
+      const CheckpointEntry& e = (*base)->entries()[i];
+      if (i == 0) {
+        Check((*writer)->Add(e.spec, [changed_bytes] { return absl::StatusOr<SharedBytes>(changed_bytes); }), "add");
+        continue;
+      }
+      auto read = (*base)->Read(e);
+      Check(read.status(), "read");
+      SharedBytes bytes = read->bytes;
+      uint64_t at = 0;
+      BytesProducer producer = [bytes] { return absl::StatusOr<SharedBytes>(bytes); };
+      if (clone && file->Contains(bytes, &at)) {
+        Check((*writer)->AddUnchanged(e.spec, std::move(producer), at), "add");
+      } else {
+        Check((*writer)->Add(e.spec, std::move(producer)), "add");
+      }
+    }
+    Check((*writer)->Finish(), "write");
+    if (clone) how = (*writer)->clone_result();
+  };
+  std::vector<double> whole, cloned;
+  for (int i = 0; i < 5; ++i) {  // taking turns, so both see the same machine
+    whole.push_back(Seconds([&] { write(false); }));
+    cloned.push_back(Seconds([&] { write(true); }));
+  }
+  const double w = Median(whole), c = Median(cloned);
+  const uint64_t bytes = FileSize(base_path);
+  const char* by = how == AtomicFile::CloneResult::kCloned   ? "shared extents"
+                   : how == AtomicFile::CloneResult::kCopied ? "copy in the kernel"
+                                                             : "not used";
+  std::printf("\n%-44s %9s %8s %8s\n",
+              absl::StrCat("new version of ", megabytes, " MB, 1 of ", (*base)->size(), " tensors changed").c_str(),
+              "seconds", "GB/s", "speedup");
+  std::printf("  %-42s %9.3f %8.2f %7.2fx\n", "written whole (fsynced)", w, GBps(bytes, w), 1.0);
+  std::printf("  %-42s %9.3f %8.2f %7.2fx\n", absl::StrCat("base copied (", by, "), 1 written over").c_str(), c,
+              GBps(bytes, c), w / c);
+  for (const char* name : {"rewrite-base", "rewrite-whole", "rewrite-clone"}) {
+    std::filesystem::remove(absl::StrCat(dir, "/", name, ".safetensors"));
+  }
+}
+
 }  // namespace
 }  // namespace weightstore
 
@@ -265,6 +324,7 @@ int main(int argc, char** argv) {
   using namespace weightstore;
   std::string dir;
   int large_gb = 2;
+  bool rewrite_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--dir") && i + 1 < argc) dir = argv[++i];
     if (!std::strcmp(argv[i], "--large-gb") && i + 1 < argc) large_gb = std::atoi(argv[++i]);
@@ -276,6 +336,7 @@ int main(int argc, char** argv) {
       CastBench();
       return 0;
     }
+    if (!std::strcmp(argv[i], "--rewrite-only")) rewrite_only = true;
   }
   bool own_dir = dir.empty();
   if (own_dir) {
@@ -284,6 +345,11 @@ int main(int argc, char** argv) {
   }
   const std::string python = WEIGHTSTORE_TORCH_PYTHON, helper = WEIGHTSTORE_BENCH_HELPER;
   std::printf("weightstore core_bench (files in %s)\n\n", dir.c_str());
+  if (rewrite_only) {
+    RewriteBench(dir, static_cast<uint64_t>(large_gb) << 10);
+    if (own_dir) std::filesystem::remove_all(dir);
+    return 0;
+  }
 
   // 1. Inspect time must stay flat as the checkpoint grows.
   std::printf("%-32s %12s %14s\n", "inspect (open, headers only)", "file size", "median time");
@@ -329,6 +395,7 @@ int main(int argc, char** argv) {
 
   SelectionBench();
   CastBench();
+  RewriteBench(dir, 1024);
 
   struct rusage usage;
   ::getrusage(RUSAGE_SELF, &usage);
