@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "core/status_util.h"
 
 namespace weightstore {
@@ -103,16 +104,35 @@ absl::Status AtomicFile::Resize(uint64_t size) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<AtomicFile::CloneResult> AtomicFile::CloneFrom(int from, uint64_t size) {
+absl::StatusOr<AtomicFile::CloneResult> AtomicFile::CloneFrom(int from, uint64_t size, bool copy) {
   if (fd_ < 0) return absl::FailedPreconditionError("already committed");
   if (written_ != 0) return absl::FailedPreconditionError(absl::StrCat("'", path_, "' is not empty"));
-  struct stat st;
-  if (::fstat(from, &st) != 0) return StatusFromErrno(errno, absl::StrCat("cannot clone into '", path_, "'"));
-  // FICLONE shares every extent of the file: only when it is exactly `size`.
-  if (static_cast<uint64_t>(st.st_size) == size && ::ioctl(fd_, FICLONE, from) == 0) {
+  auto source_size = [&](int fd) -> absl::StatusOr<uint64_t> {
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return StatusFromErrno(errno, absl::StrCat("cannot clone into '", path_, "'"));
+    return static_cast<uint64_t>(st.st_size);
+  };
+  auto unsupported = [&]() -> absl::StatusOr<CloneResult> {
+    if (::ftruncate(fd_, 0) != 0) return StatusFromErrno(errno, absl::StrCat("cannot empty '", path_, "'"));
+    return CloneResult::kUnsupported;
+  };
+  auto short_source = [&](uint64_t at) {
+    return absl::DataLossError(
+        absl::StrCat("cannot copy into '", path_, "': its source is ", at, " bytes, not ", size));
+  };
+  WEIGHTSTORE_ASSIGN_OR_RETURN(const uint64_t before, source_size(from));
+  if (before != size) return short_source(before);
+  if (::ioctl(fd_, FICLONE, from) == 0) {
+    // The extents shared are the source's as it was then: its size again.
+    WEIGHTSTORE_ASSIGN_OR_RETURN(const uint64_t cloned, source_size(fd_));
+    if (cloned != size) {
+      (void)unsupported();
+      return short_source(cloned);
+    }
     written_ = size;
     return CloneResult::kCloned;
   }
+  if (!copy) return unsupported();
   loff_t in = 0, out = 0;
   while (static_cast<uint64_t>(out) < size) {
     const size_t chunk = static_cast<size_t>(std::min<uint64_t>(size - out, uint64_t{1} << 30));
@@ -121,12 +141,10 @@ absl::StatusOr<AtomicFile::CloneResult> AtomicFile::CloneFrom(int from, uint64_t
     const int error = n == 0 ? 0 : errno;
     if (error == EINTR) continue;
     if (out == 0 && (error == EXDEV || error == EOPNOTSUPP || error == ENOSYS || error == EINVAL)) {
-      return CloneResult::kUnsupported;
+      return unsupported();
     }
-    if (error == 0) {
-      return absl::DataLossError(
-          absl::StrCat("cannot copy into '", path_, "': its source ends at ", in, " of ", size, " bytes"));
-    }
+    (void)unsupported();
+    if (error == 0) return short_source(static_cast<uint64_t>(in));
     return StatusFromErrno(error, absl::StrCat("cannot copy into '", path_, "'"));
   }
   written_ = size;

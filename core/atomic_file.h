@@ -48,15 +48,16 @@ class AtomicFile {
   // layout through fd() instead of appending.
   absl::Status Resize(uint64_t size);
   int fd() const { return fd_; }
-  // Makes the temporary, while nothing was written to it, a copy of the first
-  // `size` bytes of the open file `from`: sharing its extents where the
-  // filesystem can (FICLONE: XFS, btrfs), else copied inside the kernel
-  // (copy_file_range), so the bytes never cross into this process. Returns
-  // how: kCloned, kCopied, or kUnsupported with the temporary still empty
-  // (different filesystems, or a kernel without either). After a copy, write
-  // through fd() at offsets (pwrite), not Append.
+  // Makes the temporary, while nothing was written to it, a copy of the open
+  // file `from`, which must be `size` bytes: sharing its extents where the
+  // filesystem can (FICLONE: XFS, btrfs), else, if `copy` allows, copied
+  // inside the kernel (copy_file_range), so the bytes never cross into this
+  // process. Returns how: kCloned, kCopied, or kUnsupported with the
+  // temporary still empty (different filesystems, a kernel without either,
+  // or a copy not allowed). DataLoss if `from` is not `size` bytes. After a
+  // clone or copy, write through fd() at offsets (pwrite), not Append.
   enum class CloneResult { kCloned, kCopied, kUnsupported };
-  absl::StatusOr<CloneResult> CloneFrom(int from, uint64_t size);
+  absl::StatusOr<CloneResult> CloneFrom(int from, uint64_t size, bool copy = true);
   // Appends `n` zero bytes.
   absl::Status AppendZeros(uint64_t n);
   // Makes what was appended durable in the temporary file (fsync).

@@ -240,9 +240,10 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::strin
   // new version is the files held (uploaded again; or an etag that is no MD5,
   // as SSE-KMS gives). It is published under the origin's id, replacing
   // nothing.
-  // Room for the new shards beside those held (as a single file's step).
+  // Room for the new shards beside those held (as a single file's step);
+  // none asked when none moved (a cache over its budget evicts nothing for it).
   std::vector<Victim> victims;
-  WEIGHTSTORE_RETURN_IF_ERROR(Reserve(name, bytes, &victims));
+  if (bytes > 0) WEIGHTSTORE_RETURN_IF_ERROR(Reserve(name, bytes, &victims));
   absl::Cleanup release = [&] {
     absl::MutexLock lock(&mu_);
     reserved_bytes_ -= bytes;

@@ -103,8 +103,8 @@ void AddScrapedFamilies(ServerMetrics* metrics, const CheckpointRegistry* regist
              "could not finish), each in the log as \"not serving\" and in Rescan's not_served.",
              One([registry] { return static_cast<double>(registry->LastScan().errors); }));
   f.AddGauge("weightstore_publishes_held_back",
-             "Sharded checkpoints held at the version served by a publishing record that could not be finished: "
-             "not reopened until an operator removes the record (docs/updates.md).",
+             "Sharded checkpoints held now at the version served by a publishing record that a scan, publish or "
+             "load could not finish: not reopened until an operator removes the record (docs/updates.md).",
              One([registry] { return static_cast<double>(registry->LastScan().held_back); }));
   f.AddGauge("weightstore_composed_patch_bytes",
              "Bytes of element patches composed for clients several versions behind, cached or being sent.",

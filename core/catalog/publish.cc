@@ -132,6 +132,10 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Rep
           absl::StrCat(what, ": '", name, "' is not served from an index and its shards in the models folder"));
     }
   }
+  if (replacements.empty() && (version_id.empty() || version_id == base.version())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": nothing replaces a shard of '", name, "', and the version id is the same"));
+  }
   absl::flat_hash_set<std::string> shards, replaced;
   for (const auto& f : checkpoint.files()) shards.insert(f->path());
   for (const auto& [from, to] : replacements) {
@@ -325,6 +329,22 @@ std::string PublishingRecordPath(const std::string& index_path) {
 }
 
 bool CheckpointRegistry::RollForwardPublishing(const std::string& record, ScanReport* report) {
+  const bool finished = FinishPublishingRecord(record, report);
+  const std::string name = fs::path(record).filename().string();
+  if (name.size() > 1 + kPublishingRecordSuffix.size() && absl::EndsWith(name, kPublishingRecordSuffix)) {
+    const std::string index =
+        (fs::path(record).parent_path() / name.substr(1, name.size() - 1 - kPublishingRecordSuffix.size())).string();
+    absl::MutexLock lock(&held_mu_);
+    if (finished) {
+      held_back_.erase(index);
+    } else {
+      held_back_.insert(index);
+    }
+  }
+  return finished;
+}
+
+bool CheckpointRegistry::FinishPublishingRecord(const std::string& record, ScanReport* report) {
   const fs::path path(record);
   const std::string record_name = path.filename().string();
   if (record_name.size() <= 1 + kPublishingRecordSuffix.size() ||

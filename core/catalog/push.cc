@@ -432,10 +432,10 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
     }
   }
   // One tensor of the new version, written by `writer`: pushed (replaced,
-  // redefined or new), or the base's unchanged. An unchanged one that lies
-  // as it is in `clone_source` (the base's file the new one replaces) is
-  // marked so, and the writer may copy that file rather than write it whole.
-  auto add = [&](CheckpointWriter& writer, const std::string& tensor, const MappedFile* clone_source) -> absl::Status {
+  // redefined or new), or the base's unchanged. With `clone_source` (the
+  // writer may copy the base's file the new one replaces), an unchanged one
+  // is given as its view of the file, so the copy need not write it.
+  auto add = [&](CheckpointWriter& writer, const std::string& tensor, bool clone_source) -> absl::Status {
     if (auto p = session->by_name_.find(tensor); p != session->by_name_.end()) {
       const PushSession::Pushed& pushed = session->pushed_[p->second];
       return writer.Add(pushed.spec, push_bytes(pushed));
@@ -450,13 +450,9 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
     };
     // Only a view of the file, read without producing anything: a tensor
     // stored contiguously and as served.
-    uint64_t at = 0;
-    if (clone_source != nullptr && e->layout.strides.empty() && !e->layout.normalize_bool &&
-        e->layout.storage->ready()) {
+    if (clone_source && e->layout.strides.empty() && !e->layout.normalize_bool && e->layout.storage->ready()) {
       absl::StatusOr<SharedTensor> view = source->Read(*e);
-      if (view.ok() && clone_source->Contains(view->bytes, &at)) {
-        return writer.AddUnchanged(e->spec, std::move(bytes), clone_source->offset() + at);
-      }
+      if (view.ok()) return writer.AddUnchanged(e->spec, std::move(view->bytes));
     }
     return writer.Add(e->spec, std::move(bytes));
   };
@@ -473,8 +469,8 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
                                  CheckpointWriter::Create(file.path, checkpoint.format(),
                                                           {.keep_order = session->options_.expected.has_value()}));
     file.writer->SetMetadata(session->options_.metadata.value_or(checkpoint.metadata()));
-    const MappedFile* clone_source = checkpoint.files().size() == 1 ? checkpoint.files()[0].get() : nullptr;
-    if (clone_source != nullptr) file.writer->SetCloneSource(checkpoint.files()[0]);
+    const bool clone_source = checkpoint.files().size() == 1;
+    if (clone_source) file.writer->SetCloneSource(checkpoint.files()[0]);
     if (const auto& expected = session->options_.expected; expected.has_value()) {
       // In the upstream's order; what it lacks is found by CheckExpected.
       absl::flat_hash_set<absl::string_view> written;
@@ -519,7 +515,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
       file.writer->SetMetadata(held->metadata());
       file.writer->SetCloneSource(shard);
       for (const CheckpointEntry& e : held->entries()) {
-        WEIGHTSTORE_RETURN_IF_ERROR(add(*file.writer, e.spec.name, shard.get()));
+        WEIGHTSTORE_RETURN_IF_ERROR(add(*file.writer, e.spec.name, true));
       }
       planned.push_back(std::move(file));
     }

@@ -444,8 +444,20 @@ ScanReport CheckpointRegistry::Rescan() {
     }
   }
   last_errors_.store(report.errors.size(), std::memory_order_relaxed);
-  last_held_back_.store(report.held_back.size(), std::memory_order_relaxed);
+  {
+    // Held back until finished, or until an operator removed the record.
+    absl::MutexLock lock(&held_mu_);
+    for (auto it = held_back_.begin(); it != held_back_.end();) {
+      std::error_code exists_ec;
+      it = fs::exists(PublishingRecordPath(*it), exists_ec) ? std::next(it) : held_back_.erase(it);
+    }
+  }
   return report;
+}
+
+ScanHealth CheckpointRegistry::LastScan() const {
+  absl::MutexLock lock(&held_mu_);
+  return {last_errors_.load(std::memory_order_relaxed), held_back_.size()};
 }
 
 std::shared_ptr<const VersionPatches> CheckpointRegistry::PatchesBetween(

@@ -313,10 +313,10 @@ class CheckpointRegistry {
                                                 const std::string& to) const;
   // What the chains' compositions hold and did (PatchCompositions).
   PatchCompositions::Stats CompositionStats() const { return compositions_->stats(); }
-  // What the last Rescan left (ScanHealth).
-  ScanHealth LastScan() const {
-    return {last_errors_.load(std::memory_order_relaxed), last_held_back_.load(std::memory_order_relaxed)};
-  }
+  // The errors of the last Rescan, and the indexes held back now: by a
+  // publishing record a scan, a publish or a load could not finish, until it
+  // is finished or gone (ScanHealth).
+  ScanHealth LastScan() const ABSL_LOCKS_EXCLUDED(held_mu_);
 
   // Calls `listener` with a checkpoint's name after each change of what is
   // served under it (added, replaced, removed), on the thread that made it and
@@ -375,8 +375,10 @@ class CheckpointRegistry {
   // neither opened nor its folder's temporaries removed until an operator
   // has looked (the files may hold a mix). A record of a step that renamed
   // nothing yet, over files that are no longer its base, is dropped. Called
-  // with the scan lock held.
+  // with the scan lock held. Counts the index as held back (LastScan) while
+  // its record cannot be finished.
   bool RollForwardPublishing(const std::string& record, ScanReport* report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(scan_mu_);
+  bool FinishPublishingRecord(const std::string& record, ScanReport* report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(scan_mu_);
   struct Entry {
     std::shared_ptr<const CheckpointVersion> current;
     // Loaded by path from where no scan looks (a load root, a hidden folder
@@ -457,8 +459,10 @@ class CheckpointRegistry {
   std::map<uint64_t, std::shared_ptr<const std::function<void(const std::string&)>>> listeners_
       ABSL_GUARDED_BY(listeners_mu_);
   uint64_t next_listener_ ABSL_GUARDED_BY(listeners_mu_) = 1;
-  absl::Mutex scan_mu_;                                       // one scan at a time
-  std::atomic<uint64_t> last_errors_{0}, last_held_back_{0};  // LastScan()
+  absl::Mutex scan_mu_;                   // one scan at a time
+  std::atomic<uint64_t> last_errors_{0};  // LastScan()
+  mutable absl::Mutex held_mu_;
+  std::set<std::string> held_back_ ABSL_GUARDED_BY(held_mu_);  // index paths
   // Reopened versions whose file identity did not change get a new version
   // string all the same, mixed with this; it starts at a random value, so
   // that another run (whose ids a node may have kept) issues others.

@@ -298,7 +298,11 @@ TEST_F(ShardedPushTest, ARecordThatDisagreesWithTheShardsHoldsTheCheckpointBack)
   CheckpointRegistry fresh({.models_dir = models_, .tensor_digests = true});
   fresh.Rescan();
   EXPECT_EQ(fresh.Get(kName), nullptr);
+  EXPECT_EQ(fresh.LastScan().held_back, 1u);
   fs::remove(PublishingRecordPath(index()));
+  EXPECT_EQ(fresh.LastScan().held_back, 1u) << "until a scan sees the record gone";
+  registry_->Rescan();
+  EXPECT_EQ(registry_->LastScan().held_back, 0u);
   EXPECT_THAT(fresh.Rescan().held_back, IsEmpty());
   EXPECT_NE(fresh.Get(kName), nullptr);
   EXPECT_EQ(fresh.LastScan().held_back, 0u);

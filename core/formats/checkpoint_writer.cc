@@ -151,8 +151,11 @@ absl::Status CheckpointWriter::Finish() {
   WEIGHTSTORE_ASSIGN_OR_RETURN(WritePlan plan, Plan());
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file, AtomicFile::Create(path_, options_.overwrite));
   clone_result_ = AtomicFile::CloneResult::kUnsupported;
-  if (PlanClonesSource(plan)) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(clone_result_, file->CloneFrom(clone_source_->fd(), clone_source_->size()));
+  // Shared extents cost nothing, so half the bytes kept is enough; a copy in
+  // the kernel writes the file and then the changed tensors again.
+  if (const Kept k = PlanClonesSource(plan); k.kept > 0 && k.kept >= k.written) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(clone_result_, file->CloneFrom(clone_source_->fd(), clone_source_->size(),
+                                                                /*copy=*/k.kept / 9 >= k.written));
     if (clone_result_ != AtomicFile::CloneResult::kUnsupported) {
       WEIGHTSTORE_RETURN_IF_ERROR(WriteOverClone(plan, *file));
       return file->Commit();
@@ -162,18 +165,22 @@ absl::Status CheckpointWriter::Finish() {
   return file->Commit();
 }
 
-absl::Status CheckpointWriter::AddUnchanged(TensorSpec spec, BytesProducer bytes, uint64_t offset) {
-  WEIGHTSTORE_RETURN_IF_ERROR(Add(std::move(spec), std::move(bytes)));
+absl::Status CheckpointWriter::AddUnchanged(TensorSpec spec, SharedBytes view) {
+  uint64_t at = 0;
+  const bool in_source = clone_source_ != nullptr && clone_source_->Contains(view, &at);
+  WEIGHTSTORE_RETURN_IF_ERROR(Add(std::move(spec), [view]() -> absl::StatusOr<SharedBytes> { return view; }));
   unchanged_at_.resize(specs_.size());
-  unchanged_at_.back() = offset;
+  if (in_source) unchanged_at_.back() = clone_source_->offset() + at;
   return absl::OkStatus();
 }
 
-bool CheckpointWriter::PlanClonesSource(const WritePlan& plan) const {
-  if (clone_source_ == nullptr || clone_source_->offset() != 0 || clone_source_->size() != plan.file_size ||
-      plan.order.size() != specs_.size() || plan.offsets.size() != specs_.size() ||
-      (!plan.after.empty() && plan.after.size() != specs_.size())) {
-    return false;
+CheckpointWriter::Kept CheckpointWriter::PlanClonesSource(const WritePlan& plan) const {
+  // A file read into memory (a small one) is checked here but copied from
+  // disk: only a mapping is the file's own bytes.
+  if (clone_source_ == nullptr || !clone_source_->is_mapped() || clone_source_->offset() != 0 ||
+      clone_source_->size() != plan.file_size || plan.order.size() != specs_.size() ||
+      plan.offsets.size() != specs_.size() || (!plan.after.empty() && plan.after.size() != specs_.size())) {
+    return {};
   }
   const absl::string_view source = clone_source_->bytes().view();
   auto unchanged_at = [&](size_t i) { return i < unchanged_at_.size() ? unchanged_at_[i] : std::nullopt; };
@@ -181,27 +188,28 @@ bool CheckpointWriter::PlanClonesSource(const WritePlan& plan) const {
     return from <= to && to <= source.size() &&
            source.substr(from, to - from).find_first_not_of('\0') == absl::string_view::npos;
   };
-  if (!absl::StartsWith(source, plan.header)) return false;
+  if (!absl::StartsWith(source, plan.header)) return {};
   uint64_t pos = plan.header.size(), kept = 0, written = 0;
   for (size_t k = 0; k < plan.order.size(); ++k) {
     const size_t i = plan.order[k];
     const uint64_t size = specs_[i].byte_size();
     if (!zeros(pos, plan.offsets[k]) || plan.offsets[k] > source.size() || size > source.size() - plan.offsets[k]) {
-      return false;
+      return {};
     }
     if (const std::optional<uint64_t> at = unchanged_at(i); at.has_value()) {
-      if (*at != plan.offsets[k]) return false;
+      if (*at != plan.offsets[k]) return {};
       kept += size;
     } else {
       written += size;
     }
     pos = plan.offsets[k] + size;
     if (!plan.after.empty()) {
-      if (source.substr(pos, plan.after[k].size()) != plan.after[k]) return false;
+      if (source.substr(pos, plan.after[k].size()) != plan.after[k]) return {};
       pos += plan.after[k].size();
     }
   }
-  return zeros(pos, plan.file_size) && kept > 0 && kept >= written;
+  if (!zeros(pos, plan.file_size)) return {};
+  return {kept, written};
 }
 
 absl::Status CheckpointWriter::WriteOverClone(const WritePlan& plan, AtomicFile& file) const {

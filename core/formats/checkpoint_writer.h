@@ -50,16 +50,17 @@ class CheckpointWriter {
   void SetMetadata(Metadata metadata) { metadata_ = std::move(metadata); }
   // Returns InvalidArgument for a duplicate or empty name.
   absl::Status Add(TensorSpec spec, BytesProducer bytes);
-  // A file the new one may start as a copy of (AtomicFile::CloneFrom: shared
-  // extents where the filesystem can, else a copy in the kernel): when the
-  // plan lays out `source` exactly (the same bytes before the first tensor,
-  // between tensors and after the last, the same size, each AddUnchanged
-  // tensor at its offset there), and it holds most of the tensor bytes,
-  // Finish() copies it and writes only the other tensors over the copy. The
-  // file is the same bytes either way. Default: none.
+  // A file the new one may start as a copy of (AtomicFile::CloneFrom): when
+  // the plan lays out `source` exactly (the same bytes before the first
+  // tensor, between tensors and after the last, the same size, and each
+  // AddUnchanged tensor where its view lies), Finish() clones it where the
+  // filesystem shares extents, or copies it in the kernel where nine tenths
+  // of its tensor bytes are kept, and writes only the other tensors over it.
+  // The file is the same bytes either way. Default: none.
   void SetCloneSource(std::shared_ptr<const MappedFile> source) { clone_source_ = std::move(source); }
-  // As Add, for a tensor whose bytes lie at `offset` of the clone source.
-  absl::Status AddUnchanged(TensorSpec spec, BytesProducer bytes, uint64_t offset);
+  // As Add, for a tensor whose bytes are `view`: where the view lies in the
+  // clone source (set first), a copy of it need not write them.
+  absl::Status AddUnchanged(TensorSpec spec, SharedBytes view);
   // Writes the file. Returns an error naming the tensor whose bytes failed.
   absl::Status Finish();
   // After Finish(): how the clone source was used (kUnsupported: not at all,
@@ -83,9 +84,12 @@ class CheckpointWriter {
   std::vector<std::optional<uint64_t>> unchanged_at_;  // per tensor added: its offset in the clone source
   AtomicFile::CloneResult clone_result_ = AtomicFile::CloneResult::kUnsupported;
 
-  // True when `plan` lays out clone_source_ exactly, and it holds at least
-  // half of the tensor bytes.
-  bool PlanClonesSource(const WritePlan& plan) const;
+  // What of `plan` clone_source_ holds: nothing unless the plan lays it out
+  // exactly; else the tensor bytes kept and those to be written over it.
+  struct Kept {
+    uint64_t kept = 0, written = 0;
+  };
+  Kept PlanClonesSource(const WritePlan& plan) const;
   // Writes the tensors not in the clone source over its copy in `file`.
   absl::Status WriteOverClone(const WritePlan& plan, AtomicFile& file) const;
 };

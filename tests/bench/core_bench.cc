@@ -285,12 +285,10 @@ void RewriteBench(const std::string& dir, uint64_t megabytes) {
       auto read = (*base)->Read(e);
       Check(read.status(), "read");
       SharedBytes bytes = read->bytes;
-      uint64_t at = 0;
-      BytesProducer producer = [bytes] { return absl::StatusOr<SharedBytes>(bytes); };
-      if (clone && file->Contains(bytes, &at)) {
-        Check((*writer)->AddUnchanged(e.spec, std::move(producer), at), "add");
+      if (clone) {
+        Check((*writer)->AddUnchanged(e.spec, std::move(bytes)), "add");
       } else {
-        Check((*writer)->Add(e.spec, std::move(producer)), "add");
+        Check((*writer)->Add(e.spec, [bytes] { return absl::StatusOr<SharedBytes>(bytes); }), "add");
       }
     }
     Check((*writer)->Finish(), "write");

@@ -794,7 +794,7 @@ TEST(ServerLifecycleTest, AQueryPinnedToAVersionIsAbortedOnceThatVersionIsReplac
 
 TEST(ServerLifecycleTest, AdminCallsLoadUnloadUploadAndRescan) {
   const std::string models = testing::MakeScratchDir("models");
-  Daemon daemon(models, {"--load-root", testing::FixturesDir()});
+  Daemon daemon(models, {"--load-root", testing::FixturesDir(), "--metrics-listen", "127.0.0.1:0"});
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   auto stub = pb::WeightStore::NewStub(grpc::CreateChannel(daemon.address(), grpc::InsecureChannelCredentials()));
   {
