@@ -33,6 +33,20 @@ int RequiredSeals() { return F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL
 
 namespace {
 
+// Adds the seals. F_SEAL_WRITE fails with EBUSY while a page still has an
+// extra reference after the kernel's own short wait (page migration or
+// compaction, another CPU's LRU batch); it failed so once in CI, under load.
+// Such references are transient: the seals are tried again after a pause
+// (20 ms, doubling), five times in all, before the error.
+absl::Status AddSeals(int fd, const std::string& name) {
+  for (int attempt = 0;; ++attempt) {
+    if (::fcntl(fd, F_ADD_SEALS, RequiredSeals()) == 0) return absl::OkStatus();
+    if (errno != EBUSY || attempt == 4) break;
+    ::usleep(20000u << attempt);
+  }
+  return StatusFromErrno(errno, absl::StrCat("cannot seal memfd '", name, "'"));
+}
+
 // Creates and sizes a memfd, runs `fill` on its writable descriptor, seals it
 // and returns it mapped read-only.
 absl::StatusOr<std::shared_ptr<const MappedFile>> CreateAndSeal(const std::string& name, uint64_t size,
@@ -47,9 +61,7 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> CreateAndSeal(const std::strin
   if (size > 0) {
     if (absl::Status filled = fill(fd); !filled.ok()) return filled;
   }
-  if (::fcntl(fd, F_ADD_SEALS, RequiredSeals()) != 0) {
-    return StatusFromErrno(errno, absl::StrCat("cannot seal memfd '", name, "'"));
-  }
+  if (absl::Status sealed = AddSeals(fd, name); !sealed.ok()) return sealed;
   // Hand out (and map) a read-only descriptor; the writable one is closed.
   absl::StatusOr<int> readonly = ReopenReadOnly(fd, name);
   if (!readonly.ok()) return readonly.status();
