@@ -182,6 +182,14 @@ class NodeCacheTest : public ::testing::Test {
 
   // As the next run would: a new registry and cache on the same folder (its
   // origin, empty, filled by `fill`), and its first scan.
+  // One step of a followed `name` from `held`, as the follower takes it:
+  // BeginStep, Repull, then EndStep with what was published.
+  absl::StatusOr<FollowedCache::Repulled> Step(const std::string& name, const CheckpointVersion& held) {
+    if (!cache_->BeginStep(name, held)) return absl::FailedPreconditionError("BeginStep refused the step");
+    absl::StatusOr<FollowedCache::Repulled> step = cache_->Repull(name, held);
+    cache_->EndStep(name, step.ok() ? step->version.get() : nullptr);
+    return step;
+  }
   void Restart(const std::function<void(FakeOrigin&)>& fill = {}) {
     cache_.reset();
     registry_ = std::make_unique<CheckpointRegistry>(RegistryOptions{.models_dir = models_});
@@ -790,9 +798,7 @@ TEST_F(NodeCacheTest, AShardedRepullFetchesOnlyTheShardsThatChangedAndPutsThemIn
   const auto next = ShardedModel(41, 50);  // shard a changed
   origin_->PutFiles("m", next);
   const uint64_t sent = origin_->sent_.load();
-  ASSERT_TRUE(cache_->BeginStep("m", *held));
-  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, cache_->Repull("m", *held));
-  cache_->EndStep("m", step.version.get());
+  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, Step("m", *held));
   ASSERT_NE(step.version, nullptr);
   EXPECT_EQ(step.version, registry_->Get("m"));
   EXPECT_EQ(step.bytes, next[0].second.size());
@@ -811,9 +817,7 @@ TEST_F(NodeCacheTest, AShardedRepullFetchesOnlyTheShardsThatChangedAndPutsThemIn
   ASSERT_NE(held, nullptr);
   EXPECT_EQ(held->version(), id);
   EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", id}}));
-  ASSERT_TRUE(cache_->BeginStep("m", *held));
-  ASSERT_OK_AND_ASSIGN(step, cache_->Repull("m", *held));
-  cache_->EndStep("m", step.version.get());
+  ASSERT_OK_AND_ASSIGN(step, Step("m", *held));
   ASSERT_NE(step.version, nullptr);
   EXPECT_EQ(origin_->sent_.load(), third[1].second.size()) << "only shard b came";
   EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-b.safetensors"), third[1].second);
@@ -855,9 +859,7 @@ TEST_F(NodeCacheTest, AnIndexUploadedAgainWithTheSameBytesPublishesTheFilesHeldU
   ASSERT_OK_AND_ASSIGN(OriginCheckpoint listed, origin_->Find("m"));
   ASSERT_NE(listed.version, held->version());
   const uint64_t sent = origin_->sent_.load();
-  ASSERT_TRUE(cache_->BeginStep("m", *held));
-  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, cache_->Repull("m", *held));
-  cache_->EndStep("m", step.version.get());
+  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, Step("m", *held));
   ASSERT_NE(step.version, nullptr);
   EXPECT_EQ(step.version, registry_->Get("m"));
   EXPECT_EQ(step.version->version(), listed.version);
@@ -921,9 +923,7 @@ TEST_F(NodeCacheTest, AKillBetweenTheRenamesOfAShardedRepullIsFinishedAtTheNextS
   EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", "v2"}}));
   // Which files were whose was not recorded: the next step fetches them all
   // (the index compared, the shards replaced), and ends where the origin is.
-  ASSERT_TRUE(cache_->BeginStep("m", *held));
-  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, cache_->Repull("m", *held));
-  cache_->EndStep("m", step.version.get());
+  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, Step("m", *held));
   ASSERT_NE(step.version, nullptr);
   EXPECT_EQ(origin_->sent_.load(), third[0].second.size() + third[1].second.size() + third[2].second.size());
   EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-a.safetensors"), third[0].second);
