@@ -106,6 +106,15 @@ void AddScrapedFamilies(ServerMetrics* metrics, const CheckpointRegistry* regist
              "Sharded checkpoints held now at the version served by a publishing record that a scan, publish or "
              "load could not finish: not reopened until an operator removes the record (docs/updates.md).",
              One([registry] { return static_cast<double>(registry->LastScan().held_back); }));
+  f.AddCounter("weightstore_push_files_written_total",
+               "Files pushes and followers' steps wrote, by how: shared_extents (the base's file cloned, the changed "
+               "tensors written over it), kernel_copy (copied in the kernel, the same), or whole.",
+               [registry] {
+                 const CheckpointRegistry::PushWrites w = registry->PushWriteStats();
+                 return std::vector<Sample>{{{{"how", "shared_extents"}}, static_cast<double>(w.cloned)},
+                                            {{{"how", "kernel_copy"}}, static_cast<double>(w.copied)},
+                                            {{{"how", "whole"}}, static_cast<double>(w.whole)}};
+               });
   f.AddGauge("weightstore_composed_patch_bytes",
              "Bytes of element patches composed for clients several versions behind, cached or being sent.",
              One([registry] { return static_cast<double>(registry->CompositionStats().bytes); }));

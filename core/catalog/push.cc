@@ -546,6 +546,17 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   } written;
   for (Planned& file : planned) {
     WEIGHTSTORE_RETURN_IF_ERROR(file.writer->Finish());
+    switch (file.writer->clone_result()) {
+      case AtomicFile::CloneResult::kCloned:
+        files_cloned_.fetch_add(1, std::memory_order_relaxed);
+        break;
+      case AtomicFile::CloneResult::kCopied:
+        files_copied_.fetch_add(1, std::memory_order_relaxed);
+        break;
+      case AtomicFile::CloneResult::kUnsupported:
+        files_whole_.fetch_add(1, std::memory_order_relaxed);
+        break;
+    }
     written.files.push_back({file.path, -1, file.replaces});
     NewFile& f = written.files.back();
     f.fd = ::open(f.path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);

@@ -317,6 +317,16 @@ class CheckpointRegistry {
   // publishing record a scan, a publish or a load could not finish, until it
   // is finished or gone (ScanHealth).
   ScanHealth LastScan() const ABSL_LOCKS_EXCLUDED(held_mu_);
+  // Files pushes (and followers' steps) wrote, by how: the base's file
+  // cloned (shared extents) or copied in the kernel with the changed tensors
+  // written over it, or written whole (CheckpointWriter::SetCloneSource).
+  struct PushWrites {
+    uint64_t cloned = 0, copied = 0, whole = 0;
+  };
+  PushWrites PushWriteStats() const {
+    return {files_cloned_.load(std::memory_order_relaxed), files_copied_.load(std::memory_order_relaxed),
+            files_whole_.load(std::memory_order_relaxed)};
+  }
 
   // Calls `listener` with a checkpoint's name after each change of what is
   // served under it (added, replaced, removed), on the thread that made it and
@@ -459,8 +469,9 @@ class CheckpointRegistry {
   std::map<uint64_t, std::shared_ptr<const std::function<void(const std::string&)>>> listeners_
       ABSL_GUARDED_BY(listeners_mu_);
   uint64_t next_listener_ ABSL_GUARDED_BY(listeners_mu_) = 1;
-  absl::Mutex scan_mu_;                   // one scan at a time
-  std::atomic<uint64_t> last_errors_{0};  // LastScan()
+  absl::Mutex scan_mu_;                                                       // one scan at a time
+  std::atomic<uint64_t> last_errors_{0};                                      // LastScan()
+  std::atomic<uint64_t> files_cloned_{0}, files_copied_{0}, files_whole_{0};  // PushWriteStats()
   mutable absl::Mutex held_mu_;
   std::set<std::string> held_back_ ABSL_GUARDED_BY(held_mu_);  // index paths
   // Reopened versions whose file identity did not change get a new version

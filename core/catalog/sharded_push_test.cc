@@ -144,6 +144,7 @@ TEST_F(ShardedPushTest, APushRewritesOnlyTheShardsOfItsTensorsAndSharesTheOthers
   ASSERT_EQ(pushed->checkpoint()->files().size(), 3u);
   EXPECT_EQ(pushed->checkpoint()->files()[0], base_->checkpoint()->files()[0]);
   EXPECT_EQ(pushed->checkpoint()->files()[2], base_->checkpoint()->files()[2]);
+  EXPECT_EQ(registry_->PushWriteStats().whole, 1u) << "s2's every tensor changed: written whole";
   EXPECT_NE(pushed->checkpoint()->files()[1], base_->checkpoint()->files()[1]);
 
   // What is on disk: the new values, s2's own metadata and order kept.
@@ -173,6 +174,22 @@ TEST_F(ShardedPushTest, APushRewritesOnlyTheShardsOfItsTensorsAndSharesTheOthers
   const ScanReport again = registry_->Rescan();
   EXPECT_THAT(again.replaced, IsEmpty());
   EXPECT_EQ(registry_->Get(kName), pushed);
+}
+
+// A shard that keeps most of its bytes is its old file copied, the pushed
+// tensor written over the copy: the same bytes as a whole write.
+TEST_F(ShardedPushTest, AShardKeepingMostOfItsBytesIsItsOldFileCopiedWithThePushedTensorWrittenOver) {
+  ASSERT_OK_AND_ASSIGN(auto session, registry_->BeginPush(kName, {.base_version = base_->version()}));
+  const SharedTensor c = F32("c", 4, 30);
+  ASSERT_OK(session->BeginTensor(c.spec, Crc32c(c.bytes.view())));
+  ASSERT_OK(session->Append(c.bytes.view()));
+  ASSERT_OK_AND_ASSIGN(auto pushed, registry_->FinishPush(std::move(session)));
+  const CheckpointRegistry::PushWrites writes = registry_->PushWriteStats();
+  EXPECT_EQ(writes.cloned + writes.copied, 1u) << "s2: b's 1 MiB kept, c's 16 bytes written over";
+  EXPECT_EQ(writes.whole, 0u);
+  EXPECT_EQ(testing::ReadFileOrEmpty(shard_path("s2")),
+            *SerializeCheckpoint(kSafeTensorsFormat, {F32("b", kBig, 2), c}, {{"shard", "s2"}, {"format", "pt"}}));
+  EXPECT_EQ(pushed->checkpoint()->Read("c")->bytes.view(), c.bytes.view());
 }
 
 TEST_F(ShardedPushTest, TensorsInSeveralShardsArePutInPlaceTogetherAndTheRecordIsGone) {
