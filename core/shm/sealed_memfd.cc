@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
@@ -31,6 +32,12 @@ class FdCloser {
 
 int RequiredSeals() { return F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL; }
 
+int CreateSealableMemfd(const std::string& name) {
+  constexpr size_t kNameMax = 249;  // MFD_NAME_MAX_LEN
+  const std::string cut = name.substr(0, std::min(name.size(), name.find('\0')));
+  return ::memfd_create(cut.substr(0, kNameMax).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+}
+
 namespace {
 
 // Adds the seals. F_SEAL_WRITE fails with EBUSY while a page still has an
@@ -52,7 +59,7 @@ absl::Status AddSeals(int fd, const std::string& name) {
 absl::StatusOr<std::shared_ptr<const MappedFile>> CreateAndSeal(const std::string& name, uint64_t size,
                                                                 const std::function<absl::Status(int fd)>& fill,
                                                                 std::string path) {
-  int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  int fd = CreateSealableMemfd(name);
   if (fd < 0) return StatusFromErrno(errno, absl::StrCat("memfd_create '", name, "'"));
   FdCloser closer(fd);
   if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {

@@ -57,6 +57,11 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> CreateSealedMemfd(
     const std::string& name, uint64_t size, const std::function<absl::Status(SegmentWriter&)>& fill,
     std::string path = "");
 
+// memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING), with `name` cut to the
+// kernel's 249 bytes (a longer one fails). The caller owns the result; -1
+// and errno on failure.
+int CreateSealableMemfd(const std::string& name);
+
 // Returns OK if `fd` is a memfd carrying every RequiredSeals(); otherwise
 // FailedPrecondition naming `what` and the missing seals.
 absl::Status CheckSealed(int fd, absl::string_view what);

@@ -1,10 +1,12 @@
 // SegmentCache: the sealed shared-memory segments a daemon hands to same-host
 // processes, under one memory budget.
 //
-// Two kinds of memory count against the budget: derived segments (what a
+// Two kinds of memory count against the budget: segments, held under keys and
+// evicted least recently used first, which are either derived (what a
 // transformed selection had to materialize: gathered strided tensors, casts,
-// transposes), produced once per key and evicted least recently used first;
-// and reservations (preloaded checkpoints), which are never evicted and are
+// transposes), produced once per key, or filled (a file's copy that grows a
+// tensor at a time: core/shm/filled_memfd.h), charged as they grow; and
+// reservations (preloaded checkpoints), which are never evicted and are
 // released when their Reservation is destroyed. Evicting a segment only drops
 // the cache's reference: processes that mapped it keep valid, unchanging bytes
 // until they unmap. Thread-safe.
@@ -23,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/mapped_file.h"
+#include "core/shm/filled_memfd.h"
 #include "core/shm/sealed_memfd.h"
 
 namespace weightstore {
@@ -44,9 +47,27 @@ class SegmentCache {
     uint64_t bytes_ = 0;
   };
 
+  // Keeps a filled segment from eviction while it lives (movable).
+  class FilledLease {
+   public:
+    FilledLease() = default;
+    FilledLease(FilledLease&& other) noexcept;
+    FilledLease& operator=(FilledLease&& other) noexcept;
+    ~FilledLease();
+    FilledMemfd& segment() const { return *segment_; }
+    const std::shared_ptr<FilledMemfd>& shared() const { return segment_; }
+
+   private:
+    friend class SegmentCache;
+    void Unpin();
+    SegmentCache* cache_ = nullptr;
+    std::string key_;
+    std::shared_ptr<FilledMemfd> segment_;
+  };
+
   struct Stats {
     uint64_t budget_bytes = 0;
-    uint64_t segment_bytes = 0;   // derived segments held
+    uint64_t segment_bytes = 0;   // segments held (a filled one: what it has filled)
     uint64_t reserved_bytes = 0;  // reservations (preloads)
     uint64_t segments = 0;
     uint64_t hits = 0, misses = 0, evictions = 0;
@@ -74,12 +95,24 @@ class SegmentCache {
       const std::string& key, uint64_t size, absl::string_view what,
       const std::function<absl::Status(SegmentWriter&)>& fill);
 
+  // Returns the filled segment held under `key`, or creates an empty one of
+  // `size` bytes (FilledMemfd::Create's errors), charged as a segment of no
+  // bytes; `what` names it. While the returned lease lives, the segment is
+  // not evicted. A key names either a filled or a derived segment, never both.
+  absl::StatusOr<FilledLease> GetOrCreateFilled(const std::string& key, uint64_t size, absl::string_view what);
+
+  // Charges `bytes` more to `lease`'s segment, evicting other segments to
+  // make room; ResourceExhausted naming `what` and the budget if they cannot
+  // fit. Callers charge what they are about to fill, in whole pages.
+  absl::Status Grow(const FilledLease& lease, uint64_t bytes, absl::string_view what);
+
   // Holds `bytes` of the budget (evicting segments to make room) until the
   // returned Reservation is destroyed. ResourceExhausted naming `what` if they
   // cannot fit.
   absl::StatusOr<Reservation> Reserve(uint64_t bytes, absl::string_view what);
 
-  // Drops every segment (mappings already handed out stay valid).
+  // Drops every segment but those leased (mappings already handed out stay
+  // valid).
   void Clear();
   Stats stats() const;
 
@@ -87,11 +120,19 @@ class SegmentCache {
   struct Slot {
     absl::Mutex mu;  // held while the segment is built
     std::shared_ptr<const MappedFile> segment ABSL_GUARDED_BY(mu);
+    std::shared_ptr<FilledMemfd> filled ABSL_GUARDED_BY(mu);
   };
-  // Evicts least recently used segments until `bytes` more fit (and, with
-  // `new_segment`, until one more segment may be held). False if they cannot.
+  // Evicts least recently used segments (none leased) until `bytes` more fit
+  // (and, with `new_segment`, until one more segment may be held). False if
+  // they cannot.
   bool MakeRoom(uint64_t bytes, bool new_segment = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Release(uint64_t bytes);
+  // The slot under `key`, made empty if there is none.
+  std::shared_ptr<Slot> SlotFor(const std::string& key);
+  // GetOrCreateFilled's creation, with `slot` locked and empty.
+  absl::StatusOr<FilledLease> CreateFilled(const std::shared_ptr<Slot>& slot, const std::string& key, uint64_t size,
+                                           absl::string_view what, FilledLease lease)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot->mu);
 
   const uint64_t budget_;
   const size_t max_segments_;
@@ -101,6 +142,8 @@ class SegmentCache {
   struct Held {
     std::string key;
     uint64_t size = 0, charge = 0;
+    const FilledMemfd* filled = nullptr;  // a filled segment's
+    int leases = 0;                       // its live leases: not evicted while > 0
   };
   // Built segments, most recently used first.
   std::list<Held> lru_ ABSL_GUARDED_BY(mu_);

@@ -117,5 +117,45 @@ TEST(SegmentCacheTest, ConcurrentRequestsForOneKeyShareOneBuild) {
   for (const MappedFile* p : got) EXPECT_EQ(p, got[0]);
 }
 
+TEST(SegmentCacheTest, AFilledSegmentIsChargedAsItGrowsAndNotEvictedWhileLeased) {
+  SegmentCache cache(6 * kPage);
+  const std::string key = "filled|v|0";
+  ASSERT_OK_AND_ASSIGN(SegmentCache::FilledLease lease, cache.GetOrCreateFilled(key, 64 * kPage, "copy of 'f'"));
+  EXPECT_EQ(lease.segment().size(), 64 * kPage) << "sized as the file; charged only what is filled";
+  EXPECT_EQ(cache.stats().segment_bytes, 0u);
+  ASSERT_OK(cache.Grow(lease, 2 * kPage, "copy of 'f'"));
+  EXPECT_EQ(cache.stats().segment_bytes, 2 * kPage);
+  EXPECT_THAT(cache.Grow(lease, 4 * kPage, "copy of 'f'"),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("copy of 'f' needs")));
+  {  // Asked again under its key: the same segment, a hit.
+    ASSERT_OK_AND_ASSIGN(SegmentCache::FilledLease again, cache.GetOrCreateFilled(key, 64 * kPage, "copy of 'f'"));
+    EXPECT_EQ(again.shared(), lease.shared());
+    EXPECT_EQ(cache.stats().hits, 1u);
+  }
+  // Room is made from the other segments, never from a leased one.
+  ASSERT_OK(cache.GetOrCreate("d", kPage, "d", FillWith('d')).status());
+  EXPECT_THAT(cache.GetOrCreate("e", 4 * kPage, "e", FillWith('e')), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(cache.stats().segments, 2u) << "nothing is evicted for a request that cannot fit even then";
+  EXPECT_THAT(cache.GetOrCreate(key, kPage, "k", FillWith('k')), StatusIs(absl::StatusCode::kInternal))
+      << "a key names one kind of segment";
+  std::shared_ptr<FilledMemfd> held = lease.shared();
+  lease = SegmentCache::FilledLease();  // released: now it may go
+  ASSERT_OK(cache.GetOrCreate("e", 4 * kPage, "e", FillWith('e')).status());
+  EXPECT_EQ(cache.stats().segment_bytes, 5 * kPage) << "e and d";
+  EXPECT_EQ(cache.stats().evictions, 1u) << "the filled one, the oldest";
+  EXPECT_THAT(cache.Grow(SegmentCache::FilledLease(), kPage, "gone"), StatusIs(absl::StatusCode::kAborted));
+  // Asked for after its eviction: a new, empty one.
+  ASSERT_OK_AND_ASSIGN(SegmentCache::FilledLease fresh, cache.GetOrCreateFilled(key, 64 * kPage, "copy of 'f'"));
+  EXPECT_NE(fresh.shared(), held);
+  // Clear() keeps what is leased, and drops it once released.
+  cache.Clear();
+  EXPECT_EQ(cache.stats().segments, 1u);
+  ASSERT_OK(cache.Grow(fresh, kPage, "copy of 'f'"));
+  fresh = SegmentCache::FilledLease();
+  cache.Clear();
+  EXPECT_EQ(cache.stats().segments, 0u);
+  EXPECT_EQ(cache.stats().segment_bytes, 0u);
+}
+
 }  // namespace
 }  // namespace weightstore
