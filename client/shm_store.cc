@@ -10,6 +10,7 @@
 #include "client/proto_convert.h"
 #include "client/store.h"
 #include "core/crc32c.h"
+#include "core/shm/filled_memfd.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/shm/unix_socket.h"
 #include "core/status_macros.h"
@@ -35,6 +36,7 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> MapSegment(UniqueFd fd, const 
     return absl::DataLossError(absl::StrCat(what, " has ", st.st_size, " bytes; the daemon declared ", segment.size()));
   }
   if (segment.kind() == pb::Segment::SEALED_MEMFD) WEIGHTSTORE_RETURN_IF_ERROR(CheckSealed(fd.get(), what));
+  if (segment.kind() == pb::Segment::FILLED_MEMFD) WEIGHTSTORE_RETURN_IF_ERROR(CheckFilledSeals(fd.get(), what));
   // Only the window the tensors lie in (FromDescriptor checks it fits), or all of it.
   const bool whole = segment.map_offset() == 0 && segment.map_size() == 0;
   return MappedFile::FromDescriptor(fd.release(), segment.description(), whole ? 0 : segment.map_offset(),

@@ -11,20 +11,29 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <system_error>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "boost/icl/interval_set.hpp"
 #include "core/crc32c.h"
+#include "core/dtype.h"
+#include "core/host_buffer.h"
+#include "core/parallel_for.h"
 #include "core/select/served.h"
+#include "core/shm/filled_memfd.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/status_macros.h"
 #include "core/status_util.h"
@@ -172,6 +181,105 @@ absl::StatusOr<MappedPatches> MapPatches(SegmentCache& cache, const Resolved& re
   return out;
 }
 
+// A tensor of a checkpoint file that goes out as a copy of that file (a peer
+// could write the file): its bytes, and where they lie in the file.
+struct CopiedTensor {
+  size_t index = 0;  // in the snapshot
+  FilledMemfd::Range range;
+  ServedTensorPlan plan;
+};
+
+// Copies pieces of at most this many bytes, the workers taking them in turn.
+constexpr uint64_t kCopyPieceBytes = 4 << 20;
+
+// Makes sure `tensors`' bytes of `file` (the version's `file_index`th) are in
+// the version's filled copy of that file in `cache` (core/shm/filled_memfd.h),
+// copying the ones no request copied before on two workers, and returns the
+// copy as it is handed out. Bytes copied are charged to the budget in whole
+// pages, each page once, and are finished only once the version's files are
+// seen unchanged after the copy and each tensor this request copied whole
+// matches the version's checksum of it (or gives it one): `crcs` receives
+// those tensors' CRC32C, by position in `tensors`.
+absl::StatusOr<std::shared_ptr<const MappedFile>> FillFileCopy(SegmentCache& cache, const Resolved& resolved,
+                                                               const MappedFile& file, size_t file_index,
+                                                               std::span<const CopiedTensor> tensors,
+                                                               const std::function<bool()>& cancelled,
+                                                               std::vector<std::optional<uint32_t>>* crcs) {
+  const CheckpointVersion& version = *resolved.version;
+  const ChecksumCache& checksums = version.checksums();
+  const std::string key = absl::StrCat("filled|", version.name().size(), ":", version.name(), "|", version.version(),
+                                       "|", version.file_version(), "|", file_index);
+  const std::string what = absl::StrCat("'", version.name(), "': copy of file ", file_index);
+  WEIGHTSTORE_ASSIGN_OR_RETURN(SegmentCache::FilledLease lease, cache.GetOrCreateFilled(key, file.size(), what));
+  FilledMemfd& copy = lease.segment();
+  if (copy.size() != file.size()) {
+    return absl::InternalError(absl::StrCat(what, " is ", copy.size(), " bytes where the file has ", file.size()));
+  }
+  std::vector<FilledMemfd::Range> wanted;
+  wanted.reserve(tensors.size());
+  for (const CopiedTensor& t : tensors) wanted.push_back(t.range);
+  crcs->assign(tensors.size(), std::nullopt);
+  const SharedBytes source = file.bytes();
+  // A filler that fails gives its ranges up; a waiter then claims them. Three
+  // rounds bound what one request retries.
+  for (int round = 0; round < 3; ++round) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<FilledMemfd::Range> mine, copy.Claim(wanted));
+    if (!mine.empty()) {
+      absl::Cleanup give_up = [&] { copy.Finish(mine, /*written=*/false); };
+      WEIGHTSTORE_RETURN_IF_ERROR(cache.Grow(lease, copy.UnchargedBytes(mine), what));
+      copy.MarkCharged(mine);
+      std::vector<FilledMemfd::Range> pieces;
+      boost::icl::interval_set<uint64_t> claimed;
+      for (const FilledMemfd::Range& r : mine) {
+        claimed.add(boost::icl::interval<uint64_t>::right_open(r.offset, r.offset + r.length));
+        for (uint64_t at = 0; at < r.length; at += kCopyPieceBytes) {
+          pieces.push_back({r.offset + at, std::min(kCopyPieceBytes, r.length - at)});
+        }
+      }
+      WEIGHTSTORE_RETURN_IF_ERROR(ParallelFor(pieces.size(), 2, [&](size_t k) {
+        const std::span<std::byte> out = copy.Writable(pieces[k]);
+        PrefaultForWriting(out);
+        std::memcpy(out.data(), source.data() + pieces[k].offset, out.size());
+        return absl::OkStatus();
+      }));
+      // The bytes must be the file as opened: its size and times unchanged
+      // (a truncation under the copy reads as zeros and marks it faulted),
+      // and each tensor copied whole equal to its checksum where one is known.
+      WEIGHTSTORE_RETURN_IF_ERROR(version.CheckUnchanged());
+      for (size_t k = 0; k < tensors.size(); ++k) {
+        const FilledMemfd::Range& r = tensors[k].range;
+        if (!boost::icl::contains(claimed, boost::icl::interval<uint64_t>::right_open(r.offset, r.offset + r.length))) {
+          continue;
+        }
+        const std::span<std::byte> bytes = copy.Writable(r);
+        const uint32_t crc = Crc32c(absl::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+        if (std::optional<uint32_t> known = checksums.Find(tensors[k].plan.key); known && *known != crc) {
+          return absl::DataLossError(absl::StrCat("tensor '", tensors[k].plan.tensor->spec.name, "' of '",
+                                                  version.name(), "' copied with CRC32C ", crc, ", not ", *known,
+                                                  ": its file changed in place under the copy"));
+        }
+        (*crcs)[k] = crc;
+      }
+      std::move(give_up).Cancel();
+      copy.Finish(mine, /*written=*/true);
+    }
+    switch (copy.WaitFilled(wanted, cancelled)) {
+      case FilledMemfd::Wait::kFilled:
+        for (size_t k = 0; k < tensors.size(); ++k) {
+          if ((*crcs)[k] && !checksums.Find(tensors[k].plan.key)) {
+            WEIGHTSTORE_RETURN_IF_ERROR(checksums.Store(tensors[k].plan.key, *(*crcs)[k]));
+          }
+        }
+        return copy.view();
+      case FilledMemfd::Wait::kCancelled:
+        return absl::CancelledError(absl::StrCat(what, ": the daemon is stopping"));
+      case FilledMemfd::Wait::kGivenUp:
+        break;
+    }
+  }
+  return absl::UnavailableError(absl::StrCat(what, ": the requests copying its tensors kept failing; ask again"));
+}
+
 }  // namespace
 
 bool PeerCouldWrite(int fd, const ShmPeer& peer) {
@@ -245,6 +353,11 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(const CheckpointRegi
 }
 
 ShmServer::~ShmServer() { Stop(); }
+
+bool ShmServer::FilledCopiesAllowed() {
+  const char* value = std::getenv("WEIGHTSTORE_FILLED_COPIES");
+  return value == nullptr || absl::string_view(value) != "0";
+}
 
 void ShmServer::Stop() {
   {
@@ -540,6 +653,8 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
   absl::flat_hash_map<const MappedFile*, uint32_t> segment_of;
   absl::flat_hash_map<const MappedFile*, bool> file_allowed;  // MayPassFile, once per file
   std::vector<ServedTensorPlan> derived;                      // tensors to materialize
+  // Tensors that go out as their file's filled copy, by file (in file order).
+  std::map<size_t, std::vector<CopiedTensor>> copied;
   uint64_t bytes = 0;
   for (size_t i = 0; i < snapshot.size(); ++i) {
     const SnapshotTensor& t = snapshot.tensors()[i];
@@ -573,8 +688,16 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
       continue;
     }
     const std::shared_ptr<const MappedFile>& file = checkpoint.files()[extent->file];
-    if (!MayPassFile(*file, peer, &file_allowed)) {  // a sealed copy instead
-      derived.push_back(plan);
+    if (!MayPassFile(*file, peer, &file_allowed)) {  // a copy instead
+      // A copy keeps the file's offsets, so a tensor the file does not align
+      // to its element (hand-written SafeTensors) is materialized aligned instead.
+      const uint64_t unit = DTypeSize(t.spec.dtype);
+      const uint64_t element = std::has_single_bit(unit) ? std::min<uint64_t>(unit, 8) : 1;
+      if (filled_copies_ && extent->offset % element == 0) {
+        copied[extent->file].push_back({i, {extent->offset, plan.byte_size}, plan});
+      } else {
+        derived.push_back(plan);
+      }
       continue;
     }
     auto [it, added] = segment_of.try_emplace(file.get(), static_cast<uint32_t>(segments->size()));
@@ -583,6 +706,49 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
     out->set_offset(extent->offset);
     if (!request.skip_checksums()) {
       WEIGHTSTORE_ASSIGN_OR_RETURN(uint32_t crc, ServedChecksum(snapshot, plan, checksums));
+      out->mutable_info()->set_crc32c(crc);
+    }
+  }
+  // Each file copied is one more descriptor: past what a frame carries, the
+  // copies are materialized with the derived tensors into one segment.
+  if (segments->size() + copied.size() + 1 > kMaxFdsPerFrame) {
+    for (auto& [file_index, tensors] : copied) {
+      for (CopiedTensor& t : tensors) derived.push_back(t.plan);
+    }
+    copied.clear();
+  }
+  for (auto& [file_index, tensors] : copied) {
+    std::vector<std::optional<uint32_t>> crcs;
+    absl::StatusOr<std::shared_ptr<const MappedFile>> copy = FillFileCopy(
+        *cache_, *resolved, *checkpoint.files()[file_index], file_index, tensors, [this] { return stopping_.load(); },
+        &crcs);
+    // An older kernel, or a file's copy that has filled the budget: these
+    // tensors are materialized with the derived ones, in a segment of their own.
+    const bool unsupported = absl::IsUnimplemented(copy.status());
+    if (unsupported || absl::IsResourceExhausted(copy.status())) {
+      if (unsupported && filled_copies_.exchange(false)) {
+        Log(LogLevel::kWarning, "socket copies are made per request, sealed whole",
+            {{"error", std::string(copy.status().message())}});
+      }
+      for (CopiedTensor& t : tensors) derived.push_back(t.plan);
+      continue;
+    }
+    if (!copy.ok()) return copy.status();
+    const uint32_t index = static_cast<uint32_t>(segments->size());
+    segments->push_back(*copy);
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      const CopiedTensor& t = tensors[k];
+      v1::MappedTensor* out = response->mutable_tensors(static_cast<int>(t.index));
+      out->set_segment(index);
+      out->set_offset(t.range.offset);
+      if (request.skip_checksums()) continue;
+      // The copy's, where this request copied it; else the version's, computed once.
+      uint32_t crc = 0;
+      if (crcs[k]) {
+        crc = *crcs[k];
+      } else {
+        WEIGHTSTORE_ASSIGN_OR_RETURN(crc, ServedChecksum(snapshot, t.plan, checksums));
+      }
       out->mutable_info()->set_crc32c(crc);
     }
   }
@@ -696,8 +862,13 @@ absl::Status ShmServer::MapTensors(const v1::MapTensorsRequest& request, const S
   for (size_t i = 0; i < segments->size(); ++i) {
     const std::shared_ptr<const MappedFile>& segment = (*segments)[i];
     v1::Segment* s = response->add_segments();
-    const bool sealed = CheckSealed(segment->fd(), segment->path()).ok();
-    s->set_kind(sealed ? v1::Segment::SEALED_MEMFD : v1::Segment::FILE);
+    if (CheckSealed(segment->fd(), segment->path()).ok()) {
+      s->set_kind(v1::Segment::SEALED_MEMFD);
+    } else if (CheckFilledSeals(segment->fd(), segment->path()).ok()) {
+      s->set_kind(v1::Segment::FILLED_MEMFD);
+    } else {
+      s->set_kind(v1::Segment::FILE);
+    }
     s->set_size(segment->size());
     s->set_description(segment->path());
     const auto [begin, end] = window[i];

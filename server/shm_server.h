@@ -119,6 +119,13 @@ class ShmServer {
 
   const CheckpointRegistry* registry_;
   SegmentCache* cache_;
+  // Whether copies of files a peer could write are filled a tensor at a
+  // time (core/shm/filled_memfd.h); false once the kernel said it cannot,
+  // or with WEIGHTSTORE_FILLED_COPIES=0 in the environment (to measure it,
+  // or to step around a kernel's bug): then each request's copy is its own,
+  // sealed whole.
+  std::atomic<bool> filled_copies_{FilledCopiesAllowed()};
+  static bool FilledCopiesAllowed();
   Puller* puller_;
   AdmissionGate* selection_gate_;
   const ShmServerOptions options_;

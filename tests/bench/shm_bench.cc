@@ -237,6 +237,58 @@ int main(int argc, char** argv) {
                     WIFEXITED(status) && WEXITSTATUS(status) == 0 ? "" : " (the probe failed)");
       }
     }
+    // A plain file's copy is filled a tensor at a time, so selections share
+    // it: a quarter of the tensors, then half (one quarter new), then all,
+    // then all again. The baseline, in the same run: a daemon started with
+    // WEIGHTSTORE_FILLED_COPIES=0, whose copies are per request, sealed
+    // whole. This process is root: it could write the file.
+    std::printf("\na plain file's copy, one version asked for in four selections in turn:\n");
+    std::printf("  %-34s %24s %32s\n", "", "filled a tensor at a time", "per request, sealed whole");
+    const uint64_t quarter = std::max<uint64_t>(1, count / 4);
+    const std::vector<std::pair<const char*, uint64_t>> selections = {{"a quarter of the tensors", quarter},
+                                                                      {"half of them (a quarter new)", 2 * quarter},
+                                                                      {"all of them (half new)", count},
+                                                                      {"all of them again", count}};
+    std::vector<std::vector<std::pair<double, double>>> rows(2);  // per way: (ms, MiB added)
+    for (int way = 0; way < 2; ++way) {
+      const std::string way_models = absl::StrCat(dir, "/parts", way),
+                        way_socket = absl::StrCat(dir, "/parts", way, ".sock");
+      std::filesystem::create_directories(way_models);
+      std::filesystem::copy_file(file, way_models + "/parts.safetensors");
+      if (way == 1) ::setenv("WEIGHTSTORE_FILLED_COPIES", "0", 1);
+      testing::Daemon parts(way_models, {"--socket", way_socket, "--metrics-listen", "127.0.0.1:0"});
+      ::unsetenv("WEIGHTSTORE_FILLED_COPIES");
+      auto store = client::ConnectSharedMemoryStore(way_socket);
+      if (parts.port() == 0 || !store.ok()) {
+        std::fprintf(stderr, "shm_bench: the daemon did not start:\n%s\n", parts.log().c_str());
+        return 1;
+      }
+      for (const auto& [label, n] : selections) {
+        client::Query q;
+        for (uint64_t k = 0; k < n; ++k) q.selection.paths.push_back(absl::StrCat("w.", k));
+        const double shm_before = testing::MetricValue(parts.metrics_port(), "weightstore_shm_bytes");
+        const auto start = Clock::now();
+        auto mapped = (*store)->MapTensors("parts", q);
+        const double ms = Ms(Clock::now() - start);
+        const double shm_after = testing::MetricValue(parts.metrics_port(), "weightstore_shm_bytes");
+        if (!mapped.ok() || mapped->tensors.size() != n) {
+          std::fprintf(stderr, "shm_bench: %s\n", mapped.status().ToString().c_str());
+          return 1;
+        }
+        rows[way].push_back({ms, (shm_after - shm_before) / (1 << 20)});
+      }
+    }
+    double totals[2][2] = {{0, 0}, {0, 0}};
+    for (size_t r = 0; r < selections.size(); ++r) {
+      std::printf("  %-34s %10.1f ms %7.0f MiB %17.1f ms %7.0f MiB\n", selections[r].first, rows[0][r].first,
+                  rows[0][r].second, rows[1][r].first, rows[1][r].second);
+      for (int way = 0; way < 2; ++way) {
+        totals[way][0] += rows[way][r].first;
+        totals[way][1] += rows[way][r].second;
+      }
+    }
+    std::printf("  %-34s %10.1f ms %7.0f MiB %17.1f ms %7.0f MiB\n", "in all", totals[0][0], totals[0][1], totals[1][0],
+                totals[1][1]);
     if (immutable) ::ioctl(immutable_fd, FS_IOC_SETFLAGS, &flags);  // so that the folder can go
     if (immutable_fd >= 0) ::close(immutable_fd);
   }

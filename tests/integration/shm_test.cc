@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -28,9 +29,11 @@
 #include "core/crc32c.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
+#include "core/shm/filled_memfd.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/shm/unix_socket.h"
 #include "tests/util/daemon.h"
+#include "tests/util/metrics.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 #include "weightstore/v1/shm.pb.h"
@@ -491,6 +494,164 @@ TEST(ShmSealTest, ClientWritesStayInItsOwnPagesAndNoSegmentReopensWritable) {
   }
   EXPECT_OK(memfd.Verify());
   EXPECT_OK(file.Verify());
+}
+
+client::Query Paths(std::vector<std::string> paths) {
+  client::Query q;
+  q.selection.paths = std::move(paths);
+  return q;
+}
+
+// Device and inode of a mapped segment.
+std::string Identity(const MappedFile& segment) {
+  struct stat st;
+  if (::fstat(segment.fd(), &st) != 0) return "";
+  return absl::StrCat(st.st_dev, ":", st.st_ino);
+}
+
+TEST(ShmFilledCopyTest, AFileAPeerCouldWriteIsCopiedATensorAtATimeOnceForEverySelection) {
+  const std::string models = testing::MakeScratchDir("models");
+  const uint64_t tensor_bytes = 256 * 1024;
+  WriteFloats(models + "/m.safetensors", 4, tensor_bytes / 4, 5);
+  const uint64_t file_bytes = fs::file_size(models + "/m.safetensors");
+  // Our own file: we could write it, so the default (auto) sends a copy.
+  SocketDaemon server(models, {"--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+  auto copied = [&] {
+    return testing::MetricValue(server.daemon->metrics_port(), "weightstore_shm_bytes", {"kind=\"segments\""});
+  };
+  auto store = ConnectShm(server.socket);
+  // The first request copies its tensor only, into a copy shaped as the file.
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors first, store->MapTensors("m", Paths({"w.1"})));
+  ASSERT_EQ(first.segments.size(), 1u);
+  EXPECT_OK(CheckFilledSeals(first.segments[0]->fd(), "copy"));
+  EXPECT_FALSE(CheckSealed(first.segments[0]->fd(), "copy").ok()) << "sealed as it is filled, not whole";
+  EXPECT_OK(first.Verify());
+  const std::string copy = Identity(*first.segments[0]);
+  const double one = copied();
+  EXPECT_GE(one, tensor_bytes);
+  EXPECT_LE(one, tensor_bytes + 8192) << "one tensor, in whole pages";
+  // Another selection shares the copy and adds only what it lacks.
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors second, store->MapTensors("m", Paths({"w.1", "w.3"})));
+  ASSERT_EQ(second.segments.size(), 1u);
+  EXPECT_EQ(Identity(*second.segments[0]), copy);
+  EXPECT_LE(copied(), one + tensor_bytes + 8192);
+  // All of it: one copy of the file, however many selections asked.
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors all, store->MapTensors("m", {}));
+  ASSERT_EQ(all.segments.size(), 1u);
+  EXPECT_EQ(Identity(*all.segments[0]), copy);
+  EXPECT_EQ(all.segments[0]->size(), file_bytes);
+  EXPECT_LE(copied(), 4 * tensor_bytes + 4 * 8192);
+  for (const client::MappedTensors* mapped : {&first, &second, &all}) EXPECT_OK(mapped->Verify());
+  // Every byte the daemon described is the file's.
+  const std::string file = testing::ReadFileOrEmpty(models + "/m.safetensors");
+  for (const auto& t : all.tensors) {
+    const uint64_t at =
+        static_cast<uint64_t>(t.bytes.data() - all.segments[0]->bytes().data()) + all.segments[0]->offset();
+    EXPECT_EQ(t.bytes.view(), absl::string_view(file).substr(at, t.bytes.size())) << t.spec.name;
+  }
+  // Clients on several connections at once share the copy too.
+  std::vector<std::thread> threads;
+  std::atomic<int> good{0};
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      auto mine = client::ConnectSharedMemoryStore(server.socket);
+      if (!mine.ok()) return;
+      auto mapped = (*mine)->MapTensors("m", Paths({absl::StrCat("w.", i)}));
+      if (mapped.ok() && mapped->Verify().ok() && Identity(*mapped->segments[0]) == copy) ++good;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(good.load(), 4);
+  // A cast is still materialized into a segment sealed whole.
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors cast, store->MapTensors("m", CastTo(DType::kBF16)));
+  ASSERT_EQ(cast.segments.size(), 1u);
+  EXPECT_OK(CheckSealed(cast.segments[0]->fd(), "cast"));
+}
+
+TEST(ShmFilledCopyTest, ACopyThatFillsTheBudgetLeavesTheRestToCopiesPerRequest) {
+  // A 2 MiB file read a tensor at a time under a 1 MiB budget: the file's
+  // copy stops growing at the budget, and the tensors past it come in
+  // segments of their own (evicting the copy), so every request is served.
+  const std::string models = testing::MakeScratchDir("models");
+  WriteFloats(models + "/m.safetensors", 8, 64 * 1024, 7);  // 8 tensors of 256 KiB
+  SocketDaemon server(models, {"--shm-budget", "1MiB"});
+  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+  auto store = ConnectShm(server.socket);
+  int filled = 0, sealed = 0;
+  for (int round = 0; round < 2; ++round) {
+    for (int i = 0; i < 8; ++i) {
+      SCOPED_TRACE(absl::StrCat("round ", round, ", w.", i));
+      ASSERT_OK_AND_ASSIGN(client::MappedTensors one, store->MapTensors("m", Paths({absl::StrCat("w.", i)})));
+      ASSERT_EQ(one.segments.size(), 1u);
+      EXPECT_OK(one.Verify());
+      if (CheckSealed(one.segments[0]->fd(), "s").ok()) {
+        ++sealed;
+      } else {
+        EXPECT_OK(CheckFilledSeals(one.segments[0]->fd(), "s"));
+        ++filled;
+      }
+    }
+  }
+  EXPECT_GT(filled, 0);
+  EXPECT_GT(sealed, 0) << "the budget cannot hold the whole copy";
+}
+
+TEST(ShmFilledCopyTest, WithFilledCopiesTurnedOffEachRequestGetsACopySealedWhole) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteFloats(models + "/m.safetensors", 2, 1024, 9);
+  ::setenv("WEIGHTSTORE_FILLED_COPIES", "0", 1);
+  SocketDaemon server(models);
+  ::unsetenv("WEIGHTSTORE_FILLED_COPIES");
+  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+  auto store = ConnectShm(server.socket);
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors one, store->MapTensors("m", Paths({"w.0"})));
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors all, store->MapTensors("m", {}));
+  ASSERT_EQ(one.segments.size(), 1u);
+  ASSERT_EQ(all.segments.size(), 1u);
+  EXPECT_OK(CheckSealed(one.segments[0]->fd(), "one"));
+  EXPECT_OK(CheckSealed(all.segments[0]->fd(), "all"));
+  EXPECT_NE(Identity(*one.segments[0]), Identity(*all.segments[0])) << "a copy per selection";
+  EXPECT_OK(one.Verify());
+  EXPECT_OK(all.Verify());
+}
+
+TEST(ShmFilledCopyTest, MoreFilesThanAFrameCarriesAreCopiedIntoOneSegment) {
+  // A sharded checkpoint of more files than one answer passes descriptors
+  // for (253): copied per file it could not go out, so its tensors are
+  // materialized into one segment sealed whole.
+  const std::string models = testing::MakeScratchDir("models");
+  fs::create_directories(models + "/many");
+  std::string map;
+  const int shards = kMaxFdsPerFrame + 2;
+  for (int s = 0; s < shards; ++s) {
+    const std::string file = absl::StrCat("part-", s, ".safetensors");
+    absl::StrAppend(&map, map.empty() ? "" : ",", "\"w.0.", s, "\":\"", file, "\"");
+  }
+  for (int s = 0; s < shards; ++s) {
+    std::vector<std::byte> data(64, static_cast<std::byte>(s));
+    testing::WriteFileOrDie(
+        models + "/many/" + absl::StrCat("part-", s, ".safetensors"),
+        *SerializeCheckpoint(kSafeTensorsFormat,
+                             {{{absl::StrCat("w.0.", s), DType::kF32, {16}}, SharedBytes::FromVector(std::move(data))}},
+                             {}));
+  }
+  testing::WriteFileOrDie(models + "/many/model.safetensors.index.json",
+                          absl::StrCat("{\"metadata\":{},\"weight_map\":{", map, "}}"));
+  SocketDaemon server(models);
+  ASSERT_NE(server.daemon->port(), 0) << server.daemon->log();
+  auto store = ConnectShm(server.socket);
+  ASSERT_OK(store->GetCheckpoint("many/model").status()) << server.daemon->log();
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors all, store->MapTensors("many/model", {}));
+  EXPECT_EQ(all.tensors.size(), static_cast<size_t>(shards));
+  ASSERT_EQ(all.segments.size(), 1u);
+  EXPECT_OK(CheckSealed(all.segments[0]->fd(), "segment"));
+  EXPECT_OK(all.Verify());
+  // A few of them: a copy per file, filled.
+  ASSERT_OK_AND_ASSIGN(client::MappedTensors few, store->MapTensors("many/model", Paths({"w.0.0", "w.0.9"})));
+  ASSERT_EQ(few.segments.size(), 2u);
+  EXPECT_OK(CheckFilledSeals(few.segments[0]->fd(), "segment"));
+  EXPECT_OK(few.Verify());
 }
 
 TEST(ShmLifetimeTest, MappingsStayReadableAfterUnloadAndEviction) {

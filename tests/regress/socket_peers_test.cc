@@ -1,8 +1,9 @@
 // Peers of the shared-memory socket: one that could write a checkpoint gets
-// a sealed copy, never the file; no process or uid holds every connection.
+// a sealed copy (filled a tensor at a time), never the file; no process or uid holds every connection.
 #include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/store.h"
-#include "core/shm/sealed_memfd.h"
+#include "core/shm/filled_memfd.h"
 #include "core/shm/unix_socket.h"
 #include "tests/util/checkpoints.h"
 #include "tests/util/daemon.h"
@@ -46,10 +47,13 @@ TEST(SocketPeersTest, ASocketPeerThatCouldWriteACheckpointGetsASealedCopyNotTheF
   ASSERT_OK_AND_ASSIGN(auto mapped, shm->MapTensors("m", {}));
   ASSERT_FALSE(mapped.segments.empty());
   for (const auto& segment : mapped.segments) {
-    EXPECT_OK(CheckSealed(segment->fd(), "segment")) << "we own the file: a copy, sealed";
+    // We own the file: a copy, filled with the tensors asked for and sealed
+    // against every writer but the daemon's own mapping.
+    EXPECT_OK(CheckFilledSeals(segment->fd(), "segment"));
     const int rw = ::open(absl::StrCat("/proc/self/fd/", segment->fd()).c_str(), O_RDWR | O_CLOEXEC);
     if (rw >= 0) {
       EXPECT_EQ(::pwrite(rw, "x", 1, 0), -1);
+      EXPECT_EQ(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, rw, 0), MAP_FAILED);
       ::close(rw);
     }
   }
@@ -64,6 +68,7 @@ TEST(SocketPeersTest, ASocketPeerThatCouldWriteACheckpointGetsASealedCopyNotTheF
   EXPECT_EQ(testing::RunCommand(probe, &out), 0) << out;
   EXPECT_THAT(out, HasSubstr(" file\n"));
   EXPECT_THAT(out, ::testing::Not(HasSubstr(" sealed\n")));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr(" filled\n")));
   testing::ExpectStillServes(daemon);
 }
 

@@ -24,6 +24,7 @@
 #include "client/store.h"
 #include "core/crc32c.h"
 #include "core/dtype.h"
+#include "core/shm/filled_memfd.h"
 #include "core/shm/sealed_memfd.h"
 
 namespace {
@@ -91,10 +92,12 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < mapped->segments.size(); ++i) {
     struct stat st;
     ::fstat(mapped->segments[i]->fd(), &st);
-    const bool sealed = weightstore::CheckSealed(mapped->segments[i]->fd(), "segment").ok();
+    const int fd = mapped->segments[i]->fd();
+    const char* kind = weightstore::CheckSealed(fd, "segment").ok()        ? "sealed"
+                       : weightstore::CheckFilledSeals(fd, "segment").ok() ? "filled"
+                                                                           : "file";
     std::printf("segment %zu %lu:%lu %llu %s\n", i, static_cast<unsigned long>(st.st_dev),
-                static_cast<unsigned long>(st.st_ino), static_cast<unsigned long long>(st.st_size),
-                sealed ? "sealed" : "file");
+                static_cast<unsigned long>(st.st_ino), static_cast<unsigned long long>(st.st_size), kind);
   }
   for (const auto& t : mapped->tensors) {
     std::printf("tensor %s %u\n", t.spec.name.c_str(), weightstore::Crc32c(t.bytes.view()));
