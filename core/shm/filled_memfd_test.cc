@@ -119,9 +119,8 @@ TEST(FilledMemfdTest, AWaitEndsWhenCancelledAndPagesAreChargedOnce) {
   // A filler that never finishes (a source stuck on a hung mount) holds a
   // waiter only until it is cancelled (the daemon stopping).
   std::atomic<bool> stop{false};
-  std::thread waiter([&] {
-    EXPECT_EQ(segment->WaitFilled(mine, [&] { return stop.load(); }), FilledMemfd::Wait::kCancelled);
-  });
+  std::thread waiter(
+      [&] { EXPECT_EQ(segment->WaitFilled(mine, [&] { return stop.load(); }), FilledMemfd::Wait::kCancelled); });
   stop = true;
   waiter.join();
   segment->Finish(mine, /*written=*/false);
