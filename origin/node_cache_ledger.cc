@@ -233,15 +233,23 @@ void NodeCache::ForgetReplaced() {
 
 std::map<std::string, std::string> NodeCache::Followed() const {
   std::map<std::string, Cached> ledger;
+  std::set<std::string> stepping;
   {
     absl::MutexLock lock(&mu_);
     ledger = ledger_;
+    stepping = stepping_;
   }
   std::map<std::string, std::string> followed;
   for (const auto& [name, c] : ledger) {
     if (c.placing || c.version.empty()) continue;
     std::shared_ptr<const CheckpointVersion> served = registry_->Get(name);
-    if (served != nullptr && served->file_version() == c.file_version) followed[name] = c.version;
+    if (stepping.contains(name)) {
+      // Mid-step the ledger lags what was published; still followed (a
+      // watch reopened now must not lose it), at the version served.
+      followed[name] = served != nullptr ? served->version() : c.version;
+    } else if (served != nullptr && served->file_version() == c.file_version) {
+      followed[name] = c.version;
+    }
   }
   return followed;
 }

@@ -641,6 +641,9 @@ TEST_F(NodeCacheTest, ARepullPlacesTheOriginsNewVersionOverTheHeldOneUnderTheOri
   origin_->version_ = "v2";
   ASSERT_TRUE(cache_->BeginStep("m", *held));
   ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled next, cache_->Repull("m", *held));
+  // Published, and the ledger not yet told (EndStep): still followed, at the
+  // version served, so that a watch reopened now keeps following it.
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", "v2"}}));
   cache_->EndStep("m", next.version.get());
   ASSERT_NE(next.version, nullptr);
   EXPECT_EQ(next.version->version(), "v2");
@@ -668,6 +671,7 @@ TEST_F(NodeCacheTest, ARepullOfAFileThatDoesNotOpenReplacesNothing) {
   ASSERT_TRUE(cache_->BeginStep("m", *held));
   EXPECT_THAT(cache_->Repull("m", *held).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("does not open")));
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", "v1"}})) << "followed through the step";
   cache_->EndStep("m", nullptr);
   EXPECT_EQ(registry_->Get("m")->version(), "v1");
   EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors"), v1);

@@ -575,11 +575,16 @@ void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::S
                        std::vector<std::shared_ptr<const MappedFile>>* keep) {
   absl::Status status;
   switch (request.request_case()) {
-    case v1::ShmRequest::kListCheckpoints:
+    case v1::ShmRequest::kListCheckpoints: {
+      // As the gRPC listing: a followed checkpoint says how it stands against its upstream.
+      const PullStats pulls = puller_ != nullptr ? puller_->Stats() : PullStats{};
       for (const auto& version : registry_->List()) {
-        ToProto(*version, response->mutable_list_checkpoints()->add_checkpoints());
+        v1::CheckpointInfo* info = response->mutable_list_checkpoints()->add_checkpoints();
+        ToProto(*version, info);
+        AddFollowing(pulls, info);
       }
       break;
+    }
     case v1::ShmRequest::kGetCheckpoint: {
       if (puller_ != nullptr) {
         if (absl::Status pulled = puller_->Pull(request.get_checkpoint().name()).status(); !pulled.ok()) {
@@ -592,6 +597,7 @@ void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::S
         status = version.status();
       } else {
         ToProto(**version, response->mutable_checkpoint());
+        if (puller_ != nullptr) AddFollowing(puller_->Stats(), response->mutable_checkpoint());
       }
       break;
     }

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -200,10 +201,12 @@ class FollowingTest : public ::testing::Test {
 
   // Starts a node following `upstream`, pulling the checkpoint at start, on
   // `models` (a fresh folder when empty).
-  Served StartFollower(const Daemon& upstream, std::string models = "", bool follow = true) {
+  Served StartFollower(const Daemon& upstream, std::string models = "", bool follow = true,
+                       const std::vector<std::string>& extra = {}) {
     if (models.empty()) models = testing::MakeScratchDir("follow-node");
     std::vector<std::string> args = {"--pull", kName, "--metrics-listen", "127.0.0.1:0"};
     if (follow) args.insert(args.begin(), "--follow");
+    args.insert(args.end(), extra.begin(), extra.end());
     Served node = Connect(testing::StartNode(upstream, models, args), models);
     EXPECT_NE(node.daemon->port(), 0) << node.Log();
     return node;
@@ -451,20 +454,34 @@ class ShardedFollowingTest : public FollowingTest {
   }
   // The index and shards under `models` (where a node placed them), by file
   // name, with their inodes.
-  static std::map<std::string, ino_t> Files(const std::string& models) {
+  // With `paths`, also their paths.
+  static std::map<std::string, ino_t> Files(const std::string& models, std::vector<std::string>* paths = nullptr) {
     std::map<std::string, ino_t> files;
-    for (const auto& e : std::filesystem::recursive_directory_iterator(models)) {
+    for (auto it = std::filesystem::recursive_directory_iterator(models); it != decltype(it)(); ++it) {
+      const std::filesystem::directory_entry& e = *it;
       const std::string name = e.path().filename();
+      // Not into the node's hidden folders (its cache's partial downloads
+      // come and go while the test looks).
+      if (name[0] == '.' && e.is_directory()) {
+        it.disable_recursion_pending();
+        continue;
+      }
       if (e.is_regular_file() && name[0] != '.' && absl::StrContains(name, ".safetensors")) {
         struct stat st {};
         files[name] = ::stat(e.path().c_str(), &st) == 0 ? st.st_ino : 0;
+        if (paths != nullptr) paths->push_back(e.path());
       }
     }
     return files;
   }
   // The tensors of the sharded checkpoint under `models`, read from its files.
   static Tensors OnDisk(const std::string& models) {
-    for (const auto& e : std::filesystem::recursive_directory_iterator(models)) {
+    for (auto it = std::filesystem::recursive_directory_iterator(models); it != decltype(it)(); ++it) {
+      const std::filesystem::directory_entry& e = *it;
+      if (e.path().filename().string()[0] == '.' && e.is_directory()) {
+        it.disable_recursion_pending();
+        continue;
+      }
       if (absl::EndsWith(e.path().string(), ".safetensors.index.json")) {
         auto opened = Checkpoint::Open(e.path().string());
         if (!opened.ok()) return {};
@@ -490,9 +507,13 @@ TEST_F(ShardedFollowingTest, AShardedCheckpointIsFollowedByPatchesRewritingOnlyI
   ASSERT_NE(node.daemon->port(), 0);
   ASSERT_TRUE(WaitForVersion(node, order_[0], "node"));
   std::map<std::string, std::map<std::string, ino_t>> before;
+  // Held open, so that a file replaced keeps its inode number from reuse.
+  std::vector<std::ifstream> held;
   for (const Served* s : {&trainer_, &regional, &node}) {
-    before[s->models] = Files(s->models);
+    std::vector<std::string> paths;
+    before[s->models] = Files(s->models, &paths);
     ASSERT_EQ(before[s->models].size(), 4u) << s->models;  // the index and three shards
+    for (const std::string& path : paths) held.emplace_back(path);
   }
   for (int s = 1; s <= 3; ++s) {
     SCOPED_TRACE(absl::StrCat("step ", s));
@@ -500,6 +521,11 @@ TEST_F(ShardedFollowingTest, AShardedCheckpointIsFollowedByPatchesRewritingOnlyI
     ASSERT_FALSE(v.empty());
     ASSERT_TRUE(WaitForVersion(regional, v, "regional"));
     ASSERT_TRUE(WaitForVersion(node, v, "node"));
+  }
+  // A version is served before its follower has counted the step and
+  // removed the step's temporaries: wait for that, then look.
+  for (const Served* s : {&regional, &node}) {
+    EXPECT_TRUE(testing::WaitUntil([&] { return s->Metric("weightstore_follow_lag_versions") == 0; })) << s->Log();
   }
   const std::string last = order_.back();
   for (const auto& [served, name] : std::vector<std::pair<const Served*, const char*>>{
@@ -672,7 +698,8 @@ TEST_F(FollowingTest, ARestartedNodeServesItsFollowedVersionFromDiskAndCatchesUp
 }
 
 TEST_F(FollowingTest, ANodeWithoutFollowKeepsTheVersionItPulled) {
-  Served follower = StartFollower(*trainer_.daemon);
+  const std::string socket = testing::MakeScratchDir("sock") + "/ws.sock";
+  Served follower = StartFollower(*trainer_.daemon, "", /*follow=*/true, {"--socket", socket});
   Served puller = StartFollower(*trainer_.daemon, "", /*follow=*/false);
   ASSERT_NE(follower.daemon->port(), 0);
   ASSERT_NE(puller.daemon->port(), 0);
@@ -689,6 +716,16 @@ TEST_F(FollowingTest, ANodeWithoutFollowKeepsTheVersionItPulled) {
   ASSERT_TRUE(followed.follow.has_value());
   EXPECT_EQ(followed.follow->upstream, absl::StrCat("grpc://", trainer_.daemon->address()));
   EXPECT_EQ(followed.follow->upstream_version, order_.back());
+  // The socket says the same, in its listing too.
+  ASSERT_OK_AND_ASSIGN(auto local, client::ConnectSharedMemoryStore(socket));
+  ASSERT_OK_AND_ASSIGN(client::CheckpointSummary over_socket, local->GetCheckpoint(kName));
+  ASSERT_TRUE(over_socket.follow.has_value());
+  EXPECT_EQ(over_socket.follow->upstream, followed.follow->upstream);
+  EXPECT_EQ(over_socket.follow->upstream_version, order_.back());
+  ASSERT_OK_AND_ASSIGN(std::vector<client::CheckpointSummary> listed, local->ListCheckpoints());
+  ASSERT_EQ(listed.size(), 1u);
+  ASSERT_TRUE(listed[0].follow.has_value());
+  EXPECT_EQ(listed[0].follow->upstream_version, order_.back());
   ASSERT_OK_AND_ASSIGN(client::CheckpointSummary pulled, puller.store->GetCheckpoint(kName));
   EXPECT_FALSE(pulled.follow.has_value());
   EXPECT_NE(puller.Connected(), 1);
