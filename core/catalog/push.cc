@@ -376,6 +376,10 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Fin
   if (fd < 0) return StatusFromErrno(errno, absl::StrCat("cannot read '", session->staging_->temp_path(), "'"));
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> staged,
                                MappedFile::FromDescriptor(fd, session->staging_->temp_path()));
+  // Read from here through `staged` alone: the temporary goes now, so that
+  // no one sees it beside the version it becomes (listeners run before this
+  // call returns).
+  session->staging_.reset();
 
   // 1. The new files, written beside the base's without the scan lock
   //    (scans, loads and other checkpoints' pushes go on), under temporaries'

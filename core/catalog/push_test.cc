@@ -107,6 +107,23 @@ TEST_F(PushTest, APushWritesTheWholeCheckpointWithTheChangedTensorsAndServesIt) 
   EXPECT_EQ(diff.unchanged, 2u);
 }
 
+// A client told of the new version (a listener runs before FinishPush
+// returns) finds only the checkpoint in the folder: the push's staging
+// temporary and the writer's are gone by then.
+TEST_F(PushTest, NoTemporaryOfAPushOutlivesThePublishOfItsVersion) {
+  std::vector<std::string> seen;
+  bool told = false;
+  registry_.AddListener([&](const std::string& name) {
+    if (name != "m") return;
+    told = true;
+    for (const auto& e : std::filesystem::directory_iterator(models_)) seen.push_back(e.path().filename());
+  });
+  ASSERT_OK_AND_ASSIGN(auto pushed, Push({F32("b", {30, 40})}, {.base_version = base_->version()}));
+  EXPECT_NE(pushed->version(), base_->version());
+  EXPECT_TRUE(told);
+  EXPECT_THAT(seen, ElementsAre("m.safetensors"));
+}
+
 // A follower's push copies a version its upstream published: its id, its
 // metadata, and exactly its tensors, or nothing.
 TEST_F(PushTest, AFollowersPushTakesTheUpstreamsIdAndMetadataAndPublishesOnlyTheTensorsExpected) {
