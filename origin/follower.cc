@@ -14,6 +14,7 @@
 #include "core/catalog/manifest.h"
 #include "core/catalog/push.h"
 #include "core/crc32c.h"
+#include "core/format.h"
 #include "core/status_macros.h"
 
 namespace weightstore::origin {
@@ -369,7 +370,9 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
     if (f.announced > f.caught_up) f.behind_since = absl::Now();
   };
   const absl::Time start = absl::Now();
-  if (upstream_.steps == nullptr) {  // an origin without patches: the new version whole
+  // The origin's new version as its files (FollowedCache::Repull): from an
+  // origin without patches, or as the fallback `reason` names.
+  auto pull_files = [&](const std::string& reason) -> absl::Status {
     absl::StatusOr<FollowedCache::Repulled> repulled = cache_->Repull(name, *base);
     if (!repulled.ok()) {
       return absl::Status(repulled.status().code(), absl::StrCat("step of '", name, "' from ", upstream_.name, ": ",
@@ -381,15 +384,18 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
       if (auto it = followed_.find(name); it != followed_.end()) {
         it->second.stats.whole_bytes += repulled->bytes;
         ++it->second.stats.steps_whole;
+        if (!reason.empty()) ++it->second.stats.fallbacks[reason];
       }
     }
     caught_up();
     if (published != nullptr) {
-      LogFollow(absl::StrFormat("'%s' is at version %s: pulled whole (%d bytes) in %.3f s", name, published->version(),
-                                repulled->bytes, absl::ToDoubleSeconds(absl::Now() - start)));
+      LogFollow(absl::StrFormat("'%s' is at version %s: pulled as files (%d bytes)%s in %.3f s", name,
+                                published->version(), repulled->bytes, reason.empty() ? "" : absl::StrCat(", ", reason),
+                                absl::ToDoubleSeconds(absl::Now() - start)));
     }
     return absl::OkStatus();
-  }
+  };
+  if (upstream_.steps == nullptr) return pull_files("");
   // What keeps any step from succeeding is found before anything is fetched:
   // digests off here, or a checkpoint the push cannot write (sharded, a
   // format without a writer, preloaded, reached through a symlink).
@@ -413,6 +419,19 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
   if (!ValidVersionId(listing.version)) {
     return absl::InvalidArgumentError(absl::StrCat("the upstream's version id of '", name, "', '",
                                                    Said(listing.version), "', is not 1 to 64 bytes of [0-9A-Za-z._-]"));
+  }
+  // A push to a sharded checkpoint keeps each shard's tensors, in order, with
+  // their dtypes and shapes: a version that adds, drops, moves or redefines
+  // tensors (another index over the same shards) comes as its files.
+  if (base->checkpoint()->files().size() > 1 || IndexFormatForPath(base->path()) != nullptr) {
+    const Checkpoint& held = *base->checkpoint();
+    bool same_layout = listing.tensors.size() == held.size();
+    for (size_t i = 0; same_layout && i < held.size(); ++i) {
+      const TensorSpec& theirs = listing.tensors[i].spec;
+      const TensorSpec& ours = held.entries()[i].spec;
+      same_layout = theirs.name == ours.name && theirs.dtype == ours.dtype && theirs.shape == ours.shape;
+    }
+    if (!same_layout) return pull_files("index_changed");
   }
   uint64_t to_receive = 0;
   const bool delta = listing.delta.has_value() && listing.delta->delta;

@@ -150,12 +150,6 @@ class NodeCache : public Puller, public FollowedCache {
     std::vector<std::string> paths;  // one per file, in the checkpoint's order
     std::vector<UniqueFd> fds;
   };
-  // Reads `checkpoint`'s files from the origin into partial files, resuming
-  // what an earlier attempt at the same version left; each is checked whole
-  // and fsynced. `pulled` counts the bytes read.
-  // Repull of a sharded checkpoint `held` (its ledger entry): only the
-  // shards whose etag moved are pulled, and put in place over theirs as one
-  // step (CheckpointRegistry::ReplaceShards); the index must keep its bytes.
   // Download for a step: bytes unlike what the origin vouches for are
   // FailedPrecondition (blocked until its next version), and dropped.
   absl::Status DownloadStep(const std::string& name, const OriginCheckpoint& checkpoint, std::atomic<uint64_t>* pulled,
@@ -172,8 +166,15 @@ class NodeCache : public Puller, public FollowedCache {
   void UndoReplacing(const std::string& name, const Cached& held) ABSL_LOCKS_EXCLUDED(mu_);
   void EndReplacing(const std::string& name, const std::string& file_version, const OriginCheckpoint& checkpoint,
                     bool published, uint64_t reserved) ABSL_LOCKS_EXCLUDED(mu_);
+  // Repull of a sharded checkpoint `held` (its ledger entry): only the
+  // files whose etag moved are pulled, and put in place over theirs as one
+  // step (CheckpointRegistry::ReplaceShards), a new index last. The shards
+  // must stay the same files: none added, dropped or renamed.
   absl::StatusOr<Repulled> RepullShards(const std::string& name, const CheckpointVersion& base, const Cached& held,
-                                        const OriginCheckpoint& checkpoint) ABSL_LOCKS_EXCLUDED(mu_);
+                                        const OriginCheckpoint& listed) ABSL_LOCKS_EXCLUDED(mu_);
+  // Reads `checkpoint`'s files from the origin into partial files, resuming
+  // what an earlier attempt at the same version left; each is checked whole
+  // and fsynced. `pulled` counts the bytes read.
   absl::Status Download(const std::string& name, const OriginCheckpoint& checkpoint, std::atomic<uint64_t>* pulled,
                         Staged* staged);
   struct Victim;

@@ -3,7 +3,8 @@
 // held, checked, and put in its place by the registry (ReplaceFile), which
 // serves it under the origin's id, with element patches from the version
 // replaced for the node's own clients. Of a sharded checkpoint, only the
-// shards whose etag moved are pulled, under the index held (ReplaceShards).
+// files whose etag moved are pulled: shards, and a new index naming the same
+// shards (ReplaceShards).
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/stat.h>
@@ -152,21 +153,29 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
 }
 
 absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::string& name, const CheckpointVersion& base,
-                                                                const Cached& held,
-                                                                const OriginCheckpoint& checkpoint) {
-  // The same files, by the same paths: shards added, removed or renamed
-  // would change the index.
-  if (checkpoint.files.size() != held.paths.size()) {
-    return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
-                                                      "' is ", checkpoint.files.size(), " files; the one held is ",
+                                                                const Cached& held, const OriginCheckpoint& listed) {
+  // The same files, by the same paths, the index last: shards added,
+  // removed or renamed are refused. A new index may list them in another
+  // order; from here they are in the order held.
+  if (listed.files.size() != held.paths.size()) {
+    return absl::FailedPreconditionError(absl::StrCat("the origin's version ", listed.version, " of '", name, "' is ",
+                                                      listed.files.size(), " files; the one held is ",
                                                       held.paths.size(), " (shards added or removed)"));
   }
-  for (size_t i = 0; i < held.paths.size(); ++i) {
-    if (checkpoint.files[i].path != held.paths[i]) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the origin's file '", absl::CHexEscape(checkpoint.files[i].path.substr(0, 256)), "' of '", name,
-                       "' is not the one held, '", held.paths[i], "' (shards renamed)"));
+  absl::flat_hash_map<std::string, size_t> held_at;
+  for (size_t i = 0; i < held.paths.size(); ++i) held_at.emplace(held.paths[i], i);
+  OriginCheckpoint checkpoint = listed;
+  for (size_t i = 0; i < listed.files.size(); ++i) {
+    const OriginFile& f = listed.files[i];
+    auto it = held_at.find(f.path);
+    const bool is_index = i + 1 == listed.files.size();
+    if (it == held_at.end() || (it->second + 1 == held.paths.size()) != is_index) {
+      return absl::FailedPreconditionError(absl::StrCat("the origin's file '", absl::CHexEscape(f.path.substr(0, 256)),
+                                                        "' of '", name, "' is none of the ",
+                                                        is_index ? "index" : "shards", " held (shards renamed)"));
     }
+    checkpoint.files[it->second] = f;
+    held_at.erase(it);  // each held file once
   }
   if ((fs::path(models_dir_) / held.paths.back()).string() != base.path()) {
     return absl::FailedPreconditionError(absl::StrCat("'", name, "' is not served from the index this node placed"));
@@ -191,46 +200,24 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::strin
     return !known || f.etag.empty() || absl::StartsWith(f.etag, "W/") || f.etag != held.etags[i] || size_ec ||
            on_disk != f.size;
   };
-  // The index first: it must keep its bytes, since the shards are replaced
-  // under it; one that changed (tensors added, removed or moved between
-  // shards) blocks the step before any shard is fetched.
+  // What moved is pulled: the shards, and the index too when its etag or
+  // size moved. A new index (tensors added, removed or moved between the
+  // same shards) replaces the one held, renamed after the shards; one that
+  // kept its bytes (uploaded again) is not replaced.
   const size_t index_at = checkpoint.files.size() - 1;
+  constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
+  if (moved(index_at) && checkpoint.files[index_at].size > kMaxIndexBytes) {
+    return absl::FailedPreconditionError(absl::StrCat("the origin's index of '", name, "' is ",
+                                                      checkpoint.files[index_at].size, " bytes; at most ",
+                                                      kMaxIndexBytes, " are taken"));
+  }
   Repulled out;
   std::error_code ec;
-  if (moved(index_at)) {
-    const OriginFile& index = checkpoint.files[index_at];
-    const std::string held_index = (fs::path(models_dir_) / held.paths[index_at]).string();
-    const uint64_t held_size = fs::file_size(held_index, ec);
-    auto another_index = [&] {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
-                       "' has another index (tensors added, removed or moved between shards); a sharded checkpoint is "
-                       "followed from S3 while its index stays the same"));
-    };
-    if (ec || index.size != held_size) return another_index();
-    constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
-    if (index.size > kMaxIndexBytes) {
-      return absl::FailedPreconditionError(absl::StrCat("the origin's index of '", name, "' is ", index.size,
-                                                        " bytes; at most ", kMaxIndexBytes, " are compared"));
-    }
-    OriginCheckpoint just_index = checkpoint;
-    just_index.files = {index};
-    Staged staged_index;
-    std::atomic<uint64_t> index_pulled{0};
-    WEIGHTSTORE_RETURN_IF_ERROR(DownloadStep(name, just_index, &index_pulled, &staged_index));
-    out.bytes += index_pulled.load();
-    absl::StatusOr<std::string> theirs = ReadSmallFile(staged_index.paths.front(), kMaxIndexBytes);
-    absl::StatusOr<std::string> ours = ReadSmallFile(held_index, kMaxIndexBytes);
-    fs::remove_all(staged_index.folder, ec);
-    WEIGHTSTORE_RETURN_IF_ERROR(theirs.status());
-    WEIGHTSTORE_RETURN_IF_ERROR(ours.status());
-    if (*theirs != *ours) return another_index();
-  }
   OriginCheckpoint changed = checkpoint;
   changed.files.clear();
   std::vector<size_t> replaced;  // into checkpoint.files (and held.paths)
   uint64_t bytes = 0;
-  for (size_t i = 0; i < index_at; ++i) {
+  for (size_t i = 0; i <= index_at; ++i) {
     if (!moved(i)) continue;
     changed.files.push_back(checkpoint.files[i]);
     replaced.push_back(i);
@@ -263,7 +250,18 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::strin
   if (again.version != checkpoint.version) {
     return absl::AbortedError(absl::StrCat("'", name, "' changed at the origin while its shards were pulled"));
   }
-  std::vector<std::pair<std::string, std::string>> replacements;  // staged file, shard it replaces
+  // An index pulled with its bytes unchanged stays as it is.
+  if (!replaced.empty() && replaced.back() == index_at) {
+    absl::StatusOr<std::string> theirs = ReadSmallFile(staged.paths.back(), kMaxIndexBytes);
+    absl::StatusOr<std::string> ours = ReadSmallFile(base.path(), kMaxIndexBytes);
+    WEIGHTSTORE_RETURN_IF_ERROR(theirs.status());
+    if (ours.ok() && *theirs == *ours) {
+      replaced.pop_back();
+      staged.fds.pop_back();
+      staged.paths.pop_back();
+    }
+  }
+  std::vector<std::pair<std::string, std::string>> replacements;  // staged file, file it replaces
   FileOverrides staged_files;
   absl::flat_hash_map<std::string, int>& staged_fd = staged_files.descriptors;
   for (size_t k = 0; k < replaced.size(); ++k) {
@@ -274,13 +272,23 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::strin
   for (const auto& f : base.checkpoint()->files()) {  // the shards kept are the ones served
     if (!staged_fd.contains(f->path())) staged_files.mapped[f->path()] = f;
   }
-  // It must open as what it claims to be (the new shards under the index
-  // held) before anything is replaced.
+  // It must open as what it claims to be (the new shards under the index,
+  // held or new, and exactly the shards held) before anything is replaced.
   {
-    if (absl::Status opens = OpenCheckpointWith(base.path(), registry_->options().open, staged_files).status();
-        !opens.ok()) {
+    const OpenOptions& options = registry_->options().open;
+    OpenOptions open = options;
+    open.open_file = [&](const std::string& path) -> absl::StatusOr<std::shared_ptr<const MappedFile>> {
+      if (path == base.path()) return OpenCheckpointFile(path, options);  // the index held
+      return absl::InvalidArgumentError(absl::StrCat("it names a file that is not one of its shards, '", path, "'"));
+    };
+    absl::StatusOr<std::shared_ptr<const Checkpoint>> opens = OpenCheckpointWith(base.path(), open, staged_files);
+    if (opens.ok() && (*opens)->files().size() != index_at) {
+      opens = absl::InvalidArgumentError(
+          absl::StrCat("its index names ", (*opens)->files().size(), " of its ", index_at, " shards"));
+    }
+    if (!opens.ok()) {
       return absl::FailedPreconditionError(absl::StrCat("the origin's version ", checkpoint.version, " of '", name,
-                                                        "' does not open: ", opens.message()));
+                                                        "' does not open: ", opens.status().message()));
     }
   }
   if (stopping_.load()) return absl::CancelledError("the daemon is stopping");

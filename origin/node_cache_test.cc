@@ -828,22 +828,65 @@ TEST_F(NodeCacheTest, AShardedRepullFetchesOnlyTheShardsThatChangedAndPutsThemIn
   EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-a.safetensors"), third[0].second);
 }
 
-// The index must keep its bytes: one that changed blocks the step before a
-// shard is fetched.
-TEST_F(NodeCacheTest, AShardedRepullWhoseIndexChangedFetchesNoShardAndReplacesNothing) {
+// A new index over the same shards (the two tensors swap shards): the shards
+// and the index that moved are pulled and put in place as one step, the index
+// last, and the node serves the new version whole.
+TEST_F(NodeCacheTest, AShardedRepullWhoseIndexMovedTensorsBetweenTheSameShardsPutsTheNewIndexInPlace) {
   origin_->PutFiles("m", ShardedModel(40, 50));
   ASSERT_TRUE(cache_->Pull("m").ok());
   std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
-  auto next = ShardedModel(41, 51);
-  next[2].second = R"({"weight_map": {"layer.0.weight": "m-b.safetensors", "layer.1.weight": "m-a.safetensors"}})";
+  ASSERT_NE(held, nullptr);
+  const std::string layer0 = Model(1, 1000, 61);
+  const std::string layer1 = absl::StrReplaceAll(Model(1, 1000, 62), {{"layer.0.", "layer.1."}});
+  const std::vector<std::pair<std::string, std::string>> next = {
+      {"m-a.safetensors", layer1},
+      {"m-b.safetensors", layer0},
+      {"m.safetensors.index.json",
+       R"({"weight_map": {"layer.0.weight": "m-b.safetensors", "layer.1.weight": "m-a.safetensors"}})"}};
   origin_->PutFiles("m", next);
   const uint64_t sent = origin_->sent_.load();
-  ASSERT_TRUE(cache_->BeginStep("m", *held));
-  EXPECT_THAT(cache_->Repull("m", *held).status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("has another index")));
-  cache_->EndStep("m", nullptr);
-  EXPECT_EQ(origin_->sent_.load() - sent, next[2].second.size()) << "the index alone";
+  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, Step("m", *held));
+  ASSERT_NE(step.version, nullptr);
+  EXPECT_EQ(step.version, registry_->Get("m"));
+  uint64_t all = 0;
+  for (const auto& [path, bytes] : next) {
+    all += bytes.size();
+    EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/" + path), bytes) << path;
+  }
+  EXPECT_EQ(origin_->sent_.load() - sent, all);
+  EXPECT_EQ(step.bytes, all);
+  ASSERT_OK_AND_ASSIGN(auto b_alone, Checkpoint::Open(models_ + "/m-b.safetensors"));
+  EXPECT_EQ(step.version->checkpoint()->Read("layer.0.weight")->bytes.view(),
+            b_alone->Read("layer.0.weight")->bytes.view());
+  EXPECT_TRUE(fs::is_empty(models_ + "/.weightstore-cache/partial"));
+  EXPECT_FALSE(fs::exists(PublishingRecordPath(models_ + "/m.safetensors.index.json")));
+  const std::string id = step.version->version();
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", id}}));
+  // Held as placed across a restart: the next step pulls nothing unchanged.
+  ASSERT_NO_FATAL_FAILURE(Restart([&](FakeOrigin& o) { o.PutFiles("m", next); }));
+  ASSERT_NE(registry_->Get("m"), nullptr);
+  EXPECT_EQ(registry_->Get("m")->version(), id);
+  EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", id}}));
+}
+
+// A new index that leaves a shard held unnamed (both tensors in shard a):
+// refused before anything is replaced, the version held still served.
+TEST_F(NodeCacheTest, AShardedRepullWhoseIndexDropsAShardReplacesNothing) {
+  origin_->PutFiles("m", ShardedModel(40, 50));
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
+  ASSERT_NE(held, nullptr);
+  const std::string a_before = testing::ReadFileOrEmpty(models_ + "/m-a.safetensors");
+  const std::string index_before = testing::ReadFileOrEmpty(models_ + "/m.safetensors.index.json");
+  auto next = ShardedModel(41, 50);
+  next[0].second = Model(2, 1000, 41);
+  next[2].second = R"({"weight_map": {"layer.0.weight": "m-a.safetensors", "layer.1.weight": "m-a.safetensors"}})";
+  origin_->PutFiles("m", next);
+  EXPECT_THAT(Step("m", *held).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("names 1 of its 2 shards")));
   EXPECT_EQ(registry_->Get("m"), held);
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-a.safetensors"), a_before);
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m.safetensors.index.json"), index_before);
   EXPECT_TRUE(fs::is_empty(models_ + "/.weightstore-cache/partial"));
 }
 

@@ -242,10 +242,10 @@ void AddPullFamilies(ServerMetrics* metrics, const Puller* puller) {
              "upstream's next version.",
              per_checkpoint([one](const FollowedStats& c) { return one(c, c.blocked ? 1.0 : 0.0); }));
   f.AddCounter("weightstore_follow_fallbacks_total",
-               "Steps whose changed tensors came whole, by reason: not_kept, patch_failed, not_delta.",
+               "Steps whose changed tensors came whole, by reason: not_kept, patch_failed, not_delta, index_changed.",
                per_checkpoint([](const FollowedStats& c) {
                  std::vector<Sample> out;
-                 for (const char* reason : {"not_kept", "patch_failed", "not_delta"}) {
+                 for (const char* reason : {"not_kept", "patch_failed", "not_delta", "index_changed"}) {
                    auto it = c.fallbacks.find(reason);
                    out.push_back({{{"checkpoint", c.name}, {"reason", reason}},
                                   static_cast<double>(it == c.fallbacks.end() ? 0 : it->second)});

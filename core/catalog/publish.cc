@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -139,11 +140,16 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Rep
   absl::flat_hash_set<std::string> shards, replaced;
   for (const auto& f : checkpoint.files()) shards.insert(f->path());
   for (const auto& [from, to] : replacements) {
-    if (!shards.contains(to) || !replaced.insert(to).second) {
+    if ((!shards.contains(to) && to != base.path()) || !replaced.insert(to).second) {
       return absl::FailedPreconditionError(
-          absl::StrCat(what, ": '", to, "' is not a shard of '", name, "', or is replaced twice"));
+          absl::StrCat(what, ": '", to, "' is not a file of '", name, "', or is replaced twice"));
     }
   }
+  // The index is renamed last: until then the shards on disk are read
+  // under the index they were replaced under (a scan waits for the step,
+  // or, after a crash, for its record to be finished).
+  std::vector<std::pair<std::string, std::string>> ordered = replacements;
+  std::stable_partition(ordered.begin(), ordered.end(), [&](const auto& r) { return r.second != base.path(); });
   // The digests of the shards kept carry over: only the new ones are read.
   std::vector<ManifestTensor> known;
   if (base.manifest() != nullptr) {
@@ -168,7 +174,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Rep
       }
     }
   } moved;
-  for (const auto& [from, to] : replacements) {
+  for (const auto& [from, to] : ordered) {
     const std::string beside = NewFilePathBeside(to);
     if (::rename(from.c_str(), beside.c_str()) != 0) {
       return StatusFromErrno(errno, absl::StrCat(what, ": cannot move '", from, "' beside '", to, "'"));
@@ -214,6 +220,19 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Pub
   if (opened_written.size() != r.files.size()) {  // the index names other shards than the base's
     return absl::AbortedError(absl::StrCat(r.what, ": the files of '", name,
                                            "' changed outside weightstored meanwhile; nothing was published"));
+  }
+  // The same shards as the base's, none added or dropped, so that a record
+  // of the renames (one line a shard, and the index) means the same under
+  // either index, and no file another checkpoint owns joins this one.
+  {
+    absl::flat_hash_set<std::string> was, now;
+    for (const auto& f : base.checkpoint()->files()) was.insert(f->path());
+    for (const auto& f : opened->files()) now.insert(f->path());
+    if (was != now) {
+      return absl::FailedPreconditionError(absl::StrCat(r.what, ": the new version of '", name, "' is ", now.size(),
+                                                        " files, not the ", was.size(),
+                                                        " shards it replaces; nothing was published"));
+    }
   }
   // Named by its content when digests are kept (as a rescan would name it),
   // or as the push asks; else by its file.
@@ -367,7 +386,8 @@ bool CheckpointRegistry::FinishPublishingRecord(const std::string& record, ScanR
   if (st.st_uid != ::geteuid() || (st.st_mode & 022) != 0) {
     return refuse("is not this daemon's (another owner, or writable by others)");
   }
-  // A line a shard of the index, each at most two file names and four numbers.
+  // A line a shard of the index or the index itself (the same shards under
+  // the old index and the new), each at most two file names and four numbers.
   const std::set<std::string> shards = FilesOfIndex(index);
   const uint64_t max_bytes = (shards.size() + 1) * (2 * 256 + 4 * 21);
   if (shards.empty()) return refuse("its index names no shards");
@@ -391,8 +411,10 @@ bool CheckpointRegistry::FinishPublishingRecord(const std::string& record, ScanR
     FileIdentity shard;
     if (parts.size() != 6 || !absl::SimpleAtoi(parts[2], &from_inode) || !absl::SimpleAtoi(parts[3], &shard.inode) ||
         !absl::SimpleAtoi(parts[4], &shard.size) || !absl::SimpleAtoi(parts[5], &shard.mtime_ns) ||
-        !shards.contains((path.parent_path() / std::string(parts[1])).string()) || absl::StrContains(parts[0], '/') ||
-        !absl::StartsWith(parts[0], absl::StrCat(".", parts[1], ".new.")) || !IsAtomicFileTemporary(parts[0])) {
+        (!shards.contains((path.parent_path() / std::string(parts[1])).string()) &&
+         (path.parent_path() / std::string(parts[1])).string() != index) ||
+        absl::StrContains(parts[0], '/') || !absl::StartsWith(parts[0], absl::StrCat(".", parts[1], ".new.")) ||
+        !IsAtomicFileTemporary(parts[0])) {
       return refuse("is not a publishing record of weightstored's");
     }
     Rename r{std::string(parts[0]), std::string(parts[1])};

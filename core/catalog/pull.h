@@ -49,7 +49,8 @@ struct FollowedStats {
   // Steps where changed tensors came whole, by reason ("not_kept": the
   // upstream keeps no patches from the version held; "patch_failed": a patch
   // did not apply or its result failed its digest; "not_delta": the upstream
-  // could not tell what changed).
+  // could not tell what changed; "index_changed": a sharded checkpoint's
+  // version that adds, drops or moves tensors, pulled as its files).
   std::map<std::string, uint64_t> fallbacks;
 };
 

@@ -285,14 +285,16 @@ class CheckpointRegistry {
                                                                        const std::string& version_id,
                                                                        absl::string_view what);
   // ReplaceFile for a sharded checkpoint: each `replacements` pair is a new
-  // file (on the models folder's filesystem) and the shard of `base` it
-  // replaces; the index and the other shards stay. The files are moved
-  // beside their shards and renamed into place as one step, as a sharded
-  // push's (a crash between the renames is finished by the next scan or
-  // load). No replacements publish the same files under `version_id` (an
-  // origin's new id for bytes it uploaded again). FailedPrecondition for a
-  // base that is no sharded checkpoint of the models folder, or a path that
-  // is none of its shards.
+  // file (on the models folder's filesystem) and the shard of `base`, or
+  // its index, that it replaces; the other files stay. A new index must name
+  // the same shards (tensors may be added, removed or moved between them).
+  // The files are moved beside those they replace and renamed into place as
+  // one step, as a sharded push's, the index last (a crash between the
+  // renames is finished by the next scan or load). No replacements publish
+  // the same files under `version_id` (an origin's new id for bytes it
+  // uploaded again). FailedPrecondition for a base that is no sharded
+  // checkpoint of the models folder, a path that is none of its files, or a
+  // new index naming other shards.
   absl::StatusOr<std::shared_ptr<const CheckpointVersion>> ReplaceShards(
       const CheckpointVersion& base, const std::vector<std::pair<std::string, std::string>>& replacements,
       const std::string& version_id, absl::string_view what);

@@ -253,6 +253,93 @@ TEST_F(ShardedPushTest, AFollowersPushTakesTheUpstreamsIdAndWhatAShardedPushCann
   EXPECT_EQ(pushed->checkpoint()->Read("d")->bytes.view(), d.bytes.view());
 }
 
+// A follower's step from S3 whose index moved a tensor between the same
+// shards (c from s2 to s1): the new shards and the new index are put in place
+// as one step, the index last, and served whole.
+TEST_F(ShardedPushTest, ReplacingShardsWithANewIndexMovesTensorsBetweenTheSameShards) {
+  const Stat s3 = StatOf(shard_path("s3"));
+  const std::string staged = testing::MakeScratchDir("sharded-replace-staged");
+  testing::WriteFileOrDie(staged + "/s1",
+                          *SerializeCheckpoint(kSafeTensorsFormat, {F32("a", kBig, 1), F32("c", 4, 30)}, {}));
+  testing::WriteFileOrDie(staged + "/s2", *SerializeCheckpoint(kSafeTensorsFormat, {F32("b", kBig, 2)}, {}));
+  const std::string new_index =
+      R"({"metadata": {"total_size": 3145744}, "weight_map": {"a": "s1.safetensors", "b": "s2.safetensors", )"
+      R"("c": "s1.safetensors", "d": "s3.safetensors"}})";
+  testing::WriteFileOrDie(staged + "/index", new_index);
+  // The index named first: it is still renamed after the shards.
+  ASSERT_OK_AND_ASSIGN(auto published, registry_->ReplaceShards(*base_,
+                                                                {{staged + "/index", index()},
+                                                                 {staged + "/s1", shard_path("s1")},
+                                                                 {staged + "/s2", shard_path("s2")}},
+                                                                "v2", "a test's step"));
+  EXPECT_EQ(registry_->Get(kName), published);
+  EXPECT_EQ(published->version(), "v2");
+  EXPECT_EQ(testing::ReadFileOrEmpty(index()), new_index);
+  EXPECT_EQ(StatOf(shard_path("s3")), s3);
+  EXPECT_THAT(FolderFiles(), UnorderedElementsAre("model.safetensors.index.json", "s1.safetensors", "s2.safetensors",
+                                                  "s3.safetensors"));
+  EXPECT_EQ(published->checkpoint()->Read("c")->bytes.view(), F32("c", 4, 30).bytes.view());
+  ASSERT_OK_AND_ASSIGN(auto reopened, Checkpoint::Open(index()));
+  EXPECT_EQ(reopened->Read("c")->bytes.view(), F32("c", 4, 30).bytes.view());
+  EXPECT_EQ(reopened->Read("d")->bytes.view(), F32("d", kBig, 4).bytes.view());
+  // Digests agree with the files from scratch; clients of the base get c.
+  ASSERT_OK_AND_ASSIGN(auto fresh, ComputeManifest(*reopened, ""));
+  for (const ManifestTensor& t : fresh->tensors()) {
+    EXPECT_EQ(published->manifest()->Find(t.name)->digest, t.digest) << t.name;
+  }
+  EXPECT_THAT(DiffManifests(*base_->manifest(), *published->manifest()).changed, ElementsAre("c"));
+  EXPECT_OK(base_->CheckUnchanged());
+  EXPECT_THAT(registry_->Rescan().replaced, IsEmpty());
+}
+
+// A new index must name the shards it replaces under, no more and no fewer:
+// one that drops a shard (d moved into s1) publishes nothing.
+TEST_F(ShardedPushTest, ANewIndexNamingOtherShardsReplacesNothing) {
+  const std::string index_before = testing::ReadFileOrEmpty(index());
+  const Stat s1 = StatOf(shard_path("s1"));
+  const std::string staged = testing::MakeScratchDir("sharded-replace-dropped");
+  testing::WriteFileOrDie(staged + "/s1",
+                          *SerializeCheckpoint(kSafeTensorsFormat, {F32("a", kBig, 1), F32("d", kBig, 4)}, {}));
+  testing::WriteFileOrDie(
+      staged + "/index",
+      R"({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors", "c": "s2.safetensors", "d": "s1.safetensors"}})");
+  EXPECT_THAT(registry_->ReplaceShards(*base_, {{staged + "/s1", shard_path("s1")}, {staged + "/index", index()}}, "v2",
+                                       "a test's step"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not the 3 shards it replaces")));
+  EXPECT_EQ(registry_->Get(kName), base_);
+  EXPECT_EQ(testing::ReadFileOrEmpty(index()), index_before);
+  EXPECT_EQ(StatOf(shard_path("s1")), s1);
+  EXPECT_THAT(FolderFiles(), UnorderedElementsAre("model.safetensors.index.json", "s1.safetensors", "s2.safetensors",
+                                                  "s3.safetensors"));
+}
+
+// A crash after the shards of a step with a new index were renamed, before
+// the index: the next scan renames the index too, and serves the new version.
+TEST_F(ShardedPushTest, AScanFinishesAStepWhoseNewIndexACrashLeftUnrenamed) {
+  const std::string new_s1 = ".s1.safetensors.new.999999-5-1.tmp", new_s2 = ".s2.safetensors.new.999999-5-2.tmp",
+                    new_index = ".model.safetensors.index.json.new.999999-5-3.tmp";
+  testing::WriteFileOrDie(folder() + "/" + new_s1,
+                          *SerializeCheckpoint(kSafeTensorsFormat, {F32("a", kBig, 1), F32("c", 4, 30)}, {}));
+  testing::WriteFileOrDie(folder() + "/" + new_s2, *SerializeCheckpoint(kSafeTensorsFormat, {F32("b", kBig, 2)}, {}));
+  testing::WriteFileOrDie(folder() + "/" + new_index,
+                          R"({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors", )"
+                          R"("c": "s1.safetensors", "d": "s3.safetensors"}})");
+  testing::WriteFileOrDie(PublishingRecordPath(index()),
+                          RecordLine(folder(), new_s1, "s1.safetensors") +
+                              RecordLine(folder(), new_s2, "s2.safetensors") +
+                              RecordLine(folder(), new_index, "model.safetensors.index.json"));
+  ASSERT_EQ(std::rename((folder() + "/" + new_s1).c_str(), shard_path("s1").c_str()), 0);
+  ASSERT_EQ(std::rename((folder() + "/" + new_s2).c_str(), shard_path("s2").c_str()), 0);
+
+  Open();  // a daemon started again
+  EXPECT_THAT(report_.errors, IsEmpty());
+  EXPECT_THAT(report_.rolled_forward, ElementsAre(HasSubstr("1 of 3 files")));
+  EXPECT_EQ(base_->checkpoint()->Read("c")->bytes.view(), F32("c", 4, 30).bytes.view());
+  EXPECT_FALSE(fs::exists(PublishingRecordPath(index())));
+  EXPECT_THAT(FolderFiles(), UnorderedElementsAre("model.safetensors.index.json", "s1.safetensors", "s2.safetensors",
+                                                  "s3.safetensors"));
+}
+
 // A crash between a sharded push's renames: the next scan finishes them from
 // the record, and serves the new version whole, never the mix.
 TEST_F(ShardedPushTest, AScanFinishesTheRenamesOfAPushACrashInterrupted) {

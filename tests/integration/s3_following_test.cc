@@ -325,7 +325,8 @@ TEST_F(S3FollowingTest, ARestartedNodeServesTheVersionOnItsDiskAndCatchesUpFromI
 // A sharded checkpoint whose trainer uploads every shard again at each step
 // (and the index, unchanged): the node fetches only the shards whose bytes
 // moved, puts them in place as one step, and the tier below takes each step
-// as element patches. One whose index changes is blocked, naming why.
+// as element patches. One whose index changes is followed too, its new index
+// put in place last.
 TEST_F(S3FollowingTest, AShardedCheckpointIsFollowedFetchingOnlyTheShardsThatChanged) {
   auto shard_name = [](int i) { return absl::StrCat("m-0000", i, "-of-00003.safetensors"); };
   // layers.0 and layers.1 change at each version; norm.weight, in the last
@@ -386,19 +387,44 @@ TEST_F(S3FollowingTest, AShardedCheckpointIsFollowedFetchingOnlyTheShardsThatCha
   EXPECT_EQ(node.Metric("weightstore_follow_updates_total", "how=\"patches\""), 2) << node.Log();
   EXPECT_EQ(node.Metric("weightstore_follow_updates_total", "how=\"whole\""), 0) << node.Log();
 
-  // A version whose index changes (two tensors swap shards): blocked, and
-  // the version held stays served.
-  const std::string held = regional.Version();
-  const Tensors v2 = TrainerVersion(2);
-  ASSERT_OK(Put(shard_name(1), SafeTensorsFile({{"norm.weight", v2.at("norm.weight")}})));
-  ASSERT_OK(Put(shard_name(2), SafeTensorsFile({{"layers.1.weight", v2.at("layers.1.weight")}})));
-  ASSERT_OK(Put("m.safetensors.index.json", absl::StrCat("{\"metadata\":{},\"weight_map\":{\"layers.0.weight\":\"",
-                                                         shard_name(0), "\",\"layers.1.weight\":\"", shard_name(2),
-                                                         "\",\"norm.weight\":\"", shard_name(1), "\"}}")));
-  ASSERT_TRUE(testing::WaitUntil([&] { return regional.Metric("weightstore_follow_blocked") == 1; })) << regional.Log();
-  EXPECT_THAT(regional.Log(), ::testing::HasSubstr("has another index"));
-  EXPECT_EQ(regional.Version(), held);
-  EXPECT_TRUE(regional.Served() == v2);
+  // A version whose index changes (two tensors swap shards): the regional
+  // daemon pulls the two shards and the index and puts them in place as one
+  // step, the index last. The node below gets the same tensors in the same
+  // order, which its push writes under the shards it has.
+  Tensors want = TrainerVersion(2);
+  const std::string swapped_index =
+      absl::StrCat("{\"metadata\":{},\"weight_map\":{\"layers.0.weight\":\"", shard_name(0),
+                   "\",\"layers.1.weight\":\"", shard_name(2), "\",\"norm.weight\":\"", shard_name(1), "\"}}");
+  ASSERT_OK(Put(shard_name(1), SafeTensorsFile({{"norm.weight", want.at("norm.weight")}})));
+  ASSERT_OK(Put(shard_name(2), SafeTensorsFile({{"layers.1.weight", want.at("layers.1.weight")}})));
+  ASSERT_OK(Put("m.safetensors.index.json", swapped_index));
+  const std::string swapped = OriginVersion();
+  ASSERT_TRUE(WaitForVersion(regional, swapped, "regional, tensors swapped")) << regional.Log();
+  ASSERT_TRUE(WaitForVersion(node, swapped, "node, tensors swapped")) << node.Log();
+  EXPECT_EQ(testing::ReadFileOrEmpty(regional.models + "/m.safetensors.index.json"), swapped_index);
+  EXPECT_TRUE(regional.Served() == want);
+  EXPECT_TRUE(node.Served() == want);
+
+  // A version that adds a tensor: the node's push cannot add one to a
+  // shard, so it pulls that version as the regional daemon's files.
+  want["lm_head.weight"] = std::string(4096, '\x3c');
+  const std::string grown_index = absl::StrCat("{\"metadata\":{},\"weight_map\":{\"layers.0.weight\":\"", shard_name(0),
+                                               "\",\"layers.1.weight\":\"", shard_name(2), "\",\"lm_head.weight\":\"",
+                                               shard_name(2), "\",\"norm.weight\":\"", shard_name(1), "\"}}");
+  ASSERT_OK(Put(shard_name(2), SafeTensorsFile({{"layers.1.weight", want.at("layers.1.weight")},
+                                                {"lm_head.weight", want.at("lm_head.weight")}})));
+  ASSERT_OK(Put("m.safetensors.index.json", grown_index));
+  const std::string grown = OriginVersion();
+  ASSERT_TRUE(WaitForVersion(regional, grown, "regional, a tensor added")) << regional.Log();
+  ASSERT_TRUE(WaitForVersion(node, grown, "node, a tensor added")) << node.Log();
+  for (const Node* n : {&regional, &node}) {
+    EXPECT_TRUE(n->Served() == want);
+    EXPECT_EQ(testing::ReadFileOrEmpty(n->models + "/m.safetensors.index.json"), grown_index);
+    EXPECT_EQ(testing::UploadTemporariesIn(n->models), 0u);
+  }
+  EXPECT_EQ(regional.Metric("weightstore_follow_updates_total", "how=\"whole\""), 4) << regional.Log();
+  EXPECT_EQ(node.Metric("weightstore_follow_fallbacks_total", "reason=\"index_changed\""), 1) << node.Log();
+  EXPECT_EQ(node.Metric("weightstore_follow_updates_total", "how=\"whole\""), 1) << node.Log();
 }
 
 // A trainer's checkpoints as the `safetensors` library writes them (torch,
