@@ -421,8 +421,11 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
                                                    Said(listing.version), "', is not 1 to 64 bytes of [0-9A-Za-z._-]"));
   }
   // A push to a sharded checkpoint keeps each shard's tensors, in order, with
-  // their dtypes and shapes: a version that adds, drops, moves or redefines
-  // tensors (another index over the same shards) comes as its files.
+  // their dtypes and shapes, and the index's metadata: a version that adds,
+  // drops, reorders or redefines tensors, or has other metadata (another
+  // index over the same shards), comes as its files. One that only moves
+  // tensors between shards, keeping their order, is written under the
+  // shards held: the same tensors, laid out as this node's.
   if (base->checkpoint()->files().size() > 1 || IndexFormatForPath(base->path()) != nullptr) {
     const Checkpoint& held = *base->checkpoint();
     bool same_layout = listing.tensors.size() == held.size();
@@ -430,6 +433,10 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
       const TensorSpec& theirs = listing.tensors[i].spec;
       const TensorSpec& ours = held.entries()[i].spec;
       same_layout = theirs.name == ours.name && theirs.dtype == ours.dtype && theirs.shape == ours.shape;
+    }
+    if (same_layout) {
+      WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary now, upstream_.steps->GetCheckpoint(name, step_cancel_));
+      same_layout = now.version != listing.version || now.metadata == held.metadata();
     }
     if (!same_layout) return pull_files("index_changed");
   }

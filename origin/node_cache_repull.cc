@@ -15,15 +15,19 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "core/checked_math.h"
 #include "core/checkpoint.h"
+#include "core/crc32c.h"
 #include "core/format.h"
 #include "core/mapped_file.h"
 #include "core/status_macros.h"
@@ -188,24 +192,41 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::RepullShards(const std::strin
                                                       options_.max_checkpoint_bytes, " or its cache budget of ",
                                                       options_.max_bytes));
   }
+  constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
   // What moved: the files whose etag is not the one placed, or whose size
   // is not the one on disk. An etag is trusted only as strong (a weak one,
   // "W/...", may stay while the bytes change); a ledger that kept none
-  // (an older one, or a step a kill cut) fetches every file.
+  // (an older one, or a step a kill cut) fetches every file. A file whose
+  // etag moved but whose CRC32C the listing gives (an upstream daemon's,
+  // whose etags name its version) and matches the file held has not.
   const bool known = held.etags.size() == held.paths.size();
-  auto moved = [&](size_t i) {
+  auto same_crc = [&](size_t i, const OriginFile& f) {
+    if (f.crc32c.empty()) return false;
+    const std::string path = (fs::path(models_dir_) / held.paths[i]).string();
+    std::optional<uint32_t> crc;
+    for (const auto& shard : base.checkpoint()->files()) {
+      if (shard->path() == path) crc = Crc32c(shard->bytes().view());
+    }
+    if (!crc.has_value() && path == base.path()) {
+      if (absl::StatusOr<std::string> index = ReadSmallFile(path, kMaxIndexBytes); index.ok()) crc = Crc32c(*index);
+    }
+    return crc.has_value() && absl::StrFormat("%08x", *crc) == absl::AsciiStrToLower(f.crc32c);
+  };
+  std::vector<bool> moved_files(checkpoint.files.size());
+  for (size_t i = 0; i < checkpoint.files.size(); ++i) {
     const OriginFile& f = checkpoint.files[i];
     std::error_code size_ec;
     const uint64_t on_disk = fs::file_size(fs::path(models_dir_) / held.paths[i], size_ec);
-    return !known || f.etag.empty() || absl::StartsWith(f.etag, "W/") || f.etag != held.etags[i] || size_ec ||
-           on_disk != f.size;
-  };
+    const bool other_bytes = size_ec || on_disk != f.size;
+    const bool same_etag = known && !f.etag.empty() && !absl::StartsWith(f.etag, "W/") && f.etag == held.etags[i];
+    moved_files[i] = other_bytes || (!same_etag && !same_crc(i, f));
+  }
+  auto moved = [&](size_t i) { return moved_files[i]; };
   // What moved is pulled: the shards, and the index too when its etag or
   // size moved. A new index (tensors added, removed or moved between the
   // same shards) replaces the one held, renamed after the shards; one that
   // kept its bytes (uploaded again) is not replaced.
   const size_t index_at = checkpoint.files.size() - 1;
-  constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
   if (moved(index_at) && checkpoint.files[index_at].size > kMaxIndexBytes) {
     return absl::FailedPreconditionError(absl::StrCat("the origin's index of '", name, "' is ",
                                                       checkpoint.files[index_at].size, " bytes; at most ",

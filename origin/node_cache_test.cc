@@ -62,7 +62,10 @@ class FakeOrigin : public Origin {
     files_[name] = std::move(bytes);
   }
   // A sharded checkpoint: (path, bytes) of each file, its index last. Each
-  // file's etag is its CRC32C, and the version one of them all.
+  // file's etag is its CRC32C (plus the epoch, when set: etags that name a
+  // version, as a daemon's do), and the version one of them all. The listing
+  // gives each file's CRC32C, as a daemon's does, unless `list_crc32c_` is
+  // off (S3's listing has none).
   void PutFiles(const std::string& name, const std::vector<std::pair<std::string, std::string>>& files) {
     absl::MutexLock lock(&mu_);
     sharded_[name].clear();
@@ -138,6 +141,8 @@ class FakeOrigin : public Origin {
   std::vector<uint64_t> sizes_;
   std::string version_ = "v1";   // of every checkpoint
   std::set<std::string> apart_;  // names it keeps apart (a hub snapshot's)
+  std::atomic<int> epoch_{0};
+  std::atomic<bool> list_crc32c_{true};
 
  private:
   std::optional<OriginCheckpoint> FindSharded(const std::string& name) {
@@ -150,7 +155,8 @@ class FakeOrigin : public Origin {
       const std::string crc = absl::StrFormat("%08x", Crc32c(files_.at(path)));
       std::string etag = crc;
       if (path == it->second.back() && index_uploads_[name] > 0) absl::StrAppend(&etag, "-", index_uploads_[name]);
-      c.files.push_back({path, name, path, files_.at(path).size(), etag, crc});
+      if (epoch_ > 0) etag = absl::StrCat("e", epoch_.load(), ":", etag);
+      c.files.push_back({path, name, path, files_.at(path).size(), etag, list_crc32c_ ? crc : ""});
       etags += etag;
     }
     c.version = absl::StrFormat("s%08x", Crc32c(etags));
@@ -862,11 +868,34 @@ TEST_F(NodeCacheTest, AShardedRepullWhoseIndexMovedTensorsBetweenTheSameShardsPu
   EXPECT_FALSE(fs::exists(PublishingRecordPath(models_ + "/m.safetensors.index.json")));
   const std::string id = step.version->version();
   EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", id}}));
-  // Held as placed across a restart: the next step pulls nothing unchanged.
+  // Held as placed, under the origin's id, across a restart.
   ASSERT_NO_FATAL_FAILURE(Restart([&](FakeOrigin& o) { o.PutFiles("m", next); }));
   ASSERT_NE(registry_->Get("m"), nullptr);
   EXPECT_EQ(registry_->Get("m")->version(), id);
   EXPECT_EQ(cache_->Followed(), (std::map<std::string, std::string>{{"m", id}}));
+}
+
+// Etags that name the version (an upstream daemon's): every file's moves at
+// each step, but the listing's CRC32C shows which bytes did not, and only
+// the shard that changed is fetched.
+TEST_F(NodeCacheTest, AListingsCrc32cSparesTheFilesHeldWhoseEtagsMovedWithTheVersion) {
+  origin_->epoch_ = 1;
+  origin_->PutFiles("m", ShardedModel(40, 50));
+  ASSERT_TRUE(cache_->Pull("m").ok());
+  std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
+  ASSERT_NE(held, nullptr);
+  const std::array<uint64_t, 4> b = Identity(models_ + "/m-b.safetensors");
+  const std::array<uint64_t, 4> index = Identity(models_ + "/m.safetensors.index.json");
+  origin_->epoch_ = 2;
+  const auto next = ShardedModel(41, 50);  // shard a changed
+  origin_->PutFiles("m", next);
+  const uint64_t sent = origin_->sent_.load();
+  ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, Step("m", *held));
+  ASSERT_NE(step.version, nullptr);
+  EXPECT_EQ(origin_->sent_.load() - sent, next[0].second.size()) << "only shard a came";
+  EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/m-a.safetensors"), next[0].second);
+  EXPECT_EQ(Identity(models_ + "/m-b.safetensors"), b);
+  EXPECT_EQ(Identity(models_ + "/m.safetensors.index.json"), index);
 }
 
 // A new index that leaves a shard held unnamed (both tensors in shard a):
@@ -895,6 +924,7 @@ TEST_F(NodeCacheTest, AShardedRepullWhoseIndexDropsAShardReplacesNothing) {
 // under its id with nothing fetched but the index and nothing renamed.
 TEST_F(NodeCacheTest, AnIndexUploadedAgainWithTheSameBytesPublishesTheFilesHeldUnderTheOriginsNewId) {
   const auto files = ShardedModel(40, 50);
+  origin_->list_crc32c_ = false;  // as S3 lists
   origin_->PutFiles("m", files);
   ASSERT_TRUE(cache_->Pull("m").ok());
   std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
@@ -961,7 +991,10 @@ TEST_F(NodeCacheTest, AKillBetweenTheRenamesOfAShardedRepullIsFinishedAtTheNextS
   ASSERT_EQ(std::rename((models_ + "/" + new_a).c_str(), (models_ + "/m-a.safetensors").c_str()), 0);  // one of two
 
   const auto third = ShardedModel(61, 72);
-  ASSERT_NO_FATAL_FAILURE(Restart([&](FakeOrigin& o) { o.PutFiles("m", third); }));
+  ASSERT_NO_FATAL_FAILURE(Restart([&](FakeOrigin& o) {
+    o.list_crc32c_ = false;  // as S3 lists
+    o.PutFiles("m", third);
+  }));
   std::shared_ptr<const CheckpointVersion> held = registry_->Get("m");
   ASSERT_NE(held, nullptr);
   EXPECT_EQ(held->version(), "v2");

@@ -50,6 +50,11 @@ absl::StatusOr<SharedBytes> StoredBytes(const CheckpointVersion& version, const 
     if (n <= 0) return absl::DataLossError(absl::StrCat("'", file.path, "' is shorter than when it was listed"));
     done += static_cast<uint64_t>(n);
   }
+  // An index renamed over meanwhile (a follower's step) may have been read.
+  WEIGHTSTORE_ASSIGN_OR_RETURN(now, FileVersion(version.path()));
+  if (now != version.file_version()) {
+    return absl::AbortedError(absl::StrCat("checkpoint '", version.name(), "' was replaced on disk; list it again"));
+  }
   return SharedBytes::FromVector(std::move(out));
 }
 

@@ -12,6 +12,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <set>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -22,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "core/atomic_file.h"
 #include "core/catalog/registry.h"
+#include "core/format.h"
 #include "core/mapped_file.h"
 #include "core/shm/unix_socket.h"
 #include "core/status_macros.h"
@@ -217,10 +220,6 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Pub
   std::vector<std::shared_ptr<const MappedFile>> opened_written;
   WEIGHTSTORE_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> opened,
                                OpenCheckpointWith(base.path(), options_.open, overrides, &opened_written));
-  if (opened_written.size() != r.files.size()) {  // the index names other shards than the base's
-    return absl::AbortedError(absl::StrCat(r.what, ": the files of '", name,
-                                           "' changed outside weightstored meanwhile; nothing was published"));
-  }
   // The same shards as the base's, none added or dropped, so that a record
   // of the renames (one line a shard, and the index) means the same under
   // either index, and no file another checkpoint owns joins this one.
@@ -233,6 +232,10 @@ absl::StatusOr<std::shared_ptr<const CheckpointVersion>> CheckpointRegistry::Pub
                                                         " files, not the ", was.size(),
                                                         " shards it replaces; nothing was published"));
     }
+  }
+  if (opened_written.size() != r.files.size()) {  // the index names other shards than the base's
+    return absl::AbortedError(absl::StrCat(r.what, ": the files of '", name,
+                                           "' changed outside weightstored meanwhile; nothing was published"));
   }
   // Named by its content when digests are kept (as a rescan would name it),
   // or as the push asks; else by its file.
@@ -418,6 +421,17 @@ bool CheckpointRegistry::FinishPublishingRecord(const std::string& record, ScanR
       return refuse("is not a publishing record of weightstored's");
     }
     Rename r{std::string(parts[0]), std::string(parts[1])};
+    // A new index must name the shards the old one names, as PublishOver
+    // checked before it wrote the record.
+    if ((path.parent_path() / r.to).string() == index && ::faccessat(folder.get(), r.from.c_str(), F_OK, 0) == 0) {
+      const FormatSpec* format = IndexFormatForPath(index);
+      std::vector<std::string> named = format != nullptr && format->index_files != nullptr
+                                           ? format->index_files((path.parent_path() / r.from).string())
+                                           : std::vector<std::string>{};
+      if (std::set<std::string>(named.begin(), named.end()) != shards) {
+        return refuse(absl::StrCat("its new index '", r.from, "' names other shards"));
+      }
+    }
     struct stat from, to;
     const bool has_from = ::fstatat(folder.get(), r.from.c_str(), &from, AT_SYMLINK_NOFOLLOW) == 0;
     if (::fstatat(folder.get(), r.to.c_str(), &to, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(to.st_mode)) {

@@ -516,11 +516,12 @@ std::string NewFilePathBeside(const std::string& path);
 // is no index, or one that does not parse).
 std::set<std::string> FilesOfIndex(const std::string& path);
 
-// Where a push to the sharded checkpoint of `index_path` records the shards it
-// renames into place (".<index>.publishing", hidden beside it) while it does:
-// a line a shard, "<new file>\t<shard>\t<new file's inode>\t<shard's inode>
-// \t<shard's size>\t<shard's mtime in ns>". A scan that finds one finishes
-// the renames.
+// Where a push to the sharded checkpoint of `index_path`, or a follower's
+// step, records the files it renames into place (".<index>.publishing",
+// hidden beside it) while it does: a line a shard, and one for the index
+// when a new one naming the same shards comes last, "<new file>\t<file>\t
+// <new file's inode>\t<file's inode>\t<file's size>\t<file's mtime in ns>".
+// A scan that finds one finishes the renames.
 inline constexpr absl::string_view kPublishingRecordSuffix = ".publishing";
 std::string PublishingRecordPath(const std::string& index_path);
 

@@ -266,7 +266,8 @@ TEST_F(ShardedPushTest, ReplacingShardsWithANewIndexMovesTensorsBetweenTheSameSh
       R"({"metadata": {"total_size": 3145744}, "weight_map": {"a": "s1.safetensors", "b": "s2.safetensors", )"
       R"("c": "s1.safetensors", "d": "s3.safetensors"}})";
   testing::WriteFileOrDie(staged + "/index", new_index);
-  // The index named first: it is still renamed after the shards.
+  // The index named first (ReplaceShards renames it after the shards: the
+  // record's order, AScanFinishesAStepWhoseNewIndexACrashLeftUnrenamed).
   ASSERT_OK_AND_ASSIGN(auto published, registry_->ReplaceShards(*base_,
                                                                 {{staged + "/index", index()},
                                                                  {staged + "/s1", shard_path("s1")},
@@ -338,6 +339,24 @@ TEST_F(ShardedPushTest, AScanFinishesAStepWhoseNewIndexACrashLeftUnrenamed) {
   EXPECT_FALSE(fs::exists(PublishingRecordPath(index())));
   EXPECT_THAT(FolderFiles(), UnorderedElementsAre("model.safetensors.index.json", "s1.safetensors", "s2.safetensors",
                                                   "s3.safetensors"));
+}
+
+// A record whose new index names other shards than the index it replaces
+// is no step weightstored wrote: nothing is renamed, and the checkpoint is
+// held back until the record is removed.
+TEST_F(ShardedPushTest, ARecordWhoseNewIndexNamesOtherShardsRenamesNothing) {
+  const std::string new_index = ".model.safetensors.index.json.new.999999-5-3.tmp";
+  testing::WriteFileOrDie(folder() + "/" + new_index,
+                          R"({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors", "c": "s2.safetensors", )"
+                          R"("d": "s2.safetensors"}})");
+  const std::string index_before = testing::ReadFileOrEmpty(index());
+  testing::WriteFileOrDie(PublishingRecordPath(index()),
+                          RecordLine(folder(), new_index, "model.safetensors.index.json"));
+  const ScanReport report = registry_->Rescan();
+  EXPECT_THAT(report.errors, ElementsAre(HasSubstr("names other shards")));
+  EXPECT_THAT(report.held_back, ElementsAre(index()));
+  EXPECT_EQ(testing::ReadFileOrEmpty(index()), index_before);
+  EXPECT_TRUE(fs::exists(folder() + "/" + new_index));
 }
 
 // A crash between a sharded push's renames: the next scan finishes them from
