@@ -12,7 +12,9 @@
 #include "client/usable_cores.h"
 #include "core/crc32c.h"
 #include "core/host_buffer.h"
+#include "core/mapped_file.h"
 #include "core/parallel_for.h"
+#include "core/status_macros.h"
 
 namespace weightstore::client {
 
@@ -68,6 +70,31 @@ uint32_t CopyWithCrc32c(std::span<std::byte> out, const std::byte* from, bool re
     if (release_from) ReleaseCopiedPages({from + at, length});
     return absl::OkStatus();
   });
+  uint32_t crc = crcs[0];
+  for (size_t i = 1; i < crcs.size(); ++i) {
+    crc = Crc32cConcat(crc, crcs[i], std::min(kCopyPieceBytes, size - i * kCopyPieceBytes));
+  }
+  return crc;
+}
+
+absl::StatusOr<uint32_t> PreadWithCrc32c(std::span<std::byte> out, int fd, uint64_t offset, absl::string_view what) {
+  constexpr uint64_t kSlice = uint64_t{256} << 10;
+  const uint64_t size = out.size();
+  if (size == 0) return 0;
+  std::vector<uint32_t> crcs(size / kCopyPieceBytes + (size % kCopyPieceBytes != 0 ? 1 : 0));
+  WEIGHTSTORE_RETURN_IF_ERROR(CopyInPieces(size, kCopyPieceBytes, [&](uint64_t at, uint64_t length) -> absl::Status {
+    uint32_t crc = 0;
+    PrefaultForWriting(out.subspan(at, length));
+    for (uint64_t done = 0; done < length;) {
+      const uint64_t n = std::min(kSlice, length - done);
+      std::byte* to = out.data() + at + done;
+      WEIGHTSTORE_RETURN_IF_ERROR(PreadFully(fd, offset + at + done, to, n, what));
+      crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(to), n));
+      done += n;
+    }
+    crcs[at / kCopyPieceBytes] = crc;
+    return absl::OkStatus();
+  }));
   uint32_t crc = crcs[0];
   for (size_t i = 1; i < crcs.size(); ++i) {
     crc = Crc32cConcat(crc, crcs[i], std::min(kCopyPieceBytes, size - i * kCopyPieceBytes));

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/parallel_copy.h"
 #include "client/store.h"
 #include "core/host_buffer.h"
 #include "core/mapped_file.h"
@@ -182,6 +183,50 @@ int main(int argc, char** argv) {
   std::printf("  %-44s %11.2f ms %11.2f ms %10.1f\n", "read the file into memory (pread)", Median(read_first),
               Median(read_all), gbps(Median(read_all)));
   std::printf("\nfirst socket request of this version (daemon computes CRC32C once): %.1f ms\n", first_request_ms);
+  {  // a copying socket fetch: the daemon's segments read into memory this process owns
+    // Two ways, alternated, into one buffer written before (so only the
+    // source side differs): pread from the segment's descriptor (what
+    // FetchTensors does), and a fresh mapping of it copied and unmapped
+    // (what it did, WEIGHTSTORE_PREAD_COPIES=0). Both checksum as they go.
+    // Of the file itself (the daemon above) and of a filled memfd (the
+    // default for a peer that could write the file, as this root process).
+    const std::string copy_models = dir + "/copy", copy_socket = dir + "/copy.sock";
+    std::filesystem::create_directories(copy_models);
+    std::filesystem::copy_file(file, copy_models + "/big.safetensors");
+    testing::Daemon filled(copy_models, {"--socket", copy_socket});
+    std::vector<std::byte> owned(total + (1 << 20), std::byte{1});
+    std::printf("\na socket fetch asked to copy, into memory this process owns (written before):\n");
+    for (const auto& [label, path] : std::vector<std::pair<const char*, std::string>>{
+             {"the file itself", socket}, {"a filled memfd (the default here)", copy_socket}}) {
+      auto store = client::ConnectSharedMemoryStore(path);
+      auto mapped = store.ok() ? (*store)->MapTensors("big", {}) : store.status();
+      if (!mapped.ok()) {
+        std::fprintf(stderr, "shm_bench: %s\n", mapped.status().ToString().c_str());
+        return 1;
+      }
+      std::vector<double> by_pread, by_mapping;
+      for (int r = 0; r < repeat; ++r) {
+        for (int way = 0; way < 2; ++way) {
+          const bool pread = (way + r) % 2 == 0;
+          const auto start = Clock::now();
+          for (const auto& segment : mapped->segments) {
+            const std::span<std::byte> to(owned.data(), segment->size());
+            if (pread) {
+              if (!client::PreadWithCrc32c(to, segment->fd(), segment->offset(), segment->path()).ok()) return 1;
+              continue;
+            }
+            auto again = MappedFile::FromDescriptor(::fcntl(segment->fd(), F_DUPFD_CLOEXEC, 0), segment->path(),
+                                                    segment->offset(), segment->size());
+            if (!again.ok()) return 1;
+            (void)client::CopyWithCrc32c(to, (*again)->bytes().data(), /*release_from=*/false);
+          }
+          (pread ? by_pread : by_mapping).push_back(Ms(Clock::now() - start));
+        }
+      }
+      std::printf("  %-44s %9.1f ms pread  %9.1f ms mapping  %5.2fx\n", label, Median(by_pread), Median(by_mapping),
+                  Median(by_mapping) / Median(by_pread));
+    }
+  }
   {  // the default (--socket-file-segments auto) for a peer that could write the file: root, as here
     const std::string auto_models = dir + "/auto", auto_socket = dir + "/auto.sock";
     std::filesystem::create_directories(auto_models);
