@@ -39,10 +39,10 @@ bool Lasting(const absl::Status& status) {
 // digests: what the step must write. FailedPrecondition when the upstream
 // gives none (a daemon with --tensor-digests=false cannot be followed).
 absl::StatusOr<std::vector<ManifestTensor>> ExpectedTensors(const std::string& name,
-                                                            const client::ChangedTensors& changed) {
+                                                            const std::vector<client::TensorDescription>& listed) {
   std::vector<ManifestTensor> expected;
-  expected.reserve(changed.listed.size());
-  for (const client::TensorDescription& d : changed.listed) {
+  expected.reserve(listed.size());
+  for (const client::TensorDescription& d : listed) {
     std::optional<TensorDigest> digest = TensorDigest::FromHex(d.digest);
     if (!digest.has_value()) {
       return absl::FailedPreconditionError(
@@ -53,6 +53,103 @@ absl::StatusOr<std::vector<ManifestTensor>> ExpectedTensors(const std::string& n
   }
   return expected;
 }
+
+// Receives a step's changed tensors and element patches straight into the
+// push session, one at a time: the step holds one tensor (or patch) in
+// memory, whatever its size. At most `max_bytes` in all are taken: what
+// the listing said would come (a patch is smaller than its tensor), so an
+// upstream that sends more is refused before it is held. A patch of a tensor whose base digest
+// is not known, or one the session refuses, marks the step's patches as
+// failed: it is taken again with the tensors whole.
+class StepSink : public client::TensorSink {
+ public:
+  struct Counts {
+    size_t whole = 0, patches = 0;
+    uint64_t whole_bytes = 0, patch_bytes = 0;
+  };
+
+  StepSink(PushSession* session, const CheckpointManifest* base, uint64_t max_bytes,
+           std::shared_ptr<const std::atomic<bool>> cancel)
+      : session_(session), base_(base), max_bytes_(max_bytes), cancel_(std::move(cancel)) {}
+
+  absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override {
+    WEIGHTSTORE_RETURN_IF_ERROR(Take(spec, spec.byte_size()));
+    patch_.reset();
+    return std::span<std::byte>(buffer_.data(), spec.byte_size());
+  }
+  absl::Status End(const TensorSpec& spec) override {
+    const absl::string_view bytes(reinterpret_cast<const char*>(buffer_.data()), spec.byte_size());
+    WEIGHTSTORE_RETURN_IF_ERROR(session_->BeginTensor(spec, Crc32c(bytes)));
+    WEIGHTSTORE_RETURN_IF_ERROR(session_->Append(bytes));
+    ++counts_.whole;
+    counts_.whole_bytes += bytes.size();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::span<std::byte>> BeginPatch(const TensorSpec& spec, const ElementPatch& header, uint64_t bytes,
+                                                  const std::string& digest) override {
+    const ManifestTensor* b = base_ != nullptr ? base_->Find(spec.name) : nullptr;
+    std::optional<TensorDigest> after = TensorDigest::FromHex(digest);
+    if (b == nullptr || !after.has_value()) {
+      patch_refused_ = true;
+      return absl::DataLossError(absl::StrCat("the upstream sent a patch of '", spec.name.substr(0, 256),
+                                              "', which the held version has no digest of, or without one"));
+    }
+    WEIGHTSTORE_RETURN_IF_ERROR(Take(spec, bytes));
+    patch_ = Patch{header, bytes, b->digest, *after};
+    patch_->header.body = SharedBytes();
+    return std::span<std::byte>(buffer_.data(), bytes);
+  }
+  absl::Status EndPatch(const TensorSpec& spec) override {
+    if (!patch_.has_value()) return absl::InternalError("EndPatch without BeginPatch");
+    const absl::string_view body(reinterpret_cast<const char*>(buffer_.data()), patch_->bytes);
+    absl::Status s = session_->BeginPatchedTensor(spec, Crc32c(body), patch_->header, patch_->bytes,
+                                                  patch_->base_digest, patch_->digest);
+    if (s.ok()) s = session_->Append(body);
+    if (!s.ok()) {
+      patch_refused_ = true;
+      return s;
+    }
+    ++counts_.patches;
+    counts_.patch_bytes += body.size();
+    patch_.reset();
+    return absl::OkStatus();
+  }
+
+  const Counts& counts() const { return counts_; }
+  bool patch_refused() const { return patch_refused_; }
+
+ private:
+  struct Patch {
+    ElementPatch header;
+    uint64_t bytes = 0;
+    TensorDigest base_digest, digest;
+  };
+
+  // Room for `bytes` more, within the step's bound; the buffer is reused.
+  absl::Status Take(const TensorSpec& spec, uint64_t bytes) {
+    if (cancel_ != nullptr && cancel_->load()) {
+      return absl::CancelledError(absl::StrCat("the step was cancelled before tensor '", spec.name, "'"));
+    }
+    if (bytes > max_bytes_ - std::min(taken_, max_bytes_)) {
+      return absl::DataLossError(absl::StrCat("the upstream sent more than the ", max_bytes_,
+                                              " bytes of tensors it listed, at tensor '", spec.name.substr(0, 256),
+                                              "'"));
+    }
+    taken_ += bytes;
+    if (buffer_.size() < bytes) buffer_.resize(bytes);
+    return absl::OkStatus();
+  }
+
+  PushSession* session_;
+  const CheckpointManifest* base_;
+  const uint64_t max_bytes_;
+  std::shared_ptr<const std::atomic<bool>> cancel_;
+  std::vector<std::byte> buffer_;
+  uint64_t taken_ = 0;
+  std::optional<Patch> patch_;
+  Counts counts_;
+  bool patch_refused_ = false;
+};
 
 }  // namespace
 
@@ -463,18 +560,10 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
     new_file_bytes = SaturatingAdd(new_file_bytes, SaturatingAdd(d.spec.byte_size(), 256));
   }
   WEIGHTSTORE_RETURN_IF_ERROR(cache_->ReserveStep(name, new_file_bytes));
-  query.version = listing.version;
-  WEIGHTSTORE_ASSIGN_OR_RETURN(client::ChangedTensors changed,
-                               client::FetchChanged(*upstream_.steps, name, query, options_.max_step_bytes));
-  const absl::Time fetched = absl::Now();
-  if (changed.version == base->version()) {
-    caught_up();
-    return absl::OkStatus();
-  }
   // The same id must never name two contents here: an upstream that reuses
   // the id of a version this node keeps, for other tensors, is refused.
-  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<ManifestTensor> expected, ExpectedTensors(name, changed));
-  if (std::shared_ptr<const CheckpointManifest> kept = registry_->FindManifest(name, changed.version)) {
+  WEIGHTSTORE_ASSIGN_OR_RETURN(std::vector<ManifestTensor> expected, ExpectedTensors(name, listing.tensors));
+  if (std::shared_ptr<const CheckpointManifest> kept = registry_->FindManifest(name, listing.version)) {
     bool same = kept->tensors().size() == expected.size();
     for (size_t i = 0; same && i < expected.size(); ++i) {
       const ManifestTensor* k = kept->Find(expected[i].name);
@@ -483,13 +572,13 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
     if (!same) {
       // Blocked until the upstream has another version: retrying would
       // fetch the same lie again.
-      return absl::FailedPreconditionError(absl::StrCat("the upstream names other tensors '", Said(changed.version),
+      return absl::FailedPreconditionError(absl::StrCat("the upstream names other tensors '", Said(listing.version),
                                                         "', a version id of '", name, "' this node keeps"));
     }
   }
   WEIGHTSTORE_ASSIGN_OR_RETURN(client::CheckpointSummary summary, upstream_.steps->GetCheckpoint(name, step_cancel_));
-  if (summary.version != changed.version) {
-    return absl::AbortedError(absl::StrCat("'", name, "' changed upstream while it was fetched; fetching again"));
+  if (summary.version != listing.version) {
+    return absl::AbortedError(absl::StrCat("'", name, "' changed upstream while it was listed; listing again"));
   }
   if (step_cancel_->load()) return absl::CancelledError("the daemon is stopping");
 
@@ -498,10 +587,10 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
   const Checkpoint& held = *base->checkpoint();
   PushOptions push;
   push.base_version = base->version();
-  push.version_id = changed.version;
+  push.version_id = listing.version;
   push.metadata = summary.metadata;
   absl::flat_hash_set<std::string> listed;
-  for (const client::TensorDescription& d : changed.listed) {
+  for (const client::TensorDescription& d : listing.tensors) {
     listed.insert(d.spec.name);
     const CheckpointEntry* e = held.Find(d.spec.name);
     if (e == nullptr) {
@@ -516,70 +605,63 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
   }
   push.expected = std::move(expected);
 
-  uint64_t patch_bytes = 0, whole_bytes = 0;
+  // The changed tensors and patches go into the push as they arrive, one at
+  // a time (StepSink): a step holds one tensor in memory, not all of them.
+  // The fetch is pinned to the version listed (else Aborted).
+  query.version = listing.version;
+  if (!delta) query.since_version.clear();
+  StepSink::Counts counts;
+  absl::Time fetched = absl::Now();
   absl::Status status = [&]() -> absl::Status {
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<PushSession> session, registry_->BeginPush(name, push));
-    for (const client::ReceivedPatch& p : changed.patched) {
-      const ManifestTensor* b = base->manifest() != nullptr ? base->manifest()->Find(p.spec.name) : nullptr;
-      std::optional<TensorDigest> digest = TensorDigest::FromHex(p.digest);
-      if (b == nullptr || !digest.has_value()) {
-        *patch_failed = true;
-        return absl::DataLossError(absl::StrCat("the upstream sent a patch of '", p.spec.name.substr(0, 256),
-                                                "', which the held version has no digest of, or without one"));
+    if (!delta || listing.delta->changed_tensors > 0) {
+      StepSink sink(session.get(), base->manifest().get(), to_receive, step_cancel_);
+      absl::Status streamed = upstream_.steps->FetchTensors(name, query, &sink);
+      counts = sink.counts();
+      if (!streamed.ok()) {
+        *patch_failed = sink.patch_refused();
+        return streamed;
       }
-      ElementPatch header = p.patch;
-      header.body = SharedBytes();
-      absl::Status s = session->BeginPatchedTensor(p.spec, Crc32c(p.patch.body.view()), header, p.patch.body.size(),
-                                                   b->digest, *digest);
-      if (s.ok()) s = session->Append(p.patch.body.view());
-      if (!s.ok()) {
-        *patch_failed = true;
-        return s;
-      }
-      patch_bytes += p.patch.body.size();
     }
-    for (const SharedTensor& t : changed.received) {
-      WEIGHTSTORE_RETURN_IF_ERROR(session->BeginTensor(t.spec, Crc32c(t.bytes.view())));
-      WEIGHTSTORE_RETURN_IF_ERROR(session->Append(t.bytes.view()));
-      whole_bytes += t.bytes.size();
-    }
+    fetched = absl::Now();
     absl::StatusOr<std::shared_ptr<const CheckpointVersion>> finished = registry_->FinishPush(std::move(session));
     if (!finished.ok()) {
       // A patch whose result is unlike its digest fails here (DataLoss).
-      *patch_failed = !changed.patched.empty() && absl::IsDataLoss(finished.status());
+      *patch_failed = counts.patches > 0 && absl::IsDataLoss(finished.status());
       return finished.status();
     }
     published = *std::move(finished);
     return absl::OkStatus();
   }();
   if (!status.ok()) {
-    return absl::Status(status.code(), absl::StrCat("step of '", name, "' to version ", changed.version, " from ",
+    return absl::Status(status.code(), absl::StrCat("step of '", name, "' to version ", listing.version, " from ",
                                                     upstream_.name, ": ", status.message()));
   }
+  const uint64_t patch_bytes = counts.patch_bytes, whole_bytes = counts.whole_bytes;
   {
     absl::MutexLock lock(&mu_);
     if (auto it = followed_.find(name); it != followed_.end()) {
       FollowedStats& s = it->second.stats;
       s.patch_bytes += patch_bytes;
       s.whole_bytes += whole_bytes;
-      if (changed.received.empty()) {
+      if (counts.whole == 0) {
         ++s.steps_patched;
       } else {
         ++s.steps_whole;
-        if (!changed.delta) {
+        if (!delta) {
           ++s.fallbacks["not_delta"];
-        } else if (patches && !changed.patch_reason.empty()) {
+        } else if (patches && !listing.delta->patch_reason.empty()) {
           ++s.fallbacks["not_kept"];
         }
       }
     }
   }
   caught_up();
-  LogFollow(
-      absl::StrFormat("'%s' is at version %s: %d patches (%d bytes), %d tensors whole (%d bytes); fetched in %.3f s, "
-                      "written and published in %.3f s",
-                      name, changed.version, changed.patched.size(), patch_bytes, changed.received.size(), whole_bytes,
-                      absl::ToDoubleSeconds(fetched - start), absl::ToDoubleSeconds(absl::Now() - fetched)));
+  LogFollow(absl::StrFormat(
+      "'%s' is at version %s: %d patches (%d bytes), %d tensors whole (%d bytes); fetched into the push in %.3f s, "
+      "written and published in %.3f s",
+      name, listing.version, counts.patches, patch_bytes, counts.whole, whole_bytes,
+      absl::ToDoubleSeconds(fetched - start), absl::ToDoubleSeconds(absl::Now() - fetched)));
   return absl::OkStatus();
 }
 

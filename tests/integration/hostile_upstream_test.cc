@@ -22,6 +22,7 @@
 #include "core/catalog/registry.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
+#include "core/status_macros.h"
 #include "origin/grpc_origin.h"
 #include "origin/node_cache.h"
 #include "tests/util/daemon.h"
@@ -68,6 +69,10 @@ struct Lies {
   bool closed ABSL_GUARDED_BY(mu) = false;
   int held_listings ABSL_GUARDED_BY(mu) = 0;
   std::atomic<int> patches_altered{0};
+  // After the tensors listed, sends one more of 64 GiB: more than listed.
+  std::atomic<bool> flood{false};
+  std::atomic<int> floods_refused{0};
+  std::string flood_error ABSL_GUARDED_BY(mu);
 };
 
 // The upstream's store, as the lies make it.
@@ -99,7 +104,15 @@ class LyingStore : public client::Store {
   }
   absl::Status FetchTensors(const std::string& name, const client::Query& query, client::TensorSink* sink) override {
     Sink lying(sink, this);
-    return inner_->FetchTensors(name, Pinned(query), &lying);
+    WEIGHTSTORE_RETURN_IF_ERROR(inner_->FetchTensors(name, Pinned(query), &lying));
+    if (!lies_->flood.load()) return absl::OkStatus();
+    const TensorSpec flood{"flood.weight", DType::kF32, {uint64_t{16} << 30}};
+    absl::StatusOr<std::span<std::byte>> span = sink->Begin(flood);
+    if (span.ok()) return sink->End(flood);  // the node took 64 GiB it was never told of
+    lies_->floods_refused.fetch_add(1);
+    absl::MutexLock lock(&lies_->mu);
+    lies_->flood_error = std::string(span.status().message());
+    return span.status();
   }
 
  private:
@@ -246,6 +259,28 @@ TEST_F(HostileUpstreamTest, APatchThatLiesIsDroppedAndItsTensorFetchedWholeAndCo
   ASSERT_TRUE(testing::WaitUntil([&] { return Held() == v2; })) << Held();
   EXPECT_TRUE(ServesBitExact(2));
   EXPECT_EQ(Stats(cache_->Stats())->steps_patched, 1u);
+}
+
+// A step takes into memory one tensor at a time, and no more in all than
+// the upstream listed: a tensor sent past that is refused before it is held,
+// the step fails, and the node keeps serving what it had.
+TEST_F(HostileUpstreamTest, MoreThanTheListingSaidIsRefusedBeforeItIsHeld) {
+  lies_.flood = true;
+  const std::string v1 = Push(1);
+  ASSERT_TRUE(testing::WaitUntil([&] { return lies_.floods_refused.load() >= 2; }));
+  {
+    absl::MutexLock lock(&lies_.mu);
+    EXPECT_THAT(lies_.flood_error, ::testing::HasSubstr("more than the"));
+    EXPECT_THAT(lies_.flood_error, ::testing::HasSubstr("'flood.weight'"));
+  }
+  EXPECT_EQ(Held(), versions_[0]);
+  EXPECT_TRUE(ServesBitExact(0));
+  EXPECT_GE(Stats(cache_->Stats())->failures, 1u);
+
+  // Honest again: the retried step takes v1.
+  lies_.flood = false;
+  ASSERT_TRUE(testing::WaitUntil([&] { return Held() == v1; })) << Held();
+  EXPECT_TRUE(ServesBitExact(1));
 }
 
 TEST_F(HostileUpstreamTest, AnIdReusedForOtherContentIsRefusedAndBlockedUntilTheNextVersion) {
