@@ -618,6 +618,13 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
       StepSink sink(session.get(), base->manifest().get(), to_receive, step_cancel_);
       absl::Status streamed = upstream_.steps->FetchTensors(name, query, &sink);
       counts = sink.counts();
+      {  // counted as received, before the version they make is served (and whether or not it is)
+        absl::MutexLock lock(&mu_);
+        if (auto it = followed_.find(name); it != followed_.end()) {
+          it->second.stats.patch_bytes += counts.patch_bytes;
+          it->second.stats.whole_bytes += counts.whole_bytes;
+        }
+      }
       if (!streamed.ok()) {
         *patch_failed = sink.patch_refused();
         return streamed;
@@ -642,8 +649,6 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
     absl::MutexLock lock(&mu_);
     if (auto it = followed_.find(name); it != followed_.end()) {
       FollowedStats& s = it->second.stats;
-      s.patch_bytes += patch_bytes;
-      s.whole_bytes += whole_bytes;
       if (counts.whole == 0) {
         ++s.steps_patched;
       } else {

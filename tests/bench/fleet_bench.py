@@ -20,7 +20,12 @@ clients fetching the whole checkpoint from R at once (FetchTensors), timed
 until the last has it. Writing the files to disk is left out, which favours
 the baseline.
 
+It also prints the most a node's RSS peaked above where it was after its
+first pull, over the steps. With --whole the regional tier keeps no patches,
+so each node takes every changed tensor whole.
+
 Usage: build-tools/venv/bin/python tests/bench/fleet_bench.py [--build build] [--gb 1] [--nodes 4] [--steps 5]
+                                                                [--whole]
 """
 import argparse
 import os
@@ -92,12 +97,24 @@ def arrivals(stores, name, version, since, deadline_s=600):
     return seen
 
 
+def rss_kib(pid, field):
+    """A /proc/<pid>/status field in KiB (VmRSS, VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
     parser.add_argument("--gb", type=float, default=1)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--whole", action="store_true",
+                        help="the regional tier keeps no patches (--kept-patch-bytes 0): nodes take each changed "
+                             "tensor whole")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(args.build, "python"))
     import weightstore
@@ -113,7 +130,8 @@ def main():
         save_file(trainer, f"{work}/trainer/policy.safetensors")
         t = Daemon(args.build, work, "trainer", [])
         daemons.append(t)
-        r = Daemon(args.build, work, "regional", ["--origin", f"grpc://{t.address}", "--follow", "--pull", "policy"])
+        r = Daemon(args.build, work, "regional", ["--origin", f"grpc://{t.address}", "--follow", "--pull", "policy"]
+                   + (["--kept-patch-bytes", "0"] if args.whole else []))
         daemons.append(r)
         t_store = weightstore.connect(t.address)
         v0 = t_store.info("policy")["version"]
@@ -128,6 +146,10 @@ def main():
               f"{os.cpu_count()} cores")
 
         last = {n: x.clone() for n, x in trainer.items()}
+        rss_start = [rss_kib(n.proc.pid, "VmRSS") for n in nodes]
+        for n in nodes:  # each node's peak from here: the steps' (clear_refs 5 resets VmHWM)
+            with open(f"/proc/{n.proc.pid}/clear_refs", "w") as f:
+                f.write("5")
         rows = []
         for step in range(args.steps):
             for x in trainer.values():
@@ -152,6 +174,11 @@ def main():
                   f"{nodes_s:.3f} s after the push; into each node {100 * max(into) / total:.2f}% of the "
                   f"checkpoint, out of the regional tier {100 * out / total:.2f}%"
                   + (f"; every node bit-exact: {exact}" if exact is not None else ""))
+
+        rise = [rss_kib(n.proc.pid, "VmHWM") - start for n, start in zip(nodes, rss_start)]
+        print(f"peak RSS of a node during the steps, above its RSS after the first pull: "
+              f"{max(rise) / 1024:.0f} MiB at most ({max(rise) * 1024 / total:.2f}x the checkpoint; mapped file "
+              f"pages count too)")
 
         # The baseline: every node re-pulling the version whole from R.
         repull = []
