@@ -1,5 +1,5 @@
 """A weightstored for a benchmark: started on 127.0.0.1 port 0 with its
-same-host socket, waited for until it serves."""
+same-host socket, waited for until it serves; and a process's memory figures."""
 import os
 import subprocess
 import time
@@ -22,3 +22,12 @@ def start(build, models, work, extra=()):
         time.sleep(0.05)
     daemon.terminate()
     raise SystemExit("weightstored wrote no port file in 20 s")
+
+
+def rss_kib(pid, field):
+    """A /proc/<pid>/status field in KiB (VmRSS, VmHWM, ...); 0 if absent."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0

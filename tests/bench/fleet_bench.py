@@ -42,6 +42,8 @@ import urllib.request
 import torch
 from safetensors.torch import save_file
 
+from bench_daemon import rss_kib
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
@@ -96,14 +98,6 @@ def arrivals(stores, name, version, since, deadline_s=600):
         time.sleep(0.01)
     return seen
 
-
-def rss_kib(pid, field):
-    """A /proc/<pid>/status field in KiB (VmRSS, VmHWM)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def main():

@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from bench_daemon import rss_kib
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
@@ -38,13 +40,6 @@ def write_checkpoint(path, names, seed, changed):
         f.write(struct.pack("<Q", len(text)) + text + data)
     os.replace(path + ".tmp", path)
 
-
-def rss_kib(pid, field):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def run(args, watchers):
