@@ -178,9 +178,10 @@ class ShmStore final : public SharedMemoryStore {
 
   absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
     WEIGHTSTORE_ASSIGN_OR_RETURN(MappedTensors mapped, MapTensors(name, query));
-    // Shared memory (a memfd: it has seals) is read with pread, which
-    // builds no page tables for it; a file the daemon hands out is copied
-    // from its mapping, whose page-cache folios map in few faults
+    // Shared memory (a memfd, or a file on tmpfs: either has seals) is read
+    // with pread, which builds no page tables for it; a file the daemon
+    // hands out is copied from its mapping, whose page-cache folios map in
+    // few faults
     // (shm_bench: pread 1.10-1.13x the mapping for a memfd, 0.89-0.93x for
     // a file).
     std::vector<bool> shared_memory(mapped.segments.size());

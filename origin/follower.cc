@@ -1,5 +1,6 @@
 #include "origin/follower.h"
 
+#include <memory>
 #include <random>
 #include <set>
 #include <utility>
@@ -56,11 +57,13 @@ absl::StatusOr<std::vector<ManifestTensor>> ExpectedTensors(const std::string& n
 
 // Receives a step's changed tensors and element patches straight into the
 // push session, one at a time: the step holds one tensor (or patch) in
-// memory, whatever its size. At most `max_bytes` in all are taken: what
-// the listing said would come (a patch is smaller than its tensor), so an
-// upstream that sends more is refused before it is held. A patch of a tensor whose base digest
-// is not known, or one the session refuses, marks the step's patches as
-// failed: it is taken again with the tensors whole.
+// memory, whatever its size. Only what the listing said would come is
+// taken, each once, with its listed dtype and shape (a patch smaller than
+// its tensor), refused before anything is allocated for it; a tensor whose
+// transfer restarted (a resumed stream) begins again. A patch of a tensor
+// whose base digest is not known, or one the session refuses, marks the
+// step's patches as failed: it is taken again with the tensors whole.
+// Called by one thread at a time (the fetch's copier).
 class StepSink : public client::TensorSink {
  public:
   struct Counts {
@@ -68,19 +71,21 @@ class StepSink : public client::TensorSink {
     uint64_t whole_bytes = 0, patch_bytes = 0;
   };
 
-  StepSink(PushSession* session, const CheckpointManifest* base, uint64_t max_bytes,
+  // `coming`: the specs the listing says will come, by name.
+  StepSink(PushSession* session, const CheckpointManifest* base, absl::flat_hash_map<std::string, TensorSpec> coming,
            std::shared_ptr<const std::atomic<bool>> cancel)
-      : session_(session), base_(base), max_bytes_(max_bytes), cancel_(std::move(cancel)) {}
+      : session_(session), base_(base), coming_(std::move(coming)), cancel_(std::move(cancel)) {}
 
   absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override {
-    WEIGHTSTORE_RETURN_IF_ERROR(Take(spec, spec.byte_size()));
+    WEIGHTSTORE_RETURN_IF_ERROR(Take(spec, spec.byte_size(), /*patch=*/false));
     patch_.reset();
-    return std::span<std::byte>(buffer_.data(), spec.byte_size());
+    return std::span<std::byte>(buffer_.get(), spec.byte_size());
   }
   absl::Status End(const TensorSpec& spec) override {
-    const absl::string_view bytes(reinterpret_cast<const char*>(buffer_.data()), spec.byte_size());
+    const absl::string_view bytes(reinterpret_cast<const char*>(buffer_.get()), spec.byte_size());
     WEIGHTSTORE_RETURN_IF_ERROR(session_->BeginTensor(spec, Crc32c(bytes)));
     WEIGHTSTORE_RETURN_IF_ERROR(session_->Append(bytes));
+    coming_.erase(spec.name);
     ++counts_.whole;
     counts_.whole_bytes += bytes.size();
     return absl::OkStatus();
@@ -94,14 +99,14 @@ class StepSink : public client::TensorSink {
       return absl::DataLossError(absl::StrCat("the upstream sent a patch of '", spec.name.substr(0, 256),
                                               "', which the held version has no digest of, or without one"));
     }
-    WEIGHTSTORE_RETURN_IF_ERROR(Take(spec, bytes));
+    WEIGHTSTORE_RETURN_IF_ERROR(Take(spec, bytes, /*patch=*/true));
     patch_ = Patch{header, bytes, b->digest, *after};
     patch_->header.body = SharedBytes();
-    return std::span<std::byte>(buffer_.data(), bytes);
+    return std::span<std::byte>(buffer_.get(), bytes);
   }
   absl::Status EndPatch(const TensorSpec& spec) override {
     if (!patch_.has_value()) return absl::InternalError("EndPatch without BeginPatch");
-    const absl::string_view body(reinterpret_cast<const char*>(buffer_.data()), patch_->bytes);
+    const absl::string_view body(reinterpret_cast<const char*>(buffer_.get()), patch_->bytes);
     absl::Status s = session_->BeginPatchedTensor(spec, Crc32c(body), patch_->header, patch_->bytes,
                                                   patch_->base_digest, patch_->digest);
     if (s.ok()) s = session_->Append(body);
@@ -109,6 +114,7 @@ class StepSink : public client::TensorSink {
       patch_refused_ = true;
       return s;
     }
+    coming_.erase(spec.name);
     ++counts_.patches;
     counts_.patch_bytes += body.size();
     patch_.reset();
@@ -125,27 +131,35 @@ class StepSink : public client::TensorSink {
     TensorDigest base_digest, digest;
   };
 
-  // Room for `bytes` more, within the step's bound; the buffer is reused.
-  absl::Status Take(const TensorSpec& spec, uint64_t bytes) {
+  // Room for `bytes` of `spec` (or of its patch), which the listing must
+  // say is coming and has not come yet. The buffer is reused; a larger one
+  // replaces it (the old freed first), never initialised.
+  absl::Status Take(const TensorSpec& spec, uint64_t bytes, bool patch) {
     if (cancel_ != nullptr && cancel_->load()) {
       return absl::CancelledError(absl::StrCat("the step was cancelled before tensor '", spec.name, "'"));
     }
-    if (bytes > max_bytes_ - std::min(taken_, max_bytes_)) {
-      return absl::DataLossError(absl::StrCat("the upstream sent more than the ", max_bytes_,
-                                              " bytes of tensors it listed, at tensor '", spec.name.substr(0, 256),
-                                              "'"));
+    auto it = coming_.find(spec.name);
+    if (it == coming_.end() || it->second.dtype != spec.dtype || it->second.shape != spec.shape ||
+        (patch ? bytes >= spec.byte_size() : bytes != spec.byte_size())) {
+      return absl::DataLossError(absl::StrCat("the upstream sent tensor '", spec.name.substr(0, 256),
+                                              patch ? "' as a patch" : "'",
+                                              ", which its listing does not say is coming so (unlisted, unchanged, "
+                                              "sent already, or another dtype, shape or size)"));
     }
-    taken_ += bytes;
-    if (buffer_.size() < bytes) buffer_.resize(bytes);
+    if (capacity_ < bytes) {
+      buffer_.reset();
+      buffer_ = std::make_unique_for_overwrite<std::byte[]>(bytes);
+      capacity_ = bytes;
+    }
     return absl::OkStatus();
   }
 
   PushSession* session_;
   const CheckpointManifest* base_;
-  const uint64_t max_bytes_;
+  absl::flat_hash_map<std::string, TensorSpec> coming_;  // erased as each ends
   std::shared_ptr<const std::atomic<bool>> cancel_;
-  std::vector<std::byte> buffer_;
-  uint64_t taken_ = 0;
+  std::unique_ptr<std::byte[]> buffer_;
+  uint64_t capacity_ = 0;
   std::optional<Patch> patch_;
   Counts counts_;
   bool patch_refused_ = false;
@@ -615,7 +629,11 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
   absl::Status status = [&]() -> absl::Status {
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::unique_ptr<PushSession> session, registry_->BeginPush(name, push));
     if (!delta || listing.delta->changed_tensors > 0) {
-      StepSink sink(session.get(), base->manifest().get(), to_receive, step_cancel_);
+      absl::flat_hash_map<std::string, TensorSpec> coming;
+      for (const client::TensorDescription& d : listing.tensors) {
+        if (!delta || !d.unchanged) coming.emplace(d.spec.name, d.spec);
+      }
+      StepSink sink(session.get(), base->manifest().get(), std::move(coming), step_cancel_);
       absl::Status streamed = upstream_.steps->FetchTensors(name, query, &sink);
       counts = sink.counts();
       {  // counted as received, before the version they make is served (and whether or not it is)
@@ -670,13 +688,17 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
   return absl::OkStatus();
 }
 
-FollowStats Follower::Stats() const {
+FollowStats Follower::Stats() const { return StatsFor(nullptr); }
+
+FollowStats Follower::StatsOf(const std::string& name) const { return StatsFor(&name); }
+
+FollowStats Follower::StatsFor(const std::string* only) const {
   FollowStats s;
   s.following = true;
   absl::MutexLock lock(&mu_);
   s.upstream_connected = connected_;
   const absl::Time now = absl::Now();
-  for (const auto& [name, f] : followed_) {
+  auto add = [&](const Followed& f) {
     FollowedStats c = f.stats;
     c.blocked = !f.blocked.empty();
     c.blocked_reason = f.blocked;
@@ -684,7 +706,12 @@ FollowStats Follower::Stats() const {
     c.lag_versions = f.announced - f.caught_up;
     c.lag_seconds = c.lag_versions == 0 ? 0 : absl::ToDoubleSeconds(now - f.behind_since);
     s.checkpoints.push_back(std::move(c));
+  };
+  if (only != nullptr) {
+    if (auto it = followed_.find(*only); it != followed_.end()) add(it->second);
+    return s;
   }
+  for (const auto& [name, f] : followed_) add(f);
   return s;
 }
 

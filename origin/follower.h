@@ -123,6 +123,8 @@ class Follower {
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   FollowStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Stats() of checkpoint `name` alone (none when it is not followed).
+  FollowStats StatsOf(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Followed {
@@ -171,6 +173,8 @@ class Follower {
   std::shared_ptr<std::atomic<bool>> watch_cancel_ ABSL_GUARDED_BY(mu_);
   const std::shared_ptr<std::atomic<bool>> step_cancel_ = std::make_shared<std::atomic<bool>>(false);
   std::map<std::string, Followed> followed_ ABSL_GUARDED_BY(mu_);
+  // Stats() of every followed checkpoint, or of `*only`.
+  FollowStats StatsFor(const std::string* only) const ABSL_LOCKS_EXCLUDED(mu_);
   std::string stepping_ ABSL_GUARDED_BY(mu_);  // the step in progress (kept followed)
   std::thread watcher_, stepper_;
 };

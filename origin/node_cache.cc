@@ -132,7 +132,11 @@ absl::StatusOr<std::unique_ptr<NodeCache>> NodeCache::Open(CheckpointRegistry* r
   return cache;
 }
 
-PullStats NodeCache::Stats() const {
+PullStats NodeCache::Stats() const { return StatsFor(nullptr); }
+
+PullStats NodeCache::StatsOf(const std::string& name) const { return StatsFor(&name); }
+
+PullStats NodeCache::StatsFor(const std::string* only) const {
   PullStats s;
   s.origin = origin_->Describe();
   s.bytes_pulled = bytes_pulled_.load();
@@ -145,7 +149,7 @@ PullStats NodeCache::Stats() const {
   absl::MutexLock lock(&mu_);
   s.pulls_in_flight = flights_.size();
   s.cache_bytes = cached_bytes_;
-  if (follower_ != nullptr) s.follow = follower_->Stats();
+  if (follower_ != nullptr) s.follow = only != nullptr ? follower_->StatsOf(*only) : follower_->Stats();
   return s;
 }
 

@@ -96,6 +96,7 @@ class NodeCache : public Puller, public FollowedCache {
   void Abandon(const std::string& name, uint64_t ticket) override ABSL_LOCKS_EXCLUDED(mu_);
   void Touch(const std::string& name) override;
   PullStats Stats() const override;
+  PullStats StatsOf(const std::string& name) const override;
   void Shutdown() override;
 
   const Origin& origin() const { return *origin_; }
@@ -109,6 +110,8 @@ class NodeCache : public Puller, public FollowedCache {
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  // Stats() with the follow figures of every followed checkpoint, or of `*only`.
+  PullStats StatsFor(const std::string* only) const;
   struct Flight;
   struct Cached {
     std::vector<std::string> paths;  // relative to the models folder; the main file last

@@ -176,7 +176,7 @@ grpc::ServerUnaryReactor* WeightStoreService::GetCheckpoint(grpc::CallbackServer
   return UnaryReadingThrough(ctx, Scope::kRead, req->name(), [this, req, resp](const PullResult&) -> absl::Status {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto version, registry_->Find(req->name()));
     ToProto(*version, resp);
-    if (puller_ != nullptr) AddFollowing(puller_->Stats(), resp);
+    if (puller_ != nullptr) AddFollowing(puller_->StatsOf(req->name()), resp);
     return absl::OkStatus();
   });
 }

@@ -597,7 +597,9 @@ void ShmServer::Handle(const v1::ShmRequest& request, const ShmPeer& peer, v1::S
         status = version.status();
       } else {
         ToProto(**version, response->mutable_checkpoint());
-        if (puller_ != nullptr) AddFollowing(puller_->Stats(), response->mutable_checkpoint());
+        if (puller_ != nullptr) {
+          AddFollowing(puller_->StatsOf(request.get_checkpoint().name()), response->mutable_checkpoint());
+        }
       }
       break;
     }

@@ -95,6 +95,9 @@ class Puller {
   // Notes that `name` was just used (least recently used eviction).
   virtual void Touch(const std::string& name) = 0;
   virtual PullStats Stats() const = 0;
+  // Stats() with the follow figures of checkpoint `name` alone (what a
+  // GetCheckpoint shows): not a copy of every followed checkpoint's.
+  virtual PullStats StatsOf(const std::string& name) const { return Stats(); }
   // Ends the transfers in progress (their callers get Unavailable), cancelling
   // the origin's reads, and refuses new pulls. For shutdown.
   virtual void Shutdown() = 0;
