@@ -225,6 +225,16 @@ class HostileUpstreamTest : public ::testing::Test {
     auto v = registry_->Get(kName);
     return v != nullptr ? v->version() : "";
   }
+  // Steps the node counted, patched or whole. A version is served a moment
+  // before its step is counted: tests wait for the count, not the version.
+  uint64_t Steps() const {
+    const PullStats stats = cache_->Stats();
+    const FollowedStats* s = Stats(stats);
+    return s == nullptr ? 0 : s->steps_patched + s->steps_whole;
+  }
+  bool WaitForSteps(uint64_t n) const {
+    return testing::WaitUntil([&] { return Steps() >= n; });
+  }
   const FollowedStats* Stats(const PullStats& s) const {
     for (const FollowedStats& c : s.follow.checkpoints) {
       if (c.name == kName) return &c;
@@ -256,6 +266,7 @@ TEST_F(HostileUpstreamTest, APatchThatLiesIsDroppedAndItsTensorFetchedWholeAndCo
   lies_.patches = true;
   const std::string v1 = Push(1);
   ASSERT_TRUE(testing::WaitUntil([&] { return Held() == v1; })) << Held();
+  ASSERT_TRUE(WaitForSteps(1));
   EXPECT_GT(lies_.patches_altered.load(), 0);
   EXPECT_TRUE(ServesBitExact(1));
   const PullStats stats = cache_->Stats();
@@ -269,6 +280,7 @@ TEST_F(HostileUpstreamTest, APatchThatLiesIsDroppedAndItsTensorFetchedWholeAndCo
   lies_.patches = false;
   const std::string v2 = Push(2);
   ASSERT_TRUE(testing::WaitUntil([&] { return Held() == v2; })) << Held();
+  ASSERT_TRUE(WaitForSteps(2));
   EXPECT_TRUE(ServesBitExact(2));
   EXPECT_EQ(Stats(cache_->Stats())->steps_patched, 1u);
 }
@@ -280,6 +292,7 @@ TEST_F(HostileUpstreamTest, ATensorBegunAgainByAResumedStreamIsTakenOnce) {
   lies_.restart = true;
   const std::string v1 = Push(1);
   ASSERT_TRUE(testing::WaitUntil([&] { return Held() == v1; })) << Held();
+  ASSERT_TRUE(WaitForSteps(1));
   EXPECT_GT(lies_.restarts.load(), 0);
   EXPECT_TRUE(ServesBitExact(1));
   EXPECT_EQ(Stats(cache_->Stats())->fallbacks.at("patch_failed"), 1u);
@@ -341,11 +354,8 @@ TEST_F(HostileUpstreamTest, AnIdReusedForOtherContentIsRefusedAndBlockedUntilThe
 TEST_F(HostileUpstreamTest, VersionsWithoutEndAreTakenNewestOnlyInOneStep) {
   const std::string v1 = Push(1);
   ASSERT_TRUE(testing::WaitUntil([&] { return Held() == v1; })) << Held();
-  auto steps = [&] {
-    const PullStats stats = cache_->Stats();
-    return Stats(stats)->steps_patched + Stats(stats)->steps_whole;
-  };
-  const uint64_t before = steps();
+  ASSERT_TRUE(WaitForSteps(1));
+  const uint64_t before = Steps();
   {
     absl::MutexLock lock(&lies_.mu);
     lies_.closed = true;
@@ -365,7 +375,7 @@ TEST_F(HostileUpstreamTest, VersionsWithoutEndAreTakenNewestOnlyInOneStep) {
   ASSERT_TRUE(testing::WaitUntil([&] { return Held() == last && Stats(cache_->Stats())->lag_versions == 0; }))
       << Held();
   EXPECT_TRUE(ServesBitExact(31));
-  EXPECT_EQ(steps() - before, 1u);  // 30 versions, one step
+  EXPECT_EQ(Steps() - before, 1u);  // 30 versions, one step
   size_t kept = 0;
   for (const std::string& id : versions_) kept += registry_->FindManifest(kName, id) != nullptr ? 1 : 0;
   EXPECT_LE(kept, registry_->options().kept_versions);
