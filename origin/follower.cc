@@ -165,6 +165,13 @@ class StepSink : public client::TensorSink {
   bool patch_refused_ = false;
 };
 
+// How long a watch or a poll that finds nothing to follow waits before it
+// asks the node cache again, should no pull wake it first. What the cache
+// follows can be out of its sight for a moment (under load, a node whose
+// following stopped for good after a step was seen once with nothing to
+// follow: the cause is not found yet), so it is never waited on forever.
+constexpr absl::Duration kLookAgain = absl::Seconds(1);
+
 }  // namespace
 
 Follower::Follower(CheckpointRegistry* registry, FollowedCache* cache, FollowUpstream upstream, FollowOptions options)
@@ -231,10 +238,10 @@ void Follower::WatchLoop() {
       absl::MutexLock lock(&mu_);
       Track(known);
     }
-    if (known.empty()) {  // nothing to follow until a pull finishes
+    if (known.empty()) {  // nothing to follow until a pull finishes, or a second from now
       absl::MutexLock lock(&mu_);
       auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || refresh_; };
-      mu_.Await(absl::Condition(&woken));
+      mu_.AwaitWithTimeout(absl::Condition(&woken), kLookAgain);
       continue;
     }
     client::WatchOptions watch;
@@ -316,9 +323,9 @@ void Follower::PollLoop() {
     {
       absl::MutexLock lock(&mu_);
       Track(known);
-      if (known.empty()) {  // nothing to follow until a pull finishes
+      if (known.empty()) {  // nothing to follow until a pull finishes, or the next poll
         auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || refresh_; };
-        mu_.Await(absl::Condition(&woken));
+        mu_.AwaitWithTimeout(absl::Condition(&woken), std::min(upstream_.poll_interval, kLookAgain));
         continue;
       }
     }
