@@ -166,10 +166,10 @@ class StepSink : public client::TensorSink {
 };
 
 // How long a watch or a poll that finds nothing to follow waits before it
-// asks the node cache again, should no pull wake it first. What the cache
-// follows can be out of its sight for a moment (under load, a node whose
-// following stopped for good after a step was seen once with nothing to
-// follow: the cause is not found yet), so it is never waited on forever.
+// asks the node cache again, should no pull wake it first: never forever.
+// (A step's checkpoint once dropped out of NodeCache::Followed() while the
+// step placed its files, and a poll that looked then stopped following for
+// good; that is fixed, and this keeps any such moment from lasting.)
 constexpr absl::Duration kLookAgain = absl::Seconds(1);
 
 }  // namespace

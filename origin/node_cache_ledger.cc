@@ -241,12 +241,19 @@ std::map<std::string, std::string> NodeCache::Followed() const {
   }
   std::map<std::string, std::string> followed;
   for (const auto& [name, c] : ledger) {
-    if (c.placing || c.version.empty()) continue;
     std::shared_ptr<const CheckpointVersion> served = registry_->Get(name);
     if (stepping.contains(name)) {
-      // Mid-step the ledger lags what was published; still followed (a
-      // watch reopened now must not lose it), at the version served.
-      followed[name] = served != nullptr ? served->version() : c.version;
+      // Mid-step the ledger lags what was published, and is marked placing
+      // from just before the renames until the step's end; still followed
+      // (a watch reopened or a poll taken now must not lose it), at the
+      // version served.
+      if (served != nullptr) {
+        followed[name] = served->version();
+      } else if (!c.version.empty()) {
+        followed[name] = c.replacing_version.empty() ? c.version : c.replacing_version;
+      }
+    } else if (c.placing || c.version.empty()) {
+      continue;
     } else if (served != nullptr && served->file_version() == c.file_version) {
       followed[name] = c.version;
     }

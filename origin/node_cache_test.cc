@@ -808,7 +808,17 @@ TEST_F(NodeCacheTest, AShardedRepullFetchesOnlyTheShardsThatChangedAndPutsThemIn
   const auto next = ShardedModel(41, 50);  // shard a changed
   origin_->PutFiles("m", next);
   const uint64_t sent = origin_->sent_.load();
+  // Asked from inside the step's publish (its ledger entry marked placing
+  // until the step ends), the cache still follows it: a poll or watch taken
+  // then must not lose it.
+  std::vector<std::map<std::string, std::string>> seen;
+  const uint64_t listener = registry_->AddListener([&](const std::string& n) {
+    if (n == "m") seen.push_back(cache_->Followed());
+  });
   ASSERT_OK_AND_ASSIGN(FollowedCache::Repulled step, Step("m", *held));
+  registry_->RemoveListener(listener);
+  ASSERT_FALSE(seen.empty());
+  EXPECT_TRUE(seen.front().contains("m"));
   ASSERT_NE(step.version, nullptr);
   EXPECT_EQ(step.version, registry_->Get("m"));
   EXPECT_EQ(step.bytes, next[0].second.size());
