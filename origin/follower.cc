@@ -1,5 +1,8 @@
 #include "origin/follower.h"
 
+#include <fnmatch.h>
+
+#include <algorithm>
 #include <memory>
 #include <random>
 #include <set>
@@ -233,7 +236,7 @@ void Follower::WatchLoop() {
       refresh_ = false;
       watch_cancel_ = cancel;
     }
-    std::map<std::string, std::string> known = cache_->Followed();
+    std::map<std::string, std::string> known = Known();
     {
       absl::MutexLock lock(&mu_);
       Track(known);
@@ -289,6 +292,38 @@ void Follower::WatchLoop() {
   }
 }
 
+absl::Status CheckFollowPatterns(const std::vector<std::string>& patterns) {
+  constexpr size_t kMaxPatterns = 1024, kMaxPatternBytes = 1024, kMaxStars = 2;
+  if (patterns.size() > kMaxPatterns) {
+    return absl::InvalidArgumentError(absl::StrCat(patterns.size(), " patterns; at most ", kMaxPatterns));
+  }
+  for (const std::string& p : patterns) {
+    if (p.empty() || p.size() > kMaxPatternBytes || p.find('\0') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("pattern '", absl::CHexEscape(p.substr(0, 64)), "': ", p.size(),
+                                                     " bytes; 1 to ", kMaxPatternBytes, ", no NUL"));
+    }
+    if (std::count(p.begin(), p.end(), '*') > static_cast<std::ptrdiff_t>(kMaxStars)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("pattern '", absl::CHexEscape(p.substr(0, 64)), "': more than ", kMaxStars, " '*'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool Follower::Follows(const std::string& name) const {
+  if (upstream_.only.empty()) return true;
+  for (const std::string& pattern : upstream_.only) {
+    if (::fnmatch(pattern.c_str(), name.c_str(), 0) == 0) return true;
+  }
+  return false;
+}
+
+std::map<std::string, std::string> Follower::Known() const {
+  std::map<std::string, std::string> known = cache_->Followed();
+  std::erase_if(known, [this](const auto& held) { return !Follows(held.first); });
+  return known;
+}
+
 void Follower::Track(const std::map<std::string, std::string>& known) {
   // Checkpoints no longer held (evicted, replaced by an operator) are not
   // followed; those held are, from the version held. The one a step is
@@ -319,7 +354,7 @@ void Follower::PollLoop() {
       if (stopping_) return;
       refresh_ = false;
     }
-    std::map<std::string, std::string> known = cache_->Followed();
+    std::map<std::string, std::string> known = Known();
     {
       absl::MutexLock lock(&mu_);
       Track(known);

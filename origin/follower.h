@@ -36,6 +36,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -101,10 +102,21 @@ struct FollowOptions {
 // way), and a step pulls the new version whole (FollowedCache::Repull).
 struct FollowUpstream {
   std::string name;  // as logs and metrics say it: "grpc://host:port", "s3://bucket/prefix"
+  // The checkpoints followed among those held (--follow-only): names or
+  // fnmatch(3) patterns ('*' matches '/' too: "org/*" is every revision of
+  // every checkpoint of org). Empty: all. Those not matched are served as
+  // pulled, never stepped.
+  std::vector<std::string> only;
   std::unique_ptr<client::Store> watch, steps;
   std::function<absl::StatusOr<std::string>(const std::string& name)> poll;
   absl::Duration poll_interval = absl::Seconds(10);
 };
+
+// Checks --follow-only's patterns (FollowUpstream::only): at most 1,024, each
+// 1 to 1,024 bytes with at most two '*' (fnmatch backtracks over the name
+// once per '*', and names come from clients' pulls). InvalidArgument naming
+// the pattern otherwise.
+absl::Status CheckFollowPatterns(const std::vector<std::string>& patterns);
 
 class Follower {
  public:
@@ -121,6 +133,9 @@ class Follower {
   // Ends the watch and the step in progress (cancelled); nothing is
   // published after it returns. For shutdown.
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Whether `name`, when held, is to be followed (FollowUpstream::only).
+  bool Follows(const std::string& name) const;
 
   FollowStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   // Stats() of checkpoint `name` alone (none when it is not followed).
@@ -145,6 +160,8 @@ class Follower {
   };
   void WatchLoop();
   void PollLoop();
+  // The cache's Followed(), less what FollowUpstream::only leaves out.
+  std::map<std::string, std::string> Known() const ABSL_LOCKS_EXCLUDED(mu_);
   // A version `version` of `f` seen upstream (an event, a poll).
   void Announce(Followed& f, const std::string& version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prunes followed_ to `known` (what the cache holds) and the step in

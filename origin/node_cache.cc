@@ -146,10 +146,13 @@ PullStats NodeCache::StatsFor(const std::string* only) const {
   s.misses = misses_.load();
   s.evictions = evictions_.load();
   s.cache_budget_bytes = options_.max_bytes;
-  absl::MutexLock lock(&mu_);
-  s.pulls_in_flight = flights_.size();
-  s.cache_bytes = cached_bytes_;
-  if (follower_ != nullptr) s.follow = only != nullptr ? follower_->StatsOf(*only) : follower_->Stats();
+  {
+    absl::MutexLock lock(&mu_);
+    s.pulls_in_flight = flights_.size();
+    s.cache_bytes = cached_bytes_;
+    if (follower_ != nullptr) s.follow = only != nullptr ? follower_->StatsOf(*only) : follower_->Stats();
+  }
+  if (s.follow.following && only == nullptr) s.follow.held = HeldToFollow();
   return s;
 }
 

@@ -112,6 +112,10 @@ class NodeCache : public Puller, public FollowedCache {
  private:
   // Stats() with the follow figures of every followed checkpoint, or of `*only`.
   PullStats StatsFor(const std::string* only) const;
+  // FollowStats::held: the ledger's checkpoints held as placed (or mid-step)
+  // that follower_ is to follow. Counted apart from Followed(), whose
+  // omissions it exists to show.
+  uint64_t HeldToFollow() const ABSL_LOCKS_EXCLUDED(mu_);
   struct Flight;
   struct Cached {
     std::vector<std::string> paths;  // relative to the models folder; the main file last

@@ -261,6 +261,30 @@ std::map<std::string, std::string> NodeCache::Followed() const {
   return followed;
 }
 
+uint64_t NodeCache::HeldToFollow() const {
+  std::vector<std::pair<std::string, std::string>> held;  // name, file version as placed
+  {
+    absl::MutexLock lock(&mu_);
+    if (follower_ == nullptr) return 0;
+    for (const auto& [name, c] : ledger_) {
+      if (c.version.empty() || !follower_->Follows(name)) continue;
+      // Mid-step, whatever the registry serves is the step's; a pull's
+      // placing is not held yet.
+      if (stepping_.contains(name)) {
+        held.emplace_back(name, "");
+      } else if (!c.placing) {
+        held.emplace_back(name, c.file_version);
+      }
+    }
+  }
+  uint64_t count = 0;
+  for (const auto& [name, file_version] : held) {
+    std::shared_ptr<const CheckpointVersion> served = registry_->Get(name);
+    if (served != nullptr && (file_version.empty() || served->file_version() == file_version)) ++count;
+  }
+  return count;
+}
+
 void NodeCache::Recount(Cached* c) {
   uint64_t bytes = 0;
   for (const std::string& path : c->paths) {

@@ -216,6 +216,12 @@ void AddPullFamilies(ServerMetrics* metrics, const Puller* puller) {
   f.AddGauge("weightstore_follow_upstream_connected",
              "1 while the watch of the upstream daemon is up (from S3: while its last poll succeeded).",
              One([puller] { return puller->Stats().follow.upstream_connected ? 1.0 : 0.0; }));
+  f.AddGauge("weightstore_follow_checkpoints", "Checkpoints this node follows now.",
+             One([puller] { return static_cast<double>(puller->Stats().follow.checkpoints.size()); }));
+  f.AddGauge("weightstore_follow_held_checkpoints",
+             "Checkpoints held as pulled that are to be followed (--follow-only): more than "
+             "weightstore_follow_checkpoints while some are not followed.",
+             One([puller] { return static_cast<double>(puller->Stats().follow.held); }));
   f.AddGauge("weightstore_follow_lag_versions",
              "Versions the upstream announced since the one this node holds, not applied yet.",
              per_checkpoint([one](const FollowedStats& c) { return one(c, static_cast<double>(c.lag_versions)); }));

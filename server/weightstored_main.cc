@@ -52,10 +52,11 @@ std::string RedactSecrets(const std::string& config) {
 absl::StatusOr<std::function<absl::StatusOr<std::unique_ptr<weightstore::Puller>>(weightstore::CheckpointRegistry*)>>
 MakePuller(const std::string& url, const std::string& token_file, const std::string& ca_file,
            weightstore::origin::S3Config s3, weightstore::origin::NodeCacheOptions cache, bool follow,
-           double follow_interval_seconds) {
+           double follow_interval_seconds, std::vector<std::string> follow_only) {
   using weightstore::origin::Origin;
   std::unique_ptr<Origin> origin;
   auto upstream = std::make_shared<weightstore::origin::FollowUpstream>();
+  upstream->only = std::move(follow_only);
   if (absl::StartsWith(url, "s3://")) {
     weightstore::origin::FillFromEnvironment(&s3);
     if (cache.parallel_reads > 0) s3.parallel_reads = cache.parallel_reads;
@@ -331,14 +332,20 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--pull", pull, "Pull this checkpoint from the origin once serving (repeatable)");
   bool follow = false;
-  app.add_flag("--follow", follow,
-               "Keep every checkpoint pulled at the origin's newest version: from a grpc[s]:// origin as element "
-               "patches where it keeps them, from an s3:// origin whole (docs/origin.md, Following)");
+  CLI::Option* follow_flag =
+      app.add_flag("--follow", follow,
+                   "Keep every checkpoint pulled at the origin's newest version: from a grpc[s]:// origin as element "
+                   "patches where it keeps them, from an s3:// origin whole (docs/origin.md, Following)");
   double follow_interval_seconds = 10;
   app.add_option("--follow-interval", follow_interval_seconds,
                  "Seconds between two polls of an s3:// origin's listing by --follow (with 20% jitter)")
       ->check(CLI::Range(0.05, 86400.0))
       ->capture_default_str();
+  std::vector<std::string> follow_only;
+  app.add_option("--follow-only", follow_only,
+                 "With --follow, follow only the checkpoints so named (repeatable; fnmatch patterns, '*' matching "
+                 "'/' too: \"org/*\"); the rest are served as pulled")
+      ->needs(follow_flag);
   // S3 credentials: the AWS SDKs' environment variables, or these keys in the
   // config file (never on the command line, where ps shows them). Neither is
   // ever printed or logged.
@@ -401,6 +408,10 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  if (absl::Status only = weightstore::origin::CheckFollowPatterns(follow_only); !only.ok()) {
+    std::fprintf(stderr, "weightstored: --follow-only: %s\n", std::string(only.message()).c_str());
+    return 1;
+  }
   if (check_config) {
     absl::Status status = CheckOptions(options);
     if (!status.ok()) {
@@ -426,7 +437,8 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   if (!origin_url.empty()) {
-    auto make = MakePuller(origin_url, origin_token_file, origin_ca_file, s3, cache, follow, follow_interval_seconds);
+    auto make = MakePuller(origin_url, origin_token_file, origin_ca_file, s3, cache, follow, follow_interval_seconds,
+                           follow_only);
     if (!make.ok()) {
       std::fprintf(stderr, "weightstored: %s\n", std::string(make.status().message()).c_str());
       return 1;

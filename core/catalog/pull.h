@@ -58,6 +58,10 @@ struct FollowStats {
   bool following = false;                  // --follow
   bool upstream_connected = false;         // the watch is up
   std::vector<FollowedStats> checkpoints;  // sorted by name
+  // Checkpoints held as pulled (and served as placed, or mid-step) that are
+  // to be followed, counted from the node cache's own records: a node whose
+  // `checkpoints` stays shorter has stopped following some. In Stats() only.
+  uint64_t held = 0;
 };
 
 // Figures for metrics, read at scrape time.

@@ -7,7 +7,8 @@
 #   docker/Dockerfile     dockerfile-utils' linter (npm)
 #   ConfigMaps' TOML      weightstored --config ... --check-config (our parser),
 #                         every weightstored.toml of both renderings
-#   Prometheus config     promtool check config (Debian's prometheus)
+#   Prometheus config     promtool check config, and test rules on the alerts
+#                         (Debian's prometheus)
 #   systemd unit          systemd-analyze verify (Debian's systemd)
 # Usage: deploy/validate/validate.sh BUILD_DIR
 set -euo pipefail
@@ -56,8 +57,9 @@ for toml in "${tomls[@]}"; do
   echo "ok   $name"
 done
 
-echo "== Prometheus scrape config"
+echo "== Prometheus scrape config, its alerting rules, and their tests"
 promtool check config "$root/deploy/prometheus/prometheus.yml"
+(cd "$root/deploy/prometheus" && promtool test rules alerts_test.yml)
 
 echo "== systemd unit"
 # systemd-analyze checks that ExecStart exists: point it at the built binary.

@@ -864,6 +864,9 @@ TEST_F(FollowingTest, AFileAnOperatorPutInPlaceOfAFollowedOneIsNoLongerFollowedN
   // No longer followed: its series are gone.
   EXPECT_TRUE(testing::WaitUntil([&] { return node.Metric("weightstore_follow_lag_versions") == -1; }))
       << testing::HttpGet(node.daemon->metrics_port(), "/metrics");
+  // Nor held to follow: no alert that it is not followed.
+  EXPECT_EQ(testing::MetricValue(node.daemon->metrics_port(), "weightstore_follow_held_checkpoints"), 0);
+  EXPECT_EQ(testing::MetricValue(node.daemon->metrics_port(), "weightstore_follow_checkpoints"), 0);
 
   // A step reaches the witness; the node keeps the operator's file.
   const std::string v1 = Step();
@@ -871,6 +874,59 @@ TEST_F(FollowingTest, AFileAnOperatorPutInPlaceOfAFollowedOneIsNoLongerFollowedN
   ASSERT_TRUE(WaitForVersion(witness, v1, "witness"));
   EXPECT_EQ(node.Version(), operators);
   EXPECT_EQ(testing::ReadFileOrEmpty(node.models + "/m.safetensors"), theirs);
+}
+
+// --follow-only: a node follows the checkpoints so named and serves the rest
+// as pulled. The metrics count both what it holds to follow and what it
+// follows, which agree on a node that follows everything it should.
+TEST_F(FollowingTest, FollowOnlyFollowsTheCheckpointsItNamesAndServesTheRestAsPulled) {
+  const std::string pinned_v0 = *SerializeCheckpoint(kSafeTensorsFormat, {AsShared(InitialTensors()).front()}, {});
+  testing::WriteFileOrDie(trainer_models_ + "/pinned.safetensors", pinned_v0);
+  trainer_.daemon->Signal(SIGHUP);
+  auto trainer_version_of = [&](const std::string& name) {
+    auto info = trainer_.store->GetCheckpoint(name);
+    return info.ok() ? info->version : std::string();
+  };
+  ASSERT_TRUE(testing::WaitUntil([&] { return !trainer_version_of("pinned").empty(); })) << trainer_.Log();
+  const std::string pinned_first = trainer_version_of("pinned");
+
+  Served node = StartFollower(*trainer_.daemon, "", /*follow=*/true, {"--pull", "pinned", "--follow-only", "m*"});
+  ASSERT_NE(node.daemon->port(), 0);
+  ASSERT_TRUE(WaitForVersion(node, order_[0], "node"));
+  auto node_version_of = [&](const std::string& name) {
+    auto info = node.store->GetCheckpoint(name);
+    return info.ok() ? info->version : std::string();
+  };
+  ASSERT_TRUE(testing::WaitUntil([&] { return node_version_of("pinned") == pinned_first; })) << node.Log();
+  auto gauge = [&](absl::string_view name) { return testing::MetricValue(node.daemon->metrics_port(), name); };
+  EXPECT_TRUE(testing::WaitUntil([&] { return gauge("weightstore_follow_checkpoints") == 1; }))
+      << testing::HttpGet(node.daemon->metrics_port(), "/metrics");
+  EXPECT_EQ(gauge("weightstore_follow_held_checkpoints"), 1);
+
+  // The upstream moves both: pinned first, then m. The node takes m's step,
+  // and keeps the pinned version it pulled.
+  testing::WriteFileOrDie(trainer_models_ + "/pinned.safetensors.next",
+                          *SerializeCheckpoint(kSafeTensorsFormat, {AsShared(InitialTensors()).back()}, {}));
+  ASSERT_EQ(std::rename((trainer_models_ + "/pinned.safetensors.next").c_str(),
+                        (trainer_models_ + "/pinned.safetensors").c_str()),
+            0);
+  trainer_.daemon->Signal(SIGHUP);
+  ASSERT_TRUE(testing::WaitUntil([&] { return trainer_version_of("pinned") != pinned_first; })) << trainer_.Log();
+  const std::string v1 = Step();
+  ASSERT_FALSE(v1.empty());
+  ASSERT_TRUE(WaitForVersion(node, v1, "node"));
+  ExpectServesBitExact(node, v1, "node");
+  EXPECT_EQ(node_version_of("pinned"), pinned_first);
+  EXPECT_EQ(testing::ReadFileOrEmpty(node.models + "/pinned.safetensors"), pinned_v0);
+  EXPECT_EQ(
+      testing::MetricValue(node.daemon->metrics_port(), "weightstore_follow_lag_versions", {"checkpoint=\"pinned\""}),
+      -1)
+      << "pinned has follow series";
+  EXPECT_THAT(node.Log(), ::testing::Not(::testing::HasSubstr("'pinned' is at version")));
+  ASSERT_OK_AND_ASSIGN(client::CheckpointSummary pinned, node.store->GetCheckpoint("pinned"));
+  EXPECT_FALSE(pinned.follow.has_value());
+  EXPECT_EQ(gauge("weightstore_follow_checkpoints"), 1);
+  EXPECT_EQ(gauge("weightstore_follow_held_checkpoints"), 1);
 }
 
 // A step writes the new version beside the one held: the cache's budget
@@ -1035,6 +1091,23 @@ TEST(FollowingFlagsTest, FollowWithoutAnOriginIsRefusedAtStart) {
   std::string out;
   EXPECT_NE(RunRefused("--follow", &out), 0);
   EXPECT_THAT(out, ::testing::HasSubstr("--follow needs --origin")) << out;
+}
+
+TEST(FollowingFlagsTest, FollowOnlyPatternsAreBoundedAndNeedFollow) {
+  std::string out;
+  EXPECT_NE(RunRefused("--origin grpc://127.0.0.1:1 --follow-only m --pull m", &out), 0);
+  EXPECT_THAT(out, ::testing::HasSubstr("--follow-only requires --follow")) << out;
+  EXPECT_NE(RunRefused("--origin grpc://127.0.0.1:1 --follow --follow-only 'a*b*c*' --check-config", &out), 0);
+  EXPECT_THAT(out, ::testing::HasSubstr("--follow-only: pattern 'a*b*c*': more than 2 '*'")) << out;
+  EXPECT_NE(RunRefused(absl::StrCat("--origin grpc://127.0.0.1:1 --follow --follow-only ", std::string(1025, 'x'),
+                                    " --check-config"),
+                       &out),
+            0);
+  EXPECT_THAT(out, ::testing::HasSubstr("1025 bytes; 1 to 1024")) << out;
+  EXPECT_EQ(
+      RunRefused("--origin grpc://127.0.0.1:1 --follow --follow-only 'org/*' --follow-only m --check-config", &out), 0)
+      << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("follow-only")) << out;
 }
 
 }  // namespace
