@@ -17,7 +17,6 @@
 #include "client/updates.h"
 #include "core/catalog/manifest.h"
 #include "core/catalog/push.h"
-#include "core/crc32c.h"
 #include "core/format.h"
 #include "core/status_macros.h"
 
@@ -86,7 +85,8 @@ class StepSink : public client::TensorSink {
   }
   absl::Status End(const TensorSpec& spec) override {
     const absl::string_view bytes(reinterpret_cast<const char*>(buffer_.get()), spec.byte_size());
-    WEIGHTSTORE_RETURN_IF_ERROR(session_->BeginTensor(spec, Crc32c(bytes)));
+    // The fetch checked each chunk's CRC32C as it came: none again here.
+    WEIGHTSTORE_RETURN_IF_ERROR(session_->BeginTensor(spec, std::nullopt));
     WEIGHTSTORE_RETURN_IF_ERROR(session_->Append(bytes));
     coming_.erase(spec.name);
     ++counts_.whole;
@@ -110,7 +110,7 @@ class StepSink : public client::TensorSink {
   absl::Status EndPatch(const TensorSpec& spec) override {
     if (!patch_.has_value()) return absl::InternalError("EndPatch without BeginPatch");
     const absl::string_view body(reinterpret_cast<const char*>(buffer_.get()), patch_->bytes);
-    absl::Status s = session_->BeginPatchedTensor(spec, Crc32c(body), patch_->header, patch_->bytes,
+    absl::Status s = session_->BeginPatchedTensor(spec, std::nullopt, patch_->header, patch_->bytes,
                                                   patch_->base_digest, patch_->digest);
     if (s.ok()) s = session_->Append(body);
     if (!s.ok()) {

@@ -26,14 +26,14 @@
 namespace weightstore {
 namespace fs = std::filesystem;
 
-absl::Status PushSession::BeginTensor(const TensorSpec& spec, uint32_t crc32c) {
+absl::Status PushSession::BeginTensor(const TensorSpec& spec, std::optional<uint32_t> crc32c) {
   if (current_) WEIGHTSTORE_RETURN_IF_ERROR(EndTensor());
   return StartTensor(spec, crc32c);
 }
 
-absl::Status PushSession::BeginPatchedTensor(const TensorSpec& spec, uint32_t crc32c, const ElementPatch& patch,
-                                             uint64_t patch_bytes, const TensorDigest& base_digest,
-                                             const TensorDigest& digest) {
+absl::Status PushSession::BeginPatchedTensor(const TensorSpec& spec, std::optional<uint32_t> crc32c,
+                                             const ElementPatch& patch, uint64_t patch_bytes,
+                                             const TensorDigest& base_digest, const TensorDigest& digest) {
   if (current_) WEIGHTSTORE_RETURN_IF_ERROR(EndTensor());
   const std::string where = absl::StrCat("push to '", name_, "': the patch of tensor '", spec.name.substr(0, 256), "'");
   const CheckpointEntry* before = base_->checkpoint()->Find(spec.name);
@@ -73,7 +73,7 @@ absl::Status PushSession::BeginPatchedTensor(const TensorSpec& spec, uint32_t cr
   return absl::OkStatus();
 }
 
-absl::Status PushSession::StartTensor(const TensorSpec& spec, uint32_t crc32c) {
+absl::Status PushSession::StartTensor(const TensorSpec& spec, std::optional<uint32_t> crc32c) {
   patch_.reset();
   const std::string where = absl::StrCat("push to '", name_, "': tensor '", spec.name.substr(0, 256), "'");
   if (spec.name.empty() || spec.name.size() > max_name_bytes_) {
@@ -133,7 +133,7 @@ absl::Status PushSession::Append(absl::string_view data) {
     const auto* bytes = reinterpret_cast<const std::byte*>(data.data());
     patch_->body.insert(patch_->body.end(), bytes, bytes + data.size());
     current_->received += data.size();
-    current_->crc = Crc32cExtend(current_->crc, data);
+    if (current_->expected_crc) current_->crc = Crc32cExtend(current_->crc, data);
     return absl::OkStatus();
   }
   if (data.size() > t.spec.byte_size() - current_->received) {
@@ -142,7 +142,7 @@ absl::Status PushSession::Append(absl::string_view data) {
   }
   WEIGHTSTORE_RETURN_IF_ERROR(staging_->Append(data));
   current_->received += data.size();
-  current_->crc = Crc32cExtend(current_->crc, data);
+  if (current_->expected_crc) current_->crc = Crc32cExtend(current_->crc, data);
   current_->digest.Update(data);
   return absl::OkStatus();
 }
@@ -155,9 +155,9 @@ absl::Status PushSession::EndTensor() {
     return absl::InvalidArgumentError(absl::StrCat("push to '", name_, "': tensor '", t.spec.name, "' ended after ",
                                                    current_->received, " of ", t.spec.byte_size(), " bytes"));
   }
-  if (current_->crc != current_->expected_crc) {
+  if (current_->expected_crc && current_->crc != *current_->expected_crc) {
     return absl::DataLossError(absl::StrCat("push to '", name_, "': tensor '", t.spec.name,
-                                            "' failed its CRC32C check (the client sent ", current_->expected_crc,
+                                            "' failed its CRC32C check (the client sent ", *current_->expected_crc,
                                             ", the bytes make ", current_->crc, ")"));
   }
   t.digest = current_->digest.Finish();
@@ -172,9 +172,9 @@ absl::Status PushSession::EndPatchedTensor(Pushed& t) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, " ended after ", current_->received, " of ", p.patch_bytes, " bytes"));
   }
-  if (current_->crc != current_->expected_crc) {
-    return absl::DataLossError(absl::StrCat(where, " failed its CRC32C check (the client sent ", current_->expected_crc,
-                                            ", the bytes make ", current_->crc, ")"));
+  if (current_->expected_crc && current_->crc != *current_->expected_crc) {
+    return absl::DataLossError(absl::StrCat(where, " failed its CRC32C check (the client sent ",
+                                            *current_->expected_crc, ", the bytes make ", current_->crc, ")"));
   }
   p.header.body = SharedBytes::FromVector(std::move(p.body));
   if (absl::Status valid = CheckPatch(p.header); !valid.ok()) {

@@ -59,11 +59,12 @@ struct PushOptions {
 class PushSession {
  public:
   // Starts a pushed tensor, whose `spec.byte_size()` bytes follow through
-  // Append, with CRC32C `crc32c`. InvalidArgument naming the tensor unless it
+  // Append, with CRC32C `crc32c` (none: the caller checked the bytes' transfer
+  // itself, as a follower's fetch does). InvalidArgument naming the tensor unless it
   // replaces a base tensor of the same dtype and shape (or is new, when
   // allowed), is not removed and was not pushed before; ResourceExhausted past
   // the push's byte or tensor bounds.
-  absl::Status BeginTensor(const TensorSpec& spec, uint32_t crc32c);
+  absl::Status BeginTensor(const TensorSpec& spec, std::optional<uint32_t> crc32c);
   // Starts a tensor pushed as an element patch of the base's
   // (core/element_patch.h): `patch` is its header (no body), whose
   // `patch_bytes` bytes follow through Append, with CRC32C `crc32c`. The
@@ -74,7 +75,7 @@ class PushSession {
   // tensor and at most RegistryOptions::max_push_patch_bytes. The patch is
   // checked in full when its bytes are in, and the base streamed through it
   // into the staging file: refused, naming the tensor, with nothing published.
-  absl::Status BeginPatchedTensor(const TensorSpec& spec, uint32_t crc32c, const ElementPatch& patch,
+  absl::Status BeginPatchedTensor(const TensorSpec& spec, std::optional<uint32_t> crc32c, const ElementPatch& patch,
                                   uint64_t patch_bytes, const TensorDigest& base_digest, const TensorDigest& digest);
   // Appends bytes of the current tensor (or its patch); InvalidArgument past
   // its size.
@@ -91,7 +92,7 @@ class PushSession {
   absl::Status EndTensor();
   // Checks `spec` (new, removed, pushed twice, another dtype or shape, the
   // bounds) and records it as the tensor being pushed.
-  absl::Status StartTensor(const TensorSpec& spec, uint32_t crc32c);
+  absl::Status StartTensor(const TensorSpec& spec, std::optional<uint32_t> crc32c);
 
   struct Pushed {
     TensorSpec spec;
@@ -108,7 +109,8 @@ class PushSession {
   struct Current {
     size_t index;  // into pushed_
     uint64_t received;
-    uint32_t crc, expected_crc;
+    uint32_t crc;
+    std::optional<uint32_t> expected_crc;  // none: not checked here
     DigestBuilder digest;
   };
   // The patch of the current tensor, when it came as one.

@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "core/catalog/registry.h"
@@ -122,6 +123,29 @@ TEST_F(PushTest, NoTemporaryOfAPushOutlivesThePublishOfItsVersion) {
   EXPECT_NE(pushed->version(), base_->version());
   EXPECT_TRUE(told);
   EXPECT_THAT(seen, ElementsAre("m.safetensors"));
+}
+
+// A follower's fetch checks each chunk's CRC32C as it lands, so its push
+// gives none; the tensor is still checked against the digest expected. A
+// CRC given is checked.
+TEST_F(PushTest, ATensorPushedWithoutACrcIsStillCheckedAgainstTheDigestExpected) {
+  std::vector<ManifestTensor> expected = base_->manifest()->tensors();
+  const SharedTensor b = F32("b", {30, 40});
+  expected[1].digest = DigestBytes(std::span<const std::byte>(b.bytes.data(), b.bytes.size()));
+  PushOptions follow{.base_version = base_->version(), .version_id = "upstream-v2", .expected = expected};
+  auto push = [&](const SharedTensor& t, std::optional<uint32_t> crc) -> absl::Status {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(auto session, registry_.BeginPush("m", follow));
+    WEIGHTSTORE_RETURN_IF_ERROR(session->BeginTensor(t.spec, crc));
+    WEIGHTSTORE_RETURN_IF_ERROR(session->Append(t.bytes.view()));
+    return registry_.FinishPush(std::move(session)).status();
+  };
+  EXPECT_THAT(push(F32("b", {30, 41}), std::nullopt),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 'b' unlike the version expected")));
+  EXPECT_THAT(push(b, Crc32c(b.bytes.view()) ^ 1u),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 'b' failed its CRC32C check")));
+  ExpectNothingChanged();
+  EXPECT_OK(push(b, std::nullopt));
+  EXPECT_EQ(registry_.Get("m")->version(), "upstream-v2");
 }
 
 // A follower's push copies a version its upstream published: its id, its
