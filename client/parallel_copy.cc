@@ -77,7 +77,8 @@ uint32_t CopyWithCrc32c(std::span<std::byte> out, const std::byte* from, bool re
   return crc;
 }
 
-absl::StatusOr<uint32_t> PreadWithCrc32c(std::span<std::byte> out, int fd, uint64_t offset, absl::string_view what) {
+absl::StatusOr<uint32_t> ParallelPread(std::span<std::byte> out, int fd, uint64_t offset, absl::string_view what,
+                                       bool checksum) {
   constexpr uint64_t kSlice = uint64_t{256} << 10;
   const uint64_t size = out.size();
   if (size == 0) return 0;
@@ -89,12 +90,13 @@ absl::StatusOr<uint32_t> PreadWithCrc32c(std::span<std::byte> out, int fd, uint6
       const uint64_t n = std::min(kSlice, length - done);
       std::byte* to = out.data() + at + done;
       WEIGHTSTORE_RETURN_IF_ERROR(PreadFully(fd, offset + at + done, to, n, what));
-      crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(to), n));
+      if (checksum) crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(to), n));
       done += n;
     }
     crcs[at / kCopyPieceBytes] = crc;
     return absl::OkStatus();
   }));
+  if (!checksum) return 0;
   uint32_t crc = crcs[0];
   for (size_t i = 1; i < crcs.size(); ++i) {
     crc = Crc32cConcat(crc, crcs[i], std::min(kCopyPieceBytes, size - i * kCopyPieceBytes));

@@ -43,13 +43,15 @@ uint32_t CopyWithCrc32c(std::span<std::byte> out, const std::byte* from, bool re
 
 // Reads out.size() bytes of `fd` from `offset` into `out` with pread, in
 // pieces on CopyThreads() threads (each piece's pages faulted in first), and
-// returns their CRC32C, each slice checksummed while it is in cache. Nothing
+// with `checksum` returns their CRC32C (else 0), each slice checksummed while
+// it is in cache. Nothing
 // is mapped: the kernel copies from the page cache or shared memory, so no
 // page tables are built or torn down for the source (for a memfd on the
 // 2-core VM, 1.10-1.13x a fresh mapping's copy; for a file, whose page cache
 // maps in large folios, 0.89-0.93x: shm_bench). `what` names the source in
 // errors.
-absl::StatusOr<uint32_t> PreadWithCrc32c(std::span<std::byte> out, int fd, uint64_t offset, absl::string_view what);
+absl::StatusOr<uint32_t> ParallelPread(std::span<std::byte> out, int fd, uint64_t offset, absl::string_view what,
+                                       bool checksum);
 
 // Drops this process's mappings of the whole pages inside `source`, a
 // range of a read-only or not yet written copy-on-write mapping of a file or

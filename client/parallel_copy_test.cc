@@ -69,8 +69,9 @@ TEST(ParallelCopyTest, CopyWithCrc32cChecksumsWhatItWroteAndCanDropTheSourcesPag
 }
 
 // Read through a memfd's descriptor from an offset: every byte, its CRC32C
-// across pieces, and a source that ends early fails naming it.
-TEST(ParallelCopyTest, PreadWithCrc32cReadsTheRangeAndChecksumsIt) {
+// across pieces (or none when not asked for), and a source that ends early
+// fails naming it.
+TEST(ParallelCopyTest, ParallelPreadReadsTheRangeAndChecksumsItWhenAsked) {
   ::setenv("WEIGHTSTORE_COPY_THREADS", "3", /*overwrite=*/1);
   const size_t total = (size_t{13} << 20) + 11;
   std::vector<std::byte> file(total);
@@ -80,14 +81,18 @@ TEST(ParallelCopyTest, PreadWithCrc32cReadsTheRangeAndChecksumsIt) {
   ASSERT_EQ(::write(fd, file.data(), total), static_cast<ssize_t>(total));
   for (const auto& [offset, size] :
        std::vector<std::pair<size_t, size_t>>{{0, 0}, {3, 5}, {4096, size_t{4} << 20}, {7, (size_t{13} << 20) + 4}}) {
-    std::vector<std::byte> to(size, std::byte{0});
-    absl::StatusOr<uint32_t> crc = PreadWithCrc32c(std::span<std::byte>(to), fd, offset, "the memfd");
-    ASSERT_TRUE(crc.ok()) << crc.status();
-    EXPECT_TRUE(std::equal(to.begin(), to.end(), file.begin() + static_cast<ptrdiff_t>(offset))) << size;
-    EXPECT_EQ(*crc, Crc32c(absl::string_view(reinterpret_cast<const char*>(to.data()), to.size()))) << size;
+    for (bool checksum : {true, false}) {
+      std::vector<std::byte> to(size, std::byte{0});
+      absl::StatusOr<uint32_t> crc = ParallelPread(std::span<std::byte>(to), fd, offset, "the memfd", checksum);
+      ASSERT_TRUE(crc.ok()) << crc.status();
+      EXPECT_TRUE(std::equal(to.begin(), to.end(), file.begin() + static_cast<ptrdiff_t>(offset))) << size;
+      EXPECT_EQ(*crc, checksum ? Crc32c(absl::string_view(reinterpret_cast<const char*>(to.data()), to.size())) : 0u)
+          << size;
+    }
   }
   std::vector<std::byte> past(size_t{5} << 20);
-  absl::StatusOr<uint32_t> short_read = PreadWithCrc32c(std::span<std::byte>(past), fd, total - 100, "the memfd");
+  absl::StatusOr<uint32_t> short_read =
+      ParallelPread(std::span<std::byte>(past), fd, total - 100, "the memfd", /*checksum=*/true);
   EXPECT_EQ(short_read.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(std::string(short_read.status().message()), ::testing::HasSubstr("the memfd"));
   ::close(fd);

@@ -226,7 +226,8 @@ class ShmStore final : public SharedMemoryStore {
         }
       }
       if (from != nullptr) {
-        WEIGHTSTORE_ASSIGN_OR_RETURN(uint32_t read, PreadWithCrc32c(to, from->fd(), from->offset() + at, from->path()));
+        WEIGHTSTORE_ASSIGN_OR_RETURN(uint32_t read,
+                                     ParallelPread(to, from->fd(), from->offset() + at, from->path(), crc.has_value()));
         if (crc && read != *crc) {
           return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' does not match its CRC32C"));
         }

@@ -212,7 +212,8 @@ int main(int argc, char** argv) {
           for (const auto& segment : mapped->segments) {
             const std::span<std::byte> to(owned.data(), segment->size());
             if (pread) {
-              if (!client::PreadWithCrc32c(to, segment->fd(), segment->offset(), segment->path()).ok()) return 1;
+              if (!client::ParallelPread(to, segment->fd(), segment->offset(), segment->path(), /*checksum=*/true).ok())
+                return 1;
               continue;
             }
             auto again = MappedFile::FromDescriptor(::fcntl(segment->fd(), F_DUPFD_CLOEXEC, 0), segment->path(),
