@@ -88,6 +88,12 @@ TEST(PythonPackageTest, TransformersModelsLoadFromAHubCacheWithTheSameLogitsOver
                   testing::MakeScratchDir("py-cwd"), "test_transformers.py");
 }
 
+TEST(PythonPackageTest, ATransformersModelFollowedThroughTiersLoadsWithFromPretrainedFromEveryNode) {
+  // Starts a trainer's daemon, a regional one and two nodes of its own.
+  RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
+                  testing::MakeScratchDir("py-cwd"), "test_following.py");
+}
+
 TEST(PythonPackageTest, HostileArgumentsToEveryCallRaiseAndNeverCrashOrHang) {
   RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
                   testing::MakeScratchDir("py-cwd"), "test_api_fuzz.py");

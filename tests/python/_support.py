@@ -58,3 +58,64 @@ def write_hub_repo(models, repo, files):
     with open(os.path.join(root, "refs", "main"), "w") as f:
         f.write(commit)  # huggingface_hub writes the bare hash, no newline
     return commit
+
+
+class Daemon:
+    """A weightstored of a test's own (WS_DAEMON) on 127.0.0.1 port 0 over
+    `models`, with its metrics endpoint, logging to a file beside its port
+    file; waited for until it serves. stop() ends it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, models, *args, work=None):
+        import subprocess
+        import tempfile
+        import time
+        self.models = models
+        os.makedirs(models, exist_ok=True)
+        self.work = work or tempfile.mkdtemp(prefix="ws-daemon-")
+        port_file = os.path.join(self.work, "port")
+        self.log_path = os.path.join(self.work, "stderr.log")
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [os.environ["WS_DAEMON"], "--models", models, "--listen", "127.0.0.1:0", "--port-file", port_file,
+                 "--metrics-listen", "127.0.0.1:0", *args], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        for _ in range(600):  # 30 s: only a daemon that never starts takes that long
+            if os.path.exists(port_file + ".metrics") and os.path.exists(port_file):
+                with open(port_file) as f, open(port_file + ".metrics") as m:
+                    port, metrics = f.read().strip(), m.read().strip()
+                if port and metrics:
+                    self.address, self.metrics_port = "127.0.0.1:" + port, int(metrics)
+                    return
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.stop()
+        raise AssertionError(f"weightstored did not start: {self.log()}")
+
+    def log(self):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def metric(self, name, **labels):
+        """One sample off /metrics (None when absent)."""
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=60) as r:
+            text = r.read().decode()
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            series, value = line.rsplit(" ", 1)
+            series_name, _, rest = series.partition("{")
+            if series_name == name and ",".join(sorted(rest.rstrip("}").split(","))) == want:
+                return float(value)
+        return None
+
+    def stop(self):
+        import subprocess
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
