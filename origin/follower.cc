@@ -14,6 +14,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/updates.h"
 #include "core/catalog/manifest.h"
 #include "core/catalog/push.h"
@@ -85,7 +86,8 @@ class StepSink : public client::TensorSink {
   }
   absl::Status End(const TensorSpec& spec) override {
     const absl::string_view bytes(reinterpret_cast<const char*>(buffer_.get()), spec.byte_size());
-    // The fetch checked each chunk's CRC32C as it came: none again here.
+    // The fetch checked the tensor's CRC32C over its chunks as they came:
+    // none again here.
     WEIGHTSTORE_RETURN_IF_ERROR(session_->BeginTensor(spec, std::nullopt));
     WEIGHTSTORE_RETURN_IF_ERROR(session_->Append(bytes));
     coming_.erase(spec.name);
@@ -187,6 +189,12 @@ Follower::~Follower() {
 }
 
 void Follower::Start() {
+  if (!upstream_.only.empty()) {
+    LogFollow(absl::StrCat("following only the checkpoints named by --follow-only: ",
+                           absl::StrJoin(upstream_.only, ", ", [](std::string* out, const std::string& p) {
+                             absl::StrAppend(out, "'", absl::CHexEscape(p), "'");
+                           })));
+  }
   watcher_ = std::thread([this] {
     if (upstream_.watch != nullptr) {
       WatchLoop();
@@ -318,10 +326,37 @@ bool Follower::Follows(const std::string& name) const {
   return false;
 }
 
-std::map<std::string, std::string> Follower::Known() const {
+std::map<std::string, std::string> Follower::Known() {
   std::map<std::string, std::string> known = cache_->Followed();
-  std::erase_if(known, [this](const auto& held) { return !Follows(held.first); });
+  std::vector<std::string> left_out;
+  std::erase_if(known, [&](const auto& held) {
+    if (Follows(held.first)) return false;
+    left_out.push_back(held.first);
+    return true;
+  });
+  SayLeftOut(left_out);
   return known;
+}
+
+void Follower::SayLeftOut(const std::vector<std::string>& names) {
+  std::vector<std::string> lines;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::string& name : names) {
+      if (left_out_said_.size() < kMaxLeftOutSaid && left_out_said_.insert(name).second) {
+        lines.push_back(absl::StrCat("'", name, "' is held but not followed: --follow-only names it not"));
+      }
+    }
+  }
+  for (const std::string& line : lines) LogFollow(line);  // never under mu_: stderr may block
+}
+
+void Follower::Held(const std::string& name) {
+  if (Follows(name)) {
+    Refresh();
+  } else {
+    SayLeftOut({name});
+  }
 }
 
 void Follower::Track(const std::map<std::string, std::string>& known) {
@@ -731,6 +766,13 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
 }
 
 FollowStats Follower::Stats() const { return StatsFor(nullptr); }
+
+std::set<std::string> Follower::FollowedNames() const {
+  std::set<std::string> names;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, f] : followed_) names.insert(name);
+  return names;
+}
 
 FollowStats Follower::StatsOf(const std::string& name) const { return StatsFor(&name); }
 

@@ -34,6 +34,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -130,6 +131,10 @@ class Follower {
   void Start();
   // What is held changed (a pull finished): the watch is reopened with it.
   void Refresh() ABSL_LOCKS_EXCLUDED(mu_);
+  // The cache holds `name` anew (a pull placed it, a scan served it): a
+  // Refresh when it is to be followed, else (--follow-only) said once in the
+  // log.
+  void Held(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the watch and the step in progress (cancelled); nothing is
   // published after it returns. For shutdown.
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
@@ -138,6 +143,8 @@ class Follower {
   bool Follows(const std::string& name) const;
 
   FollowStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The names of the checkpoints followed now.
+  std::set<std::string> FollowedNames() const ABSL_LOCKS_EXCLUDED(mu_);
   // Stats() of checkpoint `name` alone (none when it is not followed).
   FollowStats StatsOf(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -160,8 +167,11 @@ class Follower {
   };
   void WatchLoop();
   void PollLoop();
-  // The cache's Followed(), less what FollowUpstream::only leaves out.
-  std::map<std::string, std::string> Known() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The cache's Followed(), less what FollowUpstream::only leaves out (each
+  // name left out logged once).
+  std::map<std::string, std::string> Known() ABSL_LOCKS_EXCLUDED(mu_);
+  // Logs, once per name, that `names` are held but left out.
+  void SayLeftOut(const std::vector<std::string>& names) ABSL_LOCKS_EXCLUDED(mu_);
   // A version `version` of `f` seen upstream (an event, a poll).
   void Announce(Followed& f, const std::string& version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prunes followed_ to `known` (what the cache holds) and the step in
@@ -193,6 +203,10 @@ class Follower {
   // Stats() of every followed checkpoint, or of `*only`.
   FollowStats StatsFor(const std::string* only) const ABSL_LOCKS_EXCLUDED(mu_);
   std::string stepping_ ABSL_GUARDED_BY(mu_);  // the step in progress (kept followed)
+  // Names --follow-only left out that the log has said so of (at most
+  // kMaxLeftOutSaid: names come from clients' pulls).
+  static constexpr size_t kMaxLeftOutSaid = 4096;
+  std::set<std::string> left_out_said_ ABSL_GUARDED_BY(mu_);
   std::thread watcher_, stepper_;
 };
 

@@ -146,13 +146,10 @@ PullStats NodeCache::StatsFor(const std::string* only) const {
   s.misses = misses_.load();
   s.evictions = evictions_.load();
   s.cache_budget_bytes = options_.max_bytes;
-  {
-    absl::MutexLock lock(&mu_);
-    s.pulls_in_flight = flights_.size();
-    s.cache_bytes = cached_bytes_;
-    if (follower_ != nullptr) s.follow = only != nullptr ? follower_->StatsOf(*only) : follower_->Stats();
-  }
-  if (s.follow.following && only == nullptr) s.follow.held = HeldToFollow();
+  absl::MutexLock lock(&mu_);
+  s.pulls_in_flight = flights_.size();
+  s.cache_bytes = cached_bytes_;
+  if (follower_ != nullptr) s.follow = only != nullptr ? follower_->StatsOf(*only) : follower_->Stats();
   return s;
 }
 
@@ -279,7 +276,7 @@ void NodeCache::RunFlight(const std::string& name, const std::shared_ptr<Flight>
     waiters.swap(flight->waiters);  // no one joins a flight once it is erased
   }
   std::shared_ptr<const CheckpointVersion> version = status.ok() ? registry_->Get(name) : nullptr;
-  if (version != nullptr && follower_ != nullptr) follower_->Refresh();  // follows it from now
+  if (version != nullptr && follower_ != nullptr) follower_->Held(name);  // followed from now, or said not to be
   if (status.ok() && version == nullptr) {
     status = absl::UnavailableError(absl::StrCat("checkpoint '", name, "' was pulled, then unloaded; retry"));
   }

@@ -103,6 +103,10 @@ class NodeCache : public Puller, public FollowedCache {
 
   // FollowedCache.
   std::map<std::string, std::string> Followed() const override ABSL_LOCKS_EXCLUDED(mu_);
+  // The ledger's checkpoints held as placed (or mid-step) that follower_ is
+  // to follow, less those it follows. Counted apart from Followed(), whose
+  // omissions it exists to show.
+  uint64_t UnfollowedCheckpoints() const override ABSL_LOCKS_EXCLUDED(mu_);
   bool BeginStep(const std::string& name, const CheckpointVersion& base) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status ReserveStep(const std::string& name, uint64_t bytes) override ABSL_LOCKS_EXCLUDED(mu_, evict_mu_);
   void EndStep(const std::string& name, const CheckpointVersion* published) override ABSL_LOCKS_EXCLUDED(mu_);
@@ -112,10 +116,7 @@ class NodeCache : public Puller, public FollowedCache {
  private:
   // Stats() with the follow figures of every followed checkpoint, or of `*only`.
   PullStats StatsFor(const std::string* only) const;
-  // FollowStats::held: the ledger's checkpoints held as placed (or mid-step)
-  // that follower_ is to follow. Counted apart from Followed(), whose
-  // omissions it exists to show.
-  uint64_t HeldToFollow() const ABSL_LOCKS_EXCLUDED(mu_);
+
   struct Flight;
   struct Cached {
     std::vector<std::string> paths;  // relative to the models folder; the main file last

@@ -137,6 +137,9 @@ void NodeCache::Evict(std::vector<Victim>* victims) {
     }
     evictions_.fetch_add(1);
   }
+  // The follower stops following what went (its registry listener finds no
+  // ledger entry by then, so says nothing).
+  if (follower_ != nullptr && !victims->empty()) follower_->Refresh();
 }
 
 }  // namespace weightstore::origin

@@ -177,7 +177,7 @@ void NodeCache::OnServedChanged(const std::string& name) {
       absl::MutexLock lock(&mu_);
       held = ledger_.contains(name) && !stepping_.contains(name);
     }
-    if (held) follower_->Refresh();
+    if (held) follower_->Held(name);
   }
   std::shared_ptr<const CheckpointVersion> served = registry_->Get(name);
   if (served == nullptr) return;
@@ -261,13 +261,15 @@ std::map<std::string, std::string> NodeCache::Followed() const {
   return followed;
 }
 
-uint64_t NodeCache::HeldToFollow() const {
-  std::vector<std::pair<std::string, std::string>> held;  // name, file version as placed
+uint64_t NodeCache::UnfollowedCheckpoints() const {
+  // follower_ is set by Open and reset by the destructor, after the servers
+  // that scrape this are gone.
+  if (follower_ == nullptr) return 0;
+  std::vector<std::pair<std::string, std::string>> held;  // name, file version as placed ("": mid-step)
   {
     absl::MutexLock lock(&mu_);
-    if (follower_ == nullptr) return 0;
     for (const auto& [name, c] : ledger_) {
-      if (c.version.empty() || !follower_->Follows(name)) continue;
+      if (c.version.empty()) continue;
       // Mid-step, whatever the registry serves is the step's; a pull's
       // placing is not held yet.
       if (stepping_.contains(name)) {
@@ -277,8 +279,10 @@ uint64_t NodeCache::HeldToFollow() const {
       }
     }
   }
+  const std::set<std::string> followed = follower_->FollowedNames();
   uint64_t count = 0;
   for (const auto& [name, file_version] : held) {
+    if (followed.contains(name) || !follower_->Follows(name)) continue;
     std::shared_ptr<const CheckpointVersion> served = registry_->Get(name);
     if (served != nullptr && (file_version.empty() || served->file_version() == file_version)) ++count;
   }

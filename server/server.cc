@@ -218,10 +218,9 @@ void AddPullFamilies(ServerMetrics* metrics, const Puller* puller) {
              One([puller] { return puller->Stats().follow.upstream_connected ? 1.0 : 0.0; }));
   f.AddGauge("weightstore_follow_checkpoints", "Checkpoints this node follows now.",
              One([puller] { return static_cast<double>(puller->Stats().follow.checkpoints.size()); }));
-  f.AddGauge("weightstore_follow_held_checkpoints",
-             "Checkpoints held as pulled that are to be followed (--follow-only): more than "
-             "weightstore_follow_checkpoints while some are not followed.",
-             One([puller] { return static_cast<double>(puller->Stats().follow.held); }));
+  f.AddGauge("weightstore_follow_unfollowed_checkpoints",
+             "Checkpoints held as pulled that are to be followed (--follow-only) and are not: 0 on a healthy node.",
+             One([puller] { return static_cast<double>(puller->UnfollowedCheckpoints()); }));
   f.AddGauge("weightstore_follow_lag_versions",
              "Versions the upstream announced since the one this node holds, not applied yet.",
              per_checkpoint([one](const FollowedStats& c) { return one(c, static_cast<double>(c.lag_versions)); }));

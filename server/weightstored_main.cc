@@ -408,6 +408,10 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  if (!follow && !follow_only.empty()) {  // --follow=false, or follow = false in the config file
+    std::fprintf(stderr, "weightstored: --follow-only needs --follow\n");
+    return 1;
+  }
   if (absl::Status only = weightstore::origin::CheckFollowPatterns(follow_only); !only.ok()) {
     std::fprintf(stderr, "weightstored: --follow-only: %s\n", std::string(only.message()).c_str());
     return 1;

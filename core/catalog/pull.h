@@ -58,10 +58,6 @@ struct FollowStats {
   bool following = false;                  // --follow
   bool upstream_connected = false;         // the watch is up
   std::vector<FollowedStats> checkpoints;  // sorted by name
-  // Checkpoints held as pulled (and served as placed, or mid-step) that are
-  // to be followed, counted from the node cache's own records: a node whose
-  // `checkpoints` stays shorter has stopped following some. In Stats() only.
-  uint64_t held = 0;
 };
 
 // Figures for metrics, read at scrape time.
@@ -94,6 +90,12 @@ class Puller {
   // The transfer goes on for the others. Any ticket, at any time: a stale one
   // does nothing.
   virtual void Abandon(const std::string& name, uint64_t ticket) = 0;
+  // Checkpoints held as pulled (served as placed, or mid-step) that are to be
+  // followed (--follow, --follow-only) and that the follower does not follow:
+  // 0 on a healthy node; more means following stopped for them. Counted from
+  // the node cache's own records against the follower's, for the metric
+  // (not on a request's path: it matches names against patterns).
+  virtual uint64_t UnfollowedCheckpoints() const { return 0; }
   // PullAsync, waiting for the outcome.
   absl::StatusOr<PullResult> Pull(const std::string& name);
   // Notes that `name` was just used (least recently used eviction).

@@ -67,7 +67,8 @@ class PushSession {
   absl::Status BeginTensor(const TensorSpec& spec, std::optional<uint32_t> crc32c);
   // Starts a tensor pushed as an element patch of the base's
   // (core/element_patch.h): `patch` is its header (no body), whose
-  // `patch_bytes` bytes follow through Append, with CRC32C `crc32c`. The
+  // `patch_bytes` bytes follow through Append, with CRC32C `crc32c` (none: not
+  // checked here, as for BeginTensor). The
   // tensor must replace a base tensor of its dtype and shape whose digest is
   // `base_digest` (else Aborted: the patch was made against other bytes), and
   // the patched tensor must have digest `digest` (checked when it ends).

@@ -865,7 +865,7 @@ TEST_F(FollowingTest, AFileAnOperatorPutInPlaceOfAFollowedOneIsNoLongerFollowedN
   EXPECT_TRUE(testing::WaitUntil([&] { return node.Metric("weightstore_follow_lag_versions") == -1; }))
       << testing::HttpGet(node.daemon->metrics_port(), "/metrics");
   // Nor held to follow: no alert that it is not followed.
-  EXPECT_EQ(testing::MetricValue(node.daemon->metrics_port(), "weightstore_follow_held_checkpoints"), 0);
+  EXPECT_EQ(testing::MetricValue(node.daemon->metrics_port(), "weightstore_follow_unfollowed_checkpoints"), 0);
   EXPECT_EQ(testing::MetricValue(node.daemon->metrics_port(), "weightstore_follow_checkpoints"), 0);
 
   // A step reaches the witness; the node keeps the operator's file.
@@ -877,8 +877,9 @@ TEST_F(FollowingTest, AFileAnOperatorPutInPlaceOfAFollowedOneIsNoLongerFollowedN
 }
 
 // --follow-only: a node follows the checkpoints so named and serves the rest
-// as pulled. The metrics count both what it holds to follow and what it
-// follows, which agree on a node that follows everything it should.
+// as pulled, saying so once in its log. A node without the flag, beside it,
+// takes the same upstream's steps of both. Neither counts a checkpoint as
+// held to follow and not followed.
 TEST_F(FollowingTest, FollowOnlyFollowsTheCheckpointsItNamesAndServesTheRestAsPulled) {
   const std::string pinned_v0 = *SerializeCheckpoint(kSafeTensorsFormat, {AsShared(InitialTensors()).front()}, {});
   testing::WriteFileOrDie(trainer_models_ + "/pinned.safetensors", pinned_v0);
@@ -891,17 +892,23 @@ TEST_F(FollowingTest, FollowOnlyFollowsTheCheckpointsItNamesAndServesTheRestAsPu
   const std::string pinned_first = trainer_version_of("pinned");
 
   Served node = StartFollower(*trainer_.daemon, "", /*follow=*/true, {"--pull", "pinned", "--follow-only", "m*"});
+  Served control = StartFollower(*trainer_.daemon, "", /*follow=*/true, {"--pull", "pinned"});
   ASSERT_NE(node.daemon->port(), 0);
+  ASSERT_NE(control.daemon->port(), 0);
   ASSERT_TRUE(WaitForVersion(node, order_[0], "node"));
   auto node_version_of = [&](const std::string& name) {
     auto info = node.store->GetCheckpoint(name);
     return info.ok() ? info->version : std::string();
   };
   ASSERT_TRUE(testing::WaitUntil([&] { return node_version_of("pinned") == pinned_first; })) << node.Log();
+  EXPECT_TRUE(testing::WaitUntil([&] {
+    return absl::StrContains(node.Log(), "'pinned' is held but not followed: --follow-only names it not");
+  })) << node.Log();
+  EXPECT_THAT(node.Log(), ::testing::HasSubstr("following only the checkpoints named by --follow-only: 'm*'"));
   auto gauge = [&](absl::string_view name) { return testing::MetricValue(node.daemon->metrics_port(), name); };
   EXPECT_TRUE(testing::WaitUntil([&] { return gauge("weightstore_follow_checkpoints") == 1; }))
       << testing::HttpGet(node.daemon->metrics_port(), "/metrics");
-  EXPECT_EQ(gauge("weightstore_follow_held_checkpoints"), 1);
+  EXPECT_EQ(gauge("weightstore_follow_unfollowed_checkpoints"), 0);
 
   // The upstream moves both: pinned first, then m. The node takes m's step,
   // and keeps the pinned version it pulled.
@@ -916,6 +923,14 @@ TEST_F(FollowingTest, FollowOnlyFollowsTheCheckpointsItNamesAndServesTheRestAsPu
   ASSERT_FALSE(v1.empty());
   ASSERT_TRUE(WaitForVersion(node, v1, "node"));
   ExpectServesBitExact(node, v1, "node");
+  // The control node took both steps, pinned's first.
+  auto control_version_of = [&](const std::string& name) {
+    auto info = control.store->GetCheckpoint(name);
+    return info.ok() ? info->version : std::string();
+  };
+  ASSERT_TRUE(WaitForVersion(control, v1, "control"));
+  ASSERT_TRUE(testing::WaitUntil([&] { return control_version_of("pinned") == trainer_version_of("pinned"); }))
+      << control.Log();
   EXPECT_EQ(node_version_of("pinned"), pinned_first);
   EXPECT_EQ(testing::ReadFileOrEmpty(node.models + "/pinned.safetensors"), pinned_v0);
   EXPECT_EQ(
@@ -926,7 +941,7 @@ TEST_F(FollowingTest, FollowOnlyFollowsTheCheckpointsItNamesAndServesTheRestAsPu
   ASSERT_OK_AND_ASSIGN(client::CheckpointSummary pinned, node.store->GetCheckpoint("pinned"));
   EXPECT_FALSE(pinned.follow.has_value());
   EXPECT_EQ(gauge("weightstore_follow_checkpoints"), 1);
-  EXPECT_EQ(gauge("weightstore_follow_held_checkpoints"), 1);
+  EXPECT_EQ(gauge("weightstore_follow_unfollowed_checkpoints"), 0);
 }
 
 // A step writes the new version beside the one held: the cache's budget
@@ -973,6 +988,14 @@ TEST_F(FollowingTest, AStepMakesRoomUnderTheCacheBudgetOrSaysItCannot) {
   ExpectServesBitExact(roomy, v1, "roomy node");
   EXPECT_FALSE(serves(roomy, "n"));
   EXPECT_EQ(testing::MetricValue(roomy.daemon->metrics_port(), "weightstore_node_cache_evictions_total"), 1);
+  // n is no longer followed (no series of it left behind), and nothing held
+  // goes unfollowed.
+  EXPECT_TRUE(testing::WaitUntil([&] {
+    return testing::MetricValue(roomy.daemon->metrics_port(), "weightstore_follow_checkpoints") == 1;
+  })) << testing::HttpGet(roomy.daemon->metrics_port(), "/metrics");
+  EXPECT_EQ(testing::MetricValue(roomy.daemon->metrics_port(), "weightstore_follow_lag_versions", {"checkpoint=\"n\""}),
+            -1);
+  EXPECT_EQ(testing::MetricValue(roomy.daemon->metrics_port(), "weightstore_follow_unfollowed_checkpoints"), 0);
   // The tight node cannot hold both versions of m: it says so and serves v0.
   ASSERT_TRUE(testing::WaitUntil([&] { return tight.Metric("weightstore_follow_failures_total") >= 1; }))
       << tight.Log();
@@ -1097,6 +1120,17 @@ TEST(FollowingFlagsTest, FollowOnlyPatternsAreBoundedAndNeedFollow) {
   std::string out;
   EXPECT_NE(RunRefused("--origin grpc://127.0.0.1:1 --follow-only m --pull m", &out), 0);
   EXPECT_THAT(out, ::testing::HasSubstr("--follow-only requires --follow")) << out;
+  EXPECT_NE(RunRefused("--origin grpc://127.0.0.1:1 --follow=false --follow-only m --pull m", &out), 0);
+  EXPECT_THAT(out, ::testing::HasSubstr("--follow-only needs --follow")) << out;
+  // In the config file, as a list.
+  const std::string config = testing::MakeScratchDir("follow-only-config") + "/weightstored.toml";
+  testing::WriteFileOrDie(config,
+                          "origin = \"grpc://127.0.0.1:1\"\nfollow = true\nfollow-only = [\"policy\", \"org/*\"]\n");
+  EXPECT_EQ(RunRefused(absl::StrCat("--config ", config, " --check-config"), &out), 0) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("follow-only=[\"policy\", \"org/*\"]")) << out;
+  testing::WriteFileOrDie(config, "origin = \"grpc://127.0.0.1:1\"\nfollow = false\nfollow-only = [\"policy\"]\n");
+  EXPECT_NE(RunRefused(absl::StrCat("--config ", config, " --check-config"), &out), 0) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("--follow-only needs --follow")) << out;
   EXPECT_NE(RunRefused("--origin grpc://127.0.0.1:1 --follow --follow-only 'a*b*c*' --check-config", &out), 0);
   EXPECT_THAT(out, ::testing::HasSubstr("--follow-only: pattern 'a*b*c*': more than 2 '*'")) << out;
   EXPECT_NE(RunRefused(absl::StrCat("--origin grpc://127.0.0.1:1 --follow --follow-only ", std::string(1025, 'x'),

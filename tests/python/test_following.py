@@ -149,7 +149,7 @@ class FollowingTransformersTest(unittest.TestCase):
             self.assertGreater(node.metric("weightstore_follow_received_bytes_total", checkpoint=NAME,
                                            kind="patch") or 0, 0, what)
             self.assertEqual(node.metric("weightstore_follow_checkpoints"), 1, what)
-            self.assertEqual(node.metric("weightstore_follow_held_checkpoints"), 1, what)
+            self.assertEqual(node.metric("weightstore_follow_unfollowed_checkpoints"), 0, what)
 
 
 if __name__ == "__main__":
