@@ -341,9 +341,9 @@ TEST(PushFormatTest, APyTorchCheckpointCannotBePushedTo) {
 struct PatchedPush {
   TensorSpec spec{"b", DType::kF32, {2}};
   ElementPatch patch;
-  std::string body;      // sent through Append
-  uint64_t patch_bytes;  // announced
-  uint32_t crc;          // announced
+  std::string body;             // sent through Append
+  uint64_t patch_bytes;         // announced
+  std::optional<uint32_t> crc;  // announced (none: not checked, as a follower's)
   TensorDigest base, digest;
 };
 
@@ -380,6 +380,17 @@ TEST_F(PushTest, APatchedPushStreamsTheBaseThroughThePatchAndServesTheResult) {
   EXPECT_EQ(pushed->version(), ComputeManifest(*reopened, "").value()->version());
 }
 
+// A follower's patch comes with no CRC32C (its fetch checked it): applied
+// and checked against its digest all the same.
+TEST_F(PushTest, APatchedPushWithoutACrcIsAppliedAndCheckedAgainstItsDigest) {
+  PatchedPush p = PatchOfB(*base_, {3, 40});
+  p.crc = std::nullopt;
+  ASSERT_OK_AND_ASSIGN(auto pushed, Send(registry_, *base_, p));
+  EXPECT_EQ(pushed->manifest()->Find("b")->digest, p.digest);
+  ASSERT_OK_AND_ASSIGN(auto reopened, Checkpoint::Open(path()));
+  EXPECT_EQ(reopened->Read("b")->bytes.view(), F32("b", {3, 40}).bytes.view());
+}
+
 TEST_F(PushTest, BadPatchedPushesAreRefusedNamingTheTensorAndChangeNothing) {
   struct Case {
     const char* what;
@@ -414,7 +425,19 @@ TEST_F(PushTest, BadPatchedPushesAreRefusedNamingTheTensorAndChangeNothing) {
        "is I32 [2], but F32 [2]"},
       {"a tensor the base lacks", [](PatchedPush& p) { p.spec.name = "z"; }, absl::StatusCode::kInvalidArgument,
        "has none by that name"},
-      {"a bad checksum", [](PatchedPush& p) { p.crc ^= 1; }, absl::StatusCode::kDataLoss, "CRC32C"},
+      {"a bad checksum", [](PatchedPush& p) { p.crc = *p.crc ^ 1u; }, absl::StatusCode::kDataLoss, "CRC32C"},
+      {"no checksum, and a result unlike its digest",
+       [](PatchedPush& p) {
+         p.crc = std::nullopt;
+         p.digest.low ^= 1;
+       },
+       absl::StatusCode::kInvalidArgument, "makes bytes with digest"},
+      {"no checksum, and a position past the tensor",
+       [](PatchedPush& p) {
+         p.body = std::string("\x01\x05xxxx", 6);
+         p.crc = std::nullopt;
+       },
+       absl::StatusCode::kInvalidArgument, "reaches past the tensor"},
       {"bytes past the patch", [](PatchedPush& p) { p.patch_bytes = p.body.size() - 1; },
        absl::StatusCode::kInvalidArgument, "more arrived"},
   };
