@@ -417,8 +417,8 @@ absl::StatusOr<std::optional<std::shared_ptr<const QuantizationConfig>>> Quantiz
   std::error_code ec;
   const std::filesystem::path at(checkpoint_path);
   const std::filesystem::path folder = std::filesystem::is_directory(at, ec) ? at : at.parent_path();
-  for (const char* name : {"hf_quant_config.json", "config.json"}) {
-    const std::filesystem::path file = (folder.empty() ? std::filesystem::path(".") : folder) / name;
+  for (absl::string_view name : kFileNames) {
+    const std::filesystem::path file = (folder.empty() ? std::filesystem::path(".") : folder) / std::string(name);
     if (!std::filesystem::is_regular_file(file, ec)) continue;
     const uintmax_t size = std::filesystem::file_size(file, ec);
     if (ec) {
@@ -437,7 +437,7 @@ absl::StatusOr<std::optional<std::shared_ptr<const QuantizationConfig>>> Quantiz
     if (!config.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(config.status().message(), " (", file.string(), ")"));
     }
-    if (config->has_value() || std::string(name) == "config.json") return config;
+    if (config->has_value() || name == "config.json") return config;
   }
   return std::optional<std::shared_ptr<const QuantizationConfig>>();
 }

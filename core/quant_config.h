@@ -10,6 +10,7 @@
 #ifndef WEIGHTSTORE_CORE_QUANT_CONFIG_H_
 #define WEIGHTSTORE_CORE_QUANT_CONFIG_H_
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -59,6 +60,9 @@ class QuantizationConfig {
   // Longer module names are matched by plain names only (no real module's is).
   static constexpr size_t kMaxWildcardNameBytes = 1024;
   static constexpr uint64_t kMaxBlock = uint64_t{1} << 20;
+  // The files ReadBeside reads from a checkpoint's folder, in the order it
+  // tries them: what a node pulls beside a checkpoint kept apart.
+  static constexpr std::array<absl::string_view, 2> kFileNames = {"hf_quant_config.json", "config.json"};
 
   // Reads the config of the checkpoint at `checkpoint_path` (a file, an index
   // or a folder): nullopt when its folder has neither file, or config.json has

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -13,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/channel.h"
 #include "core/crc32c.h"
+#include "core/quant_config.h"
 #include "core/status_macros.h"
 #include "proto/codec/chunk_codec.h"
 #include "proto/codec/status.h"
@@ -65,10 +67,17 @@ class GrpcOrigin : public Origin {
       // The node places the main file at the name plus its suffix, and shards
       // beside it; the node cache checks both are paths it may create.
       file.path = f.main() ? absl::StrCat(name, f.path()) : (folder.empty() ? f.path() : folder + "/" + f.path());
+      if (f.beside() && (f.main() || !absl::c_linear_search(QuantizationConfig::kFileNames, f.path()) ||
+                         f.size() > QuantizationConfig::kMaxFileBytes)) {
+        return absl::DataLossError(absl::StrCat(
+            "it lists a file beside '", name, "', '", absl::CHexEscape(f.path().substr(0, 256)), "' (", f.size(),
+            " bytes), that is no quantization config of at most ", QuantizationConfig::kMaxFileBytes, " bytes"));
+      }
       if (!f.main() && absl::StrContains(f.path(), '/')) {
         return absl::DataLossError(absl::StrCat("it names a shard '", absl::CHexEscape(f.path().substr(0, 256)),
                                                 "' outside its index's folder"));
       }
+      file.beside = f.beside();
       file.checkpoint = name;
       file.key = f.path();
       file.size = f.size();

@@ -33,6 +33,7 @@ class FakeUpstream final : public pb::WeightStore::Service {
                                    pb::ListCheckpointFilesResponse* resp) override {
     if (req->name() != "m") return grpc::Status(grpc::StatusCode::NOT_FOUND, "checkpoint 'm' only");
     resp->set_version("v1");
+    for (const pb::StoredFile& b : beside) *resp->add_files() = b;
     pb::StoredFile* f = resp->add_files();
     f->set_path(".safetensors");
     f->set_main(true);
@@ -64,6 +65,7 @@ class FakeUpstream final : public pb::WeightStore::Service {
   uint64_t corrupt_at = UINT64_MAX;
   int64_t truncate_at = -1;
   bool skew = false;
+  std::vector<pb::StoredFile> beside;  // listed before the main file
 
  private:
   std::string file_;
@@ -157,6 +159,31 @@ TEST_F(GrpcOriginTest, ANodeCacheServesNothingOfACorruptedPull) {
   ASSERT_TRUE(pulled.ok()) << pulled.status();
   EXPECT_LT(pulled->bytes_pulled, file_.size());
   EXPECT_EQ(testing::ReadFileOrEmpty(models + "/m.safetensors"), file_);
+}
+
+TEST_F(GrpcOriginTest, OnlyAQuantizationConfigOfBoundedSizeIsTakenBesideACheckpoint) {
+  auto listed = [](const std::string& path, uint64_t size, bool main = false) {
+    pb::StoredFile f;
+    f.set_path(path);
+    f.set_size(size);
+    f.set_main(main);
+    f.set_beside(true);
+    return f;
+  };
+  upstream_->beside = {listed("hf_quant_config.json", 40), listed("config.json", 700)};
+  ASSERT_OK_AND_ASSIGN(OriginCheckpoint found, origin_->Find("m"));
+  ASSERT_EQ(found.files.size(), 3u);
+  EXPECT_TRUE(found.files[0].beside);
+  EXPECT_EQ(found.files[1].path, "config.json");
+  EXPECT_TRUE(found.files[1].beside);
+  EXPECT_FALSE(found.files[2].beside);
+  // A file of another name, one past the bound, or one marked main is no
+  // config: the listing is refused, naming it.
+  for (const pb::StoredFile& bad : {listed("model.safetensors", 40), listed("config.json", (uint64_t{16} << 20) + 1),
+                                    listed("../config.json", 40), listed("config.json", 40, /*main=*/true)}) {
+    upstream_->beside = {bad};
+    EXPECT_THAT(origin_->Find("m").status(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("beside"))) << bad.path();
+  }
 }
 
 TEST(GrpcOriginUrlTest, RefusesWhatIsNoGrpcUrlAndTlsWithoutItsCa) {

@@ -120,6 +120,10 @@ class NodeCache : public Puller, public FollowedCache {
   struct Flight;
   struct Cached {
     std::vector<std::string> paths;  // relative to the models folder; the main file last
+    // Files placed beside a checkpoint kept apart (OriginFile::beside: its
+    // quantization configs), in its apart folder: counted in bytes, removed
+    // with it, and kept as placed by a following step.
+    std::vector<std::string> beside;
     uint64_t bytes = 0;
     int64_t last_used_unix_ms = 0;
     std::string version;  // the origin's

@@ -132,6 +132,8 @@ void NodeCache::Evict(std::vector<Victim>* victims) {
       }
     }
     v.locks.clear();
+    // The configs beside go with it: its apart folder is the cache's own.
+    for (const std::string& path : v.cached.beside) ::unlink((fs::path(models_dir_) / path).c_str());
     if (!v.cached.paths.empty() && node_cache_internal::IsApartPath(v.cached.paths.back())) {
       node_cache_internal::RemoveApartFolderIfEmpty((fs::path(models_dir_) / v.cached.paths.back()).parent_path());
     }

@@ -48,6 +48,13 @@ void NodeCache::ReadLedger() {
       c.file_version = entry.value("file_version", "");
       if (entry.contains("etags")) c.etags = entry.at("etags").get<std::vector<std::string>>();
       if (c.etags.size() != c.paths.size()) c.etags.clear();
+      // Configs beside lie in the checkpoint's own apart folder, or are not
+      // the cache's to count or remove.
+      if (entry.contains("beside")) c.beside = entry.at("beside").get<std::vector<std::string>>();
+      std::erase_if(c.beside, [&](const std::string& p) {
+        return c.paths.empty() || !IsApartPath(p) || !IsApartPath(c.paths.back()) ||
+               fs::path(p).parent_path() != fs::path(c.paths.back()).parent_path();
+      });
       if (entry.value("placing", false)) {
         c.identities = entry.at("identities").get<std::vector<std::array<uint64_t, 4>>>();
         c.replacing_version = entry.value("replacing_version", "");
@@ -60,6 +67,11 @@ void NodeCache::ReadLedger() {
         const uint64_t size = LedgerPath(p) ? fs::file_size(fs::path(models_dir_) / p, size_ec) : 0;
         present = present && LedgerPath(p) && !size_ec;
         c.bytes += size;
+      }
+      for (const std::string& p : c.beside) {
+        std::error_code size_ec;
+        const uint64_t size = fs::file_size(fs::path(models_dir_) / p, size_ec);
+        if (!size_ec) c.bytes += size;
       }
       // Files replaced since they were placed are no longer the cache's.
       if (!present || FileVersion((fs::path(models_dir_) / c.paths.back()).string()).value_or("") != c.file_version) {
@@ -142,6 +154,7 @@ absl::Status NodeCache::SaveLedger() {
                  {"version", c.version},
                  {"file_version", c.file_version}};
       if (!c.etags.empty()) j[name]["etags"] = c.etags;
+      if (!c.beside.empty()) j[name]["beside"] = c.beside;
       if (c.placing) {
         j[name]["placing"] = true;
         j[name]["identities"] = c.identities;
@@ -291,9 +304,12 @@ uint64_t NodeCache::UnfollowedCheckpoints() const {
 
 void NodeCache::Recount(Cached* c) {
   uint64_t bytes = 0;
-  for (const std::string& path : c->paths) {
-    std::error_code ec;
-    bytes += fs::file_size(fs::path(models_dir_) / path, ec);
+  for (const std::vector<std::string>* paths : {&c->paths, &c->beside}) {
+    for (const std::string& path : *paths) {
+      std::error_code ec;
+      const uint64_t size = fs::file_size(fs::path(models_dir_) / path, ec);
+      if (!ec) bytes += size;
+    }
   }
   cached_bytes_ = cached_bytes_ - c->bytes + bytes;
   c->bytes = bytes;

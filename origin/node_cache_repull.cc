@@ -59,6 +59,8 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
   // What cannot be followed so stays so until the origin has another
   // version (FailedPrecondition: the follower's blocked step).
   WEIGHTSTORE_ASSIGN_OR_RETURN(OriginCheckpoint checkpoint, origin_->Find(name));
+  // The weights follow; the configs beside stay as pulled.
+  std::erase_if(checkpoint.files, [](const OriginFile& f) { return f.beside; });
   Repulled out;
   if (checkpoint.version == held.version) return out;
   if (!ValidVersionId(checkpoint.version)) {

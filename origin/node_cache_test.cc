@@ -105,8 +105,24 @@ class FakeOrigin : public Origin {
     f.size = it->second.size();
     f.etag = version_;
     f.crc32c = absl::StrFormat("%08x", Crc32c(it->second));
-    OriginCheckpoint c{name, version_, {f}};
+    OriginCheckpoint c{name, version_, {}};
     c.apart = apart_.contains(name);
+    if (auto b = beside_.find(name); b != beside_.end()) {
+      const std::string folder = fs::path(name).parent_path().string();
+      for (const auto& [file, bytes] : b->second) {
+        OriginFile config;
+        config.checkpoint = name;
+        config.path = folder.empty() ? file : folder + "/" + file;
+        config.key = absl::StrCat("beside:", name, "/", file);
+        config.size = bytes.size();
+        config.etag = version_;
+        config.crc32c = absl::StrFormat("%08x", Crc32c(bytes));
+        config.beside = true;
+        files_[config.key] = bytes;
+        c.files.push_back(std::move(config));
+      }
+    }
+    c.files.push_back(std::move(f));
     return c;
   }
   absl::Status Read(const OriginFile& file, uint64_t offset, uint64_t length, const ByteSink& sink) override {
@@ -141,6 +157,9 @@ class FakeOrigin : public Origin {
   std::vector<uint64_t> sizes_;
   std::string version_ = "v1";   // of every checkpoint
   std::set<std::string> apart_;  // names it keeps apart (a hub snapshot's)
+  // Files it lists beside a checkpoint (its quantization configs), by name:
+  // (file name, bytes).
+  std::map<std::string, std::vector<std::pair<std::string, std::string>>> beside_;
   std::atomic<int> epoch_{0};
   std::atomic<bool> list_crc32c_{true};
 
@@ -1194,6 +1213,68 @@ TEST_F(NodeCacheBudgetTest, HubNamesArePlacedApartServedAcrossRestartsAndEvicted
   ASSERT_NE(registry_->Get("acme/b"), nullptr);
   EXPECT_EQ(ApartFiles(models_).size(), 1u);
   EXPECT_EQ(cache_->Stats().cache_bytes, 0u);
+}
+
+TEST_F(NodeCacheBudgetTest, ConfigsBesideAHubSnapshotArePlacedInItsFolderCountedKeptAndEvictedWithIt) {
+  const std::string quant = R"({"quantization": {"quant_algo": "NVFP4"}})";
+  const std::string config = R"({"model_type": "llama", "quantization_config": {"quant_method": "modelopt"}})";
+  origin_->apart_.insert("acme/q");
+  origin_->Put("acme/q", model_);
+  origin_->beside_["acme/q"] = {{"hf_quant_config.json", quant}, {"config.json", config}};
+  // Listed beside a checkpoint the node keeps at its name, they would be
+  // other checkpoints' too: not taken.
+  origin_->beside_["plain"] = {{"config.json", config}};
+  origin_->Put("plain", model_);
+  ASSERT_OK(cache_->Pull("acme/q").status());
+  ASSERT_OK(cache_->Pull("plain").status());
+  EXPECT_FALSE(fs::exists(models_ + "/config.json"));
+  ASSERT_NE(registry_->Get("plain"), nullptr);
+  EXPECT_EQ(registry_->Get("plain")->checkpoint()->quantization(), nullptr);
+
+  auto expect_served_with_configs = [&] {
+    std::shared_ptr<const CheckpointVersion> served = registry_->Get("acme/q");
+    ASSERT_NE(served, nullptr);
+    ASSERT_NE(served->checkpoint()->quantization(), nullptr);
+    EXPECT_EQ(served->checkpoint()->quantization()->source(), "hf_quant_config.json");
+    const fs::path folder = fs::path(served->path()).parent_path();
+    EXPECT_EQ(testing::ReadFileOrEmpty((folder / "hf_quant_config.json").string()), quant);
+    EXPECT_EQ(testing::ReadFileOrEmpty((folder / "config.json").string()), config);
+  };
+  expect_served_with_configs();
+  const std::string folder = fs::path(registry_->Get("acme/q")->path()).parent_path().string();
+  EXPECT_EQ(cache_->Stats().cache_bytes, 2 * model_.size() + quant.size() + config.size());
+
+  // Evicted (the least recently used, to make room for "c"), they go with
+  // it, and so does its folder.
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_OK(registry_->Find("plain").status());
+  ASSERT_OK(cache_->Pull("c").status());
+  EXPECT_EQ(registry_->Get("acme/q"), nullptr);
+  EXPECT_FALSE(fs::exists(folder));
+  EXPECT_EQ(cache_->Stats().cache_bytes, 2 * model_.size());
+
+  // Pulled again, they come again; and a restart keeps them as the
+  // checkpoint's, counted.
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_OK(cache_->Pull("acme/q").status());
+  expect_served_with_configs();
+  Restart();
+  expect_served_with_configs();
+  EXPECT_EQ(cache_->Stats().cache_bytes, 2 * model_.size() + quant.size() + config.size());
+
+  // A config that does not parse fails the pull, and nothing of it stays:
+  // the only folder apart is acme/q's.
+  const std::string folder_now =
+      fs::path(registry_->Get("acme/q")->path()).parent_path().lexically_relative(models_).string();
+  origin_->apart_.insert("acme/bad");
+  origin_->Put("acme/bad", model_);
+  origin_->beside_["acme/bad"] = {{"hf_quant_config.json", "{not json"}};
+  EXPECT_THAT(cache_->Pull("acme/bad").status(),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("hf_quant_config.json")));
+  EXPECT_EQ(registry_->Get("acme/bad"), nullptr);
+  EXPECT_EQ(ApartFiles(models_),
+            (std::vector<std::string>{folder_now + "/checkpoint.safetensors", folder_now + "/config.json",
+                                      folder_now + "/hf_quant_config.json"}));
 }
 
 TEST_F(NodeCacheBudgetTest, TheLedgerSurvivesARestart) {

@@ -325,6 +325,9 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   }
   // A hub revision, or a hub snapshot's files: in a folder of their own.
   const bool apart = !PlaceablePath(name) || checkpoint.apart;
+  // Configs beside are taken only into a folder of the checkpoint's own: in
+  // the models folder they would be other checkpoints' too.
+  if (!apart) std::erase_if(checkpoint.files, [](const OriginFile& f) { return f.beside; });
   for (const OriginFile& f : checkpoint.files) {
     if (!(apart ? IsLoadableName(f.path, 4096) : PlaceablePath(f.path))) {
       return absl::DataLossError(absl::StrCat("the origin names a file '", absl::CHexEscape(f.path.substr(0, 256)),
@@ -382,6 +385,10 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     intent.last_used_unix_ms = NowMs();
     intent.version = checkpoint.version;
     for (size_t i = 0; i < checkpoint.files.size(); ++i) {
+      if (checkpoint.files[i].beside) {  // in the apart folder, which is the cache's own
+        intent.beside.push_back(checkpoint.files[i].path);
+        continue;
+      }
       struct stat st;
       if (::fstat(fds[i].get(), &st) != 0) return absl::InternalError(Errno("cannot stat", partial_paths[i]));
       intent.paths.push_back(checkpoint.files[i].path);
@@ -433,11 +440,18 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
     }
   }
 
-  // Place the file the name is served from first: an index in place before its
-  // shards keeps a rescan in between from serving a shard on its own.
+  // Place the configs beside first, so that the checkpoint never opens
+  // without them; then the file the name is served from: an index in place
+  // before its shards keeps a rescan in between from serving a shard on its
+  // own.
   std::vector<size_t> order;
+  for (size_t i = 0; i + 1 < checkpoint.files.size(); ++i) {
+    if (checkpoint.files[i].beside) order.push_back(i);
+  }
   order.push_back(checkpoint.files.size() - 1);
-  for (size_t i = 0; i + 1 < checkpoint.files.size(); ++i) order.push_back(i);
+  for (size_t i = 0; i + 1 < checkpoint.files.size(); ++i) {
+    if (!checkpoint.files[i].beside) order.push_back(i);
+  }
   for (size_t i : order) {
     const fs::path target = fs::path(models_dir_) / checkpoint.files[i].path;
     fs::create_directories(target.parent_path(), ec);
@@ -521,9 +535,11 @@ bool NodeCache::FinishPlacing(const std::string& name, Cached* c) {
   // A follower's replacement neither placed nor undone (the registry could
   // not finish its renames): the files stay, served as the operator's.
   if (!c->replacing_file_version.empty()) return false;
-  // Half placed: this cache's files go. The partial pull stays, so the next
-  // pull resumes (fetching again the files that had been moved out of it).
+  // Half placed: this cache's files go, with the configs placed beside in
+  // its apart folder. The partial pull stays, so the next pull resumes
+  // (fetching again the files that had been moved out of it).
   for (const std::string& path : ours) ::unlink(path.c_str());
+  for (const std::string& path : c->beside) ::unlink((fs::path(models_dir_) / path).c_str());
   return false;
 }
 

@@ -40,10 +40,16 @@ struct OriginFile {
   // digits: an S3 single-part ETag, unless the object is encrypted with KMS or
   // a customer key, whose ETags are no digest of the bytes), else empty.
   std::string md5;
+  // A file beside the checkpoint that serving it reads, not one of its
+  // weights: a quantization config (QuantizationConfig::kFileNames) that an
+  // upstream daemon lists for a checkpoint kept apart. Placed with it in its
+  // folder; a following step keeps it as pulled.
+  bool beside = false;
 };
 
 // What a pull transfers: every file of one checkpoint, the one its name is
-// served from (an index, a single file) last.
+// served from (an index, a single file) last, and the files beside it
+// (OriginFile::beside) before that.
 struct OriginCheckpoint {
   std::string name;
   // The origin's id of this content (an upstream daemon's version, or a hash

@@ -20,6 +20,7 @@
 #include "core/catalog/hub_cache.h"
 #include "core/crc32c.h"
 #include "core/mapped_file.h"
+#include "core/quant_config.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/shm/unix_socket.h"
 #include "core/status_macros.h"
@@ -847,6 +848,16 @@ absl::StatusOr<std::vector<StoredFile>> StoredFiles(const CheckpointVersion& ver
         absl::StrCat("checkpoint '", version.name(), "' is served from a file of no known extension"));
   }
   std::vector<StoredFile> files;
+  if (NameForPath(version.relative_path()) != version.name()) {
+    for (absl::string_view config : QuantizationConfig::kFileNames) {
+      const fs::path p = main.parent_path() / std::string(config);
+      std::error_code ec;
+      if (!fs::is_regular_file(p, ec)) continue;
+      const uintmax_t size = fs::file_size(p, ec);
+      if (ec || size > QuantizationConfig::kMaxFileBytes) continue;  // not what the checkpoint was opened with
+      files.push_back({std::string(config), p.string(), false, size, nullptr, /*beside=*/true});
+    }
+  }
   const MappedFile* main_mapping = nullptr;
   for (const auto& f : version.checkpoint()->files()) {
     const fs::path p(f->path());

@@ -493,13 +493,23 @@ struct StoredFile {
   std::string local_path;  // where it is on this machine
   bool main = false;
   uint64_t size = 0;
-  // The version's mapping of it; nullptr for an index, which is read by path.
+  // The version's mapping of it; nullptr for an index or a file beside, which
+  // are read by path.
   const MappedFile* mapped = nullptr;
+  // A file beside the checkpoint that serving it reads (its quantization
+  // config: QuantizationConfig::kFileNames), by its file name in the main
+  // file's folder. Not one of the version's files: its bytes may change
+  // while the version stays.
+  bool beside = false;
 };
 
 // The files `version` is stored in, as stored, its main file last: what a node
-// pulling from this daemon copies. FailedPrecondition for a version held in
-// memory (preloaded) or whose shards lie outside its index's folder.
+// pulling from this daemon copies. For a checkpoint not served from a file at
+// its name (a hub snapshot: a node keeps it in a folder of its own), the
+// quantization configs in its folder (regular files, symlinks followed, of at
+// most QuantizationConfig::kMaxFileBytes) come first, beside. FailedPrecondition
+// for a version held in memory (preloaded) or whose shards lie outside its
+// index's folder.
 absl::StatusOr<std::vector<StoredFile>> StoredFiles(const CheckpointVersion& version);
 
 // Returns the version string of the file(s) behind `path`: a hash of device,

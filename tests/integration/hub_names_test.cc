@@ -82,6 +82,9 @@ class HubRepo {
     Blob(commit, "model.safetensors.index.json", absl::StrCat("{\"metadata\":{},\"weight_map\":{", map, "}}"));
   }
 
+  // A file of snapshot `commit` that is no weights (a config).
+  void File(const std::string& commit, const std::string& file, const std::string& bytes) { Blob(commit, file, bytes); }
+
   // Points `ref` at `commit` (atomically, as huggingface_hub writes it).
   void Ref(const std::string& ref, const std::string& commit) {
     testing::WriteFileOrDie(dir_ + "/refs/" + ref + ".tmp", commit);
@@ -201,6 +204,86 @@ TEST_F(HubNamesTest, ANodePullsRepoIdsRevisionsAndCommitsWhoseShardsShareFileNam
   EXPECT_LE(testing::MetricValue(node->metrics_port(), "weightstore_origin_pulled_bytes_total"), 0);
 }
 
+// The files a node placed beside `name`'s weights in its folder apart, by
+// file name: what `from` lists of them.
+std::map<std::string, std::string> ConfigsPlacedBeside(const std::string& models, const std::string& name) {
+  std::map<std::string, std::string> out;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(models + "/.weightstore-cache/placed", ec);
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    if (it->path().filename() != ".name" || testing::ReadFileOrEmpty(it->path().string()) != name) continue;
+    for (const char* config : {"hf_quant_config.json", "config.json"}) {
+      const fs::path file = it->path().parent_path() / config;
+      if (fs::exists(file)) out[config] = testing::ReadFileOrEmpty(file.string());
+    }
+  }
+  return out;
+}
+
+TEST_F(HubNamesTest, ANodeServesAQuantizedHubSnapshotWithTheConfigsBesideItDownTheTiers) {
+  // An NVFP4 snapshot as ModelOpt writes it: packed values, their scales, a
+  // tensor the config leaves alone, and hf_quant_config.json and config.json
+  // beside them (links into blobs/, as the hub cache keeps them).
+  auto tensor = [](const std::string& name, DType dtype, std::vector<uint64_t> shape) {
+    TensorSpec spec{name, dtype, std::move(shape)};
+    std::vector<std::byte> bytes(spec.byte_size());
+    for (size_t k = 0; k < bytes.size(); ++k) bytes[k] = std::byte((k * 7 + 3) & 0x7f);
+    return SharedTensor{spec, SharedBytes::FromVector(std::move(bytes))};
+  };
+  const std::string quant = R"({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4",
+      "group_size": 16, "exclude_modules": ["lm_head"]}})";
+  const std::string config = R"({"model_type": "llama", "quantization_config": {"quant_method": "modelopt"}})";
+  HubRepo q(upstream_models_, "acme", "q");
+  q.Snapshot("f1",
+             {tensor("model.layers.0.mlp.down_proj.weight", DType::kU8, {64, 32}),
+              tensor("model.layers.0.mlp.down_proj.weight_scale", DType::kF8E4M3, {64, 4}),
+              tensor("model.norm.weight", DType::kF32, {64})},
+             /*sharded=*/false);
+  q.File("f1", "hf_quant_config.json", quant);
+  q.File("f1", "config.json", config);
+  q.Ref("main", "f1");
+  Rescan(*upstream_);
+
+  // What a daemon says of the checkpoint's quantization, and of its weight's.
+  auto quantization = [](const testing::Daemon& daemon) -> std::pair<std::string, std::string> {
+    absl::StatusOr<std::unique_ptr<client::Store>> store = client::ConnectRemoteStore(daemon.address());
+    if (!store.ok()) return {store.status().ToString(), ""};
+    absl::StatusOr<client::CheckpointSummary> summary = (*store)->GetCheckpoint("acme/q");
+    absl::StatusOr<client::TensorListing> listing = (*store)->ListTensors("acme/q", {});
+    if (!summary.ok() || !listing.ok()) return {summary.status().ToString(), listing.status().ToString()};
+    for (const client::TensorDescription& t : listing->tensors) {
+      if (t.spec.name == "model.layers.0.mlp.down_proj.weight") return {summary->quantization, t.quantization};
+    }
+    return {summary->quantization, "(no weight listed)"};
+  };
+  const auto want = quantization(*upstream_);
+  ASSERT_THAT(want.first, ::testing::HasSubstr("NVFP4"));
+  ASSERT_EQ(want.second, "NVFP4, 4-bit values, blocks of 1x16 (hf_quant_config.json)");
+
+  const std::string models = testing::MakeScratchDir("hub-quantized-node");
+  const std::string below_models = testing::MakeScratchDir("hub-quantized-below");
+  auto node = testing::StartNode(*upstream_, models);
+  ASSERT_NE(node->port(), 0) << node->log();
+  ExpectServedAsUpstream(*node, "acme/q");
+  EXPECT_EQ(quantization(*node), want) << node->log();
+  // The regional tier's own folder is what the tier below pulls from.
+  auto below = testing::StartNode(*node, below_models);
+  ASSERT_NE(below->port(), 0) << below->log();
+  ExpectServedAsUpstream(*below, "acme/q");
+  EXPECT_EQ(quantization(*below), want) << below->log();
+  const std::map<std::string, std::string> configs = {{"hf_quant_config.json", quant}, {"config.json", config}};
+  EXPECT_EQ(ConfigsPlacedBeside(models, "acme/q"), configs);
+  EXPECT_EQ(ConfigsPlacedBeside(below_models, "acme/q"), configs);
+  // Still nothing in the models folder where a scan would serve it.
+  EXPECT_TRUE(FilesOutsideTheCache(models).empty()) << ::testing::PrintToString(FilesOutsideTheCache(models));
+
+  // Restarted: served from its folder with the configs.
+  below.reset();
+  below = testing::StartNode(*node, below_models);
+  ASSERT_NE(below->port(), 0) << below->log();
+  EXPECT_EQ(quantization(*below), want) << below->log();
+}
+
 TEST_F(HubNamesTest, AnUnusableRevisionNameIsRefusedAndTheNodeServesOn) {
   const std::string models = testing::MakeScratchDir("hub-node-names");
   auto node = testing::StartNode(*upstream_, models);
@@ -220,6 +303,8 @@ TEST_F(HubNamesTest, AFollowingNodeTakesTheNewSnapshotWhenTheRefMovesAndKeepsThe
   HubRepo s(upstream_models_, "acme", "s");
   std::vector<SharedTensor> tensors = MakeTensors(4, 16384, 5);
   s.Snapshot("e1", tensors, /*sharded=*/false);
+  const std::string config = R"({"model_type": "llama"})";
+  s.File("e1", "config.json", config);
   s.Ref("main", "e1");
   Rescan(*upstream_);
   const std::string models = testing::MakeScratchDir("hub-follower");
@@ -238,6 +323,7 @@ TEST_F(HubNamesTest, AFollowingNodeTakesTheNewSnapshotWhenTheRefMovesAndKeepsThe
     next[2].bytes = SharedBytes::FromVector(std::move(bytes));
   }
   s.Snapshot("e2", next, /*sharded=*/false);
+  s.File("e2", "config.json", config);
   s.Ref("main", "e2");
   Rescan(*upstream_);
   ASSERT_OK_AND_ASSIGN(Served want, FetchServed(upstream_->address(), "acme/s"));
@@ -253,6 +339,8 @@ TEST_F(HubNamesTest, AFollowingNodeTakesTheNewSnapshotWhenTheRefMovesAndKeepsThe
   ASSERT_OK_AND_ASSIGN(Served pinned, FetchServed(node->address(), "acme/s@e1"));
   EXPECT_EQ(pinned.version, before.version);
   EXPECT_TRUE(pinned.tensors == before.tensors);
+  // The config pulled beside it stays through the step.
+  EXPECT_EQ(ConfigsPlacedBeside(models, "acme/s"), (std::map<std::string, std::string>{{"config.json", config}}));
 }
 
 }  // namespace
