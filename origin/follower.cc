@@ -19,7 +19,9 @@
 #include "core/catalog/manifest.h"
 #include "core/catalog/push.h"
 #include "core/format.h"
+#include "core/select/quantized_shard.h"
 #include "core/status_macros.h"
+#include "origin/node_cache_internal.h"
 
 namespace weightstore::origin {
 
@@ -637,6 +639,22 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
                        "' without a digest; a daemon is followed only with --tensor-digests"));
     }
     if (!delta || !d.unchanged) to_receive = SaturatingAdd(to_receive, d.spec.byte_size());
+  }
+  // The node keeps the quantization config it pulled beside a checkpoint
+  // held apart (a hub snapshot): a version the upstream describes by another
+  // config would be served here with the old one, and is not taken.
+  const bool config_pulled =
+      base->checkpoint()->quantization() != nullptr && node_cache_internal::IsApartPath(base->relative_path());
+  for (size_t i = 0; config_pulled && i < listing.tensors.size(); ++i) {
+    const client::TensorDescription& d = listing.tensors[i];
+    const CheckpointEntry* held = base->checkpoint()->Find(d.spec.name);
+    if (held == nullptr) continue;
+    if (std::string ours = DescribeQuantizationOf(*base->checkpoint(), *held); ours != d.quantization) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the upstream's version ", Said(listing.version), " of '", name, "' quantizes tensor '",
+                       Said(d.spec.name), "' as '", Said(d.quantization), "', and this node's config beside it as '",
+                       ours, "': a node keeps the configs it pulled; remove its folder to pull the checkpoint anew"));
+    }
   }
   if (to_receive > options_.max_step_bytes) {
     return absl::FailedPreconditionError(absl::StrCat("a step of '", name, "' to version ", Said(listing.version),

@@ -52,9 +52,15 @@ class GrpcOrigin : public Origin {
     if (response.files().empty() || !response.files().rbegin()->main()) {
       return absl::DataLossError(absl::StrCat("it lists no main file for '", name, "'"));
     }
-    if (static_cast<size_t>(response.files_size()) > max_files()) {
-      return absl::FailedPreconditionError(absl::StrCat("it lists ", response.files_size(), " files for '", name,
-                                                        "'; a checkpoint of at most ", max_files(),
+    // Configs beside are no files of the checkpoint's: bounded apart.
+    const size_t beside = absl::c_count_if(response.files(), [](const v1::StoredFile& f) { return f.beside(); });
+    if (beside > QuantizationConfig::kFileNames.size()) {
+      return absl::DataLossError(absl::StrCat("it lists ", beside, " files beside '", name, "'; at most ",
+                                              QuantizationConfig::kFileNames.size(), " are taken"));
+    }
+    if (static_cast<size_t>(response.files_size()) - beside > max_files()) {
+      return absl::FailedPreconditionError(absl::StrCat("it lists ", response.files_size() - beside, " files for '",
+                                                        name, "'; a checkpoint of at most ", max_files(),
                                                         " files is pulled"));
     }
     OriginCheckpoint checkpoint;

@@ -184,6 +184,9 @@ TEST_F(GrpcOriginTest, OnlyAQuantizationConfigOfBoundedSizeIsTakenBesideACheckpo
     upstream_->beside = {bad};
     EXPECT_THAT(origin_->Find("m").status(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("beside"))) << bad.path();
   }
+  // More than the two configs there are.
+  upstream_->beside = {listed("config.json", 40), listed("hf_quant_config.json", 40), listed("config.json", 40)};
+  EXPECT_THAT(origin_->Find("m").status(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("3 files beside")));
 }
 
 TEST(GrpcOriginUrlTest, RefusesWhatIsNoGrpcUrlAndTlsWithoutItsCa) {

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <memory>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
@@ -18,6 +19,7 @@
 #include "absl/time/time.h"
 #include "core/atomic_file.h"
 #include "core/catalog/registry.h"
+#include "core/quant_config.h"
 #include "core/status_macros.h"
 #include "origin/origin.h"
 
@@ -55,13 +57,27 @@ bool IsApartPath(absl::string_view path) {
 
 bool LedgerPath(absl::string_view path) { return PlaceablePath(path) || IsApartPath(path); }
 
-void RemoveApartFolderIfEmpty(const std::string& folder) {
+bool IsBesidePath(absl::string_view name, absl::string_view path) {
+  const std::string folder = ApartFolder(name);
+  if (!absl::ConsumePrefix(&path, folder) || !absl::ConsumePrefix(&path, "/")) return false;
+  return absl::c_linear_search(QuantizationConfig::kFileNames, path);
+}
+
+void RemoveApartFolderIfEmpty(const std::string& folder, bool configs) {
   std::error_code ec;
+  auto is_config = [](const std::filesystem::path& file) {
+    return absl::c_linear_search(QuantizationConfig::kFileNames, file.filename().string());
+  };
   for (auto it = std::filesystem::directory_iterator(folder, ec); !ec && it != std::filesystem::directory_iterator();
        it.increment(ec)) {
-    if (it->path().filename() != kApartNameFile) return;
+    if (it->path().filename() != kApartNameFile && !(configs && is_config(it->path()))) return;
   }
   if (ec) return;
+  if (configs) {
+    for (absl::string_view config : QuantizationConfig::kFileNames) {
+      std::filesystem::remove(std::filesystem::path(folder) / std::string(config), ec);
+    }
+  }
   std::filesystem::remove(std::filesystem::path(folder) / kApartNameFile, ec);
   std::filesystem::remove(folder, ec);  // only if empty: a pull may have begun to fill it again
 }

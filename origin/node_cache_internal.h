@@ -44,9 +44,13 @@ bool IsApartPath(absl::string_view path);
 // The file in an apart folder that holds the checkpoint's name (no shard can
 // be named so: it is hidden).
 inline constexpr char kApartNameFile[] = ".name";
+// True for "<ApartFolder(name)>/<a quantization config's file name>": where
+// a config pulled beside `name` lies (OriginFile::beside).
+bool IsBesidePath(absl::string_view name, absl::string_view path);
 // Removes the apart folder `folder` (absolute) if nothing but its name file
-// is left in it.
-void RemoveApartFolderIfEmpty(const std::string& folder);
+// is left in it; with `configs`, if nothing but that and configs beside
+// (which go too): a checkpoint whose weights are gone.
+void RemoveApartFolderIfEmpty(const std::string& folder, bool configs = false);
 // A path the ledger may list: placeable, or a file in an apart folder.
 bool LedgerPath(absl::string_view path);
 

@@ -13,6 +13,7 @@
 #include <system_error>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/status_macros.h"
@@ -52,8 +53,7 @@ void NodeCache::ReadLedger() {
       // the cache's to count or remove.
       if (entry.contains("beside")) c.beside = entry.at("beside").get<std::vector<std::string>>();
       std::erase_if(c.beside, [&](const std::string& p) {
-        return c.paths.empty() || !IsApartPath(p) || !IsApartPath(c.paths.back()) ||
-               fs::path(p).parent_path() != fs::path(c.paths.back()).parent_path();
+        return !node_cache_internal::IsBesidePath(name, p) || absl::c_linear_search(c.paths, p);
       });
       if (entry.value("placing", false)) {
         c.identities = entry.at("identities").get<std::vector<std::array<uint64_t, 4>>>();
@@ -124,7 +124,9 @@ void NodeCache::ServeApart() {
     if (folders.contains(it->path().filename().string()) || it->is_symlink(item_ec) || !it->is_directory(item_ec)) {
       continue;
     }
-    RemoveApartFolderIfEmpty(it->path().string());
+    // Configs beside weights that are gone (removed by hand) would be in
+    // the way of the next pull: they go with the folder.
+    RemoveApartFolderIfEmpty(it->path().string(), /*configs=*/true);
     absl::StatusOr<std::string> name = ReadSmallFile((it->path() / kApartNameFile).string(), 4096);
     if (!name.ok() || !IsLoadableName(*name, 4096)) continue;
     for (const auto& file : fs::directory_iterator(it->path(), item_ec)) {

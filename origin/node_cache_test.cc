@@ -1272,9 +1272,36 @@ TEST_F(NodeCacheBudgetTest, ConfigsBesideAHubSnapshotArePlacedInItsFolderCounted
   EXPECT_THAT(cache_->Pull("acme/bad").status(),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("hf_quant_config.json")));
   EXPECT_EQ(registry_->Get("acme/bad"), nullptr);
-  EXPECT_EQ(ApartFiles(models_),
-            (std::vector<std::string>{folder_now + "/checkpoint.safetensors", folder_now + "/config.json",
-                                      folder_now + "/hf_quant_config.json"}));
+  const std::vector<std::string> placed = {folder_now + "/checkpoint.safetensors", folder_now + "/config.json",
+                                           folder_now + "/hf_quant_config.json"};
+  EXPECT_EQ(ApartFiles(models_), placed);
+
+  // A ledger edited to name acme/q's configs beside another checkpoint, mid
+  // placement, never costs acme/q its files: only the configs in a
+  // checkpoint's own folder are its.
+  cache_.reset();
+  nlohmann::json ledger = ReadLedger(models_);
+  ledger["plain"]["beside"] = {placed[1], placed[2]};
+  ledger["plain"]["placing"] = true;
+  ledger["plain"]["identities"] = {{1, 2, 3, 4}};
+  WriteLedger(models_, ledger);
+  Restart();
+  EXPECT_EQ(ApartFiles(models_), placed);
+  expect_served_with_configs();
+
+  // Its weights removed by hand, the configs left would be in the way of the
+  // next pull: the next start removes them with the folder, and the name is
+  // pulled again.
+  cache_.reset();
+  fs::remove(models_ + "/" + placed[0]);
+  Restart([&](FakeOrigin& origin) {
+    origin.apart_.insert("acme/q");
+    origin.Put("acme/q", model_);
+    origin.beside_["acme/q"] = {{"hf_quant_config.json", quant}, {"config.json", config}};
+  });
+  EXPECT_TRUE(ApartFiles(models_).empty()) << ::testing::PrintToString(ApartFiles(models_));
+  ASSERT_OK(cache_->Pull("acme/q").status());
+  expect_served_with_configs();
 }
 
 TEST_F(NodeCacheBudgetTest, TheLedgerSurvivesARestart) {

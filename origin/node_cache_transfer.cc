@@ -18,6 +18,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/algorithm/container.h"
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -25,6 +26,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/catalog/registry.h"
+#include "core/quant_config.h"
 #include "core/shm/unix_socket.h"
 #include "core/status_macros.h"
 #include "origin/node_cache.h"
@@ -239,7 +241,9 @@ absl::Status NodeCache::Download(const std::string& name, const OriginCheckpoint
   // hashing (MD5 runs at about 0.7 GB/s) overlaps the transfer.
   std::vector<std::unique_ptr<WholeFileCheck>> checks(checkpoint.files.size());
   for (size_t i = 0; i < checks.size(); ++i) {
-    if (origin_->verifies_reads() && !resumed[i]) continue;
+    // A config beside is no file of the version its reads are pinned to: it
+    // is checked whole against the CRC32C listed.
+    if (origin_->verifies_reads() && !resumed[i] && !checkpoint.files[i].beside) continue;
     auto check = std::make_unique<WholeFileCheck>(checkpoint.files[i], fds[i].get());
     if (check->needed()) checks[i] = std::move(check);
   }
@@ -319,15 +323,23 @@ absl::Status NodeCache::Transfer(const std::string& name, std::atomic<uint64_t>*
   WEIGHTSTORE_RETURN_IF_ERROR(found.status());
   OriginCheckpoint& checkpoint = *found;
   if (checkpoint.files.empty()) return absl::DataLossError("the origin lists no files");
-  if (checkpoint.files.size() > options_.max_files) {
+  // Configs beside (at most two, as the origin checked) are not counted.
+  const size_t listed = absl::c_count_if(checkpoint.files, [](const OriginFile& f) { return !f.beside; });
+  if (listed > options_.max_files) {
     return Remembered(absl::FailedPreconditionError(
-        absl::StrCat("the origin lists ", checkpoint.files.size(), " files (1 to ", options_.max_files, " accepted)")));
+        absl::StrCat("the origin lists ", listed, " files (1 to ", options_.max_files, " accepted)")));
   }
   // A hub revision, or a hub snapshot's files: in a folder of their own.
   const bool apart = !PlaceablePath(name) || checkpoint.apart;
   // Configs beside are taken only into a folder of the checkpoint's own: in
   // the models folder they would be other checkpoints' too.
   if (!apart) std::erase_if(checkpoint.files, [](const OriginFile& f) { return f.beside; });
+  for (const OriginFile& f : checkpoint.files) {
+    if (f.beside && !absl::c_linear_search(QuantizationConfig::kFileNames, fs::path(f.path).filename().string())) {
+      return absl::DataLossError(absl::StrCat("the origin lists '", absl::CHexEscape(f.path.substr(0, 256)),
+                                              "' beside '", name, "', which is no quantization config"));
+    }
+  }
   for (const OriginFile& f : checkpoint.files) {
     if (!(apart ? IsLoadableName(f.path, 4096) : PlaceablePath(f.path))) {
       return absl::DataLossError(absl::StrCat("the origin names a file '", absl::CHexEscape(f.path.substr(0, 256)),

@@ -58,27 +58,32 @@ absl::StatusOr<SharedBytes> StoredBytes(const CheckpointVersion& version, const 
   return SharedBytes::FromVector(std::move(out));
 }
 
-std::string StoredCrcKey(const StoredFile& file) { return absl::StrCat("stored-file:", file.path); }
+// A file beside (a config) may change while the version stays: its key
+// names the bytes on disk too (device, inode, size, times), so a CRC is taken
+// once per content, and a listing finds it known only for those bytes.
+std::string StoredCrcKey(const StoredFile& file) {
+  if (!file.beside) return absl::StrCat("stored-file:", file.path);
+  return absl::StrCat("stored-file:", file.path, "@", FileVersion(file.local_path).value_or("gone"));
+}
 
 absl::StatusOr<uint32_t> StoredCrc(const CheckpointVersion& version, const StoredFile& file,
                                    const std::function<bool()>& cancelled) {
-  auto compute = [&]() -> absl::StatusOr<uint32_t> {
-    uint32_t crc = 0;
-    constexpr uint64_t kBlock = uint64_t{8} << 20;
-    for (uint64_t offset = 0; offset < file.size; offset += kBlock) {
-      if (cancelled && cancelled()) {
-        return absl::CancelledError(absl::StrCat("the checksum of '", file.path, "' was cancelled"));
-      }
-      WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes,
-                                   StoredBytes(version, file, offset, std::min(kBlock, file.size - offset)));
-      crc = Crc32cExtend(crc, bytes.view());
-    }
-    return crc;  // kept only if the version is unchanged (ChecksumCache::Store)
-  };
-  // A config beside (at most 16 MiB) may change while the version stays: its
-  // CRC is taken anew for each listing.
-  if (file.beside) return compute();
-  return version.checksums().FindOrCompute(StoredCrcKey(file), compute, cancelled);
+  return version.checksums().FindOrCompute(
+      StoredCrcKey(file),
+      [&]() -> absl::StatusOr<uint32_t> {
+        uint32_t crc = 0;
+        constexpr uint64_t kBlock = uint64_t{8} << 20;
+        for (uint64_t offset = 0; offset < file.size; offset += kBlock) {
+          if (cancelled && cancelled()) {
+            return absl::CancelledError(absl::StrCat("the checksum of '", file.path, "' was cancelled"));
+          }
+          WEIGHTSTORE_ASSIGN_OR_RETURN(SharedBytes bytes,
+                                       StoredBytes(version, file, offset, std::min(kBlock, file.size - offset)));
+          crc = Crc32cExtend(crc, bytes.view());
+        }
+        return crc;  // kept only if the version is unchanged (ChecksumCache::Store)
+      },
+      cancelled);
 }
 
 }  // namespace
@@ -104,9 +109,8 @@ absl::Status DescribeStoredFiles(const CheckpointVersion& version, v1::ListCheck
 bool StoredCrcsKnown(const CheckpointVersion& version) {
   absl::StatusOr<std::vector<StoredFile>> files = StoredFiles(version);
   if (!files.ok()) return true;  // its error is quick to report
-  return std::all_of(files->begin(), files->end(), [&](const StoredFile& f) {
-    return f.beside || version.checksums().Find(StoredCrcKey(f)).has_value();
-  });
+  return std::all_of(files->begin(), files->end(),
+                     [&](const StoredFile& f) { return version.checksums().Find(StoredCrcKey(f)).has_value(); });
 }
 
 namespace {

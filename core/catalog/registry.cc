@@ -849,10 +849,22 @@ absl::StatusOr<std::vector<StoredFile>> StoredFiles(const CheckpointVersion& ver
   }
   std::vector<StoredFile> files;
   if (NameForPath(version.relative_path()) != version.name()) {
+    // A link is followed only as the hub cache follows a snapshot's: into
+    // its repo folder (models--ORG--NAME/blobs/). What else the daemon can
+    // read is not served.
+    const fs::path snapshot = main.parent_path();
+    std::error_code repo_ec;
+    const fs::path repo = snapshot.parent_path().filename() == "snapshots"
+                              ? fs::canonical(snapshot.parent_path().parent_path(), repo_ec)
+                              : fs::path();
     for (absl::string_view config : QuantizationConfig::kFileNames) {
       const fs::path p = main.parent_path() / std::string(config);
       std::error_code ec;
       if (!fs::is_regular_file(p, ec)) continue;
+      if (fs::is_symlink(fs::symlink_status(p, ec))) {
+        const fs::path inside = fs::canonical(p, ec).lexically_relative(repo);
+        if (ec || repo_ec || repo.empty() || inside.empty() || *inside.begin() == "..") continue;
+      }
       const uintmax_t size = fs::file_size(p, ec);
       if (ec || size > QuantizationConfig::kMaxFileBytes) continue;  // not what the checkpoint was opened with
       files.push_back({std::string(config), p.string(), false, size, nullptr, /*beside=*/true});

@@ -263,9 +263,13 @@ absl::Status ShardTensors(const Checkpoint& checkpoint, const Selection& selecti
 }
 
 void DescribeQuantization(const Checkpoint& checkpoint, SnapshotTensor* tensor) {
-  const QuantScheme* scheme = checkpoint.QuantSchemeOf(*tensor->source);
-  if (scheme == nullptr || !HasStandardScale(checkpoint, tensor->source->spec.name)) return;
-  tensor->quantization = absl::StrCat(DescribeQuantScheme(*scheme), " (", checkpoint.quantization()->source(), ")");
+  tensor->quantization = DescribeQuantizationOf(checkpoint, *tensor->source);
+}
+
+std::string DescribeQuantizationOf(const Checkpoint& checkpoint, const CheckpointEntry& entry) {
+  const QuantScheme* scheme = checkpoint.QuantSchemeOf(entry);
+  if (scheme == nullptr || !HasStandardScale(checkpoint, entry.spec.name)) return "";
+  return absl::StrCat(DescribeQuantScheme(*scheme), " (", checkpoint.quantization()->source(), ")");
 }
 
 }  // namespace weightstore

@@ -39,6 +39,9 @@ absl::Status ShardTensors(const Checkpoint& checkpoint, const Selection& selecti
 // describes the tensor and a scale of a standard name follows it in the file
 // (StartTensor, for every selected tensor).
 void DescribeQuantization(const Checkpoint& checkpoint, SnapshotTensor* tensor);
+// What DescribeQuantization says of `entry` (one of checkpoint's): empty when
+// nothing.
+std::string DescribeQuantizationOf(const Checkpoint& checkpoint, const CheckpointEntry& entry);
 
 }  // namespace weightstore
 

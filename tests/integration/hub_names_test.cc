@@ -282,6 +282,60 @@ TEST_F(HubNamesTest, ANodeServesAQuantizedHubSnapshotWithTheConfigsBesideItDownT
   below = testing::StartNode(*node, below_models);
   ASSERT_NE(below->port(), 0) << below->log();
   EXPECT_EQ(quantization(*below), want) << below->log();
+
+  // A config linked out of its repo folder is not served: a repo whose
+  // config.json points at another file the daemon can read.
+  HubRepo leak(upstream_models_, "acme", "leak");
+  leak.Snapshot("g1", {tensor("model.norm.weight", DType::kF32, {64})}, /*sharded=*/false);
+  testing::WriteFileOrDie(upstream_models_ + "/outside.json", R"({"secret": 1})");
+  fs::create_symlink(upstream_models_ + "/outside.json",
+                     upstream_models_ + "/hub/models--acme--leak/snapshots/g1/config.json");
+  leak.Ref("main", "g1");
+  Rescan(*upstream_);
+  ExpectServedAsUpstream(*node, "acme/leak");
+  EXPECT_TRUE(ConfigsPlacedBeside(models, "acme/leak").empty());
+}
+
+TEST_F(HubNamesTest, AFollowingNodeDoesNotTakeASnapshotWhoseQuantizationConfigChanged) {
+  auto tensor = [](const std::string& name, DType dtype, std::vector<uint64_t> shape, int seed) {
+    TensorSpec spec{name, dtype, std::move(shape)};
+    std::vector<std::byte> bytes(spec.byte_size());
+    for (size_t k = 0; k < bytes.size(); ++k) bytes[k] = std::byte((k * 7 + seed) & 0x7f);
+    return SharedTensor{spec, SharedBytes::FromVector(std::move(bytes))};
+  };
+  auto snapshot = [&](int seed) {
+    return std::vector<SharedTensor>{tensor("model.layers.0.mlp.down_proj.weight", DType::kU8, {64, 32}, seed),
+                                     tensor("model.layers.0.mlp.down_proj.weight_scale", DType::kF8E4M3, {64, 4}, 1),
+                                     tensor("model.norm.weight", DType::kF32, {64}, 1)};
+  };
+  HubRepo q(upstream_models_, "acme", "q");
+  q.Snapshot("f1", snapshot(3), /*sharded=*/false);
+  q.File("f1", "hf_quant_config.json", R"({"quantization": {"quant_algo": "NVFP4"}})");
+  q.Ref("main", "f1");
+  Rescan(*upstream_);
+  const std::string models = testing::MakeScratchDir("hub-quantized-follower");
+  auto node =
+      testing::StartNode(*upstream_, models, {"--follow", "--pull", "acme/q", "--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(node->port(), 0) << node->log();
+  ASSERT_OK_AND_ASSIGN(Served before, FetchServed(node->address(), "acme/q"));
+
+  // The ref moves to a snapshot whose config leaves the layer unquantized.
+  q.Snapshot("f2", snapshot(5), /*sharded=*/false);
+  q.File("f2", "hf_quant_config.json",
+         R"({"quantization": {"quant_algo": "NVFP4", "exclude_modules": ["model.layers.0.mlp.down_proj"]}})");
+  q.Ref("main", "f2");
+  Rescan(*upstream_);
+  ASSERT_OK_AND_ASSIGN(Served moved, FetchServed(upstream_->address(), "acme/q"));
+  ASSERT_NE(moved.version, before.version);
+  // Blocked, saying why; the node serves the version its config describes.
+  ASSERT_TRUE(testing::WaitUntil([&] {
+    return testing::MetricValue(node->metrics_port(), "weightstore_follow_blocked") == 1;
+  })) << node->log();
+  EXPECT_THAT(node->log(), ::testing::AllOf(::testing::HasSubstr("quantizes tensor"),
+                                            ::testing::HasSubstr("model.layers.0.mlp.down_proj.weight")));
+  ASSERT_OK_AND_ASSIGN(Served after, FetchServed(node->address(), "acme/q"));
+  EXPECT_EQ(after.version, before.version);
+  EXPECT_TRUE(after.tensors == before.tensors);
 }
 
 TEST_F(HubNamesTest, AnUnusableRevisionNameIsRefusedAndTheNodeServesOn) {
@@ -323,7 +377,7 @@ TEST_F(HubNamesTest, AFollowingNodeTakesTheNewSnapshotWhenTheRefMovesAndKeepsThe
     next[2].bytes = SharedBytes::FromVector(std::move(bytes));
   }
   s.Snapshot("e2", next, /*sharded=*/false);
-  s.File("e2", "config.json", config);
+  s.File("e2", "config.json", R"({"model_type": "llama", "torch_dtype": "float32"})");
   s.Ref("main", "e2");
   Rescan(*upstream_);
   ASSERT_OK_AND_ASSIGN(Served want, FetchServed(upstream_->address(), "acme/s"));
@@ -339,7 +393,8 @@ TEST_F(HubNamesTest, AFollowingNodeTakesTheNewSnapshotWhenTheRefMovesAndKeepsThe
   ASSERT_OK_AND_ASSIGN(Served pinned, FetchServed(node->address(), "acme/s@e1"));
   EXPECT_EQ(pinned.version, before.version);
   EXPECT_TRUE(pinned.tensors == before.tensors);
-  // The config pulled beside it stays through the step.
+  // The config pulled beside it stays as pulled through the step (e2's
+  // quantizes nothing either, so the step is taken).
   EXPECT_EQ(ConfigsPlacedBeside(models, "acme/s"), (std::map<std::string, std::string>{{"config.json", config}}));
 }
 
