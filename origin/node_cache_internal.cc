@@ -8,10 +8,12 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <set>
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -56,6 +58,27 @@ bool IsApartPath(absl::string_view path) {
 }
 
 bool LedgerPath(absl::string_view path) { return PlaceablePath(path) || IsApartPath(path); }
+
+absl::Status PlaceApart(const std::string& name, OriginCheckpoint* checkpoint) {
+  const std::string folder = ApartFolder(name);
+  std::set<std::string> taken;
+  for (size_t i = 0; i < checkpoint->files.size(); ++i) {
+    OriginFile& f = checkpoint->files[i];
+    const bool main = i + 1 == checkpoint->files.size();
+    // The main file is the name plus its extension (NameForPath, checked).
+    const std::string file = main && absl::StartsWith(f.path, name)
+                                 ? absl::StrCat("checkpoint", f.path.substr(name.size()))
+                                 : std::filesystem::path(f.path).filename().string();
+    if (!PlaceablePath(file) || (main && !absl::StartsWith(f.path, name)) ||
+        (!main && std::filesystem::path(f.path).parent_path() != std::filesystem::path(name).parent_path()) ||
+        !taken.insert(file).second) {
+      return absl::DataLossError(absl::StrCat("the origin's file '", absl::CHexEscape(f.path.substr(0, 256)),
+                                              "' does not lie beside the others of '", name, "'"));
+    }
+    f.path = absl::StrCat(folder, "/", file);
+  }
+  return absl::OkStatus();
+}
 
 bool IsBesidePath(absl::string_view name, absl::string_view path) {
   const std::string folder = ApartFolder(name);

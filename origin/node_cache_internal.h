@@ -44,6 +44,12 @@ bool IsApartPath(absl::string_view path);
 // The file in an apart folder that holds the checkpoint's name (no shard can
 // be named so: it is hidden).
 inline constexpr char kApartNameFile[] = ".name";
+// Moves `checkpoint`'s files (as the origin lists them: the main file at the
+// name plus its extension, the rest beside it) into the apart folder of
+// `name`: the main file as "checkpoint" plus its extension, each other file
+// under its own file name. DataLoss for files that would not lie side by side
+// there.
+absl::Status PlaceApart(const std::string& name, OriginCheckpoint* checkpoint);
 // True for "<ApartFolder(name)>/<a quantization config's file name>": where
 // a config pulled beside `name` lies (OriginFile::beside).
 bool IsBesidePath(absl::string_view name, absl::string_view path);

@@ -61,6 +61,13 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
   WEIGHTSTORE_ASSIGN_OR_RETURN(OriginCheckpoint checkpoint, origin_->Find(name));
   // The weights follow; the configs beside stay as pulled.
   std::erase_if(checkpoint.files, [](const OriginFile& f) { return f.beside; });
+  // Held apart (a hub name): the origin's files are placed as the pull
+  // placed them, in the name's folder.
+  if (!held.paths.empty() && node_cache_internal::IsApartPath(held.paths.back())) {
+    if (absl::Status placed = node_cache_internal::PlaceApart(name, &checkpoint); !placed.ok()) {
+      return absl::FailedPreconditionError(placed.message());
+    }
+  }
   Repulled out;
   if (checkpoint.version == held.version) return out;
   if (!ValidVersionId(checkpoint.version)) {

@@ -45,6 +45,7 @@ using node_cache_internal::kApartNameFile;
 using node_cache_internal::LedgerPath;
 using node_cache_internal::NowMs;
 using node_cache_internal::PlaceablePath;
+using node_cache_internal::PlaceApart;
 using node_cache_internal::Progress;
 using node_cache_internal::ReadSmallFile;
 using node_cache_internal::Remembered;
@@ -57,29 +58,6 @@ namespace {
 constexpr absl::Duration kProgressEvery = absl::Seconds(2);
 // Bytes a pull writes between two starts of their writeback to disk.
 constexpr uint64_t kWritebackBytes = uint64_t{8} << 20;
-
-// Moves `checkpoint`'s files into the apart folder of `name`: the main file
-// as "checkpoint" plus its extension, each shard under its own file name
-// (which its index names). DataLoss for files that would not lie side by side
-// there.
-absl::Status PlaceApart(const std::string& name, OriginCheckpoint* checkpoint) {
-  const std::string folder = ApartFolder(name);
-  std::set<std::string> taken;
-  for (size_t i = 0; i < checkpoint->files.size(); ++i) {
-    OriginFile& f = checkpoint->files[i];
-    const bool main = i + 1 == checkpoint->files.size();
-    // The main file is the name plus its extension (NameForPath, checked).
-    const std::string file =
-        main ? absl::StrCat("checkpoint", f.path.substr(name.size())) : fs::path(f.path).filename().string();
-    if (!PlaceablePath(file) || (!main && fs::path(f.path).parent_path() != fs::path(name).parent_path()) ||
-        !taken.insert(file).second) {
-      return absl::DataLossError(absl::StrCat("the origin's file '", absl::CHexEscape(f.path.substr(0, 256)),
-                                              "' does not lie beside the others of '", name, "'"));
-    }
-    f.path = absl::StrCat(folder, "/", file);
-  }
-  return absl::OkStatus();
-}
 
 }  // namespace
 

@@ -296,6 +296,45 @@ TEST_F(HubNamesTest, ANodeServesAQuantizedHubSnapshotWithTheConfigsBesideItDownT
   EXPECT_TRUE(ConfigsPlacedBeside(models, "acme/leak").empty());
 }
 
+TEST_F(HubNamesTest, AFollowingNodeTakesASnapshotWhoseIndexChangedAsItsFilesInTheNamesFolder) {
+  // A sharded repo whose next snapshot adds a tensor: no step of element
+  // patches can write it under the shards held, so it comes as the files
+  // that changed, placed in the name's own folder as the pull placed them.
+  HubRepo h(upstream_models_, "acme", "h");
+  std::vector<SharedTensor> tensors = MakeTensors(4, 8192, 7);
+  h.Snapshot("k1", tensors, /*sharded=*/true);
+  h.File("k1", "config.json", R"({"model_type": "llama"})");
+  h.Ref("main", "k1");
+  Rescan(*upstream_);
+  const std::string models = testing::MakeScratchDir("hub-index-follower");
+  auto node =
+      testing::StartNode(*upstream_, models, {"--follow", "--pull", "acme/h", "--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(node->port(), 0) << node->log();
+  ExpectServedAsUpstream(*node, "acme/h");
+
+  std::vector<SharedTensor> more = MakeTensors(5, 8192, 7);
+  h.Snapshot("k2", more, /*sharded=*/true);
+  h.Ref("main", "k2");
+  Rescan(*upstream_);
+  ASSERT_OK_AND_ASSIGN(Served want, FetchServed(upstream_->address(), "acme/h"));
+  ASSERT_EQ(want.tensors.size(), 5u);
+  ASSERT_TRUE(testing::WaitUntil([&] {
+    absl::StatusOr<Served> got = FetchServed(node->address(), "acme/h");
+    return got.ok() && got->version == want.version;
+  })) << node->log();
+  ExpectServedAsUpstream(*node, "acme/h");
+  EXPECT_EQ(testing::MetricValue(node->metrics_port(), "weightstore_follow_blocked"), 0) << node->log();
+  // Still all in its folder, the config kept.
+  EXPECT_TRUE(FilesOutsideTheCache(models).empty()) << ::testing::PrintToString(FilesOutsideTheCache(models));
+  EXPECT_EQ(ConfigsPlacedBeside(models, "acme/h"),
+            (std::map<std::string, std::string>{{"config.json", R"({"model_type": "llama"})"}}));
+  // And a restart serves the new version from there.
+  node.reset();
+  node = testing::StartNode(*upstream_, models, {"--follow", "--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(node->port(), 0) << node->log();
+  ExpectServedAsUpstream(*node, "acme/h");
+}
+
 TEST_F(HubNamesTest, AFollowingNodeDoesNotTakeASnapshotWhoseQuantizationConfigChanged) {
   auto tensor = [](const std::string& name, DType dtype, std::vector<uint64_t> shape, int seed) {
     TensorSpec spec{name, dtype, std::move(shape)};
