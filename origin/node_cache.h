@@ -5,7 +5,8 @@
 // <models>/.weightstore-cache/partial/ (hidden from the registry's scans), and
 // records after every part and on every error how many bytes of each part were
 // written and verified, so a failed or interrupted pull (origin down, daemon
-// killed) resumes from there as long as the origin still has the same version.
+// killed) resumes from there as long as the origin still has the same version
+// (and, once it has another, for the files it lists unchanged).
 // Once every byte is in, each file is checked whole (CRC32C when the origin
 // gives one, the MD5 of a single-part S3 ETag), fsynced, renamed into place
 // (never over an existing file) and the checkpoint loaded; if it does not open,
@@ -185,7 +186,8 @@ class NodeCache : public Puller, public FollowedCache {
   absl::StatusOr<Repulled> RepullShards(const std::string& name, const CheckpointVersion& base, const Cached& held,
                                         const OriginCheckpoint& listed) ABSL_LOCKS_EXCLUDED(mu_);
   // Reads `checkpoint`'s files from the origin into partial files, resuming
-  // what an earlier attempt at the same version left; each is checked whole
+  // what an earlier attempt at the same version left (of another version,
+  // the files listed by the same path, size and strong etag); each is checked whole
   // and fsynced. `pulled` counts the bytes read.
   absl::Status Download(const std::string& name, const OriginCheckpoint& checkpoint, std::atomic<uint64_t>* pulled,
                         Staged* staged);

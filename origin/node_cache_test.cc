@@ -816,6 +816,39 @@ std::vector<std::pair<std::string, std::string>> ShardedModel(int seed_a, int se
            R"({"weight_map": {"layer.0.weight": "m-a.safetensors", "layer.1.weight": "m-b.safetensors"}})"}};
 }
 
+TEST_F(NodeCacheTest, APullCutShortKeepsTheFilesTheOriginsNextVersionListsUnchanged) {
+  // Shards of 320 KB: the first attempt is cut inside them.
+  auto files = [](int seed_b) {
+    std::vector<std::pair<std::string, std::string>> out = {
+        {"m-a.safetensors", Model(4, 20000, 60)},
+        {"m-b.safetensors", absl::StrReplaceAll(Model(4, 20000, seed_b), {{"layer.", "other."}})}};
+    std::string map;
+    for (int i = 0; i < 4; ++i) {
+      absl::StrAppend(&map, i == 0 ? "" : ",", "\"layer.", i, ".weight\": \"m-a.safetensors\", \"other.", i,
+                      ".weight\": \"m-b.safetensors\"");
+    }
+    out.emplace_back("m.safetensors.index.json", absl::StrCat("{\"weight_map\": {", map, "}}"));
+    return out;
+  };
+  origin_->PutFiles("m", files(70));
+  origin_->fail_after_ = 200000;
+  EXPECT_THAT(cache_->Pull("m").status(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("went away")));
+  const uint64_t first = origin_->sent_.load();
+
+  // The origin moves on to a version whose shard b differs (as a trainer
+  // uploading shard by shard would leave it): shard a's bytes carry over.
+  const auto next = files(71);
+  origin_->PutFiles("m", next);
+  uint64_t total = 0;
+  for (const auto& [path, bytes] : next) total += bytes.size();
+  ASSERT_OK(cache_->Pull("m").status());
+  const uint64_t second = origin_->sent_.load() - first;
+  EXPECT_LT(second, total) << "shard a was fetched again";
+  EXPECT_GE(second, total - first);
+  for (const auto& [path, bytes] : next) EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/" + path), bytes) << path;
+  ASSERT_NE(registry_->Get("m"), nullptr);
+}
+
 TEST_F(NodeCacheTest, AShardedRepullFetchesOnlyTheShardsThatChangedAndPutsThemInPlaceAsOneStep) {
   origin_->PutFiles("m", ShardedModel(40, 50));
   ASSERT_TRUE(cache_->Pull("m").ok());

@@ -70,18 +70,47 @@ absl::Status NodeCache::Download(const std::string& name, const OriginCheckpoint
   fs::create_directories(folder, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create '", folder, "': ", ec.message()));
   Progress progress;
+  // Of an earlier pull of another version (the origin moved on meanwhile):
+  // the files it had begun that this one lists unchanged, by path, size and a
+  // strong etag, as (new index, old index).
+  std::vector<std::pair<size_t, size_t>> carried;
+  std::optional<Progress> saved;
   if (auto text = ReadSmallFile(state_path, size_t{64} << 20); text.ok()) {
-    std::optional<Progress> saved = Progress::FromJson(*text, options_.part_bytes);
-    if (saved && saved->Matches(checkpoint)) progress = std::move(*saved);
+    saved = Progress::FromJson(*text, options_.part_bytes);
+    if (saved && saved->Matches(checkpoint)) {
+      progress = *std::move(saved);
+    } else if (saved && saved->name == name) {
+      for (size_t i = 0; i < checkpoint.files.size(); ++i) {
+        const OriginFile& f = checkpoint.files[i];
+        if (f.etag.empty() || absl::StartsWith(f.etag, "W/")) continue;
+        for (size_t j = 0; j < saved->files.size(); ++j) {
+          const OriginFile& was = saved->files[j];
+          if (was.path == f.path && was.size == f.size && was.etag == f.etag) carried.emplace_back(i, j);
+        }
+      }
+    }
   }
-  if (progress.files.empty()) {  // nothing to resume: start clean
-    fs::remove_all(folder, ec);
-    fs::create_directories(folder, ec);
+  if (progress.files.empty()) {  // nothing to resume as a whole: start clean, but for what carries over
+    for (const auto& [i, j] : carried) {
+      (void)::rename((fs::path(folder) / std::to_string(j)).c_str(),
+                     (fs::path(folder) / absl::StrCat("carried-", i)).c_str());
+    }
+    std::vector<fs::path> stale;
+    for (auto it = fs::directory_iterator(folder, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+      if (!absl::StartsWith(it->path().filename().string(), "carried-")) stale.push_back(it->path());
+    }
+    for (const fs::path& p : stale) fs::remove_all(p, ec);
     progress.name = name;
     progress.version = checkpoint.version;
     progress.files = checkpoint.files;
     for (const OriginFile& f : checkpoint.files) {
       progress.done.emplace_back((f.size + options_.part_bytes - 1) / options_.part_bytes, 0);
+    }
+    for (const auto& [i, j] : carried) {
+      if (::rename((fs::path(folder) / absl::StrCat("carried-", i)).c_str(),
+                   (fs::path(folder) / std::to_string(i)).c_str()) == 0) {
+        progress.done[i] = saved->done[j];
+      }
     }
   }
   for (size_t i = 0; i < checkpoint.files.size(); ++i) progress.files[i].crc32c = checkpoint.files[i].crc32c;
