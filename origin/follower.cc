@@ -610,6 +610,29 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
     return absl::InvalidArgumentError(absl::StrCat("the upstream's version id of '", name, "', '",
                                                    Said(listing.version), "', is not 1 to 64 bytes of [0-9A-Za-z._-]"));
   }
+  // The node keeps the quantization config it pulled beside a checkpoint
+  // held apart (a hub snapshot): a version the upstream describes by another
+  // config would be served here with the old one, and is not taken, however
+  // it would come (as patches, or as its files).
+  const bool config_pulled =
+      base->checkpoint()->quantization() != nullptr && node_cache_internal::IsApartPath(base->relative_path());
+  for (size_t i = 0; config_pulled && i < listing.tensors.size(); ++i) {
+    const client::TensorDescription& d = listing.tensors[i];
+    std::string ours;
+    if (const CheckpointEntry* held = base->checkpoint()->Find(d.spec.name)) {
+      ours = DescribeQuantizationOf(*base->checkpoint(), *held);
+    } else if (d.quantization.empty()) {
+      continue;  // a new tensor the upstream leaves alone
+    } else if (const QuantScheme* scheme = base->checkpoint()->quantization()->SchemeOf(d.spec.name)) {
+      ours = absl::StrCat(DescribeQuantScheme(*scheme), " (", base->checkpoint()->quantization()->source(), ")");
+    }
+    if (ours != d.quantization) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the upstream's version ", Said(listing.version), " of '", name, "' quantizes tensor '",
+                       Said(d.spec.name), "' as '", Said(d.quantization), "', and this node's config beside it as '",
+                       ours, "': a node keeps the configs it pulled; remove its folder to pull the checkpoint anew"));
+    }
+  }
   // A push to a sharded checkpoint keeps each shard's tensors, in order, with
   // their dtypes and shapes, and the index's metadata: a version that adds,
   // drops, reorders or redefines tensors, or has other metadata (another
@@ -639,22 +662,6 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
                        "' without a digest; a daemon is followed only with --tensor-digests"));
     }
     if (!delta || !d.unchanged) to_receive = SaturatingAdd(to_receive, d.spec.byte_size());
-  }
-  // The node keeps the quantization config it pulled beside a checkpoint
-  // held apart (a hub snapshot): a version the upstream describes by another
-  // config would be served here with the old one, and is not taken.
-  const bool config_pulled =
-      base->checkpoint()->quantization() != nullptr && node_cache_internal::IsApartPath(base->relative_path());
-  for (size_t i = 0; config_pulled && i < listing.tensors.size(); ++i) {
-    const client::TensorDescription& d = listing.tensors[i];
-    const CheckpointEntry* held = base->checkpoint()->Find(d.spec.name);
-    if (held == nullptr) continue;
-    if (std::string ours = DescribeQuantizationOf(*base->checkpoint(), *held); ours != d.quantization) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the upstream's version ", Said(listing.version), " of '", name, "' quantizes tensor '",
-                       Said(d.spec.name), "' as '", Said(d.quantization), "', and this node's config beside it as '",
-                       ours, "': a node keeps the configs it pulled; remove its folder to pull the checkpoint anew"));
-    }
   }
   if (to_receive > options_.max_step_bytes) {
     return absl::FailedPreconditionError(absl::StrCat("a step of '", name, "' to version ", Said(listing.version),

@@ -67,6 +67,12 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
     if (absl::Status placed = node_cache_internal::PlaceApart(name, &checkpoint); !placed.ok()) {
       return absl::FailedPreconditionError(placed.message());
     }
+    for (const OriginFile& f : checkpoint.files) {
+      if (!node_cache_internal::IsApartPath(f.path)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("the origin's file '", absl::CHexEscape(f.path.substr(0, 256)), "' cannot lie apart"));
+      }
+    }
   }
   Repulled out;
   if (checkpoint.version == held.version) return out;

@@ -817,36 +817,76 @@ std::vector<std::pair<std::string, std::string>> ShardedModel(int seed_a, int se
 }
 
 TEST_F(NodeCacheTest, APullCutShortKeepsTheFilesTheOriginsNextVersionListsUnchanged) {
-  // Shards of 320 KB: the first attempt is cut inside them.
-  auto files = [](int seed_b) {
+  // Shards of 320 KB, a and b, and their index: the first attempt is cut
+  // inside them. `b_first` lists b before a.
+  auto files = [](const std::string& name, int seed_b, bool b_first) {
     std::vector<std::pair<std::string, std::string>> out = {
-        {"m-a.safetensors", Model(4, 20000, 60)},
-        {"m-b.safetensors", absl::StrReplaceAll(Model(4, 20000, seed_b), {{"layer.", "other."}})}};
+        {name + "-a.safetensors", Model(4, 20000, 60)},
+        {name + "-b.safetensors", absl::StrReplaceAll(Model(4, 20000, seed_b), {{"layer.", "other."}})}};
+    if (b_first) std::swap(out[0], out[1]);
     std::string map;
     for (int i = 0; i < 4; ++i) {
-      absl::StrAppend(&map, i == 0 ? "" : ",", "\"layer.", i, ".weight\": \"m-a.safetensors\", \"other.", i,
-                      ".weight\": \"m-b.safetensors\"");
+      absl::StrAppend(&map, i == 0 ? "" : ",", "\"layer.", i, ".weight\": \"", name, "-a.safetensors\", \"other.", i,
+                      ".weight\": \"", name, "-b.safetensors\"");
     }
-    out.emplace_back("m.safetensors.index.json", absl::StrCat("{\"weight_map\": {", map, "}}"));
+    out.emplace_back(name + ".safetensors.index.json", absl::StrCat("{\"weight_map\": {", map, "}}"));
     return out;
   };
-  origin_->PutFiles("m", files(70));
-  origin_->fail_after_ = 200000;
-  EXPECT_THAT(cache_->Pull("m").status(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("went away")));
-  const uint64_t first = origin_->sent_.load();
+  // Bytes of each file an attempt kept, from its progress record.
+  auto kept = [&](const std::string& name) {
+    std::map<std::string, uint64_t> out;
+    const nlohmann::json j = nlohmann::json::parse(
+        testing::ReadFileOrEmpty(models_ + "/.weightstore-cache/partial/" + Sha256Hex(name) + "/progress.json"));
+    for (const auto& f : j["files"]) {
+      uint64_t done = 0;
+      for (uint64_t d : f["done"]) done += d;
+      out[f["path"].get<std::string>()] = done;
+    }
+    return out;
+  };
+  for (const bool checkable : {true, false}) {
+    SCOPED_TRACE(checkable ? "listed with CRC32Cs" : "listed with no checksum");
+    const std::string name = checkable ? "m" : "n";
+    origin_->list_crc32c_ = checkable;
+    origin_->PutFiles(name, files(name, 70, /*b_first=*/false));
+    const uint64_t before = origin_->sent_.load();
+    origin_->fail_after_ = static_cast<int64_t>(before) + 200000;
+    EXPECT_THAT(cache_->Pull(name).status(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("went away")));
+    const std::map<std::string, uint64_t> first = kept(name);
+    ASSERT_GT(first.at(name + "-a.safetensors"), 0u);
 
-  // The origin moves on to a version whose shard b differs (as a trainer
-  // uploading shard by shard would leave it): shard a's bytes carry over.
-  const auto next = files(71);
-  origin_->PutFiles("m", next);
-  uint64_t total = 0;
-  for (const auto& [path, bytes] : next) total += bytes.size();
-  ASSERT_OK(cache_->Pull("m").status());
-  const uint64_t second = origin_->sent_.load() - first;
-  EXPECT_LT(second, total) << "shard a was fetched again";
-  EXPECT_GE(second, total - first);
-  for (const auto& [path, bytes] : next) EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/" + path), bytes) << path;
-  ASSERT_NE(registry_->Get("m"), nullptr);
+    // The origin moves on to a version whose shard b differs (as a trainer
+    // uploading shard by shard would leave it), listed first: what was kept
+    // of shard a and the index carries over, when it can be checked whole.
+    const auto next = files(name, 71, /*b_first=*/true);
+    origin_->PutFiles(name, next);
+    uint64_t total = 0;
+    for (const auto& [path, bytes] : next) total += bytes.size();
+    const uint64_t carried =
+        checkable ? first.at(name + "-a.safetensors") + first.at(name + ".safetensors.index.json") : 0;
+    const uint64_t sent = origin_->sent_.load();
+    ASSERT_OK(cache_->Pull(name).status());
+    EXPECT_EQ(origin_->sent_.load() - sent, total - carried);
+    for (const auto& [path, bytes] : next) EXPECT_EQ(testing::ReadFileOrEmpty(models_ + "/" + path), bytes) << path;
+    ASSERT_NE(registry_->Get(name), nullptr);
+  }
+
+  // A partial file spoilt on disk while it waited is caught by the check
+  // whole, and the pull fails rather than place it.
+  origin_->list_crc32c_ = true;
+  origin_->PutFiles("o", files("o", 70, /*b_first=*/false));
+  origin_->fail_after_ = static_cast<int64_t>(origin_->sent_.load()) + 200000;
+  EXPECT_FALSE(cache_->Pull("o").ok());
+  const std::string partial = models_ + "/.weightstore-cache/partial/" + Sha256Hex("o") + "/0";
+  {
+    std::string bytes = testing::ReadFileOrEmpty(partial);
+    ASSERT_FALSE(bytes.empty());
+    bytes[100] ^= 0x40;
+    testing::WriteFileOrDie(partial, bytes);
+  }
+  origin_->PutFiles("o", files("o", 71, /*b_first=*/true));
+  EXPECT_THAT(cache_->Pull("o").status(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("o-a.safetensors")));
+  EXPECT_EQ(registry_->Get("o"), nullptr);
 }
 
 TEST_F(NodeCacheTest, AShardedRepullFetchesOnlyTheShardsThatChangedAndPutsThemInPlaceAsOneStep) {

@@ -21,6 +21,7 @@
 #include "absl/algorithm/container.h"
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -72,7 +73,8 @@ absl::Status NodeCache::Download(const std::string& name, const OriginCheckpoint
   Progress progress;
   // Of an earlier pull of another version (the origin moved on meanwhile):
   // the files it had begun that this one lists unchanged, by path, size and a
-  // strong etag, as (new index, old index).
+  // strong etag, and that can be checked whole (a CRC32C or an MD5 listed),
+  // as (new index, old index).
   std::vector<std::pair<size_t, size_t>> carried;
   std::optional<Progress> saved;
   if (auto text = ReadSmallFile(state_path, size_t{64} << 20); text.ok()) {
@@ -82,7 +84,7 @@ absl::Status NodeCache::Download(const std::string& name, const OriginCheckpoint
     } else if (saved && saved->name == name) {
       for (size_t i = 0; i < checkpoint.files.size(); ++i) {
         const OriginFile& f = checkpoint.files[i];
-        if (f.etag.empty() || absl::StartsWith(f.etag, "W/")) continue;
+        if (f.etag.empty() || absl::StartsWith(f.etag, "W/") || (f.crc32c.empty() && f.md5.empty())) continue;
         for (size_t j = 0; j < saved->files.size(); ++j) {
           const OriginFile& was = saved->files[j];
           if (was.path == f.path && was.size == f.size && was.etag == f.etag) carried.emplace_back(i, j);
@@ -91,27 +93,39 @@ absl::Status NodeCache::Download(const std::string& name, const OriginCheckpoint
     }
   }
   if (progress.files.empty()) {  // nothing to resume as a whole: start clean, but for what carries over
+    // The record goes first: a kill from here on leaves nothing that claims
+    // any partial file. Then what an attempt killed here left, then the
+    // files that carry over are set aside, and all else goes.
+    fs::remove(state_path, ec);
+    auto entries = [&](bool set_aside) {
+      std::vector<fs::path> out;
+      for (auto it = fs::directory_iterator(folder, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+        if (absl::StartsWith(it->path().filename().string(), "carried-") == set_aside) out.push_back(it->path());
+      }
+      return out;
+    };
+    for (const fs::path& p : entries(/*set_aside=*/true)) fs::remove_all(p, ec);
+    std::vector<std::pair<size_t, size_t>> set_aside;
     for (const auto& [i, j] : carried) {
-      (void)::rename((fs::path(folder) / std::to_string(j)).c_str(),
-                     (fs::path(folder) / absl::StrCat("carried-", i)).c_str());
+      if (::rename((fs::path(folder) / std::to_string(j)).c_str(),
+                   (fs::path(folder) / absl::StrCat("carried-", i)).c_str()) == 0) {
+        set_aside.emplace_back(i, j);
+      }
     }
-    std::vector<fs::path> stale;
-    for (auto it = fs::directory_iterator(folder, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
-      if (!absl::StartsWith(it->path().filename().string(), "carried-")) stale.push_back(it->path());
-    }
-    for (const fs::path& p : stale) fs::remove_all(p, ec);
+    for (const fs::path& p : entries(/*set_aside=*/false)) fs::remove_all(p, ec);
     progress.name = name;
     progress.version = checkpoint.version;
     progress.files = checkpoint.files;
     for (const OriginFile& f : checkpoint.files) {
       progress.done.emplace_back((f.size + options_.part_bytes - 1) / options_.part_bytes, 0);
     }
-    for (const auto& [i, j] : carried) {
+    for (const auto& [i, j] : set_aside) {
       if (::rename((fs::path(folder) / absl::StrCat("carried-", i)).c_str(),
                    (fs::path(folder) / std::to_string(i)).c_str()) == 0) {
         progress.done[i] = saved->done[j];
       }
     }
+    if (!set_aside.empty()) (void)WriteAtomically(state_path, progress.ToJson());
   }
   for (size_t i = 0; i < checkpoint.files.size(); ++i) progress.files[i].crc32c = checkpoint.files[i].crc32c;
 

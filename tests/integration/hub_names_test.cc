@@ -342,39 +342,46 @@ TEST_F(HubNamesTest, AFollowingNodeDoesNotTakeASnapshotWhoseQuantizationConfigCh
     for (size_t k = 0; k < bytes.size(); ++k) bytes[k] = std::byte((k * 7 + seed) & 0x7f);
     return SharedTensor{spec, SharedBytes::FromVector(std::move(bytes))};
   };
-  auto snapshot = [&](int seed) {
-    return std::vector<SharedTensor>{tensor("model.layers.0.mlp.down_proj.weight", DType::kU8, {64, 32}, seed),
+  // `more` adds a layer: a sharded checkpoint then comes as its files, not
+  // as patches, and is refused all the same.
+  auto snapshot = [&](int seed, bool more) {
+    std::vector<SharedTensor> out = {tensor("model.layers.0.mlp.down_proj.weight", DType::kU8, {64, 32}, seed),
                                      tensor("model.layers.0.mlp.down_proj.weight_scale", DType::kF8E4M3, {64, 4}, 1),
                                      tensor("model.norm.weight", DType::kF32, {64}, 1)};
+    if (more) out.push_back(tensor("model.norm.bias", DType::kF32, {64}, 2));
+    return out;
   };
-  HubRepo q(upstream_models_, "acme", "q");
-  q.Snapshot("f1", snapshot(3), /*sharded=*/false);
-  q.File("f1", "hf_quant_config.json", R"({"quantization": {"quant_algo": "NVFP4"}})");
-  q.Ref("main", "f1");
-  Rescan(*upstream_);
-  const std::string models = testing::MakeScratchDir("hub-quantized-follower");
-  auto node =
-      testing::StartNode(*upstream_, models, {"--follow", "--pull", "acme/q", "--metrics-listen", "127.0.0.1:0"});
-  ASSERT_NE(node->port(), 0) << node->log();
-  ASSERT_OK_AND_ASSIGN(Served before, FetchServed(node->address(), "acme/q"));
+  for (const bool sharded : {false, true}) {
+    SCOPED_TRACE(sharded ? "sharded" : "one file");
+    const std::string repo = sharded ? "qs" : "q", name = "acme/" + repo;
+    HubRepo q(upstream_models_, "acme", repo);
+    q.Snapshot("f1", snapshot(3, false), sharded);
+    q.File("f1", "hf_quant_config.json", R"({"quantization": {"quant_algo": "NVFP4"}})");
+    q.Ref("main", "f1");
+    Rescan(*upstream_);
+    const std::string models = testing::MakeScratchDir("hub-quantized-follower");
+    auto node = testing::StartNode(*upstream_, models, {"--follow", "--pull", name, "--metrics-listen", "127.0.0.1:0"});
+    ASSERT_NE(node->port(), 0) << node->log();
+    ASSERT_OK_AND_ASSIGN(Served before, FetchServed(node->address(), name));
 
-  // The ref moves to a snapshot whose config leaves the layer unquantized.
-  q.Snapshot("f2", snapshot(5), /*sharded=*/false);
-  q.File("f2", "hf_quant_config.json",
-         R"({"quantization": {"quant_algo": "NVFP4", "exclude_modules": ["model.layers.0.mlp.down_proj"]}})");
-  q.Ref("main", "f2");
-  Rescan(*upstream_);
-  ASSERT_OK_AND_ASSIGN(Served moved, FetchServed(upstream_->address(), "acme/q"));
-  ASSERT_NE(moved.version, before.version);
-  // Blocked, saying why; the node serves the version its config describes.
-  ASSERT_TRUE(testing::WaitUntil([&] {
-    return testing::MetricValue(node->metrics_port(), "weightstore_follow_blocked") == 1;
-  })) << node->log();
-  EXPECT_THAT(node->log(), ::testing::AllOf(::testing::HasSubstr("quantizes tensor"),
-                                            ::testing::HasSubstr("model.layers.0.mlp.down_proj.weight")));
-  ASSERT_OK_AND_ASSIGN(Served after, FetchServed(node->address(), "acme/q"));
-  EXPECT_EQ(after.version, before.version);
-  EXPECT_TRUE(after.tensors == before.tensors);
+    // The ref moves to a snapshot whose config leaves the layer unquantized.
+    q.Snapshot("f2", snapshot(5, sharded), sharded);
+    q.File("f2", "hf_quant_config.json",
+           R"({"quantization": {"quant_algo": "NVFP4", "exclude_modules": ["model.layers.0.mlp.down_proj"]}})");
+    q.Ref("main", "f2");
+    Rescan(*upstream_);
+    ASSERT_OK_AND_ASSIGN(Served moved, FetchServed(upstream_->address(), name));
+    ASSERT_NE(moved.version, before.version);
+    // Blocked, saying why; the node serves the version its config describes.
+    ASSERT_TRUE(testing::WaitUntil([&] {
+      return testing::MetricValue(node->metrics_port(), "weightstore_follow_blocked") == 1;
+    })) << node->log();
+    EXPECT_THAT(node->log(), ::testing::AllOf(::testing::HasSubstr("quantizes tensor"),
+                                              ::testing::HasSubstr("model.layers.0.mlp.down_proj.weight")));
+    ASSERT_OK_AND_ASSIGN(Served after, FetchServed(node->address(), name));
+    EXPECT_EQ(after.version, before.version);
+    EXPECT_TRUE(after.tensors == before.tensors);
+  }
 }
 
 TEST_F(HubNamesTest, AnUnusableRevisionNameIsRefusedAndTheNodeServesOn) {
