@@ -52,8 +52,9 @@ void NodeCache::ReadLedger() {
       // Configs beside lie in the checkpoint's own apart folder, or are not
       // the cache's to count or remove.
       if (entry.contains("beside")) c.beside = entry.at("beside").get<std::vector<std::string>>();
+      const std::string& owner = name;  // a structured binding: not captured by clang 14
       std::erase_if(c.beside, [&](const std::string& p) {
-        return !node_cache_internal::IsBesidePath(name, p) || absl::c_linear_search(c.paths, p);
+        return !node_cache_internal::IsBesidePath(owner, p) || absl::c_linear_search(c.paths, p);
       });
       if (entry.value("placing", false)) {
         c.identities = entry.at("identities").get<std::vector<std::array<uint64_t, 4>>>();
