@@ -40,6 +40,11 @@ struct OriginFile {
   // digits: an S3 single-part ETag, unless the object is encrypted with KMS or
   // a customer key, whose ETags are no digest of the bytes), else empty.
   std::string md5;
+  // The S3 object version (x-amz-version-id) whose ETag was listed, when the
+  // bucket keeps versions, else empty. Reads ask for that version, so an
+  // object overwritten mid-pull does not end the pull: the pull finishes the
+  // version it began, and the next poll sees the new one.
+  std::string object_version;
   // A file beside the checkpoint that serving it reads, not one of its
   // weights: a quantization config (QuantizationConfig::kFileNames) that an
   // upstream daemon lists for a checkpoint kept apart. Placed with it in its

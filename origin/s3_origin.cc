@@ -41,6 +41,9 @@ constexpr size_t kMaxXmlText = 4096;
 constexpr int kMaxXmlDepth = 32;
 constexpr size_t kMaxKeyBytes = 1024;  // S3's own limit on a key
 constexpr size_t kMaxHeaderValue = 1024;
+// The longest object version id taken from a HEAD (S3's are 32 bytes); a
+// longer one is not pinned, so reads go by ETag alone.
+constexpr size_t kMaxObjectVersion = 256;
 constexpr size_t kMaxShownMessage = 200;
 
 // A relative path the node may create (core/catalog/registry.h): names and prefixes
@@ -264,6 +267,7 @@ struct S3Origin::Reply {
   std::string customer_encryption;  // x-amz-server-side-encryption-customer-algorithm
   std::string checksum_crc32c;      // x-amz-checksum-crc32c (base64)
   std::string checksum_type;        // x-amz-checksum-type
+  std::string version_id;           // x-amz-version-id
   std::string error_body;
   bool started = false;
   absl::Status stopped;  // why a callback stopped the transfer
@@ -288,6 +292,7 @@ struct S3Origin::Reply {
       self->customer_encryption.clear();
       self->checksum_crc32c.clear();
       self->checksum_type.clear();
+      self->version_id.clear();
       std::vector<absl::string_view> parts = absl::StrSplit(line, absl::MaxSplits(' ', 2));
       int http = 0;
       if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &http)) self->http = http;
@@ -306,6 +311,7 @@ struct S3Origin::Reply {
     }
     if (absl::EqualsIgnoreCase(name, "x-amz-checksum-crc32c")) self->checksum_crc32c = std::string(value);
     if (absl::EqualsIgnoreCase(name, "x-amz-checksum-type")) self->checksum_type = std::string(value);
+    if (absl::EqualsIgnoreCase(name, "x-amz-version-id")) self->version_id = std::string(value);
     return size * n;
   }
 
@@ -779,6 +785,13 @@ absl::Status S3Origin::Describe(OriginFile* file) {
   const bool opaque_etag =
       absl::StartsWithIgnoreCase(reply.encryption, "aws:kms") || !reply.customer_encryption.empty();
   file->md5 = opaque_etag ? "" : EtagMd5(file->etag);
+  // A versioned bucket names the version the HEAD saw ("null": one written
+  // while versioning was off or suspended, which an overwrite replaces, so
+  // pinning it would gain nothing).
+  const std::string& version = reply.version_id;
+  if (!version.empty() && version != "null" && version.size() <= kMaxObjectVersion && IsHeaderSafe(version)) {
+    file->object_version = version;
+  }
   // A full-object CRC32C (a composite one, of a multipart upload's parts, ends
   // in "-<parts>" and is no checksum of the whole).
   const bool full_object = !reply.checksum_crc32c.empty() && !absl::StrContains(reply.checksum_crc32c, '-') &&
@@ -809,6 +822,11 @@ absl::Status S3Origin::Read(const OriginFile& file, uint64_t offset, uint64_t le
   if (length == 0) return absl::OkStatus();
 
   const uint64_t last = offset + length - 1;
+  // A read of the version listed (its ETag is still sent: a server that
+  // ignores versionId then still cannot hand over other bytes).
+  const bool pinned = !file.object_version.empty() && !versions_refused_.load();
+  std::string url = HttpUrl(file.key);
+  if (pinned) absl::StrAppend(&url, "?versionId=", UriEncode(file.object_version, /*keep_slash=*/false));
   std::vector<std::string> headers = {absl::StrCat("Range: bytes=", offset, "-", last)};
   if (!file.etag.empty()) headers.push_back(absl::StrCat("If-Match: ", file.etag));
 
@@ -843,7 +861,19 @@ absl::Status S3Origin::Read(const OriginFile& file, uint64_t offset, uint64_t le
     received += bytes.size();
     return sink(bytes);
   };
-  absl::Status status = Perform(HttpUrl(file.key), headers, what, &reply);
+  absl::Status status = Perform(url, headers, what, &reply);
+  if (pinned && received == 0 && absl::IsPermissionDenied(status)) {
+    // Credentials without s3:GetObjectVersion: from now on this origin reads
+    // by ETag alone, as from a bucket that keeps no versions.
+    versions_refused_ = true;
+    return Read(file, offset, length, sink);
+  }
+  if (pinned && absl::IsNotFound(status)) {
+    // The version was deleted (or expired) since the listing: the object
+    // changed, as far as this pull can tell.
+    return absl::AbortedError(absl::StrCat(what, " changed at the origin (its version ", Shown(file.object_version),
+                                           " is gone: ", status.message(), ")"));
+  }
   if (reply.curl_code == CURLE_PARTIAL_FILE && reply.stopped.ok()) {
     return absl::DataLossError(absl::StrCat(what, ": got ", received, " of ", length, " bytes (from offset ", offset,
                                             "; the connection closed early)"));

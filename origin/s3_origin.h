@@ -87,10 +87,14 @@ class S3Origin final : public Origin {
   absl::StatusOr<std::string> Version(const std::string& name) override;
 
   // A GET of bytes [offset, offset + length) with If-Match: file.etag, streamed
-  // into `sink` as it arrives. Aborted when the object's ETag is no longer
-  // file.etag (a 412, or a reply with another ETag from a server that ignores
-  // If-Match); DataLoss unless exactly `length` bytes of that range arrive; a
-  // sink error stops the transfer and is returned as is.
+  // into `sink` as it arrives; of version file.object_version when set, so
+  // that an overwrite since the listing does not end the read. Aborted when
+  // the object's ETag is no longer file.etag (a 412, or a reply with another
+  // ETag from a server that ignores If-Match), or its pinned version is gone;
+  // DataLoss unless exactly `length` bytes of that range arrive; a sink error
+  // stops the transfer and is returned as is. Credentials that may not read
+  // object versions (a 403 to the first pinned read) turn pinning off for
+  // this origin, and the read is made again by ETag alone.
   absl::Status Read(const OriginFile& file, uint64_t offset, uint64_t length, const ByteSink& sink) override;
 
   int parallel_reads() const override { return config_.parallel_reads; }
@@ -116,7 +120,8 @@ class S3Origin final : public Origin {
   // Asks S3 what it vouches for of a listed object's bytes (a HEAD with
   // checksums enabled): fills file->crc32c from a full-object CRC32C checksum
   // and file->md5 from a single-part ETag of an object not encrypted with KMS
-  // or a customer key. Aborted if its ETag is no longer the listed one.
+  // or a customer key, and file->object_version from a versioned bucket's
+  // x-amz-version-id. Aborted if its ETag is no longer the listed one.
   absl::Status Describe(OriginFile* file);
   // Describe() of every file, parallel_reads at a time; the first error.
   absl::Status DescribeAll(std::vector<OriginFile>* files);
@@ -134,6 +139,9 @@ class S3Origin final : public Origin {
   absl::Mutex mu_;
   std::vector<std::unique_ptr<Handle>> idle_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> cancelled_{false};
+  // Set by the first read of a pinned version (OriginFile::object_version)
+  // refused as PermissionDenied: reads then go by ETag alone.
+  std::atomic<bool> versions_refused_{false};
 };
 
 }  // namespace weightstore::origin

@@ -969,6 +969,50 @@ TEST(S3OriginDigestTest, ACompositeChecksumIsIgnoredAndAMalformedOneIsDataLoss) 
       StatusIs(absl::StatusCode::kDataLoss, AllOf(HasSubstr("x-amz-checksum-crc32c"), HasSubstr("m.safetensors"))));
 }
 
+TEST(S3OriginDigestTest, CredentialsThatMayNotReadVersionsFallBackToReadsByEtag) {
+  // Credentials with s3:GetObject but not s3:GetObjectVersion: S3 answers a
+  // read of a version 403.
+  const std::string bytes = "0123456789";
+  const std::string etag = absl::StrCat("\"", Md5Hex(bytes), "\"");
+  ScriptedServer::Script object = OneObject(bytes, etag, {"x-amz-version-id: 3/L4kqtJl+cpXroDTD"});
+  ScriptedServer server([&](const SeenRequest& request) {
+    if (absl::StrContains(request.target, "versionId=")) {
+      return Scripted{S3ErrorReply(403, "Forbidden", "AccessDenied", "Access Denied")};
+    }
+    return object(request);
+  });
+  S3Config config;
+  config.endpoint = server.endpoint();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+  ASSERT_OK_AND_ASSIGN(OriginCheckpoint checkpoint, origin->Find("m"));
+  ASSERT_EQ(checkpoint.files[0].object_version, "3/L4kqtJl+cpXroDTD");
+  EXPECT_THAT(ReadAll(*origin, checkpoint.files[0], 2, 5), IsOkAndHolds("23456"));
+  EXPECT_THAT(ReadAll(*origin, checkpoint.files[0], 0, 10), IsOkAndHolds(bytes));
+  std::vector<SeenRequest> seen = server.requests();
+  ASSERT_EQ(seen.size(), 5u);  // listing, HEAD, the refused read, its retry, then only reads by ETag
+  EXPECT_EQ(seen[2].target, "/models/m.safetensors?versionId=3%2FL4kqtJl%2BcpXroDTD");
+  EXPECT_EQ(seen[2].headers["if-match"], etag);
+  EXPECT_EQ(seen[3].target, "/models/m.safetensors");
+  EXPECT_EQ(seen[4].target, "/models/m.safetensors");
+  EXPECT_EQ(seen[4].headers["if-match"], etag);
+}
+
+TEST(S3OriginDigestTest, OnlyAVersionIdFitToSendIsPinned) {
+  const std::string bytes = "0123456789";
+  for (const std::string& header :
+       {std::string("x-amz-version-id: null"), absl::StrCat("x-amz-version-id: ", std::string(257, 'v'))}) {
+    SCOPED_TRACE(header.substr(0, 40));
+    ScriptedServer server(OneObject(bytes, "\"e\"", {header}));
+    S3Config config;
+    config.endpoint = server.endpoint();
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+    ASSERT_OK_AND_ASSIGN(OriginCheckpoint checkpoint, origin->Find("m"));
+    EXPECT_EQ(checkpoint.files[0].object_version, "");
+    EXPECT_THAT(ReadAll(*origin, checkpoint.files[0], 0, 10), IsOkAndHolds(bytes));
+    EXPECT_EQ(server.requests().back().target, "/models/m.safetensors");
+  }
+}
+
 TEST(S3OriginDigestTest, AnObjectReplacedBetweenListingAndHeadIsAborted) {
   ScriptedServer server([](const SeenRequest& request) {
     if (absl::StartsWith(request.target, "/models?")) {
