@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
@@ -188,6 +189,27 @@ class XmlReader {
 bool IsCredentialError(absl::string_view code) {
   return code == "InvalidAccessKeyId" || code == "SignatureDoesNotMatch" || code == "ExpiredToken" ||
          code == "InvalidToken" || code == "TokenRefreshRequired";
+}
+
+// The Code of an S3 error body ("NoSuchVersion"), or "".
+std::string ErrorCode(absl::string_view body) {
+  std::string code;
+  XmlReader::Parse(body, "an error reply", [&](const std::string& path, const std::string& text) {
+    if (path == "Error/Code") code = text;
+    return absl::OkStatus();
+  }).IgnoreError();
+  return code;
+}
+
+// Whether a refused read of an object version says the store will not read
+// versions for these credentials (no s3:GetObjectVersion: 403 AccessDenied)
+// or at all (a store or proxy that sends version ids but takes no
+// versionId: 400 InvalidArgument, 405, 501 NotImplemented), rather than
+// something a read by ETag would meet too.
+bool RefusesVersionReads(long http, absl::string_view code) {
+  if (http == 403) return code == "AccessDenied";
+  if (http == 400) return code == "InvalidArgument";
+  return http == 405 || http == 501 || code == "NotImplemented";
 }
 
 // Maps a non-2xx reply to a status naming `what` (an s3:// url), with the S3
@@ -785,11 +807,12 @@ absl::Status S3Origin::Describe(OriginFile* file) {
   const bool opaque_etag =
       absl::StartsWithIgnoreCase(reply.encryption, "aws:kms") || !reply.customer_encryption.empty();
   file->md5 = opaque_etag ? "" : EtagMd5(file->etag);
-  // A versioned bucket names the version the HEAD saw ("null": one written
-  // while versioning was off or suspended, which an overwrite replaces, so
-  // pinning it would gain nothing).
+  // A versioned bucket names the version the HEAD saw ("null" for an object
+  // written while versioning was off or suspended: an overwrite under
+  // Enabled keeps it, one under Suspended replaces it, which If-Match then
+  // catches).
   const std::string& version = reply.version_id;
-  if (!version.empty() && version != "null" && version.size() <= kMaxObjectVersion && IsHeaderSafe(version)) {
+  if (!version.empty() && version.size() <= kMaxObjectVersion && IsHeaderSafe(version)) {
     file->object_version = version;
   }
   // A full-object CRC32C (a composite one, of a multipart upload's parts, ends
@@ -862,17 +885,29 @@ absl::Status S3Origin::Read(const OriginFile& file, uint64_t offset, uint64_t le
     return sink(bytes);
   };
   absl::Status status = Perform(url, headers, what, &reply);
-  if (pinned && received == 0 && absl::IsPermissionDenied(status)) {
-    // Credentials without s3:GetObjectVersion: from now on this origin reads
-    // by ETag alone, as from a bucket that keeps no versions.
-    versions_refused_ = true;
-    return Read(file, offset, length, sink);
-  }
-  if (pinned && absl::IsNotFound(status)) {
-    // The version was deleted (or expired) since the listing: the object
-    // changed, as far as this pull can tell.
-    return absl::AbortedError(absl::StrCat(what, " changed at the origin (its version ", Shown(file.object_version),
-                                           " is gone: ", status.message(), ")"));
+  if (pinned && !status.ok() && received == 0 && !reply.ok_status() && reply.http != 0) {
+    const std::string code = ErrorCode(reply.error_body);
+    if (RefusesVersionReads(reply.http, code)) {
+      // Read again by ETag alone. Only once that succeeds does this origin
+      // stop asking for versions (as from a bucket that keeps none): a
+      // refusal the ETag read meets too is no verdict on versions.
+      OriginFile by_etag = file;
+      by_etag.object_version.clear();
+      absl::Status again = Read(by_etag, offset, length, sink);
+      if (again.ok() && !versions_refused_.exchange(true)) {
+        std::fprintf(stderr,
+                     "weightstored: origin: %s refuses reads of object versions (HTTP %ld %s); reading by ETag "
+                     "alone from now on, so an object overwritten mid-pull ends the pull\n",
+                     Describe().c_str(), reply.http, Shown(code).c_str());
+      }
+      return again;
+    }
+    if (reply.http == 404 && code == "NoSuchVersion") {
+      // Deleted (or expired) since the listing: the object changed, as far
+      // as this pull can tell.
+      return absl::AbortedError(absl::StrCat(what, " changed at the origin (its version ", Shown(file.object_version),
+                                             " is gone: ", status.message(), ")"));
+    }
   }
   if (reply.curl_code == CURLE_PARTIAL_FILE && reply.stopped.ok()) {
     return absl::DataLossError(absl::StrCat(what, ": got ", received, " of ", length, " bytes (from offset ", offset,

@@ -92,9 +92,10 @@ class S3Origin final : public Origin {
   // the object's ETag is no longer file.etag (a 412, or a reply with another
   // ETag from a server that ignores If-Match), or its pinned version is gone;
   // DataLoss unless exactly `length` bytes of that range arrive; a sink error
-  // stops the transfer and is returned as is. Credentials that may not read
-  // object versions (a 403 to the first pinned read) turn pinning off for
-  // this origin, and the read is made again by ETag alone.
+  // stops the transfer and is returned as is. A read of a version refused
+  // as if versions cannot be read (403 AccessDenied: no s3:GetObjectVersion;
+  // 400 InvalidArgument, 405, 501) is made again by ETag alone; once that
+  // succeeds, this origin pins no more versions.
   absl::Status Read(const OriginFile& file, uint64_t offset, uint64_t length, const ByteSink& sink) override;
 
   int parallel_reads() const override { return config_.parallel_reads; }
@@ -139,8 +140,9 @@ class S3Origin final : public Origin {
   absl::Mutex mu_;
   std::vector<std::unique_ptr<Handle>> idle_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> cancelled_{false};
-  // Set by the first read of a pinned version (OriginFile::object_version)
-  // refused as PermissionDenied: reads then go by ETag alone.
+  // Set once a read of a version (OriginFile::object_version) was refused as
+  // if versions cannot be read and the same read by ETag succeeded: reads
+  // then go by ETag alone.
   std::atomic<bool> versions_refused_{false};
 };
 

@@ -770,6 +770,17 @@ TEST(S3OriginErrorsTest, ARangeReadCarriesTheSignatureS3Computes) {
               HasSubstr("SignedHeaders=host;if-match;range;x-amz-content-sha256;x-amz-date;x-amz-security-token,"));
   EXPECT_THAT(
       auth, HasSubstr(absl::StrCat("Signature=", ExpectedSignature(seen[0], config.secret_access_key, config.region))));
+
+  // A read of an object version signs its versionId, encoded as SigV4's
+  // canonical query encodes it.
+  file.object_version = "3/L4kq+tJl=~x_.-";
+  EXPECT_THAT(ReadAll(*origin, file, 2, 4), IsOkAndHolds(std::string("cdef")));
+  seen = server.requests();
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[1].target, "/models/p/d/a~1.pt?versionId=3%2FL4kq%2BtJl%3D~x_.-");
+  EXPECT_THAT(
+      seen[1].headers.at("authorization"),
+      HasSubstr(absl::StrCat("Signature=", ExpectedSignature(seen[1], config.secret_access_key, config.region))));
 }
 
 TEST(S3OriginErrorsTest, PagesThroughAListingAndSignsEachPage) {
@@ -999,17 +1010,91 @@ TEST(S3OriginDigestTest, CredentialsThatMayNotReadVersionsFallBackToReadsByEtag)
 
 TEST(S3OriginDigestTest, OnlyAVersionIdFitToSendIsPinned) {
   const std::string bytes = "0123456789";
-  for (const std::string& header :
-       {std::string("x-amz-version-id: null"), absl::StrCat("x-amz-version-id: ", std::string(257, 'v'))}) {
-    SCOPED_TRACE(header.substr(0, 40));
-    ScriptedServer server(OneObject(bytes, "\"e\"", {header}));
+  for (const std::string& id : {std::string("null"), std::string(256, 'v'), std::string(257, 'v')}) {
+    SCOPED_TRACE(id.size());
+    ScriptedServer server(OneObject(bytes, "\"e\"", {"x-amz-version-id: " + id}));
     S3Config config;
     config.endpoint = server.endpoint();
     ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
     ASSERT_OK_AND_ASSIGN(OriginCheckpoint checkpoint, origin->Find("m"));
-    EXPECT_EQ(checkpoint.files[0].object_version, "");
+    const bool pinned = id.size() <= 256;
+    EXPECT_EQ(checkpoint.files[0].object_version, pinned ? id : "");
     EXPECT_THAT(ReadAll(*origin, checkpoint.files[0], 0, 10), IsOkAndHolds(bytes));
-    EXPECT_EQ(server.requests().back().target, "/models/m.safetensors");
+    EXPECT_EQ(server.requests().back().target,
+              pinned ? absl::StrCat("/models/m.safetensors?versionId=", id) : "/models/m.safetensors");
+  }
+}
+
+// A server holding one object of version "v1" that answers every read of a
+// version with `refusal`, and reads by ETag with `by_etag` when set.
+ScriptedServer::Script RefusingVersionReads(const std::string& bytes, const std::string& refusal,
+                                            const std::string& by_etag = "") {
+  ScriptedServer::Script object = OneObject(bytes, "\"e\"", {"x-amz-version-id: v1"});
+  return [=](const SeenRequest& request) {
+    if (absl::StrContains(request.target, "versionId=")) return Scripted{refusal};
+    if (!by_etag.empty() && request.method == "GET" && !absl::StartsWith(request.target, "/models?")) {
+      return Scripted{by_etag};
+    }
+    return object(request);
+  };
+}
+
+TEST(S3OriginDigestTest, AStoreThatTakesNoVersionIdFallsBackToReadsByEtag) {
+  const std::string bytes = "0123456789";
+  for (const std::string& refusal :
+       {S3ErrorReply(501, "Not Implemented", "NotImplemented",
+                     "A header you provided implies functionality that is "
+                     "not implemented"),
+        S3ErrorReply(400, "Bad Request", "InvalidArgument", "Invalid version id specified"),
+        HttpReply(405, "Method Not Allowed", "")}) {
+    SCOPED_TRACE(refusal.substr(0, 30));
+    ScriptedServer server(RefusingVersionReads(bytes, refusal));
+    S3Config config;
+    config.endpoint = server.endpoint();
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+    ASSERT_OK_AND_ASSIGN(OriginCheckpoint checkpoint, origin->Find("m"));
+    EXPECT_THAT(ReadAll(*origin, checkpoint.files[0], 0, 10), IsOkAndHolds(bytes));
+    EXPECT_THAT(ReadAll(*origin, checkpoint.files[0], 0, 10), IsOkAndHolds(bytes));
+    std::vector<SeenRequest> seen = server.requests();
+    ASSERT_EQ(seen.size(), 5u);  // listing, HEAD, refused, by ETag; then by ETag alone
+    EXPECT_THAT(seen[2].target, HasSubstr("versionId=v1"));
+    EXPECT_EQ(seen[3].target, "/models/m.safetensors");
+    EXPECT_EQ(seen[4].target, "/models/m.safetensors");
+  }
+}
+
+TEST(S3OriginDigestTest, ARefusalThatAReadByEtagMeetsTooLeavesVersionsPinned) {
+  const std::string bytes = "0123456789";
+  const std::string denied = S3ErrorReply(403, "Forbidden", "AccessDenied", "Access Denied");
+  struct Case {
+    std::string refusal, by_etag;
+    absl::StatusCode code;
+  };
+  for (const Case& c : {
+           // A clock off by more than S3 allows: no verdict on versions.
+           Case{S3ErrorReply(403, "Forbidden", "RequestTimeTooSkewed",
+                             "The difference between the request time "
+                             "and the current time is too large"),
+                "", absl::StatusCode::kPermissionDenied},
+           // Denied whatever the read (a bucket policy, a KMS key).
+           Case{denied, denied, absl::StatusCode::kPermissionDenied},
+           // The object itself gone: not found, not a changed object.
+           Case{S3ErrorReply(404, "Not Found", "NoSuchKey", "The specified key does not exist."), "",
+                absl::StatusCode::kNotFound},
+       }) {
+    SCOPED_TRACE(c.refusal.substr(0, 60));
+    ScriptedServer server(RefusingVersionReads(bytes, c.refusal, c.by_etag));
+    S3Config config;
+    config.endpoint = server.endpoint();
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Origin> origin, S3Origin::Create("s3://models", config));
+    ASSERT_OK_AND_ASSIGN(OriginCheckpoint checkpoint, origin->Find("m"));
+    EXPECT_THAT(ReadAll(*origin, checkpoint.files[0], 0, 10), StatusIs(c.code, HasSubstr("s3://models/m.safetensors")));
+    const size_t before = server.requests().size();
+    EXPECT_THAT(ReadAll(*origin, checkpoint.files[0], 0, 10), StatusIs(c.code));
+    // The next read still asks for the version first.
+    std::vector<SeenRequest> seen = server.requests();
+    ASSERT_GT(seen.size(), before);
+    EXPECT_THAT(seen[before].target, HasSubstr("versionId=v1"));
   }
 }
 
