@@ -163,6 +163,18 @@ class NodeCache : public Puller, public FollowedCache {
     std::vector<std::string> paths;  // one per file, in the checkpoint's order
     std::vector<UniqueFd> fds;
   };
+  // A step of a single SafeTensors file whose new header states every
+  // tensor's digest (kDigestsMetadataKey, core/catalog/manifest.h): the
+  // tensors whose name, dtype, shape and digest are held are copied from the
+  // file `base`, and only the other ranges are read from the origin, into a
+  // staged file checked whole where the origin vouches for it and tensor by
+  // tensor against the digests (origin/node_cache_ranges.cc). False, nothing
+  // staged, where it does not apply: another format, no digests stated, or
+  // more than half the bytes changed. Errors: the origin's (Aborted,
+  // Unavailable ...), InvalidArgument for digests that cannot be taken,
+  // DataLoss for bytes unlike them.
+  absl::StatusOr<bool> RangeStep(const std::string& name, const OriginCheckpoint& checkpoint,
+                                 const CheckpointVersion& base, std::atomic<uint64_t>* pulled, Staged* staged);
   // Download for a step: bytes unlike what the origin vouches for are
   // FailedPrecondition (blocked until its next version), and dropped.
   absl::Status DownloadStep(const std::string& name, const OriginCheckpoint& checkpoint, std::atomic<uint64_t>* pulled,

@@ -115,7 +115,17 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
   }
   Staged staged;
   std::atomic<uint64_t> pulled{0};
-  WEIGHTSTORE_RETURN_IF_ERROR(DownloadStep(name, checkpoint, &pulled, &staged));
+  // Only the changed ranges where the header says which tensors changed;
+  // else, or where that fails but for the origin's own errors, the whole file.
+  absl::StatusOr<bool> ranged = RangeStep(name, checkpoint, base, &pulled, &staged);
+  if (!ranged.ok() && !absl::IsInvalidArgument(ranged.status()) && !absl::IsDataLoss(ranged.status())) {
+    return ranged.status();
+  }
+  if (!ranged.ok()) {
+    std::fprintf(stderr, "weightstored: node cache: '%s': %s; fetching the whole file\n", name.c_str(),
+                 std::string(ranged.status().message()).c_str());
+  }
+  if (!ranged.ok() || !*ranged) WEIGHTSTORE_RETURN_IF_ERROR(DownloadStep(name, checkpoint, &pulled, &staged));
   std::error_code ec;
   out.bytes = pulled.load();
   // The staged file is dropped on every way out but its rename.

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <thread>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/parallel_for.h"
 #include "core/status_macros.h"
+#include "nlohmann/json.hpp"
 
 namespace weightstore {
 
@@ -190,6 +192,74 @@ ManifestDiff DiffManifests(const CheckpointManifest& base, const CheckpointManif
     if (current.Find(t.name) == nullptr) diff.removed.push_back(t.name);
   }
   return diff;
+}
+
+std::string DigestsMetadataJson(const std::vector<std::pair<std::string, TensorDigest>>& tensors) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const auto& [name, digest] : tensors) j[name] = digest.Hex();
+  return j.dump();
+}
+
+namespace {
+
+// Reads exactly one flat object of strings, without building a DOM: bounded
+// in memory and time by the text, however it nests.
+class DigestsSax : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  explicit DigestsSax(size_t max_entries) : max_entries_(max_entries) {}
+  bool start_object(std::size_t) override { return ++depth_ == 1 || Fail("it nests objects"); }
+  bool end_object() override { return --depth_, true; }
+  bool key(string_t& k) override {
+    key_ = std::move(k);
+    return true;
+  }
+  bool string(string_t& v) override {
+    if (depth_ != 1) return Fail("it is not an object");
+    std::optional<TensorDigest> digest = TensorDigest::FromHex(v);
+    if (!digest)
+      return Fail(absl::StrCat("the digest of '", absl::CHexEscape(key_.substr(0, 256)), "' is not 32 hex digits"));
+    if (out_.size() >= max_entries_) return Fail(absl::StrCat("it names more than ", max_entries_, " tensors"));
+    if (!out_.emplace(std::move(key_), *digest).second) return Fail("it names a tensor twice");
+    return true;
+  }
+  bool null() override { return Fail("a value is not a string"); }
+  bool boolean(bool) override { return Fail("a value is not a string"); }
+  bool number_integer(number_integer_t) override { return Fail("a value is not a string"); }
+  bool number_unsigned(number_unsigned_t) override { return Fail("a value is not a string"); }
+  bool number_float(number_float_t, const string_t&) override { return Fail("a value is not a string"); }
+  bool binary(binary_t&) override { return Fail("a value is not a string"); }
+  bool start_array(std::size_t) override { return Fail("it holds an array"); }
+  bool end_array() override { return false; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+    return Fail("it is not JSON");
+  }
+  const std::string& error() const { return error_; }
+  absl::flat_hash_map<std::string, TensorDigest>& result() { return out_; }
+
+ private:
+  bool Fail(std::string why) {
+    if (error_.empty()) error_ = std::move(why);
+    return false;
+  }
+  size_t max_entries_;
+  int depth_ = 0;
+  std::string key_, error_;
+  absl::flat_hash_map<std::string, TensorDigest> out_;
+};
+
+}  // namespace
+
+absl::StatusOr<absl::flat_hash_map<std::string, TensorDigest>> ParseDigestsMetadata(absl::string_view json,
+                                                                                    size_t max_entries) {
+  DigestsSax sax(max_entries);
+  const bool ok = nlohmann::json::sax_parse(json.begin(), json.end(), &sax, nlohmann::json::input_format_t::json,
+                                            /*strict=*/true);
+  if (!ok || !sax.error().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("__metadata__ '", kDigestsMetadataKey, "' is not an object of ",
+                     "tensor names to digests: ", sax.error().empty() ? "it is not JSON" : sax.error()));
+  }
+  return std::move(sax.result());
 }
 
 }  // namespace weightstore

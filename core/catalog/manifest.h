@@ -19,6 +19,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -111,6 +112,20 @@ absl::StatusOr<std::shared_ptr<const CheckpointManifest>> ComputeManifest(const 
 // the tensor if its bytes cannot be read.
 absl::StatusOr<std::shared_ptr<const CheckpointManifest>> ComputeManifest(const Checkpoint& checkpoint,
                                                                           std::string version);
+
+// A SafeTensors file may state its tensors' digests in its __metadata__,
+// under this key: a JSON object of each tensor's name to its digest's Hex().
+// A node following S3 compares them with the digests of the tensors it holds,
+// and fetches only the byte ranges of those that changed
+// (origin/node_cache_ranges.cc). Python's weightstore.digests_metadata()
+// writes it.
+inline constexpr char kDigestsMetadataKey[] = "weightstore.digests";
+// That JSON, of `tensors` (name, digest), in their order.
+std::string DigestsMetadataJson(const std::vector<std::pair<std::string, TensorDigest>>& tensors);
+// Parses it: InvalidArgument saying what is wrong when it is not one object
+// of at most `max_entries` distinct names to 32 lowercase hex digits.
+absl::StatusOr<absl::flat_hash_map<std::string, TensorDigest>> ParseDigestsMetadata(absl::string_view json,
+                                                                                    size_t max_entries);
 
 // How `current` differs from `base`, by file name, each list in `current`'s
 // order (removed: in `base`'s).

@@ -3,6 +3,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
 #include "tests/util/status_matchers.h"
@@ -11,7 +17,10 @@
 namespace weightstore {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::weightstore::testing::StatusIs;
 
 SharedTensor F32(const std::string& name, std::vector<float> values, std::vector<uint64_t> shape = {}) {
   if (shape.empty()) shape = {values.size()};
@@ -40,6 +49,34 @@ TEST(TensorDigestTest, FromHexRefusesAnythingButThirtyTwoLowercaseDigits) {
   EXPECT_EQ(TensorDigest::FromHex(std::string(33, '0')), std::nullopt);
   EXPECT_EQ(TensorDigest::FromHex("99AA06D3014798D86001C324468D497F"), std::nullopt);
   EXPECT_EQ(TensorDigest::FromHex("99aa06d3014798d86001c324468d497g"), std::nullopt);
+}
+
+TEST(DigestsMetadataTest, RoundTripsAndRefusesAnythingButOneObjectOfNamesToDigests) {
+  const TensorDigest a = DigestBytes(std::as_bytes(std::span("a", 1)));
+  const TensorDigest b = DigestBytes(std::as_bytes(std::span("b", 1)));
+  const std::string json = DigestsMetadataJson({{"w.a", a}, {"w\"b", b}});
+  ASSERT_OK_AND_ASSIGN(auto parsed, ParseDigestsMetadata(json, 2));
+  ASSERT_EQ(parsed.size(), 2u);
+  EXPECT_EQ(parsed.at("w.a"), a);
+  EXPECT_EQ(parsed.at("w\"b"), b);
+  EXPECT_THAT(ParseDigestsMetadata(json, 1), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("more than 1")));
+  const std::string hex = a.Hex();
+  for (const auto& [bad, why] : std::vector<std::pair<std::string, std::string>>{
+           {"", "not JSON"},
+           {"[]", "array"},
+           {"\"x\"", "not an object"},
+           {"{\"w\":1}", "not a string"},
+           {"{\"w\":null}", "not a string"},
+           {"{\"w\":{\"x\":\"" + hex + "\"}}", "nests"},
+           {"{\"w\":\"" + absl::AsciiStrToUpper(hex) + "\"}", "not 32 hex digits"},
+           {"{\"w\":\"" + hex + "\",\"w\":\"" + hex + "\"}", "twice"},
+           {"{\"w\":\"" + hex + "\"} x", "not JSON"},
+           {std::string(100000, '[') + std::string(100000, ']'), "array"},
+       }) {
+    SCOPED_TRACE(bad.substr(0, 40));
+    EXPECT_THAT(ParseDigestsMetadata(bad, 10),
+                StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("weightstore.digests"), HasSubstr(why))));
+  }
 }
 
 TEST(ManifestTest, EqualTensorsHaveEqualDigestsAndOneChangedByteDoesNot) {

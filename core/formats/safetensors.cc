@@ -222,19 +222,20 @@ bool IsSafeTensors(absl::string_view file) {
   return i < 8 + n && file[i] == '{';
 }
 
-absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes bytes, const std::string& path,
-                                                                   const OpenOptions& options) {
+absl::StatusOr<SafeTensorsHeader> ParseSafeTensorsHeader(absl::string_view prefix, uint64_t file_size,
+                                                         const std::string& path, const OpenOptions& options) {
   auto bad = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a valid SafeTensors file: ", what));
   };
-  absl::string_view file = bytes.view();
-  if (file.size() < 8) return bad("shorter than the 8-byte header length");
-  const uint64_t n = LoadU64(file.data());
+  if (file_size < 8 || prefix.size() < 8) return bad("shorter than the 8-byte header length");
+  const uint64_t n = LoadU64(prefix.data());
   if (n > options.max_header_bytes) {
     return bad(absl::StrCat("header length ", n, " exceeds the limit of ", options.max_header_bytes));
   }
-  if (n > file.size() - 8) return bad(absl::StrCat("header length ", n, " runs past the end of the file"));
-  absl::string_view header = file.substr(8, n);
+  if (n > file_size - 8) return bad(absl::StrCat("header length ", n, " runs past the end of the file"));
+  if (n > prefix.size() - 8)
+    return bad(absl::StrCat("header length ", n, " runs past the ", prefix.size(), " bytes read"));
+  absl::string_view header = prefix.substr(8, n);
 
   HeaderSax sax(options.max_tensors);
   bool ok = nlohmann::json::sax_parse(header.begin(), header.end(), &sax, nlohmann::json::input_format_t::json,
@@ -242,12 +243,11 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes b
   if (!ok || !sax.error().empty()) return bad(sax.error().empty() ? "invalid JSON" : sax.error());
 
   // Validate sizes, then offsets: contiguous from 0 and covering the data exactly.
-  const uint64_t data_start = 8 + n;
-  const uint64_t data_size = file.size() - data_start;
+  SafeTensorsHeader out;
+  out.data_start = 8 + n;
+  const uint64_t data_size = file_size - out.data_start;
   std::vector<RawEntry>& raw = sax.entries();
-  std::vector<CheckpointEntry> entries;
-  entries.reserve(raw.size());
-  std::shared_ptr<const LazyStorage> storage = LazyStorage::Ready(bytes.Subspan(data_start, data_size));
+  out.tensors.reserve(raw.size());
   for (RawEntry& e : raw) {
     auto fault = [&](absl::string_view what) { return bad(absl::StrCat("tensor '", e.name, "' ", what)); };
     if (!e.has_dtype || !e.has_shape || !e.has_offsets) return fault("lacks dtype, shape or data_offsets");
@@ -266,34 +266,52 @@ absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes b
       return fault(absl::StrCat("covers ", e.offsets[1] - e.offsets[0], " bytes, but ", DTypeName(*dtype), " ",
                                 ShapeToString(e.shape), " needs ", *nbytes));
     }
-    CheckpointEntry entry;
-    entry.spec.name = std::move(e.name);
-    entry.spec.dtype = *dtype;
-    entry.spec.shape = std::move(e.shape);
-    entry.layout.storage = storage;
-    entry.layout.offset = e.offsets[0];
-    entries.push_back(std::move(entry));
+    SafeTensorsHeader::Tensor t;
+    t.spec.name = std::move(e.name);
+    t.spec.dtype = *dtype;
+    t.spec.shape = std::move(e.shape);
+    t.offset = e.offsets[0];
+    out.tensors.push_back(std::move(t));
   }
-  std::vector<size_t> by_offset(entries.size());
+  std::vector<size_t> by_offset(out.tensors.size());
   for (size_t i = 0; i < by_offset.size(); ++i) by_offset[i] = i;
   std::sort(by_offset.begin(), by_offset.end(), [&](size_t a, size_t b) {
-    const auto &ea = entries[a], &eb = entries[b];
-    return std::pair(ea.layout.offset, ea.spec.byte_size()) < std::pair(eb.layout.offset, eb.spec.byte_size());
+    const auto &ea = out.tensors[a], &eb = out.tensors[b];
+    return std::pair(ea.offset, ea.spec.byte_size()) < std::pair(eb.offset, eb.spec.byte_size());
   });
   uint64_t expected = 0;
   for (size_t i : by_offset) {
-    const CheckpointEntry& e = entries[i];
-    if (e.layout.offset != expected) {
-      return bad(absl::StrCat("tensor '", e.spec.name, "' starts at data offset ", e.layout.offset, ", expected ",
-                              expected, e.layout.offset < expected ? " (overlap)" : " (gap)"));
+    const SafeTensorsHeader::Tensor& t = out.tensors[i];
+    if (t.offset != expected) {
+      return bad(absl::StrCat("tensor '", t.spec.name, "' starts at data offset ", t.offset, ", expected ", expected,
+                              t.offset < expected ? " (overlap)" : " (gap)"));
     }
-    expected += e.spec.byte_size();
+    expected += t.spec.byte_size();
   }
   if (expected != data_size) {
     return bad(absl::StrCat("tensors cover ", expected, " data bytes, but the file holds ", data_size,
                             expected < data_size ? " (trailing bytes)" : " (truncated)"));
   }
-  return Checkpoint::Create(kSafeTensorsFormat, path, std::move(sax.metadata()), std::move(entries), "", {}, options);
+  out.metadata = std::move(sax.metadata());
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<const Checkpoint>> ParseSafeTensors(SharedBytes bytes, const std::string& path,
+                                                                   const OpenOptions& options) {
+  absl::string_view file = bytes.view();
+  WEIGHTSTORE_ASSIGN_OR_RETURN(SafeTensorsHeader header, ParseSafeTensorsHeader(file, file.size(), path, options));
+  std::shared_ptr<const LazyStorage> storage =
+      LazyStorage::Ready(bytes.Subspan(header.data_start, file.size() - header.data_start));
+  std::vector<CheckpointEntry> entries;
+  entries.reserve(header.tensors.size());
+  for (SafeTensorsHeader::Tensor& t : header.tensors) {
+    CheckpointEntry entry;
+    entry.spec = std::move(t.spec);
+    entry.layout.storage = storage;
+    entry.layout.offset = t.offset;
+    entries.push_back(std::move(entry));
+  }
+  return Checkpoint::Create(kSafeTensorsFormat, path, std::move(header.metadata), std::move(entries), "", {}, options);
 }
 
 absl::StatusOr<std::shared_ptr<const Checkpoint>> ReadSafeTensors(std::shared_ptr<const MappedFile> file,

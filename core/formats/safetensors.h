@@ -9,6 +9,7 @@
 #ifndef WEIGHTSTORE_CORE_FORMATS_SAFETENSORS_H_
 #define WEIGHTSTORE_CORE_FORMATS_SAFETENSORS_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +28,22 @@ extern const FormatSpec kSafeTensorsFormat;
 
 // True if `file` starts like a SafeTensors file (a plausible length, then '{').
 bool IsSafeTensors(absl::string_view file);
+
+// A SafeTensors file's header, parsed and validated.
+struct SafeTensorsHeader {
+  struct Tensor {
+    TensorSpec spec;
+    uint64_t offset = 0;  // in the data section
+  };
+  uint64_t data_start = 0;      // 8 + the header's length: where the data begins
+  std::vector<Tensor> tensors;  // in header order
+  Metadata metadata;
+};
+// Parses the header of a SafeTensors file of `file_size` bytes from `prefix`,
+// its first bytes (at least 8 + the header's length), with every check
+// ParseSafeTensors makes of it: for a file not at hand (a remote object).
+absl::StatusOr<SafeTensorsHeader> ParseSafeTensorsHeader(absl::string_view prefix, uint64_t file_size,
+                                                         const std::string& path, const OpenOptions& options);
 
 // Parses and validates a whole SafeTensors file held in `bytes`; `path` names it
 // in errors. Tensors keep header order.

@@ -43,6 +43,29 @@ TEST(SafeTensorsTest, ReadsTensorsInHeaderOrderWithMetadata) {
   EXPECT_EQ(static_cast<int>(a.bytes.data()[0]), 7);
 }
 
+TEST(SafeTensorsTest, AHeaderParsesFromTheFilesFirstBytesWithTheWholeFilesChecks) {
+  const std::string file = File(kTwo, std::string("\0\0\x80?\0\0\0@\x07", 9));
+  const std::string prefix = file.substr(0, 8 + std::string(kTwo).size());
+  ASSERT_OK_AND_ASSIGN(SafeTensorsHeader header, ParseSafeTensorsHeader(prefix, file.size(), "t.safetensors", {}));
+  EXPECT_EQ(header.data_start, prefix.size());
+  ASSERT_EQ(header.tensors.size(), 2u);
+  EXPECT_EQ(header.tensors[0].spec.name, "b");
+  EXPECT_EQ(header.tensors[0].offset, 0u);
+  EXPECT_EQ(header.tensors[1].spec.name, "a");
+  EXPECT_EQ(header.tensors[1].offset, 8u);
+  EXPECT_EQ(header.metadata.at("format"), "pt");
+  // What the data section's size says is checked against the file's size.
+  EXPECT_THAT(ParseSafeTensorsHeader(prefix, file.size() + 1, "t.safetensors", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("trailing bytes")));
+  EXPECT_THAT(ParseSafeTensorsHeader(prefix, file.size() - 1, "t.safetensors", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("truncated")));
+  // A prefix cut inside the header.
+  EXPECT_THAT(ParseSafeTensorsHeader(prefix.substr(0, 20), file.size(), "t.safetensors", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("runs past the 20 bytes read")));
+  EXPECT_THAT(ParseSafeTensorsHeader("", file.size(), "t.safetensors", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("8-byte header length")));
+}
+
 TEST(SafeTensorsTest, ReadIsZeroCopyIntoTheFileBytes) {
   SharedBytes file = SharedBytes::Copy(File(kTwo, std::string(9, 'x')));
   ASSERT_OK_AND_ASSIGN(auto c, ParseSafeTensors(file, "t.safetensors", {}));

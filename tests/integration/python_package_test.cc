@@ -94,6 +94,12 @@ TEST(PythonPackageTest, ATransformersModelFollowedThroughTiersLoadsWithFromPretr
                   testing::MakeScratchDir("py-cwd"), "test_following.py");
 }
 
+TEST(PythonPackageTest, ANodeFollowingS3FetchesOnlyTheTensorsWhoseDigestsTheSafetensorsHeaderSaysChanged) {
+  // Starts moto's S3 server in the test's process and a node of its own.
+  RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
+                  testing::MakeScratchDir("py-cwd"), "test_s3_ranges.py");
+}
+
 TEST(PythonPackageTest, HostileArgumentsToEveryCallRaiseAndNeverCrashOrHang) {
   RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
                   testing::MakeScratchDir("py-cwd"), "test_api_fuzz.py");

@@ -40,6 +40,7 @@
 #include "client/materialize.h"
 #include "client/store.h"
 #include "client/updates.h"
+#include "core/catalog/manifest.h"
 #include "core/dtype.h"
 
 namespace py = pybind11;
@@ -1045,6 +1046,19 @@ PYBIND11_MODULE(_native, m) {
         py::arg("tls_key") = "", py::arg("parallel_streams") = 0, py::arg("pipeline") = py::none(),
         py::arg("max_resumes") = 3, py::arg("timeout") = 600.0, py::arg("record_layout") = "");
   m.def("tune_allocator_for_streaming", &weightstore::client::TuneAllocatorForStreaming);
+  // The digest (core/catalog/manifest.h) of each (address, bytes) given, as
+  // 32 hex digits: the caller keeps that memory alive and unchanged.
+  m.def("digests", [](const std::vector<std::pair<uintptr_t, uint64_t>>& views) {
+    std::vector<std::string> out;
+    out.reserve(views.size());
+    py::gil_scoped_release released;
+    for (const auto& [address, bytes] : views) {
+      out.push_back(weightstore::DigestBytes(std::span<const std::byte>(reinterpret_cast<const std::byte*>(address),
+                                                                        static_cast<size_t>(bytes)))
+                        .Hex());
+    }
+    return out;
+  });
   // Whether this build has the C++ client's CUDA paths (WEIGHTSTORE_WITH_CUDA).
 #if WEIGHTSTORE_HAVE_CUDA
   m.attr("has_cuda") = true;

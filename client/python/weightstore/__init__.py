@@ -25,7 +25,7 @@ try:
 except ImportError as e:  # the stubs in weightstore.v1 stay usable without the extension
     _native, _native_error = None, e
 
-__all__ = ["connect", "Store", "Error", "TensorInfo", "LoadResult", "Update", "Push", "Changes", "ElementPatch",
+__all__ = ["connect", "digests_metadata", "Store", "Error", "TensorInfo", "LoadResult", "Update", "Push", "Changes", "ElementPatch",
            "tune_allocator_for_streaming", "safe_open"]
 
 # SafeTensors dtype -> torch's name for it. torch has the unsigned 16-64 bit
@@ -278,6 +278,25 @@ def tune_allocator_for_streaming():
     if _native is None:
         raise ImportError(f"weightstore's extension is not built: {_native_error}")
     _native.tune_allocator_for_streaming()
+
+
+def digests_metadata(tensors):
+    """The SafeTensors metadata entry that states each tensor's digest (XXH3-128
+    of its bytes, as a weightstore daemon computes it), for a trainer that
+    uploads its checkpoints to S3: a node following the object then fetches
+    only the tensors whose digest changed, and copies the others from the file
+    it holds (docs/origin.md). `tensors`: a dict of torch tensors or numpy
+    arrays, or a module (its state_dict), as saved.
+
+        save_file(state, path, metadata={"format": "pt", **weightstore.digests_metadata(state)})
+    """
+    if _native is None:
+        raise ImportError(f"weightstore's extension is not built: {_native_error}")
+    import json
+    views, keep = _push_views(tensors, "a")
+    hexes = _native.digests([(v[3], v[4]) for v in views])
+    del keep
+    return {"weightstore.digests": json.dumps(dict(zip((v[0] for v in views), hexes)), separators=(",", ":"))}
 
 
 def _split(pattern, split):
