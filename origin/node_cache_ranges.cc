@@ -44,6 +44,14 @@ constexpr uint64_t kFirstReadBytes = 64 << 10;
 // Below this a file is fetched whole: ranges would save less than the reads
 // they add.
 constexpr uint64_t kMinRangedFileBytes = 1 << 20;
+// Unchanged tensors between two changed ones are fetched with them when they
+// come to less than this: one request instead of two.
+constexpr uint64_t kMergeGapBytes = 1 << 20;
+// What a request costs, counted in bytes against kMaxChangedShare, and the
+// most requests a step makes (a header of many small tensors, every other one
+// changed, would otherwise mean a request each).
+constexpr uint64_t kRequestCostBytes = 64 << 10;
+constexpr size_t kMaxFetchRanges = 1024;
 // Worth it only when at most this share of the file changed; beyond it a
 // whole download (which resumes) is no slower.
 constexpr double kMaxChangedShare = 0.5;
@@ -80,10 +88,13 @@ absl::Status PwriteAll(int fd, uint64_t offset, absl::string_view bytes, const s
 
 // Copies [from, from + length) of `in` to `out` at `to`: in the kernel where
 // it can (copy_file_range), else through a buffer.
-absl::Status CopyRange(int in, uint64_t from, int out, uint64_t to, uint64_t length, const std::string& path) {
+absl::Status CopyRange(int in, uint64_t from, int out, uint64_t to, uint64_t length, const std::string& path,
+                       const std::atomic<bool>& stopping) {
+  auto stopped = [&] { return stopping.load() ? absl::UnavailableError("the daemon is stopping") : absl::OkStatus(); };
   while (length > 0) {
+    WEIGHTSTORE_RETURN_IF_ERROR(stopped());
     loff_t off_in = static_cast<loff_t>(from), off_out = static_cast<loff_t>(to);
-    const ssize_t n = ::copy_file_range(in, &off_in, out, &off_out, std::min<uint64_t>(length, 1u << 30), 0);
+    const ssize_t n = ::copy_file_range(in, &off_in, out, &off_out, std::min<uint64_t>(length, 64u << 20), 0);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;  // EXDEV, ENOSYS, EOPNOTSUPP ...: by hand
     from += static_cast<uint64_t>(n);
@@ -92,6 +103,7 @@ absl::Status CopyRange(int in, uint64_t from, int out, uint64_t to, uint64_t len
   }
   std::vector<char> buffer(std::min<uint64_t>(length, 4u << 20));
   while (length > 0) {
+    WEIGHTSTORE_RETURN_IF_ERROR(stopped());
     const uint64_t n = std::min<uint64_t>(length, buffer.size());
     WEIGHTSTORE_RETURN_IF_ERROR(PreadAll(in, from, buffer.data(), n, path));
     WEIGHTSTORE_RETURN_IF_ERROR(PwriteAll(out, to, absl::string_view(buffer.data(), n), path));
@@ -112,7 +124,12 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
   if (!absl::EndsWith(file.path, ".safetensors") || file.size < kMinRangedFileBytes || base.manifest() == nullptr) {
     return false;
   }
+  // Only where the origin vouches for the whole object (an MD5 ETag, a
+  // full-object CRC32C): the tensors a header says are unchanged are copied,
+  // not fetched, so only that check can tell a header that says so wrongly.
+  if (!WholeFileCheck(file, -1).needed()) return false;
   const OpenOptions& open = registry_->options().open;
+  const uint64_t max_header = std::min<uint64_t>(kMaxRangedHeaderBytes, open.max_header_bytes);
 
   // The new header: its first bytes in one read, which holds most headers
   // whole, and the rest of a longer one in a second.
@@ -126,7 +143,7 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
   bytes_pulled_.fetch_add(prefix.size());
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | static_cast<unsigned char>(prefix[i]);
-  if (header_bytes > kMaxRangedHeaderBytes || header_bytes > file.size - 8) return false;  // the download says why
+  if (header_bytes > max_header || header_bytes > file.size - 8) return false;  // the download says why
   if (8 + header_bytes > prefix.size()) {
     const uint64_t had = prefix.size();
     WEIGHTSTORE_RETURN_IF_ERROR(origin_->Read(file, had, 8 + header_bytes - had, append));
@@ -139,7 +156,7 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
   auto claimed = theirs->metadata.find(kDigestsMetadataKey);
   if (claimed == theirs->metadata.end()) return false;
   absl::StatusOr<absl::flat_hash_map<std::string, TensorDigest>> digests =
-      ParseDigestsMetadata(claimed->second, theirs->tensors.size());
+      ParseDigestsMetadata(claimed->second, 2 * theirs->tensors.size() + 16);  // tied weights' names too
   if (!digests.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("the origin's '", file.path, "': ", digests.status().message()));
   }
@@ -156,7 +173,7 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
   struct stat st;
   if (::fstat(held.get(), &st) != 0) return absl::InternalError(Errno("cannot stat", held_path));
   const uint64_t held_size = static_cast<uint64_t>(st.st_size);
-  if (held_header_bytes > kMaxRangedHeaderBytes || held_header_bytes > held_size - std::min<uint64_t>(held_size, 8)) {
+  if (held_header_bytes > max_header || held_header_bytes > held_size - std::min<uint64_t>(held_size, 8)) {
     return false;
   }
   std::string held_prefix(8 + held_header_bytes, '\0');
@@ -167,12 +184,13 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
   for (const SafeTensorsHeader::Tensor& t : ours->tensors) held_by_name[t.spec.name] = &t;
 
   // Every byte of the new file: the header fetched already, each tensor
-  // copied when what it claims is held, else fetched (adjacent fetches merged).
+  // copied when what it claims is held, else fetched. Copied runs of less
+  // than kMergeGapBytes between two fetched tensors are fetched with them,
+  // so requests stay few; then adjacent fetches are one range.
   std::vector<const SafeTensorsHeader::Tensor*> in_order;
   for (const SafeTensorsHeader::Tensor& t : theirs->tensors) in_order.push_back(&t);
   std::sort(in_order.begin(), in_order.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
-  std::vector<Range> ranges;
-  uint64_t fetched_bytes = 0, copied_tensors = 0;
+  std::vector<Range> tensors;  // one per tensor of bytes, in file order
   for (const SafeTensorsHeader::Tensor* t : in_order) {
     auto digest = digests->find(t->spec.name);
     if (digest == digests->end()) {
@@ -180,6 +198,7 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
                                                      absl::CHexEscape(t->spec.name.substr(0, 256)), "'"));
     }
     Range r{theirs->data_start + t->offset, theirs->data_start + t->offset + t->spec.byte_size(), true, 0};
+    if (r.begin == r.end) continue;
     const ManifestTensor* known = base.manifest()->Find(t->spec.name);
     auto where = held_by_name.find(t->spec.name);
     if (known != nullptr && where != held_by_name.end() && known->dtype == t->spec.dtype &&
@@ -187,17 +206,42 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
         where->second->spec.byte_size() == t->spec.byte_size()) {
       r.fetch = false;
       r.from = ours->data_start + where->second->offset;
+    }
+    tensors.push_back(r);
+  }
+  for (size_t i = 0; i < tensors.size();) {
+    if (tensors[i].fetch) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    uint64_t run = 0;
+    for (; j < tensors.size() && !tensors[j].fetch; ++j) run += tensors[j].end - tensors[j].begin;
+    if (i > 0 && j < tensors.size() && run < kMergeGapBytes) {
+      for (size_t k = i; k < j; ++k) tensors[k].fetch = true;
+    }
+    i = j;
+  }
+  std::vector<Range> ranges;
+  uint64_t fetched_bytes = 0, copied_tensors = 0;
+  size_t fetches = 0;
+  for (const Range& r : tensors) {
+    if (r.fetch) {
+      fetched_bytes += r.end - r.begin;
+    } else {
       ++copied_tensors;
     }
-    if (r.begin == r.end) continue;
-    if (r.fetch) fetched_bytes += r.end - r.begin;
     if (!ranges.empty() && r.fetch && ranges.back().fetch && ranges.back().end == r.begin) {
       ranges.back().end = r.end;
     } else {
       ranges.push_back(r);
+      fetches += r.fetch ? 1 : 0;
     }
   }
-  if (static_cast<double>(fetched_bytes) > kMaxChangedShare * static_cast<double>(file.size)) return false;
+  if (fetches > kMaxFetchRanges || static_cast<double>(fetched_bytes + fetches * kRequestCostBytes) >
+                                       kMaxChangedShare * static_cast<double>(file.size)) {
+    return false;
+  }
 
   // Staged beside a whole download's partial files, under a name of its own.
   const std::string folder = (fs::path(state_dir_) / "partial" / Sha256Hex(name)).string();
@@ -227,7 +271,7 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
       const Range& r = ranges[i];
       absl::Status status;
       if (!r.fetch) {
-        status = CopyRange(held.get(), r.from, out.get(), r.begin, r.end - r.begin, path);
+        status = CopyRange(held.get(), r.from, out.get(), r.begin, r.end - r.begin, path, stopping_);
       } else {
         uint64_t cursor = r.begin;
         status = origin_->Read(file, r.begin, r.end - r.begin, [&](absl::string_view bytes) -> absl::Status {
@@ -241,6 +285,9 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
           return absl::OkStatus();
         });
         if (status.ok() && cursor != r.end) status = absl::DataLossError("the origin sent fewer bytes than asked");
+        // Cut short by the origin: retried as the step, not taken as the
+        // header's fault (which a whole download would follow).
+        if (absl::IsDataLoss(status)) status = absl::UnavailableError(status.message());
       }
       if (!status.ok()) {
         absl::MutexLock lock(&mu);
@@ -271,8 +318,14 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
   // only here. Then every tensor against the digest its header states (the
   // copied ones too: the file held could have changed since its digests).
   WholeFileCheck check(file, out.get());
-  if (check.needed()) {
-    absl::Status checked = check.Finish();
+  {
+    absl::Status checked;
+    for (uint64_t upto = 0; checked.ok() && upto < file.size;) {
+      if (stopping_.load()) return absl::UnavailableError("the daemon is stopping");
+      upto = std::min<uint64_t>(file.size, upto + (uint64_t{256} << 20));
+      checked = check.Advance(upto);
+    }
+    if (checked.ok()) checked = check.Finish();
     if (!checked.ok()) {
       return absl::DataLossError(absl::StrCat(checked.message(), " (put together from the file held and the ",
                                               "changed ranges: its header's digests are not the tensors')"));
@@ -283,6 +336,7 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
     const uint64_t begin = theirs->data_start + t->offset, size = t->spec.byte_size();
     DigestBuilder digest;
     for (uint64_t at = 0; at < size;) {
+      if (stopping_.load()) return absl::UnavailableError("the daemon is stopping");
       const uint64_t n = std::min<uint64_t>(size - at, 4u << 20);
       buffer.resize(n);
       WEIGHTSTORE_RETURN_IF_ERROR(PreadAll(out.get(), begin + at, buffer.data(), n, path));

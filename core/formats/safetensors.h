@@ -40,8 +40,10 @@ struct SafeTensorsHeader {
   Metadata metadata;
 };
 // Parses the header of a SafeTensors file of `file_size` bytes from `prefix`,
-// its first bytes (at least 8 + the header's length), with every check
-// ParseSafeTensors makes of it: for a file not at hand (a remote object).
+// its first bytes (at least 8 + the header's length), with the checks
+// ParseSafeTensors makes of the header itself (not OpenOptions' limits on
+// names and shapes, which opening the file applies): for a file not at hand
+// (a remote object).
 absl::StatusOr<SafeTensorsHeader> ParseSafeTensorsHeader(absl::string_view prefix, uint64_t file_size,
                                                          const std::string& path, const OpenOptions& options);
 

@@ -52,10 +52,10 @@ absl::Status MotoS3::CreateBucket(const std::string& bucket, bool versioned) {
                 200, "versioning of " + bucket);
 }
 
-absl::StatusOr<std::string> MotoS3::Put(const std::string& bucket, const std::string& key,
-                                        absl::string_view data) const {
+absl::StatusOr<std::string> MotoS3::Put(const std::string& bucket, const std::string& key, absl::string_view data,
+                                        const std::vector<std::string>& headers) const {
   absl::StatusOr<S3HttpReply> reply =
-      SignedRequest("PUT", absl::StrCat(endpoint(), "/", bucket, "/", key), data, kKey, kKey);
+      SignedRequest("PUT", absl::StrCat(endpoint(), "/", bucket, "/", key), data, kKey, kKey, "s3", headers);
   WEIGHTSTORE_RETURN_IF_ERROR(Expect(reply, 200, "PUT " + key));
   auto it = reply->headers.find("x-amz-version-id");
   return it == reply->headers.end() ? "" : it->second;

@@ -8,6 +8,7 @@
 #include <sys/types.h>
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -32,9 +33,10 @@ class MotoS3 {
 
   // Creates `bucket`, keeping object versions when `versioned`.
   absl::Status CreateBucket(const std::string& bucket, bool versioned);
-  // Uploads object `key`; returns its version id ("" when the bucket keeps
-  // none).
-  absl::StatusOr<std::string> Put(const std::string& bucket, const std::string& key, absl::string_view data) const;
+  // Uploads object `key`, with `headers` ("x-amz-server-side-encryption:
+  // aws:kms"); returns its version id ("" when the bucket keeps none).
+  absl::StatusOr<std::string> Put(const std::string& bucket, const std::string& key, absl::string_view data,
+                                  const std::vector<std::string>& headers = {}) const;
   // Deletes one version of `key` for good, as a lifecycle rule expiring it
   // does.
   absl::Status DeleteVersion(const std::string& bucket, const std::string& key, const std::string& version) const;

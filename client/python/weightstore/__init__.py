@@ -286,7 +286,10 @@ def digests_metadata(tensors):
     uploads its checkpoints to S3: a node following the object then fetches
     only the tensors whose digest changed, and copies the others from the file
     it holds (docs/origin.md). `tensors`: a dict of torch tensors or numpy
-    arrays, or a module (its state_dict), as saved.
+    arrays, or a module (its state_dict): what is saved, computed after the
+    last change to it (a digest that is not its tensor's makes the node
+    fetch the whole file; the node takes ranges only from objects whose MD5
+    ETag or CRC32C checksum S3 states).
 
         save_file(state, path, metadata={"format": "pt", **weightstore.digests_metadata(state)})
     """
