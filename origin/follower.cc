@@ -573,15 +573,16 @@ absl::Status Follower::StepOnce(const std::string& name, bool patches, bool* pat
       absl::MutexLock lock(&mu_);
       if (auto it = followed_.find(name); it != followed_.end()) {
         it->second.stats.whole_bytes += repulled->bytes;
-        ++it->second.stats.steps_whole;
+        ++(repulled->ranged ? it->second.stats.steps_ranged : it->second.stats.steps_whole);
         if (!reason.empty()) ++it->second.stats.fallbacks[reason];
       }
     }
     caught_up();
     if (published != nullptr) {
-      LogFollow(absl::StrFormat("'%s' is at version %s: pulled as files (%d bytes)%s in %.3f s", name,
-                                published->version(), repulled->bytes, reason.empty() ? "" : absl::StrCat(", ", reason),
-                                absl::ToDoubleSeconds(absl::Now() - start)));
+      LogFollow(absl::StrFormat(
+          "'%s' is at version %s: pulled as files (%d bytes%s)%s in %.3f s", name, published->version(),
+          repulled->bytes, repulled->ranged ? ", only the changed tensors" : "",
+          reason.empty() ? "" : absl::StrCat(", ", reason), absl::ToDoubleSeconds(absl::Now() - start)));
     }
     return absl::OkStatus();
   };

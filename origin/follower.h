@@ -81,6 +81,8 @@ class FollowedCache {
   struct Repulled {
     std::shared_ptr<const CheckpointVersion> version;
     uint64_t bytes = 0;  // read from the origin
+    // Only the changed tensors' ranges were read (NodeCache::RangeStep).
+    bool ranged = false;
   };
   virtual absl::StatusOr<Repulled> Repull(const std::string& name, const CheckpointVersion& base) = 0;
 };

@@ -126,6 +126,7 @@ absl::StatusOr<FollowedCache::Repulled> NodeCache::Repull(const std::string& nam
                  std::string(ranged.status().message()).c_str());
   }
   if (!ranged.ok() || !*ranged) WEIGHTSTORE_RETURN_IF_ERROR(DownloadStep(name, checkpoint, &pulled, &staged));
+  out.ranged = ranged.ok() && *ranged;
   std::error_code ec;
   out.bytes = pulled.load();
   // The staged file is dropped on every way out but its rename.

@@ -228,11 +228,13 @@ void AddPullFamilies(ServerMetrics* metrics, const Puller* puller) {
              "Seconds since the upstream announced the oldest version not applied yet (0 when current).",
              per_checkpoint([one](const FollowedStats& c) { return one(c, c.lag_seconds); }));
   f.AddCounter("weightstore_follow_updates_total",
-               "Versions applied: every changed tensor as an element patch (patches), or some whole (whole).",
+               "Versions applied: every changed tensor as an element patch (patches), or some whole (whole), or "
+               "from an origin of whole files only the changed tensors' byte ranges (ranges).",
                per_checkpoint([](const FollowedStats& c) {
                  return std::vector<Sample>{
                      {{{"checkpoint", c.name}, {"how", "patches"}}, static_cast<double>(c.steps_patched)},
-                     {{{"checkpoint", c.name}, {"how", "whole"}}, static_cast<double>(c.steps_whole)}};
+                     {{{"checkpoint", c.name}, {"how", "whole"}}, static_cast<double>(c.steps_whole)},
+                     {{{"checkpoint", c.name}, {"how", "ranges"}}, static_cast<double>(c.steps_ranged)}};
                }));
   f.AddCounter("weightstore_follow_received_bytes_total", "Bytes received from the upstream by steps, by kind.",
                per_checkpoint([](const FollowedStats& c) {

@@ -37,8 +37,10 @@ struct FollowedStats {
   // seconds since the oldest of them was announced (0 when current).
   uint64_t lag_versions = 0;
   double lag_seconds = 0;
-  // Steps applied: every changed tensor as an element patch, or some whole.
-  uint64_t steps_patched = 0, steps_whole = 0;
+  // Steps applied: every changed tensor as an element patch, or some whole;
+  // or, from an origin of whole files, only the changed tensors' byte ranges
+  // (a SafeTensors header that states its digests).
+  uint64_t steps_patched = 0, steps_whole = 0, steps_ranged = 0;
   uint64_t failures = 0;
   // Not followed until the upstream's next version: a step that cannot
   // succeed as things are (the log says why).

@@ -230,7 +230,7 @@ class HostileUpstreamTest : public ::testing::Test {
   uint64_t Steps() const {
     const PullStats stats = cache_->Stats();
     const FollowedStats* s = Stats(stats);
-    return s == nullptr ? 0 : s->steps_patched + s->steps_whole;
+    return s == nullptr ? 0 : s->steps_patched + s->steps_whole + s->steps_ranged;
   }
   bool WaitForSteps(uint64_t n) const {
     return testing::WaitUntil([&] { return Steps() >= n; });

@@ -113,10 +113,14 @@ class S3RangesTest(unittest.TestCase):
             self.assertLess(received, 2 * 256 * 1024 + 2 * 65536)
             self.assertGreater(received, 2 * 256 * 1024)
         self.assertIn("tensors unchanged, copied from the file held", self.node.log())
+        self.assertEqual(self.node.metric("weightstore_follow_updates_total", checkpoint="policy-digests",
+                                          how="ranges"), 2)
 
     def test_without_digests_each_step_is_the_whole_file(self):
         for received, size in self.follow(digests=False):
             self.assertGreaterEqual(received, size)
+        self.assertEqual(self.node.metric("weightstore_follow_updates_total", checkpoint="policy-plain", how="ranges"),
+                         0)
 
 
 if __name__ == "__main__":
