@@ -25,6 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/catalog/manifest.h"
 #include "core/formats/safetensors.h"
+#include "core/mapped_file.h"
 #include "core/status_macros.h"
 #include "origin/node_cache.h"
 #include "origin/node_cache_internal.h"
@@ -62,19 +63,6 @@ struct Range {
   uint64_t from = 0;            // where a copied range begins in the held file
 };
 
-// Reads [offset, offset + length) of the local file `fd` whole.
-absl::Status PreadAll(int fd, uint64_t offset, char* out, uint64_t length, const std::string& path) {
-  while (length > 0) {
-    const ssize_t n = ::pread(fd, out, length, static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return absl::DataLossError(Errno("cannot read", path));
-    out += n;
-    offset += static_cast<uint64_t>(n);
-    length -= static_cast<uint64_t>(n);
-  }
-  return absl::OkStatus();
-}
-
 absl::Status PwriteAll(int fd, uint64_t offset, absl::string_view bytes, const std::string& path) {
   while (!bytes.empty()) {
     const ssize_t n = ::pwrite(fd, bytes.data(), bytes.size(), static_cast<off_t>(offset));
@@ -105,7 +93,7 @@ absl::Status CopyRange(int in, uint64_t from, int out, uint64_t to, uint64_t len
   while (length > 0) {
     WEIGHTSTORE_RETURN_IF_ERROR(stopped());
     const uint64_t n = std::min<uint64_t>(length, buffer.size());
-    WEIGHTSTORE_RETURN_IF_ERROR(PreadAll(in, from, buffer.data(), n, path));
+    WEIGHTSTORE_RETURN_IF_ERROR(PreadFully(in, from, reinterpret_cast<std::byte*>(buffer.data()), n, path));
     WEIGHTSTORE_RETURN_IF_ERROR(PwriteAll(out, to, absl::string_view(buffer.data(), n), path));
     from += n;
     to += n;
@@ -166,7 +154,7 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
   UniqueFd held(::open(held_path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!held.valid()) return absl::InternalError(Errno("cannot open", held_path));
   char length_bytes[8];
-  WEIGHTSTORE_RETURN_IF_ERROR(PreadAll(held.get(), 0, length_bytes, 8, held_path));
+  WEIGHTSTORE_RETURN_IF_ERROR(PreadFully(held.get(), 0, reinterpret_cast<std::byte*>(length_bytes), 8, held_path));
   uint64_t held_header_bytes = 0;
   for (int i = 7; i >= 0; --i)
     held_header_bytes = (held_header_bytes << 8) | static_cast<unsigned char>(length_bytes[i]);
@@ -177,7 +165,8 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
     return false;
   }
   std::string held_prefix(8 + held_header_bytes, '\0');
-  WEIGHTSTORE_RETURN_IF_ERROR(PreadAll(held.get(), 0, held_prefix.data(), held_prefix.size(), held_path));
+  WEIGHTSTORE_RETURN_IF_ERROR(
+      PreadFully(held.get(), 0, reinterpret_cast<std::byte*>(held_prefix.data()), held_prefix.size(), held_path));
   absl::StatusOr<SafeTensorsHeader> ours = ParseSafeTensorsHeader(held_prefix, held_size, held_path, open);
   if (!ours.ok()) return false;
   absl::flat_hash_map<std::string, const SafeTensorsHeader::Tensor*> held_by_name;
@@ -339,7 +328,8 @@ absl::StatusOr<bool> NodeCache::RangeStep(const std::string& name, const OriginC
       if (stopping_.load()) return absl::UnavailableError("the daemon is stopping");
       const uint64_t n = std::min<uint64_t>(size - at, 4u << 20);
       buffer.resize(n);
-      WEIGHTSTORE_RETURN_IF_ERROR(PreadAll(out.get(), begin + at, buffer.data(), n, path));
+      WEIGHTSTORE_RETURN_IF_ERROR(
+          PreadFully(out.get(), begin + at, reinterpret_cast<std::byte*>(buffer.data()), n, path));
       digest.Update(absl::string_view(buffer.data(), n));
       at += n;
     }
