@@ -877,12 +877,22 @@ TEST_F(NodeCacheTest, APullCutShortKeepsTheFilesTheOriginsNextVersionListsUnchan
   origin_->PutFiles("o", files("o", 70, /*b_first=*/false));
   origin_->fail_after_ = static_cast<int64_t>(origin_->sent_.load()) + 200000;
   EXPECT_FALSE(cache_->Pull("o").ok());
-  const std::string partial = models_ + "/.weightstore-cache/partial/" + Sha256Hex("o") + "/0";
+  const std::string folder = models_ + "/.weightstore-cache/partial/" + Sha256Hex("o");
   {
-    std::string bytes = testing::ReadFileOrEmpty(partial);
-    ASSERT_FALSE(bytes.empty());
-    bytes[100] ^= 0x40;
-    testing::WriteFileOrDie(partial, bytes);
+    // A byte the progress record says was kept: which parts the cut left
+    // filled depends on how the reading threads were scheduled.
+    const nlohmann::json j = nlohmann::json::parse(testing::ReadFileOrEmpty(folder + "/progress.json"));
+    ASSERT_EQ(j["files"][0]["path"], "o-a.safetensors");
+    std::optional<uint64_t> offset;
+    const auto& done = j["files"][0]["done"];
+    for (size_t k = 0; k < done.size() && !offset; ++k) {
+      if (done[k].get<uint64_t>() > 0) offset = k * (64 << 10) + done[k].get<uint64_t>() / 2;
+    }
+    ASSERT_TRUE(offset.has_value()) << "the cut pull kept nothing of o-a.safetensors";
+    std::string bytes = testing::ReadFileOrEmpty(folder + "/0");
+    ASSERT_LT(*offset, bytes.size());
+    bytes[*offset] ^= 0x40;
+    testing::WriteFileOrDie(folder + "/0", bytes);
   }
   origin_->PutFiles("o", files("o", 71, /*b_first=*/true));
   EXPECT_THAT(cache_->Pull("o").status(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("o-a.safetensors")));
