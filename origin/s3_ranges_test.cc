@@ -37,9 +37,10 @@ constexpr uint64_t kElements = 65536;  // 256 KiB of F32 a tensor: a file of 1 M
 
 // A SafeTensors file of tensors "a", "b", "c", ... (in that order), each of
 // kElements F32 values equal to `values[i]`. Its header states their digests
-// when `digests`, with `claimed` standing in for a tensor's own where given.
+// when `digests`, with `claimed` standing in for a tensor's own where given,
+// and the entries of `extra`.
 std::string FileOf(const std::vector<float>& values, bool digests,
-                   const std::map<std::string, TensorDigest>& claimed = {}) {
+                   const std::map<std::string, TensorDigest>& claimed = {}, const Metadata& extra = {}) {
   std::vector<SharedTensor> tensors;
   std::vector<std::pair<std::string, TensorDigest>> stated;
   for (size_t i = 0; i < values.size(); ++i) {
@@ -50,7 +51,8 @@ std::string FileOf(const std::vector<float>& values, bool digests,
     stated.emplace_back(name, claimed.contains(name) ? claimed.at(name) : own);
     tensors.push_back({{name, DType::kF32, {kElements}}, SharedBytes::Copy(bytes)});
   }
-  Metadata metadata = {{"format", "pt"}};
+  Metadata metadata = extra;
+  metadata["format"] = "pt";
   if (digests) metadata[kDigestsMetadataKey] = DigestsMetadataJson(stated);
   absl::StatusOr<std::string> out = SerializeCheckpoint(kSafeTensorsFormat, tensors, metadata);
   EXPECT_TRUE(out.ok()) << out.status();
@@ -158,6 +160,20 @@ TEST_F(S3RangedStepTest, AStepFetchesOnlyTheTensorsWhoseDigestChanged) {
   ASSERT_OK_AND_ASSIGN(read, Step());
   EXPECT_EQ(read, HeaderBytes(v5) + v5.size());
   EXPECT_EQ(Sha256Hex(Held()), Sha256Hex(v5));
+}
+
+TEST_F(S3RangedStepTest, AHeaderLongerThanTheFirstReadIsReadWholeInASecond) {
+  // 200 KB of the trainer's own metadata: the header runs past the first
+  // 64 KiB read, and the rest of it comes in one more.
+  const Metadata notes = {{"notes", std::string(200000, 'n')}};
+  ASSERT_OK(Put(FileOf({1, 2, 3, 4, 5, 6, 7, 8}, true, {}, notes)));
+  ASSERT_OK(cache_->Pull("m").status());
+  const std::string v2 = FileOf({1, 2, 3, 4, 5, 60, 7, 8}, true, {}, notes);
+  ASSERT_GT(HeaderBytes(v2), uint64_t{64} << 10);
+  ASSERT_OK(Put(v2));
+  ASSERT_OK_AND_ASSIGN(uint64_t read, Step());
+  EXPECT_EQ(read, HeaderBytes(v2) + kElements * 4);  // the header and "f"
+  EXPECT_EQ(Sha256Hex(Held()), Sha256Hex(v2));
 }
 
 TEST_F(S3RangedStepTest, AFileWhoseHeaderStatesNoDigestsIsFetchedWhole) {
