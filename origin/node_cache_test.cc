@@ -351,7 +351,7 @@ TEST_F(NodeCacheTest, ShutdownEndsAStalledPullAndRefusesNewOnes) {
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   cache_->Shutdown();
-  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(120)));
   EXPECT_FALSE(status.ok());
   EXPECT_THAT(cache_->Pull("m").status(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("stopping")));
 }

@@ -305,7 +305,19 @@ TEST_F(OriginTest, PullsWaitingOnAStalledOriginNeverStopTheNodeServingOthersOrSh
 }
 
 TEST_F(OriginTest, CallsWhoseClientsGiveUpWaitingOnAStalledPullEndAtOnce) {
-  auto node = StartNode();
+  // One connection to the origin, opened (by a pull) before the origin
+  // stops: a pull's call on it then waits for its own deadline, where one
+  // on a connection never set up would fail once connecting timed out
+  // (20 s), ending the pull the metric below counts.
+  auto node = StartNode({"--origin-parallel-reads", "1"});
+  {
+    auto stub = testing::NewStub(node->address());
+    grpc::ClientContext ctx;
+    pb::GetCheckpointRequest request;
+    request.set_name("llm/sharded");
+    pb::CheckpointInfo info;
+    ASSERT_TRUE(stub->GetCheckpoint(&ctx, request, &info).ok()) << node->log();
+  }
   ASSERT_TRUE(origin_->Stop());
   auto stub = testing::NewStub(node->address());
   for (int i = 0; i < 20; ++i) {
@@ -333,8 +345,8 @@ TEST_F(OriginTest, CallsWhoseClientsGiveUpWaitingOnAStalledPullEndAtOnce) {
     return testing::MetricValue(node->metrics_port(), "grpc_server_handled_total",
                                 {absl::StrCat("grpc_method=\"", method, "\"")});
   };
-  testing::WaitUntil([&] { return ended("GetCheckpoint") >= 20 && ended("FetchTensors") >= 5; });
-  EXPECT_EQ(ended("GetCheckpoint"), 20) << testing::HttpGet(node->metrics_port(), "/metrics");
+  testing::WaitUntil([&] { return ended("GetCheckpoint") >= 21 && ended("FetchTensors") >= 5; });
+  EXPECT_EQ(ended("GetCheckpoint"), 21) << testing::HttpGet(node->metrics_port(), "/metrics");
   EXPECT_EQ(ended("FetchTensors"), 5);
   EXPECT_EQ(testing::MetricValue(node->metrics_port(), "weightstore_origin_pulls_in_flight"), 1);
   origin_->Signal(SIGCONT);

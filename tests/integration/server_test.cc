@@ -24,6 +24,7 @@
 #include "tests/util/metrics.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
+#include "tests/util/wait.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore {
@@ -579,10 +580,12 @@ TEST_P(BrokenStreamTest, ACancelEndsTheWaitBeforeAResumeInMilliseconds) {
   std::chrono::steady_clock::time_point killed_at;
   AfterFirstTensorSink sink;
   sink.after_first = [&] {  // kill -9: the stream breaks and the client waits to resume
-    killed_at = std::chrono::steady_clock::now();
     daemon->Signal(SIGKILL);
     daemon->WaitExit(5000);
     canceller = std::make_unique<DelayedCancel>(cancel, std::chrono::milliseconds(300));
+    // The client reads on (and finds the stream broken) only once this
+    // returns: its backoff starts after this, however long reaping took.
+    killed_at = std::chrono::steady_clock::now();
   };
   client::RemoteOptions options;
   options.resume_backoff = std::chrono::seconds(10);  // the first resume's wait: 5 s, the cap
@@ -740,18 +743,14 @@ TEST(ServerLifecycleTest, SighupPicksUpNewAndReplacedFilesAsNewVersions) {
   fs::create_directories(models + "/sub");
   WriteBig(models + "/sub/b.safetensors", 2, 8, 3.0f);
   daemon.Signal(SIGHUP);
-  for (int i = 0; i < 100 && !store->GetCheckpoint("sub/b").ok(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  ASSERT_TRUE(testing::WaitUntil([&] { return store->GetCheckpoint("sub/b").ok(); })) << daemon.log();
   ASSERT_OK_AND_ASSIGN(auto after, store->GetCheckpoint("a"));
   EXPECT_NE(after.version, before.version);
   EXPECT_EQ(after.metadata.at("seed"), "2.000000");
   EXPECT_OK(store->GetCheckpoint("sub/b"));
   fs::remove(models + "/sub/b.safetensors");
   daemon.Signal(SIGHUP);
-  for (int i = 0; i < 100 && store->GetCheckpoint("sub/b").ok(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  ASSERT_TRUE(testing::WaitUntil([&] { return !store->GetCheckpoint("sub/b").ok(); })) << daemon.log();
   EXPECT_THAT(store->GetCheckpoint("sub/b"), StatusIs(absl::StatusCode::kNotFound));
 }
 
@@ -776,9 +775,10 @@ TEST(ServerLifecycleTest, AQueryPinnedToAVersionIsAbortedOnceThatVersionIsReplac
   WriteBig(models + "/.a.tmp", 2, 16, 2.0f);
   fs::rename(models + "/.a.tmp", models + "/a.safetensors");
   daemon.Signal(SIGHUP);
-  for (int i = 0; i < 100 && stores[0]->ListTensors("a", {})->version == listing.version; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  ASSERT_TRUE(testing::WaitUntil([&] {
+    absl::StatusOr<client::TensorListing> now = stores[0]->ListTensors("a", {});
+    return now.ok() && now->version != listing.version;
+  })) << daemon.log();
   for (auto& store : stores) {
     EXPECT_THAT(store->FetchAll("a", pinned),
                 StatusIs(absl::StatusCode::kAborted, HasSubstr(absl::StrCat("version ", listing.version, " is gone"))));

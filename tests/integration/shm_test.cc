@@ -24,6 +24,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "client/materialize.h"
 #include "client/store.h"
 #include "core/checkpoint.h"
@@ -770,7 +771,7 @@ TEST(ShmCrashTest, MappingsSurviveKill9AndARestartedDaemonServesOnTheSamePath) {
     EXPECT_TRUE(fresh.tensors[i].bytes.view() == cast.tensors[i].bytes.view());
   }
   restarted.Signal(SIGTERM);
-  EXPECT_EQ(restarted.WaitExit(10000), 0);
+  EXPECT_EQ(restarted.WaitExit(60000), 0);
   EXPECT_FALSE(fs::exists(socket));  // a clean stop removes it
 }
 
@@ -840,15 +841,19 @@ TEST_F(ShmCancelTest, ACallQueuedBehindAnotherOnTheSameStoreIsCancellableToo) {
   // cancelled fails this test rather than hanging it.
   auto first_cancel = std::make_shared<std::atomic<bool>>(false);
   absl::Status first;
+  absl::Notification holding;
   std::thread holder([&] {
     client::Query query;
     query.cancel = first_cancel;
+    holding.Notify();
     first = store->MapTensors("m", query).status();
   });
   std::thread watchdog([first_cancel] {
     for (int i = 0; i < 6000 && !first_cancel->load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     first_cancel->store(true);
   });
+  // The holder is about to take the connection: it has half a second to.
+  holding.WaitForNotification();
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   auto second_cancel = std::make_shared<std::atomic<bool>>(false);
   std::thread canceller([&] {
