@@ -1,6 +1,8 @@
 // LocalStore: a Store over files read in this process, through the same registry
 // and selection code the daemon uses.
+#include <algorithm>
 #include <filesystem>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/parallel_copy.h"
@@ -68,29 +70,13 @@ class LocalStore final : public Store {
     return listing;
   }
 
-  // A tensor is written about 64 MiB at a time (20-60 ms here), the cancel
-  // flag asked before each piece; one of 8 MiB or more in pieces of about
-  // 4 MiB on several threads (client/parallel_copy.h).
-  static constexpr size_t kCopyPiece = 64u << 20;
-
-  // `release` (empty, or the served bytes' source: Releasable) is dropped
-  // as it is copied, piece by piece.
-  static absl::Status Copy(const Snapshot& snapshot, const ServedTensorPlan& plan, std::span<std::byte> out,
-                           const Query& query, std::span<const std::byte> release) {
-    auto cancelled = [&query] { return query.cancel != nullptr && query.cancel->load(); };
-    if (CopyThreads() <= 1 || out.size() < 2 * kCopyPieceBytes) {
-      WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServedInPieces(snapshot, plan, out, kCopyPiece, cancelled));
-      ReleaseCopiedPages(release);
-      return absl::OkStatus();
-    }
-    return CopyInPieces(out.size(), ServedPieceBytes(plan, kCopyPieceBytes), [&](uint64_t at, uint64_t length) {
-      if (cancelled()) return absl::CancelledError(absl::StrCat("cancelled at tensor '", plan.tensor->spec.name, "'"));
-      PrefaultForWriting(out.subspan(at, length));
-      WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(snapshot, plan, at, out.subspan(at, length)));
-      if (!release.empty()) ReleaseCopiedPages(release.subspan(at, length));
-      return absl::OkStatus();
-    });
-  }
+  // A tensor is written about 64 MiB at a time on one thread, and in pieces
+  // of about 4 MiB on several (client/parallel_copy.h); the cancel flag is
+  // asked before each piece. Tensors are begun a batch at a time (as many as
+  // the sink lets open, up to kBatchBytes) and their pieces copied together,
+  // so a model's many small tensors fill every core.
+  static constexpr uint64_t kCopyPiece = uint64_t{64} << 20;
+  static constexpr uint64_t kBatchBytes = uint64_t{64} << 20;
 
   absl::Status FetchTensors(const std::string& name, const Query& query, TensorSink* sink) override {
     WEIGHTSTORE_ASSIGN_OR_RETURN(auto v, registry_.Find(name, query.version));
@@ -98,19 +84,56 @@ class LocalStore final : public Store {
     std::optional<ApplyResult> result;
     WEIGHTSTORE_RETURN_IF_ERROR(Resolve(*v, query, &snapshot, &result));
     sink->OnVersion(v->version());
+    // A tensor begun: where it goes, how it is made, and what of its source
+    // may be dropped once copied (empty, or the served bytes: Releasable).
+    struct Open {
+      const SnapshotTensor* tensor;
+      std::span<std::byte> out;
+      ServedTensorPlan plan;
+      std::span<const std::byte> release;
+    };
+    std::vector<Open> batch;
+    uint64_t batch_bytes = 0;
+    auto flush = [&]() -> absl::Status {
+      const bool parallel = CopyThreads() > 1;
+      std::vector<CopyJob> jobs;
+      jobs.reserve(batch.size());
+      for (const Open& o : batch) {
+        jobs.push_back({o.out.size(), ServedPieceBytes(o.plan, parallel ? kCopyPieceBytes : kCopyPiece),
+                        [&o, &snapshot, &query](uint64_t at, uint64_t length) -> absl::Status {
+                          if (query.cancel != nullptr && query.cancel->load()) {
+                            return absl::CancelledError(absl::StrCat("cancelled in tensor '", o.tensor->spec.name,
+                                                                     "' at byte ", at, " of ", o.out.size()));
+                          }
+                          const std::span<std::byte> to = o.out.subspan(at, length);
+                          PrefaultForWriting(to);
+                          WEIGHTSTORE_RETURN_IF_ERROR(MaterializeServed(*snapshot, o.plan, at, to));
+                          if (!o.release.empty()) ReleaseCopiedPages(o.release.subspan(at, length));
+                          return absl::OkStatus();
+                        }});
+      }
+      if (absl::Status copied = RunCopyJobs(jobs); !copied.ok()) {
+        return absl::Status(copied.code(), absl::StrCat("fetch of '", name, "': ", copied.message()));
+      }
+      for (const Open& o : batch) WEIGHTSTORE_RETURN_IF_ERROR(sink->End(o.tensor->spec));
+      batch.clear();
+      batch_bytes = 0;
+      return absl::OkStatus();
+    };
+    const size_t open_ahead = std::max<size_t>(sink->OpenAhead(), 1);
     for (const SnapshotTensor& t : snapshot->tensors()) {
+      if (!batch.empty() && (batch.size() >= open_ahead || batch_bytes + t.spec.byte_size() > kBatchBytes)) {
+        WEIGHTSTORE_RETURN_IF_ERROR(flush());
+      }
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
       const ServedTensorPlan plan = PlanServedTensor(*snapshot, t);
       const std::span<const std::byte> release =
           query.release_source_pages ? Releasable(*snapshot, plan) : std::span<const std::byte>();
-      absl::Status copied = Copy(*snapshot, plan, out, query, release);
-      if (!copied.ok()) {
-        return absl::Status(copied.code(), absl::StrCat("fetch of '", name, "': ", copied.message()));
-      }
-      WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
+      batch_bytes += out.size();
+      batch.push_back({&t, out, plan, release});
     }
-    return absl::OkStatus();
+    return flush();
   }
 
  private:

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -30,70 +31,57 @@ unsigned CopyThreads() {
   return threads;
 }
 
+absl::Status RunCopyJobs(std::span<const CopyJob> jobs) {
+  // Every piece, as (job, offset), in the jobs' order.
+  std::vector<std::pair<size_t, uint64_t>> pieces;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const uint64_t piece = std::max<uint64_t>(jobs[j].piece, 1);
+    for (uint64_t at = 0; at < jobs[j].size; at += piece) pieces.emplace_back(j, at);
+  }
+  const unsigned threads = pieces.size() >= 2 ? CopyThreads() : 1;
+  return ParallelFor(pieces.size(), threads, [&](size_t i) {
+    const auto [j, at] = pieces[i];
+    return jobs[j].copy(at, std::min(std::max<uint64_t>(jobs[j].piece, 1), jobs[j].size - at));
+  });
+}
+
 absl::Status CopyInPieces(uint64_t size, uint64_t piece,
                           const std::function<absl::Status(uint64_t offset, uint64_t length)>& copy) {
-  piece = std::max<uint64_t>(piece, 1);
-  const uint64_t pieces = size / piece + (size % piece != 0 ? 1 : 0);
-  const unsigned threads = pieces >= 2 ? CopyThreads() : 1;
-  return ParallelFor(static_cast<size_t>(pieces), threads, [&](size_t i) {
-    const uint64_t at = static_cast<uint64_t>(i) * piece;
-    return copy(at, std::min(piece, size - at));
-  });
+  const CopyJob job{size, piece, copy};
+  return RunCopyJobs(std::span(&job, 1));
 }
 
-void ParallelMemcpy(std::span<std::byte> out, const std::byte* from, bool release_from) {
-  if (out.empty()) return;
-  (void)CopyInPieces(out.size(), kCopyPieceBytes, [&](uint64_t at, uint64_t length) {
-    PrefaultForWriting(out.subspan(at, length));
-    std::memcpy(out.data() + at, from + at, length);
-    if (release_from) ReleaseCopiedPages({from + at, length});
-    return absl::OkStatus();
-  });
-}
-
-uint32_t CopyWithCrc32c(std::span<std::byte> out, const std::byte* from, bool release_from) {
-  // Checksummed a slice at a time, right after its copy, while it is in L2.
+absl::StatusOr<uint32_t> CopyPiece(std::span<std::byte> out, const CopySource& source, uint64_t at, bool checksum) {
   constexpr uint64_t kSlice = uint64_t{256} << 10;
-  const uint64_t size = out.size();
-  if (size == 0) return 0;
-  std::vector<uint32_t> crcs(size / kCopyPieceBytes + (size % kCopyPieceBytes != 0 ? 1 : 0));
-  (void)CopyInPieces(size, kCopyPieceBytes, [&](uint64_t at, uint64_t length) {
-    uint32_t crc = 0;
-    PrefaultForWriting(out.subspan(at, length));
-    for (uint64_t done = 0; done < length;) {
-      const uint64_t n = std::min(kSlice, length - done);
-      std::memcpy(out.data() + at + done, from + at + done, n);
-      crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(out.data() + at + done), n));
-      done += n;
+  PrefaultForWriting(out);
+  // Unchecked, the piece goes in one call; checked, a slice at a time.
+  const uint64_t slice = checksum ? kSlice : std::max<uint64_t>(out.size(), 1);
+  uint32_t crc = 0;
+  for (uint64_t done = 0; done < out.size();) {
+    const uint64_t n = std::min<uint64_t>(slice, out.size() - done);
+    std::byte* to = out.data() + done;
+    if (source.fd >= 0) {
+      WEIGHTSTORE_RETURN_IF_ERROR(PreadFully(source.fd, source.offset + at + done, to, n, source.what));
+    } else {
+      std::memcpy(to, source.from + at + done, n);
     }
-    crcs[at / kCopyPieceBytes] = crc;
-    if (release_from) ReleaseCopiedPages({from + at, length});
-    return absl::OkStatus();
-  });
-  uint32_t crc = crcs[0];
-  for (size_t i = 1; i < crcs.size(); ++i) {
-    crc = Crc32cConcat(crc, crcs[i], std::min(kCopyPieceBytes, size - i * kCopyPieceBytes));
+    if (checksum) crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(to), n));
+    done += n;
   }
+  if (source.fd < 0 && source.release_from) ReleaseCopiedPages({source.from + at, out.size()});
   return crc;
 }
 
-absl::StatusOr<uint32_t> ParallelPread(std::span<std::byte> out, int fd, uint64_t offset, absl::string_view what,
-                                       bool checksum) {
-  constexpr uint64_t kSlice = uint64_t{256} << 10;
+namespace {
+
+// CopyPiece over the whole of `out` on CopyThreads() threads; the pieces'
+// CRC32Cs concatenated (0 without `checksum`).
+absl::StatusOr<uint32_t> CopyAll(std::span<std::byte> out, const CopySource& source, bool checksum) {
   const uint64_t size = out.size();
   if (size == 0) return 0;
   std::vector<uint32_t> crcs(size / kCopyPieceBytes + (size % kCopyPieceBytes != 0 ? 1 : 0));
   WEIGHTSTORE_RETURN_IF_ERROR(CopyInPieces(size, kCopyPieceBytes, [&](uint64_t at, uint64_t length) -> absl::Status {
-    uint32_t crc = 0;
-    PrefaultForWriting(out.subspan(at, length));
-    for (uint64_t done = 0; done < length;) {
-      const uint64_t n = std::min(kSlice, length - done);
-      std::byte* to = out.data() + at + done;
-      WEIGHTSTORE_RETURN_IF_ERROR(PreadFully(fd, offset + at + done, to, n, what));
-      if (checksum) crc = Crc32cExtend(crc, absl::string_view(reinterpret_cast<const char*>(to), n));
-      done += n;
-    }
-    crcs[at / kCopyPieceBytes] = crc;
+    WEIGHTSTORE_ASSIGN_OR_RETURN(crcs[at / kCopyPieceBytes], CopyPiece(out.subspan(at, length), source, at, checksum));
     return absl::OkStatus();
   }));
   if (!checksum) return 0;
@@ -102,6 +90,21 @@ absl::StatusOr<uint32_t> ParallelPread(std::span<std::byte> out, int fd, uint64_
     crc = Crc32cConcat(crc, crcs[i], std::min(kCopyPieceBytes, size - i * kCopyPieceBytes));
   }
   return crc;
+}
+
+}  // namespace
+
+void ParallelMemcpy(std::span<std::byte> out, const std::byte* from, bool release_from) {
+  (void)CopyAll(out, {.from = from, .release_from = release_from}, /*checksum=*/false);
+}
+
+uint32_t CopyWithCrc32c(std::span<std::byte> out, const std::byte* from, bool release_from) {
+  return CopyAll(out, {.from = from, .release_from = release_from}, /*checksum=*/true).value_or(0);
+}
+
+absl::StatusOr<uint32_t> ParallelPread(std::span<std::byte> out, int fd, uint64_t offset, absl::string_view what,
+                                       bool checksum) {
+  return CopyAll(out, {.fd = fd, .offset = offset, .what = what}, checksum);
 }
 
 void ReleaseCopiedPages(std::span<const std::byte> source) {

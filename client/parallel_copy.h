@@ -29,6 +29,38 @@ unsigned CopyThreads();
 absl::Status CopyInPieces(uint64_t size, uint64_t piece,
                           const std::function<absl::Status(uint64_t offset, uint64_t length)>& copy);
 
+// One tensor's share of a batch: `size` bytes written by copy(at, length)
+// in consecutive pieces of at most `piece` bytes.
+struct CopyJob {
+  uint64_t size = 0;
+  uint64_t piece = kCopyPieceBytes;
+  std::function<absl::Status(uint64_t at, uint64_t length)> copy;
+};
+
+// Runs the pieces of every job, on CopyThreads() threads when there are at
+// least two pieces in all, else on this one: tensors under a piece each fill
+// every core together instead of one core each in turn. Returns the first
+// error; the pieces not started by then are not.
+absl::Status RunCopyJobs(std::span<const CopyJob> jobs);
+
+// Where a piece's bytes come from: `fd` read with pread from `offset` (named
+// `what` in errors) when fd >= 0, else the memory at `from`, whose pages are
+// dropped as they are copied with `release_from` (ReleaseCopiedPages, whose
+// rules `from` must meet).
+struct CopySource {
+  const std::byte* from = nullptr;
+  int fd = -1;
+  uint64_t offset = 0;
+  absl::string_view what;
+  bool release_from = false;
+};
+
+// Copies bytes [at, at + out.size()) of `source` into `out`, its pages
+// faulted in first (PrefaultForWriting); with `checksum` returns their
+// CRC32C (else 0), each 256 KiB slice checksummed right after its copy, while
+// it is in cache.
+absl::StatusOr<uint32_t> CopyPiece(std::span<std::byte> out, const CopySource& source, uint64_t at, bool checksum);
+
 // memcpy of out.size() bytes from `from` into `out`, so; each piece's
 // pages are faulted in one call first (PrefaultForWriting). With
 // `release_from`, the source's pages are dropped as the pieces are copied

@@ -36,6 +36,31 @@ TEST(ParallelCopyTest, EveryByteIsCopiedOnceWhateverThePieces) {
   EXPECT_THAT(seen, ::testing::Each(1));
 }
 
+TEST(ParallelCopyTest, RunCopyJobsCopiesEveryPieceOfEveryJobOnce) {
+  ::setenv("WEIGHTSTORE_COPY_THREADS", "3", /*overwrite=*/1);
+  // Jobs of no bytes, of one piece, and of pieces that do not divide them.
+  const std::vector<uint64_t> sizes = {0, 10, 1000, 64, 7};
+  absl::Mutex mu;
+  std::vector<std::vector<int>> seen;
+  for (uint64_t size : sizes) seen.emplace_back(size, 0);
+  std::vector<CopyJob> jobs;
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    jobs.push_back({sizes[j], 64, [&, j](uint64_t at, uint64_t length) {
+                      EXPECT_LE(length, 64u);
+                      absl::MutexLock lock(&mu);
+                      for (uint64_t k = at; k < at + length; ++k) ++seen[j][k];
+                      return absl::OkStatus();
+                    }});
+  }
+  ASSERT_TRUE(RunCopyJobs(jobs).ok());
+  for (size_t j = 0; j < sizes.size(); ++j) EXPECT_THAT(seen[j], ::testing::Each(1)) << "job " << j;
+  // The first error is returned.
+  jobs.push_back({100, 10, [](uint64_t at, uint64_t) {
+                    return at == 50 ? absl::DataLossError("piece at 50") : absl::OkStatus();
+                  }});
+  EXPECT_EQ(RunCopyJobs(jobs).message(), "piece at 50");
+}
+
 TEST(ParallelCopyTest, CopyWithCrc32cChecksumsWhatItWroteAndCanDropTheSourcesPages) {
   ::setenv("WEIGHTSTORE_COPY_THREADS", "3", /*overwrite=*/1);
   for (const size_t size : {size_t{0}, size_t{5}, size_t{4} << 20, (size_t{13} << 20) + 7}) {

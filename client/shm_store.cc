@@ -57,6 +57,9 @@ bool PreadCopies() {
   return on;
 }
 
+// The most bytes of tensors a copying fetch begins before it ends them.
+constexpr uint64_t kBatchBytes = uint64_t{64} << 20;
+
 class ShmStore final : public SharedMemoryStore {
  public:
   ShmStore(std::string path, SharedMemoryOptions options) : path_(std::move(path)), options_(options) {}
@@ -189,11 +192,62 @@ class ShmStore final : public SharedMemoryStore {
       shared_memory[k] = ::fcntl(mapped.segments[k]->fd(), F_GET_SEALS) >= 0;
     }
     sink->OnVersion(mapped.version);
+    // Tensors are begun a batch at a time (as many as the sink lets open,
+    // up to kBatchBytes), the pieces of all of them copied together on
+    // several threads (client/parallel_copy.h), then ended in order: a
+    // model's many tensors under a piece each fill every core. A piece of
+    // shared memory is read through the segment's descriptor, never
+    // touching the mapping (unless WEIGHTSTORE_PREAD_COPIES=0); else the
+    // segments are this call's own mappings, never written, whose pages
+    // may be dropped as the copy goes. Each is checksummed as it is written.
+    struct Open {
+      size_t index;
+      std::span<std::byte> to;
+      CopySource source;
+      std::vector<uint32_t> crcs;  // of each piece
+    };
+    std::vector<Open> batch;
+    uint64_t batch_bytes = 0;
+    auto flush = [&]() -> absl::Status {
+      std::vector<CopyJob> jobs;
+      jobs.reserve(batch.size());
+      for (Open& o : batch) {
+        const bool checksum = mapped.descriptions[o.index].crc32c.has_value();
+        o.crcs.resize((o.to.size() + kCopyPieceBytes - 1) / kCopyPieceBytes);
+        jobs.push_back({o.to.size(), kCopyPieceBytes, [&o, checksum, &query](uint64_t at, uint64_t length) {
+                          if (query.cancel != nullptr && query.cancel->load()) {
+                            return absl::CancelledError("the fetch was cancelled");
+                          }
+                          absl::StatusOr<uint32_t> crc = CopyPiece(o.to.subspan(at, length), o.source, at, checksum);
+                          if (!crc.ok()) return crc.status();
+                          o.crcs[at / kCopyPieceBytes] = *crc;
+                          return absl::OkStatus();
+                        }});
+      }
+      WEIGHTSTORE_RETURN_IF_ERROR(RunCopyJobs(jobs));
+      for (const Open& o : batch) {
+        const SharedTensor& t = mapped.tensors[o.index];
+        if (const std::optional<uint32_t>& crc = mapped.descriptions[o.index].crc32c) {
+          uint32_t got = o.crcs.empty() ? 0 : o.crcs[0];
+          for (size_t k = 1; k < o.crcs.size(); ++k) {
+            got = Crc32cConcat(got, o.crcs[k], std::min(kCopyPieceBytes, o.to.size() - k * kCopyPieceBytes));
+          }
+          if (got != *crc)
+            return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' does not match its CRC32C"));
+        }
+        WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
+      }
+      batch.clear();
+      batch_bytes = 0;
+      return absl::OkStatus();
+    };
+    const size_t open_ahead = std::max<size_t>(sink->OpenAhead(), 1);
     size_t next_patch = 0;
     for (size_t i = 0; i < mapped.tensors.size(); ++i) {
       const SharedTensor& t = mapped.tensors[i];
       if (mapped.descriptions[i].unchanged) continue;  // a delta leaves it out
       if (mapped.descriptions[i].patched) {
+        WEIGHTSTORE_RETURN_IF_ERROR(flush());  // a patch is begun with no tensor open
         const ReceivedPatch& p = mapped.patches[next_patch++];
         WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out,
                                      sink->BeginPatch(p.spec, p.patch, p.patch.body.size(), p.digest));
@@ -205,39 +259,29 @@ class ShmStore final : public SharedMemoryStore {
         WEIGHTSTORE_RETURN_IF_ERROR(sink->EndPatch(p.spec));
         continue;
       }
+      if (!batch.empty() && (batch.size() >= open_ahead || batch_bytes + t.bytes.size() > kBatchBytes)) {
+        WEIGHTSTORE_RETURN_IF_ERROR(flush());
+      }
       WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, sink->Begin(t.spec));
       WEIGHTSTORE_RETURN_IF_ERROR(CheckDestination(t.spec, out.size()));
-      // An empty tensor's view may be null: memcpy must not see it. A large
-      // one on several threads, checksummed as it is written
-      // (client/parallel_copy.h): from shared memory, read through the
-      // segment's descriptor, never touching the mapping (unless
-      // WEIGHTSTORE_PREAD_COPIES=0). Else the segments are this call's own
-      // mappings, never written: their pages may be dropped as the copy goes.
-      const std::optional<uint32_t>& crc = mapped.descriptions[i].crc32c;
-      const std::span<std::byte> to = out.first(t.bytes.size());
-      const MappedFile* from = nullptr;
-      uint64_t at = 0;
+      // An empty tensor's view may be null: no piece reads it.
+      Open o{i, out.first(t.bytes.size()), {.from = t.bytes.data(), .release_from = query.release_source_pages}, {}};
       if (PreadCopies() && !t.bytes.empty()) {
         for (size_t k = 0; k < mapped.segments.size(); ++k) {
+          uint64_t at = 0;
           if (mapped.segments[k]->Contains(t.bytes, &at)) {
-            if (shared_memory[k]) from = mapped.segments[k].get();
+            if (shared_memory[k]) {
+              const MappedFile& from = *mapped.segments[k];
+              o.source = {.fd = from.fd(), .offset = from.offset() + at, .what = from.path()};
+            }
             break;
           }
         }
       }
-      if (from != nullptr) {
-        WEIGHTSTORE_ASSIGN_OR_RETURN(uint32_t read,
-                                     ParallelPread(to, from->fd(), from->offset() + at, from->path(), crc.has_value()));
-        if (crc && read != *crc) {
-          return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' does not match its CRC32C"));
-        }
-      } else if (!crc) {
-        if (!t.bytes.empty()) ParallelMemcpy(to, t.bytes.data(), query.release_source_pages);
-      } else if ((t.bytes.empty() ? 0 : CopyWithCrc32c(to, t.bytes.data(), query.release_source_pages)) != *crc) {
-        return absl::DataLossError(absl::StrCat("tensor '", t.spec.name, "' does not match its CRC32C"));
-      }
-      WEIGHTSTORE_RETURN_IF_ERROR(sink->End(t.spec));
+      batch_bytes += t.bytes.size();
+      batch.push_back(std::move(o));
     }
+    WEIGHTSTORE_RETURN_IF_ERROR(flush());
     return absl::OkStatus();
   }
 

@@ -11,15 +11,17 @@ absl::StatusOr<std::span<std::byte>> CollectingSink::Begin(const TensorSpec& spe
   if (cancel_ != nullptr && cancel_->load()) {
     return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
   }
+  if (current_patch_) return absl::FailedPreconditionError("Begin while a patch is open");
+  if (open_.size() >= kOpenAhead) return absl::FailedPreconditionError("Begin past OpenAhead() tensors");
   WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(spec.byte_size()));
-  current_ = std::move(buffer);
-  return current_->span();
+  open_.push_back(std::move(buffer));
+  return open_.back().span();
 }
 
 absl::Status CollectingSink::End(const TensorSpec& spec) {
-  if (!current_) return absl::FailedPreconditionError("End without Begin");
-  tensors_.push_back(SharedTensor{spec, std::move(*current_).Freeze()});
-  current_.reset();
+  if (open_.empty() || current_patch_) return absl::FailedPreconditionError("End without Begin");
+  tensors_.push_back(SharedTensor{spec, std::move(open_.front()).Freeze()});
+  open_.pop_front();
   return absl::OkStatus();
 }
 
@@ -32,38 +34,47 @@ absl::StatusOr<std::span<std::byte>> CollectingSink::BeginPatch(const TensorSpec
   if (cancel_ != nullptr && cancel_->load()) {
     return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
   }
+  if (!open_.empty()) return absl::FailedPreconditionError("BeginPatch while a tensor is open");
   WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(bytes));
-  current_ = std::move(buffer);
+  open_.push_back(std::move(buffer));
   current_patch_ = ReceivedPatch{spec, digest, header};
-  return current_->span();
+  return open_.back().span();
 }
 
 absl::Status CollectingSink::EndPatch(const TensorSpec& spec) {
-  if (!current_ || !current_patch_) return absl::FailedPreconditionError("EndPatch without BeginPatch");
-  current_patch_->patch.body = std::move(*current_).Freeze();
+  if (open_.empty() || !current_patch_) return absl::FailedPreconditionError("EndPatch without BeginPatch");
+  current_patch_->patch.body = std::move(open_.front()).Freeze();
+  open_.pop_front();
   patches_.push_back(*std::move(current_patch_));
-  current_.reset();
   current_patch_.reset();
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::span<std::byte>> PlacingSink::Begin(const TensorSpec& spec) {
+  if (open_placed_.size() >= OpenAhead()) return absl::FailedPreconditionError("Begin past OpenAhead() tensors");
   auto it = places_.find(spec.name);
-  current_placed_ = it != places_.end() && it->second.dtype == spec.dtype && it->second.shape == spec.shape &&
-                    it->second.bytes.size() == spec.byte_size() &&
-                    (it->second.bytes.data() != nullptr || spec.byte_size() == 0);
-  if (!current_placed_) return rest_.Begin(spec);
+  const bool placed = it != places_.end() && it->second.dtype == spec.dtype && it->second.shape == spec.shape &&
+                      it->second.bytes.size() == spec.byte_size() &&
+                      (it->second.bytes.data() != nullptr || spec.byte_size() == 0);
+  if (!placed) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, rest_.Begin(spec));
+    open_placed_.push_back(false);
+    return out;
+  }
   if (cancel_ != nullptr && cancel_->load()) {
     return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
   }
+  open_placed_.push_back(true);
   written_any_ = true;
   return it->second.bytes;
 }
 
 absl::Status PlacingSink::End(const TensorSpec& spec) {
-  if (!current_placed_) return rest_.End(spec);
+  if (open_placed_.empty()) return absl::FailedPreconditionError("End without Begin");
+  const bool placed = open_placed_.front();
+  open_placed_.pop_front();
+  if (!placed) return rest_.End(spec);
   placed_.push_back(spec.name);
-  current_placed_ = false;
   return absl::OkStatus();
 }
 

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -160,6 +161,11 @@ class TensorSink {
                                                           uint64_t bytes, const std::string& digest);
   // Called once the patch's bytes are complete and their CRC32C verified.
   virtual absl::Status EndPatch(const TensorSpec& spec);
+  // How many tensors may be begun before the first of them ends, their bytes
+  // then written at once on several threads (a store that copies in
+  // batches); End comes in Begin's order all the same. Begin's memory must
+  // stay valid until its End. Default 1: one tensor at a time.
+  virtual size_t OpenAhead() const { return 1; }
   // Called with the version whose tensors are sent, once it is known
   // (before the first tensor, or at the end of a selection of none), where
   // the store can tell. Default: ignored.
@@ -183,12 +189,20 @@ class CollectingSink : public TensorSink {
   // alone would otherwise lose that tensor without a word.
   explicit CollectingSink(std::shared_ptr<const std::atomic<bool>> cancel = nullptr, bool take_patches = false)
       : cancel_(std::move(cancel)), take_patches_(take_patches) {}
+  CollectingSink(const CollectingSink&) = delete;
+  CollectingSink& operator=(const CollectingSink&) = delete;
+  CollectingSink(CollectingSink&&) = default;
+  CollectingSink& operator=(CollectingSink&&) = default;
   absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override;
   absl::Status End(const TensorSpec& spec) override;
   // Collects patches too, in patches(), when constructed to take them.
   absl::StatusOr<std::span<std::byte>> BeginPatch(const TensorSpec& spec, const ElementPatch& header, uint64_t bytes,
                                                   const std::string& digest) override;
   absl::Status EndPatch(const TensorSpec& spec) override;
+  // Tensors it lets a store begin ahead (their buffers are allocated at
+  // Begin either way).
+  static constexpr size_t kOpenAhead = 1024;
+  size_t OpenAhead() const override { return kOpenAhead; }
   void OnVersion(const std::string& version) override { version_ = version; }
   std::vector<SharedTensor>& tensors() { return tensors_; }
   std::vector<ReceivedPatch>& patches() { return patches_; }
@@ -199,7 +213,9 @@ class CollectingSink : public TensorSink {
   std::shared_ptr<const std::atomic<bool>> cancel_;
   std::string version_;
   bool take_patches_ = false;
-  std::optional<HostBuffer> current_;
+  // Tensors begun and not yet ended, oldest first: their buffers, and
+  // (BeginPatch) the patch.
+  std::deque<HostBuffer> open_;
   std::optional<ReceivedPatch> current_patch_;
   std::vector<SharedTensor> tensors_;
   std::vector<ReceivedPatch> patches_;
@@ -224,6 +240,7 @@ class PlacingSink final : public TensorSink {
       : places_(std::move(places)), cancel_(cancel), rest_(std::move(cancel)) {}
   absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override;
   absl::Status End(const TensorSpec& spec) override;
+  size_t OpenAhead() const override { return rest_.OpenAhead(); }
   void OnVersion(const std::string& version) override { rest_.OnVersion(version); }
 
   // The served names written into their places, in the order they came.
@@ -239,7 +256,7 @@ class PlacingSink final : public TensorSink {
   std::shared_ptr<const std::atomic<bool>> cancel_;
   CollectingSink rest_;
   std::vector<std::string> placed_;
-  bool current_placed_ = false;
+  std::deque<bool> open_placed_;  // of the tensors begun and not yet ended, oldest first
   bool written_any_ = false;
 };
 

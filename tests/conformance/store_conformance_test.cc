@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -78,6 +79,39 @@ void ExpectSameOutcome(const Outcome& want, const Outcome& got, const std::strin
     EXPECT_EQ(got.tensors[i].bytes.view(), want.tensors[i].bytes.view()) << want.tensors[i].spec.name;
   }
 }
+
+// A sink that lets `open_ahead` tensors be begun before they end, and
+// records what a store did with that: the most it had open, whether every
+// End came in Begin's order, and the tensors.
+class OpenAheadSink : public client::TensorSink {
+ public:
+  explicit OpenAheadSink(size_t open_ahead) : open_ahead_(open_ahead) {}
+  size_t OpenAhead() const override { return open_ahead_; }
+  absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override {
+    open_.emplace_back(spec.name, std::string(spec.byte_size(), '\0'));  // a deque: earlier ones stay put
+    most_open_ = std::max(most_open_, open_.size());
+    return std::span(reinterpret_cast<std::byte*>(open_.back().second.data()), open_.back().second.size());
+  }
+  absl::Status End(const TensorSpec& spec) override {
+    if (open_.empty() || open_.front().first != spec.name) {
+      in_order_ = false;
+      return absl::InternalError(absl::StrCat("End of '", spec.name, "' out of Begin's order"));
+    }
+    tensors_.push_back({spec, SharedBytes::Copy(open_.front().second)});
+    open_.pop_front();
+    return absl::OkStatus();
+  }
+  size_t most_open() const { return most_open_; }
+  bool in_order() const { return in_order_ && open_.empty(); }
+  const std::vector<SharedTensor>& tensors() const { return tensors_; }
+
+ private:
+  size_t open_ahead_;
+  std::deque<std::pair<std::string, std::string>> open_;
+  size_t most_open_ = 0;
+  bool in_order_ = true;
+  std::vector<SharedTensor> tensors_;
+};
 
 class StoreConformanceTest : public ::testing::Test {
  protected:
@@ -175,6 +209,33 @@ TEST_F(StoreConformanceTest, EveryFixtureServesTheSameBytesEverywhere) {
   }
   EXPECT_GE(served, 40);
   EXPECT_GE(compared_tensors_, 100u);
+}
+
+// The stores that copy in batches (local files, the socket) begin no more
+// tensors than the sink lets open, end them in order, and write the same
+// bytes whatever it lets: one at a time, a few, or (FetchAll's sink) many.
+TEST_F(StoreConformanceTest, ACopyingFetchKeepsToTheSinksOpenAheadAndEndsInBeginsOrder) {
+  size_t batched = 0;
+  for (const std::string& name : Names()) {
+    absl::StatusOr<std::vector<SharedTensor>> want = local_->FetchAll(name, {});
+    if (!want.ok()) continue;
+    for (const size_t open_ahead : {size_t{1}, size_t{3}}) {
+      for (Store* store : std::initializer_list<Store*>{local_.get(), socket_store_.get()}) {
+        SCOPED_TRACE(absl::StrCat(name, ", open ahead ", open_ahead, ", ", store == local_.get() ? "local" : "socket"));
+        OpenAheadSink sink(open_ahead);
+        ASSERT_OK(store->FetchTensors(name, {}, &sink));
+        EXPECT_TRUE(sink.in_order());
+        EXPECT_LE(sink.most_open(), open_ahead);
+        batched += sink.most_open() > 1;
+        ASSERT_EQ(sink.tensors().size(), want->size());
+        for (size_t i = 0; i < want->size(); ++i) {
+          EXPECT_EQ(sink.tensors()[i].spec.name, (*want)[i].spec.name);
+          EXPECT_EQ(sink.tensors()[i].bytes.view(), (*want)[i].bytes.view()) << (*want)[i].spec.name;
+        }
+      }
+    }
+  }
+  EXPECT_GE(batched, 20u) << "most fixtures have several tensors, begun together";
 }
 
 TEST_F(StoreConformanceTest, EveryFixtureCastsTheSameEverywhere) {
