@@ -144,5 +144,79 @@ TEST(PlacingSinkTest, WritesEachTensorIntoItsPlaceAndCollectsTheRestDroppingTheF
   EXPECT_FALSE(cancelled.written_any());
 }
 
+// Bytes `b` of `size`, as a view to write into a span.
+std::string Filled(size_t size, char b) { return std::string(size, b); }
+
+void Write(absl::StatusOr<std::span<std::byte>> out, char b) {
+  ASSERT_OK(out.status());
+  std::memset(out->data(), b, out->size());
+}
+
+TEST(CollectingSinkTest, ATensorBegunAgainReplacesTheOneItBeganAndEndsInBeginsOrder) {
+  const TensorSpec a{"a", DType::kU8, {3}}, b{"b", DType::kU8, {5}}, c{"c", DType::kU8, {2}};
+  CollectingSink sink;
+  Write(sink.Begin(a), 'x');
+  Write(sink.Begin(b), 'y');  // open ahead
+  Write(sink.Begin(b), 'b');  // b's transfer restarted: its first buffer is abandoned
+  ASSERT_OK(sink.End(a));
+  Write(sink.Begin(c), 'c');
+  EXPECT_THAT(sink.End(c), testing::StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::HasSubstr("'c'")));
+  ASSERT_OK(sink.End(b));
+  ASSERT_OK(sink.End(c));
+  ASSERT_EQ(sink.tensors().size(), 3u);
+  EXPECT_EQ(sink.tensors()[0].bytes.view(), Filled(3, 'x'));
+  EXPECT_EQ(sink.tensors()[1].bytes.view(), Filled(5, 'b'));
+  EXPECT_EQ(sink.tensors()[2].bytes.view(), Filled(2, 'c'));
+
+  // A patch restarted as a patch, or as the whole tensor; none while another
+  // tensor is open.
+  CollectingSink patches(nullptr, /*take_patches=*/true);
+  ElementPatch header;
+  Write(patches.BeginPatch(a, header, 2, "d"), 'p');
+  Write(patches.BeginPatch(a, header, 2, "d"), 'q');
+  ASSERT_OK(patches.EndPatch(a));
+  Write(patches.BeginPatch(b, header, 2, "d"), 'p');
+  Write(patches.Begin(b), 'w');  // sent whole after all
+  ASSERT_OK(patches.End(b));
+  Write(patches.Begin(c), 'c');
+  EXPECT_THAT(patches.BeginPatch(a, header, 1, "d"), testing::StatusIs(absl::StatusCode::kFailedPrecondition));
+  ASSERT_EQ(patches.patches().size(), 1u);
+  EXPECT_EQ(patches.patches()[0].patch.body.view(), Filled(2, 'q'));
+  ASSERT_EQ(patches.tensors().size(), 1u);
+  EXPECT_EQ(patches.tensors()[0].bytes.view(), Filled(5, 'w'));
+}
+
+TEST(PlacingSinkTest, ARestartTakesTheSamePlaceAndTiedPlacesOpenTogetherAreNotBothWritten) {
+  const TensorSpec a{"a", DType::kU8, {4}}, tied{"tied", DType::kU8, {4}}, b{"b", DType::kU8, {4}};
+  std::vector<std::byte> shared(4), own(4);
+  absl::flat_hash_map<std::string, PlacingSink::Place> places;
+  places["a"] = {DType::kU8, {4}, shared};
+  places["tied"] = {DType::kU8, {4}, shared};  // a's memory under another name
+  places["b"] = {DType::kU8, {4}, own};
+  PlacingSink sink(std::move(places));
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> first, sink.Begin(a));
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> restarted, sink.Begin(a));
+  EXPECT_EQ(restarted.data(), first.data());
+  std::memset(restarted.data(), 'a', 4);
+  // Open while a is: collected instead, for the caller to copy after.
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> collected, sink.Begin(tied));
+  EXPECT_NE(collected.data(), shared.data());
+  std::memset(collected.data(), 't', 4);
+  Write(sink.Begin(b), 'b');
+  ASSERT_OK(sink.End(a));
+  ASSERT_OK(sink.End(tied));
+  ASSERT_OK(sink.End(b));
+  EXPECT_THAT(sink.placed(), ::testing::ElementsAre("a", "b"));
+  ASSERT_EQ(sink.rest().tensors().size(), 1u);
+  EXPECT_EQ(sink.rest().tensors()[0].spec.name, "tied");
+  EXPECT_EQ(sink.rest().tensors()[0].bytes.view(), Filled(4, 't'));
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(shared.data()), 4), Filled(4, 'a'));
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(own.data()), 4), Filled(4, 'b'));
+  // Once a ended, its tied name takes the place again.
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> later, sink.Begin(tied));
+  EXPECT_EQ(later.data(), shared.data());
+  ASSERT_OK(sink.End(tied));
+}
+
 }  // namespace
 }  // namespace weightstore::client

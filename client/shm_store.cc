@@ -214,15 +214,18 @@ class ShmStore final : public SharedMemoryStore {
       for (Open& o : batch) {
         const bool checksum = mapped.descriptions[o.index].crc32c.has_value();
         o.crcs.resize((o.to.size() + kCopyPieceBytes - 1) / kCopyPieceBytes);
-        jobs.push_back({o.to.size(), kCopyPieceBytes, [&o, checksum, &query](uint64_t at, uint64_t length) {
-                          if (query.cancel != nullptr && query.cancel->load()) {
-                            return absl::CancelledError("the fetch was cancelled");
-                          }
-                          absl::StatusOr<uint32_t> crc = CopyPiece(o.to.subspan(at, length), o.source, at, checksum);
-                          if (!crc.ok()) return crc.status();
-                          o.crcs[at / kCopyPieceBytes] = *crc;
-                          return absl::OkStatus();
-                        }});
+        jobs.push_back(
+            {o.to.size(), kCopyPieceBytes, [&o, checksum, &query, &name, &mapped](uint64_t at, uint64_t length) {
+               if (query.cancel != nullptr && query.cancel->load()) {
+                 return absl::CancelledError(absl::StrCat("fetch of '", name, "': cancelled in tensor '",
+                                                          mapped.tensors[o.index].spec.name, "' at byte ", at, " of ",
+                                                          o.to.size()));
+               }
+               absl::StatusOr<uint32_t> crc = CopyPiece(o.to.subspan(at, length), o.source, at, checksum);
+               if (!crc.ok()) return crc.status();
+               o.crcs[at / kCopyPieceBytes] = *crc;
+               return absl::OkStatus();
+             }});
       }
       WEIGHTSTORE_RETURN_IF_ERROR(RunCopyJobs(jobs));
       for (const Open& o : batch) {

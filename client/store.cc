@@ -2,6 +2,8 @@
 
 #include <malloc.h>
 
+#include <iterator>
+
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 
@@ -11,16 +13,27 @@ absl::StatusOr<std::span<std::byte>> CollectingSink::Begin(const TensorSpec& spe
   if (cancel_ != nullptr && cancel_->load()) {
     return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
   }
-  if (current_patch_) return absl::FailedPreconditionError("Begin while a patch is open");
-  if (open_.size() >= kOpenAhead) return absl::FailedPreconditionError("Begin past OpenAhead() tensors");
+  // The tensor begun last, again (its transfer restarted, as a patch or
+  // whole): what it had is abandoned.
+  const bool again = !open_.empty() && open_.back().first == spec.name;
+  if (current_patch_ && !again) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor '", spec.name, "' begun while a patch is open"));
+  }
+  if (!again && open_.size() >= kOpenAhead) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor '", spec.name, "' begun past OpenAhead()"));
+  }
   WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(spec.byte_size()));
-  open_.push_back(std::move(buffer));
-  return open_.back().span();
+  if (again) open_.pop_back();
+  current_patch_.reset();
+  open_.emplace_back(spec.name, std::move(buffer));
+  return open_.back().second.span();
 }
 
 absl::Status CollectingSink::End(const TensorSpec& spec) {
-  if (open_.empty() || current_patch_) return absl::FailedPreconditionError("End without Begin");
-  tensors_.push_back(SharedTensor{spec, std::move(open_.front()).Freeze()});
+  if (open_.empty() || current_patch_ || open_.front().first != spec.name) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor '", spec.name, "' ended but not begun first"));
+  }
+  tensors_.push_back(SharedTensor{spec, std::move(open_.front().second).Freeze()});
   open_.pop_front();
   return absl::OkStatus();
 }
@@ -34,46 +47,81 @@ absl::StatusOr<std::span<std::byte>> CollectingSink::BeginPatch(const TensorSpec
   if (cancel_ != nullptr && cancel_->load()) {
     return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
   }
-  if (!open_.empty()) return absl::FailedPreconditionError("BeginPatch while a tensor is open");
+  // Only with nothing else open; or the tensor begun last, again.
+  const bool again = open_.size() == 1 && open_.back().first == spec.name;
+  if (!open_.empty() && !again) {
+    return absl::FailedPreconditionError(absl::StrCat("the patch of '", spec.name, "' begun while a tensor is open"));
+  }
   WEIGHTSTORE_ASSIGN_OR_RETURN(HostBuffer buffer, HostBuffer::Allocate(bytes));
-  open_.push_back(std::move(buffer));
+  open_.clear();
+  open_.emplace_back(spec.name, std::move(buffer));
   current_patch_ = ReceivedPatch{spec, digest, header};
-  return open_.back().span();
+  return open_.back().second.span();
 }
 
 absl::Status CollectingSink::EndPatch(const TensorSpec& spec) {
-  if (open_.empty() || !current_patch_) return absl::FailedPreconditionError("EndPatch without BeginPatch");
-  current_patch_->patch.body = std::move(open_.front()).Freeze();
-  open_.pop_front();
+  if (open_.size() != 1 || !current_patch_ || open_.front().first != spec.name) {
+    return absl::FailedPreconditionError(absl::StrCat("the patch of '", spec.name, "' ended but not begun first"));
+  }
+  current_patch_->patch.body = std::move(open_.front().second).Freeze();
+  open_.clear();
   patches_.push_back(*std::move(current_patch_));
   current_patch_.reset();
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::span<std::byte>> PlacingSink::Begin(const TensorSpec& spec) {
-  if (open_placed_.size() >= OpenAhead()) return absl::FailedPreconditionError("Begin past OpenAhead() tensors");
   auto it = places_.find(spec.name);
-  const bool placed = it != places_.end() && it->second.dtype == spec.dtype && it->second.shape == spec.shape &&
-                      it->second.bytes.size() == spec.byte_size() &&
-                      (it->second.bytes.data() != nullptr || spec.byte_size() == 0);
+  bool placed = it != places_.end() && it->second.dtype == spec.dtype && it->second.shape == spec.shape &&
+                it->second.bytes.size() == spec.byte_size() &&
+                (it->second.bytes.data() != nullptr || spec.byte_size() == 0);
+  // The tensor begun last, again (its transfer restarted): its place is
+  // given up, and taken again below.
+  const bool again = !open_.empty() && open_.back().name == spec.name;
+  if (again && open_.back().placed && !open_.back().place.empty()) {
+    open_places_.erase(open_.back().place.data());
+  }
+  if (!again && open_.size() >= OpenAhead()) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor '", spec.name, "' begun past OpenAhead()"));
+  }
+  // A place that overlaps one still open (tied parameters: two names, one
+  // memory) is never written from two threads at once: that tensor goes to
+  // rest_, for the caller to copy after.
+  const std::span<std::byte> place = placed ? it->second.bytes : std::span<std::byte>();
+  if (!place.empty()) {
+    auto next = open_places_.lower_bound(place.data());
+    placed = !((next != open_places_.end() && next->first < place.data() + place.size()) ||
+               (next != open_places_.begin() && std::prev(next)->second > place.data()));
+  }
+  if (again) {
+    if (open_.back().placed != placed) {  // rest_ would keep a buffer no End takes
+      return absl::FailedPreconditionError(
+          absl::StrCat("tensor '", spec.name, "' restarted with another dtype or shape"));
+    }
+    open_.pop_back();
+  }
   if (!placed) {
     WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, rest_.Begin(spec));
-    open_placed_.push_back(false);
+    open_.push_back({spec.name, false, {}});
     return out;
   }
   if (cancel_ != nullptr && cancel_->load()) {
     return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
   }
-  open_placed_.push_back(true);
+  open_.push_back({spec.name, true, place});
+  if (!place.empty()) open_places_.emplace(place.data(), place.data() + place.size());
   written_any_ = true;
-  return it->second.bytes;
+  return place;
 }
 
 absl::Status PlacingSink::End(const TensorSpec& spec) {
-  if (open_placed_.empty()) return absl::FailedPreconditionError("End without Begin");
-  const bool placed = open_placed_.front();
-  open_placed_.pop_front();
-  if (!placed) return rest_.End(spec);
+  if (open_.empty() || open_.front().name != spec.name) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor '", spec.name, "' ended but not begun first"));
+  }
+  const OpenTensor ended = std::move(open_.front());
+  open_.pop_front();
+  if (!ended.placed) return rest_.End(spec);
+  if (!ended.place.empty()) open_places_.erase(ended.place.data());
   placed_.push_back(spec.name);
   return absl::OkStatus();
 }

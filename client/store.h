@@ -143,10 +143,11 @@ struct TensorListing {
   std::optional<DeltaInfo> delta;           // with Query::since_version
 };
 
-// Where fetched tensors go. Begin() may be called again for a tensor whose
-// transfer restarted; the previous buffer is then abandoned. Calls come one at
-// a time and in order, but not necessarily on the thread that called the
-// store (a remote store copies on a helper thread; see RemoteOptions::pipeline).
+// Where fetched tensors go. Begin() (or BeginPatch()) may be called again for
+// the tensor begun last, whose transfer restarted; the previous buffer is
+// then abandoned. Calls come one at a time and in order, but not necessarily
+// on the thread that called the store (a remote store copies on a helper
+// thread; see RemoteOptions::pipeline).
 class TensorSink {
  public:
   virtual ~TensorSink() = default;
@@ -163,8 +164,9 @@ class TensorSink {
   virtual absl::Status EndPatch(const TensorSpec& spec);
   // How many tensors may be begun before the first of them ends, their bytes
   // then written at once on several threads (a store that copies in
-  // batches); End comes in Begin's order all the same. Begin's memory must
-  // stay valid until its End. Default 1: one tensor at a time.
+  // batches); End comes in Begin's order all the same. The spans Begin hands
+  // out meanwhile must not overlap, and stay valid until their End. Default
+  // 1: one tensor at a time.
   virtual size_t OpenAhead() const { return 1; }
   // Called with the version whose tensors are sent, once it is known
   // (before the first tensor, or at the end of a selection of none), where
@@ -200,7 +202,8 @@ class CollectingSink : public TensorSink {
                                                   const std::string& digest) override;
   absl::Status EndPatch(const TensorSpec& spec) override;
   // Tensors it lets a store begin ahead (their buffers are allocated at
-  // Begin either way).
+  // Begin either way). A subclass that keeps state per tensor begun returns
+  // 1 instead.
   static constexpr size_t kOpenAhead = 1024;
   size_t OpenAhead() const override { return kOpenAhead; }
   void OnVersion(const std::string& version) override { version_ = version; }
@@ -213,9 +216,9 @@ class CollectingSink : public TensorSink {
   std::shared_ptr<const std::atomic<bool>> cancel_;
   std::string version_;
   bool take_patches_ = false;
-  // Tensors begun and not yet ended, oldest first: their buffers, and
-  // (BeginPatch) the patch.
-  std::deque<HostBuffer> open_;
+  // Tensors begun and not yet ended, oldest first: their names and buffers;
+  // with current_patch_, the one open entry is that patch's.
+  std::deque<std::pair<std::string, HostBuffer>> open_;
   std::optional<ReceivedPatch> current_patch_;
   std::vector<SharedTensor> tensors_;
   std::vector<ReceivedPatch> patches_;
@@ -256,7 +259,15 @@ class PlacingSink final : public TensorSink {
   std::shared_ptr<const std::atomic<bool>> cancel_;
   CollectingSink rest_;
   std::vector<std::string> placed_;
-  std::deque<bool> open_placed_;  // of the tensors begun and not yet ended, oldest first
+  // The tensors begun and not yet ended, oldest first; the places among
+  // them that hold bytes, by start address (to end), for the overlap check.
+  struct OpenTensor {
+    std::string name;
+    bool placed = false;  // else in rest_
+    std::span<std::byte> place;
+  };
+  std::deque<OpenTensor> open_;
+  std::map<const std::byte*, const std::byte*> open_places_;
   bool written_any_ = false;
 };
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
+#include <new>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -16,7 +18,16 @@ absl::Status ParallelFor(size_t n, unsigned threads, const std::function<absl::S
   absl::Status failure;
   auto loop = [&] {
     for (size_t i = next++; i < n; i = next++) {
-      absl::Status status = work(i);
+      // An exception (bad_alloc) must not leave a helper's thread: it
+      // becomes the item's error.
+      absl::Status status;
+      try {
+        status = work(i);
+      } catch (const std::bad_alloc&) {
+        status = absl::ResourceExhaustedError("out of memory");
+      } catch (const std::exception& e) {
+        status = absl::InternalError(e.what());
+      }
       if (status.ok()) continue;
       absl::MutexLock lock(&mu);
       if (failure.ok()) failure = std::move(status);

@@ -12,7 +12,8 @@ namespace weightstore {
 
 // Runs work(i) for every i in [0, n) on up to `threads` threads, the caller's
 // among them (fewer when the system has none to spare). After the first error
-// no new item starts; that error is returned once the others end.
+// no new item starts; that error is returned once the others end. An
+// exception work(i) throws is its error (bad_alloc: ResourceExhausted).
 absl::Status ParallelFor(size_t n, unsigned threads, const std::function<absl::Status(size_t)>& work);
 
 }  // namespace weightstore

@@ -427,7 +427,14 @@ TEST(ServerLifecycleTest, SigtermReportsNotServingRefusesNewCallsAfterTheDrainAn
 
 class BrokenStreamTest : public ::testing::TestWithParam<bool> {};
 
-TEST_P(BrokenStreamTest, ResumesFromTheLastCompleteTensor) {
+// Fetches "big" (12 MiB in 1 MiB tensors) while its daemon is killed with -9
+// and comes back on the same port: every tensor arrives once, byte for byte.
+// With `inside_a_tensor`, in chunks of 16 KiB through a stream window of
+// 256 KiB, the kill comes as the fourth tensor begins, which the break then
+// cuts (no more of it can be on its way), so it is begun again; else after
+// the third tensor ends, in the server's chunks of 1 MiB.
+void ExpectAFetchResumesAfterAKill(bool pipeline, bool inside_a_tensor) {
+  SCOPED_TRACE(inside_a_tensor ? "the break inside a tensor" : "the break between tensors");
   const std::string models = testing::MakeScratchDir("models");
   WriteBig(models + "/big.safetensors", 12, 1 << 18, 5.0f);  // 12 MiB in 1 MiB tensors
   std::string address;
@@ -439,24 +446,31 @@ TEST_P(BrokenStreamTest, ResumesFromTheLastCompleteTensor) {
     first.WaitExit(30000);
   }
   // The same port again, so the client can reconnect to "the daemon".
-  const std::string port = address.substr(address.rfind(':') + 1);
   auto daemon = std::make_unique<Daemon>(models, std::vector<std::string>{}, address);
   ASSERT_EQ(daemon->address(), address) << daemon->log();
   struct KillingSink : client::CollectingSink {
-    std::function<void()> after_third;
-    int begun = 0, ended = 0;
+    std::function<void()> kill;
+    bool inside_a_tensor = false;
+    int begun = 0, ended = 0, restarted = 0;
+    std::string open;  // the tensor begun and not ended
     absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override {
       ++begun;
+      restarted += open == spec.name;
+      open = spec.name;
+      if (inside_a_tensor && begun == 4 && kill) kill();
       return CollectingSink::Begin(spec);
     }
     absl::Status End(const TensorSpec& spec) override {
-      if (++ended == 3 && after_third) after_third();
+      open.clear();
+      if (!inside_a_tensor && ++ended == 3 && kill) kill();
       return CollectingSink::End(spec);
     }
+    size_t OpenAhead() const override { return 1; }
   };
   KillingSink sink;
+  sink.inside_a_tensor = inside_a_tensor;
   bool killed = false;
-  sink.after_third = [&] {  // kill -9 mid-stream, then come back on the same port
+  sink.kill = [&] {  // kill -9 mid-stream, then come back on the same port
     killed = true;
     daemon->Signal(SIGKILL);
     daemon->WaitExit(30000);
@@ -464,7 +478,11 @@ TEST_P(BrokenStreamTest, ResumesFromTheLastCompleteTensor) {
   };
   client::RemoteOptions options;
   options.resume_backoff = std::chrono::milliseconds(200);
-  options.pipeline = GetParam();
+  options.pipeline = pipeline;
+  if (inside_a_tensor) {
+    options.chunk_bytes = 16 << 10;
+    options.stream_window_bytes = 256 << 10;
+  }
   auto store = *client::ConnectRemoteStore(address, options);
   ASSERT_OK(store->FetchTensors("big", {}, &sink));
   ASSERT_OK_AND_ASSIGN(auto local, Checkpoint::Open(models + "/big.safetensors"));
@@ -476,6 +494,15 @@ TEST_P(BrokenStreamTest, ResumesFromTheLastCompleteTensor) {
   }
   EXPECT_TRUE(killed) << "the stream had to survive a kill -9 of its daemon";
   EXPECT_GE(sink.begun, 12);
+  if (inside_a_tensor) {
+    EXPECT_EQ(sink.restarted, 1);
+  }
+}
+
+TEST_P(BrokenStreamTest, ResumesFromTheLastCompleteTensor) { ExpectAFetchResumesAfterAKill(GetParam(), false); }
+
+TEST_P(BrokenStreamTest, ATensorCutByTheBreakIsBegunAgainAndArrivesWhole) {
+  ExpectAFetchResumesAfterAKill(GetParam(), true);
 }
 
 TEST_P(BrokenStreamTest, AStreamThatCannotResumeSaysWhyItFirstBroke) {
