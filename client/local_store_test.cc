@@ -186,7 +186,7 @@ TEST(CollectingSinkTest, ATensorBegunAgainReplacesTheOneItBeganAndEndsInBeginsOr
   EXPECT_EQ(patches.tensors()[0].bytes.view(), Filled(5, 'w'));
 }
 
-TEST(PlacingSinkTest, ARestartTakesTheSamePlaceAndTiedPlacesOpenTogetherAreNotBothWritten) {
+TEST(PlacingSinkTest, ARestartTakesTheSamePlaceAndTiedPlacesAreWrittenByOneTensorAtMost) {
   const TensorSpec a{"a", DType::kU8, {4}}, tied{"tied", DType::kU8, {4}}, b{"b", DType::kU8, {4}};
   std::vector<std::byte> shared(4), own(4);
   absl::flat_hash_map<std::string, PlacingSink::Place> places;
@@ -194,9 +194,9 @@ TEST(PlacingSinkTest, ARestartTakesTheSamePlaceAndTiedPlacesOpenTogetherAreNotBo
   places["tied"] = {DType::kU8, {4}, shared};  // a's memory under another name
   places["b"] = {DType::kU8, {4}, own};
   PlacingSink sink(std::move(places));
-  ASSERT_OK_AND_ASSIGN(std::span<std::byte> first, sink.Begin(a));
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> began, sink.Begin(a));
   ASSERT_OK_AND_ASSIGN(std::span<std::byte> restarted, sink.Begin(a));
-  EXPECT_EQ(restarted.data(), first.data());
+  EXPECT_EQ(restarted.data(), began.data());
   std::memset(restarted.data(), 'a', 4);
   // Open while a is: collected instead, for the caller to copy after.
   ASSERT_OK_AND_ASSIGN(std::span<std::byte> collected, sink.Begin(tied));
@@ -212,10 +212,34 @@ TEST(PlacingSinkTest, ARestartTakesTheSamePlaceAndTiedPlacesOpenTogetherAreNotBo
   EXPECT_EQ(sink.rest().tensors()[0].bytes.view(), Filled(4, 't'));
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(shared.data()), 4), Filled(4, 'a'));
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(own.data()), 4), Filled(4, 'b'));
-  // Once a ended, its tied name takes the place again.
-  ASSERT_OK_AND_ASSIGN(std::span<std::byte> later, sink.Begin(tied));
-  EXPECT_EQ(later.data(), shared.data());
-  ASSERT_OK(sink.End(tied));
+  // A third name over that memory, once a ended, is collected too: copied
+  // after "tied", it is the last written, as one tensor at a time would
+  // leave it.
+  const TensorSpec third{"third", DType::kU8, {2}};
+  absl::flat_hash_map<std::string, PlacingSink::Place> more;
+  std::vector<std::byte> memory(8);
+  more["first"] = {DType::kU8, {4}, std::span(memory).first(4)};
+  more["second"] = {DType::kU8, {4}, std::span(memory).first(4)};
+  more["third"] = {DType::kU8, {2}, std::span(memory).subspan(2, 2)};
+  more["next"] = {DType::kU8, {4}, std::span(memory).subspan(4, 4)};  // adjacent: no overlap
+  PlacingSink tied_thrice(std::move(more));
+  const TensorSpec first{"first", DType::kU8, {4}}, second{"second", DType::kU8, {4}}, next{"next", DType::kU8, {4}};
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> out, tied_thrice.Begin(first));
+  EXPECT_EQ(out.data(), memory.data());
+  ASSERT_OK_AND_ASSIGN(out, tied_thrice.Begin(second));
+  EXPECT_NE(out.data(), memory.data());
+  ASSERT_OK_AND_ASSIGN(out, tied_thrice.Begin(next));
+  EXPECT_EQ(out.data(), memory.data() + 4);
+  ASSERT_OK(tied_thrice.End(first));
+  ASSERT_OK(tied_thrice.End(second));
+  ASSERT_OK(tied_thrice.End(next));
+  ASSERT_OK_AND_ASSIGN(out, tied_thrice.Begin(third));
+  EXPECT_NE(out.data(), memory.data() + 2);
+  ASSERT_OK(tied_thrice.End(third));
+  EXPECT_THAT(tied_thrice.placed(), ::testing::ElementsAre("first", "next"));
+  ASSERT_EQ(tied_thrice.rest().tensors().size(), 2u);
+  EXPECT_EQ(tied_thrice.rest().tensors()[0].spec.name, "second");
+  EXPECT_EQ(tied_thrice.rest().tensors()[1].spec.name, "third");
 }
 
 }  // namespace

@@ -588,7 +588,10 @@ absl::StatusOr<std::function<std::shared_ptr<grpc::Channel>()>> ChannelMaker(con
   // A connection of its own: channels with equal arguments would otherwise share
   // one connection (and its flow-control window) through gRPC's global pool.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  if (options.stream_window_bytes > 0) args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, options.stream_window_bytes);
+  if (options.stream_window_bytes > 0) {  // a fixed window: the BDP probe would grow it
+    args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, options.stream_window_bytes);
+    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  }
   // Each channel has its own subchannel pool, hence a connection of its own.
   return std::function<std::shared_ptr<grpc::Channel>()>(
       [address, credentials, args] { return grpc::CreateCustomChannel(address, credentials, args); });

@@ -70,48 +70,58 @@ absl::Status CollectingSink::EndPatch(const TensorSpec& spec) {
   return absl::OkStatus();
 }
 
+bool PlacingSink::Overlaps(std::span<const std::byte> place, const std::byte* skip) const {
+  const std::byte *begin = place.data(), *end = place.data() + place.size();
+  // The open places do not overlap one another: from the one that starts
+  // last before `place` on, while they start inside it.
+  auto i = open_places_.lower_bound(begin);
+  if (i != open_places_.begin()) --i;
+  for (; i != open_places_.end() && i->first < end; ++i) {
+    if (i->first != skip && i->second > begin) return true;
+  }
+  for (const auto& [b, e] : deferred_places_) {
+    if (b < end && begin < e) return true;
+  }
+  return false;
+}
+
 absl::StatusOr<std::span<std::byte>> PlacingSink::Begin(const TensorSpec& spec) {
   auto it = places_.find(spec.name);
-  bool placed = it != places_.end() && it->second.dtype == spec.dtype && it->second.shape == spec.shape &&
-                it->second.bytes.size() == spec.byte_size() &&
-                (it->second.bytes.data() != nullptr || spec.byte_size() == 0);
-  // The tensor begun last, again (its transfer restarted): its place is
-  // given up, and taken again below.
+  const bool fits = it != places_.end() && it->second.dtype == spec.dtype && it->second.shape == spec.shape &&
+                    it->second.bytes.size() == spec.byte_size() &&
+                    (it->second.bytes.data() != nullptr || spec.byte_size() == 0);
+  const std::span<std::byte> place = fits ? it->second.bytes : std::span<std::byte>();
+  // The tensor begun last, again (its transfer restarted): it gives up what
+  // it had once the checks below pass.
   const bool again = !open_.empty() && open_.back().name == spec.name;
-  if (again && open_.back().placed && !open_.back().place.empty()) {
-    open_places_.erase(open_.back().place.data());
-  }
   if (!again && open_.size() >= OpenAhead()) {
     return absl::FailedPreconditionError(absl::StrCat("tensor '", spec.name, "' begun past OpenAhead()"));
   }
   // A place that overlaps one still open (tied parameters: two names, one
   // memory) is never written from two threads at once: that tensor goes to
-  // rest_, for the caller to copy after.
-  const std::span<std::byte> place = placed ? it->second.bytes : std::span<std::byte>();
-  if (!place.empty()) {
-    auto next = open_places_.lower_bound(place.data());
-    placed = !((next != open_places_.end() && next->first < place.data() + place.size()) ||
-               (next != open_places_.begin() && std::prev(next)->second > place.data()));
+  // rest_, for the caller to copy after, and so does any later one over it.
+  const std::byte* own = again && open_.back().placed ? open_.back().place.data() : nullptr;
+  const bool deferred = fits && !place.empty() && Overlaps(place, own);
+  const bool placed = fits && !deferred;
+  if (again && open_.back().placed != placed) {  // rest_ would keep a buffer no End takes
+    return absl::FailedPreconditionError(absl::StrCat("tensor '", spec.name, "' restarted, and placed otherwise"));
   }
-  if (again) {
-    if (open_.back().placed != placed) {  // rest_ would keep a buffer no End takes
-      return absl::FailedPreconditionError(
-          absl::StrCat("tensor '", spec.name, "' restarted with another dtype or shape"));
-    }
-    open_.pop_back();
-  }
+  std::span<std::byte> out = place;
   if (!placed) {
-    WEIGHTSTORE_ASSIGN_OR_RETURN(std::span<std::byte> out, rest_.Begin(spec));
-    open_.push_back({spec.name, false, {}});
-    return out;
-  }
-  if (cancel_ != nullptr && cancel_->load()) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(out, rest_.Begin(spec));
+  } else if (cancel_ != nullptr && cancel_->load()) {
     return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
   }
-  open_.push_back({spec.name, true, place});
-  if (!place.empty()) open_places_.emplace(place.data(), place.data() + place.size());
-  written_any_ = true;
-  return place;
+  // Checked: the state changes from here on.
+  if (again) {
+    if (open_.back().placed && !open_.back().place.empty()) open_places_.erase(open_.back().place.data());
+    open_.pop_back();
+  }
+  if (deferred) deferred_places_.emplace_back(place.data(), place.data() + place.size());
+  open_.push_back({spec.name, placed, placed ? place : std::span<std::byte>()});
+  if (placed && !place.empty()) open_places_.emplace(place.data(), place.data() + place.size());
+  written_any_ = written_any_ || placed;
+  return out;
 }
 
 absl::Status PlacingSink::End(const TensorSpec& spec) {

@@ -259,6 +259,10 @@ class PlacingSink final : public TensorSink {
   std::shared_ptr<const std::atomic<bool>> cancel_;
   CollectingSink rest_;
   std::vector<std::string> placed_;
+  // Whether `place` overlaps an open place but the one starting at `skip`
+  // (may be null), or a deferred one.
+  bool Overlaps(std::span<const std::byte> place, const std::byte* skip) const;
+
   // The tensors begun and not yet ended, oldest first; the places among
   // them that hold bytes, by start address (to end), for the overlap check.
   struct OpenTensor {
@@ -268,6 +272,10 @@ class PlacingSink final : public TensorSink {
   };
   std::deque<OpenTensor> open_;
   std::map<const std::byte*, const std::byte*> open_places_;
+  // Places whose tensor went to rest_ for overlapping an open one: a later
+  // tensor over any of them goes there too, so the caller's copies (after
+  // the fetch, in order) leave what one tensor at a time would. [start, end).
+  std::vector<std::pair<const std::byte*, const std::byte*>> deferred_places_;
   bool written_any_ = false;
 };
 
@@ -396,7 +404,8 @@ struct RemoteOptions {
   // Chunk size asked of the server (it caps it at 4 MiB). Default: 0, the
   // server's (1 MiB). Measured on loopback: no gain from larger chunks.
   uint32_t chunk_bytes = 0;
-  // HTTP/2 receive window per stream. Default: 0, gRPC's own (BDP-probed).
+  // HTTP/2 receive window per stream, fixed (no BDP probe). Default: 0,
+  // gRPC's own (BDP-probed).
   int stream_window_bytes = 0;
   // FetchAll splits the selection into this many contiguous ranges of about
   // equal bytes, each streamed over a connection of its own, in parallel. One

@@ -27,6 +27,8 @@ absl::Status ParallelFor(size_t n, unsigned threads, const std::function<absl::S
         status = absl::ResourceExhaustedError("out of memory");
       } catch (const std::exception& e) {
         status = absl::InternalError(e.what());
+      } catch (...) {
+        status = absl::InternalError("an exception that is no std::exception");
       }
       if (status.ok()) continue;
       absl::MutexLock lock(&mu);
@@ -35,11 +37,15 @@ absl::Status ParallelFor(size_t n, unsigned threads, const std::function<absl::S
     }
   };
   std::vector<std::thread> helpers;
-  for (size_t t = 1; t < std::min<size_t>(threads, n); ++t) {
+  try {
+    helpers.reserve(std::min<size_t>(threads, n));
+  } catch (const std::exception&) {  // no helpers: the caller's thread does it all
+  }
+  for (size_t t = 1; t < std::min<size_t>(threads, n) && helpers.size() < helpers.capacity(); ++t) {
     try {
       helpers.emplace_back(loop);
-    } catch (const std::system_error&) {
-      break;  // no thread to spare: the caller's does the rest
+    } catch (const std::exception&) {
+      break;  // no thread to spare (system_error, bad_alloc): the caller's does the rest
     }
   }
   loop();
