@@ -195,8 +195,13 @@ class TransformersTest(unittest.TestCase):
         source = Tied()
         os.makedirs(os.path.join(MODELS, "tied"), exist_ok=True)
         weight = source.embed.weight.detach()
+        other = weight + 1
         files = {"tied/embed": {"embed.weight": weight}, "tied/head": {"head.weight": weight},
-                 "tied/both": {"embed.weight": weight, "head.weight": weight.clone()}}
+                 "tied/both": {"embed.weight": weight, "head.weight": weight.clone()},
+                 # Two values for one memory: the later name wins, as with
+                 # load_state_dict, on every transport (a socket or file:
+                 # load writes the first in place and copies the second after).
+                 "tied/differ": {"embed.weight": weight, "head.weight": other}}
         for name, state in files.items():
             safetensors.torch.save_file(state, os.path.join(MODELS, name + ".safetensors"))
         with grpc.insecure_channel(ADDRESS) as channel:
@@ -211,7 +216,11 @@ class TransformersTest(unittest.TestCase):
                     self.assertEqual((result.missing, result.unused, result.errors), ([], [], []))
                     self.assertEqual(sorted(result.applied), sorted(state))
                     self.assertIs(target.head.weight, target.embed.weight)
-                    self.assertTrue(torch.equal(target.head.weight, weight))
+                    self.assertTrue(torch.equal(target.head.weight, other if name == "tied/differ" else weight))
+                    if name == "tied/differ":
+                        expected = Tied()
+                        expected.load_state_dict(state)
+                        self.assertTrue(torch.equal(target.head.weight, expected.head.weight))
 
     def test_llama_and_gpt2_tensor_parallel_shards_of_two_ranks_put_together_equal_the_whole_tensors(self):
         llama = {r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$": 0, r"(o_proj|down_proj)\.weight$": 1,
