@@ -46,42 +46,83 @@ absl::Status ChunkAssembler::BeginPatch(const pb::TensorInfo& info, const Tensor
   return absl::OkStatus();
 }
 
+absl::Status ChunkAssembler::Start(const wire::ChunkFields& f, TensorSink* sink, bool* began) {
+  if (!f.info.has_value() || *began) return absl::OkStatus();
+  if (current_) {
+    return absl::DataLossError(
+        absl::StrCat("stream began tensor '", f.info->name(), "' before tensor '", current_->spec.name, "' ended"));
+  }
+  // (The last index is never a tensor's: ++ past it would wrap.)
+  if ((f.tensor_index != next_index_ && !(allow_skips_ && f.tensor_index > next_index_)) ||
+      f.tensor_index == UINT64_MAX) {
+    return absl::DataLossError(
+        absl::StrCat("stream sent tensor ", f.tensor_index, " where tensor ", next_index_, " was due"));
+  }
+  next_index_ = f.tensor_index;
+  *began = true;
+  return Begin(*f.info, sink);
+}
+
+absl::StatusOr<std::span<std::byte>> ChunkAssembler::Destination(const wire::ChunkFields& f, uint64_t length,
+                                                                 TensorSink* sink, bool* began) {
+  WEIGHTSTORE_RETURN_IF_ERROR(Start(f, sink, began));
+  if (!current_) return absl::DataLossError("stream sent data before a tensor's description");
+  InProgress& t = *current_;
+  const uint64_t offset = f.offset.value_or(0);
+  if (offset != t.received || t.received > t.out.size() || length > t.out.size() - t.received) {
+    return absl::DataLossError(
+        absl::StrCat("tensor '", t.spec.name, "': chunk at offset ", offset, " does not follow byte ", t.received));
+  }
+  std::span<std::byte> landed = t.out.subspan(t.received, length);
+  PrefaultForWriting(landed);
+  return landed;
+}
+
 absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink) {
   wire::ChunkFields fields;
   bool began = false;           // this chunk's info, if any, has started its tensor
   std::span<std::byte> landed;  // where this chunk's data was written
-  auto start = [&](const wire::ChunkFields& f) -> absl::Status {
-    if (!f.info.has_value() || began) return absl::OkStatus();
-    if (current_) {
-      return absl::DataLossError(
-          absl::StrCat("stream began tensor '", f.info->name(), "' before tensor '", current_->spec.name, "' ended"));
-    }
-    // (The last index is never a tensor's: ++ past it would wrap.)
-    if ((f.tensor_index != next_index_ && !(allow_skips_ && f.tensor_index > next_index_)) ||
-        f.tensor_index == UINT64_MAX) {
-      return absl::DataLossError(
-          absl::StrCat("stream sent tensor ", f.tensor_index, " where tensor ", next_index_, " was due"));
-    }
-    next_index_ = f.tensor_index;
-    began = true;
-    return Begin(*f.info, sink);
-  };
   auto destination = [&](const wire::ChunkFields& f, uint64_t length) -> absl::StatusOr<std::span<std::byte>> {
-    WEIGHTSTORE_RETURN_IF_ERROR(start(f));
-    if (!current_) return absl::DataLossError("stream sent data before a tensor's description");
-    InProgress& t = *current_;
-    const uint64_t offset = f.offset.value_or(0);
-    if (offset != t.received || t.received > t.out.size() || length > t.out.size() - t.received) {
-      return absl::DataLossError(
-          absl::StrCat("tensor '", t.spec.name, "': chunk at offset ", offset, " does not follow byte ", t.received));
-    }
-    landed = t.out.subspan(t.received, length);
-    PrefaultForWriting(landed);
+    WEIGHTSTORE_ASSIGN_OR_RETURN(landed, Destination(f, length, sink, &began));
     return landed;
   };
   WEIGHTSTORE_RETURN_IF_ERROR(wire::DecodeChunk(buffer, &fields, destination));
+  if (fields.lane.has_value()) {
+    // A ticket is a stream's only message, and only where it was asked for.
+    if (!allow_lane_ || fields.info.has_value() || fields.data_bytes > 0 || fields.last || lane_.has_value() ||
+        current_.has_value()) {
+      return absl::DataLossError("stream sent a data lane ticket where none was due");
+    }
+    if (fields.version.has_value()) version_ = *fields.version;
+    lane_ = *std::move(fields.lane);
+    return absl::OkStatus();
+  }
+  return Consumed(fields, landed, began, sink);
+}
+
+absl::Status ChunkAssembler::ConsumeLaneFrame(grpc::ByteBuffer* meta, uint64_t data_bytes,
+                                              absl::FunctionRef<absl::Status(std::span<std::byte>)> fill,
+                                              TensorSink* sink) {
+  wire::ChunkFields fields;
+  bool began = false;
+  auto no_data = [](const wire::ChunkFields&, uint64_t) -> absl::StatusOr<std::span<std::byte>> {
+    return absl::DataLossError("a data lane frame carried data inside its description");
+  };
+  WEIGHTSTORE_RETURN_IF_ERROR(wire::DecodeChunk(meta, &fields, no_data));
+  if (fields.lane.has_value()) return absl::DataLossError("a data lane frame carried a ticket");
+  std::span<std::byte> landed;
+  if (data_bytes > 0) {
+    WEIGHTSTORE_ASSIGN_OR_RETURN(landed, Destination(fields, data_bytes, sink, &began));
+    WEIGHTSTORE_RETURN_IF_ERROR(fill(landed));
+  }
+  fields.data_bytes = data_bytes;
+  return Consumed(fields, landed, began, sink);
+}
+
+absl::Status ChunkAssembler::Consumed(const wire::ChunkFields& fields, std::span<std::byte> landed, bool began,
+                                      TensorSink* sink) {
   if (fields.version.has_value()) version_ = *fields.version;
-  WEIGHTSTORE_RETURN_IF_ERROR(start(fields));
+  WEIGHTSTORE_RETURN_IF_ERROR(Start(fields, sink, &began));
   if (!current_) {
     if (fields.data_bytes == 0 && fields.last) return absl::OkStatus();  // an empty selection
     return absl::DataLossError("stream sent data before a tensor's description");

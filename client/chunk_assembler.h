@@ -10,11 +10,14 @@
 #include <grpcpp/support/byte_buffer.h>
 
 #include <optional>
+#include <span>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "client/proto_convert.h"
 #include "client/store.h"
+#include "proto/codec/chunk_codec.h"
 
 namespace weightstore::client {
 
@@ -32,8 +35,26 @@ class ChunkAssembler {
   // Accepts element patches (a fetch with since_version and patches); any
   // other stream that sends one is DataLoss, whatever the sink would take.
   void AllowPatches() { allow_patches_ = true; }
-  // Forgets a tensor in progress (its stream broke); it will start again.
-  void Restart() { current_.reset(); }
+  // Accepts a data lane's ticket as the stream's first message (a fetch that
+  // asked for the lane); lane() then holds it.
+  void AllowLane() { allow_lane_ = true; }
+  bool lane_allowed() const { return allow_lane_; }
+  // One frame of the data lane: `meta`, a chunk without data, then
+  // `data_bytes` that `fill` writes into the span it is given (the tensor's
+  // own bytes, checked as a chunk's data would be first). Errors as Consume.
+  absl::Status ConsumeLaneFrame(grpc::ByteBuffer* meta, uint64_t data_bytes,
+                                absl::FunctionRef<absl::Status(std::span<std::byte>)> fill, TensorSink* sink);
+  // Forgets a tensor in progress (its stream broke), and a lane's ticket; the
+  // tensor will start again.
+  void Restart() {
+    current_.reset();
+    lane_.reset();
+  }
+
+  // The data lane's ticket, once the stream sent one.
+  const std::optional<pb::DataLane>& lane() const { return lane_; }
+  // Whether a tensor has begun and not ended.
+  bool in_tensor() const { return current_.has_value(); }
 
   // The version the stream announced (empty until its first chunk).
   const std::string& version() const { return version_; }
@@ -41,6 +62,14 @@ class ChunkAssembler {
   uint64_t next_index() const { return next_index_; }
 
  private:
+  // Starts the tensor `f.info` describes, if any and not yet (*began).
+  absl::Status Start(const wire::ChunkFields& f, TensorSink* sink, bool* began);
+  // Where `length` bytes of data of the chunk `f` go: the current tensor's
+  // next bytes (started first if `f` begins one), prefaulted.
+  absl::StatusOr<std::span<std::byte>> Destination(const wire::ChunkFields& f, uint64_t length, TensorSink* sink,
+                                                   bool* began);
+  // The rest of a chunk once its data (if any) is in `landed`.
+  absl::Status Consumed(const wire::ChunkFields& fields, std::span<std::byte> landed, bool began, TensorSink* sink);
   // Starts the tensor `info` describes in `sink`.
   absl::Status Begin(const pb::TensorInfo& info, TensorSink* sink);
   // Starts the element patch `info` announces for `spec`, after checking its
@@ -59,6 +88,8 @@ class ChunkAssembler {
   uint64_t next_index_ = 0;
   bool allow_skips_ = false;
   bool allow_patches_ = false;
+  bool allow_lane_ = false;
+  std::optional<pb::DataLane> lane_;
 };
 
 }  // namespace weightstore::client

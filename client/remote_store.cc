@@ -1,12 +1,20 @@
 // RemoteStore: a Store over weightstored's gRPC API.
+#include <arpa/inet.h>
+#include <fcntl.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/impl/codegen/client_context.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/impl/codegen/sync_stream.h>
 #include <grpcpp/security/credentials.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -24,7 +32,9 @@
 #include "client/store.h"
 #include "client/usable_cores.h"
 #include "core/crc32c.h"
+#include "core/shm/unix_socket.h"
 #include "core/status_macros.h"
+#include "proto/codec/data_lane.h"
 #include "proto/codec/status.h"
 #include "proto/codec/tls.h"
 #include "weightstore/v1/weight_store.grpc.pb.h"
@@ -452,6 +462,9 @@ class RemoteStore final : public Store {
     if (!req.since_version().empty()) {
       assembler.AllowSkips();  // a delta leaves out what is unchanged
       if (req.patches()) assembler.AllowPatches();
+    } else if (options_.data_lane && options_.tls_ca_file.empty() && !lane_unreachable_.load()) {
+      req.set_data_lane(true);
+      assembler.AllowLane();
     }
     std::chrono::system_clock::time_point resume_until;
     while (true) {
@@ -468,7 +481,22 @@ class RemoteStore final : public Store {
       CancelWatch watch(cancel, &ctx);
       std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
           grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel, fetch_method_, &ctx, req));
-      absl::Status local = Receive(reader.get(), &ctx, &assembler, sink);
+      absl::Status lane_break;  // the lane ended early: the stream's status says why
+      bool lane_unreachable = false;
+      absl::Status local =
+          Receive(reader.get(), &ctx, &assembler, sink, req.data_lane(), cancel, &lane_break, &lane_unreachable);
+      if (lane_unreachable && !Cancelled(cancel)) {
+        // Asked again without the lane, at once: a lane this store cannot
+        // reach (a firewall, a proxy in between) is not asked for again.
+        reader->Finish();
+        if (!lane_unreachable_.exchange(true)) {
+          std::fprintf(stderr, "weightstore: %s; fetching over gRPC instead\n",
+                       std::string(lane_break.message()).c_str());
+        }
+        req.set_data_lane(false);
+        assembler.Restart();
+        continue;
+      }
       if (local.ok() && !pinned.empty() && !assembler.version().empty() && assembler.version() != pinned) {
         local = absl::DataLossError(absl::StrCat("the fetch of '", req.name(), "' pinned to version ", pinned,
                                                  " was answered with version ", assembler.version()));
@@ -480,6 +508,10 @@ class RemoteStore final : public Store {
         return Cancelled(cancel) ? cancelled() : local;
       }
       grpc::Status status = reader->Finish();
+      if (status.ok() && !lane_break.ok()) {
+        return absl::DataLossError(absl::StrCat("the fetch of '", req.name(),
+                                                "' ended OK, but its data lane did not: ", lane_break.message()));
+      }
       if (status.ok()) {
         if (!req.version().empty()) sink->OnVersion(req.version());
         return absl::OkStatus();
@@ -501,11 +533,41 @@ class RemoteStore final : public Store {
     }
   }
 
-  // Reads the stream to its end through `assembler` into `sink`. Returns the
-  // assembler's (or the sink's) first error, after cancelling the call.
+  // Reads the stream to its end through `assembler` into `sink`, or, when its
+  // first message is a data lane's ticket, the lane. Returns the assembler's
+  // (or the sink's, or the lane's) first error, after cancelling the call;
+  // a lane that ended early goes to `lane_break` instead, for the stream's
+  // status to explain (the daemon ends it first, then the stream).
   absl::Status Receive(grpc::ClientReader<grpc::ByteBuffer>* reader, grpc::ClientContext* ctx,
-                       ChunkAssembler* assembler, TensorSink* sink) {
+                       ChunkAssembler* assembler, TensorSink* sink, bool asked_lane,
+                       const std::shared_ptr<const std::atomic<bool>>& cancel, absl::Status* lane_break,
+                       bool* lane_unreachable) {
     grpc::ByteBuffer chunk;
+    if (assembler->lane_allowed() && asked_lane) {
+      if (!reader->Read(&chunk)) return absl::OkStatus();  // the status says why
+      absl::Status status = assembler->Consume(&chunk, sink);
+      if (status.ok() && assembler->lane().has_value()) {
+        status = ReceiveLane(*assembler->lane(), ctx->peer(), cancel, assembler, sink, lane_unreachable);
+        if (*lane_unreachable) {
+          ctx->TryCancel();
+          *lane_break = status;
+          return absl::OkStatus();
+        }
+        if (absl::IsUnavailable(status)) {
+          *lane_break = status;
+          return absl::OkStatus();
+        }
+        if (status.ok() && reader->Read(&chunk)) {
+          status = absl::DataLossError("the stream sent a chunk after its data lane's ticket");
+        }
+      }
+      if (!status.ok()) {
+        ctx->TryCancel();
+        return status;
+      }
+      if (assembler->lane().has_value()) return absl::OkStatus();
+      // No lane here: the first chunk was the stream's own; the rest follow.
+    }
     const bool pipeline = options_.pipeline.value_or(AutomaticPipeline());
     if (!pipeline) {
       absl::Status status;
@@ -535,6 +597,106 @@ class RemoteStore final : public Store {
     return status;
   }
 
+  // Receives a stream's chunks over its data lane: connects to the lane's
+  // port at the address the stream reached (`peer`), sends the ticket, and
+  // reads frames into the sink until the end frame. Unavailable for a lane
+  // that ended early, or could not be reached (*unreachable then set).
+  absl::Status ReceiveLane(const pb::DataLane& lane, const std::string& peer,
+                           const std::shared_ptr<const std::atomic<bool>>& cancel, ChunkAssembler* assembler,
+                           TensorSink* sink, bool* unreachable) {
+    wire::LaneWait wait;
+    wait.cancel = cancel.get();
+    wait.idle = std::chrono::minutes(2);
+    wait.deadline = std::chrono::steady_clock::now() + options_.deadline;
+    std::optional<std::string> ip = wire::GrpcPeerIp(peer);
+    if (!ip || lane.port() == 0 || lane.port() > 65535 || lane.ticket().size() != wire::kLaneTicketBytes) {
+      return absl::DataLossError(absl::StrCat("the daemon offered a data lane (port ", lane.port(),
+                                              ") that a stream from '", peer, "' cannot use"));
+    }
+    absl::StatusOr<UniqueFd> connected = ConnectLane(*ip, static_cast<int>(lane.port()), wait);
+    if (!connected.ok()) {
+      *unreachable = absl::IsUnavailable(connected.status());
+      return connected.status();
+    }
+    UniqueFd fd = *std::move(connected);
+    std::string hello(wire::kLaneHello.data(), wire::kLaneHello.size());
+    hello += lane.ticket();
+    const std::span<const std::byte> parts[] = {std::as_bytes(std::span(hello))};
+    WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneWriteAll(fd.get(), parts, wait));
+    std::array<std::byte, wire::kLaneFrameHeaderBytes> header_bytes;
+    std::string meta;
+    for (bool first = true;; first = false) {
+      if (absl::Status read = wire::LaneReadExactly(fd.get(), header_bytes, wait); !read.ok()) {
+        // Closed before its first frame: the daemon refused the connection
+        // (it came from another address than the stream: a NAT between).
+        *unreachable = first && absl::IsUnavailable(read);
+        if (!*unreachable) return read;
+        return absl::UnavailableError(absl::StrCat(
+            "the data lane at ", *ip, " port ", lane.port(),
+            " closed before its first frame (the daemon refused the connection: it came from another address than "
+            "the stream, or too many were handshaking): ",
+            read.message()));
+      }
+      WEIGHTSTORE_ASSIGN_OR_RETURN(wire::LaneFrameHeader header, wire::DecodeLaneFrameHeader(header_bytes));
+      if (header.end()) {
+        if (assembler->in_tensor()) return absl::DataLossError("the data lane ended inside a tensor");
+        return absl::OkStatus();
+      }
+      meta.resize(header.meta_bytes);
+      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneReadExactly(fd.get(), std::as_writable_bytes(std::span(meta)), wait));
+      grpc::Slice slice(meta);
+      grpc::ByteBuffer meta_buffer(&slice, 1);
+      WEIGHTSTORE_RETURN_IF_ERROR(assembler->ConsumeLaneFrame(
+          &meta_buffer, header.data_bytes,
+          [&](std::span<std::byte> out) { return wire::LaneReadExactly(fd.get(), out, wait); }, sink));
+    }
+  }
+
+  // A lane socket connected to `ip`:`port`, or Unavailable.
+  static absl::StatusOr<UniqueFd> ConnectLane(const std::string& ip, int port, const wire::LaneWait& wait) {
+    sockaddr_storage address{};
+    socklen_t length = 0;
+    auto* v4 = reinterpret_cast<sockaddr_in*>(&address);
+    auto* v6 = reinterpret_cast<sockaddr_in6*>(&address);
+    if (inet_pton(AF_INET, ip.c_str(), &v4->sin_addr) == 1) {
+      v4->sin_family = AF_INET;
+      v4->sin_port = htons(static_cast<uint16_t>(port));
+      length = sizeof(sockaddr_in);
+    } else if (inet_pton(AF_INET6, ip.c_str(), &v6->sin6_addr) == 1) {
+      v6->sin6_family = AF_INET6;
+      v6->sin6_port = htons(static_cast<uint16_t>(port));
+      length = sizeof(sockaddr_in6);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("'", ip, "' is not an address"));
+    }
+    const std::string where = absl::StrCat("the data lane at ", ip, " port ", port);
+    UniqueFd fd(socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!fd.valid()) return absl::UnavailableError(absl::StrCat("cannot reach ", where, ": ", std::strerror(errno)));
+    if (connect(fd.get(), reinterpret_cast<sockaddr*>(&address), length) != 0 && errno != EINPROGRESS) {
+      return absl::UnavailableError(absl::StrCat("cannot reach ", where, ": ", std::strerror(errno)));
+    }
+    const auto until = std::min(wait.deadline, std::chrono::steady_clock::now() + std::chrono::seconds(10));
+    while (true) {
+      pollfd p{fd.get(), POLLOUT, 0};
+      const int ready = poll(&p, 1, 20);
+      if (ready > 0) break;
+      if (wait.cancel != nullptr && wait.cancel->load()) return absl::CancelledError("the fetch was cancelled");
+      if (std::chrono::steady_clock::now() >= until) {
+        return absl::UnavailableError(absl::StrCat("cannot reach ", where, " within 10 s"));
+      }
+    }
+    int error = 0;
+    socklen_t error_length = sizeof error;
+    getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &error_length);
+    if (error != 0) return absl::UnavailableError(absl::StrCat("cannot reach ", where, ": ", std::strerror(error)));
+    const int flags = fcntl(fd.get(), F_GETFL);
+    if (flags < 0 || fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) {
+      return absl::InternalError(absl::StrCat("cannot set up ", where, ": ", std::strerror(errno)));
+    }
+    WEIGHTSTORE_RETURN_IF_ERROR(wire::PrepareLaneSocket(fd.get()));
+    return fd;
+  }
+
   // `count` connections: the store's own, then extra ones opened once and kept.
   std::vector<grpc::Channel*> Channels(size_t count) {
     absl::MutexLock lock(&mu_);
@@ -557,6 +719,7 @@ class RemoteStore final : public Store {
   std::unique_ptr<pb::WeightStore::Stub> stub_;
   grpc::internal::RpcMethod fetch_method_;
   RemoteOptions options_;
+  std::atomic<bool> lane_unreachable_{false};  // asked no more once it could not be reached
 };
 
 }  // namespace

@@ -421,6 +421,12 @@ struct RemoteOptions {
   // loopback daemon, it was 0.7x (docs/benchmarks.md). Default: unset,
   // automatic: AutomaticPipeline().
   std::optional<bool> pipeline;
+  // Asks for the daemon's data lane (weightstored --data-listen): a fetch's
+  // bytes then come over a plain TCP connection beside its stream, straight
+  // from the kernel into the tensors, one copy fewer than gRPC's. Used only
+  // where the daemon offers one, never with TLS, and never for a delta (those
+  // come on the stream). Default: true.
+  bool data_lane = true;
   // TLS: the CA that signed the server's certificate (PEM file). Empty: plaintext.
   std::string tls_ca_file;
   // Mutual TLS: this client's certificate chain and key (PEM files).

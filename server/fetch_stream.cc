@@ -4,16 +4,22 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "core/crc32c.h"
 #include "core/element_patch.h"
 #include "core/select/served.h"
 #include "core/select/snapshot.h"
 #include "core/status_macros.h"
 #include "proto/codec/chunk_codec.h"
+#include "proto/codec/data_lane.h"
+#include "server/data_lane.h"
 #include "server/observability.h"
 #include "server/proto_convert.h"
 #include "server/resolve.h"
@@ -58,6 +64,11 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
 
   void OnWriteDone(bool ok) override {
+    if (lane_) {  // the ticket: the lane does the rest
+      if (!ok) Cancel();
+      LaneEvent(std::nullopt);
+      return;
+    }
     if (!ok) {
       Done(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
       return;
@@ -65,8 +76,13 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     watch_.Progress(last_write_bytes_);
     Next();
   }
-  void OnCancel() override {
+  void OnCancel() override { Cancel(); }
+  void Cancel() {
     cancelled_ = true;
+    {
+      absl::MutexLock lock(&lane_mu_);
+      if (lane_ticket_.has_value()) serving_.lane->Withdraw(*lane_ticket_);
+    }
     // Waiting on a pull: stop waiting (a stale ticket does nothing).
     if (serving_.puller != nullptr) serving_.puller->Abandon(request_.name(), pull_ticket_);
   }
@@ -128,6 +144,8 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       return absl::OutOfRangeError(absl::StrCat("start_index ", index_, " is past end_index ", end_, " (",
                                                 resolved_.snapshot->size(), " selected tensors)"));
     }
+    // A delta goes on the stream: it is small, and may wait on compositions.
+    lane_wanted_ = serving_.lane != nullptr && request_.data_lane() && request_.since_version().empty();
     if (request_.patches()) {
       PatchesFound found = FindPatches(*serving_.registry, resolved_);
       patches_ = std::move(found.chain);
@@ -142,25 +160,44 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       Done(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
       return;
     }
+    if (TryLane()) return;
+    v1::TensorChunk chunk;
+    SharedBytes payload;
+    absl::StatusOr<Step> step = Prepare(&chunk, &payload);
+    if (!step.ok()) {
+      Done(serving_.client_status(step.status()));
+      return;
+    }
+    if (*step == Step::kComposing) return;  // Next() again once composed
+    if (*step == Step::kEnd) {
+      Done(grpc::Status::OK);
+      return;
+    }
+    buffer_ =
+        serving_.options->zero_copy ? wire::EncodeChunk(chunk, payload) : wire::EncodeChunkCopying(chunk, payload);
+    last_write_bytes_ = buffer_.Length();
+    StartWrite(&buffer_);
+  }
+
+  enum class Step { kChunk, kEnd, kComposing };
+
+  // The stream's next chunk (`chunk` without its data, `payload`), its end,
+  // or kComposing when a composition worker took the current tensor's patch.
+  absl::StatusOr<Step> Prepare(v1::TensorChunk* out, SharedBytes* out_payload) {
+    v1::TensorChunk& chunk = *out;
     const Snapshot& snapshot = *resolved_.snapshot;
     if (offset_ == 0) {  // a delta leaves out what the client holds
       while (index_ < end_ && resolved_.Unchanged(snapshot.tensors()[index_])) ++index_;
     }
     if (index_ >= end_) {
-      if (!sent_any_) {  // an empty selection still tells the client its version
-        v1::TensorChunk chunk;
-        SetStreamFields(&chunk);
-        chunk.set_last(true);
-        buffer_ = wire::EncodeChunk(chunk, SharedBytes());
-        sent_any_ = true;
-        last_write_bytes_ = buffer_.Length();
-        StartWrite(&buffer_);
-        return;
-      }
-      Done(grpc::Status::OK);
-      return;
+      if (sent_any_) return Step::kEnd;
+      // An empty selection still tells the client its version.
+      SetStreamFields(&chunk);
+      chunk.set_last(true);
+      sent_any_ = true;
+      *out_payload = SharedBytes();
+      return Step::kChunk;
     }
-    v1::TensorChunk chunk;
     if (offset_ == 0) {
       // Byte ranges go out as slices of the mapping; the others are produced
       // a chunk at a time, so a stream never holds a whole one.
@@ -173,19 +210,14 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         if (serving_.compositions == nullptr) {
           patch_ = ServedPatch(patches_.get(), snapshot, plan_);
         } else if (ComposeElsewhere()) {
-          return;  // Next() again once composed
-        }          // else no worker took it: the tensor goes whole
+          return Step::kComposing;
+        }  // else no worker took it: the tensor goes whole
       }
       bytes_ = SharedBytes();
       if (patch_) {
         bytes_ = patch_->body;
       } else if (plan_.is_byte_range()) {
-        absl::StatusOr<SharedBytes> view = ReadServedView(snapshot, plan_);
-        if (!view.ok()) {
-          Done(serving_.client_status(view.status()));
-          return;
-        }
-        bytes_ = *std::move(view);
+        WEIGHTSTORE_ASSIGN_OR_RETURN(bytes_, ReadServedView(snapshot, plan_));
       }
       cached_crc_ = patch_ ? std::nullopt : resolved_.version->checksums().Find(plan_.key);
       crc_ = 0;
@@ -208,12 +240,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (whole_bytes) {
       payload = bytes_.Subspan(offset_, n);
     } else {
-      absl::StatusOr<SharedBytes> produced = Produce(snapshot, n);
-      if (!produced.ok()) {
-        Done(serving_.client_status(produced.status()));
-        return;
-      }
-      payload = *std::move(produced);
+      WEIGHTSTORE_ASSIGN_OR_RETURN(payload, Produce(snapshot, n));
     }
     if (!cached_crc_) crc_ = Crc32cExtend(crc_, payload.view());
     const bool last = offset_ + n == size;
@@ -221,20 +248,14 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     chunk.set_offset(offset_);
     if (last) {
       // The checksum vouches for what was read: not if the file changed under it.
-      if (absl::Status unchanged = resolved_.version->CheckUnchanged(); !unchanged.ok()) {
-        Done(serving_.client_status(unchanged));
-        return;
-      }
+      WEIGHTSTORE_RETURN_IF_ERROR(resolved_.version->CheckUnchanged());
       const uint32_t crc = cached_crc_.value_or(crc_);
       chunk.set_last(true);
       chunk.set_crc32c(crc);
       if (!cached_crc_ && !patch_) (void)resolved_.version->checksums().Store(plan_.key, crc);
     }
-    buffer_ =
-        serving_.options->zero_copy ? wire::EncodeChunk(chunk, payload) : wire::EncodeChunkCopying(chunk, payload);
     sent_any_ = true;
     sent_bytes_ += n;
-    last_write_bytes_ = buffer_.Length();
     if (last) {
       ++index_;
       offset_ = 0;
@@ -242,7 +263,92 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     } else {
       offset_ += n;
     }
+    *out_payload = std::move(payload);
+    return Step::kChunk;
+  }
+
+  // With the lane asked for and offered: writes the stream's one message, its
+  // ticket, and returns true. The lane's connection then carries every chunk
+  // (RunLane, on a thread of its own), and the stream ends once both the
+  // ticket's write and the lane are done (LaneEvent): whichever comes second
+  // finishes it, so neither side outlives the other's callback.
+  bool TryLane() {
+    if (!lane_wanted_) return false;
+    lane_wanted_ = false;
+    std::optional<std::string> peer = wire::GrpcPeerIp(ctx_->peer());
+    if (!peer) return false;  // not over TCP: the stream carries the bytes
+    absl::StatusOr<std::string> ticket =
+        serving_.lane->Offer(*peer, [this](absl::StatusOr<UniqueFd> fd) { LaneAttached(std::move(fd)); });
+    if (!ticket.ok()) return false;
+    {
+      absl::MutexLock lock(&lane_mu_);
+      lane_ticket_ = *ticket;
+    }
+    lane_ = true;
+    chunk_bytes_ = static_cast<uint32_t>(wire::kMaxLaneDataBytes);
+    v1::TensorChunk chunk;
+    SetStreamFields(&chunk);
+    chunk.mutable_lane()->set_port(static_cast<uint32_t>(serving_.lane->port()));
+    chunk.mutable_lane()->set_ticket(*ticket);
+    sent_any_ = true;
+    buffer_ = wire::EncodeChunk(chunk, SharedBytes());
+    last_write_bytes_ = buffer_.Length();
+    watch_.Busy();  // until the connection comes, within the ticket's life
     StartWrite(&buffer_);
+    return true;
+  }
+
+  // The lane's connection, or why none came: on the lane's thread, which
+  // must not block, so the chunks go out on a thread of this stream's own.
+  void LaneAttached(absl::StatusOr<UniqueFd> fd) {
+    if (!fd.ok()) {
+      LaneEvent(fd.status());
+      return;
+    }
+    try {
+      std::thread([this, lane = serving_.lane, fd = *std::move(fd)]() mutable {
+        watch_.Resume();
+        absl::Status status = cancelled_ ? absl::CancelledError("cancelled") : RunLane(fd.get());
+        fd.reset();  // the client reads the end frame, then the stream's status
+        LaneEvent(status);
+        // `this` may be gone now; `lane` is this thread's own reference.
+      }).detach();
+    } catch (const std::system_error& e) {
+      LaneEvent(absl::ResourceExhaustedError(absl::StrCat("no thread for the data lane: ", e.what())));
+    }
+  }
+
+  // Every chunk over the lane's connection `fd`, then the end frame.
+  absl::Status RunLane(int fd) {
+    wire::LaneWait wait;
+    wait.stop = [this] { return cancelled_.load(); };
+    wait.idle = std::chrono::minutes(10);  // the stall watchdog cancels sooner
+    std::string meta;
+    while (true) {
+      if (cancelled_) return absl::CancelledError("cancelled");
+      v1::TensorChunk chunk;
+      SharedBytes payload;
+      WEIGHTSTORE_ASSIGN_OR_RETURN(Step step, Prepare(&chunk, &payload));
+      if (step == Step::kComposing) return absl::InternalError("a data lane's stream composed a patch");
+      if (step == Step::kEnd) {
+        const auto end = wire::EncodeLaneFrameHeader({});
+        const std::span<const std::byte> parts[] = {end};
+        return wire::LaneWriteAll(fd, parts, wait);
+      }
+      meta.clear();
+      chunk.AppendToString(&meta);
+      const auto header = wire::EncodeLaneFrameHeader({static_cast<uint32_t>(meta.size()), payload.size()});
+      const std::span<const std::byte> parts[] = {header, std::as_bytes(std::span(meta)), payload.span()};
+      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneWriteAll(fd, parts, wait, [this](uint64_t n) { watch_.Progress(n); }));
+    }
+  }
+
+  // One of a lane stream's two ends: the ticket's write, or the lane's
+  // outcome. The second finishes the stream, with the lane's outcome.
+  void LaneEvent(std::optional<absl::Status> lane_outcome) {
+    if (lane_outcome.has_value()) lane_status_ = *std::move(lane_outcome);
+    if (lane_events_.fetch_add(1) + 1 < 2) return;
+    Done(lane_status_.ok() ? grpc::Status::OK : serving_.client_status(lane_status_));
   }
 
   // Has a composition worker make the current tensor's patch, and Next()
@@ -326,6 +432,13 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   std::optional<uint32_t> cached_crc_;
   bool sent_any_ = false;
   grpc::ByteBuffer buffer_;
+  // The data lane, when the request asked for it and the daemon has one.
+  bool lane_wanted_ = false;  // until TryLane decides
+  bool lane_ = false;         // the stream's one message is the ticket
+  absl::Mutex lane_mu_;
+  std::optional<std::string> lane_ticket_ ABSL_GUARDED_BY(lane_mu_);
+  std::atomic<int> lane_events_{0};  // LaneEvent
+  absl::Status lane_status_;         // the lane's outcome, set before its event
 };
 
 }  // namespace

@@ -163,6 +163,10 @@ struct ServerOptions {
   struct Tls {
     std::string cert_file, key_file, client_ca_file;
   } tls;
+  // The data lane (server/data_lane.h): "host:port" of a plain TCP port that
+  // fetches asking for it receive their tensors' bytes on, beside their gRPC
+  // stream. Off when empty; refused with TLS, as its bytes go in the clear.
+  std::string data_listen;
   // Bearer tokens (server/auth.h). Off when empty: keep the port private.
   std::string tokens_file;
   // The origin tier: makes the puller (origin/node_cache.h) once the registry

@@ -14,6 +14,7 @@
 #include "grpc/health/v1/health.pb.h"
 #include "proto/codec/tls.h"
 #include "server/auth.h"
+#include "server/data_lane.h"
 #include "server/log.h"
 #include "server/observability.h"
 #include "server/service.h"
@@ -51,6 +52,11 @@ std::vector<std::string> RegistryFolders(const RegistryOptions& registry) {
 
 }  // namespace
 
+absl::Status DataLaneWithTls() {
+  return absl::InvalidArgumentError(
+      "--data-listen sends tensors in the clear, so it cannot be used with TLS (--tls-cert)");
+}
+
 absl::Status CheckOptions(const ServerOptions& options) {
   std::error_code ec;
   if (!std::filesystem::is_directory(options.registry.models_dir, ec)) {
@@ -62,6 +68,7 @@ absl::Status CheckOptions(const ServerOptions& options) {
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials(options.tls);
   if (!credentials.ok()) return credentials.status();
+  if (!options.data_listen.empty() && !options.tls.cert_file.empty()) return DataLaneWithTls();
   if (!options.socket.path.empty()) {
     std::filesystem::path parent = std::filesystem::path(options.socket.path).parent_path();
     if (!parent.empty() && !std::filesystem::is_directory(parent, ec)) {
@@ -300,6 +307,13 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   for (const std::string& folder : RegistryFolders(options.registry)) options.service.hidden_folders.push_back(folder);
   s->service_ =
       std::make_unique<WeightStoreService>(s->registry_.get(), options.service, s->auth_.get(), s->puller_.get());
+  if (!options.data_listen.empty()) {
+    if (!options.tls.cert_file.empty()) return DataLaneWithTls();
+    absl::StatusOr<std::unique_ptr<DataLane>> lane = DataLane::Start({.listen = options.data_listen});
+    if (!lane.ok()) return lane.status();
+    s->lane_ = std::shared_ptr<DataLane>(*std::move(lane));
+    s->service_->SetDataLane(s->lane_);
+  }
 
   // The default health service is implemented without protobuf; touching the
   // generated descriptor registers grpc.health.v1 so reflection can describe it.
@@ -348,6 +362,25 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   AddScrapedFamilies(s->metrics_.get(), s->registry_.get(), s->segments_.get(), s->shm_server_.get(),
                      s->service_.get());
   if (s->puller_ != nullptr) AddPullFamilies(s->metrics_.get(), s->puller_.get());
+  if (s->lane_ != nullptr) {
+    s->metrics_->scraped().AddCounter(
+        "weightstore_data_lane_connections_total",
+        "Connections to the data lane (--data-listen), by outcome: attached (a fetch's bytes went over it), refused "
+        "(a bad hello, an unknown or spent ticket, another address), timed_out (no ticket in time), overflowed "
+        "(too many handshakes at once), unclaimed (a ticket whose connection never came).",
+        [lane = s->lane_.get()] {
+          const DataLaneCounts c = lane->counts();
+          std::vector<metrics::Sample> out;
+          for (const auto& [outcome, n] : {std::pair<const char*, uint64_t>{"attached", c.attached},
+                                           {"refused", c.refused},
+                                           {"timed_out", c.timed_out},
+                                           {"overflowed", c.overflowed},
+                                           {"unclaimed", c.unclaimed}}) {
+            out.push_back({{{"outcome", outcome}}, static_cast<double>(n)});
+          }
+          return out;
+        });
+  }
   if (!options.metrics_listen.empty()) {
     auto http = MetricsHttpServer::Start(options.metrics_listen, *s->metrics_);
     if (!http.ok()) return http.status();
@@ -424,12 +457,15 @@ void WeightStoreServer::Shutdown(std::chrono::milliseconds drain, std::chrono::m
                                            : std::min(deadline, std::chrono::system_clock::now() + kGoawayWindow));
   server_->Wait();
   server_.reset();
+  if (lane_ != nullptr) lane_->Stop();  // no stream is left to use it
   if (health_server_ != nullptr) {
     health_server_->Shutdown(std::chrono::system_clock::now());
     health_server_.reset();
   }
   metrics_http_.reset();
 }
+
+int WeightStoreServer::data_lane_port() const { return lane_ != nullptr ? lane_->port() : 0; }
 
 std::shared_ptr<grpc::Channel> WeightStoreServer::InProcessChannel() {
   return server_->InProcessChannel(grpc::ChannelArguments());

@@ -29,6 +29,7 @@ class SegmentCache;
 namespace weightstore::server {
 
 class Authenticator;
+class DataLane;
 class MetricsHttpServer;
 class ServerMetrics;
 class ShmServer;
@@ -52,6 +53,8 @@ class WeightStoreServer {
   // Bound ports of the metrics endpoint and the health port (0 when off).
   int metrics_port() const { return metrics_port_; }
   int health_port() const { return health_port_; }
+  // The data lane's bound port (0 when off).
+  int data_lane_port() const;
 
   // Marks the server NOT_SERVING, waits `drain` (so load balancers stop sending),
   // then stops; streams in flight get until `grace` to finish, and clients
@@ -76,6 +79,7 @@ class WeightStoreServer {
   std::unique_ptr<ShmServer> shm_server_;
   std::unique_ptr<grpc::Server> health_server_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
+  std::shared_ptr<DataLane> lane_;
   int port_ = 0, health_port_ = 0, metrics_port_ = 0;
 };
 

@@ -89,6 +89,9 @@ class WeightStoreService final : public ServiceBase {
   grpc::ServerWriteReactor<grpc::ByteBuffer>* ReadCheckpointFile(grpc::CallbackServerContext* ctx,
                                                                  const grpc::ByteBuffer* req) override;
 
+  // Fetches that ask for the data lane get it. REQUIRES: before the first call.
+  void SetDataLane(std::shared_ptr<DataLane> lane) { serving_.lane = std::move(lane); }
+
   // Refuses every call that starts from now on (UNAVAILABLE): once the drain
   // is over, the calls in flight are the last ones shutdown waits for.
   void StopAccepting() { stopping_.store(true); }

@@ -11,6 +11,7 @@
 #include <grpcpp/support/status.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -19,6 +20,7 @@
 #include "core/catalog/registry.h"
 #include "server/admission_gate.h"
 #include "server/auth.h"
+#include "server/data_lane.h"
 #include "server/options.h"
 #include "server/resolve.h"
 #include "server/stall_watchdog.h"
@@ -47,6 +49,9 @@ struct Serving {
   // Where patches that must be composed are (TryServedPatch says which),
   // off gRPC's threads; null: composed on the caller's.
   WorkerPool* compositions = nullptr;
+  // The data lane (--data-listen); null: off. Shared with the threads that
+  // write a stream's chunks over it, which may end after the stream.
+  std::shared_ptr<DataLane> lane;
   // Resolve() of a read, calling `done` exactly once: at once for a plain
   // selection, on a selection worker holding a slot of
   // --max-concurrent-selections for a costly one.

@@ -298,6 +298,9 @@ int main(int argc, char** argv) {
                  "Serve Prometheus metrics on http://HOST:PORT/metrics (off when empty)");
   app.add_option("--health-listen", options.health_listen,
                  "A second, plaintext gRPC port with only grpc.health.v1.Health, never authenticated (off when empty)");
+  app.add_option("--data-listen", options.data_listen,
+                 "A plain TCP port (HOST:PORT) where fetches that ask for it receive tensor bytes, beside gRPC: "
+                 "one copy fewer on the client. Not with TLS (off when empty)");
   app.add_option("--tls-cert", options.tls.cert_file, "TLS certificate chain (PEM) for the gRPC port");
   app.add_option("--tls-key", options.tls.key_file, "TLS private key (PEM)");
   app.add_option("--tls-client-ca", options.tls.client_ca_file,
@@ -460,12 +463,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fprintf(
-      stderr, "weightstored: serving %zu checkpoints from %s on port %d%s%s%s%s\n", (*server)->registry().List().size(),
-      options.registry.models_dir.c_str(), (*server)->port(),
+      stderr, "weightstored: serving %zu checkpoints from %s on port %d%s%s%s%s%s\n",
+      (*server)->registry().List().size(), options.registry.models_dir.c_str(), (*server)->port(),
       options.tls.cert_file.empty() ? "" : (options.tls.client_ca_file.empty() ? " (TLS)" : " (mutual TLS)"),
       options.socket.path.empty() ? "" : (", socket " + options.socket.path).c_str(),
       (*server)->metrics_port() == 0 ? "" : (", metrics on port " + std::to_string((*server)->metrics_port())).c_str(),
-      (*server)->health_port() == 0 ? "" : (", health on port " + std::to_string((*server)->health_port())).c_str());
+      (*server)->health_port() == 0 ? "" : (", health on port " + std::to_string((*server)->health_port())).c_str(),
+      (*server)->data_lane_port() == 0
+          ? ""
+          : (", data lane on port " + std::to_string((*server)->data_lane_port())).c_str());
   // Port files for scripts and tests: <file>.metrics and <file>.health first,
   // then <file> itself (renamed into place), so that its presence means all are there.
   auto write_port = [](const std::string& path, int port) {
@@ -478,6 +484,7 @@ int main(int argc, char** argv) {
   if (!port_file.empty()) {
     if ((*server)->metrics_port() != 0) written &= write_port(port_file + ".metrics", (*server)->metrics_port());
     if ((*server)->health_port() != 0) written &= write_port(port_file + ".health", (*server)->health_port());
+    if ((*server)->data_lane_port() != 0) written &= write_port(port_file + ".lane", (*server)->data_lane_port());
     written &= write_port(port_file + ".tmp", (*server)->port()) &&
                std::rename((port_file + ".tmp").c_str(), port_file.c_str()) == 0;
   }

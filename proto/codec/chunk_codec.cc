@@ -132,6 +132,18 @@ absl::Status DecodeChunk(grpc::ByteBuffer* buffer, ChunkFields* fields, DataDest
         fields->version = std::move(version);
         break;
       }
+      case v1::TensorChunk::kLaneFieldNumber: {
+        uint64_t length;
+        if (!expect(WireFormatLite::WIRETYPE_LENGTH_DELIMITED) || !in.ReadVarint64(&length) || length > 1024) {
+          return bad("lane");
+        }
+        auto limit = in.PushLimit(static_cast<int>(length));
+        v1::DataLane lane;
+        if (!lane.MergePartialFromCodedStream(&in) || !in.ConsumedEntireMessage()) return bad("lane");
+        in.PopLimit(limit);
+        fields->lane = std::move(lane);
+        break;
+      }
       default:
         if (!WireFormatLite::SkipField(&in, tag)) return bad(absl::StrCat("field ", field));
     }

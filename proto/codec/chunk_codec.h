@@ -57,6 +57,7 @@ struct ChunkFields {
   bool last = false;
   uint32_t crc32c = 0;
   std::optional<std::string> version;  // the first chunk of a stream
+  std::optional<v1::DataLane> lane;    // where the stream's bytes go instead
   uint64_t data_bytes = 0;
 };
 

@@ -4,7 +4,8 @@ weightstored, beside torch.load of the same weights saved as .pt, in one run.
 Rows: a plain TCP loopback stream of the same bytes into fresh memory (4 KiB
 pages and huge pages: "vs raw TCP" is against the faster); torch.load; the `weightstore` package (the C++ client's extension, from
 <build>/python) through the same-host socket (zero-copy torch tensors) and over
-gRPC; a C++ process (tests/shm_probe) through the socket and over gRPC. The
+gRPC, its bytes on the stream and over the daemon's data lane; a C++ process
+(tests/shm_probe) through the socket and over gRPC (with the lane). The
 last line is this process's peak RSS. The daemon serves the very .pt file torch.load reads.
 The page cache is warm for every row. Medians of --repeat runs.
 
@@ -80,7 +81,7 @@ def main():
             pass
     daemon = subprocess.Popen([f"{args.build}/server/weightstored", "--models", models, "--listen", "127.0.0.1:0",
                                "--socket", socket_path, "--socket-file-segments", "always",  # trusted: maps the files
-                               "--port-file", port_file], stderr=subprocess.DEVNULL)
+                               "--data-listen", "127.0.0.1:0", "--port-file", port_file], stderr=subprocess.DEVNULL)
     try:
         for _ in range(200):
             if os.path.exists(port_file):
@@ -115,7 +116,10 @@ def main():
         rows += [
             ("Python, socket: weightstore tensors() (zero-copy)",
              timed(lambda: weightstore.connect("unix:" + socket_path).tensors("big"))),
-            ("Python, gRPC: weightstore tensors()", timed(lambda: weightstore.connect(address).tensors("big"))),
+            ("Python, gRPC: weightstore tensors(), stream only",
+             timed(lambda: weightstore.connect(address, data_lane=False).tensors("big"))),
+            ("Python, gRPC: weightstore tensors(), data lane",
+             timed(lambda: weightstore.connect(address).tensors("big"))),
             ("C++, socket: MapTensors (shm_probe)", probe_ms()),
             ("C++, gRPC: FetchAll (shm_probe --remote)", probe_ms("--remote", address)),
         ]

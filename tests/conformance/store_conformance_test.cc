@@ -118,7 +118,7 @@ class StoreConformanceTest : public ::testing::Test {
   static void SetUpTestSuite() {
     models_ = new std::string(testing::MakeFixtureModelsDir());
     socket_ = new std::string(testing::MakeScratchDir("conformance-sock") + "/ws.sock");
-    daemon_ = new testing::Daemon(*models_, {"--socket", *socket_});
+    daemon_ = new testing::Daemon(*models_, {"--socket", *socket_, "--data-listen", "127.0.0.1:0"});
   }
   static void TearDownTestSuite() {
     delete daemon_;
@@ -129,7 +129,9 @@ class StoreConformanceTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_NE(daemon_->port(), 0) << daemon_->log();
     ASSERT_OK_AND_ASSIGN(local_, client::OpenLocalStore(*models_));
-    ASSERT_OK_AND_ASSIGN(remote_, client::ConnectRemoteStore(daemon_->address()));
+    ASSERT_NE(daemon_->lane_port(), 0) << daemon_->log();
+    ASSERT_OK_AND_ASSIGN(remote_, client::ConnectRemoteStore(daemon_->address(), {.data_lane = false}));
+    ASSERT_OK_AND_ASSIGN(lane_, client::ConnectRemoteStore(daemon_->address()));
     ASSERT_OK_AND_ASSIGN(socket_store_, client::ConnectSharedMemoryStore(*socket_));
   }
 
@@ -140,6 +142,7 @@ class StoreConformanceTest : public ::testing::Test {
     Outcome want = Ask(*local_, name, query);
     const Outcome remote = Ask(*remote_, name, query);
     ExpectSameOutcome(want, remote, "remote");
+    ExpectSameOutcome(want, Ask(*lane_, name, query), "remote, data lane");
     const Outcome socket = Ask(*socket_store_, name, query);
     ExpectSameOutcome(want, socket, "socket");
     EXPECT_EQ(socket.listing.version, remote.listing.version);  // one daemon, one id
@@ -172,7 +175,7 @@ class StoreConformanceTest : public ::testing::Test {
   static std::string* models_;
   static std::string* socket_;
   static testing::Daemon* daemon_;
-  std::unique_ptr<Store> local_, remote_;
+  std::unique_ptr<Store> local_, remote_, lane_;  // remote_ over gRPC alone, lane_ over the data lane
   std::unique_ptr<client::SharedMemoryStore> socket_store_;
   uint64_t compared_tensors_ = 0;  // tensors compared, in fact
 };

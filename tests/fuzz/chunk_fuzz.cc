@@ -1,9 +1,13 @@
 // Fuzzes the client's chunk parsers: a sequence of FetchTensors chunks, each
 // split over two slices, as a hostile or broken server could send them; each
-// record is also decoded as a ReadCheckpointFile chunk (the origin tier).
+// record is also decoded as a ReadCheckpointFile chunk (the origin tier), and
+// as a data lane frame (its first two bytes the data's length, the rest the
+// frame's description), whose data must land inside the sink's buffer.
 // Input: records of [u16 little-endian length][that many bytes].
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "client/chunk_assembler.h"
@@ -20,6 +24,10 @@ class BoundedSink : public weightstore::client::TensorSink {
     return std::span<std::byte>(buffer_);
   }
   absl::Status End(const weightstore::TensorSpec&) override { return absl::OkStatus(); }
+  // Whether `out` lies inside the buffer handed out last.
+  bool Holds(std::span<const std::byte> out) const {
+    return out.empty() || (out.data() >= buffer_.data() && out.data() + out.size() <= buffer_.data() + buffer_.size());
+  }
   // Patches too, bounded alike, and checked once complete.
   absl::StatusOr<std::span<std::byte>> BeginPatch(const weightstore::TensorSpec& spec,
                                                   const weightstore::ElementPatch& header, uint64_t bytes,
@@ -45,6 +53,10 @@ class BoundedSink : public weightstore::client::TensorSink {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   weightstore::client::ChunkAssembler assembler;
   BoundedSink sink;
+  weightstore::client::ChunkAssembler lane;
+  lane.AllowLane();
+  BoundedSink lane_sink;
+  bool lane_ok = true;
   size_t pos = 0;
   while (pos + 2 <= size) {
     const size_t n = std::min<size_t>(data[pos] | (data[pos + 1] << 8), size - pos - 2);
@@ -58,6 +70,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       uint64_t total = 0;
       for (absl::string_view piece : file_chunk.data) total += piece.size();
       if (total != file_chunk.data_bytes) __builtin_trap();  // views must cover exactly the data
+    }
+    if (lane_ok && n >= 2) {
+      const uint64_t data_bytes = data[pos - n] | (data[pos - n + 1] << 8);
+      grpc::Slice meta_slice(data + pos - n + 2, n - 2);
+      grpc::ByteBuffer meta(&meta_slice, 1);
+      lane_ok = lane.ConsumeLaneFrame(
+                        &meta, data_bytes,
+                        [&](std::span<std::byte> out) {
+                          if (out.size() != data_bytes || !lane_sink.Holds(out)) __builtin_trap();
+                          std::fill(out.begin(), out.end(), std::byte{0x5a});
+                          return absl::OkStatus();
+                        },
+                        &lane_sink)
+                    .ok();
     }
     if (!assembler.Consume(&buffer, &sink).ok()) break;
   }

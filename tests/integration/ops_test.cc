@@ -100,6 +100,14 @@ client::RemoteOptions Tls(const Certificates& certs, bool client_cert) {
   return o;
 }
 
+TEST(TlsTest, TheDataLaneIsRefusedBesideTlsAsItSendsInTheClear) {
+  Certificates certs;
+  Daemon daemon(Models(),
+                {"--tls-cert", certs("server.pem"), "--tls-key", certs("server.key"), "--data-listen", "127.0.0.1:0"});
+  EXPECT_EQ(daemon.port(), 0);
+  EXPECT_THAT(daemon.log(), HasSubstr("--data-listen sends tensors in the clear"));
+}
+
 TEST(TlsTest, ServesOverTlsAndRefusesPlaintext) {
   Certificates certs;
   Daemon daemon(Models(), {"--tls-cert", certs("server.pem"), "--tls-key", certs("server.key")});

@@ -43,9 +43,11 @@ void RunPackageTests(const std::string& env, const std::string& python, const st
   std::cout << output;  // the measured Ctrl-C latencies, in ctest -V
 }
 
+// Its gRPC fetches over the daemon's data lane; the run on Debian's Python
+// below has them on the stream.
 TEST(PythonPackageTest, TheBuildTreesPackageServesEveryStore) {
   RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
-                  testing::MakeScratchDir("py-cwd"));
+                  testing::MakeScratchDir("py-cwd"), "test_package.py", {"--data-listen", "127.0.0.1:0"});
 }
 
 TEST(PythonPackageTest, TheExtensionBuiltForTheTestEnvironmentServesDebiansPythonAndTorch113) {

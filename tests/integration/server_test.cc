@@ -433,8 +433,11 @@ class BrokenStreamTest : public ::testing::TestWithParam<bool> {};
 // 256 KiB, the kill comes as the fourth tensor begins, which the break then
 // cuts (no more of it can be on its way), so it is begun again; else after
 // the third tensor ends, in the server's chunks of 1 MiB.
-void ExpectAFetchResumesAfterAKill(bool pipeline, bool inside_a_tensor) {
+// With `lane`, the daemons have a data lane, which carries the tensors.
+void ExpectAFetchResumesAfterAKill(bool pipeline, bool inside_a_tensor, bool lane = false) {
   SCOPED_TRACE(inside_a_tensor ? "the break inside a tensor" : "the break between tensors");
+  const std::vector<std::string> flags =
+      lane ? std::vector<std::string>{"--data-listen", "127.0.0.1:0"} : std::vector<std::string>{};
   const std::string models = testing::MakeScratchDir("models");
   WriteBig(models + "/big.safetensors", 12, 1 << 18, 5.0f);  // 12 MiB in 1 MiB tensors
   std::string address;
@@ -446,7 +449,7 @@ void ExpectAFetchResumesAfterAKill(bool pipeline, bool inside_a_tensor) {
     first.WaitExit(30000);
   }
   // The same port again, so the client can reconnect to "the daemon".
-  auto daemon = std::make_unique<Daemon>(models, std::vector<std::string>{}, address);
+  auto daemon = std::make_unique<Daemon>(models, flags, address);
   ASSERT_EQ(daemon->address(), address) << daemon->log();
   struct KillingSink : client::CollectingSink {
     std::function<void()> kill;
@@ -474,7 +477,7 @@ void ExpectAFetchResumesAfterAKill(bool pipeline, bool inside_a_tensor) {
     killed = true;
     daemon->Signal(SIGKILL);
     daemon->WaitExit(30000);
-    daemon = std::make_unique<Daemon>(models, std::vector<std::string>{}, address);
+    daemon = std::make_unique<Daemon>(models, flags, address);
   };
   client::RemoteOptions options;
   options.resume_backoff = std::chrono::milliseconds(200);
@@ -494,7 +497,9 @@ void ExpectAFetchResumesAfterAKill(bool pipeline, bool inside_a_tensor) {
   }
   EXPECT_TRUE(killed) << "the stream had to survive a kill -9 of its daemon";
   EXPECT_GE(sink.begun, 12);
-  if (inside_a_tensor) {
+  // (Over a lane the tensor cut may still have arrived whole: the kernel
+  // holds more of the lane than a stream's window.)
+  if (inside_a_tensor && !lane) {
     EXPECT_EQ(sink.restarted, 1);
   }
 }
@@ -503,6 +508,10 @@ TEST_P(BrokenStreamTest, ResumesFromTheLastCompleteTensor) { ExpectAFetchResumes
 
 TEST_P(BrokenStreamTest, ATensorCutByTheBreakIsBegunAgainAndArrivesWhole) {
   ExpectAFetchResumesAfterAKill(GetParam(), true);
+}
+
+TEST_P(BrokenStreamTest, AFetchOverTheDataLaneResumesAfterAKillAndEveryTensorArrivesWhole) {
+  ExpectAFetchResumesAfterAKill(GetParam(), true, true);
 }
 
 TEST_P(BrokenStreamTest, AStreamThatCannotResumeSaysWhyItFirstBroke) {

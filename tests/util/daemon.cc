@@ -77,6 +77,7 @@ Daemon::Daemon(const std::string& models_dir, std::vector<std::string> extra_arg
       port_ = std::atoi(port.c_str());
       metrics_port_ = std::atoi(ReadFileOrEmpty(port_file + ".metrics").c_str());
       health_port_ = std::atoi(ReadFileOrEmpty(port_file + ".health").c_str());
+      lane_port_ = std::atoi(ReadFileOrEmpty(port_file + ".lane").c_str());
       return;
     }
     int status;

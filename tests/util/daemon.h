@@ -24,6 +24,8 @@ class Daemon {
   // With --metrics-listen / --health-listen: the bound ports (else 0).
   int metrics_port() const { return metrics_port_; }
   int health_port() const { return health_port_; }
+  // With --data-listen: the data lane's bound port (else 0).
+  int lane_port() const { return lane_port_; }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   pid_t pid() const { return pid_; }
   // True while the process runs.
@@ -44,7 +46,7 @@ class Daemon {
 
  private:
   pid_t pid_ = -1;
-  int port_ = 0, metrics_port_ = 0, health_port_ = 0;
+  int port_ = 0, metrics_port_ = 0, health_port_ = 0, lane_port_ = 0;
   std::string dir_, log_path_;
   bool exited_ = false;
 };

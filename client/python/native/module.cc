@@ -966,7 +966,7 @@ class Store {
 std::unique_ptr<Store> Connect(const std::string& url, const std::string& token, const std::string& tls_ca,
                                const std::string& tls_cert, const std::string& tls_key, int parallel_streams,
                                std::optional<bool> pipeline, int max_resumes, double timeout_seconds,
-                               const std::string& record_layout) {
+                               const std::string& record_layout, bool data_lane) {
   // Whole milliseconds, at least one (0 would mean no timeout to a socket).
   const auto timeout = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(std::ceil(timeout_seconds * 1000))));
   if (absl::StartsWith(url, "file:") || absl::StartsWith(url, "/") || absl::StartsWith(url, ".")) {
@@ -1000,6 +1000,7 @@ std::unique_ptr<Store> Connect(const std::string& url, const std::string& token,
   options.parallel_streams = parallel_streams;
   options.pipeline = pipeline;
   options.max_resumes = max_resumes;
+  options.data_lane = data_lane;
   const std::string address = absl::StartsWith(url, "grpc://") ? url.substr(7) : url;
   absl::StatusOr<std::unique_ptr<client::Store>> remote;
   {
@@ -1044,7 +1045,8 @@ PYBIND11_MODULE(_native, m) {
       .def("watch", &Store::Watch, py::arg("name"), py::arg("prefix"), py::arg("known"), py::arg("callback"));
   m.def("connect", &Connect, py::arg("url"), py::arg("token") = "", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
         py::arg("tls_key") = "", py::arg("parallel_streams") = 0, py::arg("pipeline") = py::none(),
-        py::arg("max_resumes") = 3, py::arg("timeout") = 600.0, py::arg("record_layout") = "");
+        py::arg("max_resumes") = 3, py::arg("timeout") = 600.0, py::arg("record_layout") = "",
+        py::arg("data_lane") = true);
   m.def("tune_allocator_for_streaming", &weightstore::client::TuneAllocatorForStreaming);
   // The digest (core/catalog/manifest.h) of each (address, bytes) given, as
   // 32 hex digits: the caller keeps that memory alive and unchanged.

@@ -244,10 +244,12 @@ def _push_views(state, what):
 
 
 def connect(url, *, token=None, tls_ca="", tls_cert="", tls_key="", parallel_streams=0, pipeline=None,
-            max_resumes=3, timeout=600.0, record_layout=""):
+            max_resumes=3, timeout=600.0, record_layout="", data_lane=True):
     """A store: "host:port" (gRPC; TLS with tls_ca, a bearer token from `token`
     or $WEIGHTSTORE_TOKEN), "unix:/path" (the daemon's same-host socket), or
-    "file:/path" (files read in this process). With "file:", `record_layout`
+    "file:/path" (files read in this process). Over gRPC, `data_lane` takes a
+    fetch's bytes over the daemon's data lane where it has one (weightstored
+    --data-listen): one copy fewer. With "file:", `record_layout`
     is the layout JSON Burn bincode records (.bin, .bin.gz) are read with: the
     target schema's {"parameters": [{"path", "shape"}]}, in the module's
     declaration order (a daemon takes --record-layout)."""
@@ -259,6 +261,8 @@ def connect(url, *, token=None, tls_ca="", tls_cert="", tls_key="", parallel_str
         raise ValueError(f"record_layout is read by file: stores; the daemon at {url!r} takes --record-layout")
     if not isinstance(parallel_streams, int) or not 0 <= parallel_streams <= 64:
         raise ValueError(f"parallel_streams={parallel_streams!r}: 0 (automatic) to 64")
+    if not isinstance(data_lane, bool):
+        raise TypeError(f"data_lane={data_lane!r}: True or False")
     if not isinstance(max_resumes, int) or not 0 <= max_resumes <= 100:
         raise ValueError(f"max_resumes={max_resumes!r}: 0 to 100")
     if not 0 < float(timeout) <= 86400 * 365:
@@ -268,7 +272,7 @@ def connect(url, *, token=None, tls_ca="", tls_cert="", tls_key="", parallel_str
         token = os.environ.get("WEIGHTSTORE_TOKEN", "")
     return Store(_native.connect(url, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                                  parallel_streams=parallel_streams, pipeline=pipeline, max_resumes=max_resumes,
-                                 timeout=timeout, record_layout=record_layout))
+                                 timeout=timeout, record_layout=record_layout, data_lane=data_lane))
 
 
 def tune_allocator_for_streaming():

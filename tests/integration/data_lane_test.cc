@@ -1,0 +1,177 @@
+// The data lane (weightstored --data-listen): a fetch's bytes over a plain TCP
+// connection beside its gRPC stream. What the lane serves is checked fixture by
+// fixture in the conformance suite (a store over the lane beside one over gRPC
+// alone); here, what it does around that: it is used and counted, a stranger
+// on its port reaches nothing and stops nobody, a client that stops reading
+// is cut off, and the daemon refuses it beside TLS (ops_test.cc).
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "client/store.h"
+#include "core/checkpoint.h"
+#include "core/formats/checkpoint_writer.h"
+#include "core/formats/safetensors.h"
+#include "core/shm/unix_socket.h"
+#include "tests/util/daemon.h"
+#include "tests/util/metrics.h"
+#include "tests/util/status_matchers.h"
+#include "tests/util/test_env.h"
+#include "tests/util/wait.h"
+
+namespace weightstore {
+namespace {
+
+using testing::Daemon;
+using ::testing::HasSubstr;
+using testing::StatusIs;
+
+// `count` F32 tensors of `floats` each, every byte telling where it is.
+void WriteModel(const std::string& path, int count, size_t floats) {
+  std::vector<SharedTensor> tensors;
+  for (int i = 0; i < count; ++i) {
+    std::vector<std::byte> data(floats * 4);
+    for (size_t k = 0; k < floats; ++k) {
+      const float v = static_cast<float>(i * 100000 + k % 100000) * 0.5f;
+      std::memcpy(data.data() + 4 * k, &v, 4);
+    }
+    tensors.push_back({{absl::StrCat("layer.", i), DType::kF32, {floats}}, SharedBytes::FromVector(std::move(data))});
+  }
+  testing::WriteFileOrDie(path, *SerializeCheckpoint(kSafeTensorsFormat, tensors, {}));
+}
+
+double Attached(const Daemon& daemon) {
+  return testing::MetricValue(daemon.metrics_port(), "weightstore_data_lane_connections_total",
+                              {"outcome=\"attached\""});
+}
+
+void ExpectSameAsTheFile(const std::string& path, const client::Query& query, const std::vector<SharedTensor>& got) {
+  ASSERT_OK_AND_ASSIGN(auto local, client::OpenLocalStore(std::filesystem::path(path).parent_path().string()));
+  ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> want,
+                       local->FetchAll(std::filesystem::path(path).stem().string(), query));
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].spec.name, want[i].spec.name);
+    EXPECT_EQ(got[i].spec.dtype, want[i].spec.dtype);
+    EXPECT_TRUE(got[i].bytes.view() == want[i].bytes.view()) << want[i].spec.name;
+  }
+}
+
+UniqueFd ConnectTo(int port) {
+  UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(connect(fd.get(), reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  return fd;
+}
+
+TEST(DataLaneTest, AFetchThatAsksGetsItsBytesOverTheLaneWholeAndCounted) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteModel(models + "/big.safetensors", 6, (3 << 20) + 5);  // 12 MiB tensors: 3 frames and a bit each
+  Daemon daemon(models, {"--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(daemon.port(), 0) << daemon.log();
+  ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
+  EXPECT_THAT(daemon.log(), HasSubstr(absl::StrCat("data lane on port ", daemon.lane_port())));
+  ASSERT_OK_AND_ASSIGN(auto lane, client::ConnectRemoteStore(daemon.address(), {.parallel_streams = 1}));
+  ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> got, lane->FetchAll("big", {}));
+  ExpectSameAsTheFile(models + "/big.safetensors", {}, got);
+  EXPECT_EQ(Attached(daemon), 1);
+  // Produced tensors (a cast) go over it too, in their own pieces.
+  client::Query cast;
+  cast.selection.dtype = DType::kF16;
+  ASSERT_OK_AND_ASSIGN(got, lane->FetchAll("big", cast));
+  ExpectSameAsTheFile(models + "/big.safetensors", cast, got);
+  EXPECT_EQ(Attached(daemon), 2);
+  // Ranges over several connections: one lane each.
+  ASSERT_OK_AND_ASSIGN(auto ranges, client::ConnectRemoteStore(daemon.address(), {.parallel_streams = 3}));
+  ASSERT_OK_AND_ASSIGN(got, ranges->FetchAll("big", {}));
+  ExpectSameAsTheFile(models + "/big.safetensors", {}, got);
+  EXPECT_EQ(Attached(daemon), 5);
+  // A client that does not ask gets the stream, as from a daemon without one.
+  ASSERT_OK_AND_ASSIGN(auto plain, client::ConnectRemoteStore(daemon.address(), {.data_lane = false}));
+  ASSERT_OK_AND_ASSIGN(got, plain->FetchAll("big", {}));
+  ExpectSameAsTheFile(models + "/big.safetensors", {}, got);
+  EXPECT_EQ(Attached(daemon), 5);
+}
+
+TEST(DataLaneTest, StrangersOnTheLanesPortReachNoStreamAndStopNobody) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteModel(models + "/m.safetensors", 3, 1 << 16);
+  Daemon daemon(models, {"--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
+  // Garbage, a guessed ticket, a flood of raw bytes: each is closed.
+  for (const std::string& sent : {std::string("GET / HTTP/1.1\r\n\r\n"),
+                                  std::string("WSLANE1") + '\0' + "0123456789abcdef", std::string(1 << 20, '\xff')}) {
+    UniqueFd stranger = ConnectTo(daemon.lane_port());
+    (void)!write(stranger.get(), sent.data(), sent.size());
+    char byte;
+    EXPECT_LE(read(stranger.get(), &byte, 1), 0);
+  }
+  // Strangers holding every handshake this address may have: a client's own
+  // connection is then closed, and it fetches over gRPC instead, at once.
+  std::vector<UniqueFd> holders;
+  for (int i = 0; i < 8; ++i) holders.push_back(ConnectTo(daemon.lane_port()));
+  ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address(), {.parallel_streams = 1}));
+  ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> got, store->FetchAll("m", {}));
+  ExpectSameAsTheFile(models + "/m.safetensors", {}, got);
+  EXPECT_EQ(Attached(daemon), 0);
+  EXPECT_GE(
+      testing::MetricValue(daemon.metrics_port(), "weightstore_data_lane_connections_total", {"outcome=\"refused\""}),
+      2);
+  holders.clear();
+  // Once they are gone, a new client uses the lane again.
+  ASSERT_OK_AND_ASSIGN(auto next, client::ConnectRemoteStore(daemon.address(), {.parallel_streams = 1}));
+  ASSERT_TRUE(testing::WaitUntil([&] {
+    auto fetched = next->FetchAll("m", {});
+    return fetched.ok() && Attached(daemon) >= 1;
+  }));
+}
+
+TEST(DataLaneTest, AClientThatStopsReadingItsLaneIsCutOffAndItsSlotFreed) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteModel(models + "/big.safetensors", 16, 1 << 20);  // 64 MiB: more than the sockets hold
+  Daemon daemon(models, {"--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--stream-idle-timeout",
+                         "1", "--max-concurrent-fetches", "1"});
+  ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
+  struct StuckSink : client::CollectingSink {
+    absl::Notification stuck, release;
+    int begun = 0;
+    absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override {
+      if (++begun == 2) {
+        stuck.Notify();
+        release.WaitForNotification();
+      }
+      return CollectingSink::Begin(spec);
+    }
+  } sink;
+  ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address(), {.max_resumes = 0}));
+  absl::Status fetched;
+  std::thread fetch([&] { fetched = store->FetchTensors("big", {}, &sink); });
+  sink.stuck.WaitForNotification();
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] { return testing::MetricValue(daemon.metrics_port(), "weightstore_fetch_streams_stalled_total") >= 1; }));
+  // Its slot (the only one) is free again: another client is served.
+  ASSERT_OK_AND_ASSIGN(auto other, client::ConnectRemoteStore(daemon.address(), {.parallel_streams = 1}));
+  EXPECT_TRUE(testing::WaitUntil([&] { return other->FetchAll("big", {}).ok(); }));
+  sink.release.Notify();
+  fetch.join();
+  EXPECT_FALSE(fetched.ok());
+  std::cout << "the stuck client's fetch: " << fetched << "\n";
+}
+
+}  // namespace
+}  // namespace weightstore
