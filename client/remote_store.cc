@@ -462,7 +462,8 @@ class RemoteStore final : public Store {
     if (!req.since_version().empty()) {
       assembler.AllowSkips();  // a delta leaves out what is unchanged
       if (req.patches()) assembler.AllowPatches();
-    } else if (options_.data_lane && options_.tls_ca_file.empty() && !lane_unreachable_.load()) {
+    } else if (options_.data_lane && options_.tls_ca_file.empty() &&
+               std::chrono::steady_clock::now().time_since_epoch().count() >= lane_rests_until_.load()) {
       req.set_data_lane(true);
       assembler.AllowLane();
     }
@@ -486,11 +487,15 @@ class RemoteStore final : public Store {
       absl::Status local =
           Receive(reader.get(), &ctx, &assembler, sink, req.data_lane(), cancel, &lane_break, &lane_unreachable);
       if (lane_unreachable && !Cancelled(cancel)) {
-        // Asked again without the lane, at once: a lane this store cannot
-        // reach (a firewall, a proxy in between) is not asked for again.
+        // Asked again without the lane, at once (nothing of it was written):
+        // a lane this store could not reach (a firewall, a proxy in between,
+        // its handshakes taken) is not asked for again for a minute.
         reader->Finish();
-        if (!lane_unreachable_.exchange(true)) {
-          std::fprintf(stderr, "weightstore: %s; fetching over gRPC instead\n",
+        const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+        const int64_t was = lane_rests_until_.exchange(
+            now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(kLaneRest).count());
+        if (was <= now) {
+          std::fprintf(stderr, "weightstore: %s; fetching over gRPC instead for a minute\n",
                        std::string(lane_break.message()).c_str());
         }
         req.set_data_lane(false);
@@ -508,9 +513,9 @@ class RemoteStore final : public Store {
         return Cancelled(cancel) ? cancelled() : local;
       }
       grpc::Status status = reader->Finish();
-      if (status.ok() && !lane_break.ok()) {
-        return absl::DataLossError(absl::StrCat("the fetch of '", req.name(),
-                                                "' ended OK, but its data lane did not: ", lane_break.message()));
+      if (status.ok() && !lane_break.ok()) {  // cut between the two (a middlebox): resumed as a break
+        status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                              absl::StrCat("the stream ended OK, but its data lane did not: ", lane_break.message()));
       }
       if (status.ok()) {
         if (!req.version().empty()) sink->OnVersion(req.version());
@@ -598,58 +603,73 @@ class RemoteStore final : public Store {
   }
 
   // Receives a stream's chunks over its data lane: connects to the lane's
-  // port at the address the stream reached (`peer`), sends the ticket, and
-  // reads frames into the sink until the end frame. Unavailable for a lane
-  // that ended early, or could not be reached (*unreachable then set).
+  // port at the address the stream reached (`peer`), sends the ticket, checks
+  // the daemon's proof, and reads frames into the sink until the end frame.
+  // Until the proof, every failure sets *unreachable (nothing was written
+  // yet: the caller asks again over gRPC). After it, Unavailable for a lane
+  // that ended early, the stream's status then saying why.
   absl::Status ReceiveLane(const pb::DataLane& lane, const std::string& peer,
                            const std::shared_ptr<const std::atomic<bool>>& cancel, ChunkAssembler* assembler,
                            TensorSink* sink, bool* unreachable) {
     wire::LaneWait wait;
     wait.cancel = cancel.get();
-    wait.idle = std::chrono::minutes(2);
+    // A daemon that stops sending is waited on as a stream is: until the
+    // call's deadline.
+    wait.idle = options_.deadline;
     wait.deadline = std::chrono::steady_clock::now() + options_.deadline;
-    std::optional<std::string> ip = wire::GrpcPeerIp(peer);
-    if (!ip || lane.port() == 0 || lane.port() > 65535 || lane.ticket().size() != wire::kLaneTicketBytes) {
-      return absl::DataLossError(absl::StrCat("the daemon offered a data lane (port ", lane.port(),
-                                              ") that a stream from '", peer, "' cannot use"));
+    absl::StatusOr<UniqueFd> fd = OpenLane(lane, peer, wait);
+    if (!fd.ok()) {
+      *unreachable = !absl::IsCancelled(fd.status());
+      return fd.status();
     }
-    absl::StatusOr<UniqueFd> connected = ConnectLane(*ip, static_cast<int>(lane.port()), wait);
-    if (!connected.ok()) {
-      *unreachable = absl::IsUnavailable(connected.status());
-      return connected.status();
-    }
-    UniqueFd fd = *std::move(connected);
-    std::string hello(wire::kLaneHello.data(), wire::kLaneHello.size());
-    hello += lane.ticket();
-    const std::span<const std::byte> parts[] = {std::as_bytes(std::span(hello))};
-    WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneWriteAll(fd.get(), parts, wait));
     std::array<std::byte, wire::kLaneFrameHeaderBytes> header_bytes;
     std::string meta;
-    for (bool first = true;; first = false) {
-      if (absl::Status read = wire::LaneReadExactly(fd.get(), header_bytes, wait); !read.ok()) {
-        // Closed before its first frame: the daemon refused the connection
-        // (it came from another address than the stream: a NAT between).
-        *unreachable = first && absl::IsUnavailable(read);
-        if (!*unreachable) return read;
-        return absl::UnavailableError(absl::StrCat(
-            "the data lane at ", *ip, " port ", lane.port(),
-            " closed before its first frame (the daemon refused the connection: it came from another address than "
-            "the stream, or too many were handshaking): ",
-            read.message()));
-      }
+    while (true) {
+      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneReadExactly(fd->get(), header_bytes, wait));
       WEIGHTSTORE_ASSIGN_OR_RETURN(wire::LaneFrameHeader header, wire::DecodeLaneFrameHeader(header_bytes));
       if (header.end()) {
         if (assembler->in_tensor()) return absl::DataLossError("the data lane ended inside a tensor");
         return absl::OkStatus();
       }
       meta.resize(header.meta_bytes);
-      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneReadExactly(fd.get(), std::as_writable_bytes(std::span(meta)), wait));
+      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneReadExactly(fd->get(), std::as_writable_bytes(std::span(meta)), wait));
       grpc::Slice slice(meta);
       grpc::ByteBuffer meta_buffer(&slice, 1);
       WEIGHTSTORE_RETURN_IF_ERROR(assembler->ConsumeLaneFrame(
           &meta_buffer, header.data_bytes,
-          [&](std::span<std::byte> out) { return wire::LaneReadExactly(fd.get(), out, wait); }, sink));
+          [&](std::span<std::byte> out) { return wire::LaneReadExactly(fd->get(), out, wait); }, sink));
     }
+  }
+
+  // The lane's connection, once the daemon proved it took it; Cancelled, or
+  // why it could not be had, naming where.
+  static absl::StatusOr<UniqueFd> OpenLane(const pb::DataLane& lane, const std::string& peer,
+                                           const wire::LaneWait& wait) {
+    std::optional<std::string> ip = wire::GrpcPeerIp(peer);
+    if (!ip || lane.port() == 0 || lane.port() > 65535 || lane.ticket().size() != wire::kLaneTicketBytes ||
+        lane.proof().size() != wire::kLaneTicketBytes) {
+      return absl::FailedPreconditionError(absl::StrCat("the daemon offered a data lane (port ", lane.port(),
+                                                        ") that a stream from '", peer, "' cannot use"));
+    }
+    const std::string where = absl::StrCat("the data lane at ", *ip, " port ", lane.port());
+    WEIGHTSTORE_ASSIGN_OR_RETURN(UniqueFd fd, ConnectLane(*ip, static_cast<int>(lane.port()), wait));
+    const std::string hello = std::string(wire::kLaneHello.data(), wire::kLaneHello.size()) + lane.ticket();
+    const std::span<const std::byte> parts[] = {std::as_bytes(std::span(hello))};
+    std::string answer(hello.size(), '\0');
+    absl::Status status = wire::LaneWriteAll(fd.get(), parts, wait);
+    if (status.ok()) status = wire::LaneReadExactly(fd.get(), std::as_writable_bytes(std::span(answer)), wait);
+    if (absl::IsCancelled(status)) return status;
+    if (!status.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat(where,
+                       " closed before the daemon took the connection (it refuses one from another address than the "
+                       "stream's, or past its handshakes): ",
+                       status.message()));
+    }
+    if (answer != std::string(wire::kLaneHello.data(), wire::kLaneHello.size()) + lane.proof()) {
+      return absl::UnavailableError(absl::StrCat(where, " did not answer with the daemon's proof: not the daemon"));
+    }
+    return fd;
   }
 
   // A lane socket connected to `ip`:`port`, or Unavailable.
@@ -719,7 +739,10 @@ class RemoteStore final : public Store {
   std::unique_ptr<pb::WeightStore::Stub> stub_;
   grpc::internal::RpcMethod fetch_method_;
   RemoteOptions options_;
-  std::atomic<bool> lane_unreachable_{false};  // asked no more once it could not be reached
+  // The lane is not asked for until then (steady clock ticks): it could not
+  // be reached a moment ago.
+  std::atomic<int64_t> lane_rests_until_{0};
+  static constexpr std::chrono::seconds kLaneRest{60};
 };
 
 }  // namespace

@@ -6,7 +6,6 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/eventfd.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -27,6 +26,17 @@ namespace {
 
 constexpr size_t kHandshakeBytes = wire::kLaneHello.size() + wire::kLaneTicketBytes;
 
+// What the per-address bound counts by: an IPv6 address's /64 (one host's
+// share of a network, as the gRPC port's gates count), else the address.
+std::string AddressGroup(const std::string& ip) {
+  in6_addr v6;
+  if (::inet_pton(AF_INET6, ip.c_str(), &v6) != 1) return ip;
+  std::memset(v6.s6_addr + 8, 0, 8);
+  char text[INET6_ADDRSTRLEN];
+  ::inet_ntop(AF_INET6, &v6, text, sizeof text);
+  return absl::StrCat(text, "/64");
+}
+
 std::optional<std::string> SocketPeerIp(int fd) {
   sockaddr_storage peer{};
   socklen_t length = sizeof peer;
@@ -40,18 +50,6 @@ std::optional<std::string> SocketPeerIp(int fd) {
     return std::nullopt;
   }
   return wire::NormalizedIp(text);
-}
-
-absl::StatusOr<std::string> RandomTicket() {
-  std::string ticket(wire::kLaneTicketBytes, '\0');
-  size_t got = 0;
-  while (got < ticket.size()) {
-    const ssize_t n = ::getrandom(ticket.data() + got, ticket.size() - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return absl::InternalError(absl::StrCat("getrandom: ", std::strerror(errno)));
-    got += static_cast<size_t>(n);
-  }
-  return ticket;
 }
 
 }  // namespace
@@ -112,7 +110,7 @@ DataLane::~DataLane() { Stop(); }
 
 absl::StatusOr<std::string> DataLane::Offer(const std::string& peer_ip,
                                             std::function<void(absl::StatusOr<UniqueFd>)> attach) {
-  absl::StatusOr<std::string> ticket = RandomTicket();
+  absl::StatusOr<std::string> ticket = wire::RandomLaneSecret();
   if (!ticket.ok()) return ticket.status();
   absl::MutexLock lock(&mu_);
   if (stopped_) return absl::UnavailableError("the data lane has stopped");
@@ -147,20 +145,31 @@ void DataLane::Wake() {
   (void)!::write(wake_.get(), &one, sizeof one);
 }
 
-void DataLane::Accept(std::vector<Handshake>* handshakes) {
-  while (true) {
+void DataLane::Accept(std::vector<Handshake>* handshakes, Calls* calls) {
+  // At most 64 a pass: a flood must not keep the thread from the tickets.
+  for (int accepted = 0; accepted < 64 && !stopping_; ++accepted) {
     UniqueFd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-    if (!fd.valid()) return;  // EAGAIN, or a connection that went away
+    if (!fd.valid()) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        // Out of descriptors: the listener stays readable, so rest a while
+        // instead of spinning on it.
+        listener_rests_until_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+      }
+      return;  // EAGAIN, or a connection that went away
+    }
     std::optional<std::string> ip = SocketPeerIp(fd.get());
-    const auto same_address = [&](const Handshake& h) { return ip && h.peer_ip == *ip; };
+    const std::string group = ip ? AddressGroup(*ip) : "";
+    const auto same_group = [&](const Handshake& h) { return h.group == group; };
     if (!ip || static_cast<int>(handshakes->size()) >= options_.max_handshakes ||
-        std::count_if(handshakes->begin(), handshakes->end(), same_address) >= options_.max_handshakes_per_address) {
+        std::count_if(handshakes->begin(), handshakes->end(), same_group) >= options_.max_handshakes_per_address) {
       absl::MutexLock lock(&mu_);
       ++(ip ? counts_.overflowed : counts_.refused);
       continue;  // closed
     }
-    handshakes->push_back(
-        Handshake{std::move(fd), *std::move(ip), std::chrono::steady_clock::now() + options_.handshake_time, {}});
+    Handshake h{std::move(fd), *std::move(ip), group, std::chrono::steady_clock::now() + options_.handshake_time, {}};
+    // A client sends its ticket as it connects: most are done here, and never
+    // hold a slot.
+    if (!Read(&h, calls)) handshakes->push_back(std::move(h));
   }
 }
 
@@ -200,7 +209,8 @@ bool DataLane::Read(Handshake* h, Calls* calls) {
 void DataLane::Run() {
   std::vector<Handshake> handshakes;
   while (!stopping_) {
-    std::vector<pollfd> polled = {{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+    const bool resting = std::chrono::steady_clock::now() < listener_rests_until_;
+    std::vector<pollfd> polled = {{resting ? -1 : listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
     for (const Handshake& h : handshakes) polled.push_back({h.fd.get(), POLLIN, 0});
     (void)::poll(polled.data(), polled.size(), 100);
     uint64_t drained;
@@ -221,7 +231,7 @@ void DataLane::Run() {
       kept.push_back(std::move(h));
     }
     handshakes = std::move(kept);
-    if (polled[0].revents != 0) Accept(&handshakes);
+    if (polled[0].revents != 0) Accept(&handshakes, &calls);
     {
       absl::MutexLock lock(&mu_);
       for (auto it = offers_.begin(); it != offers_.end();) {

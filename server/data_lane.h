@@ -29,21 +29,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "core/shm/unix_socket.h"
+#include "server/options.h"
 
 namespace weightstore::server {
-
-struct DataLaneOptions {
-  // "host:port" to listen on; port 0 picks one.
-  std::string listen;
-  // Connections that have not yet sent a ticket, at once, and from one
-  // address; more are closed (their clients fetch over gRPC instead).
-  int max_handshakes = 64;
-  int max_handshakes_per_address = 8;
-  // How long a connection may take to send its hello and ticket.
-  std::chrono::milliseconds handshake_time{5000};
-  // How long a ticket waits for its connection.
-  std::chrono::milliseconds ticket_life{10000};
-};
 
 // Counts of what the lane's connections came to, for /metrics.
 struct DataLaneCounts {
@@ -92,6 +80,7 @@ class DataLane {
   struct Handshake {
     UniqueFd fd;
     std::string peer_ip;
+    std::string group;  // AddressGroup(peer_ip)
     std::chrono::steady_clock::time_point expires;
     std::string received;  // hello and ticket so far
   };
@@ -100,7 +89,7 @@ class DataLane {
 
   DataLane(UniqueFd listener, int port, UniqueFd wake, DataLaneOptions options);
   void Run();
-  void Accept(std::vector<Handshake>* handshakes);
+  void Accept(std::vector<Handshake>* handshakes, Calls* calls);
   // Reads what `h` sent; true once it is done with (attached or refused).
   bool Read(Handshake* h, Calls* calls);
   void Wake();
@@ -110,7 +99,8 @@ class DataLane {
   const int port_;
   std::thread thread_;
   std::atomic<bool> stopping_{false};
-  absl::Mutex stop_mu_;  // one Stop() joins the thread
+  std::chrono::steady_clock::time_point listener_rests_until_;  // the thread's own
+  absl::Mutex stop_mu_;                                         // one Stop() joins the thread
   mutable absl::Mutex mu_;
   std::map<std::string, Offered> offers_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;

@@ -11,6 +11,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "proto/codec/data_lane.h"
+#include "tests/util/loopback.h"
 #include "tests/util/status_matchers.h"
 
 namespace weightstore::server {
@@ -29,16 +30,6 @@ struct Attached {
     };
   }
 };
-
-UniqueFd Connect(int port) {
-  UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(connect(fd.get(), reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
-  return fd;
-}
 
 void Send(int fd, const std::string& bytes) { ASSERT_EQ(write(fd, bytes.data(), bytes.size()), bytes.size()); }
 
@@ -69,7 +60,7 @@ TEST(DataLaneTest, ATicketAttachesOneConnectionFromItsAddressOnce) {
   EXPECT_NE(lane->port(), 0);
   ASSERT_OK_AND_ASSIGN(std::string ticket, lane->Offer("127.0.0.1", attached.callback()));
   EXPECT_EQ(ticket.size(), wire::kLaneTicketBytes);
-  UniqueFd client = Connect(lane->port());
+  UniqueFd client = testing::ConnectLoopback(lane->port());
   Send(client.get(), Hello(ticket));
   attached.called.WaitForNotification();
   ASSERT_OK(attached.fd.status());
@@ -79,7 +70,7 @@ TEST(DataLaneTest, ATicketAttachesOneConnectionFromItsAddressOnce) {
   ASSERT_EQ(read(client.get(), got, 2), 2);
   EXPECT_EQ(std::string(got, 2), "ok");
   // Spent: the same ticket again is refused.
-  UniqueFd again = Connect(lane->port());
+  UniqueFd again = testing::ConnectLoopback(lane->port());
   Send(again.get(), Hello(ticket));
   EXPECT_TRUE(ClosedByTheLane(again.get()));
   EXPECT_EQ(lane->counts().attached, 1u);
@@ -97,13 +88,13 @@ TEST(DataLaneTest, AWrongHelloAnUnknownTicketOrAnotherAddressIsRefusedAndTheTick
   std::string unknown = ticket;
   unknown[3] ^= 1;
   for (const std::string& sent : {wrong_hello, Hello(unknown), Hello(far_ticket), std::string(64, 'A')}) {
-    UniqueFd client = Connect(lane->port());
+    UniqueFd client = testing::ConnectLoopback(lane->port());
     Send(client.get(), sent);
     EXPECT_TRUE(ClosedByTheLane(client.get()));
   }
   EXPECT_EQ(lane->counts().refused, 4u);
   EXPECT_FALSE(here.called.HasBeenNotified());
-  UniqueFd client = Connect(lane->port());
+  UniqueFd client = testing::ConnectLoopback(lane->port());
   Send(client.get(), Hello(ticket));  // still good
   here.called.WaitForNotification();
   EXPECT_OK(here.fd.status());
@@ -114,10 +105,10 @@ TEST(DataLaneTest, AHandshakeIsBoundedInTimeAndInNumber) {
   // (3 s: the third connection must come while the first two still wait.)
   auto lane = StartLane({.max_handshakes = 2, .handshake_time = std::chrono::seconds(3)});
   ASSERT_NE(lane, nullptr);
-  UniqueFd slow = Connect(lane->port());
+  UniqueFd slow = testing::ConnectLoopback(lane->port());
   Send(slow.get(), "WSLA");  // part of a hello, then nothing
-  UniqueFd quiet = Connect(lane->port());
-  UniqueFd third = Connect(lane->port());  // accepted after both: no slot left
+  UniqueFd quiet = testing::ConnectLoopback(lane->port());
+  UniqueFd third = testing::ConnectLoopback(lane->port());  // accepted after both: no slot left
   EXPECT_TRUE(ClosedByTheLane(third.get()));
   EXPECT_EQ(lane->counts().overflowed, 1u);
   // The two that never finish are closed once their time is up.
@@ -127,8 +118,8 @@ TEST(DataLaneTest, AHandshakeIsBoundedInTimeAndInNumber) {
 
   auto per_address = StartLane({.max_handshakes_per_address = 1, .handshake_time = std::chrono::seconds(3)});
   ASSERT_NE(per_address, nullptr);
-  UniqueFd first = Connect(per_address->port());
-  UniqueFd second = Connect(per_address->port());
+  UniqueFd first = testing::ConnectLoopback(per_address->port());
+  UniqueFd second = testing::ConnectLoopback(per_address->port());
   EXPECT_TRUE(ClosedByTheLane(second.get()));
   EXPECT_EQ(per_address->counts().overflowed, 1u);
 }
@@ -148,7 +139,7 @@ TEST(DataLaneTest, ATicketNotClaimedInTimeOrWithdrawnIsCalledBackOnce) {
   withdrawn.called.WaitForNotification();
   EXPECT_THAT(withdrawn.fd.status(), StatusIs(absl::StatusCode::kCancelled));
   long_lived->Withdraw(ticket);  // again: nothing
-  UniqueFd client = Connect(long_lived->port());
+  UniqueFd client = testing::ConnectLoopback(long_lived->port());
   Send(client.get(), Hello(ticket));
   EXPECT_TRUE(ClosedByTheLane(client.get()));
 }
@@ -169,8 +160,6 @@ TEST(DataLaneTest, StoppingCallsEveryTicketBackAndRefusesNewOnes) {
 TEST(DataLaneTest, AnAddressThatIsNotHostAndPortOrCannotBeBoundIsRefused) {
   EXPECT_THAT(DataLane::Start({.listen = "127.0.0.1"}).status(), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(DataLane::Start({.listen = "127.0.0.1:99999"}).status(), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(DataLane::Start({.listen = "no such host.invalid:0"}).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument));
   auto lane = StartLane();
   ASSERT_NE(lane, nullptr);
   EXPECT_THAT(DataLane::Start({.listen = "127.0.0.1:" + std::to_string(lane->port())}).status(),

@@ -277,23 +277,34 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     lane_wanted_ = false;
     std::optional<std::string> peer = wire::GrpcPeerIp(ctx_->peer());
     if (!peer) return false;  // not over TCP: the stream carries the bytes
+    absl::StatusOr<std::string> proof = wire::RandomLaneSecret();
+    if (!proof.ok()) return false;
+    // What the writer thread reads is set before the lane can call back.
+    const uint32_t stream_chunk_bytes = chunk_bytes_;
+    chunk_bytes_ = request_.chunk_bytes() == 0 ? static_cast<uint32_t>(wire::kMaxLaneDataBytes) : chunk_bytes_;
+    lane_proof_ = *std::move(proof);
+    sent_any_ = true;  // the ticket's message carries the stream's fields
+    lane_ = true;
+    watch_.Busy();  // until the connection comes, within the ticket's life
     absl::StatusOr<std::string> ticket =
         serving_.lane->Offer(*peer, [this](absl::StatusOr<UniqueFd> fd) { LaneAttached(std::move(fd)); });
-    if (!ticket.ok()) return false;
-    {
-      absl::MutexLock lock(&lane_mu_);
-      lane_ticket_ = *ticket;
+    if (!ticket.ok()) {  // the lane has stopped: the stream carries the bytes
+      chunk_bytes_ = stream_chunk_bytes;
+      sent_any_ = lane_ = false;
+      watch_.Resume();
+      return false;
     }
-    lane_ = true;
-    chunk_bytes_ = static_cast<uint32_t>(wire::kMaxLaneDataBytes);
     v1::TensorChunk chunk;
     SetStreamFields(&chunk);
     chunk.mutable_lane()->set_port(static_cast<uint32_t>(serving_.lane->port()));
     chunk.mutable_lane()->set_ticket(*ticket);
-    sent_any_ = true;
+    chunk.mutable_lane()->set_proof(lane_proof_);
     buffer_ = wire::EncodeChunk(chunk, SharedBytes());
     last_write_bytes_ = buffer_.Length();
-    watch_.Busy();  // until the connection comes, within the ticket's life
+    {
+      absl::MutexLock lock(&lane_mu_);
+      lane_ticket_ = *ticket;
+    }
     StartWrite(&buffer_);
     return true;
   }
@@ -308,7 +319,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     try {
       std::thread([this, lane = serving_.lane, fd = *std::move(fd)]() mutable {
         watch_.Resume();
-        absl::Status status = cancelled_ ? absl::CancelledError("cancelled") : RunLane(fd.get());
+        absl::Status status = RunLane(fd.get());
         fd.reset();  // the client reads the end frame, then the stream's status
         LaneEvent(status);
         // `this` may be gone now; `lane` is this thread's own reference.
@@ -318,11 +329,17 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     }
   }
 
-  // Every chunk over the lane's connection `fd`, then the end frame.
+  // The proof that the daemon took the connection, every chunk, then the
+  // end frame, over the lane's connection `fd`.
   absl::Status RunLane(int fd) {
     wire::LaneWait wait;
     wait.stop = [this] { return cancelled_.load(); };
     wait.idle = std::chrono::minutes(10);  // the stall watchdog cancels sooner
+    {
+      const std::span<const std::byte> parts[] = {std::as_bytes(std::span(wire::kLaneHello)),
+                                                  std::as_bytes(std::span(lane_proof_))};
+      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneWriteAll(fd, parts, wait));
+    }
     std::string meta;
     while (true) {
       if (cancelled_) return absl::CancelledError("cancelled");
@@ -437,6 +454,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   bool lane_ = false;         // the stream's one message is the ticket
   absl::Mutex lane_mu_;
   std::optional<std::string> lane_ticket_ ABSL_GUARDED_BY(lane_mu_);
+  std::string lane_proof_;           // sent back on the lane: DataLane.proof
   std::atomic<int> lane_events_{0};  // LaneEvent
   absl::Status lane_status_;         // the lane's outcome, set before its event
 };

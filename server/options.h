@@ -138,6 +138,22 @@ struct ShmServerOptions {
   std::chrono::milliseconds io_timeout{60 * 1000};
 };
 
+// The data lane (server/data_lane.h).
+struct DataLaneOptions {
+  // "host:port" of a plain TCP port that fetches asking for it receive their
+  // tensors' bytes on, beside their gRPC stream; port 0 picks one. Off when
+  // empty; refused with TLS, as its bytes go in the clear.
+  std::string listen;
+  // Connections that have not yet sent a ticket, at once, and from one
+  // address; more are closed (their clients fetch over gRPC instead).
+  int max_handshakes = 64;
+  int max_handshakes_per_address = 8;  // an IPv6 address's /64
+  // How long a connection may take to send its hello and ticket.
+  std::chrono::milliseconds handshake_time{2000};
+  // How long a ticket waits for its connection.
+  std::chrono::milliseconds ticket_life{10000};
+};
+
 struct ServerOptions {
   // Address to listen on, "host:port". Default: 127.0.0.1:50051.
   std::string listen = "127.0.0.1:50051";
@@ -163,10 +179,7 @@ struct ServerOptions {
   struct Tls {
     std::string cert_file, key_file, client_ca_file;
   } tls;
-  // The data lane (server/data_lane.h): "host:port" of a plain TCP port that
-  // fetches asking for it receive their tensors' bytes on, beside their gRPC
-  // stream. Off when empty; refused with TLS, as its bytes go in the clear.
-  std::string data_listen;
+  DataLaneOptions data_lane;
   // Bearer tokens (server/auth.h). Off when empty: keep the port private.
   std::string tokens_file;
   // The origin tier: makes the puller (origin/node_cache.h) once the registry

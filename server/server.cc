@@ -68,7 +68,7 @@ absl::Status CheckOptions(const ServerOptions& options) {
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials(options.tls);
   if (!credentials.ok()) return credentials.status();
-  if (!options.data_listen.empty() && !options.tls.cert_file.empty()) return DataLaneWithTls();
+  if (!options.data_lane.listen.empty() && !options.tls.cert_file.empty()) return DataLaneWithTls();
   if (!options.socket.path.empty()) {
     std::filesystem::path parent = std::filesystem::path(options.socket.path).parent_path();
     if (!parent.empty() && !std::filesystem::is_directory(parent, ec)) {
@@ -307,9 +307,9 @@ absl::StatusOr<std::unique_ptr<WeightStoreServer>> WeightStoreServer::Start(Serv
   for (const std::string& folder : RegistryFolders(options.registry)) options.service.hidden_folders.push_back(folder);
   s->service_ =
       std::make_unique<WeightStoreService>(s->registry_.get(), options.service, s->auth_.get(), s->puller_.get());
-  if (!options.data_listen.empty()) {
+  if (!options.data_lane.listen.empty()) {
     if (!options.tls.cert_file.empty()) return DataLaneWithTls();
-    absl::StatusOr<std::unique_ptr<DataLane>> lane = DataLane::Start({.listen = options.data_listen});
+    absl::StatusOr<std::unique_ptr<DataLane>> lane = DataLane::Start(options.data_lane);
     if (!lane.ok()) return lane.status();
     s->lane_ = std::shared_ptr<DataLane>(*std::move(lane));
     s->service_->SetDataLane(s->lane_);

@@ -298,9 +298,18 @@ int main(int argc, char** argv) {
                  "Serve Prometheus metrics on http://HOST:PORT/metrics (off when empty)");
   app.add_option("--health-listen", options.health_listen,
                  "A second, plaintext gRPC port with only grpc.health.v1.Health, never authenticated (off when empty)");
-  app.add_option("--data-listen", options.data_listen,
+  app.add_option("--data-listen", options.data_lane.listen,
                  "A plain TCP port (HOST:PORT) where fetches that ask for it receive tensor bytes, beside gRPC: "
                  "one copy fewer on the client. Not with TLS (off when empty)");
+  double lane_handshake_seconds = std::chrono::duration<double>(options.data_lane.handshake_time).count();
+  app.add_option("--data-lane-handshake-timeout", lane_handshake_seconds,
+                 "Seconds a data lane connection has to send its ticket")
+      ->check(CLI::Range(0.05, 600.0))
+      ->capture_default_str();
+  app.add_option("--data-lane-max-handshakes-per-address", options.data_lane.max_handshakes_per_address,
+                 "Data lane connections still sending their ticket, from one address (an IPv6 /64)")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
   app.add_option("--tls-cert", options.tls.cert_file, "TLS certificate chain (PEM) for the gRPC port");
   app.add_option("--tls-key", options.tls.key_file, "TLS private key (PEM)");
   app.add_option("--tls-client-ca", options.tls.client_ca_file,
@@ -378,6 +387,7 @@ int main(int argc, char** argv) {
   options.service.zero_copy = !copy_payloads;
   options.service.streams.idle = std::chrono::milliseconds(static_cast<int64_t>(stream_idle_seconds * 1000));
   options.service.uploads.idle = options.service.streams.idle;
+  options.data_lane.handshake_time = std::chrono::milliseconds(static_cast<int64_t>(lane_handshake_seconds * 1000));
   options.service.uploads.min_bytes = options.service.streams.min_bytes;
   selection.max_time = std::chrono::milliseconds(static_cast<int64_t>(selection_seconds * 1000));
   options.registry.watch_files = true;

@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -10,6 +11,7 @@
 #include <bit>
 #include <cerrno>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -101,6 +103,18 @@ std::optional<std::string> GrpcPeerIp(absl::string_view peer) {
     return std::nullopt;
   }
   return NormalizedIp(address);
+}
+
+absl::StatusOr<std::string> RandomLaneSecret() {
+  std::string secret(kLaneTicketBytes, '\0');
+  size_t got = 0;
+  while (got < secret.size()) {
+    const ssize_t n = ::getrandom(secret.data() + got, secret.size() - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return absl::InternalError(absl::StrCat("getrandom: ", std::strerror(errno)));
+    got += static_cast<size_t>(n);
+  }
+  return secret;
 }
 
 absl::Status PrepareLaneSocket(int fd) {

@@ -5,7 +5,9 @@
 // the kernel writes it into the tensor.
 //
 // Client to daemon, once: kLaneHello, then the stream's DataLane.ticket.
-// Daemon to client: frames. A frame is a 16-byte header (little-endian: the
+// Daemon to client: kLaneHello and DataLane.proof once it took the connection
+// (a connection closed before them was refused: the client fetches over gRPC
+// instead), then frames. A frame is a 16-byte header (little-endian: the
 // magic "WSLF", u32 meta bytes, u64 data bytes), then the meta bytes, a
 // serialized TensorChunk without `data` (what the stream's chunk would carry
 // but its bytes), then the data bytes. A frame with neither ends the lane:
@@ -32,6 +34,7 @@ namespace weightstore::wire {
 
 // What a client sends first, before the ticket.
 inline constexpr std::array<char, 8> kLaneHello = {'W', 'S', 'L', 'A', 'N', 'E', '1', '\0'};
+// DataLane.ticket and DataLane.proof.
 inline constexpr size_t kLaneTicketBytes = 16;
 // Largest meta part of a frame (a tensor's description) and data part.
 inline constexpr uint32_t kMaxLaneMetaBytes = 1u << 20;
@@ -48,6 +51,9 @@ struct LaneFrameHeader {
 std::array<std::byte, kLaneFrameHeaderBytes> EncodeLaneFrameHeader(const LaneFrameHeader& header);
 // DataLoss for a wrong magic or a part over its bound.
 absl::StatusOr<LaneFrameHeader> DecodeLaneFrameHeader(std::span<const std::byte, kLaneFrameHeaderBytes> bytes);
+
+// 16 random bytes (getrandom): a ticket or a proof.
+absl::StatusOr<std::string> RandomLaneSecret();
 
 // How long a lane waits on a peer that moves nothing, and what stops it.
 struct LaneWait {

@@ -26,6 +26,7 @@
 #include "core/formats/safetensors.h"
 #include "core/shm/unix_socket.h"
 #include "tests/util/daemon.h"
+#include "tests/util/loopback.h"
 #include "tests/util/metrics.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
@@ -69,16 +70,6 @@ void ExpectSameAsTheFile(const std::string& path, const client::Query& query, co
   }
 }
 
-UniqueFd ConnectTo(int port) {
-  UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(connect(fd.get(), reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
-  return fd;
-}
-
 TEST(DataLaneTest, AFetchThatAsksGetsItsBytesOverTheLaneWholeAndCounted) {
   const std::string models = testing::MakeScratchDir("models");
   WriteModel(models + "/big.safetensors", 6, (3 << 20) + 5);  // 12 MiB tensors: 3 frames and a bit each
@@ -111,12 +102,14 @@ TEST(DataLaneTest, AFetchThatAsksGetsItsBytesOverTheLaneWholeAndCounted) {
 TEST(DataLaneTest, StrangersOnTheLanesPortReachNoStreamAndStopNobody) {
   const std::string models = testing::MakeScratchDir("models");
   WriteModel(models + "/m.safetensors", 3, 1 << 16);
-  Daemon daemon(models, {"--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"});
+  // Handshakes wait up to 10 minutes here: strangers hold theirs all test long.
+  Daemon daemon(models, {"--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                         "--data-lane-handshake-timeout", "600"});
   ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
   // Garbage, a guessed ticket, a flood of raw bytes: each is closed.
-  for (const std::string& sent : {std::string("GET / HTTP/1.1\r\n\r\n"),
+  for (const std::string& sent : {std::string("GET / HTTP/1.1\r\nHost: lane\r\n\r\n"),
                                   std::string("WSLANE1") + '\0' + "0123456789abcdef", std::string(1 << 20, '\xff')}) {
-    UniqueFd stranger = ConnectTo(daemon.lane_port());
+    UniqueFd stranger = testing::ConnectLoopback(daemon.lane_port());
     (void)!write(stranger.get(), sent.data(), sent.size());
     char byte;
     EXPECT_LE(read(stranger.get(), &byte, 1), 0);
@@ -124,7 +117,7 @@ TEST(DataLaneTest, StrangersOnTheLanesPortReachNoStreamAndStopNobody) {
   // Strangers holding every handshake this address may have: a client's own
   // connection is then closed, and it fetches over gRPC instead, at once.
   std::vector<UniqueFd> holders;
-  for (int i = 0; i < 8; ++i) holders.push_back(ConnectTo(daemon.lane_port()));
+  for (int i = 0; i < 8; ++i) holders.push_back(testing::ConnectLoopback(daemon.lane_port()));
   ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address(), {.parallel_streams = 1}));
   ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> got, store->FetchAll("m", {}));
   ExpectSameAsTheFile(models + "/m.safetensors", {}, got);
@@ -132,13 +125,36 @@ TEST(DataLaneTest, StrangersOnTheLanesPortReachNoStreamAndStopNobody) {
   EXPECT_GE(
       testing::MetricValue(daemon.metrics_port(), "weightstore_data_lane_connections_total", {"outcome=\"refused\""}),
       2);
+  EXPECT_GE(testing::MetricValue(daemon.metrics_port(), "weightstore_data_lane_connections_total",
+                                 {"outcome=\"overflowed\""}),
+            1);
   holders.clear();
-  // Once they are gone, a new client uses the lane again.
-  ASSERT_OK_AND_ASSIGN(auto next, client::ConnectRemoteStore(daemon.address(), {.parallel_streams = 1}));
+  // Once they are gone, a new client uses the lane again (its first tries may
+  // still find them: each try is a new client, which has not given up on it).
   ASSERT_TRUE(testing::WaitUntil([&] {
-    auto fetched = next->FetchAll("m", {});
-    return fetched.ok() && Attached(daemon) >= 1;
+    auto next = client::ConnectRemoteStore(daemon.address(), {.parallel_streams = 1});
+    return next.ok() && (*next)->FetchAll("m", {}).ok() && Attached(daemon) >= 1;
   }));
+}
+
+TEST(DataLaneTest, AClientThatCannotReachTheLaneFetchesOverGrpcAtOnce) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteModel(models + "/m.safetensors", 3, 1 << 16);
+  // The lane on another loopback address than the gRPC port's: the client
+  // connects to the address its stream reached, where nothing listens on
+  // the lane's port.
+  Daemon daemon(models, {"--data-listen", "127.0.0.2:0", "--metrics-listen", "127.0.0.1:0"});
+  ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
+  ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address(), {.parallel_streams = 1}));
+  for (int i = 0; i < 2; ++i) {  // the second fetch does not ask for the lane
+    ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> got, store->FetchAll("m", {}));
+    ExpectSameAsTheFile(models + "/m.safetensors", {}, got);
+  }
+  EXPECT_EQ(Attached(daemon), 0);
+  // Each stream that offered a ticket gave it up when its client cancelled.
+  EXPECT_EQ(
+      testing::MetricValue(daemon.metrics_port(), "weightstore_data_lane_connections_total", {"outcome=\"unclaimed\""}),
+      0);
 }
 
 TEST(DataLaneTest, AClientThatStopsReadingItsLaneIsCutOffAndItsSlotFreed) {
