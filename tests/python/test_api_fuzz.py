@@ -148,7 +148,8 @@ def call(store, weightstore, kind, name, kwargs, extra):
             return f.get_slice(key)[extra[0]]
     if kind == "connect":
         return weightstore.connect(name if isinstance(name, str) else extra[2], token=extra[0],
-                                   parallel_streams=extra[1], timeout=1.0)
+                                   parallel_streams=extra[1], timeout=1.0,
+                                   **({"data_lane": extra[2]} if isinstance(extra[1], str) else {}))
     if kind == "load_into":
         import torch
         module = torch.nn.Sequential(torch.nn.Linear(16, 32))

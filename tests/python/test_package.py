@@ -210,9 +210,19 @@ class PackageTest(unittest.TestCase):
             weightstore.connect(ADDRESS, parallel_streams=100000)
         with self.assertRaises(ValueError):
             weightstore.connect(ADDRESS, timeout=float("nan"))
+        with self.assertRaises(TypeError):
+            weightstore.connect(ADDRESS, data_lane="yes")
         with self.assertRaises(TypeError) as e:
             self.remote.update({7: torch.zeros(1)}, "pkg/mlp")  # names are str
         self.assertIn("key 7", str(e.exception))
+
+    def test_a_fetch_on_the_stream_alone_equals_one_over_the_data_lane(self):
+        # (Over the daemon's data lane where it has one: the build tree's run.)
+        lane = weightstore.connect(ADDRESS).tensors("pkg/mlp")
+        stream = weightstore.connect(ADDRESS, data_lane=False).tensors("pkg/mlp")
+        self.assertEqual(list(lane), list(stream))
+        for name in lane:
+            self.assertTrue(torch.equal(lane[name], stream[name]), name)
 
     def test_unsigned_tensors_reach_numpy_and_torch_says_what_to_ask_for_instead(self):
         for label, store in self.stores().items():
