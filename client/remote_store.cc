@@ -530,6 +530,7 @@ class RemoteStore final : public Store {
                                          req.start_index(), " failed: ", failed.message()));
       }
       if (first_break.ok()) first_break = FromGrpcStatus(status);
+      if (!lane_break.ok()) req.set_data_lane(false);  // a lane cut once: the rest of this fetch on the stream
       assembler.Restart();  // tensors before start_index are complete; the current one restarts
       const auto backoff = std::min<std::chrono::milliseconds>(
           options_.resume_backoff * (1 << std::min(resumes - 1, 10)), std::chrono::seconds(5));
@@ -617,7 +618,12 @@ class RemoteStore final : public Store {
     // call's deadline.
     wait.idle = options_.deadline;
     wait.deadline = std::chrono::steady_clock::now() + options_.deadline;
-    absl::StatusOr<UniqueFd> fd = OpenLane(lane, peer, wait);
+    // Until the proof: a daemon answers within its handshake time, so
+    // whatever stays silent longer is not one.
+    wire::LaneWait opening = wait;
+    opening.idle = std::chrono::seconds(15);
+    opening.deadline = std::min(wait.deadline, std::chrono::steady_clock::now() + std::chrono::seconds(15));
+    absl::StatusOr<UniqueFd> fd = OpenLane(lane, peer, opening);
     if (!fd.ok()) {
       *unreachable = !absl::IsCancelled(fd.status());
       return fd.status();

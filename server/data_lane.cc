@@ -160,8 +160,12 @@ void DataLane::Accept(std::vector<Handshake>* handshakes, Calls* calls) {
     std::optional<std::string> ip = SocketPeerIp(fd.get());
     const std::string group = ip ? AddressGroup(*ip) : "";
     const auto same_group = [&](const Handshake& h) { return h.group == group; };
-    if (!ip || static_cast<int>(handshakes->size()) >= options_.max_handshakes ||
-        std::count_if(handshakes->begin(), handshakes->end(), same_group) >= options_.max_handshakes_per_address) {
+    // The per-address bound holds once half the slots are taken: a burst of
+    // one host's clients is let in while nobody else waits.
+    const int waiting = static_cast<int>(handshakes->size());
+    if (!ip || waiting >= options_.max_handshakes ||
+        (waiting >= options_.max_handshakes / 2 &&
+         std::count_if(handshakes->begin(), handshakes->end(), same_group) >= options_.max_handshakes_per_address)) {
       absl::MutexLock lock(&mu_);
       ++(ip ? counts_.overflowed : counts_.refused);
       continue;  // closed

@@ -116,12 +116,17 @@ TEST(DataLaneTest, AHandshakeIsBoundedInTimeAndInNumber) {
   EXPECT_TRUE(ClosedByTheLane(quiet.get()));
   EXPECT_EQ(lane->counts().timed_out, 2u);
 
-  auto per_address = StartLane({.max_handshakes_per_address = 1, .handshake_time = std::chrono::seconds(3)});
+  // One address may fill half the slots; past that, its share is bounded.
+  auto per_address =
+      StartLane({.max_handshakes = 4, .max_handshakes_per_address = 1, .handshake_time = std::chrono::seconds(3)});
   ASSERT_NE(per_address, nullptr);
   UniqueFd first = testing::ConnectLoopback(per_address->port());
   UniqueFd second = testing::ConnectLoopback(per_address->port());
-  EXPECT_TRUE(ClosedByTheLane(second.get()));
+  UniqueFd over = testing::ConnectLoopback(per_address->port());
+  EXPECT_TRUE(ClosedByTheLane(over.get()));
   EXPECT_EQ(per_address->counts().overflowed, 1u);
+  EXPECT_TRUE(ClosedByTheLane(first.get()));  // its time is up
+  EXPECT_EQ(per_address->counts().timed_out, 2u);
 }
 
 TEST(DataLaneTest, ATicketNotClaimedInTimeOrWithdrawnIsCalledBackOnce) {

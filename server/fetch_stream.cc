@@ -305,6 +305,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       absl::MutexLock lock(&lane_mu_);
       lane_ticket_ = *ticket;
     }
+    if (cancelled_) serving_.lane->Withdraw(*ticket);  // cancelled before the ticket was kept
     StartWrite(&buffer_);
     return true;
   }

@@ -145,9 +145,10 @@ struct DataLaneOptions {
   // empty; refused with TLS, as its bytes go in the clear.
   std::string listen;
   // Connections that have not yet sent a ticket, at once, and from one
-  // address; more are closed (their clients fetch over gRPC instead).
+  // address (an IPv6 address's /64) once half of max_handshakes are taken;
+  // more are closed (their clients fetch over gRPC instead).
   int max_handshakes = 64;
-  int max_handshakes_per_address = 8;  // an IPv6 address's /64
+  int max_handshakes_per_address = 8;
   // How long a connection may take to send its hello and ticket.
   std::chrono::milliseconds handshake_time{2000};
   // How long a ticket waits for its connection.

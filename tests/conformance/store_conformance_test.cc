@@ -19,6 +19,7 @@
 #include "client/store.h"
 #include "core/select/apply.h"
 #include "tests/util/daemon.h"
+#include "tests/util/metrics.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 
@@ -118,7 +119,8 @@ class StoreConformanceTest : public ::testing::Test {
   static void SetUpTestSuite() {
     models_ = new std::string(testing::MakeFixtureModelsDir());
     socket_ = new std::string(testing::MakeScratchDir("conformance-sock") + "/ws.sock");
-    daemon_ = new testing::Daemon(*models_, {"--socket", *socket_, "--data-listen", "127.0.0.1:0"});
+    daemon_ = new testing::Daemon(*models_, {"--socket", *socket_, "--data-listen", "127.0.0.1:0",
+                                             "--data-lane-handshake-timeout", "60", "--metrics-listen", "127.0.0.1:0"});
   }
   static void TearDownTestSuite() {
     delete daemon_;
@@ -204,6 +206,11 @@ TEST_F(StoreConformanceTest, EveryStoreListsTheSameCheckpoints) {
 }
 
 TEST_F(StoreConformanceTest, EveryFixtureServesTheSameBytesEverywhere) {
+  const auto attached = [] {
+    return testing::MetricValue(daemon_->metrics_port(), "weightstore_data_lane_connections_total",
+                                {"outcome=\"attached\""});
+  };
+  const double attached_before = attached();
   int served = 0;
   for (const std::string& name : Names()) {
     const Outcome local = ExpectAllStoresAgree(name, {}, "everything");
@@ -212,6 +219,8 @@ TEST_F(StoreConformanceTest, EveryFixtureServesTheSameBytesEverywhere) {
   }
   EXPECT_GE(served, 40);
   EXPECT_GE(compared_tensors_, 100u);
+  // The lane's store did not quietly fetch over gRPC: a lane for every fetch.
+  EXPECT_GE(attached() - attached_before, served);
 }
 
 // The stores that copy in batches (local files, the socket) begin no more

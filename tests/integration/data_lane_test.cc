@@ -73,7 +73,8 @@ void ExpectSameAsTheFile(const std::string& path, const client::Query& query, co
 TEST(DataLaneTest, AFetchThatAsksGetsItsBytesOverTheLaneWholeAndCounted) {
   const std::string models = testing::MakeScratchDir("models");
   WriteModel(models + "/big.safetensors", 6, (3 << 20) + 5);  // 12 MiB tensors: 3 frames and a bit each
-  Daemon daemon(models, {"--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"});
+  Daemon daemon(models, {"--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                         "--data-lane-handshake-timeout", "60"});
   ASSERT_NE(daemon.port(), 0) << daemon.log();
   ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
   EXPECT_THAT(daemon.log(), HasSubstr(absl::StrCat("data lane on port ", daemon.lane_port())));
@@ -114,10 +115,11 @@ TEST(DataLaneTest, StrangersOnTheLanesPortReachNoStreamAndStopNobody) {
     char byte;
     EXPECT_LE(read(stranger.get(), &byte, 1), 0);
   }
-  // Strangers holding every handshake this address may have: a client's own
-  // connection is then closed, and it fetches over gRPC instead, at once.
+  // Strangers holding half the handshakes, and so every one this address may
+  // have once half are taken: a client's own connection is then closed, and
+  // it fetches over gRPC instead, at once.
   std::vector<UniqueFd> holders;
-  for (int i = 0; i < 8; ++i) holders.push_back(testing::ConnectLoopback(daemon.lane_port()));
+  for (int i = 0; i < 40; ++i) holders.push_back(testing::ConnectLoopback(daemon.lane_port()));
   ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address(), {.parallel_streams = 1}));
   ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> got, store->FetchAll("m", {}));
   ExpectSameAsTheFile(models + "/m.safetensors", {}, got);
@@ -146,15 +148,11 @@ TEST(DataLaneTest, AClientThatCannotReachTheLaneFetchesOverGrpcAtOnce) {
   Daemon daemon(models, {"--data-listen", "127.0.0.2:0", "--metrics-listen", "127.0.0.1:0"});
   ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
   ASSERT_OK_AND_ASSIGN(auto store, client::ConnectRemoteStore(daemon.address(), {.parallel_streams = 1}));
-  for (int i = 0; i < 2; ++i) {  // the second fetch does not ask for the lane
+  for (int i = 0; i < 2; ++i) {
     ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> got, store->FetchAll("m", {}));
     ExpectSameAsTheFile(models + "/m.safetensors", {}, got);
   }
   EXPECT_EQ(Attached(daemon), 0);
-  // Each stream that offered a ticket gave it up when its client cancelled.
-  EXPECT_EQ(
-      testing::MetricValue(daemon.metrics_port(), "weightstore_data_lane_connections_total", {"outcome=\"unclaimed\""}),
-      0);
 }
 
 TEST(DataLaneTest, AClientThatStopsReadingItsLaneIsCutOffAndItsSlotFreed) {

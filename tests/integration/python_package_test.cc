@@ -47,7 +47,8 @@ void RunPackageTests(const std::string& env, const std::string& python, const st
 // below has them on the stream.
 TEST(PythonPackageTest, TheBuildTreesPackageServesEveryStore) {
   RunPackageTests(absl::StrCat("PYTHONPATH=", ShellQuote(WEIGHTSTORE_PYTHON_BUILD_DIR)), testing::TorchPython(),
-                  testing::MakeScratchDir("py-cwd"), "test_package.py", {"--data-listen", "127.0.0.1:0"});
+                  testing::MakeScratchDir("py-cwd"), "test_package.py",
+                  {"--data-listen", "127.0.0.1:0", "--data-lane-handshake-timeout", "60"});
 }
 
 TEST(PythonPackageTest, TheExtensionBuiltForTheTestEnvironmentServesDebiansPythonAndTorch113) {

@@ -437,7 +437,8 @@ class BrokenStreamTest : public ::testing::TestWithParam<bool> {};
 void ExpectAFetchResumesAfterAKill(bool pipeline, bool inside_a_tensor, bool lane = false) {
   SCOPED_TRACE(inside_a_tensor ? "the break inside a tensor" : "the break between tensors");
   const std::vector<std::string> flags =
-      lane ? std::vector<std::string>{"--data-listen", "127.0.0.1:0"} : std::vector<std::string>{};
+      lane ? std::vector<std::string>{"--data-listen", "127.0.0.1:0", "--data-lane-handshake-timeout", "60"}
+           : std::vector<std::string>{};
   const std::string models = testing::MakeScratchDir("models");
   WriteBig(models + "/big.safetensors", 12, 1 << 18, 5.0f);  // 12 MiB in 1 MiB tensors
   std::string address;
