@@ -36,8 +36,9 @@ class ChunkAssembler {
   // other stream that sends one is DataLoss, whatever the sink would take.
   void AllowPatches() { allow_patches_ = true; }
   // Accepts a data lane's ticket as the stream's first message (a fetch that
-  // asked for the lane); lane() then holds it.
-  void AllowLane() { allow_lane_ = true; }
+  // asks for the lane); lane() then holds it. AllowLane(false) again once the
+  // fetch stops asking (a fallback, a lane cut once): a ticket is DataLoss.
+  void AllowLane(bool allow = true) { allow_lane_ = allow; }
   bool lane_allowed() const { return allow_lane_; }
   // One frame of the data lane: `meta`, a chunk without data, then
   // `data_bytes` that `fill` writes into the span it is given (the tensor's

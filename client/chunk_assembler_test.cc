@@ -251,5 +251,55 @@ TEST(ChunkAssemblerTest, AnElementPatchTheFetchDidNotAskForIsDataLossNotADropped
   }
 }
 
+v1::TensorChunk Ticket() {
+  v1::TensorChunk c;
+  c.mutable_lane()->set_port(4242);
+  c.mutable_lane()->set_ticket(std::string(16, 't'));
+  c.mutable_lane()->set_proof(std::string(16, 'p'));
+  c.set_version("v7");
+  return c;
+}
+
+// A ticket is taken once, as the first message of a fetch that asks for the
+// lane. One the fetch no longer asks for (it fell back to the stream, or its
+// lane was cut once) is DataLoss: a daemon cannot end such a stream early with
+// a ticket nobody will redeem.
+TEST(ChunkAssemblerTest, ADataLaneTicketIsTakenOnlyFirstAndOnlyWhileAskedFor) {
+  CollectingSink sink;
+  {
+    ChunkAssembler a;
+    grpc::ByteBuffer ticket = Buffer(Ticket());
+    EXPECT_THAT(a.Consume(&ticket, &sink), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("data lane ticket")));
+    EXPECT_FALSE(a.lane().has_value());
+  }
+  {
+    ChunkAssembler a;
+    a.AllowLane();
+    grpc::ByteBuffer ticket = Buffer(Ticket());
+    ASSERT_OK(a.Consume(&ticket, &sink));
+    ASSERT_TRUE(a.lane().has_value());
+    EXPECT_EQ(a.lane()->port(), 4242u);
+    EXPECT_EQ(a.version(), "v7");
+    grpc::ByteBuffer again = Buffer(Ticket());
+    EXPECT_THAT(a.Consume(&again, &sink), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("data lane ticket")));
+    a.AllowLane(false);  // the client fell back to the stream
+    a.Restart();
+    EXPECT_FALSE(a.lane().has_value());
+    grpc::ByteBuffer after_fallback = Buffer(Ticket());
+    EXPECT_THAT(a.Consume(&after_fallback, &sink),
+                StatusIs(absl::StatusCode::kDataLoss, HasSubstr("data lane ticket")));
+    EXPECT_FALSE(a.lane().has_value());
+  }
+  {
+    ChunkAssembler a;
+    a.AllowLane();
+    grpc::ByteBuffer first = Buffer(Chunk("abc", 0, true, false));
+    ASSERT_OK(a.Consume(&first, &sink));
+    grpc::ByteBuffer late = Buffer(Ticket());
+    EXPECT_THAT(a.Consume(&late, &sink), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("data lane ticket")));
+  }
+  EXPECT_TRUE(sink.tensors().empty());
+}
+
 }  // namespace
 }  // namespace weightstore::client

@@ -499,6 +499,7 @@ class RemoteStore final : public Store {
                        std::string(lane_break.message()).c_str());
         }
         req.set_data_lane(false);
+        assembler.AllowLane(false);
         assembler.Restart();
         continue;
       }
@@ -530,7 +531,10 @@ class RemoteStore final : public Store {
                                          req.start_index(), " failed: ", failed.message()));
       }
       if (first_break.ok()) first_break = FromGrpcStatus(status);
-      if (!lane_break.ok()) req.set_data_lane(false);  // a lane cut once: the rest of this fetch on the stream
+      if (!lane_break.ok()) {  // a lane cut once: the rest of this fetch on the stream
+        req.set_data_lane(false);
+        assembler.AllowLane(false);
+      }
       assembler.Restart();  // tensors before start_index are complete; the current one restarts
       const auto backoff = std::min<std::chrono::milliseconds>(
           options_.resume_backoff * (1 << std::min(resumes - 1, 10)), std::chrono::seconds(5));
