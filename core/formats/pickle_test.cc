@@ -42,7 +42,7 @@ TEST(PickleTest, RefusesOsSystemNamingTheGlobal) {
 }
 
 TEST(PickleTest, RefusesStackGlobalOutsideTheAllowList) {
-  std::string p = std::string("\x80\x04\x8c\x02os\x8c\x06system\x93", 15) + ".";
+  const std::string p("\x80\x04\x8c\x02os\x8c\x06system\x93.", 16);
   EXPECT_THAT(Unpickled(p), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'os.system'")));
 }
 
