@@ -3,18 +3,23 @@
 # machine), on the same Debian 12 packages the image uses:
 #  1. the build stage installs every package the daemon builds from
 #     (scripts/install-deps.sh --daemon's list: header-only ones such as
-#     msgpack-cxx leave no trace in ldd), and the two binaries build exactly as
-#     the build stage builds them (same CMake flags);
+#     msgpack-cxx leave no trace in ldd), and CMake configures with the build
+#     stage's flags; then the two binaries build as the build stage builds
+#     them, or, given BINARIES (a build tree of the same sources that already
+#     has them: CI's gcc build), those are checked instead of a third compile
+#     of the daemon (the flags change optimisation and what else is built, not
+#     what the binaries link);
 #  2. every shared library they link must come from a package the runtime stage
 #     installs (or from debian:12-slim itself);
 #  3. runs the ENTRYPOINT's command as the image's numeric user (10001) on the
 #     bundled models, and the HEALTHCHECK's command against it.
 # The Dockerfile is linted by deploy/validate/validate.sh.
-# Usage: docker/check.sh [BUILD_DIR]   (default: build-docker)
+# Usage: docker/check.sh [BUILD_DIR [BINARIES]]   (BUILD_DIR default: build-docker)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dockerfile="$root/docker/Dockerfile"
 build="${1:-$root/build-docker}"
+binaries="${2:-}"
 
 echo "== 1. build stage"
 build_stage=$(sed -n '/^FROM debian:12 AS build/,/^FROM /p' "$dockerfile" | sed -n '/apt-get install/,/rm -rf/p' |
@@ -30,7 +35,19 @@ flags=$(sed -n '/^RUN cmake -S/,/^ && cmake --build/p' "$dockerfile" | grep -o -
 echo "cmake flags from the Dockerfile: $flags"
 # shellcheck disable=SC2086
 cmake -S "$root" -B "$build" -G Ninja $flags > /dev/null
-cmake --build "$build" --target weightstored weightstore > /dev/null
+if [ -n "$binaries" ]; then
+  # The build stage's targets exist under its flags; the binaries come from BINARIES.
+  for target in weightstored weightstore; do
+    ninja -C "$build" -t query "$target" > /dev/null || { echo "no target $target under the Dockerfile's flags"; exit 1; }
+  done
+  build="$(cd "$binaries" && pwd)"
+  echo "binaries from $build"
+else
+  cmake --build "$build" --target weightstored weightstore > /dev/null
+fi
+for binary in "$build/server/weightstored" "$build/client/weightstore"; do
+  [ -x "$binary" ] || { echo "no $binary"; exit 1; }
+done
 echo "ok"
 
 echo "== 2. runtime libraries"

@@ -38,7 +38,8 @@ class CMakeBuild(build_ext):
         build_dir = os.path.abspath(os.environ.get("WEIGHTSTORE_CMAKE_BUILD_DIR") or os.path.join(SCRATCH, "cmake"))
         if not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
             subprocess.check_call(["cmake", "-S", ROOT, "-B", build_dir, "-G", "Ninja",
-                                   "-DCMAKE_BUILD_TYPE=Release", "-DWEIGHTSTORE_BUILD_TESTS=OFF",
+                                   "-DCMAKE_BUILD_TYPE=Release", "-DWEIGHTSTORE_UNITY_BUILD=ON",
+                                   "-DWEIGHTSTORE_BUILD_TESTS=OFF",
                                    "-DWEIGHTSTORE_BUILD_BENCHMARKS=OFF",
                                    "-DWEIGHTSTORE_WITH_TORCH=OFF", "-DWEIGHTSTORE_WITH_PYTHON=ON",
                                    f"-DWEIGHTSTORE_TORCH_PYTHON={sys.executable}",
