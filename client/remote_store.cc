@@ -557,7 +557,7 @@ class RemoteStore final : public Store {
       if (!reader->Read(&chunk)) return absl::OkStatus();  // the status says why
       absl::Status status = assembler->Consume(&chunk, sink);
       if (status.ok() && assembler->lane().has_value()) {
-        status = ReceiveLane(*assembler->lane(), ctx->peer(), cancel, assembler, sink, lane_unreachable);
+        status = ReceiveLane(*assembler->lane(), ctx, cancel, assembler, sink, lane_unreachable);
         if (*lane_unreachable) {
           ctx->TryCancel();
           *lane_break = status;
@@ -613,7 +613,7 @@ class RemoteStore final : public Store {
   // Until the proof, every failure sets *unreachable (nothing was written
   // yet: the caller asks again over gRPC). After it, Unavailable for a lane
   // that ended early, the stream's status then saying why.
-  absl::Status ReceiveLane(const pb::DataLane& lane, const std::string& peer,
+  absl::Status ReceiveLane(const pb::DataLane& lane, grpc::ClientContext* ctx,
                            const std::shared_ptr<const std::atomic<bool>>& cancel, ChunkAssembler* assembler,
                            TensorSink* sink, bool* unreachable) {
     wire::LaneWait wait;
@@ -627,27 +627,37 @@ class RemoteStore final : public Store {
     wire::LaneWait opening = wait;
     opening.idle = std::chrono::seconds(15);
     opening.deadline = std::min(wait.deadline, std::chrono::steady_clock::now() + std::chrono::seconds(15));
-    absl::StatusOr<UniqueFd> fd = OpenLane(lane, peer, opening);
+    absl::StatusOr<UniqueFd> fd = OpenLane(lane, ctx->peer(), opening);
     if (!fd.ok()) {
       *unreachable = !absl::IsCancelled(fd.status());
       return fd.status();
     }
+    absl::Status status = ReceiveFrames(fd->get(), wait, assembler, sink);
+    // This side ends the fetch (a cancel, bad bytes): the call's cancel goes
+    // out before the lane closes, so the daemon counts a cancel, not a broken
+    // lane. A lane the daemon ended is explained by the stream's status.
+    if (!status.ok() && !absl::IsUnavailable(status)) ctx->TryCancel();
+    return status;
+  }
+
+  // The lane's frames on `fd`, through `assembler` into `sink`, to the end frame.
+  static absl::Status ReceiveFrames(int fd, const wire::LaneWait& wait, ChunkAssembler* assembler, TensorSink* sink) {
     std::array<std::byte, wire::kLaneFrameHeaderBytes> header_bytes;
     std::string meta;
     while (true) {
-      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneReadExactly(fd->get(), header_bytes, wait));
+      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneReadExactly(fd, header_bytes, wait));
       WEIGHTSTORE_ASSIGN_OR_RETURN(wire::LaneFrameHeader header, wire::DecodeLaneFrameHeader(header_bytes));
       if (header.end()) {
         if (assembler->in_tensor()) return absl::DataLossError("the data lane ended inside a tensor");
         return absl::OkStatus();
       }
       meta.resize(header.meta_bytes);
-      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneReadExactly(fd->get(), std::as_writable_bytes(std::span(meta)), wait));
+      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneReadExactly(fd, std::as_writable_bytes(std::span(meta)), wait));
       grpc::Slice slice(meta);
       grpc::ByteBuffer meta_buffer(&slice, 1);
       WEIGHTSTORE_RETURN_IF_ERROR(assembler->ConsumeLaneFrame(
           &meta_buffer, header.data_bytes,
-          [&](std::span<std::byte> out) { return wire::LaneReadExactly(fd->get(), out, wait); }, sink));
+          [&](std::span<std::byte> out) { return wire::LaneReadExactly(fd, out, wait); }, sink));
     }
   }
 

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "core/crc32c.h"
 #include "core/element_patch.h"
 #include "core/select/served.h"
@@ -81,6 +82,7 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     cancelled_ = true;
     {
       absl::MutexLock lock(&lane_mu_);
+      cancel_seen_ = true;
       if (lane_ticket_.has_value()) serving_.lane->Withdraw(*lane_ticket_);
     }
     // Waiting on a pull: stop waiting (a stale ticket does nothing).
@@ -322,6 +324,11 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         watch_.Resume();
         absl::Status status = RunLane(fd.get());
         fd.reset();  // the client reads the end frame, then the stream's status
+        if (absl::IsUnavailable(status) && CancelArrives(absl::Seconds(1))) {
+          // A client that cancels closes its lane as its call's cancel goes
+          // out; the two race here. Counted as what it was, not a broken lane.
+          status = absl::CancelledError("the client cancelled its fetch");
+        }
         LaneEvent(status);
         // `this` may be gone now; `lane` is this thread's own reference.
       }).detach();
@@ -359,6 +366,12 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       const std::span<const std::byte> parts[] = {header, std::as_bytes(std::span(meta)), payload.span()};
       WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneWriteAll(fd, parts, wait, [this](uint64_t n) { watch_.Progress(n); }));
     }
+  }
+
+  // True once the call is cancelled, waiting up to `patience` for it.
+  bool CancelArrives(absl::Duration patience) {
+    absl::MutexLock lock(&lane_mu_);
+    return lane_mu_.AwaitWithTimeout(absl::Condition(&cancel_seen_), patience);
   }
 
   // One of a lane stream's two ends: the ticket's write, or the lane's
@@ -455,9 +468,10 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   bool lane_ = false;         // the stream's one message is the ticket
   absl::Mutex lane_mu_;
   std::optional<std::string> lane_ticket_ ABSL_GUARDED_BY(lane_mu_);
-  std::string lane_proof_;           // sent back on the lane: DataLane.proof
-  std::atomic<int> lane_events_{0};  // LaneEvent
-  absl::Status lane_status_;         // the lane's outcome, set before its event
+  bool cancel_seen_ ABSL_GUARDED_BY(lane_mu_) = false;  // Cancel() ran
+  std::string lane_proof_;                              // sent back on the lane: DataLane.proof
+  std::atomic<int> lane_events_{0};                     // LaneEvent
+  absl::Status lane_status_;                            // the lane's outcome, set before its event
 };
 
 }  // namespace

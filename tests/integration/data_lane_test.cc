@@ -187,5 +187,43 @@ TEST(DataLaneTest, AClientThatStopsReadingItsLaneIsCutOffAndItsSlotFreed) {
   std::cout << "the stuck client's fetch: " << fetched << "\n";
 }
 
+// A client that cancels mid-fetch closes its lane as its call's cancel goes
+// out: the daemon counts each such fetch as Canceled, as it does a stream's,
+// never as a broken lane (Unavailable), whichever of the two arrives first.
+TEST(DataLaneTest, AFetchCancelledMidLaneIsCountedCancelledNotAsABrokenLane) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteModel(models + "/big.safetensors", 16, 1 << 20);  // 64 MiB: more than the sockets hold
+  Daemon daemon(models, {"--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                         "--data-lane-handshake-timeout", "60"});
+  ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
+  ASSERT_OK_AND_ASSIGN(auto store,
+                       client::ConnectRemoteStore(daemon.address(), {.max_resumes = 0, .parallel_streams = 1}));
+  constexpr absl::string_view kFetch = "grpc_method=\"FetchTensors\"";
+  auto handled = [&](absl::string_view code) {
+    return testing::MetricValue(daemon.metrics_port(), "grpc_server_handled_total",
+                                {kFetch, absl::StrCat("grpc_code=\"", code, "\"")});
+  };
+  constexpr int kTries = 12;
+  for (int i = 0; i < kTries; ++i) {
+    auto cancel = std::make_shared<std::atomic<bool>>(false);
+    struct CancellingSink : client::CollectingSink {
+      std::shared_ptr<std::atomic<bool>> cancel;
+      int begun = 0;
+      absl::StatusOr<std::span<std::byte>> Begin(const TensorSpec& spec) override {
+        if (++begun == 2) *cancel = true;  // mid-fetch, with most of it still to come
+        return CollectingSink::Begin(spec);
+      }
+    } sink;
+    sink.cancel = cancel;
+    client::Query query;
+    query.cancel = cancel;
+    EXPECT_THAT(store->FetchTensors("big", query, &sink), StatusIs(absl::StatusCode::kCancelled)) << i;
+  }
+  EXPECT_TRUE(testing::WaitUntil([&] { return handled("Canceled") >= kTries; })) << handled("Canceled");
+  EXPECT_EQ(handled("Canceled"), kTries);
+  EXPECT_EQ(handled("Unavailable"), 0);
+  EXPECT_EQ(Attached(daemon), kTries);
+}
+
 }  // namespace
 }  // namespace weightstore

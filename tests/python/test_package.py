@@ -573,7 +573,11 @@ class PackageTest(unittest.TestCase):
     def test_ctrl_c_in_the_middle_of_load_into_says_the_module_may_be_partly_written(self):
         for label, store in self.load_one_stores():
             with self.subTest(transport=label):
-                for _ in range(5):  # until the signal comes before the load's end
+                # Until the signal comes before the load's end: one that lands
+                # after the native call returned is Python's own bare
+                # KeyboardInterrupt (the module is whole then), tried again.
+                said = False
+                for _ in range(5):
                     module = torch.nn.Module()
                     module.w = torch.nn.Parameter(torch.zeros(128 << 20))
                     version = module.w._version
@@ -589,10 +593,10 @@ class PackageTest(unittest.TestCase):
                         time.sleep(0.05)
                     except KeyboardInterrupt:
                         pass
-                    if interrupted is not None:
+                    said = interrupted is not None and "partly written" in str(interrupted)
+                    if said:
                         break
-                self.assertIsNotNone(interrupted, "Ctrl-C did not cut a load short in five tries")
-                self.assertIn("partly written", str(interrupted))
+                self.assertTrue(said, f"Ctrl-C did not cut a load short in five tries (the last: {interrupted!r})")
                 self.assertGreater(module.w._version, version)  # autograd sees the write
                 self.assertTrue(store.load_into(module, "pkg/one").ok)  # loading again mends it
                 self.assertTrue(torch.all(module.w.data == 1.0))
