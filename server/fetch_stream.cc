@@ -322,12 +322,17 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     try {
       std::thread([this, lane = serving_.lane, fd = *std::move(fd)]() mutable {
         watch_.Resume();
-        absl::Status status = RunLane(fd.get());
+        bool peer_closed = false;
+        absl::Status status = RunLane(fd.get(), &peer_closed);
         fd.reset();  // the client reads the end frame, then the stream's status
-        if (absl::IsUnavailable(status) && CancelArrives(absl::Seconds(1))) {
+        if (peer_closed) {
           // A client that cancels closes its lane as its call's cancel goes
           // out; the two race here. Counted as what it was, not a broken lane.
-          status = absl::CancelledError("the client cancelled its fetch");
+          // Not watched meanwhile: the stall watchdog's cancel is not the
+          // client's, and a lane cut on the way must end Unavailable, which
+          // the client resumes.
+          watch_.Busy();
+          if (CancelArrives(absl::Seconds(1))) status = absl::CancelledError("the client cancelled its fetch");
         }
         LaneEvent(status);
         // `this` may be gone now; `lane` is this thread's own reference.
@@ -338,15 +343,20 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
 
   // The proof that the daemon took the connection, every chunk, then the
-  // end frame, over the lane's connection `fd`.
-  absl::Status RunLane(int fd) {
+  // end frame, over the lane's connection `fd`. `peer_closed`: a write failed
+  // because the other end closed or reset the connection.
+  absl::Status RunLane(int fd, bool* peer_closed) {
+    auto sent = [&](absl::Status written) {
+      *peer_closed = absl::IsUnavailable(written);  // LaneWriteAll: the connection broke
+      return written;
+    };
     wire::LaneWait wait;
     wait.stop = [this] { return cancelled_.load(); };
     wait.idle = std::chrono::minutes(10);  // the stall watchdog cancels sooner
     {
       const std::span<const std::byte> parts[] = {std::as_bytes(std::span(wire::kLaneHello)),
                                                   std::as_bytes(std::span(lane_proof_))};
-      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneWriteAll(fd, parts, wait));
+      WEIGHTSTORE_RETURN_IF_ERROR(sent(wire::LaneWriteAll(fd, parts, wait)));
     }
     std::string meta;
     while (true) {
@@ -358,13 +368,14 @@ class FetchReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       if (step == Step::kEnd) {
         const auto end = wire::EncodeLaneFrameHeader({});
         const std::span<const std::byte> parts[] = {end};
-        return wire::LaneWriteAll(fd, parts, wait);
+        return sent(wire::LaneWriteAll(fd, parts, wait));
       }
       meta.clear();
       chunk.AppendToString(&meta);
       const auto header = wire::EncodeLaneFrameHeader({static_cast<uint32_t>(meta.size()), payload.size()});
       const std::span<const std::byte> parts[] = {header, std::as_bytes(std::span(meta)), payload.span()};
-      WEIGHTSTORE_RETURN_IF_ERROR(wire::LaneWriteAll(fd, parts, wait, [this](uint64_t n) { watch_.Progress(n); }));
+      WEIGHTSTORE_RETURN_IF_ERROR(
+          sent(wire::LaneWriteAll(fd, parts, wait, [this](uint64_t n) { watch_.Progress(n); })));
     }
   }
 

@@ -4,6 +4,8 @@
 // alone); here, what it does around that: it is used and counted, a stranger
 // on its port reaches nothing and stops nobody, a client that stops reading
 // is cut off, and the daemon refuses it beside TLS (ops_test.cc).
+#include "proto/codec/data_lane.h"
+
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -28,9 +30,11 @@
 #include "tests/util/daemon.h"
 #include "tests/util/loopback.h"
 #include "tests/util/metrics.h"
+#include "tests/util/serving.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 #include "tests/util/wait.h"
+#include "weightstore/v1/weight_store.grpc.pb.h"
 
 namespace weightstore {
 namespace {
@@ -223,6 +227,56 @@ TEST(DataLaneTest, AFetchCancelledMidLaneIsCountedCancelledNotAsABrokenLane) {
   EXPECT_EQ(handled("Canceled"), kTries);
   EXPECT_EQ(handled("Unavailable"), 0);
   EXPECT_EQ(Attached(daemon), kTries);
+}
+
+// A lane closed by its client, spoken raw: with the call cancelled as well,
+// the daemon counts it Canceled; with the call still open (the lane cut on
+// the way, by a middlebox), the stream ends Unavailable, which clients resume.
+TEST(DataLaneTest, ALaneItsClientClosedEndsCancelledWithItsCallOrElseUnavailable) {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteModel(models + "/big.safetensors", 16, 1 << 20);  // 64 MiB: more than the sockets hold
+  Daemon daemon(models, {"--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                         "--data-lane-handshake-timeout", "60"});
+  ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
+  auto stub = testing::NewStub(daemon.address());
+  auto handled = [&](absl::string_view code) {
+    return testing::MetricValue(daemon.metrics_port(), "grpc_server_handled_total",
+                                {"grpc_method=\"FetchTensors\"", absl::StrCat("grpc_code=\"", code, "\"")});
+  };
+  for (const bool cancel : {false, true}) {
+    SCOPED_TRACE(cancel ? "the call cancelled" : "the call left open");
+    grpc::ClientContext ctx;
+    v1::FetchTensorsRequest request;
+    request.set_name("big");
+    request.set_data_lane(true);
+    std::unique_ptr<grpc::ClientReader<v1::TensorChunk>> reader = stub->FetchTensors(&ctx, request);
+    v1::TensorChunk ticket;
+    ASSERT_TRUE(reader->Read(&ticket));
+    ASSERT_TRUE(ticket.has_lane());
+    UniqueFd lane = testing::ConnectLoopback(static_cast<int>(ticket.lane().port()));
+    const std::string hello = std::string(wire::kLaneHello.data(), wire::kLaneHello.size()) + ticket.lane().ticket();
+    ASSERT_EQ(write(lane.get(), hello.data(), hello.size()), static_cast<ssize_t>(hello.size()));
+    std::string got(1 << 20, '\0');  // the proof, then the first frames
+    size_t read_bytes = 0;
+    while (read_bytes < got.size()) {
+      const ssize_t n = read(lane.get(), got.data() + read_bytes, got.size() - read_bytes);
+      ASSERT_GT(n, 0);
+      read_bytes += static_cast<size_t>(n);
+    }
+    EXPECT_EQ(got.substr(wire::kLaneHello.size(), wire::kLaneTicketBytes), ticket.lane().proof());
+    lane.reset();  // unread bytes behind it: the daemon's next write fails
+    if (cancel) ctx.TryCancel();
+    const grpc::Status status = reader->Finish();
+    if (cancel) {
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED) << status.error_message();
+    } else {
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+      EXPECT_THAT(status.error_message(), HasSubstr("data lane broke"));
+    }
+  }
+  EXPECT_TRUE(testing::WaitUntil([&] { return handled("Canceled") + handled("Unavailable") >= 2; }));
+  EXPECT_EQ(handled("Unavailable"), 1);
+  EXPECT_EQ(handled("Canceled"), 1);
 }
 
 }  // namespace

@@ -596,6 +596,8 @@ class PackageTest(unittest.TestCase):
                     said = interrupted is not None and "partly written" in str(interrupted)
                     if said:
                         break
+                    if interrupted is not None:  # too late: the load had finished, whole
+                        self.assertTrue(torch.all(module.w.data == 1.0), f"{interrupted!r} left a partial load")
                 self.assertTrue(said, f"Ctrl-C did not cut a load short in five tries (the last: {interrupted!r})")
                 self.assertGreater(module.w._version, version)  # autograd sees the write
                 self.assertTrue(store.load_into(module, "pkg/one").ok)  # loading again mends it
