@@ -7,8 +7,9 @@
 #     stage's flags; then the two binaries build as the build stage builds
 #     them, or, given BINARIES (a build tree of the same sources that already
 #     has them: CI's gcc build), those are checked instead of a third compile
-#     of the daemon (the flags change optimisation and what else is built, not
-#     what the binaries link);
+#     of the daemon. That tree must compile the sources as the Dockerfile does
+#     (WEIGHTSTORE_UNITY_BUILD alike); its other flags change optimisation,
+#     warnings and what else is built, not what the binaries link;
 #  2. every shared library they link must come from a package the runtime stage
 #     installs (or from debian:12-slim itself);
 #  3. runs the ENTRYPOINT's command as the image's numeric user (10001) on the
@@ -37,6 +38,13 @@ echo "cmake flags from the Dockerfile: $flags"
 cmake -S "$root" -B "$build" -G Ninja $flags > /dev/null
 if [ -n "$binaries" ]; then
   # The build stage's targets exist under its flags; the binaries come from BINARIES.
+  for option in WEIGHTSTORE_UNITY_BUILD; do
+    want=$(sed -n "s/^$option:BOOL=//p" "$build/CMakeCache.txt")
+    have=$(sed -n "s/^$option:BOOL=//p" "$binaries/CMakeCache.txt")
+    if [ "$want" != "$have" ]; then
+      echo "$binaries has $option=$have, the Dockerfile's build $option=$want: not the same compile"; exit 1
+    fi
+  done
   for target in weightstored weightstore; do
     ninja -C "$build" -t query "$target" > /dev/null || { echo "no target $target under the Dockerfile's flags"; exit 1; }
   done
