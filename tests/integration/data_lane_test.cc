@@ -62,6 +62,12 @@ double Attached(const Daemon& daemon) {
                               {"outcome=\"attached\""});
 }
 
+// FetchTensors calls the daemon ended with status `code` ("Canceled").
+double FetchesEnded(const Daemon& daemon, absl::string_view code) {
+  return testing::MetricValue(daemon.metrics_port(), "grpc_server_handled_total",
+                              {"grpc_method=\"FetchTensors\"", absl::StrCat("grpc_code=\"", code, "\"")});
+}
+
 void ExpectSameAsTheFile(const std::string& path, const client::Query& query, const std::vector<SharedTensor>& got) {
   ASSERT_OK_AND_ASSIGN(auto local, client::OpenLocalStore(std::filesystem::path(path).parent_path().string()));
   ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> want,
@@ -202,11 +208,7 @@ TEST(DataLaneTest, AFetchCancelledMidLaneIsCountedCancelledNotAsABrokenLane) {
   ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
   ASSERT_OK_AND_ASSIGN(auto store,
                        client::ConnectRemoteStore(daemon.address(), {.max_resumes = 0, .parallel_streams = 1}));
-  constexpr absl::string_view kFetch = "grpc_method=\"FetchTensors\"";
-  auto handled = [&](absl::string_view code) {
-    return testing::MetricValue(daemon.metrics_port(), "grpc_server_handled_total",
-                                {kFetch, absl::StrCat("grpc_code=\"", code, "\"")});
-  };
+  auto handled = [&](absl::string_view code) { return FetchesEnded(daemon, code); };
   constexpr int kTries = 12;
   for (int i = 0; i < kTries; ++i) {
     auto cancel = std::make_shared<std::atomic<bool>>(false);
@@ -239,10 +241,7 @@ TEST(DataLaneTest, ALaneItsClientClosedEndsCancelledWithItsCallOrElseUnavailable
                          "--data-lane-handshake-timeout", "60"});
   ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
   auto stub = testing::NewStub(daemon.address());
-  auto handled = [&](absl::string_view code) {
-    return testing::MetricValue(daemon.metrics_port(), "grpc_server_handled_total",
-                                {"grpc_method=\"FetchTensors\"", absl::StrCat("grpc_code=\"", code, "\"")});
-  };
+  auto handled = [&](absl::string_view code) { return FetchesEnded(daemon, code); };
   for (const bool cancel : {false, true}) {
     SCOPED_TRACE(cancel ? "the call cancelled" : "the call left open");
     grpc::ClientContext ctx;
