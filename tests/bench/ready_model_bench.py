@@ -13,10 +13,14 @@ parameters hold the checkpoint's values, ready for forward. Rows:
                                  (.pt), then model.load_state_dict
   weightstore <transport>        the `weightstore` package (PYTHONPATH=<build>/python)
                                  from a weightstored this script starts on
-                                 127.0.0.1 port 0 with --socket, serving the
-                                 same SafeTensors files: the same-host socket
-                                 ("unix:"), gRPC over loopback ("127.0.0.1:P")
-                                 and local files read in this process ("file:"):
+                                 127.0.0.1 port 0 with --socket and
+                                 --data-listen, serving the same SafeTensors
+                                 files: the same-host socket ("unix:"), gRPC
+                                 over loopback ("127.0.0.1:P") with the bytes
+                                 on the data lane (the default where a daemon
+                                 has one) and on the stream alone
+                                 (data_lane=False), and local files read in
+                                 this process ("file:"):
       load_into                  connect + store.load_into(model, name)
       tensors + load_state_dict  connect + store.tensors(name) + model.load_state_dict
       (socket only) ... (assign=True)  the same, with the parameters assigned,
@@ -44,7 +48,7 @@ ready model's parameters live (memory of its own, or a mapping), and the
 peak RSS of this process while the rows ran (VmHWM, reset after the
 checkpoints are written) and of the daemon.
 
-The daemon runs with its defaults besides --socket: a socket client that could
+The daemon runs with its defaults besides --socket and --data-listen: a socket client that could
 write the files itself (as here, the same user) gets a sealed shared-memory
 copy of each checkpoint (--socket-file-segments auto), made once and kept. Every row runs in this one process, so glibc's heap
 may hand a repeat memory an earlier repeat freed (already faulted in), as it
@@ -129,9 +133,11 @@ def main():
                 while f.read(64 << 20):
                     pass
 
-        daemon, grpc, socket = bench_daemon.start(args.build, root, work)
-        urls = {"socket": socket, "gRPC": grpc, "file": "file:" + root}
-        served = {c["name"] for c in weightstore.connect(urls["gRPC"]).list()}
+        daemon, grpc, socket = bench_daemon.start(args.build, root, work, extra=("--data-listen", "127.0.0.1:0"))
+        # transport -> (url, connect()'s keywords)
+        transports = {"socket": (socket, {}), "gRPC, data lane": (grpc, {}),
+                      "gRPC, stream only": (grpc, {"data_lane": False}), "file": ("file:" + root, {})}
+        served = {c["name"] for c in weightstore.connect(grpc).list()}
         missing = [f"{n}/model" for n, _ in models if f"{n}/model" not in served]
         if missing:
             raise SystemExit(f"weightstored does not serve {missing} (it serves {sorted(served)})")
@@ -163,28 +169,31 @@ def main():
                 ("safetensors load_file + load_state_dict", safetensors_row),
                 ("torch.load(.pt, mmap=True) + load_state_dict", torch_load_row),
             ]
-            for transport, url in urls.items():
-                def load_into(url=url):
+            for transport, (url, kw) in transports.items():
+                def connect(url=url, kw=kw):
+                    return weightstore.connect(url, **kw)
+
+                def load_into(connect=connect):
                     model = build(name)
-                    result = weightstore.connect(url).load_into(model, checkpoint)
+                    result = connect().load_into(model, checkpoint)
                     if result.errors or result.missing:
                         raise RuntimeError(f"load_into {checkpoint}: {result}")
                     return model
 
-                def tensors_state_dict(url=url):
+                def tensors_state_dict(connect=connect):
                     model = build(name)
-                    model.load_state_dict(weightstore.connect(url).tensors(checkpoint))
+                    model.load_state_dict(connect().tensors(checkpoint))
                     return model
 
                 if transport == "socket":
-                    def tensors_assign(url=url):
+                    def tensors_assign(connect=connect):
                         model = build(name)
-                        model.load_state_dict(weightstore.connect(url).tensors(checkpoint), assign=True)
+                        model.load_state_dict(connect().tensors(checkpoint), assign=True)
                         return model
                     rows.append((f"weightstore {transport}: tensors + load_state_dict(assign=True)", tensors_assign))
                 rows += [(f"weightstore {transport}: load_into", load_into),
                          (f"weightstore {transport}: tensors + load_state_dict", tensors_state_dict),
-                         (f"weightstore {transport}: tensors only", lambda url=url: weightstore.connect(url).tensors(
+                         (f"weightstore {transport}: tensors only", lambda connect=connect: connect().tensors(
                              checkpoint))]
             return rows
 
