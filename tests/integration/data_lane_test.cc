@@ -68,6 +68,19 @@ double FetchesEnded(const Daemon& daemon, absl::string_view code) {
                               {"grpc_method=\"FetchTensors\"", absl::StrCat("grpc_code=\"", code, "\"")});
 }
 
+// A models folder serving "big": 64 MiB in 16 tensors, more than the
+// sockets hold, so a fetch is still sending when its client acts.
+std::string BigModel() {
+  const std::string models = testing::MakeScratchDir("models");
+  WriteModel(models + "/big.safetensors", 16, 1 << 20);
+  return models;
+}
+
+// A daemon with the lane and metrics on, and a handshake that a slow
+// machine never times out.
+const std::vector<std::string> kLaneArgs = {
+    "--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--data-lane-handshake-timeout", "60"};
+
 void ExpectSameAsTheFile(const std::string& path, const client::Query& query, const std::vector<SharedTensor>& got) {
   ASSERT_OK_AND_ASSIGN(auto local, client::OpenLocalStore(std::filesystem::path(path).parent_path().string()));
   ASSERT_OK_AND_ASSIGN(std::vector<SharedTensor> want,
@@ -201,10 +214,7 @@ TEST(DataLaneTest, AClientThatStopsReadingItsLaneIsCutOffAndItsSlotFreed) {
 // out: the daemon counts each such fetch as Canceled, as it does a stream's,
 // never as a broken lane (Unavailable), whichever of the two arrives first.
 TEST(DataLaneTest, AFetchCancelledMidLaneIsCountedCancelledNotAsABrokenLane) {
-  const std::string models = testing::MakeScratchDir("models");
-  WriteModel(models + "/big.safetensors", 16, 1 << 20);  // 64 MiB: more than the sockets hold
-  Daemon daemon(models, {"--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                         "--data-lane-handshake-timeout", "60"});
+  Daemon daemon(BigModel(), kLaneArgs);
   ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
   ASSERT_OK_AND_ASSIGN(auto store,
                        client::ConnectRemoteStore(daemon.address(), {.max_resumes = 0, .parallel_streams = 1}));
@@ -235,10 +245,7 @@ TEST(DataLaneTest, AFetchCancelledMidLaneIsCountedCancelledNotAsABrokenLane) {
 // the daemon counts it Canceled; with the call still open (the lane cut on
 // the way, by a middlebox), the stream ends Unavailable, which clients resume.
 TEST(DataLaneTest, ALaneItsClientClosedEndsCancelledWithItsCallOrElseUnavailable) {
-  const std::string models = testing::MakeScratchDir("models");
-  WriteModel(models + "/big.safetensors", 16, 1 << 20);  // 64 MiB: more than the sockets hold
-  Daemon daemon(models, {"--data-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                         "--data-lane-handshake-timeout", "60"});
+  Daemon daemon(BigModel(), kLaneArgs);
   ASSERT_NE(daemon.lane_port(), 0) << daemon.log();
   auto stub = testing::NewStub(daemon.address());
   auto handled = [&](absl::string_view code) { return FetchesEnded(daemon, code); };
