@@ -11,6 +11,7 @@
 #include <cctype>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "core/formats/checkpoint_writer.h"
 #include "core/formats/safetensors.h"
 #include "core/select/dtype_cast.h"
+#include "core/status_macros.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 
@@ -157,8 +159,11 @@ TEST(CollectingSinkTest, ATensorBegunAgainReplacesTheOneItBeganAndEndsInBeginsOr
   CollectingSink sink;
   Write(sink.Begin(a), 'x');
   Write(sink.Begin(b), 'y');  // open ahead
-  Write(sink.Begin(b), 'b');  // b's transfer restarted: its first buffer is abandoned
+  // Restarts come with one tensor open (a stream's); a store that begins
+  // ahead never restarts one.
+  EXPECT_THAT(sink.Begin(b).status(), testing::StatusIs(absl::StatusCode::kFailedPrecondition));
   ASSERT_OK(sink.End(a));
+  Write(sink.Begin(b), 'b');  // b's transfer restarted: its first buffer is abandoned
   Write(sink.Begin(c), 'c');
   EXPECT_THAT(sink.End(c), testing::StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::HasSubstr("'c'")));
   ASSERT_OK(sink.End(b));
@@ -240,6 +245,86 @@ TEST(PlacingSinkTest, ARestartTakesTheSamePlaceAndTiedPlacesAreWrittenByOneTenso
   ASSERT_EQ(tied_thrice.rest().tensors().size(), 2u);
   EXPECT_EQ(tied_thrice.rest().tensors()[0].spec.name, "second");
   EXPECT_EQ(tied_thrice.rest().tensors()[1].spec.name, "third");
+}
+
+// A store that begins tensors ahead never restarts one: the same name begun
+// twice in a row while others are open is refused, and the buffers handed
+// out for them stay (a forged answer once freed the first one's).
+TEST(CollectingSinkTest, ATensorBegunTwiceWhileOthersAreOpenIsRefusedAndTheirBuffersKept) {
+  const TensorSpec a{"a", DType::kU8, {4}}, x{"x", DType::kU8, {4}};
+  CollectingSink collecting;
+  ASSERT_OK(collecting.Begin(a).status());
+  ASSERT_OK_AND_ASSIGN(std::span<std::byte> first, collecting.Begin(x));
+  EXPECT_THAT(collecting.Begin(x).status(), testing::StatusIs(absl::StatusCode::kFailedPrecondition,
+                                                              ::testing::HasSubstr("tensor 'x' begun twice in a row")));
+  std::memset(first.data(), 'x', first.size());  // still the sink's (ASan: not freed)
+  ASSERT_OK(collecting.End(a));
+  ASSERT_OK(collecting.End(x));
+  ASSERT_EQ(collecting.tensors().size(), 2u);
+  EXPECT_EQ(collecting.tensors()[1].bytes.view(), "xxxx");
+
+  std::vector<std::byte> place(4);
+  absl::flat_hash_map<std::string, PlacingSink::Place> places;
+  places["x"] = {DType::kU8, {4}, place};
+  PlacingSink placing(std::move(places));
+  ASSERT_OK(placing.Begin(a).status());
+  ASSERT_OK(placing.Begin(x).status());
+  EXPECT_THAT(placing.Begin(x).status(), testing::StatusIs(absl::StatusCode::kFailedPrecondition,
+                                                           ::testing::HasSubstr("tensor 'x' begun twice in a row")));
+}
+
+// What a fetch delivered, against its listing: every listed tensor once, as
+// listed, placed or collected; anything else is DataLoss naming the tensor.
+TEST(PlacingSinkTest, CheckDeliveredWantsEveryListedTensorOnceAsListed) {
+  const TensorSpec a{"a", DType::kU8, {4}}, b{"b", DType::kU8, {2, 2}};
+  TensorListing listing;
+  listing.tensors.resize(2);
+  listing.tensors[0].spec = a;
+  listing.tensors[1].spec = b;
+  auto fill = [](PlacingSink& sink, const std::vector<TensorSpec>& sent) -> absl::Status {
+    for (const TensorSpec& spec : sent) {
+      WEIGHTSTORE_RETURN_IF_ERROR(sink.Begin(spec).status());
+      WEIGHTSTORE_RETURN_IF_ERROR(sink.End(spec));
+    }
+    return absl::OkStatus();
+  };
+  std::vector<std::byte> place(4);
+  auto sink_with_a_place = [&] {
+    absl::flat_hash_map<std::string, PlacingSink::Place> places;
+    places["a"] = {DType::kU8, {4}, place};
+    return std::make_unique<PlacingSink>(std::move(places));
+  };
+  {
+    auto sink = sink_with_a_place();
+    ASSERT_OK(fill(*sink, {a, b}));
+    EXPECT_OK(sink->CheckDelivered(listing));
+  }
+  {
+    auto sink = sink_with_a_place();
+    ASSERT_OK(fill(*sink, {a}));
+    EXPECT_THAT(sink->CheckDelivered(listing),
+                testing::StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("ended without tensor 'b'")));
+  }
+  {
+    auto sink = sink_with_a_place();
+    ASSERT_OK(fill(*sink, {a, b, {"c", DType::kU8, {1}}}));
+    EXPECT_THAT(sink->CheckDelivered(listing),
+                testing::StatusIs(absl::StatusCode::kDataLoss,
+                                  ::testing::HasSubstr("sent tensor 'c', which its listing does not name")));
+  }
+  {
+    auto sink = sink_with_a_place();
+    ASSERT_OK(fill(*sink, {a, b, b}));
+    EXPECT_THAT(sink->CheckDelivered(listing),
+                testing::StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("tensor 'b'")));
+  }
+  {
+    auto sink = sink_with_a_place();  // b as a flat [4]: torch's copy_ would take it
+    ASSERT_OK(fill(*sink, {a, {"b", DType::kU8, {4}}}));
+    EXPECT_THAT(sink->CheckDelivered(listing),
+                testing::StatusIs(absl::StatusCode::kDataLoss,
+                                  ::testing::HasSubstr("tensor 'b' came as U8 [4], listed as U8 [2,2]")));
+  }
 }
 
 }  // namespace

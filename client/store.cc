@@ -4,7 +4,10 @@
 
 #include <iterator>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/dtype.h"
 #include "core/status_macros.h"
 
 namespace weightstore::client {
@@ -14,8 +17,13 @@ absl::StatusOr<std::span<std::byte>> CollectingSink::Begin(const TensorSpec& spe
     return absl::CancelledError(absl::StrCat("the fetch was cancelled before tensor '", spec.name, "'"));
   }
   // The tensor begun last, again (its transfer restarted, as a patch or
-  // whole): what it had is abandoned.
-  const bool again = !open_.empty() && open_.back().first == spec.name;
+  // whole): what it had is abandoned. Only while it is the one open: a
+  // store that begins tensors ahead never restarts one, and the buffers it
+  // holds for the others must stay.
+  const bool again = open_.size() == 1 && open_.back().first == spec.name;
+  if (open_.size() > 1 && open_.back().first == spec.name) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor '", spec.name, "' begun twice in a row"));
+  }
   if (current_patch_ && !again) {
     return absl::FailedPreconditionError(absl::StrCat("tensor '", spec.name, "' begun while a patch is open"));
   }
@@ -93,7 +101,10 @@ absl::StatusOr<std::span<std::byte>> PlacingSink::Begin(const TensorSpec& spec) 
   const std::span<std::byte> place = fits ? it->second.bytes : std::span<std::byte>();
   // The tensor begun last, again (its transfer restarted): it gives up what
   // it had once the checks below pass.
-  const bool again = !open_.empty() && open_.back().name == spec.name;
+  const bool again = open_.size() == 1 && open_.back().name == spec.name;  // as CollectingSink's
+  if (open_.size() > 1 && open_.back().name == spec.name) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor '", spec.name, "' begun twice in a row"));
+  }
   if (!again && open_.size() >= OpenAhead()) {
     return absl::FailedPreconditionError(absl::StrCat("tensor '", spec.name, "' begun past OpenAhead()"));
   }
@@ -133,6 +144,41 @@ absl::Status PlacingSink::End(const TensorSpec& spec) {
   if (!ended.placed) return rest_.End(spec);
   if (!ended.place.empty()) open_places_.erase(ended.place.data());
   placed_.push_back(spec.name);
+  return absl::OkStatus();
+}
+
+absl::Status PlacingSink::CheckDelivered(const TensorListing& listing) {
+  absl::flat_hash_map<absl::string_view, const TensorSpec*> due;
+  for (const TensorDescription& t : listing.tensors) {
+    if (!t.unchanged) due.emplace(t.spec.name, &t.spec);
+  }
+  auto take = [&](const TensorSpec& got) -> absl::Status {
+    auto it = due.find(got.name);
+    if (it == due.end()) {
+      return absl::DataLossError(
+          absl::StrCat("the fetch sent tensor '", got.name, "', which its listing does not name, or twice"));
+    }
+    const TensorSpec& want = *it->second;
+    if (want.dtype != got.dtype || want.shape != got.shape) {
+      return absl::DataLossError(absl::StrCat("tensor '", got.name, "' came as ", DTypeName(got.dtype), " [",
+                                              absl::StrJoin(got.shape, ","), "], listed as ", DTypeName(want.dtype),
+                                              " [", absl::StrJoin(want.shape, ","), "]"));
+    }
+    due.erase(it);
+    return absl::OkStatus();
+  };
+  for (const std::string& name : placed_) {
+    const Place& place = places_.at(name);
+    WEIGHTSTORE_RETURN_IF_ERROR(take({name, place.dtype, place.shape}));
+  }
+  for (const SharedTensor& t : rest_.tensors()) WEIGHTSTORE_RETURN_IF_ERROR(take(t.spec));
+  for (const ReceivedPatch& p : rest_.patches()) WEIGHTSTORE_RETURN_IF_ERROR(take(p.spec));
+  for (const TensorDescription& t : listing.tensors) {
+    if (due.contains(t.spec.name)) {
+      return absl::DataLossError(absl::StrCat("the fetch ended without tensor '", t.spec.name, "' (and ",
+                                              due.size() - 1, " more) that its listing names"));
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -144,8 +144,8 @@ struct TensorListing {
 };
 
 // Where fetched tensors go. Begin() (or BeginPatch()) may be called again for
-// the tensor begun last, whose transfer restarted; the previous buffer is
-// then abandoned. Calls come one at a time and in order, but not necessarily
+// the tensor begun last, whose transfer restarted, while it is the only one
+// open; the previous buffer is then abandoned. Calls come one at a time and in order, but not necessarily
 // on the thread that called the store (a remote store copies on a helper
 // thread; see RemoteOptions::pipeline).
 class TensorSink {
@@ -253,6 +253,11 @@ class PlacingSink final : public TensorSink {
   bool written_any() const { return written_any_; }
   // What had no place, or one of another dtype or shape, and the version.
   CollectingSink& rest() { return rest_; }
+  // After a fetch that returned OK: whether it delivered exactly the tensors
+  // `listing` names (less those it left unchanged), each once, with its
+  // listed dtype and shape. DataLoss naming the first that was not: what a
+  // daemon's bug or a forged stream sends, placed or not.
+  absl::Status CheckDelivered(const TensorListing& listing);
 
  private:
   absl::flat_hash_map<std::string, Place> places_;

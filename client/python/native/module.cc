@@ -646,6 +646,13 @@ class Store {
       Raise(absl::Status(fetched.code(), absl::StrCat(fetched.message(), " (", kPartlyWritten, ")")));
     }
     if (!fetched.ok()) Raise(fetched);
+    // Only what the listing named, each once, as it named it (a daemon's bug
+    // or a forged stream would leave a parameter unloaded, or misshapen).
+    if (absl::Status delivered = sink.CheckDelivered(listing); !delivered.ok()) {
+      Raise(sink.written_any()
+                ? absl::Status(delivered.code(), absl::StrCat(delivered.message(), " (", kPartlyWritten, ")"))
+                : delivered);
+    }
     py::dict out;
     out["version"] = sink.rest().version().empty() ? listing.version : sink.rest().version();
     out["placed"] = py::cast(sink.placed());
