@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/parallel_copy.h"
@@ -128,10 +129,14 @@ class ShmStore final : public SharedMemoryStore {
     }
     out.tensors.reserve(map.tensors_size());
     out.descriptions.resize(map.tensors_size());
+    absl::flat_hash_set<absl::string_view> names;  // of out.descriptions, which stay put
     for (int i = 0; i < map.tensors_size(); ++i) {
       const pb::MappedTensor& t = map.tensors(i);
       TensorDescription& d = out.descriptions[i];
       WEIGHTSTORE_RETURN_IF_ERROR(FromProto(t.info(), &d));
+      if (!names.insert(d.spec.name).second) {
+        return absl::DataLossError(absl::StrCat("the daemon sent tensor '", d.spec.name, "' twice"));
+      }
       if (d.unchanged) {  // the caller keeps what it mapped
         if (query.since_version.empty()) {
           return absl::DataLossError(absl::StrCat("tensor '", d.spec.name, "' came unchanged, unasked"));
@@ -212,20 +217,19 @@ class ShmStore final : public SharedMemoryStore {
       std::vector<CopyJob> jobs;
       jobs.reserve(batch.size());
       for (Open& o : batch) {
-        const bool checksum = mapped.descriptions[o.index].crc32c.has_value();
         o.crcs.resize((o.to.size() + kCopyPieceBytes - 1) / kCopyPieceBytes);
-        jobs.push_back(
-            {o.to.size(), kCopyPieceBytes, [&o, checksum, &query, &name, &mapped](uint64_t at, uint64_t length) {
-               if (query.cancel != nullptr && query.cancel->load()) {
-                 return absl::CancelledError(absl::StrCat("fetch of '", name, "': cancelled in tensor '",
-                                                          mapped.tensors[o.index].spec.name, "' at byte ", at, " of ",
-                                                          o.to.size()));
-               }
-               absl::StatusOr<uint32_t> crc = CopyPiece(o.to.subspan(at, length), o.source, at, checksum);
-               if (!crc.ok()) return crc.status();
-               o.crcs[at / kCopyPieceBytes] = *crc;
-               return absl::OkStatus();
-             }});
+        jobs.push_back({o.to.size(), kCopyPieceBytes, [&o, &query, &name, &mapped](uint64_t at, uint64_t length) {
+                          if (query.cancel != nullptr && query.cancel->load()) {
+                            return absl::CancelledError(absl::StrCat("fetch of '", name, "': cancelled in tensor '",
+                                                                     mapped.tensors[o.index].spec.name, "' at byte ",
+                                                                     at, " of ", o.to.size()));
+                          }
+                          absl::StatusOr<uint32_t> crc =
+                              CopyPiece(o.to.subspan(at, length), o.source, at, /*checksum=*/true);
+                          if (!crc.ok()) return crc.status();
+                          o.crcs[at / kCopyPieceBytes] = *crc;
+                          return absl::OkStatus();
+                        }});
       }
       WEIGHTSTORE_RETURN_IF_ERROR(RunCopyJobs(jobs));
       for (const Open& o : batch) {
@@ -261,6 +265,11 @@ class ShmStore final : public SharedMemoryStore {
         std::memcpy(out.data(), p.patch.body.data(), out.size());
         WEIGHTSTORE_RETURN_IF_ERROR(sink->EndPatch(p.spec));
         continue;
+      }
+      // The daemon checksums every tensor a fetch maps; one without its
+      // CRC32C would be copied unchecked, from a file that may change.
+      if (!mapped.descriptions[i].crc32c) {
+        return absl::DataLossError(absl::StrCat("the daemon sent tensor '", t.spec.name, "' without its CRC32C"));
       }
       if (!batch.empty() && (batch.size() >= open_ahead || batch_bytes + t.bytes.size() > kBatchBytes)) {
         WEIGHTSTORE_RETURN_IF_ERROR(flush());
@@ -369,8 +378,11 @@ class ShmStore final : public SharedMemoryStore {
         }
       }
       // Even when sending failed, the daemon may have answered first and closed
-      // (a refusal on connect): read what is queued.
-      absl::Status received = RecvFrame(socket_.get(), options_.max_response_bytes, &frame, &reply.fds);
+      // (a refusal on connect): read what is queued. The whole answer within
+      // the timeout, not each read of it, and cancellable throughout.
+      FrameWait wait{.cancelled = cancel};
+      if (options_.timeout.count() > 0) wait.deadline = std::chrono::steady_clock::now() + options_.timeout;
+      absl::Status received = RecvFrame(socket_.get(), options_.max_response_bytes, &frame, &reply.fds, wait);
       if (status.ok() || received.ok()) status = received;
       if (status.ok()) {
         if (!reply.response.ParseFromString(frame))

@@ -18,6 +18,7 @@
 #include "core/host_buffer.h"
 #include "core/shm/sealed_memfd.h"
 #include "core/shm/unix_socket.h"
+#include "tests/util/scripted_socket.h"
 #include "tests/util/status_matchers.h"
 #include "tests/util/test_env.h"
 #include "weightstore/v1/shm.pb.h"
@@ -27,6 +28,7 @@ namespace {
 
 namespace pb = ::weightstore::v1;
 using ::testing::HasSubstr;
+using ::weightstore::testing::ScriptedSocket;
 using ::weightstore::testing::StatusIs;
 
 // A patch of a U8 [8] tensor from `before` to `after`, as received.
@@ -145,55 +147,6 @@ TEST(DevicePatchesTest, DestinationsAreCheckedBeforeAnyGpuIsAsked) {
   EXPECT_EQ(tied, "abcdefgh");
 }
 
-// A socket "daemon" that answers the requests of one connection in turn, as
-// weightstored's socket would, each with its segment in a sealed memfd (none
-// when empty): for the answers a real daemon never gives.
-class ScriptedSocket {
- public:
-  struct Answer {
-    pb::ShmResponse response;
-    std::string segment;
-  };
-  explicit ScriptedSocket(std::vector<Answer> answers) : path_(testing::MakeScratchDir("fake-shm") + "/s.sock") {
-    listener_ = UniqueFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::strncpy(addr.sun_path, path_.c_str(), sizeof(addr.sun_path) - 1);
-    EXPECT_EQ(::bind(listener_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    EXPECT_EQ(::listen(listener_.get(), 1), 0);
-    thread_ = std::thread([this, answers = std::move(answers)] {
-      UniqueFd connection(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      std::string frame;
-      std::vector<UniqueFd> fds;
-      for (const Answer& a : answers) {
-        if (!RecvFrame(connection.get(), 1 << 20, &frame, &fds).ok()) return;
-        std::vector<int> sent;
-        absl::StatusOr<std::shared_ptr<const MappedFile>> memfd;
-        if (!a.segment.empty()) {
-          memfd = CreateSealedMemfd("fake", a.segment.size(), [&](std::span<std::byte> out) {
-            std::memcpy(out.data(), a.segment.data(), a.segment.size());
-            return absl::OkStatus();
-          });
-          if (!memfd.ok()) return;
-          sent.push_back((*memfd)->fd());
-        }
-        (void)SendFrame(connection.get(), a.response.SerializeAsString(), sent);
-      }
-      (void)RecvFrame(connection.get(), 1 << 20, &frame, &fds);  // until the client leaves
-    });
-  }
-  ~ScriptedSocket() {
-    ::shutdown(listener_.get(), SHUT_RDWR);
-    thread_.join();
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-  UniqueFd listener_;
-  std::thread thread_;
-};
-
 // An answer mapping tensor "w" (U8 [64], changed since "v1") as a patch of
 // `patch_bytes` bytes at `offset` of a 4096-byte segment.
 pb::ShmResponse PatchAnswer(uint32_t element_size, uint64_t patch_bytes, uint64_t offset) {
@@ -305,7 +258,7 @@ TEST(SocketPatchesTest, TwoPatchesOfOneTensorAreRefusedBeforeAnythingIsWritten) 
   ScriptedSocket daemon({{twice, segment}});
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<SharedMemoryStore> store, ConnectSharedMemoryStore(daemon.path()));
   EXPECT_THAT(UpdateTensors(*store, "m", {}, &held).status(),
-              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("a patch of tensor 'w' unlike its listing")));
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("the daemon sent tensor 'w' twice")));
   EXPECT_EQ(held.version, "v1");
   EXPECT_EQ(held.tensors[0].bytes.view(), before);
   EXPECT_EQ(kept.view(), before);

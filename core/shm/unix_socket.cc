@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "core/status_util.h"
 
 namespace weightstore {
@@ -35,12 +37,36 @@ void TakeFds(msghdr* msg, std::vector<UniqueFd>* fds) {
   }
 }
 
-// Reads exactly `n` bytes into `out`, collecting descriptors. `*got_any` is set
-// once a byte has arrived.
-absl::Status RecvExactly(int socket, char* out, size_t n, std::vector<UniqueFd>* fds, bool* got_any) {
+// Waits until `socket` is readable, within `wait`'s deadline and until it
+// is cancelled (nothing to wait for without either).
+absl::Status AwaitBytes(int socket, const FrameWait& wait) {
+  const bool bounded = wait.deadline != std::chrono::steady_clock::time_point::max();
+  if (!bounded && wait.cancelled == nullptr) return absl::OkStatus();
+  while (true) {
+    if (wait.cancelled != nullptr && wait.cancelled->load()) {
+      return absl::CancelledError("cancelled while receiving a frame");
+    }
+    int step = 20;
+    if (bounded) {
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(wait.deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return absl::DeadlineExceededError("receiving a frame: it took past its deadline");
+      step = static_cast<int>(std::min<int64_t>(left.count(), step));
+    }
+    pollfd p{socket, POLLIN, 0};
+    const int ready = ::poll(&p, 1, step);
+    if (ready > 0) return absl::OkStatus();  // readable, closed or failed: the read says which
+    if (ready < 0 && errno != EINTR) return StatusFromErrno(errno, "poll");
+  }
+}
+
+// Reads exactly `n` bytes into `out`, collecting the descriptors that come
+// with a frame's first bytes. `*got_any` is set once a byte has arrived.
+absl::Status RecvExactly(int socket, char* out, size_t n, std::vector<UniqueFd>* fds, bool* got_any,
+                         const FrameWait& wait) {
   alignas(cmsghdr) static thread_local char control[CMSG_SPACE(kMaxFdsPerFrame * sizeof(int))];
   size_t done = 0;
   while (done < n) {
+    WEIGHTSTORE_RETURN_IF_ERROR(AwaitBytes(socket, wait));
     iovec iov{out + done, n - done};
     msghdr msg{};
     msg.msg_iov = &iov;
@@ -52,10 +78,15 @@ absl::Status RecvExactly(int socket, char* out, size_t n, std::vector<UniqueFd>*
       if (errno == EINTR) continue;
       return SocketError(errno, "receiving a frame");
     }
-    TakeFds(&msg, fds);
+    std::vector<UniqueFd> came;  // closed unless they are the frame's
+    TakeFds(&msg, &came);
     if (msg.msg_flags & MSG_CTRUNC) {
       return absl::DataLossError("descriptors were dropped by the kernel (control buffer too small)");
     }
+    if (!came.empty() && *got_any) {  // a peer piling them up would run this process out of descriptors
+      return absl::DataLossError(absl::StrCat(came.size(), " descriptors came after the frame's first bytes"));
+    }
+    std::move(came.begin(), came.end(), std::back_inserter(*fds));
     if (r == 0) {
       if (!*got_any) return absl::OutOfRangeError("end of stream");
       return absl::DataLossError(absl::StrCat("the stream ended inside a frame (", done, " of ", n, " bytes)"));
@@ -114,17 +145,18 @@ absl::Status SendFrame(int socket, absl::string_view payload, std::span<const in
   return absl::OkStatus();
 }
 
-absl::Status RecvFrame(int socket, uint32_t max_bytes, std::string* payload, std::vector<UniqueFd>* fds) {
+absl::Status RecvFrame(int socket, uint32_t max_bytes, std::string* payload, std::vector<UniqueFd>* fds,
+                       const FrameWait& wait) {
   unsigned char header[4];
   bool got_any = false;
-  absl::Status status = RecvExactly(socket, reinterpret_cast<char*>(header), sizeof(header), fds, &got_any);
+  absl::Status status = RecvExactly(socket, reinterpret_cast<char*>(header), sizeof(header), fds, &got_any, wait);
   if (!status.ok()) return status;
   const uint32_t n = header[0] | (header[1] << 8) | (header[2] << 16) | (uint32_t{header[3]} << 24);
   if (n > max_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("frame of ", n, " bytes; the limit is ", max_bytes));
   }
   payload->resize(n);
-  return RecvExactly(socket, payload->data(), n, fds, &got_any);
+  return RecvExactly(socket, payload->data(), n, fds, &got_any, wait);
 }
 
 absl::Status SetSocketTimeouts(int socket, std::chrono::milliseconds timeout) {

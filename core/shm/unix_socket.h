@@ -48,12 +48,22 @@ class UniqueFd {
 // Unavailable if the peer went away, DeadlineExceeded on a send timeout.
 absl::Status SendFrame(int socket, absl::string_view payload, std::span<const int> fds = {});
 
-// Receives one frame: its payload and any descriptors that came with it
-// (close-on-exec). Returns OutOfRange on a clean end of stream before the
-// frame began, DataLoss for a stream that ends mid-frame or descriptors the
-// kernel had to drop (MSG_CTRUNC), ResourceExhausted for a declared length over
-// `max_bytes`, DeadlineExceeded on a receive timeout.
-absl::Status RecvFrame(int socket, uint32_t max_bytes, std::string* payload, std::vector<UniqueFd>* fds);
+// How long a whole frame may take to arrive, and what calls the wait off:
+// a peer that sends a byte now and then stays within each receive's timeout.
+struct FrameWait {
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  const std::atomic<bool>* cancelled = nullptr;  // asked every 20 ms; may be null
+};
+
+// Receives one frame: its payload and any descriptors that came with its
+// first bytes (close-on-exec). Returns OutOfRange on a clean end of stream
+// before the frame began, DataLoss for a stream that ends mid-frame,
+// descriptors the kernel had to drop (MSG_CTRUNC) or descriptors after the
+// frame's first bytes, ResourceExhausted for a declared length over
+// `max_bytes`, DeadlineExceeded on a receive timeout or past
+// `wait.deadline`, Cancelled once `wait.cancelled` says so.
+absl::Status RecvFrame(int socket, uint32_t max_bytes, std::string* payload, std::vector<UniqueFd>* fds,
+                       const FrameWait& wait = {});
 
 // Sets the send and receive timeouts of `socket` (SO_SNDTIMEO, SO_RCVTIMEO):
 // a blocked SendFrame/RecvFrame then fails with DeadlineExceeded.

@@ -70,6 +70,63 @@ TEST(UnixSocketTest, WaitingForAnAnswerEndsOnDataOnACancelOrAtTheTimeout) {
   EXPECT_THAT(RecvFrame(b.get(), 1000, &payload, &fds), StatusIs(absl::StatusCode::kOutOfRange));
 }
 
+// A peer that sends a frame a byte now and then stays inside each read's
+// timeout: the frame as a whole has a deadline, and a cancel ends it.
+TEST(UnixSocketTest, AFrameTrickledInEndsAtItsDeadlineOrOnACancel) {
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
+  UniqueFd a(pair[0]), b(pair[1]);
+  ASSERT_OK(SetSocketTimeouts(b.get(), std::chrono::minutes(1)));
+  const unsigned char header[4] = {100, 0, 0, 0};  // 100 bytes announced, 3 sent
+  ASSERT_EQ(::send(a.get(), header, sizeof(header), 0), 4);
+  ASSERT_EQ(::send(a.get(), "abc", 3, 0), 3);
+  std::string payload;
+  std::vector<UniqueFd> fds;
+  EXPECT_THAT(RecvFrame(b.get(), 1000, &payload, &fds,
+                        {.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(50)}),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("past its deadline")));
+  std::atomic<bool> cancelled{true};
+  EXPECT_THAT(RecvFrame(b.get(), 1000, &payload, &fds, {.cancelled = &cancelled}),
+              StatusIs(absl::StatusCode::kCancelled));
+}
+
+// Descriptors ride with a frame's first bytes; a peer sending more later
+// (piling them up in this process) gets DataLoss, and they are closed.
+TEST(UnixSocketTest, DescriptorsAfterAFramesFirstBytesAreRefusedAndClosed) {
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
+  UniqueFd a(pair[0]), b(pair[1]);
+  const unsigned char header[4] = {1, 0, 0, 0};
+  ASSERT_EQ(::send(a.get(), header, sizeof(header), 0), 4);
+  int extra[2];
+  ASSERT_EQ(::pipe(extra), 0);
+  UniqueFd read_end(extra[0]), write_end(extra[1]);
+  {
+    char byte = 'x';
+    iovec iov{&byte, 1};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &extra[1], sizeof(int));
+    ASSERT_EQ(::sendmsg(a.get(), &msg, 0), 1);
+  }
+  write_end.reset();  // the only writer left is the copy in flight
+  std::string payload;
+  std::vector<UniqueFd> fds;
+  EXPECT_THAT(RecvFrame(b.get(), 1000, &payload, &fds),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("descriptors came after the frame's first bytes")));
+  EXPECT_TRUE(fds.empty());
+  char got;
+  EXPECT_EQ(::read(read_end.get(), &got, 1), 0) << "the descriptor received was closed";
+}
+
 TEST(UnixSocketTest, BadFramesAreNamedErrors) {
   int pair[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
