@@ -1,5 +1,7 @@
 #include "client/chunk_assembler.h"
 
+#include <utility>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "client/proto_convert.h"
@@ -78,6 +80,16 @@ absl::StatusOr<std::span<std::byte>> ChunkAssembler::Destination(const wire::Chu
   return landed;
 }
 
+absl::Status ChunkAssembler::TakeVersion(const std::optional<std::string>& version) {
+  if (!version.has_value()) return absl::OkStatus();
+  if (!version_.empty() && *version != version_) {
+    return absl::DataLossError(
+        absl::StrCat("the stream changed its version from ", version_, " to ", *version, " midway"));
+  }
+  version_ = *version;
+  return absl::OkStatus();
+}
+
 absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink) {
   wire::ChunkFields fields;
   bool began = false;           // this chunk's info, if any, has started its tensor
@@ -86,14 +98,15 @@ absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink)
     WEIGHTSTORE_ASSIGN_OR_RETURN(landed, Destination(f, length, sink, &began));
     return landed;
   };
+  const bool first = !std::exchange(stream_began_, true);
   WEIGHTSTORE_RETURN_IF_ERROR(wire::DecodeChunk(buffer, &fields, destination));
   if (fields.lane.has_value()) {
     // A ticket is a stream's only message, and only where it was asked for.
-    if (!allow_lane_ || fields.info.has_value() || fields.data_bytes > 0 || fields.last || lane_.has_value() ||
-        current_.has_value()) {
+    if (!allow_lane_ || !first || fields.info.has_value() || fields.data_bytes > 0 || fields.last ||
+        lane_.has_value() || current_.has_value()) {
       return absl::DataLossError("stream sent a data lane ticket where none was due");
     }
-    if (fields.version.has_value()) version_ = *fields.version;
+    WEIGHTSTORE_RETURN_IF_ERROR(TakeVersion(fields.version));
     lane_ = *std::move(fields.lane);
     return absl::OkStatus();
   }
@@ -121,7 +134,7 @@ absl::Status ChunkAssembler::ConsumeLaneFrame(grpc::ByteBuffer* meta, uint64_t d
 
 absl::Status ChunkAssembler::Consumed(const wire::ChunkFields& fields, std::span<std::byte> landed, bool began,
                                       TensorSink* sink) {
-  if (fields.version.has_value()) version_ = *fields.version;
+  WEIGHTSTORE_RETURN_IF_ERROR(TakeVersion(fields.version));
   WEIGHTSTORE_RETURN_IF_ERROR(Start(fields, sink, &began));
   if (!current_) {
     if (fields.data_bytes == 0 && fields.last) return absl::OkStatus();  // an empty selection

@@ -46,10 +46,11 @@ class ChunkAssembler {
   absl::Status ConsumeLaneFrame(grpc::ByteBuffer* meta, uint64_t data_bytes,
                                 absl::FunctionRef<absl::Status(std::span<std::byte>)> fill, TensorSink* sink);
   // Forgets a tensor in progress (its stream broke), and a lane's ticket; the
-  // tensor will start again.
+  // tensor will start again, on a new stream.
   void Restart() {
     current_.reset();
     lane_.reset();
+    stream_began_ = false;
   }
 
   // The data lane's ticket, once the stream sent one.
@@ -57,7 +58,8 @@ class ChunkAssembler {
   // Whether a tensor has begun and not ended.
   bool in_tensor() const { return current_.has_value(); }
 
-  // The version the stream announced (empty until its first chunk).
+  // The version the stream announced (empty until its first chunk). Once
+  // set it never changes: a chunk or ticket naming another is DataLoss.
   const std::string& version() const { return version_; }
   // The selection index after the last complete tensor: where to resume.
   uint64_t next_index() const { return next_index_; }
@@ -71,6 +73,8 @@ class ChunkAssembler {
                                                    bool* began);
   // The rest of a chunk once its data (if any) is in `landed`.
   absl::Status Consumed(const wire::ChunkFields& fields, std::span<std::byte> landed, bool began, TensorSink* sink);
+  // Takes the version a chunk or ticket names, if it names one.
+  absl::Status TakeVersion(const std::optional<std::string>& version);
   // Starts the tensor `info` describes in `sink`.
   absl::Status Begin(const pb::TensorInfo& info, TensorSink* sink);
   // Starts the element patch `info` announces for `spec`, after checking its
@@ -90,6 +94,7 @@ class ChunkAssembler {
   bool allow_skips_ = false;
   bool allow_patches_ = false;
   bool allow_lane_ = false;
+  bool stream_began_ = false;  // the current stream sent a message
   std::optional<pb::DataLane> lane_;
 };
 

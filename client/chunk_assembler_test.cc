@@ -298,7 +298,40 @@ TEST(ChunkAssemblerTest, ADataLaneTicketIsTakenOnlyFirstAndOnlyWhileAskedFor) {
     grpc::ByteBuffer late = Buffer(Ticket());
     EXPECT_THAT(a.Consume(&late, &sink), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("data lane ticket")));
   }
+  {
+    // After a whole tensor, with nothing open: still not the stream's first message.
+    ChunkAssembler a;
+    a.AllowLane();
+    CollectingSink got;
+    grpc::ByteBuffer whole = Buffer(Chunk("abcdef", 0, true, true, Crc32c("abcdef")));
+    ASSERT_OK(a.Consume(&whole, &got));
+    grpc::ByteBuffer late = Buffer(Ticket());
+    EXPECT_THAT(a.Consume(&late, &got), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("data lane ticket")));
+    EXPECT_FALSE(a.lane().has_value());
+  }
   EXPECT_TRUE(sink.tensors().empty());
+}
+
+// A stream keeps the version it began with, across resumes too: a chunk
+// naming another is DataLoss, never a tensor of one version among another's.
+TEST(ChunkAssemblerTest, AStreamThatChangesItsVersionMidwayIsDataLoss) {
+  CollectingSink sink;
+  ChunkAssembler a;
+  grpc::ByteBuffer first = Buffer(Chunk("abc", 0, true, false));
+  ASSERT_OK(a.Consume(&first, &sink));
+  v1::TensorChunk other = Chunk("def", 3, false, true, Crc32c("abcdef"));
+  other.set_version("v8");
+  grpc::ByteBuffer second = Buffer(other);
+  EXPECT_THAT(a.Consume(&second, &sink),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("changed its version from v7 to v8")));
+  EXPECT_EQ(a.version(), "v7");
+  EXPECT_TRUE(sink.tensors().empty());
+  // Resumed on a new stream, pinned to v7: the same version is taken.
+  a.Restart();
+  grpc::ByteBuffer resumed = Buffer(Chunk("abcdef", 0, true, true, Crc32c("abcdef")));
+  ASSERT_OK(a.Consume(&resumed, &sink));
+  ASSERT_EQ(sink.tensors().size(), 1u);
+  EXPECT_EQ(a.version(), "v7");
 }
 
 }  // namespace

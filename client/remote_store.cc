@@ -518,6 +518,10 @@ class RemoteStore final : public Store {
         status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
                               absl::StrCat("the stream ended OK, but its data lane did not: ", lane_break.message()));
       }
+      if (status.ok() && assembler.in_tensor()) {  // a daemon's bug, or a forged end: never a whole fetch
+        status = grpc::Status(grpc::StatusCode::DATA_LOSS,
+                              absl::StrCat("the fetch of '", req.name(), "' ended OK inside a tensor"));
+      }
       if (status.ok()) {
         if (!req.version().empty()) sink->OnVersion(req.version());
         return absl::OkStatus();
