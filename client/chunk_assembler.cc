@@ -82,6 +82,9 @@ absl::StatusOr<std::span<std::byte>> ChunkAssembler::Destination(const wire::Chu
 
 absl::Status ChunkAssembler::TakeVersion(const std::optional<std::string>& version) {
   if (!version.has_value()) return absl::OkStatus();
+  if (!version_may_come_ && *version != version_) {
+    return absl::DataLossError(absl::StrCat("the stream named version ", *version, " after its first message"));
+  }
   if (!version_.empty() && *version != version_) {
     return absl::DataLossError(
         absl::StrCat("the stream changed its version from ", version_, " to ", *version, " midway"));
@@ -99,6 +102,7 @@ absl::Status ChunkAssembler::Consume(grpc::ByteBuffer* buffer, TensorSink* sink)
     return landed;
   };
   const bool first = !std::exchange(stream_began_, true);
+  version_may_come_ = first;
   WEIGHTSTORE_RETURN_IF_ERROR(wire::DecodeChunk(buffer, &fields, destination));
   if (fields.lane.has_value()) {
     // A ticket is a stream's only message, and only where it was asked for.
@@ -121,6 +125,7 @@ absl::Status ChunkAssembler::ConsumeLaneFrame(grpc::ByteBuffer* meta, uint64_t d
   auto no_data = [](const wire::ChunkFields&, uint64_t) -> absl::StatusOr<std::span<std::byte>> {
     return absl::DataLossError("a data lane frame carried data inside its description");
   };
+  version_may_come_ = false;  // the ticket named it
   WEIGHTSTORE_RETURN_IF_ERROR(wire::DecodeChunk(meta, &fields, no_data));
   if (fields.lane.has_value()) return absl::DataLossError("a data lane frame carried a ticket");
   std::span<std::byte> landed;

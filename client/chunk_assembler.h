@@ -52,14 +52,22 @@ class ChunkAssembler {
     lane_.reset();
     stream_began_ = false;
   }
+  // Restart, and forgets the version too: for a fetch asked afresh before
+  // any of its tensors arrived (its lane could not be reached), which may
+  // find a newer version.
+  void StartOver() {
+    Restart();
+    version_.clear();
+  }
 
   // The data lane's ticket, once the stream sent one.
   const std::optional<pb::DataLane>& lane() const { return lane_; }
   // Whether a tensor has begun and not ended.
   bool in_tensor() const { return current_.has_value(); }
 
-  // The version the stream announced (empty until its first chunk). Once
-  // set it never changes: a chunk or ticket naming another is DataLoss.
+  // The version the stream announced (empty until its first chunk). A
+  // stream's first message names it; a later one may only repeat it, and
+  // once set it never changes, across resumes too: anything else is DataLoss.
   const std::string& version() const { return version_; }
   // The selection index after the last complete tensor: where to resume.
   uint64_t next_index() const { return next_index_; }
@@ -94,7 +102,8 @@ class ChunkAssembler {
   bool allow_skips_ = false;
   bool allow_patches_ = false;
   bool allow_lane_ = false;
-  bool stream_began_ = false;  // the current stream sent a message
+  bool stream_began_ = false;     // the current stream sent a message
+  bool version_may_come_ = true;  // the message being read is its stream's first
   std::optional<pb::DataLane> lane_;
 };
 

@@ -132,6 +132,7 @@ TEST(ChunkAssemblerTest, RefusesATensorIndexThatIsNotTheOneDue) {
   grpc::ByteBuffer buffer = Buffer(skip);
   EXPECT_THAT(a.Consume(&buffer, &sink),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 9 where tensor 5 was due")));
+  a.Restart();  // as the client does after an error: a new stream
   v1::TensorChunk due = skip;
   due.set_tensor_index(5);
   grpc::ByteBuffer ok = Buffer(due);
@@ -312,26 +313,45 @@ TEST(ChunkAssemblerTest, ADataLaneTicketIsTakenOnlyFirstAndOnlyWhileAskedFor) {
   EXPECT_TRUE(sink.tensors().empty());
 }
 
-// A stream keeps the version it began with, across resumes too: a chunk
-// naming another is DataLoss, never a tensor of one version among another's.
+// A stream's first message names its version, later ones may only repeat
+// it, and a resumed stream must name the same: anything else is DataLoss,
+// never a tensor of one version among another's.
 TEST(ChunkAssemblerTest, AStreamThatChangesItsVersionMidwayIsDataLoss) {
   CollectingSink sink;
   ChunkAssembler a;
   grpc::ByteBuffer first = Buffer(Chunk("abc", 0, true, false));
   ASSERT_OK(a.Consume(&first, &sink));
-  v1::TensorChunk other = Chunk("def", 3, false, true, Crc32c("abcdef"));
-  other.set_version("v8");
-  grpc::ByteBuffer second = Buffer(other);
+  v1::TensorChunk later = Chunk("def", 3, false, true, Crc32c("abcdef"));
+  later.set_version("v8");
+  grpc::ByteBuffer second = Buffer(later);
   EXPECT_THAT(a.Consume(&second, &sink),
-              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("changed its version from v7 to v8")));
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("named version v8 after its first message")));
   EXPECT_EQ(a.version(), "v7");
   EXPECT_TRUE(sink.tensors().empty());
-  // Resumed on a new stream, pinned to v7: the same version is taken.
+  // Resumed on a new stream: the same version is taken, another is not.
+  a.Restart();
+  v1::TensorChunk newer = Chunk("abcdef", 0, true, true, Crc32c("abcdef"));
+  newer.set_version("v8");
+  grpc::ByteBuffer refused = Buffer(newer);
+  EXPECT_THAT(a.Consume(&refused, &sink),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("changed its version from v7 to v8")));
   a.Restart();
   grpc::ByteBuffer resumed = Buffer(Chunk("abcdef", 0, true, true, Crc32c("abcdef")));
   ASSERT_OK(a.Consume(&resumed, &sink));
   ASSERT_EQ(sink.tensors().size(), 1u);
   EXPECT_EQ(a.version(), "v7");
+
+  // Asked afresh before any tensor arrived (a lane it could not reach):
+  // StartOver forgets the ticket's version, and a newer one is taken.
+  ChunkAssembler fallback;
+  fallback.AllowLane();
+  grpc::ByteBuffer ticket = Buffer(Ticket());  // of v7
+  ASSERT_OK(fallback.Consume(&ticket, &sink));
+  fallback.AllowLane(false);
+  fallback.StartOver();
+  grpc::ByteBuffer newer_whole = Buffer(newer);
+  ASSERT_OK(fallback.Consume(&newer_whole, &sink));
+  EXPECT_EQ(fallback.version(), "v8");
 }
 
 }  // namespace

@@ -316,7 +316,8 @@ TEST(PlacingSinkTest, CheckDeliveredWantsEveryListedTensorOnceAsListed) {
     auto sink = sink_with_a_place();
     ASSERT_OK(fill(*sink, {a, b, b}));
     EXPECT_THAT(sink->CheckDelivered(listing),
-                testing::StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("tensor 'b'")));
+                testing::StatusIs(absl::StatusCode::kDataLoss,
+                                  ::testing::HasSubstr("sent tensor 'b', which its listing does not name, or twice")));
   }
   {
     auto sink = sink_with_a_place();  // b as a flat [4]: torch's copy_ would take it

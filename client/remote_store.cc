@@ -500,7 +500,7 @@ class RemoteStore final : public Store {
         }
         req.set_data_lane(false);
         assembler.AllowLane(false);
-        assembler.Restart();
+        assembler.StartOver();  // the ticket's version too: unpinned, the fetch may meet a newer one
         continue;
       }
       if (local.ok() && !pinned.empty() && !assembler.version().empty() && assembler.version() != pinned) {

@@ -97,7 +97,7 @@ TEST(RemoteStoreTest, AStreamThatChangesItsVersionIsDataLoss) {
     return grpc::Status::OK;
   });
   EXPECT_THAT(FetchAllFrom(server),
-              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("changed its version from v1 to v2")));
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("named version v2 after its first message")));
 }
 
 }  // namespace

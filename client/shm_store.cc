@@ -196,6 +196,15 @@ class ShmStore final : public SharedMemoryStore {
     for (size_t k = 0; k < mapped.segments.size(); ++k) {
       shared_memory[k] = ::fcntl(mapped.segments[k]->fd(), F_GET_SEALS) >= 0;
     }
+    // The daemon checksums every tensor a fetch maps; one without its CRC32C
+    // would be copied unchecked, from a file that may change. Checked before
+    // anything is written.
+    for (size_t i = 0; i < mapped.tensors.size(); ++i) {
+      const TensorDescription& d = mapped.descriptions[i];
+      if (!d.unchanged && !d.patched && !d.crc32c) {
+        return absl::DataLossError(absl::StrCat("the daemon sent tensor '", d.spec.name, "' without its CRC32C"));
+      }
+    }
     sink->OnVersion(mapped.version);
     // Tensors are begun a batch at a time (as many as the sink lets open,
     // up to kBatchBytes), the pieces of all of them copied together on
@@ -265,11 +274,6 @@ class ShmStore final : public SharedMemoryStore {
         std::memcpy(out.data(), p.patch.body.data(), out.size());
         WEIGHTSTORE_RETURN_IF_ERROR(sink->EndPatch(p.spec));
         continue;
-      }
-      // The daemon checksums every tensor a fetch maps; one without its
-      // CRC32C would be copied unchecked, from a file that may change.
-      if (!mapped.descriptions[i].crc32c) {
-        return absl::DataLossError(absl::StrCat("the daemon sent tensor '", t.spec.name, "' without its CRC32C"));
       }
       if (!batch.empty() && (batch.size() >= open_ahead || batch_bytes + t.bytes.size() > kBatchBytes)) {
         WEIGHTSTORE_RETURN_IF_ERROR(flush());

@@ -85,9 +85,11 @@ TEST(UnixSocketTest, AFrameTrickledInEndsAtItsDeadlineOrOnACancel) {
   EXPECT_THAT(RecvFrame(b.get(), 1000, &payload, &fds,
                         {.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(50)}),
               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("past its deadline")));
-  std::atomic<bool> cancelled{true};
+  std::atomic<bool> cancelled{false};
+  std::thread canceller([&] { cancelled = true; });  // while the frame is awaited, or before
   EXPECT_THAT(RecvFrame(b.get(), 1000, &payload, &fds, {.cancelled = &cancelled}),
               StatusIs(absl::StatusCode::kCancelled));
+  canceller.join();
 }
 
 // Descriptors ride with a frame's first bytes; a peer sending more later
@@ -99,7 +101,7 @@ TEST(UnixSocketTest, DescriptorsAfterAFramesFirstBytesAreRefusedAndClosed) {
   const unsigned char header[4] = {1, 0, 0, 0};
   ASSERT_EQ(::send(a.get(), header, sizeof(header), 0), 4);
   int extra[2];
-  ASSERT_EQ(::pipe(extra), 0);
+  ASSERT_EQ(::pipe2(extra, O_NONBLOCK), 0);  // a read that would wait fails the test instead
   UniqueFd read_end(extra[0]), write_end(extra[1]);
   {
     char byte = 'x';
