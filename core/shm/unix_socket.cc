@@ -37,26 +37,35 @@ void TakeFds(msghdr* msg, std::vector<UniqueFd>* fds) {
   }
 }
 
-// Waits until `socket` is readable, within `wait`'s deadline and until it
-// is cancelled (nothing to wait for without either).
-absl::Status AwaitBytes(int socket, const FrameWait& wait) {
+// Waits until `socket` is readable (or closed, or failed: the read says
+// which), asking `wait.cancelled` (may be null) every 20 ms, until
+// `wait.deadline`. Cancelled and DeadlineExceeded say `what` was waited for.
+absl::Status PollReadable(int socket, const FrameWait& wait, absl::string_view what) {
   const bool bounded = wait.deadline != std::chrono::steady_clock::time_point::max();
-  if (!bounded && wait.cancelled == nullptr) return absl::OkStatus();
   while (true) {
     if (wait.cancelled != nullptr && wait.cancelled->load()) {
-      return absl::CancelledError("cancelled while receiving a frame");
+      return absl::CancelledError(absl::StrCat("cancelled while ", what));
     }
     int step = 20;
     if (bounded) {
       const auto left = std::chrono::ceil<std::chrono::milliseconds>(wait.deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return absl::DeadlineExceededError("receiving a frame: it took past its deadline");
+      if (left.count() <= 0) return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
       step = static_cast<int>(std::min<int64_t>(left.count(), step));
     }
     pollfd p{socket, POLLIN, 0};
     const int ready = ::poll(&p, 1, step);
-    if (ready > 0) return absl::OkStatus();  // readable, closed or failed: the read says which
+    if (ready > 0) return absl::OkStatus();
     if (ready < 0 && errno != EINTR) return StatusFromErrno(errno, "poll");
   }
+}
+
+// PollReadable for a frame's next bytes; nothing to wait for without a
+// deadline or a cancel (the socket's own timeouts bound each read).
+absl::Status AwaitBytes(int socket, const FrameWait& wait) {
+  if (wait.deadline == std::chrono::steady_clock::time_point::max() && wait.cancelled == nullptr) {
+    return absl::OkStatus();
+  }
+  return PollReadable(socket, wait, "receiving a frame");
 }
 
 // Reads exactly `n` bytes into `out`, collecting the descriptors that come
@@ -169,18 +178,9 @@ absl::Status SetSocketTimeouts(int socket, std::chrono::milliseconds timeout) {
 }
 
 absl::Status WaitReadable(int socket, const std::atomic<bool>& cancelled, std::chrono::milliseconds timeout) {
-  const bool forever = timeout.count() <= 0;  // as SO_RCVTIMEO's 0
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (!cancelled.load()) {
-    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    if (forever) left = std::chrono::milliseconds(20);
-    if (left.count() <= 0) return absl::DeadlineExceededError("waiting for an answer: timed out");
-    pollfd p{socket, POLLIN, 0};
-    const int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 20)));
-    if (n > 0) return absl::OkStatus();  // readable, closed or failed: the read says which
-    if (n < 0 && errno != EINTR) return StatusFromErrno(errno, "poll");
-  }
-  return absl::CancelledError("cancelled while waiting for an answer");
+  FrameWait wait{.cancelled = &cancelled};
+  if (timeout.count() > 0) wait.deadline = std::chrono::steady_clock::now() + timeout;  // 0: none, as SO_RCVTIMEO's
+  return PollReadable(socket, wait, "waiting for an answer");
 }
 
 absl::StatusOr<UniqueFd> ConnectUnixSocket(const std::string& path) {
